@@ -1,0 +1,25 @@
+"""Package definition for tfremat."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tfremat",
+    version="0.1.0",
+    description="Optimal rematerialization (activation recomputation) for TensorFlow/Keras training",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tfremat", "tfremat.*"]),
+    install_requires=[
+        "numpy>=1.24",
+        "networkx>=3.0",
+        "absl-py>=1.0",
+        "highspy>=1.7",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3"],
+        "plots": ["matplotlib>=3.7"],
+        "gurobi": ["gurobipy"],
+    },
+    entry_points={"console_scripts": ["tfremat=tfremat.cli:run"]},
+)

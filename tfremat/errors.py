@@ -1,0 +1,130 @@
+"""The tfremat exception hierarchy.
+
+Every error the library raises on purpose derives from :class:`TfrematError`, so a
+caller can catch them all at once, and each carries the facts a caller needs to act
+(the node, the budget, the smallest budget that would work) as attributes, not only
+in its message. Nothing in tfremat returns a ``feasible=False`` flag instead of raising.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TfrematError",
+    "GraphError",
+    "ScheduleError",
+    "InfeasibleBudgetError",
+    "BudgetFormatError",
+    "SolverError",
+    "SolverUnavailableError",
+    "SolverLicenseError",
+    "ExtractionError",
+    "CompileError",
+]
+
+
+class TfrematError(Exception):
+    """Base class of every error tfremat raises deliberately."""
+
+
+class GraphError(TfrematError, ValueError):
+    """A data-flow graph is malformed (cycle, bad order, bad cost, dangling edge).
+
+    Attributes:
+        node: the node id the problem was found at, or None when it concerns the graph.
+    """
+
+    def __init__(self, message: str, node: int | None = None):
+        super().__init__(message)
+        self.node = node
+
+
+class ScheduleError(TfrematError, ValueError):
+    """A schedule breaks one of the rules of the frontier-advancing stage model.
+
+    Attributes:
+        rule: short name of the first violated rule (for example ``"input-resident"``).
+        stage: the stage t where it was found, or None.
+        node: the node i it concerns, or None.
+    """
+
+    def __init__(self, message: str, rule: str, stage: int | None = None, node: int | None = None):
+        super().__init__(message)
+        self.rule = rule
+        self.stage = stage
+        self.node = node
+
+
+class InfeasibleBudgetError(TfrematError):
+    """No schedule the strategy can produce fits in the memory budget.
+
+    Attributes:
+        budget_bytes: the budget that was asked for.
+        min_feasible_bytes: the smallest peak the strategy reached (None if none ran).
+        lower_bound_bytes: a proven lower bound on any schedule's peak, when known.
+        strategy: the strategy name.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: float,
+        min_feasible_bytes: float | None = None,
+        lower_bound_bytes: float | None = None,
+        strategy: str | None = None,
+        detail: str = "",
+    ):
+        self.budget_bytes = budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes
+        self.lower_bound_bytes = lower_bound_bytes
+        self.strategy = strategy
+        parts = [f"budget of {_fmt_bytes(budget_bytes)} is infeasible"]
+        if strategy:
+            parts[0] = f"strategy {strategy!r}: " + parts[0]
+        if min_feasible_bytes is not None:
+            parts.append(f"the smallest peak reached is {_fmt_bytes(min_feasible_bytes)}")
+        if lower_bound_bytes is not None:
+            parts.append(f"no schedule can use less than {_fmt_bytes(lower_bound_bytes)}")
+        message = "; ".join(parts)
+        if detail:
+            message += f" ({detail})"
+        super().__init__(message + ". Raise the budget or try strategy='optimal'.")
+
+
+class BudgetFormatError(TfrematError, ValueError):
+    """A memory budget could not be parsed."""
+
+
+class SolverError(TfrematError):
+    """A MILP/LP solver failed or returned no usable result."""
+
+
+class SolverUnavailableError(SolverError, ImportError):
+    """The requested solver backend is not installed."""
+
+
+class SolverLicenseError(SolverError):
+    """The solver's license does not allow a model of this size."""
+
+
+class ExtractionError(TfrematError, ValueError):
+    """A Keras model cannot be turned into a data-flow graph.
+
+    Attributes:
+        layer: the name of the offending layer, or None.
+    """
+
+    def __init__(self, message: str, layer: str | None = None):
+        super().__init__(message)
+        self.layer = layer
+
+
+class CompileError(TfrematError, ValueError):
+    """A schedule cannot be compiled into a training step."""
+
+
+def _fmt_bytes(n: float) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,64 @@
+"""The strategy registry: user-facing names mapped to ``(graph, budget=None, **options) -> Schedule``.
+
+Strategies register themselves with :func:`register` when their module is imported;
+the modules listed in ``_STRATEGY_MODULES`` are imported on first lookup, so the planning
+core never imports a solver backend it does not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from tfremat.errors import TfrematError
+
+__all__ = ["register", "get_strategy", "strategy_names", "StrategyFn"]
+
+StrategyFn = Callable[..., "object"]
+
+_STRATEGY_MODULES = ("tfremat.plan.baselines", "tfremat.ilp.strategies")
+_REGISTRY: dict[str, StrategyFn] = {}
+_loaded = False
+
+
+def register(name: str) -> Callable[[StrategyFn], StrategyFn]:
+    """Decorator registering a strategy under ``name``."""
+
+    def decorate(fn: StrategyFn) -> StrategyFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise TfrematError(f"strategy {name!r} is registered twice")
+        _REGISTRY[name] = fn
+        return fn
+
+    return decorate
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        for module in _STRATEGY_MODULES:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as exc:
+                if exc.name != module:
+                    raise
+        _loaded = True
+
+
+def strategy_names() -> list[str]:
+    """Every registered strategy name, in registration order."""
+    _load()
+    return list(_REGISTRY)
+
+
+def get_strategy(name: str) -> StrategyFn:
+    """The strategy function registered as ``name``.
+
+    Raises:
+        TfrematError: unknown name; the message lists the known ones.
+    """
+    _load()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise TfrematError(f"unknown strategy {name!r}; choose one of: {', '.join(_REGISTRY)}") from None

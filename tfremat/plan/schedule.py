@@ -1,0 +1,267 @@
+"""Schedules: Checkmate's stage matrices R and S, their validation, and ``solve R given S``.
+
+The stage model (Checkmate, Jain et al. 2020, sec. 4): a step runs in ``T = n`` stages and
+stage ``t`` computes node ``t`` for the first time (the frontier advances one node per
+stage). ``R[t, i]`` says node ``i`` is (re)computed in stage ``t``; ``S[t, i]`` says the value
+of node ``i`` is kept in memory from stage ``t-1`` into stage ``t``. Both are lower
+triangular (``R[t, i] = 0`` for ``i > t``, ``S[t, i] = 0`` for ``i >= t``). Within a stage,
+nodes run in increasing id order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from tfremat.errors import ScheduleError
+from tfremat.graph import DFGraph
+
+__all__ = [
+    "Schedule",
+    "solve_r_given_s",
+    "prune_s",
+    "schedule_from_keep_matrix",
+    "schedule_from_checkpoints",
+    "checkpoint_all_s",
+    "validate_schedule",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+    """An immutable rematerialization schedule.
+
+    Attributes:
+        R: bool array (T, n); ``R[t, i]``: node i is computed in stage t.
+        S: bool array (T, n); ``S[t, i]``: value i is kept from stage t-1 into stage t.
+        strategy: name of the strategy that produced it.
+        facts: solver facts (status, objective, bound, gap, seconds, ...), read-only.
+    """
+
+    R: np.ndarray
+    S: np.ndarray
+    strategy: str = "unknown"
+    facts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        R = np.array(self.R, dtype=bool)
+        S = np.array(self.S, dtype=bool)
+        R.setflags(write=False)
+        S.setflags(write=False)
+        object.__setattr__(self, "R", R)
+        object.__setattr__(self, "S", S)
+        object.__setattr__(self, "facts", MappingProxyType(dict(self.facts)))
+
+    @property
+    def num_stages(self) -> int:
+        return self.R.shape[0]
+
+    @property
+    def recompute_count(self) -> int:
+        """Node evaluations beyond the first one of every node."""
+        return int(self.R.sum()) - self.R.shape[1]
+
+    def cost(self, graph: DFGraph) -> float:
+        """Total compute cost: every evaluation of every node."""
+        return float(self.R.sum(axis=0) @ np.asarray(graph.cost, dtype=float))
+
+    def with_facts(self, **facts) -> "Schedule":
+        """A copy with extra solver facts merged in."""
+        return Schedule(self.R, self.S, self.strategy, {**self.facts, **facts})
+
+    def to_dict(self, graph: DFGraph | None = None, node_ids: list | None = None) -> dict:
+        """JSON-ready form: R and S as lists of ``[t, i]`` pairs over execution positions.
+
+        Args:
+            graph: when given, its fingerprint is recorded so a stale file is detected.
+            node_ids: the source file's node id at each execution position (default:
+                the positions themselves).
+        """
+        n = self.R.shape[1]
+        return {
+            "format": "tfremat.schedule/1",
+            "strategy": self.strategy,
+            "facts": dict(self.facts),
+            "num_nodes": n,
+            "order": list(node_ids) if node_ids is not None else list(range(n)),
+            "graph_fingerprint": graph.fingerprint if graph is not None else None,
+            "R": np.argwhere(self.R).tolist(),
+            "S": np.argwhere(self.S).tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping, graph: DFGraph | None = None) -> "Schedule":
+        """Inverse of :meth:`to_dict`; checks the fingerprint and validity against ``graph``.
+
+        Raises:
+            ScheduleError: the document is malformed, made for another graph, or invalid.
+        """
+        try:
+            n = int(data["num_nodes"])
+            R = np.zeros((n, n), dtype=bool)
+            S = np.zeros((n, n), dtype=bool)
+            for t, i in data["R"]:
+                R[t, i] = True
+            for t, i in data["S"]:
+                S[t, i] = True
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ScheduleError(f"malformed schedule document: {exc!r}", rule="format") from exc
+        schedule = cls(R, S, str(data.get("strategy", "unknown")), data.get("facts") or {})
+        if graph is not None:
+            if data.get("graph_fingerprint") not in (None, graph.fingerprint):
+                raise ScheduleError(
+                    f"schedule was made for graph {data.get('graph_fingerprint')}, not {graph.fingerprint}",
+                    rule="fingerprint",
+                )
+            validate_schedule(graph, schedule)
+        return schedule
+
+
+def validate_schedule(graph: DFGraph, schedule: Schedule) -> None:
+    """Checks every rule of the stage model; raises on the first violated one.
+
+    Rules, in the order checked: ``shape``, ``lower-triangular``, ``frontier`` (stage t
+    computes node t), ``keep-source`` (a value kept into stage t was resident at the end
+    of stage t-1), ``input-resident`` (every input of a computed node is kept into the
+    stage or computed earlier in it), ``recompute-while-resident`` (no node is
+    recomputed while its value is already kept).
+
+    Raises:
+        ScheduleError: naming the rule, the stage and the node.
+    """
+    n = graph.size
+    R, S = schedule.R, schedule.S
+    if R.shape != (n, n) or S.shape != (n, n):
+        raise ScheduleError(f"R and S must be {n}x{n} for this graph, got {R.shape} and {S.shape}", rule="shape")
+    upper_r = np.argwhere(np.triu(R, 1))
+    if len(upper_r):
+        t, i = upper_r[0]
+        raise ScheduleError(f"R[{t}, {i}] is set above the diagonal: stage {t} cannot compute node {i} > {t}", rule="lower-triangular", stage=int(t), node=int(i))
+    upper_s = np.argwhere(np.triu(S))
+    if len(upper_s):
+        t, i = upper_s[0]
+        raise ScheduleError(f"S[{t}, {i}] is set on or above the diagonal: value {i} cannot be kept into stage {t} <= {i}", rule="lower-triangular", stage=int(t), node=int(i))
+    missing = np.flatnonzero(~np.diag(R))
+    if len(missing):
+        t = int(missing[0])
+        raise ScheduleError(f"stage {t} does not compute node {t} (frontier-advancing rule)", rule="frontier", stage=t, node=t)
+    resident_end = R[:-1] | S[:-1]
+    bad_keep = np.argwhere(S[1:] & ~resident_end)
+    if len(bad_keep):
+        t, i = bad_keep[0]
+        raise ScheduleError(
+            f"S[{t + 1}, {i}]: value {i} ({graph.names[i]}) is kept into stage {t + 1} but was not resident in stage {t}",
+            rule="keep-source", stage=int(t + 1), node=int(i),
+        )
+    for t in range(n):
+        for k in np.flatnonzero(R[t]):
+            for i in graph.predecessors[k]:
+                if not (S[t, i] or R[t, i]):
+                    raise ScheduleError(
+                        f"stage {t} computes node {k} ({graph.names[k]}) but its input {i} ({graph.names[i]}) "
+                        f"is neither kept into stage {t} nor computed earlier in it",
+                        rule="input-resident", stage=t, node=int(k),
+                    )
+    both = np.argwhere(R & S)
+    if len(both):
+        t, i = both[0]
+        raise ScheduleError(f"stage {t} recomputes node {i} ({graph.names[i]}) although its value is kept into that stage", rule="recompute-while-resident", stage=int(t), node=int(i))
+
+
+def solve_r_given_s(graph: DFGraph, S: np.ndarray) -> np.ndarray:
+    """The minimal recomputation matrix R that makes the keep matrix S feasible.
+
+    Checkmate's ``solve_r_opt``: stage t computes node t; walking the stage backwards,
+    a node is computed when a node computed later in the stage reads it, or when it
+    must be kept into stage t+1, and its value is not already kept into stage t.
+    Every node is computed at most once per stage, so R is the cheapest completion of S.
+
+    Args:
+        graph: the graph.
+        S: bool (n, n) keep matrix, strictly lower triangular.
+
+    Returns:
+        bool (n, n) array R.
+    """
+    n = graph.size
+    S = np.asarray(S, dtype=bool)
+    R = np.eye(n, dtype=bool)
+    preds = graph.predecessors
+    for t in range(n):
+        row_r = R[t]
+        row_s = S[t]
+        if t + 1 < n:
+            row_r[: t] |= S[t + 1, : t] & ~row_s[: t]
+        for k in range(t, -1, -1):
+            if row_r[k]:
+                for i in preds[k]:
+                    if not row_s[i]:
+                        row_r[i] = True
+    return R
+
+
+def prune_s(graph: DFGraph, R: np.ndarray, S: np.ndarray) -> np.ndarray:
+    """Drops keeps that no later stage reads, so memory is not held for nothing.
+
+    ``S[t, i]`` survives only when value i is read in stage t by a node computed there
+    (and i itself is not recomputed in stage t), or when it must survive into stage t+1
+    for the same reason. Also drops R-redundant keeps created by heuristics.
+    """
+    n = graph.size
+    R = np.asarray(R, dtype=bool)
+    read = np.zeros((n, n), dtype=bool)
+    for t in range(n):
+        for k in np.flatnonzero(R[t]):
+            for i in graph.predecessors[k]:
+                read[t, i] = True
+    read &= ~R
+    pruned = np.zeros((n, n), dtype=bool)
+    needed_next = np.zeros(n, dtype=bool)
+    for t in range(n - 1, -1, -1):
+        pruned[t] = S[t] & (read[t] | needed_next)
+        needed_next = pruned[t]
+    return pruned
+
+
+def schedule_from_keep_matrix(graph: DFGraph, S: np.ndarray, strategy: str, **facts) -> Schedule:
+    """Completes a keep matrix with :func:`solve_r_given_s` and prunes unused keeps.
+
+    Recomputation happens in the stage before a value must be kept, so pruning an unread
+    keep can make that recomputation unnecessary; the loop runs to a fixed point.
+    """
+    S = np.asarray(S, dtype=bool)
+    while True:
+        R = solve_r_given_s(graph, S)
+        pruned = prune_s(graph, R, S)
+        if np.array_equal(pruned, S):
+            return Schedule(R, S, strategy, facts)
+        S = pruned
+
+
+def checkpoint_all_s(graph: DFGraph, keep: np.ndarray | None = None) -> np.ndarray:
+    """Keep matrix that holds each node in ``keep`` (default: all) from its first computation
+    until its last reader's first computation: the eager-free keep-everything pattern."""
+    n = graph.size
+    keep = np.ones(n, dtype=bool) if keep is None else np.asarray(keep, dtype=bool)
+    S = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        if keep[i] and graph.successors[i]:
+            S[i + 1 : max(graph.successors[i]) + 1, i] = True
+    return S
+
+
+def schedule_from_checkpoints(graph: DFGraph, checkpoints, strategy: str, **facts) -> Schedule:
+    """A schedule that keeps the given forward nodes, and every backward node, until last use.
+
+    Non-checkpointed forward values are freed after the forward pass reads them and are
+    recomputed (from the nearest kept values) in the backward stage that needs them;
+    this is how Checkmate turns a heuristic's checkpoint set into (R, S).
+    """
+    keep = np.zeros(graph.size, dtype=bool)
+    keep[list(checkpoints)] = True
+    keep[list(graph.backward_nodes)] = True
+    return schedule_from_keep_matrix(graph, checkpoint_all_s(graph, keep), strategy, **facts)
