@@ -37,11 +37,7 @@ def _load() -> None:
     global _loaded
     if not _loaded:
         for module in _STRATEGY_MODULES:
-            try:
-                importlib.import_module(module)
-            except ModuleNotFoundError as exc:
-                if exc.name != module:
-                    raise
+            importlib.import_module(module)
         _loaded = True
 
 

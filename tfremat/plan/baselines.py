@@ -1,0 +1,438 @@
+"""Baseline rematerialization strategies, as generalized to DAGs by Checkmate.
+
+Every strategy is a function ``(graph, budget=None, **options) -> Schedule``. The chain
+heuristics work on a sequence of *units*: contiguous runs of forward nodes in the
+topological order. Checkmate (Jain et al. 2020, sec. 6.1) generalizes them to DAGs in two
+ways, both available here:
+
+* ``*_ap``: checkpoint candidates are the articulation points of the forward graph, so a
+  unit is the block of nodes between two of them;
+* plain names: the linearized topological order, every forward node a candidate.
+
+A set of checkpoints becomes a keep matrix by :func:`keep_matrix`: checkpoints (and all
+gradient values) are kept from their computation until their last reader; every other
+forward value is kept during the forward pass until its last forward reader, then
+recomputed once, when the backward pass first reaches its unit, and kept until its last
+reader (Chen et al. 2016's segment recomputation). ``solve R given S`` then adds the
+recomputations.
+
+Given a budget, a family (Chen greedy over its segment budget, Griewank over its slot
+count, Hong over its peak bound) returns its cheapest candidate whose *simulated* peak
+fits, or raises :class:`InfeasibleBudgetError` with the smallest peak it reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from tfremat.errors import InfeasibleBudgetError
+from tfremat.graph import DFGraph
+from tfremat.plan.registry import register
+from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
+from tfremat.plan.simulator import simulate
+
+__all__ = [
+    "keep_matrix",
+    "checkpoint_all",
+    "checkpoint_all_ap",
+    "chen_sqrtn",
+    "chen_sqrtn_ap",
+    "chen_greedy",
+    "chen_greedy_ap",
+    "griewank_logn",
+    "griewank_logn_ap",
+    "hong",
+    "revolve_advances",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# ----- turning checkpoints into schedules -----
+
+
+def _forward_order(graph: DFGraph) -> list[int]:
+    return list(graph.forward_nodes)
+
+
+def _units_between(graph: DFGraph, boundaries: Iterable[int]) -> list[list[int]]:
+    """Splits the forward order into units, each ending at a boundary node (the last may not)."""
+    boundaries = set(boundaries)
+    units: list[list[int]] = [[]]
+    for node in _forward_order(graph):
+        units[-1].append(node)
+        if node in boundaries:
+            units.append([])
+    return [u for u in units if u]
+
+
+def keep_matrix(
+    graph: DFGraph,
+    static_keeps: Iterable[int],
+    units: Sequence[Sequence[int]],
+    dynamic_keeps: Iterable[tuple[int, int]] = (),
+) -> np.ndarray:
+    """The keep matrix S of a checkpointing heuristic.
+
+    Args:
+        graph: the graph.
+        static_keeps: forward nodes kept from their computation until their last reader.
+            Backward nodes (gradients) are always kept that way.
+        units: contiguous runs of forward nodes. A non-kept value is recomputed once
+            when the backward pass first reads any member of its unit, then kept until
+            its last reader.
+        dynamic_keeps: ``(node, stage)`` pairs: the value is (re)computed in ``stage``
+            and kept from then until its last reader (Griewank's snapshots taken during
+            the backward pass).
+    """
+    n = graph.size
+    backward = np.asarray(graph.is_backward)
+    S = np.zeros((n, n), dtype=bool)
+    last_reader = [max(s) if s else -1 for s in graph.successors]
+    for i in graph.forward_nodes:
+        forward_readers = [k for k in graph.successors[i] if not backward[k]]
+        if forward_readers:
+            S[i + 1 : max(forward_readers) + 1, i] = True
+    for i in list(static_keeps) + list(graph.backward_nodes):
+        S[i + 1 : last_reader[i] + 1, i] = True
+    for unit in units:
+        backward_readers = [k for i in unit for k in graph.successors[i] if backward[k]]
+        if not backward_readers:
+            continue
+        entry = min(backward_readers)
+        for i in unit:
+            S[entry + 1 : last_reader[i] + 1, i] = True
+    for node, stage in dynamic_keeps:
+        S[stage + 1 : last_reader[node] + 1, node] = True
+    return S
+
+
+def _schedule_for_checkpoints(graph: DFGraph, checkpoints: Iterable[int], strategy: str, **facts) -> Schedule:
+    checkpoints = sorted(set(checkpoints))
+    kept = set(checkpoints)
+    units = [[i for i in u if i not in kept] for u in _units_between(graph, checkpoints)]
+    S = keep_matrix(graph, checkpoints, units)
+    return schedule_from_keep_matrix(graph, S, strategy, checkpoints=checkpoints, **facts)
+
+
+def _candidates(graph: DFGraph, articulation: bool) -> list[int]:
+    return list(graph.forward_articulation_points) if articulation else _forward_order(graph)
+
+
+def _cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int | None, strategy: str) -> Schedule:
+    """The cheapest candidate whose simulated peak fits ``budget`` (or the lowest-peak one).
+
+    Without a budget the family's lowest-peak member is returned (ties: cheapest),
+    which is what these heuristics were designed to find.
+    """
+    best, best_key, smallest_peak = None, None, None
+    seen = set()
+    for schedule in candidates:
+        signature = schedule.S.tobytes()
+        if signature in seen:
+            continue
+        seen.add(signature)
+        result = simulate(graph, schedule)
+        smallest_peak = result.peak_bytes if smallest_peak is None else min(smallest_peak, result.peak_bytes)
+        if budget is not None and result.peak_bytes > budget:
+            continue
+        key = (result.cost, result.peak_bytes) if budget is not None else (result.peak_bytes, result.cost)
+        if best_key is None or key < best_key:
+            best, best_key = schedule.with_facts(peak_bytes=result.peak_bytes, cost=result.cost), key
+    if best is None:
+        raise InfeasibleBudgetError(budget, min_feasible_bytes=smallest_peak, strategy=strategy)
+    logger.debug("%s: chose a schedule of %d candidates", strategy, len(seen))
+    return best
+
+
+# ----- checkpoint all -----
+
+
+@register("checkpoint_all")
+def checkpoint_all(graph: DFGraph, budget: int | None = None) -> Schedule:
+    """Keep every value until its last reader: what frameworks do by default (no recomputation)."""
+    schedule = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")
+    return _cheapest_fitting(graph, [schedule], budget, "checkpoint_all")
+
+
+@register("checkpoint_all_ap")
+def checkpoint_all_ap(graph: DFGraph, budget: int | None = None) -> Schedule:
+    """Keep only the forward articulation points; recompute each block between them once.
+
+    Checkmate's "checkpoint all (AP)" baseline: the smallest structural change that lets
+    a DAG trade compute for memory.
+    """
+    schedule = _schedule_for_checkpoints(graph, graph.forward_articulation_points, "checkpoint_all_ap")
+    return _cheapest_fitting(graph, [schedule], budget, "checkpoint_all_ap")
+
+
+# ----- Chen et al. 2016 -----
+
+
+def _sqrtn_checkpoints(candidates: Sequence[int]) -> list[int]:
+    if not candidates:
+        return []
+    step = max(1, math.ceil(math.sqrt(len(candidates))))
+    return list(candidates[step - 1 :: step])
+
+
+def _chen_sqrtn(graph: DFGraph, budget: int | None, articulation: bool) -> Schedule:
+    name = "chen_sqrtn_ap" if articulation else "chen_sqrtn"
+    checkpoints = _sqrtn_checkpoints(_candidates(graph, articulation))
+    return _cheapest_fitting(graph, [_schedule_for_checkpoints(graph, checkpoints, name)], budget, name)
+
+
+@register("chen_sqrtn")
+def chen_sqrtn(graph: DFGraph, budget: int | None = None) -> Schedule:
+    """Chen et al. 2016: checkpoint every ceil(sqrt(k))-th of the k forward nodes (linearized)."""
+    return _chen_sqrtn(graph, budget, articulation=False)
+
+
+@register("chen_sqrtn_ap")
+def chen_sqrtn_ap(graph: DFGraph, budget: int | None = None) -> Schedule:
+    """Chen et al. 2016 sqrt(n) over the forward articulation points."""
+    return _chen_sqrtn(graph, budget, articulation=True)
+
+
+def _greedy_checkpoints(graph: DFGraph, candidates: set[int], segment_budget: float) -> list[int]:
+    """Chen's greedy planner (Alg. 2): close a segment at the first candidate past ``segment_budget`` bytes."""
+    checkpoints, accumulated = [], 0
+    for node in _forward_order(graph):
+        accumulated += graph.output_bytes[node]
+        if accumulated > segment_budget and node in candidates:
+            checkpoints.append(node)
+            accumulated = 0
+    return checkpoints
+
+
+def _chen_greedy(graph: DFGraph, budget: int | None, articulation: bool, num_segment_budgets: int) -> Schedule:
+    name = "chen_greedy_ap" if articulation else "chen_greedy"
+    candidates = set(_candidates(graph, articulation))
+    sizes = [graph.output_bytes[i] for i in graph.forward_nodes if graph.output_bytes[i] > 0]
+    if not sizes:
+        return checkpoint_all(graph, budget).with_facts(strategy_note="no forward activations")
+    low, high = min(sizes), sum(sizes)
+    segment_budgets = np.geomspace(low, high, num=num_segment_budgets)
+    schedules = (
+        _schedule_for_checkpoints(graph, _greedy_checkpoints(graph, candidates, b), name, segment_budget=float(b))
+        for b in segment_budgets
+    )
+    return _cheapest_fitting(graph, schedules, budget, name)
+
+
+@register("chen_greedy")
+def chen_greedy(graph: DFGraph, budget: int | None = None, num_segment_budgets: int = 48) -> Schedule:
+    """Chen et al. 2016 greedy planner, searched over the segment budget B (linearized order).
+
+    Args:
+        num_segment_budgets: how many values of B, spaced geometrically between the
+            smallest activation and the sum of all activations, are tried.
+    """
+    return _chen_greedy(graph, budget, False, num_segment_budgets)
+
+
+@register("chen_greedy_ap")
+def chen_greedy_ap(graph: DFGraph, budget: int | None = None, num_segment_budgets: int = 48) -> Schedule:
+    """Chen's greedy planner with checkpoints restricted to forward articulation points."""
+    return _chen_greedy(graph, budget, True, num_segment_budgets)
+
+
+# ----- Griewank & Walther: binomial checkpointing (revolve) -----
+
+
+def revolve_advances(num_steps: int, max_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Optimal forward advances for reversing a chain with a limited number of snapshots.
+
+    Griewank & Walther's binomial checkpointing, computed by dynamic programming with
+    unit step costs instead of looked up in a table: ``cost[l, s]`` is the fewest forward
+    steps needed to reverse ``l`` steps holding the input of the first one plus ``s``
+    free snapshot slots, and ``advance[l, s]`` the optimal first advance before the
+    next snapshot is stored.
+
+        cost[1, s] = 0;  cost[l, 0] = l (l - 1) / 2;
+        cost[l, s] = min_{1 <= k < l} k + cost[l - k, s - 1] + cost[k, s].
+
+    Returns:
+        ``(cost, advance)``, both of shape ``(num_steps + 1, max_slots + 1)``.
+    """
+    L, s_max = num_steps, max_slots
+    cost = np.zeros((L + 1, s_max + 1))
+    advance = np.ones((L + 1, s_max + 1), dtype=int)
+    lengths = np.arange(L + 1)
+    cost[:, 0] = lengths * (lengths - 1) / 2
+    for s in range(1, s_max + 1):
+        for length in range(2, L + 1):
+            k = np.arange(1, length)
+            totals = k + cost[length - k, s - 1] + cost[k, s]
+            best = int(np.argmin(totals))
+            cost[length, s] = totals[best]
+            advance[length, s] = k[best]
+    return cost, advance
+
+
+def _revolve_snapshots(units: Sequence[Sequence[int]], slots: int, advance: np.ndarray, entry_stage: Sequence[int | None]):
+    """Static and dynamic snapshots of revolve over ``units`` with ``slots`` free slots.
+
+    A snapshot at position m (1 <= m < len(units)) keeps the last value of unit m-1,
+    the input of unit m. Snapshots taken while the first forward sweep passes are static;
+    the others are taken when the backward pass enters the segment being reversed.
+    """
+    static, dynamic = [], []
+    stack = [(0, len(units), slots, None)]
+    while stack:
+        p, q, s, stage = stack.pop()
+        if q - p <= 1 or s == 0:
+            continue
+        m = p + int(advance[q - p, s])
+        node = units[m - 1][-1]
+        if stage is None:
+            static.append(node)
+        else:
+            dynamic.append((node, stage))
+        stack.append((m, q, s - 1, stage))
+        left_entry = entry_stage[m - 1]
+        if left_entry is not None:
+            stack.append((p, m, s, left_entry))
+    return static, dynamic
+
+
+def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int | None) -> Schedule:
+    name = "griewank_logn_ap" if articulation else "griewank_logn"
+    boundaries = _candidates(graph, articulation)
+    units = _units_between(graph, boundaries)
+    if len(units) <= 1:
+        return _cheapest_fitting(graph, [_schedule_for_checkpoints(graph, [], name, slots=0)], budget, name)
+    backward = graph.is_backward
+    entry_stage = []
+    for unit in units:
+        readers = [k for i in unit for k in graph.successors[i] if backward[k]]
+        entry_stage.append(min(readers) if readers else None)
+    max_slots = len(units) - 1
+    _, advance = revolve_advances(len(units), max_slots)
+    if slots is not None:
+        slot_counts = [min(slots, max_slots)]
+    elif budget is None:
+        slot_counts = [min(max_slots, max(1, math.ceil(math.log2(len(units)))))]
+    else:
+        slot_counts = range(0, max_slots + 1)
+
+    def candidates():
+        for s in slot_counts:
+            static, dynamic = _revolve_snapshots(units, s, advance, entry_stage)
+            S = keep_matrix(graph, static, units, dynamic)
+            yield schedule_from_keep_matrix(graph, S, name, slots=s)
+
+    return _cheapest_fitting(graph, candidates(), budget, name)
+
+
+@register("griewank_logn")
+def griewank_logn(graph: DFGraph, budget: int | None = None, slots: int | None = None) -> Schedule:
+    """Griewank & Walther's revolve over the linearized forward order.
+
+    Without a budget, uses ceil(log2(k)) snapshot slots for k forward nodes (the log(n)
+    point of Checkmate's comparison); with a budget, every slot count is tried and the
+    cheapest fitting schedule is returned.
+
+    Args:
+        slots: force this number of free snapshot slots.
+    """
+    return _griewank(graph, budget, False, slots)
+
+
+@register("griewank_logn_ap")
+def griewank_logn_ap(graph: DFGraph, budget: int | None = None, slots: int | None = None) -> Schedule:
+    """Revolve over the blocks between forward articulation points."""
+    return _griewank(graph, budget, True, slots)
+
+
+# ----- Hong et al.: optimal checkpoint subsets for chains -----
+
+
+def _segment_sums(sizes: np.ndarray) -> np.ndarray:
+    """``seg[i, j]``: bytes of chain positions strictly between i and j (i < j), with -1 and n as ends."""
+    prefix = np.concatenate([[0], np.cumsum(sizes)])
+    n = len(sizes)
+    ends = np.arange(-1, n + 1)
+    i = ends[:, None]
+    j = ends[None, :]
+    return prefix[np.clip(j, 0, n)] - prefix[np.clip(i + 1, 0, n)]
+
+
+def _hong_subset(sizes: np.ndarray, bound: float, model: str, gradient_buffer: float) -> list[int] | None:
+    """The checkpoint subset of least checkpoint memory whose modeled peak is <= ``bound``.
+
+    ``classic``: every segment's bytes must be <= bound (the checkpoints are counted
+    once, separately, as in Chen's model). ``eager``: a framework that frees eagerly
+    holds, while reversing a segment, the checkpoints before it plus the segment plus
+    the output-gradient buffer, so ``prefix checkpoints + segment + buffer <= bound``.
+    Dynamic programming over the last checkpoint, O(n^2) per bound.
+    """
+    n = len(sizes)
+    seg = _segment_sums(sizes)
+    # best[j]: least checkpoint bytes of a valid prefix whose last checkpoint is j (index j+1 in seg).
+    best = np.full(n + 1, np.inf)
+    parent = np.full(n + 1, -1)
+    best_start = 0.0
+    for j in range(n + 1):
+        size_j = sizes[j] if j < n else 0.0
+        # the virtual start (position -1) has no bytes.
+        options = [(best_start, -1)] + [(best[i], i) for i in range(j) if np.isfinite(best[i])]
+        for prefix_bytes, i in options:
+            segment = seg[i + 1, j + 1]
+            needed = segment + (prefix_bytes + gradient_buffer if model == "eager" else 0.0)
+            if needed <= bound and prefix_bytes + size_j < best[j]:
+                best[j] = prefix_bytes + size_j
+                parent[j] = i
+    if not np.isfinite(best[n]):
+        return None
+    chosen, j = [], parent[n]
+    while j >= 0:
+        chosen.append(int(j))
+        j = parent[j]
+    return sorted(chosen)
+
+
+@register("hong")
+def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager", num_bounds: int = 32) -> Schedule:
+    """Hong et al.: memory-optimal checkpoint subsets of the linearized forward chain.
+
+    A dynamic program picks, for a bound on the modeled peak, the checkpoint subset with
+    the least checkpoint memory; sweeping the bound gives a family of subsets from
+    "keep nearly everything" to "keep almost nothing". ``memory_model="eager"`` is the
+    model of a framework that frees tensors after their last use and keeps an
+    output-gradient buffer (Hong et al.'s refined model, which predicted measured peaks
+    within 2.8%); ``"classic"`` is Chen's model. Each candidate is simulated; the family
+    returns its cheapest schedule under ``budget`` (without a budget, its lowest peak).
+
+    The DP here is O(n^2) per bound over ``num_bounds`` bounds, not the paper's O(n^3)
+    exhaustive / O(n) specialised algorithms; the simulator, not the model, decides.
+
+    Args:
+        memory_model: "eager" or "classic".
+        num_bounds: how many bounds, spaced geometrically, are swept.
+
+    Raises:
+        ValueError: unknown memory_model.
+    """
+    if memory_model not in ("eager", "classic"):
+        raise ValueError(f"memory_model={memory_model!r}; use 'eager' or 'classic'")
+    chain = _forward_order(graph)
+    sizes = np.array([graph.output_bytes[i] for i in chain], dtype=float)
+    if len(chain) == 0 or sizes.sum() == 0:
+        return _cheapest_fitting(graph, [_schedule_for_checkpoints(graph, chain, "hong")], budget, "hong")
+    gradient_buffer = max((graph.output_bytes[b] for b in graph.backward_nodes), default=0)
+    low = max(sizes.max(), 1.0)
+    high = sizes.sum() + gradient_buffer
+    bounds = np.geomspace(low, high, num=num_bounds)
+
+    def candidates():
+        for bound in bounds:
+            positions = _hong_subset(sizes, bound, memory_model, gradient_buffer)
+            if positions is not None:
+                yield _schedule_for_checkpoints(graph, [chain[p] for p in positions], "hong", bound=float(bound), memory_model=memory_model)
+
+    return _cheapest_fitting(graph, candidates(), budget, "hong")
