@@ -1,0 +1,10 @@
+"""Keras model -> the planning core's graph plus a side table (TensorFlow is imported here).
+
+``extract(model, ...)`` returns an :class:`Extraction`: the :class:`~tfremat.graph.DFGraph`
+that strategies plan over and the :class:`SideTable` the compiled training step uses to run
+each node.
+"""
+
+from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef
+
+__all__ = ["GradRef", "NodeEntry", "SideTable", "TensorRef"]

@@ -1,0 +1,218 @@
+"""The side table: what the compiled training step needs to run each graph node.
+
+The planning core's :class:`~tfremat.graph.DFGraph` carries numbers only. Everything that
+ties a node back to Keras (the layer object, how its call arguments are wired, which
+variables it owns, where its upstream gradients come from) lives here, indexed by the same
+node ids. The compiled step (``tfremat.static_graph``) reads nothing else from the model.
+
+Conventions every consumer relies on:
+
+* **Forward node** (``kind == "forward"``): one call of one layer. Its value is the
+  layer's output (a tuple when the layer returns several tensors; ``TensorRef.output_index``
+  picks one in ``tf.nest.flatten`` order). Call it as
+  ``entry.layer(*args, **kwargs)`` where ``args, kwargs = entry.fill_in(resolve)`` and
+  add ``training=True`` when ``entry.takes_training``.
+* **Loss node** (``kind == "loss"``, flagged backward as in Checkmate): reads the model
+  outputs (``entry.inputs``, one ``TensorRef`` per model output) and the labels; its value is
+  the loss and the gradient of the loss with respect to every model output.
+* **Backward node** (``kind == "backward"``): the vector-Jacobian product of one forward
+  node. The gradient flowing into flattened output ``k`` of the layer is the sum of the
+  contributions in ``entry.output_grads[k]``; each :class:`GradRef` names the backward
+  node (or the loss node) and the position among *that* node's flattened inputs whose
+  gradient it produces. Its value is the gradient with respect to each flattened input of
+  the forward call (``None`` where ``entry.input_needs_grad`` is False); the gradients of
+  ``entry.trainable_variables`` go to the optimizer and are counted in fixed bytes. A layer
+  called more than once owns the same variables in each of its forward nodes, and their
+  weight gradients add up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, Literal
+
+__all__ = ["TensorRef", "GradRef", "NodeEntry", "SideTable", "NodeKind"]
+
+NodeKind = Literal["forward", "loss", "backward"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor of the training step comes from.
+
+    Attributes:
+        source: ``"node"`` for the output of a forward graph node, ``"model_input"`` for a
+            tensor of the input batch.
+        index: the graph node id, or the position in ``SideTable.input_specs``.
+        output_index: for a node whose layer returns several tensors, which one (in
+            ``tf.nest.flatten`` order); 0 otherwise.
+    """
+
+    source: Literal["node", "model_input"]
+    index: int
+    output_index: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GradRef:
+    """One contribution to the gradient flowing into a layer output.
+
+    Attributes:
+        node: the backward node (or the loss node) that produces the contribution.
+        input_index: which of that node's flattened inputs the contribution is the
+            gradient of (for the loss node: which model output).
+    """
+
+    node: int
+    input_index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeEntry:
+    """Everything about one graph node that the graph itself does not carry.
+
+    Attributes:
+        node: the graph node id.
+        kind: ``"forward"``, ``"loss"`` or ``"backward"``.
+        name: the graph node name (the layer's path for nested models).
+        layer: the Keras layer (for forward and backward nodes), or None for the loss.
+        forward_node: for a backward node, the forward node it differentiates; for a
+            forward node, itself; None for the loss.
+        backward_node: for a forward node, its backward node, or None when no gradient
+            passes through it (it only reads the input batch and owns no trainable weights).
+        call_args: the positional arguments of the forward call, with :class:`TensorRef`
+            where a tensor goes and the recorded constants elsewhere.
+        call_kwargs: the keyword arguments, same convention.
+        inputs: the tensors of the forward call, flattened (``tf.nest.flatten`` of
+            ``(call_args, call_kwargs)`` restricted to tensors). For the loss: the model
+            outputs.
+        takes_training: pass ``training=True`` to the call (the layer's ``call`` has a
+            ``training`` argument).
+        trainable_variables: the variables whose gradients this node's backward computes.
+        num_outputs: how many tensors the forward call returns.
+        input_needs_grad: per entry of ``inputs``, whether the backward node must produce
+            its gradient (it comes from a node that itself has a backward node).
+        output_grads: backward nodes only: per flattened output of the layer, the
+            contributions that add up to its upstream gradient.
+        reads_inputs: backward nodes only: positions in ``inputs`` that the layer's gradient
+            reads (measured by tracing the VJP).
+        reads_output: backward nodes only: the layer's gradient reads the layer's output.
+        output_bytes: bytes of the forward output (forward), of the loss value plus the
+            gradients of the model outputs (loss), or of the input gradients (backward).
+        residual_bytes: forward nodes only: bytes of the internal tensors the gradient
+            reads that grow with the batch; they are part of the node's graph value (see
+            :mod:`tfremat.extract.memory`).
+        small_residual_bytes: forward nodes only: internal residuals that do not grow with
+            the batch (per-channel statistics, cast weights), counted in fixed bytes.
+        workspace_bytes: transient bytes while the node runs, as put in the graph.
+        cost: the node's cost as put in the graph.
+    """
+
+    node: int
+    kind: NodeKind
+    name: str
+    layer: Any = None
+    forward_node: int | None = None
+    backward_node: int | None = None
+    call_args: tuple = ()
+    call_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    inputs: tuple[TensorRef, ...] = ()
+    takes_training: bool = False
+    trainable_variables: tuple = ()
+    num_outputs: int = 1
+    input_needs_grad: tuple[bool, ...] = ()
+    output_grads: tuple[tuple[GradRef, ...], ...] = ()
+    reads_inputs: tuple[int, ...] = ()
+    reads_output: bool = False
+    output_bytes: int = 0
+    residual_bytes: int = 0
+    small_residual_bytes: int = 0
+    workspace_bytes: int = 0
+    cost: float = 0.0
+
+    def fill_in(self, resolve: Callable[[TensorRef], Any]) -> tuple[tuple, dict]:
+        """The call's ``(args, kwargs)`` with every :class:`TensorRef` replaced by ``resolve(ref)``.
+
+        Args:
+            resolve: maps a reference to the tensor the step holds for it.
+
+        Returns:
+            ``(args, kwargs)`` ready for ``entry.layer(*args, **kwargs)``.
+        """
+        import tensorflow as tf  # the side table itself stays importable without TF
+
+        def swap(value):
+            return resolve(value) if isinstance(value, TensorRef) else value
+
+        args = tf.nest.map_structure(swap, self.call_args)
+        kwargs = tf.nest.map_structure(swap, dict(self.call_kwargs))
+        return tuple(args), kwargs
+
+
+@dataclasses.dataclass(frozen=True)
+class SideTable:
+    """The framework half of an extraction, indexed by graph node id.
+
+    Attributes:
+        model: the Keras model the graph was extracted from.
+        entries: one :class:`NodeEntry` per graph node, ``entries[i].node == i``.
+        input_specs: the input batch signature (``tf.TensorSpec`` per model input, flattened).
+        label_specs: the label signature (per model output).
+        outputs: per model output (flattened), the forward node tensor it is.
+        loss_node: the loss node id.
+        loss_fn: ``loss_fn(y_true, y_pred) -> scalar`` for a single output, or a callable on
+            the lists of labels and predictions when the model has several outputs (see
+            :func:`tfremat.extract.resolve_loss`).
+        optimizer: the Keras optimizer (built, so its slot variables exist).
+        batch_size: the batch size the sizes were measured for.
+        fixed_bytes_breakdown: the parts of the graph's fixed bytes (``params``,
+            ``param_grads``, ``optimizer_slots``, ``inputs``, ``labels``,
+            ``small_residuals``, ``non_trainable``).
+    """
+
+    model: Any
+    entries: tuple[NodeEntry, ...]
+    input_specs: tuple
+    label_specs: tuple
+    outputs: tuple[TensorRef, ...]
+    loss_node: int
+    loss_fn: Callable
+    optimizer: Any
+    batch_size: int
+    fixed_bytes_breakdown: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+
+    def __getitem__(self, node: int) -> NodeEntry:
+        return self.entries[node]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def forward_entries(self) -> tuple[NodeEntry, ...]:
+        """Forward nodes in execution order."""
+        return tuple(e for e in self.entries if e.kind == "forward")
+
+    @property
+    def backward_entries(self) -> tuple[NodeEntry, ...]:
+        """Backward nodes in execution order."""
+        return tuple(e for e in self.entries if e.kind == "backward")
+
+    def breakdown(self) -> list[dict]:
+        """Per node: kind, name and the byte and cost numbers, JSON-able (for benchmarks)."""
+        return [
+            {
+                "node": e.node,
+                "kind": e.kind,
+                "name": e.name,
+                "output_bytes": e.output_bytes,
+                "residual_bytes": e.residual_bytes,
+                "small_residual_bytes": e.small_residual_bytes,
+                "workspace_bytes": e.workspace_bytes,
+                "cost": e.cost,
+                "reads_inputs": list(e.reads_inputs),
+                "reads_output": e.reads_output,
+            }
+            for e in self.entries
+        ]
