@@ -28,7 +28,7 @@ import networkx as nx
 
 from tfremat.errors import GraphError
 
-__all__ = ["DFGraph", "load_graph", "GRAPH_FORMAT"]
+__all__ = ["DFGraph", "load_graph", "graph_format", "file_node_ids", "GRAPH_FORMAT"]
 
 GRAPH_FORMAT = "tfremat.graph/1"
 
@@ -366,14 +366,37 @@ def load_graph(source: str | os.PathLike | dict) -> DFGraph:
         with open(source) as f:
             data = json.load(f)
         label = os.path.splitext(os.path.basename(os.fspath(source)))[0]
-    if data.get("format") == GRAPH_FORMAT:
+    kind = graph_format(data)
+    if kind == "tfremat":
         return _from_tfremat_dict(data)
-    nodes = data.get("nodes") or []
-    if nodes and "cost_cpu" in nodes[0]:
+    if kind == "checkmate":
         return _from_checkmate_dict(data, label)
-    if nodes and "duration" in nodes[0]:
+    if kind == "moccasin":
         return _from_moccasin_dict(data, label)
     raise GraphError(
         f"{label}: unknown graph format; expected {GRAPH_FORMAT!r}, a Checkmate node-link graph "
         "(cost_cpu/cost_ram) or a Moccasin node-link graph (duration/out_cost)"
     )
+
+
+def graph_format(data: dict) -> str | None:
+    """Which known format a parsed graph document is: "tfremat", "checkmate", "moccasin" or None."""
+    if data.get("format") == GRAPH_FORMAT:
+        return "tfremat"
+    nodes = data.get("nodes") or []
+    if nodes and "cost_cpu" in nodes[0]:
+        return "checkmate"
+    if nodes and "duration" in nodes[0]:
+        return "moccasin"
+    return None
+
+
+def file_node_ids(graph: DFGraph, data: dict) -> list:
+    """The source document's node id at each execution position of ``graph`` (loaded from ``data``).
+
+    Moccasin graphs are renumbered topologically on load and keep their file ids as node
+    names; the other formats are already numbered in execution order.
+    """
+    if graph_format(data) == "moccasin":
+        return [int(name) if name.lstrip("-").isdigit() else name for name in graph.names]
+    return list(range(graph.size))

@@ -59,6 +59,11 @@ def _forward_order(graph: DFGraph) -> list[int]:
     return list(graph.forward_nodes)
 
 
+def _forward_phase_end(graph: DFGraph) -> int:
+    """The last stage of the forward pass: the loss node's (or the last node without a loss)."""
+    return graph.loss_node if graph.loss_node is not None else graph.size - 1
+
+
 def _units_between(graph: DFGraph, boundaries: Iterable[int]) -> list[list[int]]:
     """Splits the forward order into units, each ending at a boundary node (the last may not)."""
     boundaries = set(boundaries)
@@ -90,22 +95,26 @@ def keep_matrix(
             the backward pass).
     """
     n = graph.size
-    backward = np.asarray(graph.is_backward)
+    forward_phase_end = _forward_phase_end(graph)
     S = np.zeros((n, n), dtype=bool)
     last_reader = [max(s) if s else -1 for s in graph.successors]
+    forward_keep_end = {}
     for i in graph.forward_nodes:
-        forward_readers = [k for k in graph.successors[i] if not backward[k]]
-        if forward_readers:
-            S[i + 1 : max(forward_readers) + 1, i] = True
+        forward_readers = [k for k in graph.successors[i] if k <= forward_phase_end]
+        forward_keep_end[i] = max(forward_readers, default=i)
+        S[i + 1 : forward_keep_end[i] + 1, i] = True
     for i in list(static_keeps) + list(graph.backward_nodes):
         S[i + 1 : last_reader[i] + 1, i] = True
     for unit in units:
-        backward_readers = [k for i in unit for k in graph.successors[i] if backward[k]]
+        backward_readers = [k for i in unit for k in graph.successors[i] if k > forward_phase_end]
         if not backward_readers:
             continue
         entry = min(backward_readers)
         for i in unit:
-            S[entry + 1 : last_reader[i] + 1, i] = True
+            # A value still resident when the backward pass enters its unit (the last
+            # segment before the loss) is kept on rather than freed and recomputed.
+            start = i + 1 if entry <= forward_keep_end[i] + 1 else entry + 1
+            S[start : last_reader[i] + 1, i] = True
     for node, stage in dynamic_keeps:
         S[stage + 1 : last_reader[node] + 1, node] = True
     return S
@@ -306,10 +315,10 @@ def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int
     units = _units_between(graph, boundaries)
     if len(units) <= 1:
         return _cheapest_fitting(graph, [_schedule_for_checkpoints(graph, [], name, slots=0)], budget, name)
-    backward = graph.is_backward
+    forward_phase_end = _forward_phase_end(graph)
     entry_stage = []
     for unit in units:
-        readers = [k for i in unit for k in graph.successors[i] if backward[k]]
+        readers = [k for i in unit for k in graph.successors[i] if k > forward_phase_end]
         entry_stage.append(min(readers) if readers else None)
     max_slots = len(units) - 1
     _, advance = revolve_advances(len(units), max_slots)

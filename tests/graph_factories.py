@@ -1,0 +1,68 @@
+"""Small graphs for planning tests: hand-built shapes and random training DAGs (no TensorFlow)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from tfremat.graph import DFGraph
+
+SHARED_GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
+
+
+def training_graph(forward_edges, sizes, costs=None, reads_output=(), name="training", fixed_bytes=0, workspace=None):
+    """A training graph in Checkmate's layout from a forward DAG.
+
+    Forward nodes 0..m-1 (``forward_edges`` among them, ascending), a loss node reading the
+    forward sinks, then one backward node per forward node in reverse order. The backward
+    node of j reads the gradients of j's consumers (or the loss), j's inputs, and j's own
+    output when j is in ``reads_output``.
+    """
+    m = len(sizes)
+    consumers = {j: [v for u, v in forward_edges if u == j] for j in range(m)}
+    producers = {j: [u for u, v in forward_edges if v == j] for j in range(m)}
+    loss = m
+    backward_id = {j: m + 1 + (m - 1 - j) for j in range(m)}
+    edges = list(forward_edges)
+    sinks = [j for j in range(m) if not consumers[j]]
+    edges += [(j, loss) for j in sinks]
+    for j in range(m):
+        b = backward_id[j]
+        upstream = [backward_id[c] for c in consumers[j]] or [loss]
+        edges += [(u, b) for u in upstream]
+        edges += [(p, b) for p in producers[j]]
+        if j in reads_output or not producers[j]:
+            edges.append((j, b))
+    n = 2 * m + 1
+    names = [f"f{j}" for j in range(m)] + ["loss"] + [f"f{m - 1 - k}_backward" for k in range(m)]
+    output = list(sizes) + [1] + [sizes[m - 1 - k] for k in range(m)]
+    cost = list(costs) if costs is not None else [1.0] * m
+    cost = cost + [1.0] + [2.0 * cost[m - 1 - k] for k in range(m)]
+    return DFGraph(
+        names=names,
+        edges=edges,
+        cost=cost,
+        output_bytes=output,
+        workspace_bytes=workspace if workspace is not None else [0] * n,
+        is_backward=[False] * m + [True] * (m + 1),
+        loss_node=loss,
+        forward_of={backward_id[j]: j for j in range(m)},
+        fixed_bytes=fixed_bytes,
+        name=name,
+    )
+
+
+def random_training_graph(seed: int, num_forward: int, skip_probability: float = 0.3) -> DFGraph:
+    """A random training DAG: a chain with random skip connections, random sizes and costs."""
+    rng = random.Random(seed)
+    edges = [(j - 1, j) for j in range(1, num_forward)]
+    for j in range(2, num_forward):
+        for i in range(j - 1):
+            if rng.random() < skip_probability / j:
+                edges.append((i, j))
+    sizes = [rng.randint(1, 20) for _ in range(num_forward)]
+    costs = [float(rng.randint(1, 10)) for _ in range(num_forward)]
+    reads_output = {j for j in range(num_forward) if rng.random() < 0.5}
+    n = 2 * num_forward + 1
+    workspace = [rng.choice([0, 0, 0, rng.randint(1, 10)]) for _ in range(n)]
+    return training_graph(edges, sizes, costs, reads_output, name=f"random{seed}", fixed_bytes=rng.randint(0, 5), workspace=workspace)

@@ -1,0 +1,95 @@
+"""Baseline strategies: exact revolve costs, budget families, shared benchmark graphs."""
+
+import math
+
+import pytest
+
+from tfremat.errors import InfeasibleBudgetError
+from tfremat.graph import load_graph
+from tfremat.plan import simulate, validate_schedule
+from tfremat.plan.baselines import revolve_advances
+from tfremat.plan.registry import get_strategy, strategy_names
+
+from graph_factories import SHARED_GRAPHS, random_training_graph, training_graph
+
+HEURISTICS = [n for n in strategy_names() if n not in ("optimal", "approx_lp")]
+
+
+def test_registry_has_every_baseline():
+    expected = {"checkpoint_all", "checkpoint_all_ap", "chen_sqrtn", "chen_sqrtn_ap", "chen_greedy",
+                "chen_greedy_ap", "griewank_logn", "griewank_logn_ap", "hong"}
+    assert expected <= set(strategy_names())
+
+
+def test_revolve_matches_griewank_closed_form():
+    """Griewank & Walther: with c snapshots (ours: s = c - 1 besides the input) and r repetitions,
+    reversing l <= C(c + r, c) steps costs r*l - C(c + r, c - 1) forward steps (unit costs)."""
+    cost, _ = revolve_advances(40, 6)
+    for s in range(1, 7):
+        c = s + 1
+        for length in range(2, 41):
+            r = next(r for r in range(1, 100) if math.comb(c + r, c) >= length)
+            assert cost[length, s] == r * length - math.comb(c + r, r - 1)
+
+
+def test_chain_strategies_trade_memory_for_compute():
+    g = training_graph([(j, j + 1) for j in range(15)], sizes=[10] * 16, reads_output=set(range(16)))
+    full = simulate(g, get_strategy("checkpoint_all")(g))
+    for name in ("chen_sqrtn", "chen_greedy", "griewank_logn", "hong"):
+        result = simulate(g, get_strategy(name)(g))
+        assert result.peak_bytes < full.peak_bytes, name
+        assert result.cost > full.cost, name
+
+
+@pytest.mark.parametrize("name", HEURISTICS)
+def test_family_respects_budget_or_raises_with_smallest_peak(name):
+    g = random_training_graph(11, 12)
+    strategy = get_strategy(name)
+    unconstrained = simulate(g, strategy(g))
+    schedule = strategy(g, budget=unconstrained.peak_bytes)
+    assert simulate(g, schedule).peak_bytes <= unconstrained.peak_bytes
+    with pytest.raises(InfeasibleBudgetError) as info:
+        strategy(g, budget=g.fixed_bytes + 1)
+    assert info.value.budget_bytes == g.fixed_bytes + 1
+    assert info.value.min_feasible_bytes is not None and info.value.min_feasible_bytes > g.fixed_bytes + 1
+
+
+def test_budget_family_returns_cheapest_fitting_griewank():
+    g = training_graph([(j, j + 1) for j in range(11)], sizes=[10] * 12, reads_output=set(range(12)))
+    full = simulate(g, get_strategy("checkpoint_all")(g))
+    loose = simulate(g, get_strategy("griewank_logn")(g, budget=full.peak_bytes))
+    assert loose.cost == full.cost  # enough slots for everything: no recomputation
+    tight = simulate(g, get_strategy("griewank_logn")(g, budget=int(full.peak_bytes * 0.6)))
+    assert tight.peak_bytes <= full.peak_bytes * 0.6
+    assert tight.cost > full.cost
+
+
+shared = pytest.mark.skipif(not SHARED_GRAPHS.is_dir(), reason=f"benchmark graphs not found at {SHARED_GRAPHS}")
+
+
+@shared
+@pytest.mark.parametrize("path", sorted(SHARED_GRAPHS.glob("*_train.json")) if SHARED_GRAPHS.is_dir() else [], ids=lambda p: p.stem)
+def test_every_baseline_runs_on_shared_training_graphs(path):
+    g = load_graph(path)
+    full = simulate(g, get_strategy("checkpoint_all")(g))
+    assert full.cost == pytest.approx(g.total_cost)
+    for name in HEURISTICS:
+        schedule = get_strategy(name)(g)
+        validate_schedule(g, schedule)
+        assert simulate(g, schedule).cost >= full.cost - 1e-6
+
+
+@shared
+def test_vgg16_sqrtn_and_greedy_lower_the_peak():
+    g = load_graph(SHARED_GRAPHS / "VGG16_256_224_224_3_train.json")
+    full = simulate(g, get_strategy("checkpoint_all")(g)).peak_bytes
+    for name in ("chen_sqrtn", "chen_greedy"):
+        assert simulate(g, get_strategy(name)(g)).peak_bytes < full, name
+
+
+@shared
+def test_moccasin_graph_loads_in_topological_order():
+    g = load_graph(SHARED_GRAPHS / "random_layered_n100.json")
+    assert g.size == 100
+    assert all(u < v for u, v in g.edges)
+    assert not g.backward_nodes

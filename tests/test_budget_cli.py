@@ -1,0 +1,76 @@
+"""Budget parsing and the planning commands of the tfremat command line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tfremat.budget import parse_budget
+from tfremat.errors import BudgetFormatError
+
+from graph_factories import random_training_graph
+
+
+@pytest.mark.parametrize("text, expected", [
+    (1000, 1000), ("1000", 1000), ("3.5GiB", int(3.5 * 2**30)), ("800MB", 800 * 10**6),
+    ("2 KiB", 2048), ("50%", 500), (0.25, 250), ("1e3", 1000), (2000.0, 2000),
+])
+def test_budget_forms(text, expected):
+    assert parse_budget(text, reference_bytes=1000) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "12 parsecs", "-5GB", "0", 0, -1, True, None, [1], "50%%", float("nan")])
+def test_bad_budgets_name_the_accepted_forms(bad):
+    with pytest.raises(BudgetFormatError, match="budget="):
+        parse_budget(bad, reference_bytes=1000)
+
+
+def test_relative_budget_needs_reference():
+    with pytest.raises(BudgetFormatError, match="relative"):
+        parse_budget("50%")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "tfremat.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_strategies_lists_names():
+    out = run_cli("strategies", "--json")
+    assert out.returncode == 0, out.stderr
+    assert {"checkpoint_all", "chen_sqrtn", "griewank_logn_ap", "hong"} <= set(json.loads(out.stdout))
+
+
+def test_cli_solve_json_and_schedule_out(tmp_path):
+    graph_path = tmp_path / "g.json"
+    random_training_graph(2, 8).to_json(graph_path)
+    schedule_path = tmp_path / "s.json"
+    out = run_cli("solve", f"--graph={graph_path}", "--strategy=chen_greedy", "--budget=90%", "--json",
+                  f"--schedule_out={schedule_path}")
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    for key in ("strategy", "status", "budget_bytes", "peak_bytes", "cost", "cost_ratio", "lower_bound", "gap", "seconds"):
+        assert key in record
+    assert record["peak_bytes"] <= record["budget_bytes"]
+    assert record["cost_ratio"] >= 1.0
+    schedule = json.loads(schedule_path.read_text())
+    assert schedule["order"] == list(range(17)) and schedule["graph_fingerprint"]
+
+
+def test_cli_infeasible_budget_reports_smallest_peak(tmp_path):
+    graph_path = tmp_path / "g.json"
+    random_training_graph(2, 8).to_json(graph_path)
+    out = run_cli("solve", f"--graph={graph_path}", "--strategy=chen_sqrtn", "--budget=10", "--json")
+    assert out.returncode == 1
+    record = json.loads(out.stdout)
+    assert record["status"] == "infeasible" and record["min_feasible_bytes"] > 10
+
+
+def test_cli_bad_flags_give_one_line_errors(tmp_path):
+    for args in (["solve", "--nonsense=1"], ["frobnicate"], ["solve", "--strategy=x"],
+                 ["solve", f"--graph={tmp_path / 'missing.json'}", "--strategy=hong"]):
+        out = run_cli(*args)
+        assert out.returncode == 2, args
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    out = run_cli("solve", "--help")
+    assert out.returncode == 0 and "--budget" in out.stdout and "--schedule_out" in out.stdout

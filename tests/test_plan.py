@@ -1,0 +1,242 @@
+"""Planning core: graph validation, schedules, execution plans, the simulator."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tfremat.errors import GraphError, ScheduleError
+from tfremat.graph import DFGraph, load_graph
+from tfremat.plan import (
+    Op,
+    Schedule,
+    build_plan,
+    checkpoint_all_s,
+    schedule_from_keep_matrix,
+    simulate,
+    solve_r_given_s,
+    validate_schedule,
+)
+from tfremat.plan.registry import get_strategy
+
+from graph_factories import random_training_graph, training_graph
+
+
+def chain4():
+    """A 4-node forward chain a -> b -> c -> d with distinct sizes, one workspace."""
+    return DFGraph(names="abcd", edges=[(0, 1), (1, 2), (2, 3)], cost=[1, 2, 3, 4],
+                   output_bytes=[10, 20, 30, 40], workspace_bytes=[0, 5, 0, 0], fixed_bytes=100)
+
+
+def statements(plan):
+    return [(s.op.value[0], s.node, s.stage) for s in plan]
+
+
+def test_chain_checkpoint_all_plan_peak_and_cost():
+    g = chain4()
+    schedule = get_strategy("checkpoint_all")(g)
+    plan = build_plan(g, schedule)
+    assert statements(plan) == [
+        ("a", 0, 0), ("c", 0, 0),
+        ("a", 1, 1), ("c", 1, 1), ("d", 0, 1),
+        ("a", 2, 2), ("c", 2, 2), ("d", 1, 2),
+        ("a", 3, 3), ("c", 3, 3), ("d", 2, 3), ("d", 3, 3),
+    ]
+    result = simulate(g, plan)
+    # peak while d runs: fixed 100 + c (30) + d (40); b's run: 100 + 10 + 20 + 5 workspace = 135.
+    assert result.peak_bytes == 170
+    assert result.cost == 10
+    assert list(result.trace_bytes) == [110, 110, 130, 135, 120, 150, 150, 130, 170, 170, 140, 100]
+
+
+def test_chain_recompute_from_checkpoint():
+    g = chain4()
+    S = np.zeros((4, 4), dtype=bool)
+    S[1, 0] = S[2, 0] = S[3, 0] = True  # keep a throughout; b and c are recomputed each stage
+    schedule = schedule_from_keep_matrix(g, S, "test")
+    assert schedule.R.astype(int).tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]]
+    result = simulate(g, schedule)
+    assert result.cost == 1 + 2 + (2 + 3) + (2 + 3 + 4)
+    assert result.recompute_count == 3
+    # stage 2 runs c with a (kept on), b and c live: 100 + 10 + 20 + 30 = 160; stage 3 frees a
+    # after b and b after c, so d runs with c and d only: 100 + 30 + 40 = 170.
+    assert result.peak_bytes == 170
+    assert result.trace_bytes[build_plan(g, schedule).statements.index(next(
+        s for s in build_plan(g, schedule) if s.op is Op.COMPUTE and s.node == 2 and s.stage == 2))] == 160
+
+
+def test_diamond_frees_shared_input_after_last_reader():
+    g = DFGraph(names=["x", "l", "r", "y"], edges=[(0, 1), (0, 2), (1, 3), (2, 3)], cost=[1] * 4,
+                output_bytes=[8, 4, 2, 1])
+    plan = build_plan(g, get_strategy("checkpoint_all")(g))
+    frees = [(s.node, s.stage) for s in plan if s.op is Op.DEALLOCATE]
+    assert frees == [(0, 2), (1, 3), (2, 3), (3, 3)]
+    assert simulate(g, plan).peak_bytes == 8 + 4 + 2  # while r runs, x and l are live
+
+
+def test_skip_connection_training_graph_checkpoint_all_and_sqrtn():
+    # f0 -> f1 -> f2 -> f3 and a skip f0 -> f3.
+    g = training_graph([(0, 1), (1, 2), (2, 3), (0, 3)], sizes=[4, 4, 4, 4], reads_output={1, 2})
+    full = simulate(g, get_strategy("checkpoint_all")(g))
+    assert full.cost == g.total_cost
+    assert full.recompute_count == 0
+    sqrtn = get_strategy("chen_sqrtn")(g)
+    validate_schedule(g, sqrtn)
+    result = simulate(g, sqrtn)
+    assert result.recompute_count > 0
+    assert result.cost > full.cost
+    assert result.peak_bytes <= full.peak_bytes
+
+
+def test_unused_cached_value_is_freed_at_stage_start():
+    g = chain4()
+    S = checkpoint_all_s(g)
+    S[2, 0] = True  # keep a into stage 2 although nothing there reads it
+    schedule = Schedule(np.eye(4, dtype=bool), S)
+    validate_schedule(g, schedule)
+    plan = statements(build_plan(g, schedule))
+    assert plan[3:6] == [("c", 1, 1), ("d", 0, 2), ("a", 2, 2)]  # stage 2 starts by freeing a
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_strategy_valid_on_random_training_graphs(seed):
+    from tfremat.plan.registry import strategy_names
+
+    g = random_training_graph(seed, num_forward=8 + seed)
+    full = simulate(g, get_strategy("checkpoint_all")(g))
+    assert full.cost == pytest.approx(g.total_cost)
+    for name in strategy_names():
+        if name in ("optimal", "approx_lp"):
+            continue
+        schedule = get_strategy(name)(g)
+        validate_schedule(g, schedule)
+        result = simulate(g, schedule)
+        assert result.cost >= full.cost - 1e-9, name
+        assert result.peak_bytes == recount_peak(g, schedule), name
+
+
+def recount_peak(g, schedule):
+    """Peak memory straight from R and S, without the execution plan (an independent recount)."""
+    R, S = schedule.R, schedule.S
+    n = g.size
+    peak = 0
+    for t in range(n):
+        keep_next = S[t + 1] if t + 1 < n else np.zeros(n, dtype=bool)
+        last_use = np.full(n, -1)
+        for k in np.flatnonzero(R[t]):
+            last_use[k] = max(last_use[k], k)
+            for i in g.predecessors[k]:
+                last_use[i] = max(last_use[i], k)
+        for k in np.flatnonzero(R[t]):
+            live = g.fixed_bytes + g.output_bytes[k] + g.workspace_bytes[k]
+            for i in range(n):
+                if i == k:
+                    continue
+                present = S[t, i] or (R[t, i] and i < k)
+                freed = not keep_next[i] and last_use[i] < k
+                if present and not freed:
+                    live += g.output_bytes[i]
+            peak = max(peak, live)
+    return peak
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), m=st.integers(2, 9), keep_density=st.floats(0, 1))
+def test_random_keep_matrices_complete_to_valid_schedules(seed, m, keep_density):
+    g = random_training_graph(seed, m)
+    rng = np.random.default_rng(seed)
+    S = np.tril(rng.random((g.size, g.size)) < keep_density, -1)
+    schedule = schedule_from_keep_matrix(g, S, "random")
+    validate_schedule(g, schedule)
+    assert simulate(g, schedule).peak_bytes == recount_peak(g, schedule)
+    assert schedule.cost(g) == pytest.approx(simulate(g, schedule).cost)
+
+
+def test_solve_r_given_s_is_minimal_on_chain():
+    g = chain4()
+    R = solve_r_given_s(g, np.zeros((4, 4), dtype=bool))
+    # nothing kept: every stage recomputes the whole prefix
+    assert R.astype(int).tolist() == np.tril(np.ones((4, 4), dtype=int)).tolist()
+
+
+# ----- bad input -----
+
+
+def test_cycle_is_named():
+    with pytest.raises(GraphError, match="cycle"):
+        DFGraph(names="abc", edges=[(0, 1), (1, 2), (2, 0)], cost=[1] * 3, output_bytes=[1] * 3)
+
+
+def test_order_violation_and_dangling_edge_and_bad_cost():
+    with pytest.raises(GraphError, match="against the node order") as info:
+        DFGraph(names="abc", edges=[(0, 2), (2, 1)], cost=[1] * 3, output_bytes=[1] * 3)
+    assert info.value.node == 1
+    with pytest.raises(GraphError, match="dangling"):
+        DFGraph(names="ab", edges=[(0, 5)], cost=[1] * 2, output_bytes=[1] * 2)
+    with pytest.raises(GraphError, match="node 1 .*cost"):
+        DFGraph(names="ab", edges=[(0, 1)], cost=[1, float("nan")], output_bytes=[1] * 2)
+    with pytest.raises(GraphError, match="output_bytes"):
+        DFGraph(names="ab", edges=[(0, 1)], cost=[1, 1], output_bytes=[1, -3])
+
+
+def test_from_unordered_renumbers_topologically():
+    g = DFGraph.from_unordered(["c", "a", "b"], [("a", "b"), ("b", "c")], cost=[3, 1, 2], output_bytes=[30, 10, 20])
+    assert g.names == ("a", "b", "c")
+    assert g.cost == (1.0, 2.0, 3.0)
+    assert g.edges == ((0, 1), (1, 2))
+
+
+def test_graph_is_immutable():
+    g = chain4()
+    with pytest.raises(AttributeError):
+        g.fixed_bytes = 0
+
+
+def test_schedule_using_unavailable_value_is_rejected():
+    g = chain4()
+    R = np.eye(4, dtype=bool)  # stage 2 computes c but b is neither kept nor recomputed
+    with pytest.raises(ScheduleError) as info:
+        validate_schedule(g, Schedule(R, np.zeros((4, 4), dtype=bool)))
+    assert info.value.rule == "input-resident"
+    assert (info.value.stage, info.value.node) == (1, 1)
+
+
+def test_schedule_rules_named():
+    g = chain4()
+    good = get_strategy("checkpoint_all")(g)
+    R = good.R.copy()
+    R[2, 2] = False
+    with pytest.raises(ScheduleError) as info:
+        validate_schedule(g, Schedule(R, good.S))
+    assert info.value.rule == "frontier"
+    S = good.S.copy()
+    S[3, 0] = True  # a was freed in stage 1 and is not resident in stage 2
+    with pytest.raises(ScheduleError) as info:
+        validate_schedule(g, Schedule(good.R, S))
+    assert info.value.rule == "keep-source"
+
+
+# ----- serialization -----
+
+
+def test_graph_json_round_trip(tmp_path):
+    g = random_training_graph(3, 6)
+    path = tmp_path / "g.json"
+    g.to_json(path)
+    again = load_graph(path)
+    assert again == g
+    assert again.fingerprint == g.fingerprint
+    assert again.forward_of == g.forward_of
+
+
+def test_schedule_json_round_trip_checks_fingerprint():
+    g = random_training_graph(4, 6)
+    schedule = get_strategy("chen_sqrtn")(g)
+    data = json.loads(json.dumps(schedule.to_dict(g)))
+    again = Schedule.from_dict(data, g)
+    assert np.array_equal(again.R, schedule.R) and np.array_equal(again.S, schedule.S)
+    other = random_training_graph(5, 6)
+    with pytest.raises(ScheduleError) as info:
+        Schedule.from_dict(data, other)
+    assert info.value.rule == "fingerprint"
