@@ -1,0 +1,383 @@
+"""Checkmate's rematerialization MILP, built as solver-neutral sparse arrays.
+
+The model follows Checkmate (Jain et al., MLSys 2020, sec. 4) over frontier-advancing
+stages: stage ``t`` computes node ``t`` for the first time and may recompute any earlier
+node. Binary ``R[t, i]`` (compute i in stage t), ``S[t, i]`` (keep value i from stage t-1
+into stage t), ``FREE[t, i, k]`` (free value i right after node k runs in stage t) and
+continuous ``U[t, k]`` (bytes resident while node k runs in stage t, without k's
+workspace).
+
+Memory follows the planning core's simulator (:mod:`tfremat.plan.simulator`) exactly:
+``fixed_bytes`` always count; while node k runs, every value kept into the stage or
+computed earlier in it and not yet freed counts, plus k's output and k's workspace; a
+value is freed right after its last use in the stage (its last reader, or itself when
+nobody in the stage reads it) unless it is kept into the next stage. A test holds
+``U`` and the simulator together.
+
+Only variables that an optimal schedule can use are built (Checkmate sec. 4.6 and the
+reasoning behind it):
+
+* ``R`` and ``S`` are lower triangular; ``R[t, t] = 1`` (frontier advancing).
+* Every computation or keep in stage t ultimately serves a frontier node ``t' >= t``,
+  so value i is never computed or kept after stage ``last_descendant[i]``; a value
+  without readers is never kept.
+* ``FREE[t, i, t]`` is not built: frees after the last node of a stage change no
+  memory that the budget constrains.
+
+Cuts that every optimal schedule can be made to satisfy (dropping a useless
+computation or keep never adds cost or memory), which tighten the LP relaxation and
+make the solver's memory accounting exact:
+
+* a value computed before the frontier of stage t is read in stage t or kept into t+1;
+* a kept value is read in stage t or kept into t+1 (so the simulator's "freed at the
+  start of the stage" case never arises);
+* a value is never kept and recomputed in the same stage;
+* a value is freed at most once per stage, and only when resident;
+* ``FREE`` is exactly the last-use indicator: bounded above by ``R[t, k]``,
+  ``1 - S[t+1, i]`` and ``1 - R[t, j]`` for every later reader j (disaggregated, which is
+  tighter than Checkmate's aggregated big-M form), and below by their sum.
+
+Memory is measured in units of ``scale`` bytes so that coefficients stay moderate; when
+every byte count is a multiple of a common unit small enough, that unit is used and the
+budget row is exact in integers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import reduce
+
+import numpy as np
+
+from tfremat.graph import DFGraph
+from tfremat.plan.schedule import Schedule
+
+__all__ = ["CheckmateModel", "build_model", "memory_lower_bound", "last_descendants"]
+
+_MAX_EXACT_UNITS = 1e5
+_SCALED_UNITS = 1e4
+
+
+def last_descendants(graph: DFGraph) -> np.ndarray:
+    """``last[i]``: the largest node id reachable from i (i itself when it has no readers).
+
+    A value is only useful in stages up to ``last[i]``: every computation serves some
+    later frontier node, which must be a descendant.
+    """
+    n = graph.size
+    last = np.arange(n)
+    for i in range(n - 1, -1, -1):
+        for j in graph.successors[i]:
+            if last[j] > last[i]:
+                last[i] = last[j]
+    return last
+
+
+def memory_lower_bound(graph: DFGraph) -> int:
+    """A proven lower bound on the peak of any schedule, in bytes.
+
+    Every node runs at least once, and while it runs its inputs, its output and its
+    workspace are resident together with the fixed bytes.
+    """
+    need = max(
+        graph.output_bytes[k] + graph.workspace_bytes[k] + sum(graph.output_bytes[i] for i in graph.predecessors[k])
+        for k in range(graph.size)
+    )
+    return graph.fixed_bytes + need
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CheckmateModel:
+    """A built MILP in column-wise sparse form plus the maps back to the schedule.
+
+    Attributes:
+        graph: the graph.
+        budget_bytes: the memory budget the model was built for.
+        scale: bytes per memory unit in the model.
+        cost: objective coefficient of every column.
+        lower, upper: column bounds.
+        integer: True for binary columns.
+        col_start, row_index, value: the constraint matrix, compressed sparse columns.
+        row_lower, row_upper: row bounds (``-inf``/``inf`` where open).
+        r_index, s_index: (n, n) int arrays, the column of ``R[t, i]`` / ``S[t, i]``, -1
+            where the variable is not built (fixed to 0).
+        free_keys: ``(t, i, k)`` of every FREE column, in column order from ``free_start``.
+        u_keys: ``(t, k)`` of every U column, in column order from ``u_start``.
+    """
+
+    graph: DFGraph
+    budget_bytes: float
+    scale: float
+    cost: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+    integer: np.ndarray
+    col_start: np.ndarray
+    row_index: np.ndarray
+    value: np.ndarray
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    r_index: np.ndarray
+    s_index: np.ndarray
+    free_keys: tuple
+    free_start: int
+    u_keys: tuple
+    u_start: int
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.cost)
+
+    @property
+    def num_constraints(self) -> int:
+        return len(self.row_lower)
+
+    def decode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rounds a solution vector to boolean ``(R, S)``."""
+        x = np.asarray(x, dtype=float)
+        R = np.zeros(self.r_index.shape, dtype=bool)
+        S = np.zeros(self.s_index.shape, dtype=bool)
+        mask = self.r_index >= 0
+        R[mask] = x[self.r_index[mask]] > 0.5
+        mask = self.s_index >= 0
+        S[mask] = x[self.s_index[mask]] > 0.5
+        return R, S
+
+    def memory_while_running(self, x: np.ndarray) -> dict[tuple[int, int], float]:
+        """The model's bytes while node k runs in stage t (``U + workspace``), for computed k."""
+        x = np.asarray(x, dtype=float)
+        work = self.graph.workspace_bytes
+        memory = {}
+        for offset, (t, k) in enumerate(self.u_keys):
+            if x[self.r_index[t, k]] > 0.5:
+                memory[(t, k)] = self.graph.fixed_bytes + x[self.u_start + offset] * self.scale + work[k]
+        return memory
+
+    def encode(self, schedule: Schedule) -> np.ndarray | None:
+        """The solution vector of a schedule (a MIP start), or None when the schedule
+        uses a variable this model does not build or breaks one of its cuts."""
+        R, S = schedule.R, schedule.S
+        if (R & (self.r_index < 0)).any() or (S & (self.s_index < 0)).any():
+            return None
+        x = np.zeros(self.num_vars)
+        x[self.r_index[R]] = 1.0
+        x[self.s_index[S]] = 1.0
+        n = self.graph.size
+        succ = self.graph.successors
+        for offset, (t, i, k) in enumerate(self.free_keys):
+            later_reader = any(R[t, j] for j in succ[i] if k < j <= t)
+            kept = t + 1 < n and S[t + 1, i]
+            x[self.free_start + offset] = float(R[t, k] and not kept and not later_reader)
+        out = self.graph.output_bytes
+        frees: dict[tuple[int, int], float] = {}
+        for offset, (t, i, k) in enumerate(self.free_keys):
+            if x[self.free_start + offset]:
+                frees[(t, k)] = frees.get((t, k), 0.0) + out[i] / self.scale
+        previous = None
+        for offset, (t, k) in enumerate(self.u_keys):
+            if previous is None or previous[0] != t:
+                level = sum(out[i] for i in np.flatnonzero(S[t])) / self.scale
+            else:
+                level -= frees.get(previous, 0.0)
+            level += out[k] / self.scale * R[t, k]
+            x[self.u_start + offset] = level
+            previous = (t, k)
+        if self._violation(x) > 1e-6:
+            return None
+        return x
+
+    def _violation(self, x: np.ndarray) -> float:
+        activity = np.zeros(self.num_constraints)
+        counts = np.diff(self.col_start)
+        np.add.at(activity, self.row_index, self.value * np.repeat(x, counts))
+        rows = np.maximum(self.row_lower - activity, activity - self.row_upper)
+        cols = np.maximum(self.lower - x, x - self.upper)
+        return float(max(rows.max(initial=0.0), cols.max(initial=0.0)))
+
+
+def _memory_scale(graph: DFGraph) -> tuple[float, bool]:
+    """Bytes per model unit, and whether memory is exact integers in that unit."""
+    sizes = [b for b in (*graph.output_bytes, *graph.workspace_bytes) if b > 0]
+    if not sizes:
+        return 1.0, True
+    unit = reduce(math.gcd, sizes)
+    if max(sizes) / unit <= _MAX_EXACT_UNITS:
+        return float(unit), True
+    return max(sizes) / _SCALED_UNITS, False
+
+
+class _Builder:
+    """Accumulates columns and rows; rows are stored as coordinate triples."""
+
+    def __init__(self):
+        self.cost: list[float] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[bool] = []
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+
+    def column(self, cost: float, lower: float, upper: float, integer: bool) -> int:
+        self.cost.append(cost)
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, terms: list[tuple[int, float]], lower: float, upper: float) -> None:
+        r = len(self.row_lower)
+        for c, v in terms:
+            self.rows.append(r)
+            self.cols.append(c)
+            self.vals.append(v)
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+
+    def csc(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        cols = np.asarray(self.cols, dtype=np.int64)
+        rows = np.asarray(self.rows, dtype=np.int64)
+        vals = np.asarray(self.vals, dtype=float)
+        order = np.lexsort((rows, cols))
+        start = np.zeros(len(self.cost) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(cols, minlength=len(self.cost)), out=start[1:])
+        return start, rows[order], vals[order]
+
+
+def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
+    """Builds Checkmate's MILP for ``graph`` under ``budget_bytes`` (see the module doc).
+
+    Args:
+        graph: the graph.
+        budget_bytes: peak memory allowed, fixed bytes included.
+
+    Returns:
+        The model; its objective is the total compute cost of the schedule.
+    """
+    n = graph.size
+    inf = math.inf
+    pred, succ = graph.predecessors, graph.successors
+    out, work = graph.output_bytes, graph.workspace_bytes
+    scale, exact = _memory_scale(graph)
+    capacity = (budget_bytes - graph.fixed_bytes) / scale
+    capacity = math.floor(capacity + 1e-9) if exact else capacity * (1 - 1e-9)
+    last = last_descendants(graph)
+    b = _Builder()
+
+    r_index = np.full((n, n), -1, dtype=np.int64)
+    s_index = np.full((n, n), -1, dtype=np.int64)
+    for t in range(n):
+        for i in range(t + 1):
+            if t <= last[i]:
+                fixed = 1.0 if i == t else 0.0
+                r_index[t, i] = b.column(graph.cost[i], fixed, 1.0, True)
+        for i in range(t):
+            if succ[i] and t <= last[i]:
+                s_index[t, i] = b.column(0.0, 0.0, 1.0, True)
+
+    def s_col(t: int, i: int) -> int:
+        return s_index[t, i] if t < n else -1
+
+    for t in range(n):
+        for k in range(t + 1):
+            rk = r_index[t, k]
+            if rk < 0:
+                continue
+            for i in pred[k]:
+                terms = [(rk, 1.0), (r_index[t, i], -1.0)]
+                if s_index[t, i] >= 0:
+                    terms.append((s_index[t, i], -1.0))
+                b.row(terms, -inf, 0.0)
+        for i in range(t):
+            readers = [(r_index[t, j], -1.0) for j in succ[i] if j <= t and r_index[t, j] >= 0]
+            keep_next = [(s_col(t + 1, i), -1.0)] if s_col(t + 1, i) >= 0 else []
+            if s_index[t, i] >= 0:
+                if keep_next:
+                    source = [(r_index[t, i], -1.0), (s_index[t, i], -1.0)]
+                    b.row([(keep_next[0][0], 1.0), *source], -inf, 0.0)
+                b.row([(s_index[t, i], 1.0), (r_index[t, i], 1.0)], -inf, 1.0)
+                b.row([(s_index[t, i], 1.0), *readers, *keep_next], -inf, 0.0)
+            elif keep_next:
+                b.row([(keep_next[0][0], 1.0), (r_index[t, i], -1.0)], -inf, 0.0)
+            if r_index[t, i] >= 0:
+                b.row([(r_index[t, i], 1.0), *readers, *keep_next], -inf, 0.0)
+
+    free_start = len(b.cost)
+    free_keys = []
+    frees_after: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for t in range(n):
+        for i in range(t):
+            if r_index[t, i] < 0:
+                continue
+            keep_next = s_col(t + 1, i)
+            resident = [(r_index[t, i], -1.0)]
+            if s_index[t, i] >= 0:
+                resident.append((s_index[t, i], -1.0))
+            frees_of_i = []
+            for k in (i, *succ[i]):
+                if k >= t or r_index[t, k] < 0:
+                    continue
+                col = b.column(0.0, 0.0, 1.0, True)
+                free_keys.append((t, i, k))
+                frees_of_i.append((col, 1.0))
+                frees_after.setdefault((t, k), []).append((col, i))
+                hazards = [r_index[t, j] for j in succ[i] if k < j <= t and r_index[t, j] >= 0]
+                b.row([(col, 1.0), (r_index[t, k], -1.0)], -inf, 0.0)
+                if keep_next >= 0:
+                    b.row([(col, 1.0), (keep_next, 1.0)], -inf, 1.0)
+                for h in hazards:
+                    b.row([(col, 1.0), (h, 1.0)], -inf, 1.0)
+                exact_terms = [(col, 1.0), (r_index[t, k], -1.0), *((h, 1.0) for h in hazards)]
+                if keep_next >= 0:
+                    exact_terms.append((keep_next, 1.0))
+                b.row(exact_terms, 0.0, inf)
+            if frees_of_i:
+                keep_term = [(keep_next, 1.0)] if keep_next >= 0 else []
+                b.row([*frees_of_i, *keep_term, *resident], -inf, 0.0)
+
+    u_start = len(b.cost)
+    u_keys = []
+    for t in range(n):
+        active = [k for k in range(t + 1) if r_index[t, k] >= 0]
+        previous = None
+        for k in active:
+            u = b.column(0.0, 0.0, inf, False)
+            u_keys.append((t, k))
+            terms = [(u, 1.0), (r_index[t, k], -out[k] / scale)]
+            if previous is None:
+                terms += [(s_index[t, i], -out[i] / scale) for i in range(t) if s_index[t, i] >= 0 and out[i]]
+                b.row(terms, 0.0, 0.0)
+            else:
+                terms.append((previous, -1.0))
+                terms += [(col, out[i] / scale) for col, i in frees_after.get((t, k_prev), ()) if out[i]]
+                b.row(terms, 0.0, 0.0)
+            if work[k]:
+                b.row([(u, 1.0), (r_index[t, k], work[k] / scale)], -inf, capacity)
+            else:
+                b.upper[u] = capacity
+            previous, k_prev = u, k
+
+    start, rows, vals = b.csc()
+    return CheckmateModel(
+        graph=graph,
+        budget_bytes=float(budget_bytes),
+        scale=scale,
+        cost=np.asarray(b.cost, dtype=float),
+        lower=np.asarray(b.lower, dtype=float),
+        upper=np.asarray(b.upper, dtype=float),
+        integer=np.asarray(b.integer, dtype=bool),
+        col_start=start,
+        row_index=rows,
+        value=vals,
+        row_lower=np.asarray(b.row_lower, dtype=float),
+        row_upper=np.asarray(b.row_upper, dtype=float),
+        r_index=r_index,
+        s_index=s_index,
+        free_keys=tuple(free_keys),
+        free_start=free_start,
+        u_keys=tuple(u_keys),
+        u_start=u_start,
+    )

@@ -1,0 +1,305 @@
+"""MILP/LP solver backends, selected by name: HiGHS (default, open source) and Gurobi.
+
+HiGHS (through ``highspy``) needs no license and is installed with tfremat; it solved
+Checkmate's MILP fastest among the open-source solvers measured for this project.
+Gurobi (through ``gurobipy``) is used only when asked for: a missing ``gurobipy`` or a
+license that does not cover the model raises an error that names the fix and the
+default solver. There is no silent fallback from one backend to another.
+
+Each backend reports status, objective, best bound and gap from the solver itself.
+``highspy`` is imported lazily, and ``ortools`` never: the two ship clashing native
+HiGHS libraries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from tfremat.errors import SolverError, SolverLicenseError, SolverUnavailableError
+from tfremat.ilp.formulation import CheckmateModel
+
+__all__ = ["SOLVERS", "DEFAULT_SOLVER", "SolveResult", "Progress", "solve_model"]
+
+logger = logging.getLogger(__name__)
+
+SOLVERS = ("highs", "gurobi")
+DEFAULT_SOLVER = "highs"
+
+# Status names shared by every backend (and by Schedule.facts["status"]).
+OPTIMAL, FEASIBLE, TIME_LIMIT, INFEASIBLE, NO_SOLUTION = "optimal", "feasible", "time_limit", "infeasible", "no_solution"
+
+_GUROBI_SIZE_LIMIT_ERRNO = 10010
+_GUROBI_NO_LICENSE_ERRNOS = (10009, 10010)
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """One progress report while a MILP runs.
+
+    Attributes:
+        seconds: wall time since the solve started.
+        incumbent: objective of the best schedule found so far (None before the first).
+        bound: best proven lower bound on the objective.
+        gap: relative gap ``(incumbent - bound) / incumbent`` (None without incumbent).
+    """
+
+    seconds: float
+    incumbent: float | None
+    bound: float | None
+    gap: float | None
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveResult:
+    """What a backend returns.
+
+    Attributes:
+        x: the best solution vector, or None when there is none.
+        status: ``optimal`` (proven within the requested gap), ``time_limit`` (stopped by
+            the time limit with a solution), ``feasible`` (stopped otherwise with a
+            solution), ``infeasible`` (proven), or ``no_solution`` (stopped without one).
+        objective: objective of ``x``.
+        best_bound: the solver's proven lower bound on the objective.
+        gap: relative gap between ``objective`` and ``best_bound``.
+        seconds: solve wall time.
+        solver: backend name.
+    """
+
+    x: np.ndarray | None
+    status: str
+    objective: float | None
+    best_bound: float | None
+    gap: float | None
+    seconds: float
+    solver: str
+
+
+def _relative_gap(objective: float | None, bound: float | None) -> float | None:
+    if objective is None or bound is None or not math.isfinite(bound):
+        return None
+    return max(0.0, (objective - bound) / max(abs(objective), 1e-12))
+
+
+def solve_model(
+    model: CheckmateModel,
+    *,
+    solver: str = DEFAULT_SOLVER,
+    relax: bool = False,
+    time_limit: float | None = None,
+    mip_gap: float | None = None,
+    threads: int | None = None,
+    seed: int = 0,
+    start: np.ndarray | None = None,
+    progress: ProgressFn | None = None,
+) -> SolveResult:
+    """Solves ``model`` (or its LP relaxation) with the named backend.
+
+    Args:
+        model: the built MILP.
+        solver: ``"highs"`` (default) or ``"gurobi"``.
+        relax: solve the LP relaxation (every binary in [0, 1]) instead of the MILP.
+        time_limit: wall-clock seconds, or None for no limit.
+        mip_gap: relative gap at which the MILP stops as optimal (solver default if None).
+        threads: solver threads (solver default if None).
+        seed: the solver's random seed, for reproducible runs.
+        start: a feasible solution vector to start from (a MIP start).
+        progress: called with a :class:`Progress` on every new incumbent and periodically.
+
+    Raises:
+        SolverUnavailableError: the backend is not installed.
+        SolverLicenseError: the backend's license does not cover the model.
+        SolverError: unknown backend name, or the backend failed.
+    """
+    if solver not in SOLVERS:
+        raise SolverError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)} (default {DEFAULT_SOLVER!r})")
+    if time_limit is not None and not time_limit > 0:
+        raise SolverError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
+    if mip_gap is not None and not 0 <= mip_gap < 1:
+        raise SolverError(f"mip_gap must be in [0, 1), got {mip_gap!r}")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise SolverError(f"threads must be a positive int or None, got {threads!r}")
+    backend = _solve_highs if solver == "highs" else _solve_gurobi
+    return backend(model, relax, time_limit, mip_gap, threads, seed, start, progress)
+
+
+def _report(progress: ProgressFn | None, report: Progress) -> None:
+    logger.info(
+        "MILP %.1fs: incumbent %s, bound %s, gap %s",
+        report.seconds,
+        "-" if report.incumbent is None else f"{report.incumbent:.6g}",
+        "-" if report.bound is None else f"{report.bound:.6g}",
+        "-" if report.gap is None else f"{100 * report.gap:.2f}%",
+    )
+    if progress is not None:
+        progress(report)
+
+
+def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progress) -> SolveResult:
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("random_seed", int(seed))
+    if time_limit is not None:
+        h.setOptionValue("time_limit", float(time_limit))
+    if mip_gap is not None:
+        h.setOptionValue("mip_rel_gap", float(mip_gap))
+    if threads is not None:
+        h.setOptionValue("threads", int(threads))
+
+    inf = highspy.kHighsInf
+    lp = highspy.HighsLp()
+    lp.num_col_ = model.num_vars
+    lp.num_row_ = model.num_constraints
+    lp.col_cost_ = model.cost
+    lp.col_lower_ = model.lower
+    lp.col_upper_ = np.where(np.isinf(model.upper), inf, model.upper)
+    lp.row_lower_ = np.where(np.isinf(model.row_lower), -inf, model.row_lower)
+    lp.row_upper_ = np.where(np.isinf(model.row_upper), inf, model.row_upper)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.num_col_ = model.num_vars
+    lp.a_matrix_.num_row_ = model.num_constraints
+    lp.a_matrix_.start_ = model.col_start
+    lp.a_matrix_.index_ = model.row_index
+    lp.a_matrix_.value_ = model.value
+    if not relax:
+        kinds = (highspy.HighsVarType.kContinuous, highspy.HighsVarType.kInteger)
+        lp.integrality_ = [kinds[int(flag)] for flag in model.integer]
+    if h.passModel(lp) == highspy.HighsStatus.kError:
+        raise SolverError("HiGHS rejected the model")
+
+    began = time.perf_counter()
+    if not relax:
+        def on_event(event) -> None:
+            data = event.data_out
+            incumbent = data.mip_primal_bound if abs(data.mip_primal_bound) < inf else None
+            bound = data.mip_dual_bound if abs(data.mip_dual_bound) < inf else None
+            _report(progress, Progress(data.running_time, incumbent, bound, _relative_gap(incumbent, bound)))
+
+        h.cbMipImprovingSolution.subscribe(on_event)
+        h.cbMipLogging.subscribe(on_event)
+        if start is not None:
+            solution = highspy.HighsSolution()
+            solution.col_value = list(map(float, start))
+            solution.value_valid = True
+            h.setSolution(solution)
+    h.run()
+    seconds = time.perf_counter() - began
+
+    status = h.getModelStatus()
+    info = h.getInfo()
+    has_solution = info.primal_solution_status == 2
+    x = np.asarray(h.getSolution().col_value, dtype=float) if has_solution else None
+    objective = info.objective_function_value if has_solution else None
+    if relax:
+        bound = objective if status == highspy.HighsModelStatus.kOptimal else None
+    else:
+        bound = info.mip_dual_bound if abs(info.mip_dual_bound) < inf else None
+    if status == highspy.HighsModelStatus.kOptimal:
+        name = OPTIMAL
+    elif status == highspy.HighsModelStatus.kInfeasible:
+        name = INFEASIBLE
+    elif not has_solution:
+        name = NO_SOLUTION
+    elif status == highspy.HighsModelStatus.kTimeLimit:
+        name = TIME_LIMIT
+    else:
+        name = FEASIBLE
+    if status in (highspy.HighsModelStatus.kModelError, highspy.HighsModelStatus.kSolveError):
+        raise SolverError(f"HiGHS failed: {h.modelStatusToString(status)}")
+    return SolveResult(x, name, objective, bound, _relative_gap(objective, bound), seconds, "highs")
+
+
+def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progress) -> SolveResult:
+    try:
+        import gurobipy as gp
+    except ImportError as exc:
+        raise SolverUnavailableError(
+            "solver='gurobi' needs gurobipy: `pip install gurobipy` (plus a Gurobi license for "
+            "models above 2000 variables or constraints), or use the default solver='highs', "
+            "which needs no license"
+        ) from exc
+    from gurobipy import GRB
+
+    size = f"{model.num_vars} variables and {model.num_constraints} constraints"
+    try:
+        env = gp.Env(empty=True)
+        env.setParam("OutputFlag", 0)
+        env.start()
+        m = gp.Model(env=env)
+        m.Params.Seed = int(seed)
+        if time_limit is not None:
+            m.Params.TimeLimit = float(time_limit)
+        if mip_gap is not None:
+            m.Params.MIPGap = float(mip_gap)
+        if threads is not None:
+            m.Params.Threads = int(threads)
+        vtype = [GRB.CONTINUOUS if relax or not flag else GRB.BINARY for flag in model.integer]
+        upper = [GRB.INFINITY if math.isinf(u) else u for u in model.upper]
+        variables = m.addVars(model.num_vars, lb=model.lower.tolist(), ub=upper, obj=model.cost.tolist(), vtype=vtype)
+        rows: list[list[tuple[int, float]]] = [[] for _ in range(model.num_constraints)]
+        for col in range(model.num_vars):
+            for entry in range(model.col_start[col], model.col_start[col + 1]):
+                rows[model.row_index[entry]].append((col, model.value[entry]))
+        for r, terms in enumerate(rows):
+            expr = gp.LinExpr([v for _, v in terms], [variables[c] for c, _ in terms])
+            lo, hi = model.row_lower[r], model.row_upper[r]
+            if lo == hi:
+                m.addLConstr(expr, GRB.EQUAL, lo)
+            elif math.isinf(lo):
+                m.addLConstr(expr, GRB.LESS_EQUAL, hi)
+            elif math.isinf(hi):
+                m.addLConstr(expr, GRB.GREATER_EQUAL, lo)
+            else:
+                m.addRange(expr, lo, hi)
+        if start is not None and not relax:
+            for c, value in enumerate(start):
+                variables[c].Start = float(value)
+        began = time.perf_counter()
+
+        def on_event(solver_model, where) -> None:
+            if where == GRB.Callback.MIPSOL:
+                incumbent = solver_model.cbGet(GRB.Callback.MIPSOL_OBJBST)
+                bound = solver_model.cbGet(GRB.Callback.MIPSOL_OBJBND)
+                _report(progress, Progress(time.perf_counter() - began, incumbent, bound, _relative_gap(incumbent, bound)))
+
+        m.optimize(None if relax else on_event)
+        seconds = time.perf_counter() - began
+    except gp.GurobiError as exc:
+        if exc.errno == _GUROBI_SIZE_LIMIT_ERRNO:
+            raise SolverLicenseError(
+                f"Gurobi's license is size-limited (the free pip license allows at most 2000 variables "
+                f"and 2000 constraints) and this model has {size}; install a full Gurobi license or use "
+                f"the default solver='highs', which needs no license"
+            ) from exc
+        if exc.errno in _GUROBI_NO_LICENSE_ERRNOS:
+            raise SolverLicenseError(f"no valid Gurobi license ({exc}); use the default solver='highs'") from exc
+        raise SolverError(f"Gurobi failed: {exc}") from exc
+
+    has_solution = m.SolCount > 0
+    x = np.array([variables[c].X for c in range(model.num_vars)]) if has_solution else None
+    objective = m.ObjVal if has_solution else None
+    if relax:
+        bound = objective if m.Status == GRB.OPTIMAL else None
+    else:
+        bound = m.ObjBound if has_solution or m.Status == GRB.OPTIMAL else None
+    if m.Status == GRB.OPTIMAL:
+        name = OPTIMAL
+    elif m.Status in (GRB.INFEASIBLE, GRB.INF_OR_UNBD):
+        name = INFEASIBLE
+    elif not has_solution:
+        name = NO_SOLUTION
+    elif m.Status == GRB.TIME_LIMIT:
+        name = TIME_LIMIT
+    else:
+        name = FEASIBLE
+    return SolveResult(x, name, objective, bound, _relative_gap(objective, bound), seconds, "gurobi")

@@ -1,0 +1,299 @@
+"""The ``optimal`` (Checkmate MILP) and ``approx_lp`` (LP rounding) strategies.
+
+Both take ``(graph, budget=None, **options)`` and return a :class:`~tfremat.plan.Schedule`
+whose ``facts`` carry what the solver proved: ``status``, ``objective`` (the schedule's
+total cost), ``best_bound`` (a proven lower bound on the optimal cost), ``gap``,
+``seconds`` (total wall time), ``solve_seconds``, ``num_vars``, ``num_constraints``,
+``solver``, ``warm_start`` (the baseline the MILP started from), ``peak_bytes`` and
+``budget_bytes``.
+
+The cost of running every node once (``graph.total_cost``) is always a valid lower
+bound, and any schedule reaching it is optimal; both strategies use that to skip the
+solver when a baseline already reaches it (always the case when the checkpoint-all
+schedule fits).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from tfremat.budget import parse_budget
+from tfremat.errors import InfeasibleBudgetError, SolverError
+from tfremat.graph import DFGraph
+from tfremat.ilp.formulation import CheckmateModel, build_model, memory_lower_bound
+from tfremat.ilp.solvers import DEFAULT_SOLVER, INFEASIBLE, NO_SOLUTION, OPTIMAL, ProgressFn, solve_model
+from tfremat.plan.registry import get_strategy, register, strategy_names
+from tfremat.plan.schedule import Schedule, checkpoint_all_s, prune_s, schedule_from_keep_matrix, validate_schedule
+from tfremat.plan.simulator import simulate
+
+__all__ = ["solve_optimal", "solve_approx_lp", "best_baseline"]
+
+logger = logging.getLogger(__name__)
+
+_OWN_STRATEGIES = ("optimal", "approx_lp")
+
+
+def _checkpoint_all(graph: DFGraph, strategy: str) -> Schedule:
+    return schedule_from_keep_matrix(graph, checkpoint_all_s(graph), strategy)
+
+
+def _budget_bytes(graph: DFGraph, budget) -> int:
+    """Parses a budget; relative budgets refer to the checkpoint-all peak."""
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+        return budget
+    reference = simulate(graph, _checkpoint_all(graph, "checkpoint_all")).peak_bytes
+    return parse_budget(budget, reference_bytes=reference)
+
+
+def best_baseline(graph: DFGraph, budget_bytes: int) -> tuple[Schedule | None, int | None]:
+    """The cheapest registered baseline schedule that fits, and the smallest peak any reached.
+
+    Every registered strategy other than the solver-based ones runs at the budget; one
+    that raises :class:`InfeasibleBudgetError` contributes the smallest peak it reached.
+    Returns ``(None, smallest_peak)`` when none fits.
+    """
+    best, best_cost, smallest_peak = None, None, None
+    for name in strategy_names():
+        if name in _OWN_STRATEGIES:
+            continue
+        try:
+            schedule = get_strategy(name)(graph, budget_bytes)
+        except InfeasibleBudgetError as exc:
+            if exc.min_feasible_bytes is not None:
+                smallest_peak = min(smallest_peak or exc.min_feasible_bytes, exc.min_feasible_bytes)
+            continue
+        peak = simulate(graph, schedule).peak_bytes
+        smallest_peak = min(smallest_peak or peak, peak)
+        if peak > budget_bytes:
+            continue
+        cost = schedule.cost(graph)
+        if best is None or cost < best_cost:
+            best, best_cost = schedule, cost
+    return best, smallest_peak
+
+
+def _finish(graph: DFGraph, R: np.ndarray, S: np.ndarray, strategy: str) -> Schedule:
+    """Cleans solver output into a valid schedule: a value kept into a stage is not also
+    recomputed there (a zero-cost node makes both optimal), and unread keeps are dropped.
+    Memory only goes down."""
+    R = R & ~np.tril(S, -1)
+    S = prune_s(graph, R, S)
+    schedule = Schedule(R, S, strategy)
+    validate_schedule(graph, schedule)
+    return schedule
+
+
+def _infeasible(graph, budget_bytes, smallest_peak, strategy, detail) -> InfeasibleBudgetError:
+    return InfeasibleBudgetError(
+        budget_bytes,
+        min_feasible_bytes=smallest_peak,
+        lower_bound_bytes=memory_lower_bound(graph),
+        strategy=strategy,
+        detail=detail,
+    )
+
+
+def _no_budget(graph: DFGraph, strategy: str, began: float) -> Schedule:
+    schedule = _checkpoint_all(graph, strategy)
+    cost = schedule.cost(graph)
+    return schedule.with_facts(
+        status=OPTIMAL, objective=cost, best_bound=graph.total_cost, gap=0.0, seconds=time.perf_counter() - began,
+        peak_bytes=simulate(graph, schedule).peak_bytes, budget_bytes=None,
+    )
+
+
+@register("optimal")
+def solve_optimal(
+    graph: DFGraph,
+    budget=None,
+    *,
+    solver: str = DEFAULT_SOLVER,
+    time_limit: float | None = None,
+    mip_gap: float | None = None,
+    threads: int | None = None,
+    seed: int = 0,
+    warm_start: bool = True,
+    progress: ProgressFn | None = None,
+) -> Schedule:
+    """The minimum-cost schedule within a memory budget: Checkmate's MILP (Jain et al. 2020).
+
+    The MILP starts from the cheapest baseline schedule that fits, so the result is never
+    worse than any heuristic, even when the time limit stops the solver early.
+
+    Args:
+        graph: the graph.
+        budget: peak bytes allowed (anything :func:`tfremat.budget.parse_budget` accepts;
+            relative budgets refer to the checkpoint-all peak). None means no memory limit:
+            the checkpoint-all schedule runs every node once, which is the least cost any
+            schedule can have, so it is returned as optimal without a solver.
+        solver: ``"highs"`` (default, no license needed) or ``"gurobi"``.
+        time_limit: solver wall-clock seconds (None: until proven optimal).
+        mip_gap: relative gap at which to stop (solver default: HiGHS 1e-4).
+        threads: solver threads (None: solver default).
+        seed: solver random seed.
+        warm_start: start from the best baseline (and return it if the solver does worse).
+        progress: called with :class:`~tfremat.ilp.solvers.Progress` reports while the
+            solver runs; reports are also logged at INFO on ``tfremat.ilp.solvers``.
+
+    Returns:
+        The schedule, with solver facts (see the module docstring).
+
+    Raises:
+        InfeasibleBudgetError: no schedule fits (proven by the solver, or the budget is
+            below :func:`~tfremat.ilp.formulation.memory_lower_bound`).
+        SolverError: the solver stopped without any schedule and no baseline fits.
+        SolverUnavailableError, SolverLicenseError: see :func:`~tfremat.ilp.solvers.solve_model`.
+    """
+    began = time.perf_counter()
+    if budget is None:
+        return _no_budget(graph, "optimal", began)
+    budget_bytes = _budget_bytes(graph, budget)
+    lower_bound = memory_lower_bound(graph)
+    baseline, smallest_peak = best_baseline(graph, budget_bytes) if warm_start else (None, None)
+    if budget_bytes < lower_bound:
+        raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", "some node alone needs more while it runs")
+    if baseline is not None and baseline.cost(graph) <= graph.total_cost:
+        cost = baseline.cost(graph)
+        return Schedule(baseline.R, baseline.S, "optimal", {
+            "status": OPTIMAL, "objective": cost, "best_bound": graph.total_cost, "gap": 0.0,
+            "seconds": time.perf_counter() - began, "solve_seconds": 0.0, "num_vars": 0, "num_constraints": 0,
+            "solver": None, "warm_start": baseline.strategy, "peak_bytes": simulate(graph, baseline).peak_bytes,
+            "budget_bytes": budget_bytes,
+        })
+
+    model = build_model(graph, budget_bytes)
+    start = model.encode(baseline) if baseline is not None else None
+    if baseline is not None and start is None:
+        logger.warning("baseline %s is outside the MILP's variable set; solving without a MIP start", baseline.strategy)
+    logger.info("optimal: %d variables, %d constraints, warm start %s", model.num_vars, model.num_constraints,
+                baseline.strategy if baseline is not None else None)
+    result = solve_model(
+        model, solver=solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed, start=start,
+        progress=progress,
+    )
+    if result.status == INFEASIBLE:
+        raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", f"{result.solver} proved no schedule fits")
+    candidates = []
+    if result.x is not None:
+        candidates.append(_finish(graph, *model.decode(result.x), "optimal"))
+    if baseline is not None:
+        candidates.append(Schedule(baseline.R, baseline.S, "optimal"))
+    if not candidates:
+        raise SolverError(
+            f"{result.solver} found no schedule within time_limit={time_limit}s and no baseline fits "
+            f"{budget_bytes} bytes; raise time_limit or the budget"
+        )
+    schedule = min(candidates, key=lambda s: s.cost(graph))
+    peak = simulate(graph, schedule).peak_bytes
+    if peak > budget_bytes:
+        raise SolverError(f"internal error: the solver's schedule peaks at {peak} bytes, above the budget {budget_bytes}")
+    cost = schedule.cost(graph)
+    bound = max(graph.total_cost, result.best_bound if result.best_bound is not None else graph.total_cost)
+    return schedule.with_facts(
+        status=result.status, objective=cost, best_bound=min(bound, cost), gap=max(0.0, (cost - bound) / cost) if cost else 0.0,
+        seconds=time.perf_counter() - began, solve_seconds=result.seconds, num_vars=model.num_vars,
+        num_constraints=model.num_constraints, solver=result.solver,
+        warm_start=baseline.strategy if baseline is not None else None, peak_bytes=peak, budget_bytes=budget_bytes,
+    )
+
+
+def _round_candidates(model: CheckmateModel, x: np.ndarray, num_samples: int, rng: np.random.Generator):
+    """Checkmate's rounding of the fractional keep matrix S*: a deterministic threshold
+    sweep, then randomized rounding (keep i with probability S*[t, i])."""
+    fractional = np.zeros(model.s_index.shape)
+    mask = model.s_index >= 0
+    fractional[mask] = np.clip(x[model.s_index[mask]], 0.0, 1.0)
+    seen = set()
+    thresholds = np.linspace(0.05, 0.95, 19)
+    draws = (rng.random(fractional.shape) < fractional for _ in range(num_samples))
+    for S in (*(fractional >= threshold for threshold in thresholds), *draws):
+        key = np.packbits(S).tobytes()
+        if key not in seen:
+            seen.add(key)
+            yield S
+
+
+@register("approx_lp")
+def solve_approx_lp(
+    graph: DFGraph,
+    budget=None,
+    *,
+    solver: str = DEFAULT_SOLVER,
+    time_limit: float | None = None,
+    threads: int | None = None,
+    seed: int = 0,
+    num_samples: int = 32,
+    allowances: tuple[float, ...] = (1.0, 0.9, 0.75, 0.5),
+) -> Schedule:
+    """A fast feasible schedule plus a lower bound: Checkmate's LP relaxation and two-phase rounding.
+
+    Phase one rounds the LP's fractional keep matrix S* (threshold sweep and randomized
+    rounding); phase two completes each rounded S with the cheapest R
+    (``solve R given S``). The cheapest candidate whose simulated peak fits is returned.
+    Rounding can overshoot the budget, so when no candidate fits the LP is solved again
+    under a smaller memory allowance (Checkmate sec. 5), down the ``allowances`` list.
+
+    Args:
+        graph: the graph.
+        budget: peak bytes allowed (see :func:`solve_optimal`); None returns the
+            checkpoint-all schedule, optimal without a solver.
+        solver: LP backend, ``"highs"`` (default) or ``"gurobi"``.
+        time_limit: seconds for each LP solve.
+        threads: solver threads.
+        seed: seed of the randomized rounding and of the solver.
+        num_samples: randomized roundings per LP solution.
+        allowances: fractions of the budget given to the LP, tried in order until a
+            rounded schedule fits the full budget.
+
+    Returns:
+        The schedule; ``facts["best_bound"]`` is the LP bound at the full budget.
+
+    Raises:
+        InfeasibleBudgetError: the LP relaxation is infeasible (so is every schedule), or
+            no rounded schedule fits; carries the smallest peak reached.
+    """
+    began = time.perf_counter()
+    if budget is None:
+        return _no_budget(graph, "approx_lp", began)
+    if num_samples < 0:
+        raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+    if not allowances or not all(0 < a <= 1 for a in allowances):
+        raise ValueError(f"allowances must be fractions in (0, 1], got {allowances!r}")
+    budget_bytes = _budget_bytes(graph, budget)
+    lower_bound = memory_lower_bound(graph)
+    if budget_bytes < lower_bound:
+        raise _infeasible(graph, budget_bytes, None, "approx_lp", "some node alone needs more while it runs")
+    rng = np.random.default_rng(seed)
+    best, best_cost, smallest_peak, lp_bound = None, None, None, None
+    lp_seconds, num_vars, num_constraints = 0.0, 0, 0
+    for allowance in allowances:
+        model = build_model(graph, max(lower_bound, allowance * budget_bytes))
+        result = solve_model(model, solver=solver, relax=True, time_limit=time_limit, threads=threads, seed=seed)
+        lp_seconds += result.seconds
+        if lp_bound is None:
+            num_vars, num_constraints = model.num_vars, model.num_constraints
+            if result.status == INFEASIBLE:
+                raise _infeasible(graph, budget_bytes, None, "approx_lp", "the LP relaxation is infeasible")
+            lp_bound = max(graph.total_cost, result.objective) if result.status == OPTIMAL else graph.total_cost
+        if result.x is None:
+            continue
+        for S in _round_candidates(model, result.x, num_samples, rng):
+            schedule = schedule_from_keep_matrix(graph, S, "approx_lp")
+            peak = simulate(graph, schedule).peak_bytes
+            smallest_peak = peak if smallest_peak is None else min(smallest_peak, peak)
+            cost = schedule.cost(graph)
+            if peak <= budget_bytes and (best is None or cost < best_cost):
+                best, best_cost = schedule, cost
+        if best is not None:
+            break
+    if best is None:
+        raise _infeasible(graph, budget_bytes, smallest_peak, "approx_lp", "no rounding of the LP solution fits; try 'optimal'")
+    return best.with_facts(
+        status="feasible" if best_cost > lp_bound else OPTIMAL, objective=best_cost, best_bound=lp_bound,
+        gap=max(0.0, (best_cost - lp_bound) / best_cost) if best_cost else 0.0, seconds=time.perf_counter() - began,
+        solve_seconds=lp_seconds, num_vars=num_vars, num_constraints=num_constraints, solver=solver,
+        peak_bytes=simulate(graph, best).peak_bytes, budget_bytes=budget_bytes,
+    )
