@@ -1,0 +1,50 @@
+"""Small Keras models shared by the TensorFlow tests (extraction and the compiled step).
+
+Each builder takes a seed so that weights are reproducible; all use static input shapes.
+"""
+
+import keras
+
+
+def small_convnet(input_shape=(32, 32, 3), classes=10, channels=16, seed=0):
+    """A residual conv net: conv-BN-ReLU, a residual Add, a Concatenate, dropout and a Dense head.
+
+    Forward layer calls (12): conv1, bn1, relu1, conv2, bn2, add, relu2, conv3, concat,
+    dropout, flatten, head.
+    """
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+    x = keras.Input(input_shape, name="image")
+    c1 = layers.Conv2D(channels, 3, padding="same", name="conv1")(x)
+    b1 = layers.BatchNormalization(name="bn1")(c1)
+    r1 = layers.ReLU(name="relu1")(b1)
+    c2 = layers.Conv2D(channels, 3, padding="same", name="conv2")(r1)
+    b2 = layers.BatchNormalization(name="bn2")(c2)
+    added = layers.Add(name="add")([r1, b2])
+    r2 = layers.ReLU(name="relu2")(added)
+    c3 = layers.Conv2D(channels, 1, name="conv3")(r2)
+    cat = layers.Concatenate(name="concat")([r2, c3])
+    dropped = layers.Dropout(0.3, seed=seed, name="dropout")(cat)
+    flat = layers.Flatten(name="flatten")(dropped)
+    out = layers.Dense(classes, activation="softmax", name="head")(flat)
+    return keras.Model(x, out, name="small_convnet")
+
+
+def unet(input_shape=(32, 32, 3), classes=2, base=8, depth=2, seed=0):
+    """A U-Net with skip connections across ``depth`` levels and a per-pixel softmax."""
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+    x = keras.Input(input_shape, name="image")
+    h = x
+    skips = []
+    for level in range(depth):
+        h = layers.Conv2D(base * 2**level, 3, padding="same", activation="relu", name=f"down{level}_conv")(h)
+        skips.append(h)
+        h = layers.MaxPooling2D(name=f"down{level}_pool")(h)
+    h = layers.Conv2D(base * 2**depth, 3, padding="same", activation="relu", name="bottom_conv")(h)
+    for level in reversed(range(depth)):
+        h = layers.UpSampling2D(name=f"up{level}_upsample")(h)
+        h = layers.Concatenate(name=f"up{level}_concat")([h, skips[level]])
+        h = layers.Conv2D(base * 2**level, 3, padding="same", activation="relu", name=f"up{level}_conv")(h)
+    out = layers.Conv2D(classes, 1, activation="softmax", name="head")(h)
+    return keras.Model(x, out, name="unet")

@@ -1,0 +1,490 @@
+"""``extract``: a Keras model, an input signature, a loss and an optimizer -> graph + side table.
+
+Memory model (what the graph's numbers mean, so that the planner's simulator describes a
+training step that records each forward call on a tape and asks it for the gradient later,
+which is what plain ``tf.GradientTape`` training and tfremat's compiled step both do):
+
+* **Forward node** value = the layer's output + its batch-sized *residuals*: the internal
+  tensors its gradient reads (measured, see :mod:`tfremat.extract.analysis`). The tape keeps
+  them from the forward call until the backward node runs, and a recomputation recreates
+  them together with the output, so they live and die with the node. The edge
+  ``forward -> backward`` of a layer exists exactly when its gradient reads its output or a
+  batch-sized residual; otherwise the output is freed after its last forward reader.
+* **Loss node** value = the scalar loss + the gradient of the loss with respect to every
+  model output (one op computes both, so they are one value).
+* **Backward node** value = the gradients with respect to the layer's inputs that need one.
+  Weight gradients are fixed bytes.
+* **Workspace** = the allocator peak while the node runs in isolation, minus its value and
+  what it reads (see :mod:`tfremat.extract.analysis`); 0 with ``cost_model="flops"``.
+* **Fixed bytes** = parameters + parameter gradients + optimizer slot variables +
+  non-trainable variables (batch-norm statistics, dropout seeds) + the input batch + the
+  labels + the residuals that do not grow with the batch (per-channel statistics). Each part
+  is in ``SideTable.fixed_bytes_breakdown``.
+
+Node order: forward calls in Keras execution order, the loss, then the backward nodes in
+reverse forward order (the order plain backpropagation runs them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from types import MappingProxyType
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfremat.errors import ExtractionError
+from tfremat.extract.analysis import CallAnalysis, analyze_call, analyze_loss, device_name, tensor_bytes
+from tfremat.extract.layer_graph import LayerCall, walk_model
+from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef
+from tfremat.graph import DFGraph
+
+__all__ = ["Extraction", "extract", "resolve_loss", "cache_dir"]
+
+logger = logging.getLogger(__name__)
+
+_COST_MODELS = ("profile", "flops")
+_CACHE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Extraction:
+    """The result of :func:`extract`.
+
+    Attributes:
+        graph: the data-flow graph for the planners.
+        side_table: the Keras half, indexed by node id.
+        seconds: wall-clock seconds of the whole extraction.
+        profile_seconds: seconds spent tracing and profiling layer calls (0 on a cache hit).
+        cache_hit: the per-call measurements came from the on-disk cache.
+    """
+
+    graph: DFGraph
+    side_table: SideTable
+    seconds: float
+    profile_seconds: float
+    cache_hit: bool
+
+
+def cache_dir() -> str:
+    """Where profiles are cached: ``$TFREMAT_CACHE_DIR``, else ``~/.cache/tfremat``."""
+    return os.environ.get("TFREMAT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tfremat")
+
+
+def resolve_loss(loss, num_outputs: int) -> Callable:
+    """Turns a Keras loss object, a loss name or a callable into ``fn(labels, preds) -> scalar``.
+
+    Both arguments of the returned function are lists with one tensor per model output; the
+    loss is applied to each output and the results are summed (Keras' default for a model
+    with several outputs and one loss).
+
+    Raises:
+        ExtractionError: the name is not a Keras loss.
+    """
+    if isinstance(loss, str):
+        try:
+            loss = keras.losses.get(loss)
+        except ValueError as err:
+            raise ExtractionError(
+                f"loss {loss!r} is not a Keras loss name ({err}); pass a keras.losses object or a callable",
+                layer="loss",
+            ) from None
+    if not callable(loss):
+        raise ExtractionError(f"loss must be a Keras loss, its name or a callable, got {type(loss).__name__}", layer="loss")
+
+    def loss_fn(labels, preds):
+        total = loss(labels[0], preds[0])
+        for y, p in zip(labels[1:num_outputs], preds[1:num_outputs]):
+            total = total + loss(y, p)
+        return tf.reduce_mean(total)
+
+    return loss_fn
+
+
+def _input_specs(model, sample_batch, input_signature, batch_size) -> tuple[list[tf.TensorSpec], list[tf.TensorSpec]]:
+    """The flattened input and label specs, batch dimension included."""
+    if sample_batch is not None:
+        x, y = sample_batch
+        xs = [tf.TensorSpec(np.shape(t), tf.as_dtype(getattr(t, "dtype", np.float32))) for t in tf.nest.flatten(x)]
+        ys = [tf.TensorSpec(np.shape(t), tf.as_dtype(getattr(t, "dtype", np.float32))) for t in tf.nest.flatten(y)]
+        return xs, ys
+    if input_signature is not None:
+        xs = list(tf.nest.flatten(input_signature))
+    else:
+        xs = [tf.TensorSpec(t.shape, t.dtype) for t in model.inputs]
+    specs = []
+    for i, spec in enumerate(xs):
+        shape = list(spec.shape)
+        if shape and shape[0] is None:
+            if batch_size is None:
+                raise ExtractionError(
+                    f"model input {i} has no batch size; pass batch_size=... or a sample batch",
+                    layer=getattr(model.inputs[i], "name", None) if i < len(model.inputs) else None,
+                )
+            shape[0] = batch_size
+        if any(d is None for d in shape):
+            name = model.inputs[i].name if i < len(model.inputs) else f"input {i}"
+            raise ExtractionError(
+                f"model input {name!r} has shape {tuple(shape)} with an unknown dimension; tfremat needs "
+                "static shapes: build the model with keras.Input(shape=(H, W, C)) or pass a sample batch",
+                layer=name,
+            )
+        specs.append(tf.TensorSpec(shape, spec.dtype))
+    outputs = tf.nest.flatten(model.outputs)
+    labels = [tf.TensorSpec([specs[0].shape[0], *o.shape[1:]], o.dtype) for o in outputs]
+    return specs, labels
+
+
+def _check_layer(layer, name: str) -> None:
+    """Refuses layers whose recomputation would not be a pure function of its inputs."""
+    if getattr(layer, "stateful", False):
+        raise ExtractionError(
+            f"layer {name!r} is stateful (state carried across batches); recomputing it would advance its "
+            "state twice. Use stateful=False, or keep the layer outside the rematerialized model.",
+            layer=name,
+        )
+
+
+def _python_state(layer) -> dict:
+    """A snapshot of a user layer's plain Python attributes, to catch side effects in ``call``."""
+    state = {}
+    for key, value in vars(layer).items():
+        if isinstance(value, (bool, int, float, str, type(None))):
+            state[key] = value
+        elif isinstance(value, (list, dict, set)) and not key.startswith("_"):
+            state[key] = len(value)
+    return state
+
+
+def _layer_signature(layer) -> str:
+    """A description of a layer that is equal for layers that behave identically."""
+    try:
+        config = dict(layer.get_config())
+    except NotImplementedError:
+        return f"{type(layer).__module__}.{type(layer).__qualname__}@{id(layer)}"
+    config.pop("name", None)
+    return f"{type(layer).__module__}.{type(layer).__qualname__}:{json.dumps(config, sort_keys=True, default=str)}"
+
+
+def _make_caller(call: LayerCall, takes_training: bool) -> Callable[[list], object]:
+    def run(flat_inputs):
+        it = iter(flat_inputs)
+
+        def swap(value):
+            return next(it) if isinstance(value, TensorRef) else value
+
+        args = tf.nest.map_structure(swap, call.call_args)
+        kwargs = tf.nest.map_structure(swap, dict(call.call_kwargs))
+        if takes_training:
+            kwargs["training"] = True
+        return call.layer(*args, **kwargs)
+
+    return run
+
+
+def _cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device) -> str:
+    payload = {
+        "version": _CACHE_VERSION,
+        "tf": tf.__version__,
+        "device": device,
+        "cost_model": cost_model,
+        "loss": loss_name,
+        "inputs": [(list(s.shape), s.dtype.name) for s in in_specs],
+        "labels": [(list(s.shape), s.dtype.name) for s in label_specs],
+        "policy": keras.config.dtype_policy().name,
+        "calls": [(c.name, _layer_signature(c.layer), [(r.source, r.index, r.output_index) for r in c.inputs]) for c in calls],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _load_cache(key: str) -> dict | None:
+    path = os.path.join(cache_dir(), f"{key}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    return data
+
+
+def _store_cache(key: str, data: dict) -> None:
+    directory = cache_dir()
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f"{key}.json.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, os.path.join(directory, f"{key}.json"))
+
+
+def _variables_bytes(variables) -> int:
+    return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
+
+
+def extract(
+    model,
+    sample_batch=None,
+    *,
+    input_signature=None,
+    loss="categorical_crossentropy",
+    optimizer=None,
+    cost_model: str = "profile",
+    batch_size: int | None = None,
+    repeats: int = 5,
+    use_cache: bool = True,
+) -> Extraction:
+    """Extracts the training graph of a Keras model.
+
+    Args:
+        model: a built Functional or Sequential ``keras.Model`` (nested models are flattened).
+        sample_batch: ``(x, y)`` arrays or tensors; their shapes and dtypes fix the signature.
+        input_signature: instead of a sample batch, ``tf.TensorSpec`` per model input; labels
+            are shaped like the model outputs. A ``None`` batch dimension needs ``batch_size``.
+        loss: a Keras loss object, its name, or ``fn(y_true, y_pred) -> scalar``.
+        optimizer: a Keras optimizer (default SGD); it is built on the model's trainable
+            variables so that its slot variables are counted.
+        cost_model: ``"profile"`` (median seconds on the device, plus allocator workspace) or
+            ``"flops"`` (an analytic count; workspace 0).
+        batch_size: the batch size when the signature leaves it open.
+        repeats: timed runs per node when profiling.
+        use_cache: read and write the on-disk profile cache (see :func:`cache_dir`).
+
+    Returns:
+        An :class:`Extraction`.
+
+    Raises:
+        ExtractionError: naming the layer, when the model cannot be extracted (subclassed
+            model without functional graph, unknown static shapes, stateful RNNs, layers with
+            Python side effects, a bad loss or cost model).
+
+    Example:
+        >>> ex = extract(model, (x, y), loss="categorical_crossentropy", cost_model="flops")
+        >>> ex.graph.size, ex.side_table.loss_node
+    """
+    started = time.perf_counter()
+    if cost_model not in _COST_MODELS:
+        raise ExtractionError(f"cost_model must be one of {_COST_MODELS}, got {cost_model!r}")
+    if sample_batch is not None and input_signature is not None:
+        raise ExtractionError("pass either sample_batch or input_signature, not both")
+    if not isinstance(model, keras.Model):
+        raise ExtractionError(f"model must be a keras.Model, got {type(model).__name__}")
+    if not model.built:
+        raise ExtractionError(
+            f"model {model.name!r} is not built; call it once or build it with keras.Input", layer=model.name
+        )
+    optimizer = optimizer if optimizer is not None else keras.optimizers.SGD()
+    calls, output_refs = walk_model(model)
+    in_specs, label_specs = _input_specs(model, sample_batch, input_signature, batch_size)
+    batch = int(in_specs[0].shape[0])
+    loss_name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", repr(loss))
+    loss_fn = resolve_loss(loss, len(output_refs))
+    device = device_name()
+    key = _cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device)
+    cached = _load_cache(key) if use_cache else None
+
+    # Which calls pass a gradient back: those owning trainable weights or fed by such calls.
+    needs_backward = []
+    for call in calls:
+        upstream = any(r.source == "node" and needs_backward[r.index] for r in call.inputs)
+        needs_backward.append(bool(call.layer.trainable_variables) or upstream)
+
+    profile_started = time.perf_counter()
+    analyses: list[CallAnalysis] = []
+    if cached is not None:
+        analyses = [CallAnalysis.from_dict(d) for d in cached["calls"]]
+        loss_analysis = CallAnalysis.from_dict(cached["loss"])
+        logger.info("extract %s: profile cache hit %s", model.name, key)
+    else:
+        loss_analysis = None
+    out_specs: list[list[tf.TensorSpec]] = []
+    by_signature: dict[tuple, CallAnalysis] = {}
+    for call in calls:
+        _check_layer(call.layer, call.name)
+        specs = []
+        for ref in call.inputs:
+            specs.append(in_specs[ref.index] if ref.source == "model_input" else out_specs[ref.index][ref.output_index])
+        grads = [r.source == "node" and needs_backward[r.index] for r in call.inputs]
+        if cached is not None:
+            analysis = analyses[call.position]
+        else:
+            takes_training = bool(getattr(call.layer, "_call_has_training_arg", False))
+            signature = (
+                _layer_signature(call.layer),
+                tuple((tuple(s.shape), s.dtype.name) for s in specs),
+                tuple(grads),
+                repr(tf.nest.map_structure(lambda v: "T" if isinstance(v, TensorRef) else v, (call.call_args, call.call_kwargs))),
+            )
+            analysis = by_signature.get(signature)
+            if analysis is None:
+                analysis = _analyze_with_checks(call, takes_training, specs, grads, batch, cost_model, repeats)
+                by_signature[signature] = analysis
+            analyses.append(analysis)
+        out_specs.append([tf.TensorSpec(s, d) for s, d in analysis.output_specs])
+    pred_specs = [out_specs[r.index][r.output_index] for r in output_refs]
+    if loss_analysis is None:
+        loss_analysis = analyze_loss(loss_fn, pred_specs, label_specs, cost_model == "profile", repeats)
+    profile_seconds = 0.0 if cached is not None else time.perf_counter() - profile_started
+    if cached is None and use_cache:
+        _store_cache(key, {"calls": [a.to_dict() for a in analyses], "loss": loss_analysis.to_dict()})
+
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    graph, table = _assemble(
+        model, calls, output_refs, needs_backward, analyses, loss_analysis, in_specs, label_specs,
+        loss_fn, optimizer, batch, cost_model,
+    )
+    seconds = time.perf_counter() - started
+    logger.info(
+        "extract %s: %d nodes, %d edges in %.2f s (profiling %.2f s)", model.name, graph.size, len(graph.edges),
+        seconds, profile_seconds,
+    )
+    return Extraction(graph, table, seconds, profile_seconds, cached is not None)
+
+
+def _analyze_with_checks(call, takes_training, specs, grads, batch, cost_model, repeats) -> CallAnalysis:
+    """Analyzes one call, refusing Python side effects and restoring non-trainable state."""
+    layer = call.layer
+    user_layer = not type(layer).__module__.startswith("keras")
+    before = _python_state(layer) if user_layer else None
+    saved = [v.numpy() for v in layer.non_trainable_variables]
+    try:
+        analysis = analyze_call(
+            _make_caller(call, takes_training), call.name, specs, grads, list(layer.trainable_variables), batch,
+            profile=cost_model == "profile", repeats=repeats,
+        )
+    finally:
+        for variable, value in zip(layer.non_trainable_variables, saved):
+            variable.assign(value)
+    if user_layer:
+        after = _python_state(layer)
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        if changed:
+            raise ExtractionError(
+                f"layer {call.name!r} changes its Python attributes {changed} when called; a recomputation "
+                "would repeat that side effect. Keep such state in tf.Variables or outside call().",
+                layer=call.name,
+            )
+    if layer.losses:
+        raise ExtractionError(
+            f"layer {call.name!r} adds losses in call() (activity regularization / add_loss); tfremat's "
+            "graph has one loss node and would drop them. Move the term into the loss function.",
+            layer=call.name,
+        )
+    return analysis
+
+
+def _assemble(model, calls, output_refs, needs_backward, analyses, loss_analysis, in_specs, label_specs,
+              loss_fn, optimizer, batch, cost_model) -> tuple[DFGraph, SideTable]:
+    """Numbers the nodes, wires the edges and builds the graph and the side table."""
+    n_fwd = len(calls)
+    loss_node = n_fwd
+    backward_calls = [c.position for c in reversed(calls) if needs_backward[c.position]]
+    backward_id = {p: loss_node + 1 + k for k, p in enumerate(backward_calls)}
+    n = loss_node + 1 + len(backward_calls)
+
+    # Where each call output's upstream gradient comes from.
+    output_grads: dict[int, list[list[GradRef]]] = {c.position: [[] for _ in range(c.num_outputs)] for c in calls}
+    for k, ref in enumerate(output_refs):
+        output_grads[ref.index][ref.output_index].append(GradRef(loss_node, k))
+    for call in calls:
+        if not needs_backward[call.position]:
+            continue
+        for pos, ref in enumerate(call.inputs):
+            if ref.source == "node" and needs_backward[ref.index]:
+                output_grads[ref.index][ref.output_index].append(GradRef(backward_id[call.position], pos))
+
+    flops = cost_model == "flops"
+    names, cost, out_bytes, work, is_bwd = [""] * n, [0.0] * n, [0] * n, [0] * n, [False] * n
+    edges: set[tuple[int, int]] = set()
+    entries: list[NodeEntry | None] = [None] * n
+    forward_of = {}
+    small_total = 0
+    for call in calls:
+        a = analyses[call.position]
+        i = call.position
+        layer = call.layer
+        takes_training = bool(getattr(layer, "_call_has_training_arg", False))
+        names[i] = call.name
+        cost[i] = a.forward_flops if flops else a.forward_seconds
+        out_bytes[i] = a.output_bytes + a.residual_bytes
+        work[i] = a.forward_workspace
+        small_total += a.small_residual_bytes if needs_backward[i] else 0
+        for ref in call.inputs:
+            if ref.source == "node":
+                edges.add((ref.index, i))
+        needs = tuple(r.source == "node" and needs_backward[r.index] for r in call.inputs)
+        common = dict(
+            layer=layer, call_args=call.call_args, call_kwargs=MappingProxyType(dict(call.call_kwargs)),
+            inputs=call.inputs, takes_training=takes_training,
+            trainable_variables=tuple(layer.trainable_variables), num_outputs=call.num_outputs,
+            input_needs_grad=needs,
+        )
+        b = backward_id.get(i)
+        entries[i] = NodeEntry(
+            node=i, kind="forward", name=call.name, forward_node=i, backward_node=b,
+            output_bytes=a.output_bytes, residual_bytes=a.residual_bytes if b is not None else 0,
+            small_residual_bytes=a.small_residual_bytes if b is not None else 0,
+            workspace_bytes=a.forward_workspace, cost=cost[i], **common,
+        )
+        if b is None:
+            # Nothing differentiates this call, so the tape keeps none of its residuals.
+            out_bytes[i] = a.output_bytes
+            continue
+        names[b] = f"{call.name}_backward"
+        is_bwd[b] = True
+        forward_of[b] = i
+        cost[b] = a.backward_flops if flops else a.backward_seconds
+        out_bytes[b] = a.input_grad_bytes
+        work[b] = a.backward_workspace
+        grads = tuple(tuple(g) for g in output_grads[i])
+        for contributions in grads:
+            for g in contributions:
+                edges.add((g.node, b))
+        for pos in a.reads_inputs:
+            ref = call.inputs[pos]
+            if ref.source == "node":
+                edges.add((ref.index, b))
+        if a.reads_output or a.residual_bytes:
+            edges.add((i, b))
+        entries[b] = NodeEntry(
+            node=b, kind="backward", name=names[b], forward_node=i, output_grads=grads,
+            reads_inputs=a.reads_inputs, reads_output=a.reads_output, output_bytes=a.input_grad_bytes,
+            workspace_bytes=a.backward_workspace, cost=cost[b], **common,
+        )
+    names[loss_node] = "loss"
+    is_bwd[loss_node] = True
+    cost[loss_node] = loss_analysis.forward_flops if flops else loss_analysis.forward_seconds
+    out_bytes[loss_node] = loss_analysis.output_bytes
+    work[loss_node] = loss_analysis.forward_workspace
+    for ref in output_refs:
+        edges.add((ref.index, loss_node))
+    entries[loss_node] = NodeEntry(
+        node=loss_node, kind="loss", name="loss", inputs=tuple(output_refs),
+        reads_inputs=tuple(range(len(output_refs))), output_bytes=loss_analysis.output_bytes,
+        workspace_bytes=loss_analysis.forward_workspace, cost=cost[loss_node],
+    )
+    trainable = _variables_bytes(model.trainable_variables)
+    breakdown = {
+        "params": trainable,
+        "param_grads": trainable,
+        "optimizer_slots": _variables_bytes(optimizer.variables),
+        "non_trainable": _variables_bytes(model.non_trainable_variables),
+        "inputs": sum(tensor_bytes(s.shape, s.dtype, "the input batch", "input") for s in in_specs),
+        "labels": sum(tensor_bytes(s.shape, s.dtype, "the labels", "labels") for s in label_specs),
+        "small_residuals": small_total,
+    }
+    graph = DFGraph(
+        names=names, edges=edges, cost=cost, output_bytes=out_bytes, workspace_bytes=work, is_backward=is_bwd,
+        loss_node=loss_node, forward_of=forward_of, fixed_bytes=sum(breakdown.values()), name=model.name,
+    )
+    table = SideTable(
+        model=model, entries=tuple(entries), input_specs=tuple(in_specs), label_specs=tuple(label_specs),
+        outputs=tuple(output_refs), loss_node=loss_node, loss_fn=loss_fn, optimizer=optimizer, batch_size=batch,
+        fixed_bytes_breakdown=MappingProxyType(breakdown),
+    )
+    return graph, table

@@ -1,0 +1,155 @@
+"""Walks a Keras 3 model's functional graph into a flat list of layer calls.
+
+Keras keeps the layer DAG of a functional model in ``model._nodes_by_depth`` (this model's
+nodes only; ``layer._inbound_nodes`` would mix in other models sharing a layer) and a built
+``Sequential`` exposes its functional graph as ``model._functional``. Nested functional
+models appear as one call in their parent; they are flattened here so that every graph
+node is one call of one leaf layer, which is the granularity the compiled step recomputes.
+A nested model without a functional graph (subclassed) stays one opaque call: it is still a
+correct layer call, only coarser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import keras
+import tensorflow as tf
+
+from tfremat.errors import ExtractionError
+from tfremat.extract.side_table import TensorRef
+
+__all__ = ["LayerCall", "walk_model", "functional_view"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCall:
+    """One call of a leaf layer, in execution order, before graph ids are assigned.
+
+    Attributes:
+        position: the call's index among all calls (forward execution order).
+        name: the layer's path through nested models, suffixed when a layer is called twice.
+        layer: the Keras layer.
+        call_args, call_kwargs: the call's arguments with :class:`TensorRef` for tensors;
+            ``TensorRef("node", p)`` refers to call position ``p`` here.
+        inputs: the tensor references, flattened.
+        num_outputs: number of flattened output tensors.
+        output_shapes: static shapes (without the batch dimension) of the outputs.
+    """
+
+    position: int
+    name: str
+    layer: object
+    call_args: tuple
+    call_kwargs: dict
+    inputs: tuple[TensorRef, ...]
+    num_outputs: int
+    output_shapes: tuple
+
+
+def functional_view(model) -> object | None:
+    """The model's functional graph, or None when it has none (a subclassed model)."""
+    if isinstance(model, keras.Sequential):
+        return getattr(model, "_functional", None)
+    if hasattr(model, "_nodes_by_depth") and getattr(model, "_nodes_by_depth", None):
+        return model
+    return None
+
+
+def walk_model(model) -> tuple[list[LayerCall], list[TensorRef]]:
+    """Lists every leaf layer call of ``model`` and where each model output comes from.
+
+    Args:
+        model: a built Functional or Sequential Keras model.
+
+    Returns:
+        ``(calls, outputs)``: the calls in execution order and one reference per flattened
+        model output.
+
+    Raises:
+        ExtractionError: the model has no functional graph, or a model output is one of
+            its inputs (nothing to train).
+    """
+    graph = functional_view(model)
+    if graph is None:
+        raise ExtractionError(
+            f"model {model.name!r} is a subclassed model without a functional graph; tfremat needs "
+            "the layer DAG. Rebuild it with the functional API (keras.Input + layer calls) or as a "
+            "keras.Sequential, or wrap the subclassed model as one layer inside a functional model.",
+            layer=model.name,
+        )
+    calls: list[LayerCall] = []
+    names_seen: dict[str, int] = {}
+    inputs = [TensorRef("model_input", i) for i in range(len(graph.inputs))]
+    outputs = _walk(graph, inputs, "", calls, names_seen)
+    for ref in outputs:
+        if ref.source == "model_input":
+            raise ExtractionError(
+                f"model {model.name!r} returns its input {ref.index} unchanged; every output must "
+                "be computed by a layer",
+                layer=model.name,
+            )
+    return calls, outputs
+
+
+def _walk(graph, input_refs, prefix, calls, names_seen) -> list[TensorRef]:
+    """Appends the calls of ``graph`` to ``calls``; returns the refs of its outputs."""
+    refs: dict[int, TensorRef] = {id(t): r for t, r in zip(graph.inputs, input_refs)}
+    for depth in sorted(graph._nodes_by_depth, reverse=True):
+        for node in graph._nodes_by_depth[depth]:
+            op = node.operation
+            if node.is_input or op is None:
+                continue
+            missing = [t for t in node.input_tensors if id(t) not in refs]
+            if missing:
+                raise ExtractionError(
+                    f"layer {op.name!r}: an input tensor is not produced by the model's graph; "
+                    "is the layer fed by a tensor from another model?",
+                    layer=op.name,
+                )
+            inner = functional_view(op) if isinstance(op, keras.Model) else None
+            if inner is not None:
+                inner_inputs = [refs[id(t)] for t in node.input_tensors]
+                if len(inner_inputs) != len(inner.inputs):
+                    raise ExtractionError(
+                        f"nested model {op.name!r} is called with {len(inner_inputs)} tensors but has "
+                        f"{len(inner.inputs)} inputs; keyword tensors to nested models are not supported",
+                        layer=op.name,
+                    )
+                outs = _walk(inner, inner_inputs, f"{prefix}{op.name}/", calls, names_seen)
+                for t, r in zip(node.outputs, outs):
+                    refs[id(t)] = r
+                continue
+            position = len(calls)
+
+            def to_ref(value):
+                if isinstance(value, keras.KerasTensor):
+                    return refs[id(value)]
+                return value
+
+            args = tf.nest.map_structure(to_ref, tuple(node.arguments.args))
+            kwargs = tf.nest.map_structure(to_ref, dict(node.arguments.kwargs))
+            flat_inputs = tuple(v for v in tf.nest.flatten((args, kwargs)) if isinstance(v, TensorRef))
+            name = prefix + op.name
+            seen = names_seen.get(name, 0)
+            names_seen[name] = seen + 1
+            if seen:
+                name = f"{name}#{seen}"
+            calls.append(
+                LayerCall(
+                    position=position,
+                    name=name,
+                    layer=op,
+                    call_args=args,
+                    call_kwargs=kwargs,
+                    inputs=flat_inputs,
+                    num_outputs=len(node.outputs),
+                    output_shapes=tuple(tuple(t.shape[1:]) for t in node.outputs),
+                )
+            )
+            for index, t in enumerate(node.outputs):
+                refs[id(t)] = TensorRef("node", position, index)
+    return [refs[id(t)] for t in graph.outputs]
