@@ -1,0 +1,289 @@
+"""Tests of the Checkmate MILP, the LP rounding and the solver backends (tfremat.ilp)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tfremat.errors import InfeasibleBudgetError, SolverError, SolverLicenseError, SolverUnavailableError
+from tfremat.graph import DFGraph, load_graph
+from tfremat.ilp import build_model, memory_lower_bound, solve_model
+from tfremat.ilp.strategies import solve_approx_lp, solve_optimal
+from tfremat.plan.execution import Op
+from tfremat.plan.registry import get_strategy, strategy_names
+from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix, validate_schedule
+from tfremat.plan.simulator import simulate
+
+GRAPHS = Path(os.environ.get("TFREMAT_GRAPHS", Path(__file__).resolve().parents[2] / "shared" / "graphs"))
+BASELINES = [name for name in strategy_names() if name not in ("optimal", "approx_lp")]
+
+
+def random_dag(n: int, seed: int, workspace: bool = True) -> DFGraph:
+    """A random DAG with zero-cost nodes, varied sizes, workspace and fixed bytes."""
+    rng = np.random.default_rng(seed)
+    edges = {(i, i + 1) for i in range(n - 1)}
+    for v in range(2, n):
+        for u in rng.choice(v - 1, size=min(v - 1, int(rng.integers(0, 3))), replace=False):
+            edges.add((int(u), v))
+    cost = rng.integers(0, 5, size=n).astype(float)
+    out = rng.integers(1, 9, size=n) * 4
+    work = rng.integers(0, 3, size=n) * 4 if workspace else None
+    return DFGraph(
+        names=[f"n{i}" for i in range(n)], edges=sorted(edges), cost=cost, output_bytes=out,
+        workspace_bytes=work, fixed_bytes=int(rng.integers(0, 3)) * 8, name=f"random{n}_{seed}",
+    )
+
+
+def training_chain(layers: int, batch: int = 1) -> DFGraph:
+    """A layer chain with its gradient chain (Checkmate's linear training graph)."""
+    n = 2 * layers + 1
+    edges = [(i, i + 1) for i in range(n - 1)]
+    for f in range(layers):
+        b = n - 1 - f
+        edges += [(f, b)]
+    is_backward = [i >= layers for i in range(n)]
+    forward_of = {n - 1 - f: f for f in range(layers)}
+    return DFGraph(
+        names=[f"f{i}" if i < layers else ("loss" if i == layers else f"b{n - 1 - i}") for i in range(n)],
+        edges=edges, cost=[1.0] * layers + [1.0] + [2.0] * layers, output_bytes=[4 * batch] * n,
+        is_backward=is_backward, loss_node=layers, forward_of=forward_of, fixed_bytes=16, name=f"chain{layers}",
+    )
+
+
+def peak(graph, schedule) -> int:
+    return simulate(graph, schedule).peak_bytes
+
+
+def checkpoint_all_peak(graph) -> int:
+    return peak(graph, schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "all"))
+
+
+def brute_force_frontier(graph):
+    """(peak, cost) of every keep matrix completed with solve R given S."""
+    n = graph.size
+    cells = [(t, i) for t in range(n) for i in range(t)]
+    points = set()
+    for bits in itertools.product((False, True), repeat=len(cells)):
+        S = np.zeros((n, n), dtype=bool)
+        for (t, i), bit in zip(cells, bits):
+            S[t, i] = bit
+        schedule = schedule_from_keep_matrix(graph, S, "brute")
+        points.add((peak(graph, schedule), schedule.cost(graph)))
+    return points
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_brute_force_equals_milp_on_tiny_graphs(seed):
+    graph = random_dag(5, seed)
+    points = brute_force_frontier(graph)
+    for budget in sorted({p for p, _ in points}):
+        best = min(c for p, c in points if p <= budget)
+        schedule = solve_optimal(graph, budget, threads=1, warm_start=False, mip_gap=0.0)
+        assert schedule.cost(graph) == pytest.approx(best)
+        assert peak(graph, schedule) <= budget
+    smallest = min(p for p, _ in points)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_optimal(graph, smallest - 1, threads=1, warm_start=False)
+    assert info.value.lower_bound_bytes <= smallest
+
+
+def test_brute_force_six_nodes_training_chain():
+    graph = DFGraph(
+        names=list("abcdef"), edges=[(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (1, 4), (0, 5)],
+        cost=[1, 3, 1, 2, 2, 2], output_bytes=[8, 4, 12, 4, 8, 4], workspace_bytes=[0, 4, 0, 0, 8, 0],
+        is_backward=[False, False, False, True, True, True], loss_node=3, forward_of={4: 1, 5: 0},
+    )
+    points = brute_force_frontier(graph)
+    for budget in sorted({p for p, _ in points}):
+        best = min(c for p, c in points if p <= budget)
+        assert solve_optimal(graph, budget, threads=1, mip_gap=0.0).cost(graph) == pytest.approx(best)
+
+
+def random_cases():
+    for seed in range(6):
+        graph = random_dag(8 + seed % 5, 100 + seed)
+        low, high = memory_lower_bound(graph), checkpoint_all_peak(graph)
+        for share in (0.0, 0.4, 0.8):
+            yield graph, int(low + share * (high - low))
+
+
+@pytest.mark.parametrize("graph,budget", list(random_cases()), ids=lambda v: getattr(v, "name", str(v)))
+def test_milp_never_worse_than_baselines_and_lp_bounds_hold(graph, budget):
+    try:
+        optimal = solve_optimal(graph, budget, threads=1, mip_gap=0.0)
+    except InfeasibleBudgetError:
+        with pytest.raises(InfeasibleBudgetError):
+            solve_approx_lp(graph, budget, threads=1)
+        for name in BASELINES:
+            with pytest.raises(InfeasibleBudgetError):
+                get_strategy(name)(graph, budget)
+        return
+    validate_schedule(graph, optimal)
+    cost = optimal.cost(graph)
+    assert peak(graph, optimal) <= budget
+    assert optimal.facts["status"] == "optimal"
+    assert optimal.facts["objective"] == pytest.approx(cost)
+    assert cost >= graph.total_cost - 1e-9
+    for name in BASELINES:
+        try:
+            baseline = get_strategy(name)(graph, budget)
+        except InfeasibleBudgetError:
+            continue
+        if peak(graph, baseline) <= budget:
+            assert cost <= baseline.cost(graph) + 1e-9, name
+    try:
+        approx = solve_approx_lp(graph, budget, threads=1)
+    except InfeasibleBudgetError:
+        return
+    validate_schedule(graph, approx)
+    assert peak(graph, approx) <= budget
+    assert approx.facts["best_bound"] <= cost + 1e-6
+    assert cost <= approx.cost(graph) + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_milp_memory_agrees_with_simulator(seed):
+    graph = random_dag(10, 200 + seed)
+    low, high = memory_lower_bound(graph), checkpoint_all_peak(graph)
+    budget = (low + high) // 2
+    model = build_model(graph, budget)
+    result = solve_model(model, threads=1)
+    if result.x is None:
+        pytest.skip("budget infeasible for this graph")
+    R, S = model.decode(result.x)
+    schedule = Schedule(R, S, "optimal")
+    validate_schedule(graph, schedule)
+    simulation = simulate(graph, schedule)
+    simulated = {
+        (s.stage, s.node): int(simulation.trace_bytes[j])
+        for j, s in enumerate(simulation.plan.statements) if s.op is Op.COMPUTE
+    }
+    modelled = model.memory_while_running(result.x)
+    assert modelled.keys() == simulated.keys()
+    for key, value in simulated.items():
+        assert modelled[key] == pytest.approx(value), key
+    assert simulation.peak_bytes <= budget
+
+
+def test_warm_start_is_accepted_and_never_beaten_by_time_limit():
+    graph = training_chain(8)
+    budget = memory_lower_bound(graph) + 4
+    fitting = [s for s in (_try(name, graph, budget) for name in BASELINES) if s is not None and peak(graph, s) <= budget]
+    baseline = min(fitting, key=lambda s: s.cost(graph))
+    assert baseline.cost(graph) > graph.total_cost
+    assert build_model(graph, budget).encode(baseline) is not None
+    schedule = solve_optimal(graph, budget, threads=1, time_limit=0.01)
+    assert schedule.cost(graph) <= baseline.cost(graph)
+    assert peak(graph, schedule) <= budget
+    assert schedule.facts["warm_start"] == baseline.strategy
+
+
+def _try(name, graph, budget):
+    try:
+        return get_strategy(name)(graph, budget)
+    except InfeasibleBudgetError:
+        return None
+
+
+def test_no_budget_returns_checkpoint_all_as_optimal():
+    graph = random_dag(9, 3)
+    schedule = get_strategy("optimal")(graph)
+    assert schedule.cost(graph) == graph.total_cost
+    assert schedule.facts["status"] == "optimal"
+    assert get_strategy("approx_lp")(graph).cost(graph) == graph.total_cost
+
+
+def test_budget_below_lower_bound_raises_with_facts():
+    graph = training_chain(4)
+    bound = memory_lower_bound(graph)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_optimal(graph, bound - 1, threads=1)
+    assert info.value.lower_bound_bytes == bound
+    assert info.value.strategy == "optimal"
+    assert info.value.min_feasible_bytes is not None and info.value.min_feasible_bytes >= bound
+
+
+def test_facts_report_the_solve():
+    graph = training_chain(5)
+    budget = memory_lower_bound(graph) + 8
+    reports = []
+    schedule = solve_optimal(graph, budget, threads=1, warm_start=False, progress=reports.append)
+    facts = schedule.facts
+    assert facts["status"] == "optimal" and facts["gap"] == pytest.approx(0.0, abs=1e-4)
+    assert facts["best_bound"] <= facts["objective"] == pytest.approx(schedule.cost(graph))
+    assert facts["num_vars"] > 0 and facts["num_constraints"] > 0 and facts["seconds"] >= facts["solve_seconds"]
+    assert facts["solver"] == "highs" and facts["peak_bytes"] <= budget
+    assert reports and reports[-1].incumbent == pytest.approx(facts["objective"])
+
+
+def test_relative_budget_refers_to_checkpoint_all_peak():
+    graph = training_chain(8)
+    schedule = solve_optimal(graph, "80%", threads=1)
+    assert schedule.facts["budget_bytes"] == int(0.8 * checkpoint_all_peak(graph))
+
+
+def test_unknown_solver_and_bad_options():
+    graph = training_chain(3)
+    budget = memory_lower_bound(graph) + 4
+    with pytest.raises(SolverError, match="highs"):
+        solve_optimal(graph, budget, solver="cplex", warm_start=False)
+    with pytest.raises(SolverError, match="time_limit"):
+        solve_optimal(graph, budget, time_limit=-1, warm_start=False)
+
+
+def test_missing_gurobipy_names_the_install_and_the_default(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gurobipy", None)
+    graph = training_chain(3)
+    with pytest.raises(SolverUnavailableError, match="pip install gurobipy") as info:
+        solve_optimal(graph, memory_lower_bound(graph) + 4, solver="gurobi", warm_start=False)
+    assert "highs" in str(info.value)
+
+
+def test_gurobi_size_limited_license_error():
+    gurobipy = pytest.importorskip("gurobipy", reason="gurobipy is not installed")
+    graph = random_dag(40, 5)
+    model = build_model(graph, checkpoint_all_peak(graph))
+    assert model.num_vars > 2000
+    try:
+        solve_model(model, solver="gurobi", threads=1, time_limit=5)
+    except SolverLicenseError as exc:
+        assert "2000" in str(exc) and "highs" in str(exc)
+    except gurobipy.GurobiError:  # pragma: no cover - errors must be translated
+        pytest.fail("a raw GurobiError escaped")
+    else:
+        pytest.skip("this Gurobi license is not size-limited")
+
+
+def test_gurobi_agrees_with_highs_on_a_small_model():
+    pytest.importorskip("gurobipy", reason="gurobipy is not installed")
+    graph = training_chain(3)
+    budget = memory_lower_bound(graph) + 4
+    try:
+        gurobi = solve_optimal(graph, budget, solver="gurobi", threads=1, warm_start=False)
+    except SolverLicenseError as exc:
+        pytest.skip(f"no usable Gurobi license: {exc}")
+    highs = solve_optimal(graph, budget, threads=1, warm_start=False)
+    assert gurobi.cost(graph) == pytest.approx(highs.cost(graph))
+    assert gurobi.facts["solver"] == "gurobi"
+
+
+def test_approx_lp_infeasible_budget_raises():
+    graph = training_chain(4)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_approx_lp(graph, memory_lower_bound(graph) - 1, threads=1)
+    assert info.value.strategy == "approx_lp"
+
+
+@pytest.mark.skipif(not GRAPHS.is_dir(), reason=f"benchmark graphs not found at {GRAPHS} (set TFREMAT_GRAPHS)")
+def test_vgg16_at_90_percent_matches_checkmate():
+    graph = load_graph(GRAPHS / "VGG16_256_224_224_3_train.json")
+    budget = int(0.9 * checkpoint_all_peak(graph))
+    schedule = solve_optimal(graph, budget, threads=1, time_limit=60)
+    assert schedule.facts["status"] == "optimal"
+    assert schedule.cost(graph) / graph.total_cost == pytest.approx(1.0197, abs=1e-3)
+    assert peak(graph, schedule) <= budget
