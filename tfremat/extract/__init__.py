@@ -5,6 +5,21 @@ that strategies plan over and the :class:`SideTable` the compiled training step 
 each node.
 """
 
+from tfremat.extract.extractor import Extraction, cache_dir, extract, resolve_loss
+from tfremat.extract.keras_models import build_model, graph_command
+from tfremat.extract.measure import measure_plain_step_peak
 from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef
 
-__all__ = ["GradRef", "NodeEntry", "SideTable", "TensorRef"]
+__all__ = [
+    "extract",
+    "Extraction",
+    "resolve_loss",
+    "cache_dir",
+    "build_model",
+    "graph_command",
+    "measure_plain_step_peak",
+    "GradRef",
+    "NodeEntry",
+    "SideTable",
+    "TensorRef",
+]

@@ -16,6 +16,12 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   Weight gradients are fixed bytes.
 * **Workspace** = the allocator peak while the node runs in isolation, minus its value and
   what it reads (see :mod:`tfremat.extract.analysis`); 0 with ``cost_model="flops"``.
+  The simulator runs one node at a time, so workspace is meant for sequential op execution
+  (``TF_NUM_INTEROP_THREADS=1``). With several inter-op threads TensorFlow overlaps
+  independent ops, e.g. a convolution's input and filter gradients, each with a 32 MiB
+  scratch buffer on CPU; the measured plain-step peak of the small test conv net then rose
+  from 39 MB to 52 MB, which no sequential model predicts. Profile and train with the same
+  setting; the profile cache key includes it.
 * **Fixed bytes** = parameters + parameter gradients + optimizer slot variables +
   non-trainable variables (batch-norm statistics, dropout seeds) + the input batch + the
   labels + the residuals that do not grow with the batch (per-channel statistics). Each part
@@ -194,12 +200,13 @@ def _cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, devic
         "version": _CACHE_VERSION,
         "tf": tf.__version__,
         "device": device,
+        "inter_op_threads": (tf.config.threading.get_inter_op_parallelism_threads(), os.environ.get("TF_NUM_INTEROP_THREADS")),
         "cost_model": cost_model,
         "loss": loss_name,
         "inputs": [(list(s.shape), s.dtype.name) for s in in_specs],
         "labels": [(list(s.shape), s.dtype.name) for s in label_specs],
         "policy": keras.config.dtype_policy().name,
-        "calls": [(c.name, _layer_signature(c.layer), [(r.source, r.index, r.output_index) for r in c.inputs]) for c in calls],
+        "calls": [(_layer_signature(c.layer), [(r.source, r.index, r.output_index) for r in c.inputs]) for c in calls],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 

@@ -1,0 +1,232 @@
+"""Extraction of Keras models into the planning graph (needs TensorFlow)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+import keras  # noqa: E402
+
+from models import small_convnet, unet  # noqa: E402
+from tfremat.errors import ExtractionError  # noqa: E402
+from tfremat.extract import GradRef, build_model, extract, graph_command  # noqa: E402
+from tfremat.graph import load_graph  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _batch(model, batch=4, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, *model.input.shape[1:])).astype("float32")
+    y = np.zeros((batch, *model.output.shape[1:]), "float32")
+    y[..., 0] = 1
+    return x, y
+
+
+def _by_name(extraction):
+    return {entry.name: entry for entry in extraction.side_table.entries}
+
+
+@pytest.fixture(scope="module")
+def convnet_extraction():
+    model = small_convnet()
+    return extract(model, _batch(model), cost_model="flops", use_cache=False)
+
+
+def test_small_convnet_node_and_edge_counts(convnet_extraction):
+    g = convnet_extraction.graph
+    # 12 forward calls, the loss, 12 backward nodes (conv1 owns weights, so all need one).
+    assert g.size == 25
+    assert len(g.forward_nodes) == 12 and len(g.backward_nodes) == 13
+    assert g.loss_node == 12 and g.names[12] == "loss"
+    assert len(g.edges) == 37
+    assert all(g.forward_of[g.backward_of[f]] == f for f in g.forward_nodes)
+
+
+def test_backward_dependencies_are_measured_per_layer_type(convnet_extraction):
+    e = _by_name(convnet_extraction)
+    reads = {name[: -len("_backward")]: (ent.reads_inputs, ent.reads_output) for name, ent in e.items() if ent.kind == "backward"}
+    assert reads["conv1"] == ((0,), False)  # a convolution's gradient reads its input
+    assert reads["relu1"] == ((), True)  # a ReLU's reads its output
+    assert reads["bn1"] == ((0,), False)  # batch norm reads its input ...
+    assert e["bn1"].small_residual_bytes > 0 and e["bn1"].residual_bytes == 0  # ... plus per-channel stats
+    assert reads["add"] == ((), False) and reads["concat"] == ((), False) and reads["flatten"] == ((), False)
+    assert reads["dropout"] == ((), False) and e["dropout"].residual_bytes > 0  # its mask is a residual
+    assert reads["head"] == ((0,), True)  # Dense+softmax: input for the kernel, output for softmax
+    g = convnet_extraction.graph
+    ids = {name: ent.node for name, ent in e.items()}
+    assert (ids["conv1"], ids["bn1_backward"]) in g.edges
+    assert (ids["relu1"], ids["relu1_backward"]) in g.edges
+    assert (ids["dropout"], ids["dropout_backward"]) in g.edges  # residual mask pins the node
+    assert (ids["add"], ids["add_backward"]) not in g.edges
+    assert (ids["bn1"], ids["bn1_backward"]) not in g.edges  # small stats do not pin the output
+    # The forward node's value holds its residuals: output bytes + batch-sized residual bytes.
+    assert g.output_bytes[ids["dropout"]] == e["dropout"].output_bytes + e["dropout"].residual_bytes
+
+
+def test_side_table_wiring(convnet_extraction):
+    e = _by_name(convnet_extraction)
+    table = convnet_extraction.side_table
+    relu1_grads = e["relu1_backward"].output_grads
+    assert set(relu1_grads[0]) == {GradRef(e["conv2_backward"].node, 0), GradRef(e["add_backward"].node, 0)}
+    assert e["head_backward"].output_grads == ((GradRef(table.loss_node, 0),),)
+    assert e["bn1"].takes_training and not e["conv1"].takes_training and e["dropout"].takes_training
+    assert e["conv1"].inputs[0].source == "model_input"
+    assert e["conv1_backward"].input_needs_grad == (False,) and e["conv1_backward"].output_bytes == 0
+    assert [v.path for v in e["conv1"].trainable_variables] == ["conv1/kernel", "conv1/bias"]
+    breakdown = table.fixed_bytes_breakdown
+    assert convnet_extraction.graph.fixed_bytes == sum(breakdown.values())
+    assert breakdown["params"] == breakdown["param_grads"] > 0
+
+
+def test_extraction_is_deterministic():
+    model = small_convnet()
+    first = extract(model, _batch(model), cost_model="flops", use_cache=False)
+    second = extract(model, _batch(model), cost_model="flops", use_cache=False)
+    assert first.graph == second.graph
+    assert first.graph.fingerprint == extract(small_convnet(), _batch(model), cost_model="flops", use_cache=False).graph.fingerprint
+
+
+def test_profile_is_cached_and_leaves_model_state_alone():
+    model = small_convnet()
+    before = [v.numpy().copy() for v in model.variables]
+    first = extract(model, _batch(model), cost_model="profile", repeats=2)
+    assert not first.cache_hit and first.profile_seconds > 0
+    for old, var in zip(before, model.variables):
+        np.testing.assert_array_equal(old, var.numpy())
+    second = extract(model, _batch(model), cost_model="profile", repeats=2)
+    assert second.cache_hit and second.profile_seconds == 0
+    assert second.graph == first.graph
+    assert all(c > 0 for c in first.graph.cost)
+
+
+_MEASURE = r"""
+import json, sys
+sys.path.insert(0, {here!r})
+import numpy as np
+import models
+from tfremat.extract import extract, measure_plain_step_peak
+from tfremat.plan import checkpoint_all_s, schedule_from_keep_matrix, simulate
+model = getattr(models, {name!r})()
+rng = np.random.default_rng(0)
+x = rng.standard_normal((8, *model.input.shape[1:])).astype("float32")
+y = np.zeros((8, *model.output.shape[1:]), "float32"); y[..., 0] = 1
+ex = extract(model, (x, y), cost_model="profile", repeats=2, use_cache=False)
+g = ex.graph
+pred = simulate(g, schedule_from_keep_matrix(g, checkpoint_all_s(g), "checkpoint_all")).peak_bytes
+meas = measure_plain_step_peak(model, x, y, ex.side_table.loss_fn, ex.side_table.optimizer)
+print(json.dumps({{"predicted": int(pred), "measured": int(meas)}}))
+"""
+
+
+@pytest.mark.parametrize("name", ["small_convnet", "unet"])
+def test_checkpoint_all_prediction_matches_measured_peak(name):
+    # A fresh process: the allocator must be BFC and ops must run one at a time
+    # (TF_NUM_INTEROP_THREADS=1), the sequential execution the simulator models.
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_NUM_INTEROP_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE.format(here=HERE, name=name)], env=env, capture_output=True, text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    error = abs(result["predicted"] - result["measured"]) / result["measured"]
+    assert error < 0.10, result
+
+
+@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2", "vgg16", "unet"])
+def test_large_models_extract_under_30_seconds(name, tmp_path):
+    model = unet(input_shape=(64, 64, 3), depth=4) if name == "unet" else build_model(name, (64, 64, 3), num_classes=10)
+    spec = [tf.TensorSpec((2, *model.input.shape[1:]), "float32")]
+    started = time.perf_counter()
+    extraction = extract(model, input_signature=spec, cost_model="profile", repeats=2)
+    assert time.perf_counter() - started < 30
+    g = extraction.graph
+    table = extraction.side_table
+    for f in g.forward_nodes:  # every layer with weights, and everything after the first, has a VJP
+        assert table[f].backward_node is not None or not table[f].trainable_variables
+    assert len(g.backward_nodes) >= len(g.forward_nodes) - 1
+    assert g.names[g.loss_node] == "loss"
+
+
+def test_nested_models_are_flattened_and_shared_layers_supported():
+    inner = keras.Sequential([keras.layers.Dense(8, activation="relu", name="inner_a"), keras.layers.Dense(8, name="inner_b")], name="inner")
+    shared = keras.layers.Dense(8, name="shared")
+    x = keras.Input((4,))
+    h = shared(keras.layers.Dense(8, name="first")(x))
+    h = shared(inner(h))
+    model = keras.Model(x, keras.layers.Dense(3, name="out")(h))
+    x_batch = np.ones((2, 4), "float32")
+    ex = extract(model, (x_batch, np.ones((2, 3), "float32")), cost_model="flops", use_cache=False)
+    names = [ex.graph.names[i] for i in ex.graph.forward_nodes]
+    assert names == ["first", "shared", "inner/inner_a", "inner/inner_b", "shared#1", "out"]
+    e = _by_name(ex)
+    assert e["shared"].layer is e["shared#1"].layer
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+class _Counting(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def call(self, x):
+        self.calls += 1
+        return x * 2.0
+
+
+def test_errors_name_the_layer_and_the_fix():
+    sub = _Subclassed()
+    sub(np.ones((1, 3), "float32"))
+    with pytest.raises(ExtractionError, match="functional API"):
+        extract(sub, (np.ones((2, 3), "float32"), np.ones((2, 2), "float32")))
+
+    x = keras.Input((None, None, 3))
+    dynamic = keras.Model(x, keras.layers.Conv2D(2, 3, name="conv")(x))
+    with pytest.raises(ExtractionError, match="static shapes"):
+        extract(dynamic, batch_size=2)
+
+    x = keras.Input((5, 3), batch_size=2)
+    rnn = keras.Model(x, keras.layers.LSTM(4, stateful=True, name="lstm")(x))
+    with pytest.raises(ExtractionError, match="stateful") as info:
+        extract(rnn, (np.ones((2, 5, 3), "float32"), np.ones((2, 4), "float32")), cost_model="flops")
+    assert info.value.layer == "lstm"
+
+    x = keras.Input((3,))
+    counting = keras.Model(x, keras.layers.Dense(2)(_Counting(name="counter")(x)))
+    with pytest.raises(ExtractionError, match="side effect") as info:
+        extract(counting, (np.ones((2, 3), "float32"), np.ones((2, 2), "float32")), cost_model="flops", use_cache=False)
+    assert info.value.layer == "counter"
+
+    with pytest.raises(ExtractionError, match="Keras Applications name"):
+        build_model("resnet_9000", (32, 32, 3))
+    model = small_convnet()
+    with pytest.raises(ExtractionError, match="cost_model"):
+        extract(model, _batch(model), cost_model="guess")
+
+
+def test_graph_command_writes_planning_json(tmp_path):
+    out = tmp_path / "g.json"
+    summary = graph_command(unet(), (32, 32, 3), 2, "flops", str(out))
+    graph = load_graph(str(out))
+    assert summary["nodes"] == graph.size == 25
+    assert summary["checkpoint_all_peak_bytes"] > graph.fixed_bytes
+    json.dumps(summary)

@@ -1,0 +1,120 @@
+"""Models by name or file for the command line, and the ``tfremat graph`` command's work.
+
+``build_model`` accepts any Keras Applications constructor (``resnet50``, ``mobilenet_v2``,
+``vgg16``, ...; case and underscores are ignored, weights are never downloaded) or the path
+of a saved ``.keras`` model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfremat.errors import ExtractionError
+from tfremat.extract.extractor import extract
+from tfremat.plan import checkpoint_all_s, schedule_from_keep_matrix, simulate
+
+__all__ = ["build_model", "graph_command", "application_names"]
+
+logger = logging.getLogger(__name__)
+
+
+def _normalize(name: str) -> str:
+    return name.replace("_", "").replace("-", "").lower()
+
+
+def application_names() -> dict[str, str]:
+    """Normalized name -> Keras Applications constructor name, for every constructor."""
+    names = {}
+    for attr in dir(keras.applications):
+        value = getattr(keras.applications, attr)
+        if callable(value) and attr[:1].isupper():
+            names[_normalize(attr)] = attr
+    return names
+
+
+def build_model(name_or_file: str, input_shape: tuple[int, ...], num_classes: int = 1000):
+    """Builds a model from a Keras Applications name or loads a ``.keras`` file.
+
+    Args:
+        name_or_file: e.g. ``"resnet50"``, ``"MobileNetV2"``, or ``"path/model.keras"``.
+        input_shape: ``(H, W, C)`` for an Applications model (ignored for a file, whose
+            model carries its own shapes).
+        num_classes: classes of an Applications model's head.
+
+    Returns:
+        A built Keras model.
+
+    Raises:
+        ExtractionError: unknown name, missing file, or an input shape the model refuses.
+    """
+    if name_or_file.endswith(".keras") or os.path.sep in name_or_file:
+        if not os.path.exists(name_or_file):
+            raise ExtractionError(f"model file {name_or_file!r} does not exist")
+        return keras.models.load_model(name_or_file, compile=False)
+    names = application_names()
+    constructor = names.get(_normalize(name_or_file))
+    if constructor is None:
+        raise ExtractionError(
+            f"unknown model {name_or_file!r}: give a Keras Applications name ({', '.join(sorted(names.values()))}) "
+            "or a path to a saved .keras file"
+        )
+    try:
+        return getattr(keras.applications, constructor)(
+            weights=None, input_shape=tuple(input_shape), classes=num_classes
+        )
+    except ValueError as err:
+        raise ExtractionError(f"{constructor} refuses input_shape={tuple(input_shape)}: {err}") from None
+
+
+def graph_command(
+    model,
+    input_shape: tuple[int, ...],
+    batch: int,
+    cost_model: str,
+    out: str,
+    loss="categorical_crossentropy",
+    optimizer=None,
+) -> dict:
+    """Extracts a model's graph and writes it as the planning core's JSON.
+
+    Args:
+        model: a Keras model, or a name/file for :func:`build_model`.
+        input_shape: ``(H, W, C)``, used when ``model`` is a name.
+        batch: batch size.
+        cost_model: ``"profile"`` or ``"flops"``.
+        out: path of the JSON file to write.
+        loss: loss name, object or callable (default categorical cross-entropy).
+        optimizer: a Keras optimizer or its name (default SGD).
+
+    Returns:
+        A JSON-able summary: model, nodes, edges, fixed bytes, checkpoint-all peak,
+        seconds, output path.
+    """
+    if isinstance(model, str):
+        model = build_model(model, input_shape)
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    specs = [tf.TensorSpec((batch, *t.shape[1:]), t.dtype) for t in model.inputs]
+    extraction = extract(model, input_signature=specs, loss=loss, optimizer=optimizer, cost_model=cost_model)
+    graph = extraction.graph
+    graph.to_json(out)
+    peak = simulate(graph, schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")).peak_bytes
+    summary = {
+        "model": model.name,
+        "nodes": graph.size,
+        "edges": len(graph.edges),
+        "fixed_bytes": graph.fixed_bytes,
+        "checkpoint_all_peak_bytes": int(peak),
+        "cost_model": cost_model,
+        "seconds": round(extraction.seconds, 3),
+        "cache_hit": extraction.cache_hit,
+        "out": os.fspath(out),
+        "parameters": int(np.sum([np.prod(v.shape) for v in model.trainable_variables])),
+    }
+    logger.info("graph %s", summary)
+    return summary
