@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test,plots]"
+	$(BIN)/pip install --quiet -e ".[cpu,test,plots,examples]"
 	touch $(STAMP)
 
 demo: $(STAMP)

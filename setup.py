@@ -16,9 +16,14 @@ setup(
         "absl-py>=1.0",
         "highspy>=1.7",
     ],
+    # TensorFlow is an extra so that the planning core installs without it and users pick
+    # their build: "tensorflow" (GPU-capable) or "cpu" (tensorflow-cpu, smaller).
     extras_require={
+        "tensorflow": ["tensorflow>=2.16"],
+        "cpu": ["tensorflow-cpu>=2.16"],
         "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3"],
         "plots": ["matplotlib>=3.7"],
+        "examples": ["scikit-learn>=1.3"],
         "gurobi": ["gurobipy"],
     },
     entry_points={"console_scripts": ["tfremat=tfremat.cli:run"]},

@@ -1,11 +1,40 @@
 """tfremat: optimal rematerialization for TensorFlow/Keras training.
 
-The planning core (graph, schedules, simulator, strategies) imports no TensorFlow.
+The planning core (graph, schedules, simulator, strategies) imports no TensorFlow; the
+names that need it (``fit``, ``plan``, ``compare``, ``max_batch_size``, ``compile_step``)
+import it on first use; the extraction is ``tfremat.extract.extract``.
+
+Example:
+    >>> import tfremat
+    >>> history = tfremat.fit(model, "50%", x, y, batch_size=32, epochs=3)
 """
+
+import importlib
 
 from tfremat.errors import InfeasibleBudgetError, TfrematError
 from tfremat.graph import DFGraph, load_graph
+from tfremat.plan.schedule import Schedule
+from tfremat.plan.simulator import simulate
 
 __version__ = "0.1.0"
 
-__all__ = ["DFGraph", "load_graph", "TfrematError", "InfeasibleBudgetError", "__version__"]
+_LAZY = {
+    "fit": "tfremat.api",
+    "compare": "tfremat.api",
+    "max_batch_size": "tfremat.api",
+    "compile_step": "tfremat.static_graph.compile",
+}
+
+__all__ = ["DFGraph", "load_graph", "Schedule", "simulate", "TfrematError", "InfeasibleBudgetError", "plan", *_LAZY, "__version__"]
+
+
+def plan(model, budget, *args, **kwargs):
+    """Plans a Keras model's training step under ``budget``; see :func:`tfremat.api.plan`.
+
+    Defined here rather than loaded lazily: importing the ``tfremat.plan`` subpackage
+    binds its name on this package, and this definition, made after, takes it back.
+    """
+    from tfremat.api import plan as plan_model
+
+    return plan_model(model, budget, *args, **kwargs)
+

@@ -3,6 +3,12 @@
 Commands:
   strategies   list the strategy names
   solve        plan a graph file with one strategy and print the result as JSON
+  graph        extract a Keras model's training graph to JSON
+  plan         plan a Keras model with one strategy; print a table, write the schedule
+  compare      plan a Keras model with every strategy at one budget
+  maxbatch     the largest batch that fits a budget, per strategy
+  plot         memory-over-the-step and overhead-vs-budget PNGs
+  measure      compile and run the planned step; measured vs predicted peak and time, vs plain Keras
 
 Usage: ``tfremat COMMAND [--flags]``; ``tfremat COMMAND --help`` lists every flag.
 Commands that need TensorFlow import it only when they run.
@@ -11,6 +17,7 @@ Commands that need TensorFlow import it only when they run.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -30,14 +37,40 @@ flags.DEFINE_string(
 flags.DEFINE_float("time_limit", None, "Solver time limit in seconds (MILP strategies).")
 flags.DEFINE_string("schedule_out", None, "Write the schedule (R, S, execution order, graph fingerprint) to this JSON file.")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of a human-readable summary.")
+flags.DEFINE_string("model", None, "A Keras Applications constructor name (resnet50, mobilenet_v2, vgg16, ...; weights=None) or a saved .keras file.")
+flags.DEFINE_string("input_shape", None, "Input shape without the batch, e.g. 128,128,3.")
+flags.DEFINE_integer("batch", None, "Batch size.")
+flags.DEFINE_integer("num_classes", 10, "Classes of the head of a Keras Applications model.")
+flags.DEFINE_enum("cost_model", "profile", ["profile", "flops"], "Per-node cost: timed on this device, or an analytic FLOP count.")
+flags.DEFINE_string("loss", "categorical_crossentropy", "Loss name.")
+flags.DEFINE_string("optimizer", "sgd", "Optimizer name.")
+flags.DEFINE_string("out", None, "Output file (graph JSON for `graph`, PNG prefix folder for `plot`).")
+flags.DEFINE_list("strategies", None, "Comma-separated strategy names (default: all).")
+flags.DEFINE_list("budgets", None, "Comma-separated budgets for `plot` (default: 30%..100% of the checkpoint-all peak).")
+flags.DEFINE_float("max_overhead", None, "maxbatch: allowed extra compute as a fraction (0.3 = 30%); default one extra forward pass.")
+flags.DEFINE_string("solver", None, "MILP solver: highs (default) or gurobi (needs a licensed gurobipy).")
+flags.DEFINE_integer("steps", 5, "measure: training steps to run (the first traces and is not timed).")
 
 COMMANDS = {
     "strategies": "list the strategy names",
     "solve": "plan a graph file with one strategy",
+    "graph": "extract a Keras model's training graph to JSON",
+    "plan": "plan a Keras model with one strategy; print a table and write the schedule",
+    "compare": "plan a Keras model with every strategy at one budget",
+    "maxbatch": "the largest batch that fits a budget, per strategy",
+    "plot": "memory over the step per strategy, and overhead against budget (PNG)",
+    "measure": "compile and run the planned step: measured vs predicted peak and time, vs plain Keras",
 }
+_MODEL_FLAGS = ["model", "input_shape", "batch", "num_classes", "cost_model", "loss", "optimizer"]
 COMMAND_FLAGS = {
     "strategies": ["json"],
     "solve": ["graph", "strategy", "budget", "time_limit", "schedule_out", "json"],
+    "graph": _MODEL_FLAGS + ["out", "json"],
+    "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "schedule_out", "json"],
+    "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "json"],
+    "maxbatch": ["model", "input_shape", "num_classes", "loss", "optimizer", "budget", "strategies", "max_overhead", "solver", "time_limit", "json"],
+    "plot": ["graph", "out", "strategies", "budgets", "time_limit"] + _MODEL_FLAGS,
+    "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "steps", "json"],
 }
 
 
@@ -132,7 +165,169 @@ def _emit(record: dict) -> None:
         print("\n".join(f"{k:<{width}}  {v}" for k, v in record.items()))
 
 
-_HANDLERS = {"strategies": cmd_strategies, "solve": cmd_solve}
+def _input_shape() -> tuple[int, ...]:
+    try:
+        shape = tuple(int(d) for d in FLAGS.input_shape.split(","))
+    except (AttributeError, ValueError):
+        _fail(f"--input_shape={FLAGS.input_shape!r}: write it as H,W,C, e.g. 128,128,3")
+    if not shape or min(shape) <= 0:
+        _fail(f"--input_shape={FLAGS.input_shape!r}: every dimension must be positive")
+    return shape
+
+
+def _batch() -> int:
+    if FLAGS.batch is None or FLAGS.batch <= 0:
+        _fail("--batch must be a positive integer")
+    return FLAGS.batch
+
+
+def _keras_model():
+    from tfremat.extract.keras_models import build_model
+
+    _require("model")
+    return build_model(FLAGS.model, _input_shape(), num_classes=FLAGS.num_classes)
+
+
+def _extraction(model, batch: int):
+    import keras
+    import tensorflow as tf
+
+    from tfremat.extract.extractor import extract
+
+    specs = [tf.TensorSpec((batch, *t.shape[1:]), t.dtype) for t in model.inputs]
+    return extract(model, input_signature=specs, loss=FLAGS.loss, optimizer=keras.optimizers.get(FLAGS.optimizer),
+                   cost_model=FLAGS.cost_model)
+
+
+def _milp_options(name: str) -> dict:
+    if name not in ("optimal", "approx_lp"):
+        return {}
+    return {k: v for k, v in {"time_limit": FLAGS.time_limit, "solver": FLAGS.solver}.items() if v is not None}
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    from tfremat.budget import format_bytes
+
+    def cell(key, value):
+        if value is None:
+            return "-"
+        if key.endswith("_bytes"):
+            return format_bytes(value)
+        if key == "overhead":
+            return f"{100 * value:.1f}%"
+        return str(value)
+
+    body = [[cell(c, r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
+
+
+_PLAN_COLUMNS = ["strategy", "status", "predicted_peak_bytes", "budget_bytes", "overhead", "solve_seconds"]
+
+
+def cmd_graph() -> None:
+    from tfremat.extract.keras_models import graph_command
+
+    _require("model", "out")
+    summary = graph_command(FLAGS.model, _input_shape(), _batch(), FLAGS.cost_model, FLAGS.out, loss=FLAGS.loss,
+                            optimizer=FLAGS.optimizer)
+    _emit(summary)
+
+
+def cmd_plan() -> None:
+    from tfremat.api import plan_graph
+
+    _require("budget")
+    strategy = FLAGS.strategy or "optimal"
+    extraction = _extraction(_keras_model(), _batch())
+    result = plan_graph(extraction.graph, FLAGS.budget, strategy, **_milp_options(strategy))
+    out = FLAGS.schedule_out or f"{FLAGS.model.replace('/', '_').removesuffix('.keras')}_{strategy}_schedule.json"
+    with open(out, "w") as f:
+        json.dump(result.schedule.to_dict(extraction.graph, list(extraction.graph.names)), f)
+    record = {**result.summary(), "schedule_out": out}
+    print(json.dumps(record) if FLAGS.json else _table([record], _PLAN_COLUMNS) + f"\nschedule written to {out}")
+
+
+def cmd_compare() -> None:
+    from tfremat.api import plan_graph
+    from tfremat.plan.registry import strategy_names
+
+    _require("budget")
+    extraction = _extraction(_keras_model(), _batch())
+    rows = []
+    for name in FLAGS.strategies or strategy_names():
+        try:
+            rows.append(plan_graph(extraction.graph, FLAGS.budget, name, **_milp_options(name)).summary())
+        except InfeasibleBudgetError as exc:
+            rows.append({"strategy": name, "status": "infeasible", "min_feasible_bytes": exc.min_feasible_bytes})
+    print(json.dumps(rows) if FLAGS.json else _table(rows, _PLAN_COLUMNS))
+
+
+def cmd_maxbatch() -> None:
+    from tfremat.api import max_batch_size
+
+    _require("budget")
+    import keras
+
+    names = FLAGS.strategies or ["optimal"]
+    options = {k: v for k, v in {"time_limit": FLAGS.time_limit, "solver": FLAGS.solver}.items() if v is not None}
+    results = max_batch_size(_keras_model(), FLAGS.budget, strategies=names, max_overhead=FLAGS.max_overhead,
+                             loss=FLAGS.loss, optimizer=keras.optimizers.get(FLAGS.optimizer), **options)
+    rows = [{"strategy": n, "batch_size": r.batch_size, "cost_ratio": round(r.cost / r.graph.total_cost, 4),
+             "cost_cap_ratio": round(r.cost_cap / r.graph.total_cost, 4)} for n, r in results.items()]
+    print(json.dumps(rows) if FLAGS.json else _table(rows, ["strategy", "batch_size", "cost_ratio", "cost_cap_ratio"]))
+
+
+def cmd_plot() -> None:
+    from pathlib import Path
+
+    from tfremat.budget import parse_budget
+    from tfremat.graph import load_graph
+    from tfremat.plan import simulate
+    from tfremat.plan.baselines import checkpoint_all
+    from tfremat.plan.registry import get_strategy, strategy_names
+    from tfremat.plots import plot_memory_traces, plot_overhead_vs_budget
+
+    _require("out")
+    if FLAGS.graph:
+        graph = load_graph(FLAGS.graph)
+    else:
+        graph = _extraction(_keras_model(), _batch()).graph
+    reference = simulate(graph, checkpoint_all(graph)).peak_bytes
+    budgets = [parse_budget(b, reference) for b in (FLAGS.budgets or ["30%", "40%", "50%", "60%", "70%", "80%", "90%", "100%"])]
+    names = FLAGS.strategies or [n for n in strategy_names() if n != "optimal"]
+    out = Path(FLAGS.out)
+    out.mkdir(parents=True, exist_ok=True)
+    middle = budgets[len(budgets) // 2]
+    schedules = {}
+    for name in names:
+        try:
+            schedules[name] = get_strategy(name)(graph, middle, **_milp_options(name))
+        except InfeasibleBudgetError:
+            continue
+    traces = plot_memory_traces(graph, schedules, out / "memory.png", budget_bytes=middle)
+    overhead, _ = plot_overhead_vs_budget(graph, names, budgets, out / "overhead.png",
+                                          strategy_options={n: _milp_options(n) for n in names})
+    print(f"wrote {traces} and {overhead}")
+
+
+def cmd_measure() -> None:
+    from tfremat.measure import measure_model
+
+    _require("budget")
+    strategy = FLAGS.strategy or "optimal"
+    record = measure_model(_keras_model(), FLAGS.budget, batch_size=_batch(), strategy=strategy, steps=FLAGS.steps,
+                           loss=FLAGS.loss, optimizer_name=FLAGS.optimizer, cost_model=FLAGS.cost_model,
+                           **_milp_options(strategy))
+    _emit(record)
+
+
+_HANDLERS = {
+    "strategies": cmd_strategies, "solve": cmd_solve, "graph": cmd_graph, "plan": cmd_plan, "compare": cmd_compare,
+    "maxbatch": cmd_maxbatch, "plot": cmd_plot, "measure": cmd_measure,
+}
 
 
 def _parse(argv: list[str]) -> list[str]:
@@ -159,6 +354,9 @@ flags.DEFINE_string("command", None, "Set from the first argument; not a user fl
 
 
 def main(argv: list[str]) -> None:
+    # The allocator only counts CPU memory with BFC, which must be chosen before TF loads.
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     FLAGS.command = argv[1]
     try:
         _HANDLERS[argv[1]]()

@@ -1,0 +1,76 @@
+"""Schedule cache and the graph-level API (no TensorFlow)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tfremat.api import compare_graph, plan_graph
+from tfremat.cache import ScheduleCache
+from tfremat.errors import InfeasibleBudgetError
+
+from graph_factories import random_training_graph
+
+
+def test_cache_miss_then_hit(tmp_path):
+    g = random_training_graph(1, 10)
+    first = plan_graph(g, "85%", "chen_greedy", cache=tmp_path)
+    assert not first.from_cache
+    second = plan_graph(g, "85%", "chen_greedy", cache=tmp_path)
+    assert second.from_cache and second.solve_seconds == 0.0
+    assert np.array_equal(first.schedule.R, second.schedule.R) and np.array_equal(first.schedule.S, second.schedule.S)
+    assert second.predicted_peak_bytes == first.predicted_peak_bytes <= first.budget_bytes
+
+
+def test_cache_key_separates_budget_strategy_and_graph(tmp_path):
+    g = random_training_graph(1, 10)
+    plan_graph(g, "85%", "chen_greedy", cache=tmp_path)
+    assert not plan_graph(g, "95%", "chen_greedy", cache=tmp_path).from_cache
+    assert not plan_graph(g, "85%", "chen_sqrtn", cache=tmp_path).from_cache
+    assert not plan_graph(random_training_graph(2, 10), "100%", "chen_greedy", cache=tmp_path).from_cache
+
+
+def _only_entry(directory):
+    entries = list(directory.glob("*.json"))
+    assert len(entries) == 1
+    return entries[0]
+
+
+def test_corrupt_entry_is_resolved_not_trusted(tmp_path):
+    g = random_training_graph(3, 10)
+    plan_graph(g, "85%", "chen_greedy", cache=tmp_path)
+    entry = _only_entry(tmp_path)
+    entry.write_text("{ not json")
+    again = plan_graph(g, "85%", "chen_greedy", cache=tmp_path)
+    assert not again.from_cache
+    assert json.loads(_only_entry(tmp_path).read_text())["schedule"]["R"]
+
+
+def test_stale_entry_that_breaks_the_schedule_rules_is_resolved(tmp_path):
+    g = random_training_graph(3, 10)
+    plan_graph(g, "85%", "chen_greedy", cache=tmp_path)
+    entry = _only_entry(tmp_path)
+    document = json.loads(entry.read_text())
+    document["schedule"]["R"] = [pair for pair in document["schedule"]["R"] if pair[0] != pair[1] or pair[0] != 3]
+    entry.write_text(json.dumps(document))
+    assert not plan_graph(g, "85%", "chen_greedy", cache=tmp_path).from_cache
+
+
+def test_entry_over_budget_is_resolved(tmp_path):
+    g = random_training_graph(3, 10)
+    full = plan_graph(g, None, "checkpoint_all", cache=False)
+    cache = ScheduleCache(tmp_path)
+    budget = int(full.predicted_peak_bytes * 0.85)
+    cache.store(g, budget, "chen_greedy", full.schedule)  # a schedule that does not fit that budget
+    assert cache.load(g, budget, "chen_greedy") is None
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_compare_graph_reports_infeasible_strategies_with_smallest_peak():
+    g = random_training_graph(4, 10)
+    rows = compare_graph(g, g.fixed_bytes + 1, ["checkpoint_all", "chen_greedy"], cache=False)
+    assert all(isinstance(r, InfeasibleBudgetError) for r in rows)
+    assert all(r.min_feasible_bytes > g.fixed_bytes + 1 for r in rows)
+    rows = compare_graph(g, "90%", ["checkpoint_all", "chen_greedy"], cache=False)
+    assert isinstance(rows[0], InfeasibleBudgetError)
+    assert rows[1].predicted_peak_bytes <= rows[1].budget_bytes

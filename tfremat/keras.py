@@ -1,0 +1,98 @@
+"""Keras integration: a callback that makes ``model.fit`` train with a rematerialization schedule.
+
+``model.fit(x, y, callbacks=[RematCallback("50%")])`` replaces the model's train function
+for the duration of ``fit``: each batch shape met gets its own extraction, schedule and
+compiled step (a smaller last batch is planned separately, never run over budget), and
+the model's loss tracker and compiled metrics are updated as ``model.fit`` would.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+import tensorflow as tf
+
+from tfremat.budget import format_bytes
+from tfremat.errors import CompileError, TfrematError
+
+__all__ = ["RematCallback"]
+
+logger = logging.getLogger(__name__)
+
+
+class RematCallback(keras.callbacks.Callback):
+    """Trains with a schedule chosen under a memory budget.
+
+    Args:
+        budget: bytes, "3.5GiB"-style strings, or a share of the checkpoint-all peak
+            ("50%" or 0.5), applied to every batch shape.
+        strategy: the strategy name (default "optimal", the MILP).
+        solver: MILP solver name ("highs" default, "gurobi" when licensed).
+        time_limit: MILP time limit in seconds.
+        cost_model: "profile" or "flops" for the extraction.
+        cache: schedule cache (True: default directory; a path; False: off).
+        verbose: 0 silences planning progress.
+
+    Attributes:
+        plans: ``{batch shapes: PlanResult}`` for every shape trained so far.
+    """
+
+    def __init__(self, budget, strategy: str = "optimal", solver: str | None = None, time_limit: float | None = None,
+                 cost_model: str = "profile", cache=True, verbose: int = 1):
+        super().__init__()
+        self.budget = budget
+        self.strategy = strategy
+        self.solver = solver
+        self.time_limit = time_limit
+        self.cost_model = cost_model
+        self.cache = cache
+        self.verbose = verbose
+        self.plans: dict = {}
+        self._steps: dict = {}
+        self._original_train_function = None
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
+            raise TfrematError("RematCallback needs a compiled model (model.compile(optimizer=..., loss=...))")
+        if model.losses:
+            raise TfrematError("models with regularization losses (layer.add_loss / kernel_regularizer) are not supported yet")
+        if model.distribute_strategy.num_replicas_in_sync > 1:
+            raise TfrematError("RematCallback runs on one device; use tfremat.static_graph.compile_step(strategy=...) for tf.distribute")
+        self._original_train_function = model.train_function
+        model.train_function = self._train_function
+
+    def on_train_end(self, logs=None):
+        self.model.train_function = self._original_train_function
+
+    def _step_for(self, x, y):
+        from tfremat.api import plan
+        from tfremat.static_graph.compile import compile_step
+
+        key = tuple(tuple(t.shape) for t in tf.nest.flatten((x, y)))
+        if key not in self._steps:
+            model = self.model
+            options = {"solver": self.solver, "time_limit": self.time_limit} if self.strategy in ("optimal", "approx_lp") else {}
+            result = plan(model, self.budget, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]), loss=model.loss,
+                          optimizer=model.optimizer, strategy=self.strategy, cost_model=self.cost_model,
+                          cache=self.cache, verbose=self.verbose, **options)
+            if self.verbose:
+                logger.info("batch shape %s: %s, predicted peak %s (checkpoint all %s), overhead %.1f%%",
+                            key, self.strategy, format_bytes(result.predicted_peak_bytes),
+                            format_bytes(result.checkpoint_all_peak_bytes), 100 * result.overhead)
+            self.plans[key] = result
+            self._steps[key] = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, return_outputs=True)
+        return self._steps[key]
+
+    def _train_function(self, iterator):
+        data = next(iterator)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if sample_weight is not None:
+            raise CompileError("sample weights are not supported by the rematerialized step; drop sample_weight/class_weight")
+        step = self._step_for(x, y)
+        loss, y_pred = step(x, y)
+        model = self.model
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        model._loss_tracker.update_state(loss, sample_weight=batch)
+        return model.compute_metrics(x, y, y_pred, sample_weight=None)
