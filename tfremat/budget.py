@@ -6,6 +6,7 @@ import math
 import re
 
 from tfremat.errors import BudgetFormatError
+from tfremat.units import format_bytes
 
 __all__ = ["parse_budget", "format_bytes"]
 
@@ -68,13 +69,3 @@ def parse_budget(budget, reference_bytes: float | None = None) -> int:
     if value <= 0:
         raise BudgetFormatError(f"budget={budget!r} must be positive; use {_ACCEPTED}")
     return value
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size, e.g. ``1.50 GiB``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"

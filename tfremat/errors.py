@@ -8,6 +8,8 @@ in its message. Nothing in tfremat returns a ``feasible=False`` flag instead of 
 
 from __future__ import annotations
 
+from tfremat.units import format_bytes
+
 __all__ = [
     "TfrematError",
     "GraphError",
@@ -76,13 +78,13 @@ class InfeasibleBudgetError(TfrematError):
         self.min_feasible_bytes = min_feasible_bytes
         self.lower_bound_bytes = lower_bound_bytes
         self.strategy = strategy
-        parts = [f"budget of {_fmt_bytes(budget_bytes)} is infeasible"]
+        parts = [f"budget of {format_bytes(budget_bytes)} is infeasible"]
         if strategy:
             parts[0] = f"strategy {strategy!r}: " + parts[0]
         if min_feasible_bytes is not None:
-            parts.append(f"the smallest peak reached is {_fmt_bytes(min_feasible_bytes)}")
+            parts.append(f"the smallest peak reached is {format_bytes(min_feasible_bytes)}")
         if lower_bound_bytes is not None:
-            parts.append(f"no schedule can use less than {_fmt_bytes(lower_bound_bytes)}")
+            parts.append(f"no schedule can use less than {format_bytes(lower_bound_bytes)}")
         message = "; ".join(parts)
         if detail:
             message += f" ({detail})"
@@ -119,12 +121,3 @@ class ExtractionError(TfrematError, ValueError):
 
 class CompileError(TfrematError, ValueError):
     """A schedule cannot be compiled into a training step."""
-
-
-def _fmt_bytes(n: float) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")

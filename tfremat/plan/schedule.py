@@ -85,7 +85,7 @@ class Schedule:
         return {
             "format": "tfremat.schedule/1",
             "strategy": self.strategy,
-            "facts": dict(self.facts),
+            "facts": {key: _json_value(value) for key, value in self.facts.items()},
             "num_nodes": n,
             "order": list(node_ids) if node_ids is not None else list(range(n)),
             "graph_fingerprint": graph.fingerprint if graph is not None else None,
@@ -119,6 +119,17 @@ class Schedule:
                 )
             validate_schedule(graph, schedule)
         return schedule
+
+
+def _json_value(value):
+    """Numpy scalars and arrays as plain JSON values (solver facts may hold them)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return value
 
 
 def validate_schedule(graph: DFGraph, schedule: Schedule) -> None:
