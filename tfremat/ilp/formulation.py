@@ -21,8 +21,6 @@ reasoning behind it):
 * Every computation or keep in stage t ultimately serves a frontier node ``t' >= t``,
   so value i is never computed or kept after stage ``last_descendant[i]``; a value
   without readers is never kept.
-* ``FREE[t, i, t]`` is not built: frees after the last node of a stage change no
-  memory that the budget constrains.
 
 Cuts that every optimal schedule can be made to satisfy (dropping a useless
 computation or keep never adds cost or memory), which tighten the LP relaxation and
@@ -32,10 +30,12 @@ make the solver's memory accounting exact:
 * a kept value is read in stage t or kept into t+1 (so the simulator's "freed at the
   start of the stage" case never arises);
 * a value is never kept and recomputed in the same stage;
-* a value is freed at most once per stage, and only when resident;
-* ``FREE`` is exactly the last-use indicator: bounded above by ``R[t, k]``,
-  ``1 - S[t+1, i]`` and ``1 - R[t, j]`` for every later reader j (disaggregated, which is
-  tighter than Checkmate's aggregated big-M form), and below by their sum.
+* a value resident in stage t (``R[t, i] + S[t, i]``) has exactly one fate: it is kept
+  into stage t+1 or freed after exactly one node k (``sum_k FREE[t, i, k] + S[t+1, i]``
+  equals it); with ``FREE[t, i, k] <= R[t, k]`` and ``FREE[t, i, k] <= 1 - R[t, j]`` for
+  every later reader j (disaggregated, tighter than Checkmate's aggregated big-M rows),
+  this makes ``FREE`` exactly the simulator's last-use indicator with half the rows of
+  separate upper and lower bounds.
 
 Memory is measured in units of ``scale`` bytes so that coefficients stay moderate; when
 every byte count is a multiple of a common unit small enough, that unit is used and the
@@ -313,30 +313,23 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
             if r_index[t, i] < 0:
                 continue
             keep_next = s_col(t + 1, i)
-            resident = [(r_index[t, i], -1.0)]
-            if s_index[t, i] >= 0:
-                resident.append((s_index[t, i], -1.0))
-            frees_of_i = []
+            outcomes = [(keep_next, 1.0)] if keep_next >= 0 else []
             for k in (i, *succ[i]):
-                if k >= t or r_index[t, k] < 0:
+                if k > t or r_index[t, k] < 0:
                     continue
                 col = b.column(0.0, 0.0, 1.0, True)
                 free_keys.append((t, i, k))
-                frees_of_i.append((col, 1.0))
+                outcomes.append((col, 1.0))
                 frees_after.setdefault((t, k), []).append((col, i))
-                hazards = [r_index[t, j] for j in succ[i] if k < j <= t and r_index[t, j] >= 0]
-                b.row([(col, 1.0), (r_index[t, k], -1.0)], -inf, 0.0)
-                if keep_next >= 0:
-                    b.row([(col, 1.0), (keep_next, 1.0)], -inf, 1.0)
-                for h in hazards:
-                    b.row([(col, 1.0), (h, 1.0)], -inf, 1.0)
-                exact_terms = [(col, 1.0), (r_index[t, k], -1.0), *((h, 1.0) for h in hazards)]
-                if keep_next >= 0:
-                    exact_terms.append((keep_next, 1.0))
-                b.row(exact_terms, 0.0, inf)
-            if frees_of_i:
-                keep_term = [(keep_next, 1.0)] if keep_next >= 0 else []
-                b.row([*frees_of_i, *keep_term, *resident], -inf, 0.0)
+                if k < t:
+                    b.row([(col, 1.0), (r_index[t, k], -1.0)], -inf, 0.0)
+                for j in succ[i]:
+                    if k < j <= t and r_index[t, j] >= 0:
+                        b.row([(col, 1.0), (r_index[t, j], 1.0)], -inf, 1.0)
+            resident = [(r_index[t, i], -1.0)]
+            if s_index[t, i] >= 0:
+                resident.append((s_index[t, i], -1.0))
+            b.row([*outcomes, *resident], 0.0, 0.0)
 
     u_start = len(b.cost)
     u_keys = []
