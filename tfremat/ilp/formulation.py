@@ -22,20 +22,24 @@ reasoning behind it):
   so value i is never computed or kept after stage ``last_descendant[i]``; a value
   without readers is never kept.
 
-Cuts that every optimal schedule can be made to satisfy (dropping a useless
-computation or keep never adds cost or memory), which tighten the LP relaxation and
-make the solver's memory accounting exact:
+Rows (each valid for some optimal schedule, since dropping a useless computation or keep
+never adds cost or memory; together they make the memory accounting exact):
 
-* a value computed before the frontier of stage t is read in stage t or kept into t+1;
-* a kept value is read in stage t or kept into t+1 (so the simulator's "freed at the
-  start of the stage" case never arises);
+* every input of a computed node is resident (kept into the stage or computed earlier
+  in it);
 * a value is never kept and recomputed in the same stage;
 * a value resident in stage t (``R[t, i] + S[t, i]``) has exactly one fate: it is kept
-  into stage t+1 or freed after exactly one node k (``sum_k FREE[t, i, k] + S[t+1, i]``
-  equals it); with ``FREE[t, i, k] <= R[t, k]`` and ``FREE[t, i, k] <= 1 - R[t, j]`` for
-  every later reader j (disaggregated, tighter than Checkmate's aggregated big-M rows),
-  this makes ``FREE`` exactly the simulator's last-use indicator with half the rows of
-  separate upper and lower bounds.
+  into stage t+1 or freed after exactly one of its readers k in the stage
+  (``sum_k FREE[t, i, k] + S[t+1, i]`` equals it). This one equality implies
+  Checkmate's keep-source rows (``S[t+1, i] <= R[t, i] + S[t, i]``) and that a kept or
+  computed value is read in the stage or kept on, so those rows are not built, and the
+  simulator's "unread keep freed at the start of the stage" case never arises;
+* ``FREE[t, i, k] <= R[t, k]`` and, for every reader j, ``sum_{k < j} FREE[t, i, k] +
+  R[t, j] <= 1`` (no free before a later reader): one row per reader, tighter than
+  Checkmate's per-pair big-M rows. With the equality, ``FREE`` is exactly the
+  simulator's last-use indicator, so ``U`` equals the simulated memory;
+* ``FREE[t, i, i]`` (a value freed right after it is computed, unread) is not built: the
+  equality leaves it no role, since a computed value must be read or kept.
 
 Memory is measured in units of ``scale`` bytes so that coefficients stay moderate; when
 every byte count is a multiple of a common unit small enough, that unit is used and the
@@ -292,18 +296,8 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
                     terms.append((s_index[t, i], -1.0))
                 b.row(terms, -inf, 0.0)
         for i in range(t):
-            readers = [(r_index[t, j], -1.0) for j in succ[i] if j <= t and r_index[t, j] >= 0]
-            keep_next = [(s_col(t + 1, i), -1.0)] if s_col(t + 1, i) >= 0 else []
             if s_index[t, i] >= 0:
-                if keep_next:
-                    source = [(r_index[t, i], -1.0), (s_index[t, i], -1.0)]
-                    b.row([(keep_next[0][0], 1.0), *source], -inf, 0.0)
                 b.row([(s_index[t, i], 1.0), (r_index[t, i], 1.0)], -inf, 1.0)
-                b.row([(s_index[t, i], 1.0), *readers, *keep_next], -inf, 0.0)
-            elif keep_next:
-                b.row([(keep_next[0][0], 1.0), (r_index[t, i], -1.0)], -inf, 0.0)
-            if r_index[t, i] >= 0:
-                b.row([(r_index[t, i], 1.0), *readers, *keep_next], -inf, 0.0)
 
     free_start = len(b.cost)
     free_keys = []
@@ -314,18 +308,19 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
                 continue
             keep_next = s_col(t + 1, i)
             outcomes = [(keep_next, 1.0)] if keep_next >= 0 else []
-            for k in (i, *succ[i]):
+            earlier_frees = []
+            for k in succ[i]:
                 if k > t or r_index[t, k] < 0:
                     continue
+                if earlier_frees:
+                    b.row([*earlier_frees, (r_index[t, k], 1.0)], -inf, 1.0)
                 col = b.column(0.0, 0.0, 1.0, True)
                 free_keys.append((t, i, k))
                 outcomes.append((col, 1.0))
+                earlier_frees.append((col, 1.0))
                 frees_after.setdefault((t, k), []).append((col, i))
                 if k < t:
                     b.row([(col, 1.0), (r_index[t, k], -1.0)], -inf, 0.0)
-                for j in succ[i]:
-                    if k < j <= t and r_index[t, j] >= 0:
-                        b.row([(col, 1.0), (r_index[t, j], 1.0)], -inf, 1.0)
             resident = [(r_index[t, i], -1.0)]
             if s_index[t, i] >= 0:
                 resident.append((s_index[t, i], -1.0))
