@@ -170,6 +170,10 @@ class SideTable:
         fixed_bytes_breakdown: the parts of the graph's fixed bytes (``params``,
             ``param_grads``, ``optimizer_slots``, ``inputs``, ``labels``,
             ``small_residuals``, ``non_trainable``).
+        weight_grads: ``"transient"``: the graph counts a layer's weight gradients in its
+            backward node's workspace, so the step must hand them to the optimizer right
+            after that node (apply the update or free them); ``"fixed"``: they are
+            resident for the whole step (``param_grads`` in the breakdown).
     """
 
     model: Any
@@ -182,6 +186,7 @@ class SideTable:
     optimizer: Any
     batch_size: int
     fixed_bytes_breakdown: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    weight_grads: str = "transient"
 
     def __getitem__(self, node: int) -> NodeEntry:
         return self.entries[node]
