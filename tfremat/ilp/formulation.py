@@ -2,10 +2,10 @@
 
 The model follows Checkmate (Jain et al., MLSys 2020, sec. 4) over frontier-advancing
 stages: stage ``t`` computes node ``t`` for the first time and may recompute any earlier
-node. Binary ``R[t, i]`` (compute i in stage t), ``S[t, i]`` (keep value i from stage t-1
-into stage t), ``FREE[t, i, k]`` (free value i right after node k runs in stage t) and
-continuous ``U[t, k]`` (bytes resident while node k runs in stage t, without k's
-workspace).
+node. Binary ``R[t, i]`` (compute i in stage t) and ``S[t, i]`` (keep value i from stage
+t-1 into stage t), ``FREE[t, i, k]`` (free value i right after node k runs in stage t;
+0/1 by the rows below) and continuous ``U[t, k]`` (bytes resident while node k runs in
+stage t, without k's workspace and without the fixed bytes, which the budget absorbs).
 
 Memory follows the planning core's simulator (:mod:`tfremat.plan.simulator`) exactly:
 ``fixed_bytes`` always count; while node k runs, every value kept into the stage or
@@ -314,7 +314,7 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
                     continue
                 if earlier_frees:
                     b.row([*earlier_frees, (r_index[t, k], 1.0)], -inf, 1.0)
-                col = b.column(0.0, 0.0, 1.0, True)
+                col = b.column(0.0, 0.0, 1.0, False)
                 free_keys.append((t, i, k))
                 outcomes.append((col, 1.0))
                 earlier_frees.append((col, 1.0))
