@@ -10,7 +10,7 @@ backward runs, so it is classified by identity, not by layer type:
 * the call's output (a ReLU's gradient reads its output),
 * anything else is an internal *residual* (Dense's pre-activation, dropout's scaled mask,
   batch norm's per-channel statistics). Residuals whose leading dimension is the batch
-  grow with the batch and are counted with the node (see :mod:`tfremat.extract.memory`);
+  grow with the batch and are counted with the node (see :mod:`tfremat.extract.extractor`);
   the others (per-channel statistics, weight casts) are small and counted as fixed bytes.
 
 Reads that only take a tensor's shape (``Shape``, ``Size``, ``Rank``) keep nothing alive
