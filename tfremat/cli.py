@@ -356,6 +356,9 @@ flags.DEFINE_string("command", None, "Set from the first argument; not a user fl
 def main(argv: list[str]) -> None:
     # The allocator only counts CPU memory with BFC, which must be chosen before TF loads.
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    # Sequential op execution: the memory model assumes one op at a time (with parallel
+    # inter-op threads TF runs sibling gradient ops together, each with its own scratch).
+    os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     FLAGS.command = argv[1]
     try:
