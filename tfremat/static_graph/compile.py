@@ -1,0 +1,177 @@
+"""``compile_step``: a schedule compiled into one ``tf.function`` training step."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfremat.errors import CompileError
+from tfremat.graph import DFGraph
+from tfremat.plan.execution import ExecutionPlan, build_plan
+from tfremat.plan.schedule import Schedule, validate_schedule
+from tfremat.static_graph.interpreter import TraceReport, interpret_plan
+
+__all__ = ["CompiledStep", "compile_step"]
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledStep:
+    """A training step that runs one schedule; build it with :func:`compile_step`.
+
+    Call it as ``step(x, y)``: one forward/backward pass following the plan and one
+    optimizer update; returns the loss (the mean over the global batch under a
+    distribution strategy), or ``(loss, y_pred)`` when compiled with
+    ``return_outputs=True`` (``y_pred`` structured like the model outputs; per replica
+    under a distribution strategy), e.g. for metrics.
+
+    Attributes:
+        graph: the extracted graph.
+        side_table: the extraction's side table.
+        schedule: the compiled schedule.
+        plan: the execution plan the step follows, statement by statement.
+        optimizer: the Keras optimizer the step updates the weights with.
+        strategy: the ``tf.distribute`` strategy, or None.
+        function: the underlying ``tf.function`` (for ``get_concrete_function``).
+    """
+
+    def __init__(self, graph: DFGraph, side_table: Any, schedule: Schedule, plan: ExecutionPlan, optimizer: Any,
+                 strategy: Any, return_outputs: bool):
+        self.graph = graph
+        self.side_table = side_table
+        self.schedule = schedule
+        self.plan = plan
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.return_outputs = return_outputs
+        self._report: TraceReport | None = None
+        self._variables = list(side_table.model.trainable_variables)
+        self.function = tf.function(self._distributed_step if strategy is not None else self._step, jit_compile=False)
+
+    def _replica_step(self, x, y, gradient_scale: float):
+        loss, predictions, weight_grads, report = interpret_plan(self.graph, self.side_table, self.plan, x, y, gradient_scale)
+        self._report = report
+        pairs = [(weight_grads[id(v)][1], v) for v in self._variables if id(v) in weight_grads]
+        missing = [v.path for v in self._variables if id(v) not in weight_grads]
+        if missing:
+            logger.debug("no gradient reaches %d trainable variables: %s", len(missing), ", ".join(missing))
+        # The update reads every weight gradient, so it runs after the last backward node.
+        self.optimizer.apply_gradients(pairs)
+        if self.return_outputs:
+            return loss, tf.nest.pack_sequence_as(self.side_table.model.outputs, predictions)
+        return loss
+
+    def _step(self, x, y):
+        return self._replica_step(x, y, 1.0)
+
+    def _distributed_step(self, x, y):
+        replicas = self.strategy.num_replicas_in_sync
+        per_replica = self.strategy.run(self._replica_step, args=(x, y, 1.0 / replicas))
+        if self.return_outputs:
+            loss, outputs = per_replica
+            return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, loss, axis=None), outputs
+        return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, per_replica, axis=None)
+
+    def __call__(self, x, y):
+        return self.function(x, y)
+
+    def trace(self):
+        """Traces the step for the extraction's input signature (once), filling the report.
+
+        Not available under a distribution strategy, whose step is traced on first call.
+        """
+        if self._report is None:
+            if self.strategy is not None:
+                raise CompileError("a distributed step is traced on its first call; call it before reading the report")
+            self.function.get_concrete_function(tuple(self.side_table.input_specs) if len(self.side_table.input_specs) > 1 else self.side_table.input_specs[0],
+                                                tuple(self.side_table.label_specs) if len(self.side_table.label_specs) > 1 else self.side_table.label_specs[0])
+        return self._report
+
+    @property
+    def report(self) -> TraceReport:
+        """What the trace emitted (traces first when needed)."""
+        return self.trace()
+
+    @property
+    def ledger_bytes(self) -> np.ndarray:
+        """Live bytes at every plan statement as the traced step holds them.
+
+        Equal to :func:`tfremat.plan.simulate`'s ``trace_bytes`` for the same plan: the
+        interpreter frees values exactly at the plan's deallocate statements.
+        """
+        return np.asarray(self.report.ledger_bytes, dtype=np.int64)
+
+    @property
+    def recomputed_layer_calls(self) -> int:
+        """Layer calls that recompute a forward node, counted while tracing."""
+        return self.report.recomputed_layer_calls
+
+
+def compile_step(
+    extraction: Any,
+    schedule: Schedule,
+    *,
+    optimizer: Any = None,
+    strategy: Any = None,
+    jit_compile: bool = False,
+    return_outputs: bool = False,
+) -> CompiledStep:
+    """Compiles a schedule into one ``tf.function`` training step.
+
+    The step runs the plan of ``schedule`` (:func:`tfremat.plan.build_plan`) statement by
+    statement: forward layer calls recorded on per-node tapes, recomputations where the
+    schedule recomputes, per-layer backward passes and the optimizer update. Control
+    dependencies keep the statements in plan order, so recomputations run late and are
+    not merged with the first computation; stateful layers (batch norm, dropout) are
+    recomputed without side effects (see :mod:`tfremat.static_graph.state`).
+
+    Args:
+        extraction: the result of :func:`tfremat.extract.extract`: ``.graph`` (a
+            :class:`~tfremat.graph.DFGraph`) and ``.side_table``.
+        schedule: a schedule for ``extraction.graph`` from any strategy.
+        optimizer: a Keras optimizer; default: the extraction's optimizer.
+        strategy: a ``tf.distribute`` strategy (e.g. ``MirroredStrategy``) to run the
+            step on each replica; the model and optimizer must have been created in its
+            scope. Default: none.
+        jit_compile: must be False. XLA ignores control dependencies and merges the
+            recomputations back into the first computation, so the schedule would not be
+            followed.
+
+    Returns:
+        A :class:`CompiledStep`.
+
+    Raises:
+        CompileError: ``jit_compile=True``, or the extraction or schedule is unusable.
+        ScheduleError: the schedule is invalid for the graph.
+
+    Example:
+        >>> step = compile_step(extract(model, sample_batch=(x, y)), schedule)
+        >>> loss = step(x, y)
+    """
+    if jit_compile:
+        raise CompileError(
+            "jit_compile=True is not supported: XLA ignores the control dependencies that order "
+            "recomputations and merges them with the first computation, so the compiled step would "
+            "not follow the schedule; use jit_compile=False, or tf.recompute_grad for XLA"
+        )
+    graph = getattr(extraction, "graph", None)
+    side_table = getattr(extraction, "side_table", None)
+    if not isinstance(graph, DFGraph) or side_table is None:
+        raise CompileError("extraction must have .graph (a DFGraph) and .side_table, as tfremat.extract.extract returns")
+    if len(side_table) != graph.size:
+        raise CompileError(f"the side table has {len(side_table)} entries but the graph has {graph.size} nodes")
+    if not isinstance(schedule, Schedule):
+        raise CompileError(f"schedule must be a tfremat Schedule, got {type(schedule).__name__}")
+    validate_schedule(graph, schedule)
+    optimizer = optimizer if optimizer is not None else side_table.optimizer
+    if optimizer is None:
+        raise CompileError("no optimizer: pass optimizer= or extract with one")
+    plan = build_plan(graph, schedule)
+    logger.info(
+        "compiling %s: %d statements, %d recomputations (strategy %s)",
+        graph.name, len(plan), plan.recompute_count, schedule.strategy,
+    )
+    return CompiledStep(graph, side_table, schedule, plan, optimizer, strategy, return_outputs)

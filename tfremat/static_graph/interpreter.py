@@ -1,0 +1,313 @@
+"""The trace-time interpreter: turns an execution plan into TensorFlow operations.
+
+It runs while ``tf.function`` traces the training step and walks the plan statement by
+statement (Checkmate's Algorithm 1 order):
+
+* **compute of a forward node**: call the layer on the resident values of its inputs
+  under a fresh ``tf.GradientTape`` and keep the tape with the outputs. The tape is what
+  makes the backward node cheap: its ``gradient`` call later reads exactly the residuals
+  the layer's gradient needs, from *this* (re)computation, with no extra forward pass
+  (the "cost trap" of re-running the layer under a new tape in the backward node).
+* **compute of the loss node**: the loss and its gradients with respect to the model
+  outputs.
+* **compute of a backward node**: sum the upstream gradient contributions, then
+  ``tape.gradient(outputs, inputs + weights, output_gradients=dy)`` on the forward node's
+  latest instance. If that instance was computed from an older copy of an input the
+  gradient reads (the input was freed and recomputed since, the forward node was not), the
+  vector-Jacobian product is rebuilt on the resident input so the old copy is not kept
+  alive; when the gradient reads nothing but inputs (convolutions, dense layers) the
+  rebuilt forward op has no consumer and TensorFlow prunes it, so it costs nothing.
+* **deallocate**: drop the value from the resident table; nothing created later can read
+  it, so TensorFlow frees the tensor once its last (earlier) consumer has run.
+
+Every statement is created under a control dependency on the previous compute
+statement's outputs. That total order is what keeps a recomputation late (TensorFlow would
+otherwise run it as soon as its inputs exist, raising the peak) and distinct from the
+first computation (common-subexpression elimination does not merge operations with
+different control inputs). Control edges do not extend tensor lifetimes.
+
+Reading a value that the plan does not hold resident raises :class:`CompileError`: the
+interpreter cannot consume a tensor after its deallocate statement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import tensorflow as tf
+
+from tfremat.errors import CompileError
+from tfremat.graph import DFGraph
+from tfremat.plan.execution import ExecutionPlan, Op
+from tfremat.static_graph.state import StateSnapshot, call_replaying, call_with_snapshot
+
+__all__ = ["TraceReport", "interpret_plan"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TraceReport:
+    """What one trace of the step emitted.
+
+    Attributes:
+        ledger_bytes: live bytes at every plan statement, from the interpreter's resident
+            table (fixed bytes + resident values + the running node's workspace), in the
+            simulator's convention.
+        layer_calls: forward layer calls traced, recomputations included.
+        recomputed_layer_calls: forward layer calls made by recompute statements.
+        recompute_statements: compute statements (any node kind) that re-run a node.
+        vjp_rebuilds: backward nodes whose vector-Jacobian product was rebuilt on a newer
+            copy of an input (see the module docstring).
+        costly_vjp_rebuilds: the subset of ``vjp_rebuilds`` whose gradient also reads the
+            layer's output or residuals, so the rebuild re-runs forward work the plan does
+            not count.
+    """
+
+    ledger_bytes: list[int] = dataclasses.field(default_factory=list)
+    layer_calls: int = 0
+    recomputed_layer_calls: int = 0
+    recompute_statements: int = 0
+    vjp_rebuilds: int = 0
+    costly_vjp_rebuilds: int = 0
+
+
+@dataclasses.dataclass
+class _Instance:
+    """One (re)computation of a forward node: outputs, the tape that recorded them, inputs."""
+
+    generation: int
+    outputs: list
+    tape: tf.GradientTape
+    inputs: list
+    input_generations: list
+
+
+class _Interpreter:
+    def __init__(self, graph: DFGraph, side_table: Any, x, y, gradient_scale: float):
+        self.graph = graph
+        self.table = side_table
+        self.x = tf.nest.flatten(x)
+        self.y = tf.nest.flatten(y)
+        self.gradient_scale = gradient_scale
+        self.resident: dict[int, Any] = {}
+        self.instances: dict[int, _Instance] = {}
+        self.generation: dict[int, int] = {}
+        self.snapshots: dict[int, StateSnapshot | None] = {}
+        self.token: list = []
+        self.loss = None
+        self.predictions: list = []
+        self.weight_grads: dict[int, tuple[Any, Any]] = {}
+        self.report = TraceReport()
+
+    # ----- reading resident values -----
+
+    def _value(self, node: int, reader: int):
+        if node not in self.resident:
+            raise CompileError(
+                f"node {reader} ({self.graph.names[reader]}) reads node {node} ({self.graph.names[node]}), "
+                f"which the plan does not hold resident at that point: the schedule is invalid for this graph"
+            )
+        return self.resident[node]
+
+    def _tensor(self, ref, reader: int):
+        if ref.source == "model_input":
+            return self.x[ref.index]
+        return self._value(ref.index, reader).outputs[ref.output_index]
+
+    def _input_generation(self, ref) -> int:
+        return -1 if ref.source == "model_input" else self.generation[ref.index]
+
+    # ----- statements -----
+
+    def run(self, plan: ExecutionPlan):
+        out_bytes = self.graph.output_bytes
+        live = self.graph.fixed_bytes
+        allocated: set[int] = set()
+        for statement in plan:
+            node = statement.node
+            if statement.op is Op.ALLOCATE:
+                allocated.add(node)
+                live += out_bytes[node]
+                self.report.ledger_bytes.append(live)
+            elif statement.op is Op.COMPUTE:
+                if node not in allocated:
+                    raise CompileError(f"plan computes node {node} without allocating it first")
+                allocated.discard(node)
+                self.report.ledger_bytes.append(live + self.graph.workspace_bytes[node])
+                self.report.recompute_statements += statement.recompute
+                with tf.control_dependencies(self.token):
+                    produced = self._compute(node, statement.recompute)
+                produced = [t for t in produced if t is not None]
+                if produced:
+                    self.token = produced
+            else:
+                if node not in self.resident:
+                    raise CompileError(f"plan frees node {node} ({self.graph.names[node]}), which is not resident")
+                del self.resident[node]
+                live -= out_bytes[node]
+                self.report.ledger_bytes.append(live)
+        return self.loss, self.predictions, self.weight_grads
+
+    def _compute(self, node: int, recompute: bool) -> list:
+        entry = self.table[node]
+        with tf.name_scope(f"{'re' if recompute else ''}{entry.kind}_{node}"):
+            if entry.kind == "forward":
+                return self._forward(node, entry, recompute)
+            if entry.kind == "loss":
+                return self._loss(node, entry)
+            return self._backward(node, entry)
+
+    def _call_layer(self, node: int, entry, inputs: list, purpose: str):
+        """Calls the layer on ``inputs`` (flattened like ``entry.inputs``) under a new tape.
+
+        ``purpose`` is ``"forward"``, ``"recompute"`` or ``"vjp"`` (a rebuilt gradient), for
+        the trace report.
+        """
+        watched = iter(inputs)
+        args, kwargs = entry.fill_in(lambda ref: next(watched))
+        if entry.takes_training:
+            kwargs["training"] = True
+        tape = tf.GradientTape(persistent=True)
+        with tape:
+            for tensor, needs in zip(inputs, entry.input_needs_grad or [False] * len(inputs)):
+                if needs:
+                    tape.watch(tensor)
+
+            def call():
+                return entry.layer(*args, **kwargs)
+
+            if node in self.snapshots:
+                outputs = call_replaying(self.snapshots[node], call)
+            else:
+                outputs, self.snapshots[node] = call_with_snapshot(entry.layer, call)
+        if purpose == "vjp":
+            self.report.vjp_rebuilds += 1
+        else:
+            self.report.layer_calls += 1
+            self.report.recomputed_layer_calls += purpose == "recompute"
+        outputs = tf.nest.flatten(outputs)
+        if len(outputs) != max(entry.num_outputs, 1):
+            raise CompileError(
+                f"layer {entry.name!r} returned {len(outputs)} tensors, the extraction recorded {entry.num_outputs}"
+            )
+        return outputs, tape
+
+    def _forward(self, node: int, entry, recompute: bool) -> list:
+        inputs = [self._tensor(ref, node) for ref in entry.inputs]
+        outputs, tape = self._call_layer(node, entry, inputs, "recompute" if recompute else "forward")
+        generation = self.generation.get(node, -1) + 1
+        self.generation[node] = generation
+        instance = _Instance(generation, outputs, tape, inputs, [self._input_generation(r) for r in entry.inputs])
+        self.instances[node] = instance
+        self.resident[node] = instance
+        return list(outputs)
+
+    def _loss(self, node: int, entry) -> list:
+        predictions = [self._tensor(ref, node) for ref in entry.inputs]
+        # Keras losses read a softmax/sigmoid output's logits (``_keras_logits``) directly
+        # when they exist, as plain training does; differentiate with respect to them so
+        # the gradient takes the same path (the backward node picks the logits up again).
+        targets = [_logits(p) for p in predictions]
+        with tf.GradientTape() as tape:
+            tape.watch(predictions + targets)
+            # SideTable.loss_fn takes lists (one entry per model output) in every case.
+            loss = self.table.loss_fn(list(self.y), list(predictions))
+            scaled = loss * self.gradient_scale
+        grads = tape.gradient(scaled, targets)
+        self.loss = loss
+        self.predictions = predictions
+        self.resident[node] = _Instance(0, grads, tape, predictions, [])
+        return [loss, *grads]
+
+    def _upstream(self, node: int, entry, outputs: list) -> tuple[list, list]:
+        """Targets and output gradients for ``tape.gradient``, summed per target."""
+        sums: dict[int, tuple[Any, list]] = {}
+        loss_node = self.table.loss_node
+        for k, contributions in enumerate(entry.output_grads):
+            for ref in contributions:
+                grad = self._value(ref.node, node).outputs[ref.input_index]
+                if grad is None:
+                    continue
+                target = _logits(outputs[k]) if ref.node == loss_node else outputs[k]
+                sums.setdefault(id(target), (target, []))[1].append(grad)
+        targets = [target for target, _ in sums.values()]
+        grads = [parts[0] if len(parts) == 1 else tf.add_n(parts) for _, parts in sums.values()]
+        return targets, grads
+
+    def _backward(self, node: int, entry) -> list:
+        forward = entry.forward_node
+        forward_entry = self.table[forward]
+        reads_forward = forward in self.graph.predecessors[node]
+        instance = self.instances.get(forward)
+        if reads_forward:
+            instance = self._value(forward, node)
+        stale = instance is None or any(
+            forward_entry.inputs[pos].source == "node"
+            and instance.input_generations[pos] != self.generation[forward_entry.inputs[pos].index]
+            for pos in entry.reads_inputs
+        )
+        if stale:
+            # Rebuild the VJP on the resident inputs so no freed copy is read (module doc).
+            inputs = [self._tensor(ref, node) for ref in forward_entry.inputs]
+            outputs, tape = self._call_layer(forward, forward_entry, inputs, "vjp")
+            instance = _Instance(-1, outputs, tape, inputs, [])
+            if reads_forward:
+                self.report.costly_vjp_rebuilds += 1
+                logger.warning(
+                    "backward node %d (%s): the forward value is resident but one of its inputs was recomputed "
+                    "since; the layer's forward work is repeated to rebuild its gradient", node, entry.name,
+                )
+        targets, dys = self._upstream(node, entry, instance.outputs)
+        grad_positions = [p for p, needs in enumerate(forward_entry.input_needs_grad) if needs]
+        sources = [instance.inputs[p] for p in grad_positions]
+        variables = list(forward_entry.trainable_variables)
+        if not targets:
+            grads = [None] * (len(sources) + len(variables))
+        else:
+            grads = instance.tape.gradient(
+                targets, sources + variables, output_gradients=dys,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
+        input_grads: list = [None] * len(forward_entry.inputs)
+        for p, g in zip(grad_positions, grads[: len(sources)]):
+            input_grads[p] = g
+        produced = [g for g in input_grads if g is not None]
+        for variable, g in zip(variables, grads[len(sources):]):
+            key = id(variable)
+            if key in self.weight_grads:
+                self.weight_grads[key] = (variable, self.weight_grads[key][1] + g)
+            else:
+                self.weight_grads[key] = (variable, g)
+            produced.append(g)
+        self.resident[node] = _Instance(0, input_grads, instance.tape, [], [])
+        return produced
+
+
+def _logits(tensor):
+    """The logits Keras attached to a softmax/sigmoid output, else the tensor itself."""
+    return getattr(tensor, "_keras_logits", tensor)
+
+
+def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y, gradient_scale: float = 1.0):
+    """Emits the operations of one training step following ``plan`` (call while tracing).
+
+    Args:
+        graph: the extracted graph the plan was built for.
+        side_table: the extraction's :class:`~tfremat.extract.SideTable`.
+        plan: the execution plan.
+        x: the input batch (structure matching the model inputs).
+        y: the labels.
+        gradient_scale: factor applied to the loss before differentiation (``1 /
+            num_replicas`` under a distribution strategy).
+
+    Returns:
+        ``(loss, predictions, weight_grads, report)``: the scalar loss, the model outputs
+        (flattened) as the loss node read them, ``{id(variable): (variable, gradient)}``
+        and the :class:`TraceReport`.
+    """
+    interpreter = _Interpreter(graph, side_table, x, y, gradient_scale)
+    loss, predictions, weight_grads = interpreter.run(plan)
+    return loss, predictions, weight_grads, interpreter.report

@@ -1,0 +1,98 @@
+"""Side-effect-free recomputation of stateful layers by replaying their variable state.
+
+A recomputed layer must leave every non-trainable variable as one forward pass would:
+batch normalization updates its moving statistics in a ``training=True`` call, and Keras 3
+dropout draws its mask from a ``SeedGenerator`` whose state variable advances on every
+call. Both are functions of the layer's non-trainable variables, so one mechanism covers
+them and any other Keras layer built the same way:
+
+* at the first forward call of the step, read the variables just before (``before``) and
+  just after (``after``) the call;
+* a recomputation assigns ``before``, calls the layer (which then computes exactly what
+  the first call computed: the same batch statistics, the same dropout seed, hence the
+  same mask) and assigns ``after`` again, so the state ends as after one forward pass.
+
+The reads and assigns are ordered by ``tf.function``'s automatic control dependencies,
+which serialize the operations on one resource in program order. Restoring ``after`` is
+exact (a copy, not an inverse update), so moving statistics stay bit-identical to plain
+training. The snapshots are per-channel statistics and seeds: a few bytes, held for the
+step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+__all__ = ["StateSnapshot", "stateful_variables", "call_with_snapshot", "call_replaying"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSnapshot:
+    """The non-trainable state of one layer around its first forward call of the step.
+
+    Attributes:
+        variables: the layer's non-trainable variables.
+        before: their values just before the first call.
+        after: their values just after it.
+    """
+
+    variables: tuple
+    before: tuple
+    after: tuple
+
+
+def stateful_variables(layer: Any) -> tuple:
+    """The variables a layer call may write: its non-trainable variables.
+
+    Trainable variables are only read during a call (the optimizer writes them after the
+    step), so replaying them is unnecessary.
+    """
+    return tuple(getattr(layer, "non_trainable_variables", ()))
+
+
+def _read(variables: Sequence) -> tuple:
+    # tf.identity forces a copy-on-read snapshot that a later assign cannot alias.
+    return tuple(tf.identity(tf.convert_to_tensor(v)) for v in variables)
+
+
+def call_with_snapshot(layer: Any, call: Callable[[], Any]) -> tuple[Any, StateSnapshot | None]:
+    """Runs a layer's first forward call of the step, recording its state around it.
+
+    Args:
+        layer: the Keras layer.
+        call: zero-argument function that calls the layer and returns its outputs.
+
+    Returns:
+        ``(outputs, snapshot)``; ``snapshot`` is None for a layer without state.
+    """
+    variables = stateful_variables(layer)
+    if not variables:
+        return call(), None
+    before = _read(variables)
+    outputs = call()
+    after = _read(variables)
+    return outputs, StateSnapshot(variables, before, after)
+
+
+def call_replaying(snapshot: StateSnapshot | None, call: Callable[[], Any]) -> Any:
+    """Recomputes a layer call with the state of its first call and no net state change.
+
+    Args:
+        snapshot: what :func:`call_with_snapshot` recorded (None: stateless layer).
+        call: zero-argument function that calls the layer.
+
+    Returns:
+        The layer's outputs, equal to those of the first call for the same inputs.
+    """
+    if snapshot is None:
+        return call()
+    for variable, value in zip(snapshot.variables, snapshot.before):
+        variable.assign(value)
+    outputs = call()
+    for variable, value in zip(snapshot.variables, snapshot.after):
+        variable.assign(value)
+    return outputs
