@@ -1,0 +1,111 @@
+"""Plots: files are written as PNGs, and the rows behind the overhead plot are honest."""
+
+import subprocess
+import sys
+
+import pytest
+
+from graph_factories import random_training_graph
+from tfremat.errors import TfrematError
+from tfremat.plan.registry import get_strategy
+from tfremat import plots
+from tfremat.plan.simulator import simulate
+
+pytest.importorskip("matplotlib")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+HEURISTICS = ["checkpoint_all", "chen_sqrtn", "chen_sqrtn_ap", "chen_greedy", "griewank_logn", "hong"]
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return random_training_graph(seed=3, num_forward=10)
+
+
+@pytest.fixture(scope="module")
+def reference_peak(graph):
+    return simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert len(data) > len(PNG_MAGIC)
+    assert data.startswith(PNG_MAGIC)
+
+
+def test_importing_plots_does_not_import_matplotlib():
+    # matplotlib is optional: only drawing may need it.
+    code = "import sys, tfremat, tfremat.plots; sys.exit('matplotlib' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_memory_traces_writes_png(graph, reference_peak, tmp_path):
+    budget = int(0.8 * reference_peak)
+    schedules = {"checkpoint_all": get_strategy("checkpoint_all")(graph)}
+    schedules.update({name: get_strategy(name)(graph) for name in ("chen_sqrtn", "chen_sqrtn_ap", "hong")})
+    path = tmp_path / "memory.png"
+    assert plots.plot_memory_traces(graph, schedules, path, budget_bytes=budget, title="traces") == path
+    assert_png(path)
+
+
+def test_memory_traces_rejects_bad_arguments(graph, tmp_path):
+    with pytest.raises(ValueError, match="schedules"):
+        plots.plot_memory_traces(graph, {}, tmp_path / "empty.png")
+    schedules = {"checkpoint_all": get_strategy("checkpoint_all")(graph)}
+    with pytest.raises(ValueError, match="budget_bytes"):
+        plots.plot_memory_traces(graph, schedules, tmp_path / "bad.png", budget_bytes=0)
+    assert not (tmp_path / "bad.png").exists()
+
+
+def test_overhead_vs_budget_rows(graph, reference_peak, tmp_path):
+    budgets = [1, int(0.5 * reference_peak), int(0.75 * reference_peak), reference_peak]
+    calls = []
+    path, rows = plots.plot_overhead_vs_budget(
+        graph, HEURISTICS, budgets, tmp_path / "overhead.png", progress=lambda done, total: calls.append((done, total))
+    )
+    assert path == tmp_path / "overhead.png"
+    assert_png(path)
+    total = len(HEURISTICS) * len(budgets)
+    assert calls == [(done, total) for done in range(1, total + 1)]
+    assert len(rows) == total
+    assert {(row["strategy"], row["budget_bytes"]) for row in rows} == {(s, b) for s in HEURISTICS for b in budgets}
+    for row in rows:
+        assert set(row) == {"strategy", "budget_bytes", "peak_bytes", "cost_ratio", "seconds"}
+        assert row["seconds"] >= 0
+        if row["budget_bytes"] == 1:
+            # No plan fits in one byte: every strategy must report the point as infeasible.
+            assert row["peak_bytes"] is None and row["cost_ratio"] is None
+        elif row["cost_ratio"] is not None:
+            assert row["peak_bytes"] <= row["budget_bytes"]
+            assert row["cost_ratio"] >= 1.0 - 1e-12
+        else:
+            assert row["peak_bytes"] is None
+    at_full = {row["strategy"]: row for row in rows if row["budget_bytes"] == reference_peak}
+    assert at_full["checkpoint_all"]["cost_ratio"] == pytest.approx(1.0)
+    assert at_full["checkpoint_all"]["peak_bytes"] == reference_peak
+    assert any(row["cost_ratio"] is not None and row["budget_bytes"] < reference_peak for row in rows)
+    below = {row["strategy"]: row for row in rows if row["budget_bytes"] == int(0.5 * reference_peak)}
+    assert below["checkpoint_all"]["cost_ratio"] is None
+
+
+def test_overhead_vs_budget_all_infeasible_still_plots(graph, tmp_path):
+    path, rows = plots.plot_overhead_vs_budget(graph, ["checkpoint_all", "chen_sqrtn"], [1, 2], tmp_path / "none.png")
+    assert_png(path)
+    assert all(row["cost_ratio"] is None for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("strategies", "budgets", "error", "match"),
+    [
+        ([], [100], ValueError, "strategies"),
+        (["chen_sqrtn", "chen_sqrtn"], [100], ValueError, "repeats"),
+        (["chen_sqrtn"], [], ValueError, "budgets_bytes"),
+        (["chen_sqrtn"], [0], ValueError, "budgets_bytes"),
+        (["chen_sqrtn"], [1.5], ValueError, "budgets_bytes"),
+        (["no_such_strategy"], [100], TfrematError, "unknown strategy"),
+    ],
+)
+def test_overhead_vs_budget_rejects_bad_arguments(graph, tmp_path, strategies, budgets, error, match):
+    with pytest.raises(error, match=match):
+        plots.plot_overhead_vs_budget(graph, strategies, budgets, tmp_path / "bad.png")
+    assert not (tmp_path / "bad.png").exists()
