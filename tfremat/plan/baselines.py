@@ -225,7 +225,8 @@ def _chen_greedy(graph: DFGraph, budget: int | None, articulation: bool, num_seg
     if not sizes:
         return checkpoint_all(graph, budget).with_facts(strategy_note="no forward activations")
     low, high = min(sizes), sum(sizes)
-    segment_budgets = np.geomspace(low, high, num=num_segment_budgets)
+    # B = 0 closes a segment at every candidate: the keep-everything end of the family.
+    segment_budgets = np.concatenate([[0.0], np.geomspace(low, high, num=num_segment_budgets - 1)])
     schedules = (
         _schedule_for_checkpoints(graph, _greedy_checkpoints(graph, candidates, b), name, segment_budget=float(b))
         for b in segment_budgets
@@ -309,7 +310,7 @@ def _revolve_snapshots(units: Sequence[Sequence[int]], slots: int, advance: np.n
     return static, dynamic
 
 
-def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int | None) -> Schedule:
+def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int | None, max_slot_counts: int) -> Schedule:
     name = "griewank_logn_ap" if articulation else "griewank_logn"
     boundaries = _candidates(graph, articulation)
     units = _units_between(graph, boundaries)
@@ -327,7 +328,9 @@ def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int
     elif budget is None:
         slot_counts = [min(max_slots, max(1, math.ceil(math.log2(len(units)))))]
     else:
-        slot_counts = range(0, max_slots + 1)
+        # Cost falls and peak rises with the slot count; a geometric sample of counts
+        # (always including 0 and the keep-all count) keeps large graphs fast.
+        slot_counts = sorted({0, max_slots, *np.unique(np.geomspace(1, max_slots, num=max_slot_counts).astype(int))})
 
     def candidates():
         for s in slot_counts:
@@ -339,7 +342,7 @@ def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int
 
 
 @register("griewank_logn")
-def griewank_logn(graph: DFGraph, budget: int | None = None, slots: int | None = None) -> Schedule:
+def griewank_logn(graph: DFGraph, budget: int | None = None, slots: int | None = None, max_slot_counts: int = 32) -> Schedule:
     """Griewank & Walther's revolve over the linearized forward order.
 
     Without a budget, uses ceil(log2(k)) snapshot slots for k forward nodes (the log(n)
@@ -348,14 +351,15 @@ def griewank_logn(graph: DFGraph, budget: int | None = None, slots: int | None =
 
     Args:
         slots: force this number of free snapshot slots.
+        max_slot_counts: with a budget, how many slot counts (geometrically spaced) are tried.
     """
-    return _griewank(graph, budget, False, slots)
+    return _griewank(graph, budget, False, slots, max_slot_counts)
 
 
 @register("griewank_logn_ap")
-def griewank_logn_ap(graph: DFGraph, budget: int | None = None, slots: int | None = None) -> Schedule:
+def griewank_logn_ap(graph: DFGraph, budget: int | None = None, slots: int | None = None, max_slot_counts: int = 32) -> Schedule:
     """Revolve over the blocks between forward articulation points."""
-    return _griewank(graph, budget, True, slots)
+    return _griewank(graph, budget, True, slots, max_slot_counts)
 
 
 # ----- Hong et al.: optimal checkpoint subsets for chains -----
@@ -439,6 +443,9 @@ def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager",
     bounds = np.geomspace(low, high, num=num_bounds)
 
     def candidates():
+        # The DP minimizes memory, never cost; keeping every forward value is the family's
+        # cheap end, so a generous budget gets the no-recomputation schedule.
+        yield _schedule_for_checkpoints(graph, chain, "hong", bound=None, memory_model=memory_model)
         for bound in bounds:
             positions = _hong_subset(sizes, bound, memory_model, gradient_buffer)
             if positions is not None:
