@@ -241,7 +241,7 @@ def solve_approx_lp(
         budget: peak bytes allowed (see :func:`solve_optimal`); None returns the
             checkpoint-all schedule, optimal without a solver.
         solver: LP backend, ``"highs"`` (default) or ``"gurobi"``.
-        time_limit: seconds for each LP solve.
+        time_limit: seconds for all LP solves together (None: no limit).
         threads: solver threads.
         seed: seed of the randomized rounding and of the solver.
         num_samples: randomized roundings per LP solution.
@@ -254,6 +254,7 @@ def solve_approx_lp(
     Raises:
         InfeasibleBudgetError: the LP relaxation is infeasible (so is every schedule), or
             no rounded schedule fits; carries the smallest peak reached.
+        SolverError: no LP relaxation was solved within ``time_limit``.
     """
     began = time.perf_counter()
     if budget is None:
@@ -270,8 +271,11 @@ def solve_approx_lp(
     best, best_cost, smallest_peak, lp_bound = None, None, None, None
     lp_seconds, num_vars, num_constraints = 0.0, 0, 0
     for allowance in allowances:
+        remaining = None if time_limit is None else time_limit - (time.perf_counter() - began)
+        if remaining is not None and remaining <= 0:
+            break
         model = build_model(graph, max(lower_bound, allowance * budget_bytes))
-        result = solve_model(model, solver=solver, relax=True, time_limit=time_limit, threads=threads, seed=seed)
+        result = solve_model(model, solver=solver, relax=True, time_limit=remaining, threads=threads, seed=seed)
         lp_seconds += result.seconds
         if lp_bound is None:
             num_vars, num_constraints = model.num_vars, model.num_constraints
@@ -289,6 +293,8 @@ def solve_approx_lp(
                 best, best_cost = schedule, cost
         if best is not None:
             break
+    if best is None and smallest_peak is None:
+        raise SolverError(f"{solver} solved no LP relaxation within time_limit={time_limit}s; raise time_limit")
     if best is None:
         raise _infeasible(graph, budget_bytes, smallest_peak, "approx_lp", "no rounding of the LP solution fits; try 'optimal'")
     return best.with_facts(
