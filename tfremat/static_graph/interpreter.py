@@ -100,6 +100,7 @@ class _Interpreter:
         self.loss = None
         self.predictions: list = []
         self.weight_grads: dict[int, tuple[Any, Any]] = {}
+        self.last_reader: dict[int, list] = {}
         self.report = TraceReport()
 
     # ----- reading resident values -----
@@ -143,13 +144,25 @@ class _Interpreter:
                 produced = [t for t in produced if t is not None]
                 if produced:
                     self.token = produced
+                    layer = self.table[self.table[node].forward_node].layer if self.table[node].kind != "loss" else None
+                    for variable in getattr(layer, "trainable_variables", ()):
+                        self.last_reader[id(variable)] = produced
             else:
                 if node not in self.resident:
                     raise CompileError(f"plan frees node {node} ({self.graph.names[node]}), which is not resident")
                 del self.resident[node]
                 live -= out_bytes[node]
                 self.report.ledger_bytes.append(live)
-        return self.loss, self.predictions, self.weight_grads
+        # Automatic control dependencies did not reliably keep an optimizer update behind
+        # every read of its variable in this step (training drifted after a few steps);
+        # gate each gradient on the last statement that used the variable's layer instead.
+        # For a layer that is not recomputed after its backward node, that is the backward
+        # node itself, so weight gradients still die right after it.
+        gated = {}
+        for key, (variable, grad) in self.weight_grads.items():
+            with tf.control_dependencies(self.last_reader.get(key, [])):
+                gated[key] = (variable, tf.identity(grad))
+        return self.loss, self.predictions, gated
 
     def _compute(self, node: int, recompute: bool) -> list:
         entry = self.table[node]

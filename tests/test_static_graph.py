@@ -1,0 +1,342 @@
+"""The compiled training step (tfremat.static_graph): exact training, plan-following memory.
+
+Correctness runs every registered strategy on the shared small residual conv net (batch
+norm, dropout, residual Add, Concatenate) and U-Net: gradients equal a plain
+``tf.GradientTape`` step, five optimizer steps leave the same weights and batch-norm
+statistics, the traced function contains as many layer calls as the schedule evaluates,
+and its live-bytes ledger equals the simulator's trace. Memory runs a deeper residual net
+whose activations dominate and checks the allocator peak against the prediction.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+import keras  # noqa: E402
+
+from models import small_convnet, unet  # noqa: E402
+from tfremat.errors import CompileError, InfeasibleBudgetError  # noqa: E402
+from tfremat.extract import extract  # noqa: E402
+from tfremat.plan import simulate  # noqa: E402
+from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
+from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
+from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MILP = {"optimal", "approx_lp"}
+# Budgets tried in order for a strategy that needs one: the first feasible one is used,
+# so that the schedule recomputes something where the strategy can.
+BUDGET_FRACTIONS = (0.6, 0.8, None)
+# Allocator overhead the simulator does not model: BFC rounds every allocation up to
+# 256 bytes and into size bins (measured at most about 1 MiB on these models).
+MEASURE_SLACK_BYTES = 2 * 2**20
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _batch(model, batch, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, *model.input.shape[1:])).astype("float32")
+    classes = model.output.shape[-1]
+    labels = rng.integers(0, classes, size=(batch, *model.output.shape[1:-1]))
+    y = np.eye(classes, dtype="float32")[labels]
+    return tf.constant(x), tf.constant(y)
+
+
+def _strategy_options(name):
+    return {"time_limit": 30} if name in MILP else {}
+
+
+def _available_strategies():
+    return [name for name in strategy_names() if name not in MILP or _has_ilp()]
+
+
+def _has_ilp():
+    try:
+        import tfremat.ilp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _schedule(name, graph):
+    """The strategy's schedule at the first feasible budget of ``BUDGET_FRACTIONS``."""
+    reference = simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
+    for fraction in BUDGET_FRACTIONS:
+        budget = None if fraction is None else int(fraction * reference)
+        try:
+            return get_strategy(name)(graph, budget, **_strategy_options(name))
+        except InfeasibleBudgetError:
+            continue
+    pytest.fail(f"strategy {name} found no schedule even without a budget")
+
+
+class _Case:
+    """A model, its extraction and its initial state, restorable between tests."""
+
+    def __init__(self, build, batch):
+        self.model = build()
+        self.x, self.y = _batch(self.model, batch)
+        # Five different batches, so five steps do not just memorize one.
+        self.batches = [_batch(self.model, batch, seed) for seed in range(1, 6)]
+        self.extraction = extract(self.model, (self.x, self.y), cost_model="flops", use_cache=False)
+        self.initial = [v.numpy() for v in self.model.variables]
+
+    def reset(self):
+        for variable, value in zip(self.model.variables, self.initial):
+            variable.assign(value)
+
+    def optimizer(self):
+        optimizer = keras.optimizers.SGD(learning_rate=0.01, momentum=0.5)
+        optimizer.build(self.model.trainable_variables)
+        return optimizer
+
+    def plain_gradients(self):
+        model, loss_fn = self.model, self.extraction.side_table.loss_fn
+
+        @tf.function
+        def grads(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn([y], [model(x, training=True)])
+            return tape.gradient(loss, model.trainable_variables)
+
+        return [g.numpy() for g in grads(self.x, self.y)]
+
+    def plain_training(self, steps):
+        model, loss_fn, optimizer = self.model, self.extraction.side_table.loss_fn, self.optimizer()
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn([y], [model(x, training=True)])
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            return loss
+
+        losses = [float(step(x, y)) for x, y in self.batches[:steps]]
+        return losses, [v.numpy() for v in model.variables]
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return {
+        "small_convnet": _Case(lambda: small_convnet(input_shape=(16, 16, 3), channels=8), batch=8),
+        "unet": _Case(lambda: unet(input_shape=(16, 16, 3), base=4), batch=4),
+    }
+
+
+@pytest.mark.parametrize("model_name", ["small_convnet", "unet"])
+@pytest.mark.parametrize("strategy", _available_strategies())
+def test_every_strategy_trains_exactly_like_plain_keras(cases, model_name, strategy):
+    case = cases[model_name]
+    graph, side_table = case.extraction.graph, case.extraction.side_table
+    schedule = _schedule(strategy, graph)
+
+    # Gradients of one step equal a plain GradientTape step.
+    case.reset()
+    expected = case.plain_gradients()
+    case.reset()
+    plan = compile_step(case.extraction, schedule, optimizer=case.optimizer()).plan
+
+    @tf.function
+    def compiled_gradients(x, y):
+        _, _, weight_grads, _ = interpret_plan(graph, side_table, plan, x, y)
+        return [weight_grads[id(v)][1] for v in case.model.trainable_variables]
+
+    got = [g.numpy() for g in compiled_gradients(case.x, case.y)]
+    for variable, g, e in zip(case.model.trainable_variables, got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-7, err_msg=f"{strategy}: gradient of {variable.path}")
+
+    # Five optimizer steps: same losses, weights, batch-norm statistics and dropout seeds.
+    case.reset()
+    plain_losses, plain_state = case.plain_training(5)
+    case.reset()
+    step = compile_step(case.extraction, schedule, optimizer=case.optimizer())
+    losses = [float(step(x, y)) for x, y in case.batches]
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    for variable, expected_value in zip(case.model.variables, plain_state):
+        np.testing.assert_allclose(variable.numpy(), expected_value, rtol=1e-4, atol=1e-6, err_msg=f"{strategy}: {variable.path}")
+
+    # The trace: one layer call per evaluation the schedule makes, the simulator's ledger.
+    report = step.report
+    forward = list(graph.forward_nodes)
+    evaluations = int(schedule.R[:, forward].sum())
+    assert report.layer_calls == evaluations
+    assert report.recomputed_layer_calls == evaluations - len(forward)
+    assert report.recompute_statements == schedule.recompute_count == step.plan.recompute_count
+    np.testing.assert_array_equal(step.ledger_bytes, simulate(graph, schedule).trace_bytes)
+
+
+def test_recomputed_layers_are_separate_ops_in_the_traced_graph(cases):
+    case = cases["small_convnet"]
+    graph = case.extraction.graph
+    schedule = get_strategy("checkpoint_all_ap")(graph)
+    relus = [i for i in graph.forward_nodes if graph.names[i].startswith("relu")]
+    for schedule in (get_strategy("checkpoint_all")(graph), _schedule("chen_sqrtn", graph)):
+        case.reset()
+        step = compile_step(case.extraction, schedule, optimizer=case.optimizer())
+        concrete = step.function.get_concrete_function(case.x, case.y)
+        relu_ops = [op for op in concrete.graph.get_operations() if op.type == "Relu"]
+        # A ReLU's gradient reads only its output, so no VJP is ever rebuilt for it.
+        assert len(relu_ops) == int(schedule.R[:, relus].sum())
+    assert int(schedule.R[:, relus].sum()) > len(relus), "chen_sqrtn should recompute a ReLU here"
+
+
+def test_jit_compile_is_refused(cases):
+    case = cases["small_convnet"]
+    schedule = get_strategy("checkpoint_all")(case.extraction.graph)
+    with pytest.raises(CompileError, match="XLA"):
+        compile_step(case.extraction, schedule, jit_compile=True)
+
+
+def test_return_outputs_gives_predictions(cases):
+    case = cases["small_convnet"]
+    case.reset()
+    step = compile_step(case.extraction, _schedule("chen_greedy", case.extraction.graph), optimizer=case.optimizer(),
+                        return_outputs=True)
+    loss, predictions = step(case.x, case.y)
+    assert predictions.shape == case.y.shape
+    np.testing.assert_allclose(float(tf.reduce_mean(keras.losses.categorical_crossentropy(case.y, predictions))), float(loss), rtol=1e-5)
+
+
+def test_a_plan_that_reads_a_freed_value_is_refused(cases):
+    case = cases["small_convnet"]
+    graph = case.extraction.graph
+    step = compile_step(case.extraction, get_strategy("checkpoint_all")(graph), optimizer=case.optimizer())
+    broken = type(step.plan)(tuple(s for s in step.plan.statements if not (s.node == 0 and s.op.value == "compute")), step.plan.num_nodes)
+
+    @tf.function
+    def run(x, y):
+        return interpret_plan(graph, case.extraction.side_table, broken, x, y)[0]
+
+    with pytest.raises(CompileError):
+        run.get_concrete_function(case.x, case.y)
+
+
+# ----- memory, measured by the allocator -----
+
+
+def deep_resnet(input_shape=(48, 48, 3), channels=8, blocks=5, classes=10, seed=0):
+    """A residual chain whose activations dominate its memory: conv-BN-ReLU-dropout blocks."""
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+    x = keras.Input(input_shape)
+    h = layers.Conv2D(channels, 3, padding="same", name="stem")(x)
+    for b in range(blocks):
+        r = layers.Conv2D(channels, 3, padding="same", name=f"b{b}_conv")(h)
+        r = layers.BatchNormalization(name=f"b{b}_bn")(r)
+        r = layers.ReLU(name=f"b{b}_relu")(r)
+        r = layers.Dropout(0.1, seed=b, name=f"b{b}_drop")(r)
+        h = layers.Add(name=f"b{b}_add")([h, r])
+    h = layers.GlobalAveragePooling2D(name="pool")(h)
+    return keras.Model(x, layers.Dense(classes, activation="softmax", name="head")(h), name="deep_resnet")
+
+
+def _cheapest_fitting(graph, budget):
+    """The cheapest schedule any non-MILP strategy finds within ``budget`` (MILP as fallback)."""
+    found = []
+    for name in strategy_names():
+        if name in MILP:
+            continue
+        try:
+            schedule = get_strategy(name)(graph, budget)
+        except InfeasibleBudgetError:
+            continue
+        if simulate(graph, schedule).peak_bytes <= budget:
+            found.append(schedule)
+    if not found and _has_ilp():
+        found.append(get_strategy("approx_lp")(graph, budget))
+    if not found:
+        pytest.skip(f"no strategy fits {budget} bytes")
+    return min(found, key=lambda s: s.cost(graph))
+
+
+def test_measured_peak_follows_the_prediction_and_the_budget():
+    model = deep_resnet()
+    x, y = _batch(model, 32)
+    optimizer = keras.optimizers.SGD(0.01)
+    extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1)
+    graph = extraction.graph
+    reference = simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
+    measured = []
+    for fraction in (None, 0.8, 0.6, 0.4):
+        schedule = (
+            get_strategy("checkpoint_all")(graph) if fraction is None else _cheapest_fitting(graph, int(fraction * reference))
+        )
+        predicted = simulate(graph, schedule).peak_bytes
+        step = compile_step(extraction, schedule)
+        peak = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables))
+        assert peak <= predicted * 1.10 + MEASURE_SLACK_BYTES, (fraction, peak, predicted)
+        measured.append(peak)
+    assert measured[1] < measured[0] and measured[2] < measured[1] and measured[3] < measured[2], measured
+
+
+# ----- tf.distribute -----
+
+_MIRRORED = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    sys.path[:0] = [{tests!r}, {root!r}]
+    import numpy as np, tensorflow as tf, keras
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    from models import small_convnet
+    from tfremat.extract import extract
+    from tfremat.plan.registry import get_strategy
+    from tfremat.static_graph import compile_step
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 16, 16, 3)).astype("float32")
+    y = np.eye(10, dtype="float32")[rng.integers(0, 10, 8)]
+
+    def train(compiled):
+        with strategy.scope():
+            model = small_convnet(input_shape=(16, 16, 3), channels=8)
+            optimizer = keras.optimizers.SGD(0.05)
+            optimizer.build(model.trainable_variables)
+        ex = extract(model, (x[:4], y[:4]), optimizer=optimizer, cost_model="flops", use_cache=False)
+        if compiled:
+            schedule = get_strategy("chen_sqrtn")(ex.graph)
+            step = compile_step(ex, schedule, strategy=strategy)
+        else:
+            loss_fn = ex.side_table.loss_fn
+            def replica(a, b):
+                with tf.GradientTape() as tape:
+                    loss = loss_fn([b], [model(a, training=True)])
+                    scaled = loss / strategy.num_replicas_in_sync
+                grads = tape.gradient(scaled, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            step = tf.function(lambda a, b: strategy.reduce("MEAN", strategy.run(replica, args=(a, b)), axis=None))
+        data = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, y)).repeat(3))
+        losses = [float(step(a, b)) for a, b in data]
+        return losses, [v.numpy() for v in model.variables]
+
+    compiled_losses, compiled_state = train(True)
+    plain_losses, plain_state = train(False)
+    np.testing.assert_allclose(compiled_losses, plain_losses, rtol=1e-5)
+    for a, b in zip(compiled_state, plain_state):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    print("MIRRORED_OK", strategy.num_replicas_in_sync, compiled_losses)
+    """
+)
+
+
+def test_mirrored_strategy_on_two_logical_cpus(tmp_path):
+    script = tmp_path / "mirrored.py"
+    script.write_text(_MIRRORED.format(tests=HERE, root=ROOT))
+    env = dict(os.environ, TFREMAT_CACHE_DIR=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MIRRORED_OK 2" in result.stdout
