@@ -43,14 +43,14 @@ DEFAULT_GRAPHS = Path(os.environ.get("TFREMAT_GRAPHS", ROOT.parent / "shared" / 
 
 
 def estimated_columns(graph) -> int:
-    """Columns of the MILP without building it (R, S, FREE and U), to skip hopeless sizes."""
+    """Columns of the MILP (R, S, U and FREE) counted without building it."""
     last = last_descendants(graph)
     total = 0
     for i in range(graph.size):
         span = int(last[i]) - i
-        total += 3 * (span + 1) + (span if graph.successors[i] else 0)
-        for k in (i, *graph.successors[i]):
-            total += max(0, min(int(last[i]), int(last[k])) - k)
+        total += 2 * (span + 1) + (span if graph.successors[i] else 0)
+        for k in graph.successors[i]:
+            total += max(0, min(int(last[i]), int(last[k])) - k + 1)
     return total
 
 
@@ -150,9 +150,9 @@ def main(argv=None) -> None:
     parser.add_argument("--only", default="", help="substring a graph file name must contain")
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--case-limit", type=float, default=None, help="hard wall limit per case (default 2x time limit + 60)")
-    parser.add_argument("--sweep", type=int, default=2, help="budgets between 1.1x min and 80%%")
-    parser.add_argument("--max-columns", type=int, default=1_500_000)
+    parser.add_argument("--case-limit", type=float, default=None, help="hard wall limit per case (default time limit + 90)")
+    parser.add_argument("--sweep", type=int, default=1, help="budgets between 1.1x min and 80%%")
+    parser.add_argument("--max-columns", type=int, default=400_000)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "solvers.md")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -160,7 +160,7 @@ def main(argv=None) -> None:
         print(json.dumps(run_case(json.loads(args.case))))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    args.case_limit = args.case_limit or 2 * args.time_limit + 60
+    args.case_limit = args.case_limit or args.time_limit + 90
     paths = sorted(args.graphs.glob("*_train.json")) + sorted(
         args.graphs.glob("random_layered_n*.json"), key=lambda p: int(p.stem.rsplit("n", 1)[1])
     )
