@@ -1,16 +1,19 @@
 """The ``optimal`` (Checkmate MILP) and ``approx_lp`` (LP rounding) strategies.
 
 Both take ``(graph, budget=None, **options)`` and return a :class:`~tfremat.plan.Schedule`
-whose ``facts`` carry what the solver proved: ``status``, ``objective`` (the schedule's
+whose ``facts`` carry what the solver proved: ``status`` (``optimal``: proven within the
+requested gap; ``time_limit``: stopped by the time limit, the best schedule so far;
+``feasible``: a schedule without proof of optimality), ``objective`` (the schedule's
 total cost), ``best_bound`` (a proven lower bound on the optimal cost), ``gap``,
 ``seconds`` (total wall time), ``solve_seconds``, ``num_vars``, ``num_constraints``,
 ``solver``, ``warm_start`` (the baseline the MILP started from), ``peak_bytes`` and
 ``budget_bytes``.
 
 The cost of running every node once (``graph.total_cost``) is always a valid lower
-bound, and any schedule reaching it is optimal; both strategies use that to skip the
+bound, and any schedule reaching it is optimal; ``optimal`` uses that to skip the
 solver when a baseline already reaches it (always the case when the checkpoint-all
-schedule fits).
+schedule fits). A proven-infeasible budget raises
+:class:`~tfremat.errors.InfeasibleBudgetError` rather than returning a status.
 """
 
 from __future__ import annotations
@@ -24,7 +27,16 @@ from tfremat.budget import parse_budget
 from tfremat.errors import InfeasibleBudgetError, SolverError
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import CheckmateModel, build_model, memory_lower_bound
-from tfremat.ilp.solvers import DEFAULT_SOLVER, INFEASIBLE, NO_SOLUTION, OPTIMAL, ProgressFn, solve_model
+from tfremat.ilp.solvers import (
+    DEFAULT_SOLVER,
+    FEASIBLE,
+    INFEASIBLE,
+    NO_SOLUTION,
+    OPTIMAL,
+    TIME_LIMIT,
+    ProgressFn,
+    solve_model,
+)
 from tfremat.plan.registry import get_strategy, register, strategy_names
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, prune_s, schedule_from_keep_matrix, validate_schedule
 from tfremat.plan.simulator import simulate
@@ -192,8 +204,10 @@ def solve_optimal(
         raise SolverError(f"internal error: the solver's schedule peaks at {peak} bytes, above the budget {budget_bytes}")
     cost = schedule.cost(graph)
     bound = max(graph.total_cost, result.best_bound if result.best_bound is not None else graph.total_cost)
+    # The solver stopped without a schedule of its own; the baseline it started from stands.
+    status = result.status if result.status != NO_SOLUTION else (TIME_LIMIT if time_limit is not None else FEASIBLE)
     return schedule.with_facts(
-        status=result.status, objective=cost, best_bound=min(bound, cost), gap=max(0.0, (cost - bound) / cost) if cost else 0.0,
+        status=status, objective=cost, best_bound=min(bound, cost), gap=max(0.0, (cost - bound) / cost) if cost else 0.0,
         seconds=time.perf_counter() - began, solve_seconds=result.seconds, num_vars=model.num_vars,
         num_constraints=model.num_constraints, solver=result.solver,
         warm_start=baseline.strategy if baseline is not None else None, peak_bytes=peak, budget_bytes=budget_bytes,
@@ -298,7 +312,7 @@ def solve_approx_lp(
     if best is None:
         raise _infeasible(graph, budget_bytes, smallest_peak, "approx_lp", "no rounding of the LP solution fits; try 'optimal'")
     return best.with_facts(
-        status="feasible" if best_cost > lp_bound else OPTIMAL, objective=best_cost, best_bound=lp_bound,
+        status=FEASIBLE if best_cost > lp_bound else OPTIMAL, objective=best_cost, best_bound=lp_bound,
         gap=max(0.0, (best_cost - lp_bound) / best_cost) if best_cost else 0.0, seconds=time.perf_counter() - began,
         solve_seconds=lp_seconds, num_vars=num_vars, num_constraints=num_constraints, solver=solver,
         peak_bytes=simulate(graph, best).peak_bytes, budget_bytes=budget_bytes,
