@@ -43,7 +43,8 @@ never adds cost or memory; together they make the memory accounting exact):
 
 Memory is measured in units of ``scale`` bytes so that coefficients stay moderate; when
 every byte count is a multiple of a common unit small enough, that unit is used and the
-budget row is exact in integers.
+budget row is exact in integers; otherwise the largest tensor is 1e4 units and the
+budget is shrunk by a relative 1e-6 to absorb solver tolerances.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ __all__ = ["CheckmateModel", "build_model", "memory_lower_bound", "last_descenda
 
 _MAX_EXACT_UNITS = 1e5
 _SCALED_UNITS = 1e4
+_SCALED_MARGIN = 1e-6
 
 
 def last_descendants(graph: DFGraph) -> np.ndarray:
@@ -267,7 +269,10 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
     out, work = graph.output_bytes, graph.workspace_bytes
     scale, exact = _memory_scale(graph)
     capacity = (budget_bytes - graph.fixed_bytes) / scale
-    capacity = math.floor(capacity + 1e-9) if exact else capacity * (1 - 1e-9)
+    # Solver tolerances (1e-7 on rows, 1e-6 on integrality) stay far below one unit in the
+    # exact case; otherwise a relative margin of 1e-6 absorbs them, so the rounded schedule
+    # still fits when the solver's memory sits on the budget.
+    capacity = math.floor(capacity + 1e-9) if exact else capacity * (1 - _SCALED_MARGIN)
     last = last_descendants(graph)
     b = _Builder()
 
