@@ -287,3 +287,10 @@ def test_vgg16_at_90_percent_matches_checkmate():
     assert schedule.facts["status"] == "optimal"
     assert schedule.cost(graph) / graph.total_cost == pytest.approx(1.0197, abs=1e-3)
     assert peak(graph, schedule) <= budget
+
+
+def test_highs_refuses_to_run_next_to_ortools(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ortools", object())
+    graph = training_chain(3)
+    with pytest.raises(SolverError, match="ortools"):
+        solve_model(build_model(graph, memory_lower_bound(graph) + 4))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 
@@ -144,6 +145,11 @@ def _report(progress: ProgressFn | None, report: Progress) -> None:
 
 
 def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progress) -> SolveResult:
+    if "ortools" in sys.modules:
+        raise SolverError(
+            "ortools is imported in this process, and its native HiGHS library clashes with highspy's; "
+            "run the solver in a process that does not import ortools"
+        )
     import highspy
 
     h = highspy.Highs()
