@@ -213,7 +213,7 @@ def test_a_plan_that_reads_a_freed_value_is_refused(cases):
     step = compile_step(case.extraction, get_strategy("checkpoint_all")(graph), optimizer=case.optimizer())
     broken = type(step.plan)(tuple(s for s in step.plan.statements if not (s.node == 0 and s.op.value == "compute")), step.plan.num_nodes)
 
-    @tf.function
+    @tf.function(autograph=False)
     def run(x, y):
         return interpret_plan(graph, case.extraction.side_table, broken, x, y)[0]
 
@@ -224,7 +224,7 @@ def test_a_plan_that_reads_a_freed_value_is_refused(cases):
 # ----- memory, measured by the allocator -----
 
 
-def deep_resnet(input_shape=(48, 48, 3), channels=8, blocks=5, classes=10, seed=0):
+def deep_resnet(input_shape=(48, 48, 3), channels=8, blocks=12, classes=10, seed=0):
     """A residual chain whose activations dominate its memory: conv-BN-ReLU-dropout blocks."""
     keras.utils.set_random_seed(seed)
     layers = keras.layers
@@ -275,6 +275,7 @@ def test_measured_peak_follows_the_prediction_and_the_budget():
         step = compile_step(extraction, schedule)
         peak = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables))
         assert peak <= predicted * 1.10 + MEASURE_SLACK_BYTES, (fraction, peak, predicted)
+        print(f"budget {fraction}: strategy {schedule.strategy}, predicted {predicted}, measured {peak}")
         measured.append(peak)
     assert measured[1] < measured[0] and measured[2] < measured[1] and measured[3] < measured[2], measured
 

@@ -49,7 +49,11 @@ class CompiledStep:
         self.return_outputs = return_outputs
         self._report: TraceReport | None = None
         self._variables = list(side_table.model.trainable_variables)
-        self.function = tf.function(self._distributed_step if strategy is not None else self._step, jit_compile=False)
+        # No AutoGraph: the interpreter has no tensor-dependent Python control flow, and
+        # AutoGraph would wrap its CompileErrors in StagingError.
+        self.function = tf.function(
+            self._distributed_step if strategy is not None else self._step, jit_compile=False, autograph=False
+        )
 
     def _replica_step(self, x, y, gradient_scale: float):
         loss, predictions, weight_grads, report = interpret_plan(self.graph, self.side_table, self.plan, x, y, gradient_scale)
@@ -61,8 +65,16 @@ class CompiledStep:
         # The update reads every weight gradient, so it runs after the last backward node.
         self.optimizer.apply_gradients(pairs)
         if self.return_outputs:
-            return loss, tf.nest.pack_sequence_as(self.side_table.model.outputs, predictions)
+            return loss, self._structure_outputs(predictions)
         return loss
+
+    def _structure_outputs(self, predictions: list):
+        """The flat predictions in the structure ``model(x)`` returns."""
+        model = self.side_table.model
+        structure = getattr(model, "_outputs_struct", None)
+        if structure is None:
+            return predictions[0] if len(predictions) == 1 else predictions
+        return tf.nest.pack_sequence_as(structure, predictions)
 
     def _step(self, x, y):
         return self._replica_step(x, y, 1.0)
