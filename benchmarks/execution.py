@@ -1,0 +1,311 @@
+"""Execution benchmark: compiled schedules against plain Keras, tf.recompute_grad and RematScope.
+
+For a ResNet-style model (residual blocks with batch norm and dropout) and a U-Net at sizes
+a CPU trains in about a second per step, at budgets of 100/80/60/50/40/33% of the
+checkpoint-all peak: the schedule (cheapest fitting baseline, or ``--strategy``), its
+predicted peak, the allocator-measured peak of the compiled step, the prediction error,
+the median step time, and memory and time ratios to plain Keras training
+(``model.train_on_batch``, the step ``model.fit`` runs). In the same run: ``tf.recompute_grad``
+over sqrt(n) segments of the layer sequence and ``keras.RematScope(mode="full")``.
+
+Run: ``python benchmarks/execution.py`` (writes ``benchmarks/results/execution.md``).
+Ops run one at a time (``TF_NUM_INTEROP_THREADS=1``), the sequential execution the
+simulator models and the setting the profiles are taken under.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from models import unet  # noqa: E402
+from tfremat.errors import InfeasibleBudgetError  # noqa: E402
+from tfremat.extract import TensorRef, extract  # noqa: E402
+from tfremat.extract.layer_graph import walk_model  # noqa: E402
+from tfremat.plan import simulate  # noqa: E402
+from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
+from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
+
+logger = logging.getLogger("benchmarks.execution")
+
+BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.33)
+MILP = ("optimal", "approx_lp")
+MiB = 2**20
+
+
+def resnet_style(input_shape=(64, 64, 3), channels=16, blocks=8, classes=10, seed=0):
+    """Residual blocks conv-BN-ReLU-dropout-conv-BN + Add + ReLU, then pooling and a softmax head."""
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+    x = keras.Input(input_shape)
+    h = layers.Conv2D(channels, 3, padding="same", name="stem")(x)
+    for b in range(blocks):
+        r = layers.Conv2D(channels, 3, padding="same", name=f"b{b}_conv1")(h)
+        r = layers.BatchNormalization(name=f"b{b}_bn1")(r)
+        r = layers.ReLU(name=f"b{b}_relu1")(r)
+        r = layers.Dropout(0.1, seed=b, name=f"b{b}_drop")(r)
+        r = layers.Conv2D(channels, 3, padding="same", name=f"b{b}_conv2")(r)
+        r = layers.BatchNormalization(name=f"b{b}_bn2")(r)
+        h = layers.ReLU(name=f"b{b}_out")(layers.Add(name=f"b{b}_add")([h, r]))
+    h = layers.GlobalAveragePooling2D(name="pool")(h)
+    return keras.Model(x, layers.Dense(classes, activation="softmax", name="head")(h), name="resnet_style")
+
+
+MODELS = {
+    "ResNet-style, 8 blocks x 16 ch (64x64, batch 32)": (lambda: resnet_style(), 32),
+    "U-Net depth 3, base 16 (64x64, batch 16)": (lambda: unet(input_shape=(64, 64, 3), base=16, depth=3), 16),
+}
+
+
+def make_batch(model, batch, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, *model.input.shape[1:])).astype("float32")
+    classes = model.output.shape[-1]
+    y = np.eye(classes, dtype="float32")[rng.integers(0, classes, size=(batch, *model.output.shape[1:-1]))]
+    return tf.constant(x), tf.constant(y)
+
+
+def median_seconds(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        tf.nest.flatten(fn())[0].numpy()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
+
+
+def measure(step, x, y, variables, repeats):
+    """Allocator peak (graph convention) and median seconds of ``step(x, y)``."""
+    peak = measure_step_peak(step, x, y, resident=variables)
+    return peak, median_seconds(lambda: step(x, y), repeats)
+
+
+def plain_fit(build, x, y, loss, repeats):
+    """``model.train_on_batch``: the compiled train function ``model.fit`` runs per batch."""
+    model = build()
+    optimizer = keras.optimizers.SGD(0.01)
+    model.compile(optimizer=optimizer, loss=loss)
+    optimizer.build(model.trainable_variables)
+    step = lambda a, b: tf.constant(model.train_on_batch(a, b))  # noqa: E731
+    return measure(step, x, y, list(model.variables) + list(optimizer.variables), repeats)
+
+
+def _segments(calls, count):
+    """Splits the layer calls into ``count`` contiguous runs of about equal length."""
+    bounds = np.linspace(0, len(calls), count + 1).round().astype(int)
+    return [calls[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def recompute_grad_step(build, x, y, loss_fn, repeats):
+    """``tf.recompute_grad`` over sqrt(n) contiguous segments of the model's layer calls.
+
+    Each segment takes every tensor produced before it that it or a later layer reads and
+    returns every tensor it produces that a later layer reads, so any DAG splits correctly.
+    Batch norm and dropout inside a recomputed segment run twice (statistics updated twice,
+    a fresh mask), which is tf.recompute_grad's documented behavior.
+    """
+    model = build()
+    optimizer = keras.optimizers.SGD(0.01)
+    optimizer.build(model.trainable_variables)
+    calls, outputs = walk_model(model)
+    segments = _segments(calls, max(1, round(math.sqrt(len(calls)))))
+    read_after = []
+    for index in range(len(segments)):
+        later = [c for seg in segments[index + 1:] for c in seg]
+        needed = {(r.source, r.index, r.output_index) for c in later for r in c.inputs}
+        needed |= {(r.source, r.index, r.output_index) for r in outputs}
+        read_after.append(needed)
+
+    def key(ref):
+        return (ref.source, ref.index, ref.output_index)
+
+    def run_segment(segment, live_keys, out_keys):
+        def fn(*tensors):
+            env = dict(zip(live_keys, tensors))
+            def resolve(value):
+                return env[key(value)] if isinstance(value, TensorRef) else value
+
+            for call in segment:
+                args = tf.nest.map_structure(resolve, tuple(call.call_args))
+                kwargs = tf.nest.map_structure(resolve, dict(call.call_kwargs))
+                if call.layer._call_has_training_arg:
+                    kwargs["training"] = True
+                result = tf.nest.flatten(call.layer(*args, **kwargs))
+                for o, tensor in enumerate(result):
+                    env[("node", call.position, o)] = tensor
+            return [env[k] for k in out_keys]
+
+        return tf.recompute_grad(fn)
+
+    @tf.function
+    def step(a, b):
+        with tf.GradientTape() as tape:
+            env = {("model_input", 0, 0): a}
+            for index, segment in enumerate(segments):
+                live_keys = sorted(k for k in env if k in _reads(segment) or k in read_after[index])
+                produced = [("node", c.position, o) for c in segment for o in range(c.num_outputs)]
+                out_keys = [k for k in produced if k in read_after[index]]
+                results = run_segment(segment, live_keys, out_keys)(*[env[k] for k in live_keys])
+                env = {k: env[k] for k in live_keys if k in read_after[index]}
+                env.update(zip(out_keys, results))
+            loss = loss_fn([b], [env[key(outputs[0])]])
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return measure(step, x, y, list(model.variables) + list(optimizer.variables), repeats)
+
+
+def _reads(segment):
+    return {(r.source, r.index, r.output_index) for c in segment for r in c.inputs}
+
+
+def remat_scope_step(build, x, y, loss, repeats, run_eagerly):
+    """Keras' own rematerialization: every layer built under ``keras.RematScope(mode="full")``.
+
+    On the TensorFlow backend it wraps layer calls in ``tf.custom_gradient``, which refuses
+    keyword arguments (``training=True``) inside a ``tf.function``; the compiled
+    ``train_on_batch`` therefore fails and only ``run_eagerly=True`` runs.
+    """
+    with keras.RematScope(mode="full"):
+        model = build()
+    optimizer = keras.optimizers.SGD(0.01)
+    model.compile(optimizer=optimizer, loss=loss, run_eagerly=run_eagerly)
+    optimizer.build(model.trainable_variables)
+    step = lambda a, b: tf.constant(model.train_on_batch(a, b))  # noqa: E731
+    return measure(step, x, y, list(model.variables) + list(optimizer.variables), repeats)
+
+
+def choose_schedule(graph, budget, strategy):
+    """The named strategy's schedule, or the cheapest fitting non-MILP one for ``"best"``."""
+    if strategy != "best":
+        return get_strategy(strategy)(graph, budget, **({"time_limit": 120} if strategy in MILP else {}))
+    found = []
+    for name in strategy_names():
+        if name in MILP:
+            continue
+        try:
+            schedule = get_strategy(name)(graph, budget)
+        except InfeasibleBudgetError:
+            continue
+        if budget is None or simulate(graph, schedule).peak_bytes <= budget:
+            found.append(schedule)
+    if not found:
+        raise InfeasibleBudgetError(budget, strategy="best")
+    return min(found, key=lambda s: (s.cost(graph), simulate(graph, s).peak_bytes))
+
+
+def bench_model(label, build, batch, strategy, repeats):
+    rows = []
+    probe = build()
+    x, y = make_batch(probe, batch)
+    loss = "categorical_crossentropy"
+    plain_peak, plain_time = plain_fit(build, x, y, loss, repeats)
+    rows.append(("plain Keras (train_on_batch)", "-", None, plain_peak, plain_time, ""))
+    model = build()
+    optimizer = keras.optimizers.SGD(0.01)
+    extraction = extract(model, (x, y), loss=loss, optimizer=optimizer, cost_model="profile")
+    graph = extraction.graph
+    reference = simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
+    variables = list(model.variables) + list(optimizer.variables)
+    initial = [v.numpy() for v in variables]
+    for fraction in BUDGETS:
+        budget = None if fraction == 1.0 else int(fraction * reference)
+        name = f"tfremat {int(round(fraction * 100))}%"
+        try:
+            schedule = choose_schedule(graph, budget, strategy)
+        except InfeasibleBudgetError as err:
+            rows.append((name, "infeasible", None, None, None, str(err).split(";")[-1].strip()[:80]))
+            continue
+        for variable, value in zip(variables, initial):
+            variable.assign(value)
+        predicted = simulate(graph, schedule).peak_bytes
+        step = compile_step(extraction, schedule)
+        peak, seconds = measure(step, x, y, variables, repeats)
+        note = f"{schedule.recompute_count} recomputations, {step.report.costly_vjp_rebuilds} costly VJP rebuilds"
+        rows.append((name, schedule.strategy, predicted, peak, seconds, note))
+        logger.info("%s %s: predicted %.1f MiB measured %.1f MiB %.3f s", label, name, predicted / MiB, peak / MiB, seconds)
+    rg_peak, rg_time = recompute_grad_step(build, x, y, extraction.side_table.loss_fn, repeats)
+    rows.append(("tf.recompute_grad, sqrt(n) segments", "-", None, rg_peak, rg_time, "BN/dropout run twice"))
+    try:
+        rs_peak, rs_time = remat_scope_step(build, x, y, loss, repeats, run_eagerly=False)
+        rows.append(('keras.RematScope(mode="full")', "-", None, rs_peak, rs_time, ""))
+    except ValueError as err:
+        reason = str(err).split("\n")[2].replace("\x1b[1m", "").replace("\x1b[0m", "").strip()[:110]
+        rows.append(('keras.RematScope(mode="full")', "fails", None, None, None, f"compiled step: {reason}"))
+        rs_peak, rs_time = remat_scope_step(build, x, y, loss, repeats, run_eagerly=True)
+        rows.append(('keras.RematScope(mode="full"), run_eagerly', "-", None, rs_peak, rs_time, "eager execution"))
+    return reference, rows, plain_peak, plain_time
+
+
+def render(results, strategy, repeats):
+    lines = [
+        "# Execution benchmark",
+        "",
+        "Generated by `python benchmarks/execution.py` (CPU, `TF_NUM_INTEROP_THREADS=1`, "
+        f"`TF_CPU_ALLOCATOR_USE_BFC=true`; schedule: `{strategy}`; step time: median of {repeats} steps). "
+        "Peaks are allocator-measured in the graph's convention (step peak above the bytes allocated "
+        "before it, plus variables, optimizer slots and the batch). Error = measured / predicted - 1. "
+        "Ratios are to plain Keras `train_on_batch` (what `model.fit` runs per batch).",
+        "",
+    ]
+    for label, (reference, rows, plain_peak, plain_time) in results.items():
+        lines += [
+            f"## {label}",
+            "",
+            f"Checkpoint-all predicted peak: {reference / MiB:.1f} MiB.",
+            "",
+            "| run | schedule | predicted MiB | measured MiB | error | memory / plain | step s | time / plain | notes |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, sched, predicted, peak, seconds, note in rows:
+            if peak is None:
+                lines.append(f"| {name} | {sched} | | | | | | | {note} |")
+                continue
+            pred = f"{predicted / MiB:.1f}" if predicted else ""
+            err = f"{(peak / predicted - 1) * 100:+.1f}%" if predicted else ""
+            lines.append(
+                f"| {name} | {sched} | {pred} | {peak / MiB:.1f} | {err} | {peak / plain_peak:.2f} | "
+                f"{seconds:.3f} | {seconds / plain_time:.2f} | {note} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", default="best", help='"best" (cheapest fitting baseline) or a strategy name')
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "execution.md"))
+    parser.add_argument("--only", default=None, help="run only models whose label contains this")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("tfremat").setLevel(logging.ERROR)
+    results = {}
+    for label, (build, batch) in MODELS.items():
+        if args.only and args.only not in label:
+            continue
+        results[label] = bench_model(label, build, batch, args.strategy, args.repeats)
+    text = render(results, args.strategy, args.repeats)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text + "\n")
+    sys.stdout.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
