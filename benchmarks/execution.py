@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from models import unet  # noqa: E402
-from tfremat.errors import InfeasibleBudgetError  # noqa: E402
+from tfremat.errors import InfeasibleBudgetError, SolverError  # noqa: E402
 from tfremat.extract import TensorRef, extract  # noqa: E402
 from tfremat.extract.layer_graph import walk_model  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
@@ -65,9 +65,37 @@ def resnet_style(input_shape=(64, 64, 3), channels=16, blocks=8, classes=10, see
     return keras.Model(x, layers.Dense(classes, activation="softmax", name="head")(h), name="resnet_style")
 
 
+def unet_double(input_shape=(64, 64, 3), base=8, depth=4, classes=2, seed=0):
+    """A U-Net with two conv-BN-ReLU per level and skip connections across ``depth`` levels."""
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+
+    def double_conv(h, filters, name):
+        for i in (1, 2):
+            h = layers.Conv2D(filters, 3, padding="same", name=f"{name}_conv{i}")(h)
+            h = layers.BatchNormalization(name=f"{name}_bn{i}")(h)
+            h = layers.ReLU(name=f"{name}_relu{i}")(h)
+        return h
+
+    x = keras.Input(input_shape)
+    h, skips = x, []
+    for level in range(depth):
+        h = double_conv(h, base * 2**level, f"down{level}")
+        skips.append(h)
+        h = layers.MaxPooling2D(name=f"down{level}_pool")(h)
+    h = double_conv(h, base * 2**depth, "bottom")
+    for level in reversed(range(depth)):
+        h = layers.UpSampling2D(name=f"up{level}_upsample")(h)
+        h = layers.Concatenate(name=f"up{level}_concat")([h, skips[level]])
+        h = double_conv(h, base * 2**level, f"up{level}")
+    out = layers.Conv2D(classes, 1, activation="softmax", name="head")(h)
+    return keras.Model(x, out, name="unet_double")
+
+
 MODELS = {
     "ResNet-style, 8 blocks x 16 ch (64x64, batch 32)": (lambda: resnet_style(), 32),
     "U-Net depth 3, base 16 (64x64, batch 16)": (lambda: unet(input_shape=(64, 64, 3), base=16, depth=3), 16),
+    "U-Net 2 convs/level, depth 4, base 8 (64x64, batch 16)": (lambda: unet_double(), 16),
 }
 
 
@@ -190,17 +218,18 @@ def remat_scope_step(build, x, y, loss, repeats, run_eagerly):
     return measure(step, x, y, list(model.variables) + list(optimizer.variables), repeats)
 
 
-def choose_schedule(graph, budget, strategy):
-    """The named strategy's schedule, or the cheapest fitting non-MILP one for ``"best"``."""
+def choose_schedule(graph, budget, strategy, time_limit=60):
+    """The named strategy's schedule, or for ``"best"`` the cheapest fitting one among the
+    baselines and the LP-rounding approximation (``approx_lp``, when the ILP extra is there)."""
     if strategy != "best":
-        return get_strategy(strategy)(graph, budget, **({"time_limit": 120} if strategy in MILP else {}))
+        return get_strategy(strategy)(graph, budget, **({"time_limit": time_limit} if strategy in MILP else {}))
     found = []
     for name in strategy_names():
-        if name in MILP:
+        if name == "optimal":
             continue
         try:
-            schedule = get_strategy(name)(graph, budget)
-        except InfeasibleBudgetError:
+            schedule = get_strategy(name)(graph, budget, **({"time_limit": time_limit} if name in MILP else {}))
+        except (InfeasibleBudgetError, SolverError):
             continue
         if budget is None or simulate(graph, schedule).peak_bytes <= budget:
             found.append(schedule)
@@ -228,7 +257,7 @@ def bench_model(label, build, batch, strategy, repeats):
         name = f"tfremat {int(round(fraction * 100))}%"
         try:
             schedule = choose_schedule(graph, budget, strategy)
-        except InfeasibleBudgetError as err:
+        except (InfeasibleBudgetError, SolverError) as err:
             rows.append((name, "infeasible", None, None, None, str(err).split(";")[-1].strip()[:80]))
             continue
         for variable, value in zip(variables, initial):
@@ -288,7 +317,7 @@ def render(results, strategy, repeats):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="best", help='"best" (cheapest fitting baseline) or a strategy name')
+    parser.add_argument("--strategy", default="best", help='"best" (cheapest fitting baseline or approx_lp) or a strategy name')
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "execution.md"))
     parser.add_argument("--only", default=None, help="run only models whose label contains this")

@@ -62,7 +62,8 @@ class CompiledStep:
         missing = [v.path for v in self._variables if id(v) not in weight_grads]
         if missing:
             logger.debug("no gradient reaches %d trainable variables: %s", len(missing), ", ".join(missing))
-        # The update reads every weight gradient, so it runs after the last backward node.
+        # Each variable's update waits only for its own (gated) gradient, so weight
+        # gradients are freed as the backward pass goes, as the graph's memory model says.
         self.optimizer.apply_gradients(pairs)
         if self.return_outputs:
             return loss, self._structure_outputs(predictions)

@@ -20,6 +20,10 @@ statement (Checkmate's Algorithm 1 order):
 * **deallocate**: drop the value from the resident table; nothing created later can read
   it, so TensorFlow frees the tensor once its last (earlier) consumer has run.
 
+Each weight gradient reaches the optimizer through a control dependency on the last
+statement that used its layer, so no update can overtake a read of the variable in the
+same step (automatic control dependencies alone let training drift after a few steps).
+
 Every statement is created under a control dependency on the previous compute
 statement's outputs. That total order is what keeps a recomputation late (TensorFlow would
 otherwise run it as soon as its inputs exist, raising the peak) and distinct from the
@@ -78,7 +82,6 @@ class TraceReport:
 class _Instance:
     """One (re)computation of a forward node: outputs, the tape that recorded them, inputs."""
 
-    generation: int
     outputs: list
     tape: tf.GradientTape
     inputs: list
@@ -179,8 +182,8 @@ class _Interpreter:
         ``purpose`` is ``"forward"``, ``"recompute"`` or ``"vjp"`` (a rebuilt gradient), for
         the trace report.
         """
-        watched = iter(inputs)
-        args, kwargs = entry.fill_in(lambda ref: next(watched))
+        lookup = dict(zip(entry.inputs, inputs))
+        args, kwargs = entry.fill_in(lookup.__getitem__)
         if entry.takes_training:
             kwargs["training"] = True
         tape = tf.GradientTape(persistent=True)
@@ -213,7 +216,7 @@ class _Interpreter:
         outputs, tape = self._call_layer(node, entry, inputs, "recompute" if recompute else "forward")
         generation = self.generation.get(node, -1) + 1
         self.generation[node] = generation
-        instance = _Instance(generation, outputs, tape, inputs, [self._input_generation(r) for r in entry.inputs])
+        instance = _Instance(outputs, tape, inputs, [self._input_generation(r) for r in entry.inputs])
         self.instances[node] = instance
         self.resident[node] = instance
         return list(outputs)
@@ -232,7 +235,7 @@ class _Interpreter:
         grads = tape.gradient(scaled, targets)
         self.loss = loss
         self.predictions = predictions
-        self.resident[node] = _Instance(0, grads, tape, predictions, [])
+        self.resident[node] = _Instance(grads, tape, predictions, [])
         return [loss, *grads]
 
     def _upstream(self, node: int, entry, outputs: list) -> tuple[list, list]:
@@ -266,7 +269,7 @@ class _Interpreter:
             # Rebuild the VJP on the resident inputs so no freed copy is read (module doc).
             inputs = [self._tensor(ref, node) for ref in forward_entry.inputs]
             outputs, tape = self._call_layer(forward, forward_entry, inputs, "vjp")
-            instance = _Instance(-1, outputs, tape, inputs, [])
+            instance = _Instance(outputs, tape, inputs, [])
             if reads_forward:
                 self.report.costly_vjp_rebuilds += 1
                 logger.warning(
@@ -295,7 +298,7 @@ class _Interpreter:
             else:
                 self.weight_grads[key] = (variable, g)
             produced.append(g)
-        self.resident[node] = _Instance(0, input_grads, instance.tape, [], [])
+        self.resident[node] = _Instance(input_grads, instance.tape, [], [])
         return produced
 
 

@@ -6,17 +6,19 @@ dropout draws its mask from a ``SeedGenerator`` whose state variable advances on
 call. Both are functions of the layer's non-trainable variables, so one mechanism covers
 them and any other Keras layer built the same way:
 
-* at the first forward call of the step, read the variables just before (``before``) and
-  just after (``after``) the call;
-* a recomputation assigns ``before``, calls the layer (which then computes exactly what
-  the first call computed: the same batch statistics, the same dropout seed, hence the
-  same mask) and assigns ``after`` again, so the state ends as after one forward pass.
+* at the first forward call of a node in the step, read the variables just before the
+  call (``before``);
+* a recomputation reads the variables as they are now, assigns ``before``, calls the layer
+  (which then computes exactly what the first call computed: the same batch statistics,
+  the same dropout seed, hence the same mask) and assigns the values it read back.
 
-The reads and assigns are ordered by ``tf.function``'s automatic control dependencies,
-which serialize the operations on one resource in program order. Restoring ``after`` is
-exact (a copy, not an inverse update), so moving statistics stay bit-identical to plain
-training. The snapshots are per-channel statistics and seeds: a few bytes, held for the
-step.
+Restoring the values read just before the replay, rather than those right after the first
+call, stays exact when a layer called twice in the model (two forward nodes sharing the
+state) has advanced its state in between. The reads and assigns are ordered by
+``tf.function``'s automatic control dependencies, which serialize the operations on one
+resource in program order; the restore is a copy, not an inverse update, so moving
+statistics stay bit-identical to plain training. The snapshots are per-channel statistics
+and seeds: a few bytes, held for the step.
 """
 
 from __future__ import annotations
@@ -32,17 +34,15 @@ __all__ = ["StateSnapshot", "stateful_variables", "call_with_snapshot", "call_re
 
 @dataclasses.dataclass(frozen=True)
 class StateSnapshot:
-    """The non-trainable state of one layer around its first forward call of the step.
+    """The non-trainable state of one layer just before a node's first forward call.
 
     Attributes:
         variables: the layer's non-trainable variables.
         before: their values just before the first call.
-        after: their values just after it.
     """
 
     variables: tuple
     before: tuple
-    after: tuple
 
 
 def stateful_variables(layer: Any) -> tuple:
@@ -60,7 +60,7 @@ def _read(variables: Sequence) -> tuple:
 
 
 def call_with_snapshot(layer: Any, call: Callable[[], Any]) -> tuple[Any, StateSnapshot | None]:
-    """Runs a layer's first forward call of the step, recording its state around it.
+    """Runs a node's first forward call of the step, recording the layer's state before it.
 
     Args:
         layer: the Keras layer.
@@ -73,9 +73,7 @@ def call_with_snapshot(layer: Any, call: Callable[[], Any]) -> tuple[Any, StateS
     if not variables:
         return call(), None
     before = _read(variables)
-    outputs = call()
-    after = _read(variables)
-    return outputs, StateSnapshot(variables, before, after)
+    return call(), StateSnapshot(variables, before)
 
 
 def call_replaying(snapshot: StateSnapshot | None, call: Callable[[], Any]) -> Any:
@@ -90,9 +88,10 @@ def call_replaying(snapshot: StateSnapshot | None, call: Callable[[], Any]) -> A
     """
     if snapshot is None:
         return call()
+    current = _read(snapshot.variables)
     for variable, value in zip(snapshot.variables, snapshot.before):
         variable.assign(value)
     outputs = call()
-    for variable, value in zip(snapshot.variables, snapshot.after):
+    for variable, value in zip(snapshot.variables, current):
         variable.assign(value)
     return outputs
