@@ -22,7 +22,7 @@ import keras  # noqa: E402
 from models import small_convnet, unet  # noqa: E402
 from tfremat.errors import CompileError, InfeasibleBudgetError  # noqa: E402
 from tfremat.extract import extract  # noqa: E402
-from tfremat.plan import simulate  # noqa: E402
+from tfremat.plan import schedule_from_checkpoints, simulate  # noqa: E402
 from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
 from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
@@ -219,6 +219,34 @@ def test_a_plan_that_reads_a_freed_value_is_refused(cases):
 
     with pytest.raises(CompileError):
         run.get_concrete_function(case.x, case.y)
+
+
+class _GlobalNoise(keras.layers.Layer):
+    """Adds noise from TensorFlow's stateful global generator (no Keras SeedGenerator)."""
+
+    def call(self, inputs):
+        return inputs + tf.random.uniform(tf.shape(inputs))
+
+
+def test_recomputing_a_layer_with_unreplayable_randomness_is_refused():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((16,))
+    h = x
+    for i in range(6):
+        h = keras.layers.Dense(16, activation="relu", name=f"dense{i}")(h)
+        if i == 1:
+            h = _GlobalNoise(name="noise")(h)
+    model = keras.Model(x, keras.layers.Dense(4, activation="softmax", name="head")(h))
+    data = _batch(model, 4)
+    extraction = extract(model, data, cost_model="flops", use_cache=False)
+    graph = extraction.graph
+    noise = graph.names.index("noise")
+    # Keep every forward value but the noise output, which the next Dense's gradient reads.
+    schedule = schedule_from_checkpoints(graph, [i for i in graph.forward_nodes if i != noise], "test")
+    assert schedule.R[:, noise].sum() > 1, "the schedule should recompute the noise layer"
+    with pytest.raises(CompileError, match="noise"):
+        compile_step(extraction, schedule, optimizer=keras.optimizers.SGD()).trace()
+    compile_step(extraction, get_strategy("checkpoint_all")(graph), optimizer=keras.optimizers.SGD()).trace()
 
 
 # ----- memory, measured by the allocator -----

@@ -99,8 +99,11 @@ class CompiledStep:
         if self._report is None:
             if self.strategy is not None:
                 raise CompileError("a distributed step is traced on its first call; call it before reading the report")
-            self.function.get_concrete_function(tuple(self.side_table.input_specs) if len(self.side_table.input_specs) > 1 else self.side_table.input_specs[0],
-                                                tuple(self.side_table.label_specs) if len(self.side_table.label_specs) > 1 else self.side_table.label_specs[0])
+            inputs, labels = (
+                tuple(specs) if len(specs) > 1 else specs[0]
+                for specs in (self.side_table.input_specs, self.side_table.label_specs)
+            )
+            self.function.get_concrete_function(inputs, labels)
         return self._report
 
     @property

@@ -45,7 +45,7 @@ import tensorflow as tf
 from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op
-from tfremat.static_graph.state import StateSnapshot, call_replaying, call_with_snapshot
+from tfremat.static_graph.state import StateSnapshot, call_replaying, call_with_snapshot, stateful_random_ops
 
 __all__ = ["TraceReport", "interpret_plan"]
 
@@ -195,10 +195,21 @@ class _Interpreter:
             def call():
                 return entry.layer(*args, **kwargs)
 
+            graph = tf.compat.v1.get_default_graph()
+            first_op = len(graph.get_operations())
             if node in self.snapshots:
                 outputs = call_replaying(self.snapshots[node], call)
             else:
                 outputs, self.snapshots[node] = call_with_snapshot(entry.layer, call)
+            if purpose != "forward":
+                random_ops = stateful_random_ops(graph.get_operations()[first_op:])
+                if random_ops:
+                    raise CompileError(
+                        f"layer {entry.name!r} draws random numbers with {', '.join(random_ops)}, whose generator "
+                        "state no variable holds, so recomputing it would change its output. Seed it with a "
+                        "keras.random.SeedGenerator (as Keras' own random layers do), or use a budget/strategy "
+                        "that does not recompute it"
+                    )
         if purpose == "vjp":
             self.report.vjp_rebuilds += 1
         else:

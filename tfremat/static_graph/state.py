@@ -29,7 +29,16 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["StateSnapshot", "stateful_variables", "call_with_snapshot", "call_replaying"]
+__all__ = ["StateSnapshot", "stateful_variables", "call_with_snapshot", "call_replaying", "stateful_random_ops"]
+
+# Random ops whose state lives outside any Keras variable (TensorFlow's global or
+# op-level generators): a second call draws new numbers and nothing here can replay them.
+_STATEFUL_RANDOM_OPS = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal", "ParameterizedTruncatedNormal",
+    "Multinomial", "RandomShuffle", "RandomGamma", "RandomPoisson", "RandomPoissonV2", "RandomCrop",
+    "StatefulUniform", "StatefulUniformInt", "StatefulUniformFullInt", "StatefulStandardNormal",
+    "StatefulStandardNormalV2", "StatefulTruncatedNormal", "StatefulRandomBinomial", "RngSkip", "RngReadAndSkip",
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,3 +104,13 @@ def call_replaying(snapshot: StateSnapshot | None, call: Callable[[], Any]) -> A
     for variable, value in zip(snapshot.variables, current):
         variable.assign(value)
     return outputs
+
+
+def stateful_random_ops(operations) -> list[str]:
+    """Types of the operations among ``operations`` that draw from a generator no variable holds.
+
+    Layers built on Keras' ``SeedGenerator`` use stateless random ops seeded from a variable,
+    which :func:`call_replaying` replays; anything found here would draw a different sample
+    when a recomputation calls the layer again.
+    """
+    return sorted({op.type for op in operations if op.type in _STATEFUL_RANDOM_OPS})
