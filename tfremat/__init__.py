@@ -38,3 +38,11 @@ def plan(model, budget, *args, **kwargs):
 
     return plan_model(model, budget, *args, **kwargs)
 
+
+
+def __getattr__(name):
+    if name == "keras":
+        return importlib.import_module("tfremat.keras")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tfremat' has no attribute {name!r}")

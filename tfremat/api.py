@@ -324,13 +324,16 @@ def max_batch_size(
     optimizer=None,
     min_batch: int = 1,
     max_batch: int = 4096,
+    cost_model: str = "profile",
     **options,
 ) -> dict[str, Any]:
     """The largest batch that trains within ``budget``, per strategy.
 
     Checkmate's criterion by default: the schedule may cost at most one extra forward
-    pass; ``max_overhead`` (e.g. 0.3 for 30%) sets another cap. Graphs are extracted with
-    the analytic ("flops") cost model at each batch size tried.
+    pass; ``max_overhead`` (e.g. 0.3 for 30%) sets another cap. The graph is extracted at
+    each batch size tried; the default "profile" cost model measures each node's workspace
+    (on CPU a convolution's gradient can need tens of MiB of scratch), which "flops" leaves
+    at zero, so keep "profile" when the answer must fit.
 
     Args:
         model: a Keras model whose inputs have static shapes apart from the batch.
@@ -354,7 +357,7 @@ def max_batch_size(
     def graph_for_batch(batch: int) -> DFGraph:
         if batch not in graphs:
             signature = [tf.TensorSpec((batch, *t.shape[1:]), t.dtype) for t in model.inputs]
-            graphs[batch] = extract(model, input_signature=signature, loss=loss, optimizer=optimizer, cost_model="flops").graph
+            graphs[batch] = extract(model, input_signature=signature, loss=loss, optimizer=optimizer, cost_model=cost_model).graph
             logger.info("batch %d: checkpoint-all peak %s", batch, format_bytes(_checkpoint_all_peak(graphs[batch])))
         return graphs[batch]
 

@@ -68,7 +68,7 @@ COMMAND_FLAGS = {
     "graph": _MODEL_FLAGS + ["out", "json"],
     "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "schedule_out", "json"],
     "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "json"],
-    "maxbatch": ["model", "input_shape", "num_classes", "loss", "optimizer", "budget", "strategies", "max_overhead", "solver", "time_limit", "json"],
+    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "loss", "optimizer", "budget", "strategies", "max_overhead", "solver", "time_limit", "json"],
     "plot": ["graph", "out", "strategies", "budgets", "time_limit"] + _MODEL_FLAGS,
     "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "steps", "json"],
 }
@@ -274,7 +274,8 @@ def cmd_maxbatch() -> None:
     names = FLAGS.strategies or ["optimal"]
     options = {k: v for k, v in {"time_limit": FLAGS.time_limit, "solver": FLAGS.solver}.items() if v is not None}
     results = max_batch_size(_keras_model(), FLAGS.budget, strategies=names, max_overhead=FLAGS.max_overhead,
-                             loss=FLAGS.loss, optimizer=keras.optimizers.get(FLAGS.optimizer), **options)
+                             loss=FLAGS.loss, optimizer=keras.optimizers.get(FLAGS.optimizer),
+                             cost_model=FLAGS.cost_model, **options)
     rows = [{"strategy": n, "batch_size": r.batch_size, "cost_ratio": round(r.cost / r.graph.total_cost, 4),
              "cost_cap_ratio": round(r.cost_cap / r.graph.total_cost, 4)} for n, r in results.items()]
     print(json.dumps(rows) if FLAGS.json else _table(rows, ["strategy", "batch_size", "cost_ratio", "cost_cap_ratio"]))

@@ -97,7 +97,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
 
     @tf.function
     def planned_gradients(inputs, labels):
-        _, grads, _ = interpret_plan(graph, extraction.side_table, plan, inputs, labels)
+        _, _, grads, _ = interpret_plan(graph, extraction.side_table, plan, inputs, labels)
         return {key: grad for key, (_, grad) in grads.items()}
 
     @tf.function

@@ -1,0 +1,157 @@
+"""The user API on Keras models: tfremat.fit, the callback, plan, infeasible budgets, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+import keras  # noqa: E402
+
+import tfremat  # noqa: E402
+from tfremat.errors import InfeasibleBudgetError, TfrematError  # noqa: E402
+from tfremat.keras import RematCallback  # noqa: E402
+
+from models import small_convnet  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def compiled_convnet(seed=0):
+    model = small_convnet(seed=seed)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def data(count=40, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((count, 32, 32, 3)).astype("float32")
+    y = np.eye(10, dtype="float32")[rng.integers(0, 10, count)]
+    return x, y
+
+
+def max_weight_difference(a, b):
+    return max(float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights()))
+
+
+def test_fit_with_recomputation_matches_plain_fit_and_plans_the_last_batch():
+    x, y = data()
+    plain = compiled_convnet()
+    keras.utils.set_random_seed(1)
+    plain_history = plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    remat = compiled_convnet()
+    keras.utils.set_random_seed(1)
+    callback = RematCallback("100%", strategy="chen_sqrtn", verbose=0)
+    history = remat.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
+    # 40 samples in batches of 16: the last batch of 8 gets its own schedule.
+    assert sorted(k[0][0] for k in callback.plans) == [8, 16]
+    assert any(p.schedule.recompute_count > 0 for p in callback.plans.values())
+    assert max_weight_difference(plain, remat) < 1e-5
+    np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
+    assert history.history["accuracy"] == plain_history.history["accuracy"]
+    # The model's own train function is back after fit.
+    assert remat.train_function is not callback._train_function
+
+
+def test_tfremat_fit_equals_the_callback_path_and_accepts_tf_data():
+    x, y = data(32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    via_callback = compiled_convnet()
+    keras.utils.set_random_seed(2)
+    via_callback.fit(dataset, epochs=1, verbose=0, callbacks=[RematCallback("100%", strategy="chen_greedy", verbose=0)])
+    via_fit = compiled_convnet()
+    keras.utils.set_random_seed(2)
+    tfremat.fit(via_fit, "100%", dataset, epochs=1, strategy="chen_greedy", verbose=0)
+    assert max_weight_difference(via_callback, via_fit) == 0.0
+
+
+def test_plan_reports_prediction_and_infeasible_budget_reports_smallest_peak():
+    x, y = data(8)
+    model = compiled_convnet()
+    result = tfremat.plan(model, "100%", x, y, batch_size=8, strategy="hong", cost_model="flops", verbose=0)
+    assert result.predicted_peak_bytes <= result.budget_bytes == result.checkpoint_all_peak_bytes
+    assert result.overhead >= 0
+    with pytest.raises(InfeasibleBudgetError) as info:
+        tfremat.plan(model, "1MB", x, y, batch_size=8, strategy="chen_greedy", cost_model="flops", verbose=0)
+    assert info.value.min_feasible_bytes > 10**6
+
+
+def test_fit_needs_a_compiled_model():
+    with pytest.raises(TfrematError, match="compile"):
+        tfremat.fit(small_convnet(), "50%", *data(8), batch_size=8)
+
+
+def run_cli(*args, cwd):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run([sys.executable, "-m", "tfremat.cli", *args], capture_output=True, text=True,
+                          timeout=600, cwd=cwd, env=env)
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    path = folder / "tiny.keras"
+    small_convnet(channels=4).save(path)
+    return folder, path
+
+
+def test_cli_graph_then_solve(saved_model):
+    folder, path = saved_model
+    common = [f"--model={path}", "--input_shape=32,32,3", "--batch=2", "--cost_model=flops"]
+    out = run_cli("graph", *common, "--out=g.json", "--json", cwd=folder)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["nodes"] == 25
+    out = run_cli("solve", "--graph=g.json", "--strategy=approx_lp", "--budget=100%", "--json", cwd=folder)
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert record["peak_bytes"] <= record["budget_bytes"]
+
+
+def test_cli_plan_compare_and_measure(saved_model):
+    folder, path = saved_model
+    # "profile" measures each node's workspace (CPU convolution gradients need scratch);
+    # "flops" leaves it at 0 and would under-predict the measured peak.
+    common = [f"--model={path}", "--input_shape=32,32,3", "--batch=4", "--cost_model=profile", "--budget=100%"]
+    out = run_cli("plan", *common, "--strategy=chen_greedy", "--schedule_out=s.json", cwd=folder)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "predicted_peak_bytes" in out.stdout and (folder / "s.json").exists()
+    out = run_cli("compare", *common, "--strategies=checkpoint_all,chen_sqrtn,optimal", "--time_limit=20", "--json", cwd=folder)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["strategy"] for r in rows] == ["checkpoint_all", "chen_sqrtn", "optimal"]
+    out = run_cli("measure", *common, "--strategy=chen_sqrtn", "--steps=2", "--json", cwd=folder)
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("predicted_peak_bytes", "measured_peak_bytes", "step_seconds", "plain_peak_bytes",
+                "plain_step_seconds", "max_grad_rel_error"):
+        assert record[key] is not None, key
+    assert record["max_grad_rel_error"] < 1e-4
+    assert record["measured_peak_bytes"] <= 1.1 * record["predicted_peak_bytes"] + 4 * 2**20
+
+
+def test_cli_maxbatch_and_plot(saved_model):
+    folder, path = saved_model
+    out = run_cli("maxbatch", f"--model={path}", "--input_shape=32,32,3", "--budget=40MiB",
+                  "--strategies=checkpoint_all,chen_greedy", "--json", cwd=folder)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r["strategy"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    assert rows["chen_greedy"]["batch_size"] >= rows["checkpoint_all"]["batch_size"] >= 1
+    out = run_cli("plot", f"--model={path}", "--input_shape=32,32,3", "--batch=4", "--cost_model=flops",
+                  "--strategies=checkpoint_all,chen_sqrtn,chen_greedy", "--out=plots", cwd=folder)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for name in ("memory.png", "overhead.png"):
+        assert (folder / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_model_commands_reject_bad_flags(saved_model):
+    folder, path = saved_model
+    out = run_cli("plan", f"--model={path}", "--input_shape=32,x,3", "--batch=2", "--budget=50%", cwd=folder)
+    assert out.returncode == 2 and "input_shape" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    out = run_cli("plan", f"--model={path}", "--input_shape=32,32,3", "--batch=2", "--budget=lots", cwd=folder)
+    assert out.returncode == 1 and "budget" in out.stderr
