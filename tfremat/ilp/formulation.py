@@ -101,6 +101,8 @@ class CheckmateModel:
         graph: the graph.
         budget_bytes: the memory budget the model was built for.
         scale: bytes per memory unit in the model.
+        cost_scale: graph cost per objective unit (the solver backends scale back, so
+            objectives and bounds they report are in the graph's cost unit).
         cost: objective coefficient of every column.
         lower, upper: column bounds.
         integer: True for binary columns.
@@ -115,6 +117,7 @@ class CheckmateModel:
     graph: DFGraph
     budget_bytes: float
     scale: float
+    cost_scale: float
     cost: np.ndarray
     lower: np.ndarray
     upper: np.ndarray
@@ -273,6 +276,9 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
     # exact case; otherwise a relative margin of 1e-6 absorbs them, so the rounded schedule
     # still fits when the solver's memory sits on the budget.
     capacity = math.floor(capacity + 1e-9) if exact else capacity * (1 - _SCALED_MARGIN)
+    # Node costs span many orders of magnitude (up to 2e12 in the FCN8 graph), which
+    # stalls the simplex; the objective is in units of the largest node cost.
+    cost_scale = max(graph.cost) or 1.0
     last = last_descendants(graph)
     b = _Builder()
 
@@ -282,7 +288,7 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
         for i in range(t + 1):
             if t <= last[i]:
                 fixed = 1.0 if i == t else 0.0
-                r_index[t, i] = b.column(graph.cost[i], fixed, 1.0, True)
+                r_index[t, i] = b.column(graph.cost[i] / cost_scale, fixed, 1.0, True)
         for i in range(t):
             if succ[i] and t <= last[i]:
                 s_index[t, i] = b.column(0.0, 0.0, 1.0, True)
@@ -358,6 +364,7 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
         graph=graph,
         budget_bytes=float(budget_bytes),
         scale=scale,
+        cost_scale=cost_scale,
         cost=np.asarray(b.cost, dtype=float),
         lower=np.asarray(b.lower, dtype=float),
         upper=np.asarray(b.upper, dtype=float),

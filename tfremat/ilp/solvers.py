@@ -129,7 +129,23 @@ def solve_model(
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise SolverError(f"threads must be a positive int or None, got {threads!r}")
     backend = _solve_highs if solver == "highs" else _solve_gurobi
-    return backend(model, relax, time_limit, mip_gap, threads, seed, start, progress)
+    unit = model.cost_scale
+
+    def in_cost_unit(report: Progress) -> None:
+        scaled = Progress(
+            report.seconds,
+            None if report.incumbent is None else report.incumbent * unit,
+            None if report.bound is None else report.bound * unit,
+            report.gap,
+        )
+        _report(progress, scaled)
+
+    result = backend(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit)
+    return dataclasses.replace(
+        result,
+        objective=None if result.objective is None else result.objective * unit,
+        best_bound=None if result.best_bound is None else result.best_bound * unit,
+    )
 
 
 def _report(progress: ProgressFn | None, report: Progress) -> None:
@@ -189,7 +205,7 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
             data = event.data_out
             incumbent = data.mip_primal_bound if abs(data.mip_primal_bound) < inf else None
             bound = data.mip_dual_bound if abs(data.mip_dual_bound) < inf else None
-            _report(progress, Progress(data.running_time, incumbent, bound, _relative_gap(incumbent, bound)))
+            progress(Progress(data.running_time, incumbent, bound, _relative_gap(incumbent, bound)))
 
         h.cbMipImprovingSolution.subscribe(on_event)
         h.cbMipLogging.subscribe(on_event)
@@ -276,7 +292,7 @@ def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progr
             if where == GRB.Callback.MIPSOL:
                 incumbent = solver_model.cbGet(GRB.Callback.MIPSOL_OBJBST)
                 bound = solver_model.cbGet(GRB.Callback.MIPSOL_OBJBND)
-                _report(progress, Progress(time.perf_counter() - began, incumbent, bound, _relative_gap(incumbent, bound)))
+                progress(Progress(time.perf_counter() - began, incumbent, bound, _relative_gap(incumbent, bound)))
 
         m.optimize(None if relax else on_event)
         seconds = time.perf_counter() - began
