@@ -63,7 +63,7 @@ def _random_batch(model, batch_size: int, seed: int):
 
 def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", steps: int = 5,
                   loss="categorical_crossentropy", optimizer_name: str = "sgd", cost_model: str = "profile",
-                  seed: int = 0, **strategy_options) -> dict:
+                  seed: int = 0, verbose: int = 1, **strategy_options) -> dict:
     """Plans, compiles and runs ``model``'s step under ``budget``, and a plain Keras step.
 
     Args:
@@ -73,6 +73,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         strategy: the strategy name.
         steps: timed steps per variant (after one tracing step).
         loss: loss name or object; optimizer_name: a Keras optimizer name.
+        verbose: 0 silences the solver's progress line.
 
     Returns:
         predicted_peak_bytes, measured_peak_bytes, step_seconds, plain_peak_bytes,
@@ -92,7 +93,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     extraction = extract(model, sample_batch=(x, y), loss=loss, optimizer=keras.optimizers.get(optimizer_name),
                          cost_model=cost_model)
     graph = extraction.graph
-    result = plan_graph(graph, budget, strategy, **strategy_options)
+    result = plan_graph(graph, budget, strategy, verbose=verbose, **strategy_options)
     plan = build_plan(graph, result.schedule)
 
     @tf.function
