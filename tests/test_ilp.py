@@ -19,6 +19,8 @@ from tfremat.plan.registry import get_strategy, strategy_names
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix, validate_schedule
 from tfremat.plan.simulator import simulate
 
+from graph_factories import random_training_graph
+
 GRAPHS = Path(os.environ.get("TFREMAT_GRAPHS", Path(__file__).resolve().parents[2] / "shared" / "graphs"))
 BASELINES = [name for name in strategy_names() if name not in ("optimal", "approx_lp")]
 
@@ -105,8 +107,10 @@ def test_brute_force_six_nodes_training_chain():
 
 
 def random_cases():
-    for seed in range(6):
-        graph = random_dag(8 + seed % 5, 100 + seed)
+    """General random DAGs and random training graphs (where the baselines are at home)."""
+    graphs = [random_dag(8 + seed % 5, 100 + seed) for seed in range(6)]
+    graphs += [random_training_graph(seed, 5) for seed in range(6)]
+    for graph in graphs:
         low, high = memory_lower_bound(graph), checkpoint_all_peak(graph)
         for share in (0.0, 0.4, 0.8):
             yield graph, int(low + share * (high - low))
