@@ -281,6 +281,24 @@ def bench_model(label, build, batch, strategy, repeats):
     return reference, rows, plain_peak, plain_time
 
 
+NOTES = [
+    "## Notes",
+    "",
+    "- Step times come from a 2-core machine shared with other jobs: the same schedule timed at "
+    "several budgets shows the spread (10-20% between rows is noise).",
+    "- Allocator peaks of convolution-heavy steps vary between runs (CPU convolution scratch "
+    "buffers), for plain Keras as much as for tfremat; the U-Nets' peaks are dominated by them, "
+    "which is also why budgets below 60-80% of their checkpoint-all peak are infeasible for any "
+    "schedule (one node alone needs more while it runs).",
+    "- A costly VJP rebuild is a backward node whose layer output is kept but one of whose inputs "
+    "was recomputed since: the layer is re-run on the resident input, forward work the plan does "
+    "not count.",
+    "- tf.recompute_grad segments recompute batch norm and dropout with side effects (statistics "
+    "updated twice, a new mask); tfremat recomputes them exactly.",
+    "",
+]
+
+
 def render(results, strategy, repeats):
     lines = [
         "# Execution benchmark",
@@ -312,6 +330,7 @@ def render(results, strategy, repeats):
                 f"{seconds:.3f} | {seconds / plain_time:.2f} | {note} |"
             )
         lines.append("")
+    lines += NOTES
     return "\n".join(lines)
 
 
