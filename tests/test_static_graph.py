@@ -230,7 +230,6 @@ def test_keras_applications_model_gradients_match_plain(no_grappler_rewrites):
 def test_recomputed_layers_are_separate_ops_in_the_traced_graph(cases):
     case = cases["small_convnet"]
     graph = case.extraction.graph
-    schedule = get_strategy("checkpoint_all_ap")(graph)
     relus = [i for i in graph.forward_nodes if graph.names[i].startswith("relu")]
     for schedule in (get_strategy("checkpoint_all")(graph), _schedule("chen_sqrtn", graph)):
         case.reset()
