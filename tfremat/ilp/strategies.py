@@ -46,6 +46,8 @@ __all__ = ["solve_optimal", "solve_approx_lp", "best_baseline"]
 logger = logging.getLogger(__name__)
 
 _OWN_STRATEGIES = ("optimal", "approx_lp")
+# Least time given to the solver when the baselines and the model build used up time_limit.
+_MIN_SOLVE_SECONDS = 1.0
 
 
 def _checkpoint_all(graph: DFGraph, strategy: str) -> Schedule:
@@ -142,7 +144,8 @@ def solve_optimal(
             the checkpoint-all schedule runs every node once, which is the least cost any
             schedule can have, so it is returned as optimal without a solver.
         solver: ``"highs"`` (default, no license needed) or ``"gurobi"``.
-        time_limit: solver wall-clock seconds (None: until proven optimal).
+        time_limit: wall-clock seconds for the whole call, baselines and model build
+            included (None: until proven optimal); the solver gets at least 1 s.
         mip_gap: relative gap at which to stop (solver default: HiGHS 1e-4).
         threads: solver threads (None: solver default).
         seed: solver random seed.
@@ -160,6 +163,8 @@ def solve_optimal(
         SolverUnavailableError, SolverLicenseError: see :func:`~tfremat.ilp.solvers.solve_model`.
     """
     began = time.perf_counter()
+    if time_limit is not None and not time_limit > 0:
+        raise SolverError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
     if budget is None:
         return _no_budget(graph, "optimal", began)
     budget_bytes = _budget_bytes(graph, budget)
@@ -182,8 +187,10 @@ def solve_optimal(
         logger.warning("baseline %s is outside the MILP's variable set; solving without a MIP start", baseline.strategy)
     logger.info("optimal: %d variables, %d constraints, warm start %s", model.num_vars, model.num_constraints,
                 baseline.strategy if baseline is not None else None)
+    # time_limit bounds the whole call: the baselines and the model build count too.
+    remaining = None if time_limit is None else max(time_limit - (time.perf_counter() - began), _MIN_SOLVE_SECONDS)
     result = solve_model(
-        model, solver=solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed, start=start,
+        model, solver=solver, time_limit=remaining, mip_gap=mip_gap, threads=threads, seed=seed, start=start,
         progress=progress,
     )
     if result.status == INFEASIBLE:
