@@ -10,6 +10,7 @@
 import os
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # the CPU allocator counts bytes only with BFC
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")  # one op at a time, as the memory model assumes
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import sys  # noqa: E402

@@ -7,10 +7,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import tfremat  # noqa: E402  (before TensorFlow: it selects the BFC CPU allocator, which reports memory)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-import tfremat  # noqa: E402
 
 
 def unet(size: int = 32, base: int = 8, depth: int = 3, seed: int = 0) -> keras.Model:

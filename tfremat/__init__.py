@@ -10,6 +10,11 @@ Example:
 """
 
 import importlib
+import os
+
+# TensorFlow's CPU allocator reports memory statistics (which extraction and measurement
+# read) only with BFC, and chooses its allocator when it is imported: set it before that.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 from tfremat.errors import InfeasibleBudgetError, TfrematError
 from tfremat.graph import DFGraph, load_graph

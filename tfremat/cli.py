@@ -124,7 +124,7 @@ def cmd_solve() -> None:
     strategy = get_strategy(FLAGS.strategy)
     reference_peak = simulate(graph, checkpoint_all(graph)).peak_bytes
     budget = parse_budget(FLAGS.budget, reference_peak) if FLAGS.budget is not None else None
-    options = {"time_limit": FLAGS.time_limit} if FLAGS.time_limit is not None else {}
+    options = _milp_options(FLAGS.strategy)
     started = time.perf_counter()
     record = {"strategy": FLAGS.strategy, "graph": graph.name, "budget_bytes": budget}
     try:

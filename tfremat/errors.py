@@ -88,7 +88,11 @@ class InfeasibleBudgetError(TfrematError):
         message = "; ".join(parts)
         if detail:
             message += f" ({detail})"
-        super().__init__(message + ". Raise the budget or try strategy='optimal'.")
+        if strategy in ("optimal", "approx_lp"):
+            advice = "Raise the budget."
+        else:
+            advice = "Raise the budget or try strategy='optimal'."
+        super().__init__(f"{message}. {advice}")
 
 
 class BudgetFormatError(TfrematError, ValueError):

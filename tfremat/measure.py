@@ -34,9 +34,11 @@ def _bytes(tensors) -> int:
 
 def _run_and_measure(run, steps: int) -> tuple[int, float]:
     """Runs ``run()`` once to trace, then ``steps`` timed times; returns (peak above start, median s)."""
+    from tfremat.extract.analysis import reset_allocator_peak
+
     device = _device()
     run()
-    tf.config.experimental.reset_memory_stats(device)
+    reset_allocator_peak(device)
     start = tf.config.experimental.get_memory_info(device)["current"]
     seconds = []
     for _ in range(steps):

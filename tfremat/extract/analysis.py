@@ -147,12 +147,30 @@ def _sync(result) -> None:
             return
 
 
+def reset_allocator_peak(device: str) -> None:
+    """Resets the allocator's peak counter on ``device`` ("CPU:0", "GPU:0").
+
+    Raises:
+        ExtractionError: the allocator keeps no statistics: on CPU TensorFlow only counts
+            with the BFC allocator, chosen by ``TF_CPU_ALLOCATOR_USE_BFC=true`` before it is
+            imported (``import tfremat`` before TensorFlow sets it).
+    """
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError:
+        raise ExtractionError(
+            f"TensorFlow's allocator keeps no memory statistics on {device}, so workspace and peaks cannot "
+            "be measured: set TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow is imported (importing tfremat "
+            "first does it), or extract with cost_model='flops' (no workspace measurement)"
+        ) from None
+
+
 def _time_and_memory(fn: Callable, args, repeats: int, warmup: int) -> tuple[float, int]:
     """Median seconds of ``fn(*args)`` after warm-up, and its allocator peak above the start."""
     for _ in range(warmup):
         _sync(fn(*args))
     device = device_name().split("device:")[-1]
-    tf.config.experimental.reset_memory_stats(device)
+    reset_allocator_peak(device)
     start = tf.config.experimental.get_memory_info(device)["current"]
     result = fn(*args)
     _sync(result)
