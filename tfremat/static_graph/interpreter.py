@@ -294,10 +294,17 @@ class _Interpreter:
         if not targets:
             grads = [None] * (len(sources) + len(variables))
         else:
-            grads = instance.tape.gradient(
-                targets, sources + variables, output_gradients=dys,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
+            # Input gradients first, weight gradients after them: one gradient call would
+            # let TensorFlow run e.g. a convolution's input and filter gradients together,
+            # each with its own scratch buffer, which the memory model does not count.
+            input_part = instance.tape.gradient(
+                targets, sources, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            ) if sources else []
+            with tf.control_dependencies([g for g in input_part if g is not None]):
+                weight_part = instance.tape.gradient(
+                    targets, variables, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                ) if variables else []
+            grads = list(input_part) + list(weight_part)
         input_grads: list = [None] * len(forward_entry.inputs)
         for p, g in zip(grad_positions, grads[: len(sources)]):
             input_grads[p] = g
