@@ -18,25 +18,17 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import TfrematError
+from tfremat.extract.analysis import reset_allocator_peak
+from tfremat.static_graph.memory import default_device, resident_bytes
 
 __all__ = ["measure_model"]
 
 logger = logging.getLogger(__name__)
 
 
-def _device() -> str:
-    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-
-
-def _bytes(tensors) -> int:
-    return sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size for t in tensors)
-
-
 def _run_and_measure(run, steps: int) -> tuple[int, float]:
     """Runs ``run()`` once to trace, then ``steps`` timed times; returns (peak above start, median s)."""
-    from tfremat.extract.analysis import reset_allocator_peak
-
-    device = _device()
+    device = default_device()
     run()
     reset_allocator_peak(device)
     start = tf.config.experimental.get_memory_info(device)["current"]
@@ -46,8 +38,6 @@ def _run_and_measure(run, steps: int) -> tuple[int, float]:
         run()
         seconds.append(time.perf_counter() - began)
     peak = tf.config.experimental.get_memory_info(device)["peak"] - start
-    if start == 0 and peak == 0:
-        raise TfrematError("the allocator reports no memory use; set TF_CPU_ALLOCATOR_USE_BFC=true before importing TensorFlow")
     return int(peak), float(statistics.median(seconds))
 
 
@@ -126,7 +116,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     optimizer.build(model.trainable_variables)
     step = compile_step(extraction, result.schedule, optimizer=optimizer)
     peak, seconds = _run_and_measure(lambda: step(x, y).numpy(), steps)
-    resident = _bytes(model.variables) + _bytes(optimizer.variables) + _bytes(tf.nest.flatten((x, y)))
+    resident = resident_bytes(model.variables) + resident_bytes(optimizer.variables) + resident_bytes(tf.nest.flatten((x, y)))
     for variable, value in zip(model.variables, saved):
         variable.assign(value)
 
@@ -134,7 +124,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     plain_model.set_weights(model.get_weights())
     plain_model.compile(optimizer=keras.optimizers.get(optimizer_name), loss=loss)
     plain_peak, plain_seconds = _run_and_measure(lambda: plain_model.train_on_batch(x, y), steps)
-    plain_resident = _bytes(plain_model.variables) + _bytes(plain_model.optimizer.variables) + _bytes(tf.nest.flatten((x, y)))
+    plain_resident = resident_bytes(plain_model.variables) + resident_bytes(plain_model.optimizer.variables) + resident_bytes(tf.nest.flatten((x, y)))
 
     measured = peak + resident
     plain = plain_peak + plain_resident
@@ -153,5 +143,5 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         "peak_over_plain": round(measured / plain, 4),
         "time_over_plain": round(seconds / plain_seconds, 4),
         "predicted_overhead": round(result.overhead, 4),
-        "device": _device(),
+        "device": default_device(),
     }
