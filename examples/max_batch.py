@@ -27,7 +27,7 @@ def convnet(seed: int = 0) -> keras.Model:
 def main(budget: str = "64MiB") -> None:
     model = convnet()
     results = tfremat.max_batch_size(model, budget, strategies=["checkpoint_all", "chen_greedy", "optimal"],
-                                     loss="categorical_crossentropy", optimizer=keras.optimizers.SGD(), time_limit=30)
+                                     loss="categorical_crossentropy", optimizer=keras.optimizers.SGD(), time_limit=10)
     for name, result in results.items():
         print(f"{name:>15}: batch {result.batch_size:5d}  (cost {result.cost / result.graph.total_cost:.3f}x of a plain step)")
 

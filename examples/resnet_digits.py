@@ -19,7 +19,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 
 
-def small_resnet(seed: int, blocks: int = 3, channels: int = 64) -> keras.Model:
+def small_resnet(seed: int, blocks: int = 6, channels: int = 64) -> keras.Model:
     """Conv stem, ``blocks`` residual blocks (conv-BN-ReLU x2 + skip), global pooling, softmax."""
     keras.utils.set_random_seed(seed)
     layers = keras.layers
@@ -27,10 +27,10 @@ def small_resnet(seed: int, blocks: int = 3, channels: int = 64) -> keras.Model:
     h = layers.Conv2D(channels, 3, padding="same", activation="relu")(inputs)
     for _ in range(blocks):
         r = layers.Conv2D(channels, 3, padding="same")(h)
-        r = layers.BatchNormalization()(r)
+        r = layers.BatchNormalization(momentum=0.9)(r)
         r = layers.ReLU()(r)
         r = layers.Conv2D(channels, 3, padding="same")(r)
-        r = layers.BatchNormalization()(r)
+        r = layers.BatchNormalization(momentum=0.9)(r)
         h = layers.ReLU()(layers.Add()([h, r]))
     h = layers.GlobalAveragePooling2D()(h)
     outputs = layers.Dense(10, activation="softmax")(h)
@@ -39,11 +39,11 @@ def small_resnet(seed: int, blocks: int = 3, channels: int = 64) -> keras.Model:
 
 def compiled(seed: int) -> keras.Model:
     model = small_resnet(seed)
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="categorical_crossentropy", metrics=["accuracy"])
+    model.compile(optimizer=keras.optimizers.Adam(3e-3), loss="categorical_crossentropy", metrics=["accuracy"])
     return model
 
 
-def main(epochs: int = 8, batch_size: int = 256, seed: int = 0) -> None:
+def main(epochs: int = 15, batch_size: int = 256, seed: int = 0) -> None:
     digits = load_digits()
     x = (digits.images / 16.0).astype("float32")[..., None]
     y = keras.utils.to_categorical(digits.target, 10).astype("float32")
