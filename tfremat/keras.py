@@ -60,6 +60,8 @@ class RematCallback(keras.callbacks.Callback):
             raise TfrematError("models with regularization losses (layer.add_loss / kernel_regularizer) are not supported yet")
         if model.distribute_strategy.num_replicas_in_sync > 1:
             raise TfrematError("RematCallback runs on one device; use tfremat.static_graph.compile_step(strategy=...) for tf.distribute")
+        if getattr(model, "steps_per_execution", 1) != 1:
+            raise TfrematError("RematCallback runs one batch per step; compile the model with steps_per_execution=1")
         self._original_train_function = model.train_function
         model.train_function = self._train_function
 
