@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-import pytest
 
 from tfremat.api import compare_graph, plan_graph
 from tfremat.cache import ScheduleCache

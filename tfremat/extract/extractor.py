@@ -46,7 +46,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import MappingProxyType
 
 import keras
