@@ -22,7 +22,8 @@ import keras  # noqa: E402
 from models import small_convnet, unet  # noqa: E402
 from tfremat.errors import CompileError, InfeasibleBudgetError  # noqa: E402
 from tfremat.extract import extract  # noqa: E402
-from tfremat.plan import schedule_from_checkpoints, simulate  # noqa: E402
+from tfremat.plan import simulate  # noqa: E402
+from tfremat.plan.baselines import schedule_for_checkpoints  # noqa: E402
 from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
 from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
@@ -293,7 +294,7 @@ def test_recomputing_a_layer_with_unreplayable_randomness_is_refused():
     graph = extraction.graph
     noise = graph.names.index("noise")
     # Keep every forward value but the noise output, which the next Dense's gradient reads.
-    schedule = schedule_from_checkpoints(graph, [i for i in graph.forward_nodes if i != noise], "test")
+    schedule = schedule_for_checkpoints(graph, [i for i in graph.forward_nodes if i != noise], "test")
     assert schedule.R[:, noise].sum() > 1, "the schedule should recompute the noise layer"
     with pytest.raises(CompileError, match="noise"):
         compile_step(extraction, schedule, optimizer=keras.optimizers.SGD()).trace()

@@ -37,6 +37,7 @@ from tfremat.plan.simulator import simulate
 
 __all__ = [
     "keep_matrix",
+    "schedule_for_checkpoints",
     "checkpoint_all",
     "checkpoint_all_ap",
     "chen_sqrtn",
@@ -120,7 +121,8 @@ def keep_matrix(
     return S
 
 
-def _schedule_for_checkpoints(graph: DFGraph, checkpoints: Iterable[int], strategy: str, **facts) -> Schedule:
+def schedule_for_checkpoints(graph: DFGraph, checkpoints: Iterable[int], strategy: str, **facts) -> Schedule:
+    """The schedule that keeps ``checkpoints`` (forward nodes) as :func:`keep_matrix` describes."""
     checkpoints = sorted(set(checkpoints))
     kept = set(checkpoints)
     units = [[i for i in u if i not in kept] for u in _units_between(graph, checkpoints)]
@@ -175,7 +177,7 @@ def checkpoint_all_ap(graph: DFGraph, budget: int | None = None) -> Schedule:
     Checkmate's "checkpoint all (AP)" baseline: the smallest structural change that lets
     a DAG trade compute for memory.
     """
-    schedule = _schedule_for_checkpoints(graph, graph.forward_articulation_points, "checkpoint_all_ap")
+    schedule = schedule_for_checkpoints(graph, graph.forward_articulation_points, "checkpoint_all_ap")
     return _cheapest_fitting(graph, [schedule], budget, "checkpoint_all_ap")
 
 
@@ -192,7 +194,7 @@ def _sqrtn_checkpoints(candidates: Sequence[int]) -> list[int]:
 def _chen_sqrtn(graph: DFGraph, budget: int | None, articulation: bool) -> Schedule:
     name = "chen_sqrtn_ap" if articulation else "chen_sqrtn"
     checkpoints = _sqrtn_checkpoints(_candidates(graph, articulation))
-    return _cheapest_fitting(graph, [_schedule_for_checkpoints(graph, checkpoints, name)], budget, name)
+    return _cheapest_fitting(graph, [schedule_for_checkpoints(graph, checkpoints, name)], budget, name)
 
 
 @register("chen_sqrtn")
@@ -228,7 +230,7 @@ def _chen_greedy(graph: DFGraph, budget: int | None, articulation: bool, num_seg
     # B = 0 closes a segment at every candidate: the keep-everything end of the family.
     segment_budgets = np.concatenate([[0.0], np.geomspace(low, high, num=num_segment_budgets - 1)])
     schedules = (
-        _schedule_for_checkpoints(graph, _greedy_checkpoints(graph, candidates, b), name, segment_budget=float(b))
+        schedule_for_checkpoints(graph, _greedy_checkpoints(graph, candidates, b), name, segment_budget=float(b))
         for b in segment_budgets
     )
     return _cheapest_fitting(graph, schedules, budget, name)
@@ -315,7 +317,7 @@ def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int
     boundaries = _candidates(graph, articulation)
     units = _units_between(graph, boundaries)
     if len(units) <= 1:
-        return _cheapest_fitting(graph, [_schedule_for_checkpoints(graph, [], name, slots=0)], budget, name)
+        return _cheapest_fitting(graph, [schedule_for_checkpoints(graph, [], name, slots=0)], budget, name)
     forward_phase_end = _forward_phase_end(graph)
     entry_stage = []
     for unit in units:
@@ -436,7 +438,7 @@ def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager",
     chain = _forward_order(graph)
     sizes = np.array([graph.output_bytes[i] for i in chain], dtype=float)
     if len(chain) == 0 or sizes.sum() == 0:
-        return _cheapest_fitting(graph, [_schedule_for_checkpoints(graph, chain, "hong")], budget, "hong")
+        return _cheapest_fitting(graph, [schedule_for_checkpoints(graph, chain, "hong")], budget, "hong")
     gradient_buffer = max((graph.output_bytes[b] for b in graph.backward_nodes), default=0)
     low = max(sizes.max(), 1.0)
     high = sizes.sum() + gradient_buffer
@@ -445,10 +447,10 @@ def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager",
     def candidates():
         # The DP minimizes memory, never cost; keeping every forward value is the family's
         # cheap end, so a generous budget gets the no-recomputation schedule.
-        yield _schedule_for_checkpoints(graph, chain, "hong", bound=None, memory_model=memory_model)
+        yield schedule_for_checkpoints(graph, chain, "hong", bound=None, memory_model=memory_model)
         for bound in bounds:
             positions = _hong_subset(sizes, bound, memory_model, gradient_buffer)
             if positions is not None:
-                yield _schedule_for_checkpoints(graph, [chain[p] for p in positions], "hong", bound=float(bound), memory_model=memory_model)
+                yield schedule_for_checkpoints(graph, [chain[p] for p in positions], "hong", bound=float(bound), memory_model=memory_model)
 
     return _cheapest_fitting(graph, candidates(), budget, "hong")

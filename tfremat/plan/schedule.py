@@ -25,7 +25,6 @@ __all__ = [
     "solve_r_given_s",
     "prune_s",
     "schedule_from_keep_matrix",
-    "schedule_from_checkpoints",
     "checkpoint_all_s",
     "validate_schedule",
 ]
@@ -253,26 +252,12 @@ def schedule_from_keep_matrix(graph: DFGraph, S: np.ndarray, strategy: str, **fa
         S = pruned
 
 
-def checkpoint_all_s(graph: DFGraph, keep: np.ndarray | None = None) -> np.ndarray:
-    """Keep matrix that holds each node in ``keep`` (default: all) from its first computation
-    until its last reader's first computation: the eager-free keep-everything pattern."""
+def checkpoint_all_s(graph: DFGraph) -> np.ndarray:
+    """Keep matrix that holds every value from its computation until its last reader runs:
+    the eager-free keep-everything pattern of frameworks (no recomputation)."""
     n = graph.size
-    keep = np.ones(n, dtype=bool) if keep is None else np.asarray(keep, dtype=bool)
     S = np.zeros((n, n), dtype=bool)
     for i in range(n):
-        if keep[i] and graph.successors[i]:
+        if graph.successors[i]:
             S[i + 1 : max(graph.successors[i]) + 1, i] = True
     return S
-
-
-def schedule_from_checkpoints(graph: DFGraph, checkpoints, strategy: str, **facts) -> Schedule:
-    """A schedule that keeps the given forward nodes, and every backward node, until last use.
-
-    Non-checkpointed forward values are freed after the forward pass reads them and are
-    recomputed (from the nearest kept values) in the backward stage that needs them;
-    this is how Checkmate turns a heuristic's checkpoint set into (R, S).
-    """
-    keep = np.zeros(graph.size, dtype=bool)
-    keep[list(checkpoints)] = True
-    keep[list(graph.backward_nodes)] = True
-    return schedule_from_keep_matrix(graph, checkpoint_all_s(graph, keep), strategy, **facts)
