@@ -41,10 +41,13 @@ never adds cost or memory; together they make the memory accounting exact):
 * ``FREE[t, i, i]`` (a value freed right after it is computed, unread) is not built: the
   equality leaves it no role, since a computed value must be read or kept.
 
-Memory is measured in units of ``scale`` bytes so that coefficients stay moderate; when
-every byte count is a multiple of a common unit small enough, that unit is used and the
-budget row is exact in integers; otherwise the largest tensor is 1e4 units and the
-budget is shrunk by a relative 1e-6 to absorb solver tolerances.
+Memory is measured in units of ``scale`` bytes. When every byte count is a multiple of a
+common unit and the budget is at most 1000 such units, that unit is used and the budget
+row is exact in integers. Otherwise the budget is one unit (less a relative 1e-6 that
+absorbs solver tolerances): the dual simplex is far faster with memory in units of the
+budget than in units of a tensor (measured on the MobileNet graph at 80%: LP in 8.6 s
+with the budget as unit, 26 s with 1/1000 of it, over 90 s with 1/10000 of the largest
+tensor; ResNet50 at 80%: 87 s instead of over 150 s).
 """
 
 from __future__ import annotations
@@ -60,8 +63,7 @@ from tfremat.plan.schedule import Schedule
 
 __all__ = ["CheckmateModel", "build_model", "memory_lower_bound", "last_descendants"]
 
-_MAX_EXACT_UNITS = 1e5
-_SCALED_UNITS = 1e4
+_MAX_EXACT_UNITS = 1e3
 _SCALED_MARGIN = 1e-6
 
 
@@ -205,15 +207,18 @@ class CheckmateModel:
         return float(max(rows.max(initial=0.0), cols.max(initial=0.0)))
 
 
-def _memory_scale(graph: DFGraph) -> tuple[float, bool]:
-    """Bytes per model unit, and whether memory is exact integers in that unit."""
+def _memory_scale(graph: DFGraph, capacity_bytes: float) -> tuple[float, bool]:
+    """Bytes per model unit, and whether memory is exact integers in that unit.
+
+    ``capacity_bytes`` is the budget less the fixed bytes.
+    """
     sizes = [b for b in (*graph.output_bytes, *graph.workspace_bytes) if b > 0]
-    if not sizes:
+    if not sizes or capacity_bytes <= 0:
         return 1.0, True
     unit = reduce(math.gcd, sizes)
-    if max(sizes) / unit <= _MAX_EXACT_UNITS:
+    if capacity_bytes / unit <= _MAX_EXACT_UNITS:
         return float(unit), True
-    return max(sizes) / _SCALED_UNITS, False
+    return float(capacity_bytes), False
 
 
 class _Builder:
@@ -270,7 +275,7 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
     inf = math.inf
     pred, succ = graph.predecessors, graph.successors
     out, work = graph.output_bytes, graph.workspace_bytes
-    scale, exact = _memory_scale(graph)
+    scale, exact = _memory_scale(graph, budget_bytes - graph.fixed_bytes)
     capacity = (budget_bytes - graph.fixed_bytes) / scale
     # Solver tolerances (1e-7 on rows, 1e-6 on integrality) stay far below one unit in the
     # exact case; otherwise a relative margin of 1e-6 absorbs them, so the rounded schedule
@@ -343,7 +348,7 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
         active = [k for k in range(t + 1) if r_index[t, k] >= 0]
         previous = None
         for k in active:
-            u = b.column(0.0, 0.0, inf, False)
+            u = b.column(0.0, 0.0, capacity, False)
             u_keys.append((t, k))
             terms = [(u, 1.0), (r_index[t, k], -out[k] / scale)]
             if previous is None:
@@ -355,8 +360,6 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
                 b.row(terms, 0.0, 0.0)
             if work[k]:
                 b.row([(u, 1.0), (r_index[t, k], work[k] / scale)], -inf, capacity)
-            else:
-                b.upper[u] = capacity
             previous, k_prev = u, k
 
     start, rows, vals = b.csc()

@@ -134,7 +134,7 @@ def _candidates(graph: DFGraph, articulation: bool) -> list[int]:
     return list(graph.forward_articulation_points) if articulation else _forward_order(graph)
 
 
-def _cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int | None, strategy: str) -> Schedule:
+def cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int | None, strategy: str) -> Schedule:
     """The cheapest candidate whose simulated peak fits ``budget`` (or the lowest-peak one).
 
     Without a budget the family's lowest-peak member is returned (ties: cheapest),
@@ -167,7 +167,7 @@ def _cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: in
 def checkpoint_all(graph: DFGraph, budget: int | None = None) -> Schedule:
     """Keep every value until its last reader: what frameworks do by default (no recomputation)."""
     schedule = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")
-    return _cheapest_fitting(graph, [schedule], budget, "checkpoint_all")
+    return cheapest_fitting(graph, [schedule], budget, "checkpoint_all")
 
 
 @register("checkpoint_all_ap")
@@ -178,7 +178,7 @@ def checkpoint_all_ap(graph: DFGraph, budget: int | None = None) -> Schedule:
     a DAG trade compute for memory.
     """
     schedule = schedule_for_checkpoints(graph, graph.forward_articulation_points, "checkpoint_all_ap")
-    return _cheapest_fitting(graph, [schedule], budget, "checkpoint_all_ap")
+    return cheapest_fitting(graph, [schedule], budget, "checkpoint_all_ap")
 
 
 # ----- Chen et al. 2016 -----
@@ -194,7 +194,7 @@ def _sqrtn_checkpoints(candidates: Sequence[int]) -> list[int]:
 def _chen_sqrtn(graph: DFGraph, budget: int | None, articulation: bool) -> Schedule:
     name = "chen_sqrtn_ap" if articulation else "chen_sqrtn"
     checkpoints = _sqrtn_checkpoints(_candidates(graph, articulation))
-    return _cheapest_fitting(graph, [schedule_for_checkpoints(graph, checkpoints, name)], budget, name)
+    return cheapest_fitting(graph, [schedule_for_checkpoints(graph, checkpoints, name)], budget, name)
 
 
 @register("chen_sqrtn")
@@ -233,7 +233,7 @@ def _chen_greedy(graph: DFGraph, budget: int | None, articulation: bool, num_seg
         schedule_for_checkpoints(graph, _greedy_checkpoints(graph, candidates, b), name, segment_budget=float(b))
         for b in segment_budgets
     )
-    return _cheapest_fitting(graph, schedules, budget, name)
+    return cheapest_fitting(graph, schedules, budget, name)
 
 
 @register("chen_greedy")
@@ -317,7 +317,7 @@ def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int
     boundaries = _candidates(graph, articulation)
     units = _units_between(graph, boundaries)
     if len(units) <= 1:
-        return _cheapest_fitting(graph, [schedule_for_checkpoints(graph, [], name, slots=0)], budget, name)
+        return cheapest_fitting(graph, [schedule_for_checkpoints(graph, [], name, slots=0)], budget, name)
     forward_phase_end = _forward_phase_end(graph)
     entry_stage = []
     for unit in units:
@@ -340,7 +340,7 @@ def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int
             S = keep_matrix(graph, static, units, dynamic)
             yield schedule_from_keep_matrix(graph, S, name, slots=s)
 
-    return _cheapest_fitting(graph, candidates(), budget, name)
+    return cheapest_fitting(graph, candidates(), budget, name)
 
 
 @register("griewank_logn")
@@ -438,7 +438,7 @@ def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager",
     chain = _forward_order(graph)
     sizes = np.array([graph.output_bytes[i] for i in chain], dtype=float)
     if len(chain) == 0 or sizes.sum() == 0:
-        return _cheapest_fitting(graph, [schedule_for_checkpoints(graph, chain, "hong")], budget, "hong")
+        return cheapest_fitting(graph, [schedule_for_checkpoints(graph, chain, "hong")], budget, "hong")
     gradient_buffer = max((graph.output_bytes[b] for b in graph.backward_nodes), default=0)
     low = max(sizes.max(), 1.0)
     high = sizes.sum() + gradient_buffer
@@ -453,4 +453,4 @@ def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager",
             if positions is not None:
                 yield schedule_for_checkpoints(graph, [chain[p] for p in positions], "hong", bound=float(bound), memory_model=memory_model)
 
-    return _cheapest_fitting(graph, candidates(), budget, "hong")
+    return cheapest_fitting(graph, candidates(), budget, "hong")
