@@ -107,13 +107,14 @@ def markdown(rows, args) -> str:
         "# tfremat.ilp solver benchmark",
         "",
         f"`python benchmarks/solvers.py --time-limit {args.time_limit} --threads {args.threads}` "
-        f"(per-case wall limit {args.case_limit} s; {os.cpu_count()} CPUs; HiGHS).",
+        f"(per-case wall limit {args.case_limit} s; {os.cpu_count()} CPUs; HiGHS; commit {_commit()}).",
         "Cost = total cost / no-remat cost. Gap = (cost - best proven bound) / cost, where the bound is the",
         "largest of the MILP's bound, the LP bound and the no-remat cost. 'min' = smallest peak any",
-        "baseline reaches. 'skipped' = model above --max-columns.",
+        "baseline reaches (eviction included). 'bound' = that best proven bound / no-remat cost.",
+        "'skipped' = model above --max-columns. Seconds are the whole strategy call.",
         "",
-        "| graph (nodes) | budget | optimal: status | cost | gap | s | approx_lp: status | cost | gap | s | best baseline cost |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| graph (nodes) | budget | optimal: status | cost | gap | s | approx_lp: status | cost | gap | s | bound | best baseline cost |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         bound = max([x.get("bound") or 1.0 for x in (r["optimal"], r["approx_lp"]) if x.get("status") in ("optimal", "feasible", "time_limit")] or [1.0])
@@ -125,8 +126,13 @@ def markdown(rows, args) -> str:
             else:
                 cells += [x["status"], "-", "-", f"{x.get('seconds', 0):.1f}"]
         base = "-" if r["baseline"] is None else f"{r['baseline']:.4f}"
-        lines.append(f"| {r['graph']} ({r['nodes']}) | {r['budget_label']} | " + " | ".join(cells) + f" | {base} |")
+        lines.append(f"| {r['graph']} ({r['nodes']}) | {r['budget_label']} | " + " | ".join(cells) + f" | {bound:.4f} | {base} |")
     return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
 
 
 def best_baseline_cost(graph, budget):

@@ -114,6 +114,9 @@ class CheckmateModel:
             where the variable is not built (fixed to 0).
         free_keys: ``(t, i, k)`` of every FREE column, in column order from ``free_start``.
         u_keys: ``(t, k)`` of every U column, in column order from ``u_start``.
+        capacity: the budget less the fixed bytes in model units, as the rows use it.
+        budget_units: the budget less the fixed bytes in model units, before the safety
+            margin (what :meth:`dual_bound` bounds against).
     """
 
     graph: DFGraph
@@ -135,6 +138,8 @@ class CheckmateModel:
     free_start: int
     u_keys: tuple
     u_start: int
+    capacity: float
+    budget_units: float
 
     @property
     def num_vars(self) -> int:
@@ -197,6 +202,31 @@ class CheckmateModel:
         if self._violation(x) > 1e-6:
             return None
         return x
+
+    def dual_bound(self, row_dual: np.ndarray) -> float:
+        """A proven lower bound on the LP relaxation's optimum (so on the MILP's), in the
+        graph's cost unit, from any row multipliers, however inexact.
+
+        Weak duality with bounded columns: for multipliers y of the right sign
+        (``y >= 0`` on rows bounded only below, ``<= 0`` on rows bounded only above;
+        others are clipped to that), every feasible x has ``c x >= sum_r y_r b_r +
+        sum_j min over [l_j, u_j] of (c - A^T y)_j x_j``. Every column here is bounded.
+        The budget enters at ``budget_units`` (without the safety margin), so the bound
+        holds for the true budget.
+        """
+        y = np.asarray(row_dual, dtype=float).copy()
+        lower, upper = self.row_lower.copy(), self.row_upper.copy()
+        upper[upper == self.capacity] = self.budget_units
+        col_upper = np.where(self.upper == self.capacity, self.budget_units, self.upper)
+        y[np.isinf(lower)] = np.minimum(y[np.isinf(lower)], 0.0)
+        y[np.isinf(upper)] = np.maximum(y[np.isinf(upper)], 0.0)
+        rows = np.where(y > 0, np.where(np.isinf(lower), 0.0, lower), np.where(np.isinf(upper), 0.0, upper)) * y
+        counts = np.diff(self.col_start)
+        reduced = self.cost - np.bincount(
+            np.repeat(np.arange(self.num_vars), counts), weights=self.value * y[self.row_index], minlength=self.num_vars
+        )
+        cols = np.where(reduced > 0, reduced * self.lower, reduced * col_upper)
+        return float((rows.sum() + cols.sum()) * self.cost_scale)
 
     def _violation(self, x: np.ndarray) -> float:
         activity = np.zeros(self.num_constraints)
@@ -276,11 +306,13 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
     pred, succ = graph.predecessors, graph.successors
     out, work = graph.output_bytes, graph.workspace_bytes
     scale, exact = _memory_scale(graph, budget_bytes - graph.fixed_bytes)
-    capacity = (budget_bytes - graph.fixed_bytes) / scale
+    budget_units = (budget_bytes - graph.fixed_bytes) / scale
     # Solver tolerances (1e-7 on rows, 1e-6 on integrality) stay far below one unit in the
     # exact case; otherwise a relative margin of 1e-6 absorbs them, so the rounded schedule
     # still fits when the solver's memory sits on the budget.
-    capacity = math.floor(capacity + 1e-9) if exact else capacity * (1 - _SCALED_MARGIN)
+    capacity = math.floor(budget_units + 1e-9) if exact else budget_units * (1 - _SCALED_MARGIN)
+    if exact:
+        budget_units = capacity
     # Node costs span many orders of magnitude (up to 2e12 in the FCN8 graph), which
     # stalls the simplex; the objective is in units of the largest node cost.
     cost_scale = max(graph.cost) or 1.0
@@ -383,4 +415,6 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
         free_start=free_start,
         u_keys=tuple(u_keys),
         u_start=u_start,
+        capacity=float(capacity),
+        budget_units=float(budget_units),
     )

@@ -35,6 +35,7 @@ DEFAULT_SOLVER = "highs"
 # Status names shared by every backend (and by Schedule.facts["status"]).
 OPTIMAL, FEASIBLE, TIME_LIMIT, INFEASIBLE, NO_SOLUTION = "optimal", "feasible", "time_limit", "infeasible", "no_solution"
 
+_LP_METHODS = ("simplex", "pdlp")
 _GUROBI_SIZE_LIMIT_ERRNO = 10010
 _GUROBI_NO_LICENSE_ERRNOS = (10009, 10010)
 
@@ -101,6 +102,7 @@ def solve_model(
     seed: int = 0,
     start: np.ndarray | None = None,
     progress: ProgressFn | None = None,
+    lp_method: str = "simplex",
 ) -> SolveResult:
     """Solves ``model`` (or its LP relaxation) with the named backend.
 
@@ -114,6 +116,12 @@ def solve_model(
         seed: the solver's random seed, for reproducible runs.
         start: a feasible solution vector to start from (a MIP start).
         progress: called with a :class:`Progress` on every new incumbent and periodically.
+        lp_method: with ``relax``, ``"simplex"`` (the solver's default LP method; the
+            bound is the LP optimum, none when stopped early) or ``"pdlp"`` (HiGHS's
+            first-order method, without presolve: far faster on the large models, and
+            stopped at any time its row duals give a proven bound through
+            :meth:`~tfremat.ilp.formulation.CheckmateModel.dual_bound`; its ``x`` is an
+            approximate LP solution, good for rounding).
 
     Raises:
         SolverUnavailableError: the backend is not installed.
@@ -128,6 +136,10 @@ def solve_model(
         raise SolverError(f"mip_gap must be in [0, 1), got {mip_gap!r}")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise SolverError(f"threads must be a positive int or None, got {threads!r}")
+    if lp_method not in _LP_METHODS:
+        raise SolverError(f"lp_method must be one of {', '.join(_LP_METHODS)}, got {lp_method!r}")
+    if lp_method == "pdlp" and solver != "highs":
+        raise SolverError(f"lp_method='pdlp' needs solver='highs' (got {solver!r}); use lp_method='simplex'")
     backend = _solve_highs if solver == "highs" else _solve_gurobi
     unit = model.cost_scale
 
@@ -140,7 +152,10 @@ def solve_model(
         )
         _report(progress, scaled)
 
-    result = backend(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit)
+    if lp_method == "pdlp" and relax:
+        result = _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit, pdlp=True)
+    else:
+        result = backend(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit)
     return dataclasses.replace(
         result,
         objective=None if result.objective is None else result.objective * unit,
@@ -160,7 +175,7 @@ def _report(progress: ProgressFn | None, report: Progress) -> None:
         progress(report)
 
 
-def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progress) -> SolveResult:
+def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progress, pdlp=False) -> SolveResult:
     if "ortools" in sys.modules:
         raise SolverError(
             "ortools is imported in this process, and its native HiGHS library clashes with highspy's; "
@@ -177,6 +192,11 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
         h.setOptionValue("mip_rel_gap", float(mip_gap))
     if threads is not None:
         h.setOptionValue("threads", int(threads))
+    if pdlp:
+        # Without presolve the row duals belong to the model's own rows, which the
+        # proven bound needs.
+        h.setOptionValue("solver", "pdlp")
+        h.setOptionValue("presolve", "off")
 
     inf = highspy.kHighsInf
     lp = highspy.HighsLp()
@@ -219,10 +239,14 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
 
     status = h.getModelStatus()
     info = h.getInfo()
-    has_solution = info.primal_solution_status == 2
+    # PDLP's point is feasible only within its tolerances, yet worth rounding.
+    has_solution = info.primal_solution_status == 2 or (pdlp and h.getSolution().value_valid)
     x = np.asarray(h.getSolution().col_value, dtype=float) if has_solution else None
     objective = info.objective_function_value if has_solution else None
-    if relax:
+    if pdlp:
+        solution = h.getSolution()
+        bound = model.dual_bound(np.asarray(solution.row_dual)) / model.cost_scale if solution.dual_valid else None
+    elif relax:
         bound = objective if status == highspy.HighsModelStatus.kOptimal else None
     else:
         bound = info.mip_dual_bound if abs(info.mip_dual_bound) < inf else None
