@@ -298,3 +298,69 @@ def test_highs_refuses_to_run_next_to_ortools(monkeypatch):
     graph = training_chain(3)
     with pytest.raises(SolverError, match="ortools"):
         solve_model(build_model(graph, memory_lower_bound(graph) + 4))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dual_bound_of_any_multipliers_is_below_the_optimum(seed):
+    """Weak duality: zero, random and PDLP multipliers all bound the MILP optimum (and the
+    zero ones the LP optimum) from below."""
+    graph = random_training_graph(seed, 5)
+    budget = int(0.5 * (memory_lower_bound(graph) + checkpoint_all_peak(graph)))
+    try:
+        optimum = solve_optimal(graph, budget, threads=1, mip_gap=0.0).cost(graph)
+    except InfeasibleBudgetError:
+        pytest.skip("budget infeasible for this graph")
+    model = build_model(graph, budget)
+    rng = np.random.default_rng(seed)
+    for y in (np.zeros(model.num_constraints), rng.normal(size=model.num_constraints)):
+        assert model.dual_bound(y) <= optimum + 1e-6
+    lp = solve_model(model, relax=True, threads=1)
+    assert model.dual_bound(np.zeros(model.num_constraints)) <= lp.objective + 1e-6
+    pdlp = solve_model(model, relax=True, threads=1, lp_method="pdlp", time_limit=20)
+    assert pdlp.best_bound is not None and pdlp.best_bound <= optimum + 1e-6
+    assert pdlp.best_bound <= lp.objective + 1e-6 * abs(lp.objective)
+    assert pdlp.best_bound >= graph.total_cost * 0.5
+
+
+def test_pdlp_needs_highs_and_lp_method_is_checked():
+    graph = random_dag(6, 3)
+    model = build_model(graph, checkpoint_all_peak(graph))
+    with pytest.raises(SolverError, match="lp_method"):
+        solve_model(model, relax=True, lp_method="barrier")
+    with pytest.raises(SolverError, match="needs solver='highs'"):
+        solve_model(model, relax=True, solver="gurobi", lp_method="pdlp")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_large_model_path_returns_a_fitting_schedule_with_an_honest_bound(monkeypatch, seed):
+    """The path for models too large to solve whole, forced on small graphs: the schedule
+    fits, and its bound is below the proven optimum."""
+    import tfremat.ilp.strategies as strategies
+
+    graph = random_training_graph(10 + seed, 6)
+    budget = int(0.45 * memory_lower_bound(graph) + 0.55 * checkpoint_all_peak(graph))
+    try:
+        optimum = solve_optimal(graph, budget, threads=1, mip_gap=0.0).cost(graph)
+    except InfeasibleBudgetError:
+        pytest.skip("budget infeasible for this graph")
+    monkeypatch.setattr(strategies, "_FULL_MILP_COLUMNS", 0)
+    monkeypatch.setattr(strategies, "_ROUNDING_RESERVE_SECONDS", 0.0)
+    schedule = solve_optimal(graph, budget, threads=1, time_limit=5, mip_gap=0.0)
+    validate_schedule(graph, schedule)
+    facts = schedule.facts
+    assert simulate(graph, schedule).peak_bytes <= budget
+    assert facts["best_bound"] <= optimum + 1e-6 <= schedule.cost(graph) + 2e-6
+    assert facts["gap"] == pytest.approx((schedule.cost(graph) - facts["best_bound"]) / schedule.cost(graph))
+    assert facts["status"] in ("optimal", "time_limit")
+    if facts["status"] == "optimal":
+        assert schedule.cost(graph) == pytest.approx(optimum)
+
+
+def test_baseline_within_mip_gap_of_the_no_remat_cost_is_returned_at_once():
+    graph = random_training_graph(7, 8)
+    budget = int(0.9 * checkpoint_all_peak(graph))
+    schedule = solve_optimal(graph, budget, threads=1, mip_gap=0.9)
+    assert schedule.facts["status"] == "optimal"
+    assert schedule.facts["num_vars"] == 0
+    assert schedule.facts["gap"] <= 0.9
+    assert simulate(graph, schedule).peak_bytes <= budget

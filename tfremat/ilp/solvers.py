@@ -150,7 +150,7 @@ def solve_model(
             None if report.bound is None else report.bound * unit,
             report.gap,
         )
-        _report(progress, scaled)
+        report_progress(progress, scaled)
 
     if lp_method == "pdlp" and relax:
         result = _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit, pdlp=True)
@@ -163,7 +163,8 @@ def solve_model(
     )
 
 
-def _report(progress: ProgressFn | None, report: Progress) -> None:
+def report_progress(progress: ProgressFn | None, report: Progress) -> None:
+    """Logs ``report`` at INFO and passes it to ``progress`` (when not None)."""
     logger.info(
         "MILP %.1fs: incumbent %s, bound %s, gap %s",
         report.seconds,

@@ -36,6 +36,7 @@ from tfremat.ilp.solvers import (
     TIME_LIMIT,
     Progress,
     ProgressFn,
+    report_progress,
     solve_model,
 )
 from tfremat.plan.registry import get_strategy, register, strategy_names
@@ -273,6 +274,7 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
     budget_bytes = int(model.budget_bytes)
     deadline = began + time_limit
     lp_seconds = max(deadline - time.perf_counter() - _ROUNDING_RESERVE_SECONDS, _MIN_SOLVE_SECONDS)
+    _report(progress, began, baseline.cost(graph) if baseline is not None else None, graph.total_cost)
     lp = solve_model(
         model, solver=solver, relax=True, time_limit=lp_seconds, threads=threads, seed=seed,
         lp_method=_lp_method(model, solver),
@@ -296,14 +298,19 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
         )
     cost = incumbent.cost(graph)
     gap = max(0.0, (cost - bound) / cost) if cost else 0.0
-    if progress is not None:
-        progress(Progress(time.perf_counter() - began, cost, bound, gap))
+    _report(progress, began, cost, bound)
     return Schedule(incumbent.R, incumbent.S, "optimal").with_facts(
         status=OPTIMAL if gap <= mip_gap else TIME_LIMIT, objective=cost, best_bound=min(bound, cost), gap=gap,
         seconds=time.perf_counter() - began, solve_seconds=lp.seconds, num_vars=model.num_vars,
         num_constraints=model.num_constraints, solver=lp.solver, warm_start=incumbent.strategy,
         peak_bytes=simulate(graph, incumbent).peak_bytes, budget_bytes=budget_bytes,
     )
+
+
+def _report(progress: ProgressFn | None, began: float, incumbent: float | None, bound: float) -> None:
+    """A progress report in the solver backends' form (logged there; ``progress`` may be None)."""
+    gap = None if not incumbent else max(0.0, (incumbent - bound) / incumbent)
+    report_progress(progress, Progress(time.perf_counter() - began, incumbent, bound, gap))
 
 
 def _lp_method(model: CheckmateModel, solver: str) -> str:
