@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from tfremat.errors import InfeasibleBudgetError, SolverError  # noqa: E402
 from tfremat.graph import load_graph  # noqa: E402
 from tfremat.ilp.formulation import last_descendants  # noqa: E402
-from tfremat.ilp.strategies import solve_approx_lp, solve_optimal  # noqa: E402
+from tfremat.ilp.strategies import best_baseline, solve_approx_lp, solve_optimal  # noqa: E402
 from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
 from tfremat.plan.simulator import simulate  # noqa: E402
 
@@ -136,18 +136,9 @@ def _commit() -> str:
 
 
 def best_baseline_cost(graph, budget):
-    best = None
-    for name in strategy_names():
-        if name in ("optimal", "approx_lp"):
-            continue
-        try:
-            s = get_strategy(name)(graph, budget)
-        except InfeasibleBudgetError:
-            continue
-        if simulate(graph, s).peak_bytes <= budget:
-            cost = s.cost(graph) / graph.total_cost
-            best = cost if best is None else min(best, cost)
-    return best
+    """Cost of the schedule ``optimal`` warm-starts from (repair only when nothing else fits)."""
+    schedule, _ = best_baseline(graph, budget)
+    return None if schedule is None else schedule.cost(graph) / graph.total_cost
 
 
 def main(argv=None) -> None:

@@ -364,3 +364,19 @@ def test_baseline_within_mip_gap_of_the_no_remat_cost_is_returned_at_once():
     assert schedule.facts["num_vars"] == 0
     assert schedule.facts["gap"] <= 0.9
     assert simulate(graph, schedule).peak_bytes <= budget
+
+
+def test_model_too_large_for_the_time_limit_returns_the_best_heuristic(monkeypatch):
+    import tfremat.ilp.strategies as strategies
+
+    graph = random_training_graph(3, 8)
+    budget = int(0.8 * checkpoint_all_peak(graph))
+    monkeypatch.setattr(strategies, "_MAX_R_COLUMNS", 0)
+    schedule = solve_optimal(graph, budget, threads=1, time_limit=10)
+    assert schedule.facts["num_vars"] == 0 and schedule.facts["solver"] is None
+    assert schedule.facts["best_bound"] == pytest.approx(min(graph.total_cost, schedule.cost(graph)))
+    assert simulate(graph, schedule).peak_bytes <= budget
+    if schedule.cost(graph) > graph.total_cost:
+        assert schedule.facts["status"] == "time_limit"
+    with pytest.raises(SolverError, match="too large"):
+        solve_optimal(graph, budget, threads=1, time_limit=10, warm_start=False)

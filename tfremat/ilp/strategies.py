@@ -26,7 +26,7 @@ import numpy as np
 from tfremat.budget import parse_budget
 from tfremat.errors import InfeasibleBudgetError, SolverError
 from tfremat.graph import DFGraph
-from tfremat.ilp.formulation import CheckmateModel, build_model, memory_lower_bound
+from tfremat.ilp.formulation import CheckmateModel, build_model, memory_lower_bound, r_column_count
 from tfremat.ilp.solvers import (
     DEFAULT_SOLVER,
     FEASIBLE,
@@ -48,12 +48,20 @@ __all__ = ["solve_optimal", "solve_approx_lp", "best_baseline"]
 logger = logging.getLogger(__name__)
 
 _OWN_STRATEGIES = ("optimal", "approx_lp")
+_FALLBACK_STRATEGIES = ("repair",)
+# Share of time_limit that repair may use when no other heuristic fits.
+_FALLBACK_TIME_SHARE = 0.5
 # Least time given to the solver when the baselines and the model build used up time_limit.
 _MIN_SOLVE_SECONDS = 1.0
 # Models with more columns are solved by LP bound plus window search when a time limit
 # is set (MobileNet's 77k-column MILP is proven optimal in 37 s at 80%; ResNet50's
 # 287k-column LP alone takes 87-170 s with the dual simplex).
 _FULL_MILP_COLUMNS = 100_000
+# Graphs with more R columns are not modelled at all when a time limit is set: the
+# 1000-node random graph (500k R columns, 4.1M columns) takes minutes and gigabytes to
+# build, and PDLP gets nowhere on it in minutes; the best heuristic is returned with the
+# no-remat cost as its bound.
+_MAX_R_COLUMNS = 250_000
 # Seconds kept from the LP of a large model for rounding its solution.
 _ROUNDING_RESERVE_SECONDS = 3.0
 # The gap at which a large model's schedule counts as optimal when mip_gap is None
@@ -74,19 +82,25 @@ def _budget_bytes(graph: DFGraph, budget) -> int:
     return parse_budget(budget, reference_bytes=reference)
 
 
-def best_baseline(graph: DFGraph, budget_bytes: int) -> tuple[Schedule | None, int | None]:
+def best_baseline(
+    graph: DFGraph, budget_bytes: int, fallback_seconds: float = 60.0
+) -> tuple[Schedule | None, int | None]:
     """The cheapest registered baseline schedule that fits, and the smallest peak any reached.
 
     Every registered strategy other than the solver-based ones runs at the budget; one
     that raises :class:`InfeasibleBudgetError` contributes the smallest peak it reached.
-    Returns ``(None, smallest_peak)`` when none fits.
+    ``repair``, slow on large graphs and beaten by ``eviction`` on training graphs, runs
+    only when nothing else fits, for at most ``fallback_seconds``. Returns
+    ``(None, smallest_peak)`` when none fits.
     """
     best, best_cost, smallest_peak = None, None, None
-    for name in strategy_names():
-        if name in _OWN_STRATEGIES:
-            continue
+    names = [name for name in strategy_names() if name not in _OWN_STRATEGIES and name not in _FALLBACK_STRATEGIES]
+    for name in (*names, *_FALLBACK_STRATEGIES):
+        if name in _FALLBACK_STRATEGIES and best is not None:
+            break
+        options = {"time_limit": fallback_seconds} if name in _FALLBACK_STRATEGIES else {}
         try:
-            schedule = get_strategy(name)(graph, budget_bytes)
+            schedule = get_strategy(name)(graph, budget_bytes, **options)
         except InfeasibleBudgetError as exc:
             if exc.min_feasible_bytes is not None:
                 smallest_peak = min(smallest_peak or exc.min_feasible_bytes, exc.min_feasible_bytes)
@@ -155,7 +169,10 @@ def solve_optimal(
     ``time_limit`` is set: the time goes to the LP relaxation by PDLP, whose duals give
     a proven bound whenever it stops, and to rounding its solution; the best schedule
     comes with that bound and status ``time_limit`` unless it is within ``mip_gap`` of
-    it. Without a time limit the whole MILP is solved, however long it takes.
+    it. Graphs whose model would exceed 250k R columns (about 1.5M in all; the 1000-node
+    random graph) are not modelled with a time limit: the best heuristic is returned,
+    bounded by the no-remat cost. Without a time limit the whole MILP is solved, however
+    long it takes.
 
     Args:
         graph: the graph.
@@ -191,26 +208,22 @@ def solve_optimal(
         return _no_budget(graph, "optimal", began)
     budget_bytes = _budget_bytes(graph, budget)
     lower_bound = memory_lower_bound(graph)
-    baseline, smallest_peak = best_baseline(graph, budget_bytes) if warm_start else (None, None)
+    fallback_seconds = 60.0 if time_limit is None else _FALLBACK_TIME_SHARE * time_limit
+    baseline, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds) if warm_start else (None, None)
     if budget_bytes < lower_bound:
         raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", "some node alone needs more while it runs")
-    if baseline is not None and baseline.cost(graph) <= graph.total_cost:
-        cost = baseline.cost(graph)
-        return Schedule(baseline.R, baseline.S, "optimal", {
-            "status": OPTIMAL, "objective": cost, "best_bound": graph.total_cost, "gap": 0.0,
-            "seconds": time.perf_counter() - began, "solve_seconds": 0.0, "num_vars": 0, "num_constraints": 0,
-            "solver": None, "warm_start": baseline.strategy, "peak_bytes": simulate(graph, baseline).peak_bytes,
-            "budget_bytes": budget_bytes,
-        })
-
-    if baseline is not None and mip_gap is not None and baseline.cost(graph) * (1 - mip_gap) <= graph.total_cost:
-        cost = baseline.cost(graph)
-        return Schedule(baseline.R, baseline.S, "optimal", {
-            "status": OPTIMAL, "objective": cost, "best_bound": graph.total_cost,
-            "gap": (cost - graph.total_cost) / cost, "seconds": time.perf_counter() - began, "solve_seconds": 0.0,
-            "num_vars": 0, "num_constraints": 0, "solver": None, "warm_start": baseline.strategy,
-            "peak_bytes": simulate(graph, baseline).peak_bytes, "budget_bytes": budget_bytes,
-        })
+    # The no-remat cost bounds every schedule's cost from below.
+    if baseline is not None and baseline.cost(graph) * (1 - (mip_gap or 0.0)) <= graph.total_cost:
+        return _baseline_result(graph, baseline, OPTIMAL, began, budget_bytes)
+    if time_limit is not None and r_column_count(graph) > _MAX_R_COLUMNS:
+        if baseline is None:
+            raise SolverError(
+                f"no heuristic fits {budget_bytes} bytes and the MILP of this {graph.size}-node graph "
+                f"({r_column_count(graph)} R columns) is too large to build within time_limit={time_limit}s; "
+                "raise the budget, or pass time_limit=None to build and solve it however long it takes"
+            )
+        logger.info("optimal: model too large for time_limit=%ss; returning %s", time_limit, baseline.strategy)
+        return _baseline_result(graph, baseline, TIME_LIMIT, began, budget_bytes)
     model = build_model(graph, budget_bytes)
     if time_limit is not None and model.num_vars > _FULL_MILP_COLUMNS:
         return _solve_large(
@@ -256,6 +269,17 @@ def solve_optimal(
         num_constraints=model.num_constraints, solver=result.solver,
         warm_start=baseline.strategy if baseline is not None else None, peak_bytes=peak, budget_bytes=budget_bytes,
     )
+
+
+def _baseline_result(graph, baseline, status, began, budget_bytes) -> Schedule:
+    """A baseline returned without a solver, bounded by the no-remat cost."""
+    cost = baseline.cost(graph)
+    return Schedule(baseline.R, baseline.S, "optimal", {
+        "status": status, "objective": cost, "best_bound": min(graph.total_cost, cost),
+        "gap": max(0.0, (cost - graph.total_cost) / cost) if cost else 0.0, "seconds": time.perf_counter() - began,
+        "solve_seconds": 0.0, "num_vars": 0, "num_constraints": 0, "solver": None, "warm_start": baseline.strategy,
+        "peak_bytes": simulate(graph, baseline).peak_bytes, "budget_bytes": budget_bytes,
+    })
 
 
 def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_limit, mip_gap, threads, seed, progress):
