@@ -90,13 +90,13 @@ def best_baseline(
     Every registered strategy other than the solver-based ones runs at the budget; one
     that raises :class:`InfeasibleBudgetError` contributes the smallest peak it reached.
     ``repair``, slow on large graphs and beaten by ``eviction`` on training graphs, runs
-    only when nothing else fits, for at most ``fallback_seconds``. Returns
+    only when nothing else fits, for at most ``fallback_seconds`` (0: never). Returns
     ``(None, smallest_peak)`` when none fits.
     """
     best, best_cost, smallest_peak = None, None, None
     names = [name for name in strategy_names() if name not in _OWN_STRATEGIES and name not in _FALLBACK_STRATEGIES]
     for name in (*names, *_FALLBACK_STRATEGIES):
-        if name in _FALLBACK_STRATEGIES and best is not None:
+        if name in _FALLBACK_STRATEGIES and (best is not None or fallback_seconds <= 0):
             break
         options = {"time_limit": fallback_seconds} if name in _FALLBACK_STRATEGIES else {}
         try:
@@ -208,10 +208,11 @@ def solve_optimal(
         return _no_budget(graph, "optimal", began)
     budget_bytes = _budget_bytes(graph, budget)
     lower_bound = memory_lower_bound(graph)
+    if budget_bytes < lower_bound:
+        _, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0) if warm_start else (None, None)
+        raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", "some node alone needs more while it runs")
     fallback_seconds = 60.0 if time_limit is None else _FALLBACK_TIME_SHARE * time_limit
     baseline, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds) if warm_start else (None, None)
-    if budget_bytes < lower_bound:
-        raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", "some node alone needs more while it runs")
     # The no-remat cost bounds every schedule's cost from below.
     if baseline is not None and baseline.cost(graph) * (1 - (mip_gap or 0.0)) <= graph.total_cost:
         return _baseline_result(graph, baseline, OPTIMAL, began, budget_bytes)
