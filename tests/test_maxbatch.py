@@ -47,3 +47,52 @@ def test_max_batch_raises_when_nothing_fits():
 def test_max_batch_rejects_bad_bounds():
     with pytest.raises(ValueError, match="min_batch"):
         max_batch_size(lambda b: training_chain(3, b), 100, min_batch=0)
+
+
+@pytest.mark.parametrize("max_overhead", [None, 0.0, 0.3])
+@pytest.mark.parametrize("extra", [8, 12, 20])
+def test_direct_formulation_matches_the_search(max_overhead, extra):
+    budget = 16 + 4 * extra
+    search = max_batch_size(lambda b: training_chain(4, b), budget, max_overhead=max_overhead, max_batch=64,
+                            threads=1, mip_gap=0.0)
+    direct = max_batch_size(lambda b: training_chain(4, b), budget, max_overhead=max_overhead, max_batch=64,
+                            method="direct", threads=1, mip_gap=0.0)
+    assert direct.method == "direct"
+    assert direct.batch_size == search.batch_size
+    assert direct.upper_bound == direct.batch_size
+    assert simulate(direct.graph, direct.schedule).peak_bytes <= budget
+    assert direct.cost <= direct.cost_cap
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_min_peak_within_cost_equals_brute_force(seed):
+    from tests.test_ilp import brute_force_frontier, random_dag
+    from tfremat.ilp.maxbatch import min_peak_within_cost
+
+    graph = random_dag(5, 40 + seed)
+    points = brute_force_frontier(graph)
+    for cap in sorted({c for _, c in points})[:4]:
+        best = min(p for p, c in points if c <= cap)
+        schedule = min_peak_within_cost(graph, cap, threads=1, mip_gap=0.0)
+        assert schedule.facts["peak_bytes"] == best == simulate(graph, schedule).peak_bytes
+        assert schedule.cost(graph) <= cap + 1e-9
+        assert schedule.facts["peak_bound_bytes"] <= best
+    with pytest.raises(ValueError, match="no-remat cost"):
+        min_peak_within_cost(graph, 0.5 * graph.total_cost)
+
+
+def test_direct_formulation_refuses_graphs_that_do_not_scale():
+    from tests.test_ilp import training_chain as chain
+    from tfremat.graph import DFGraph
+
+    def with_constant_scratch(batch):
+        g = chain(4, batch)
+        return DFGraph(names=g.names, edges=g.edges, cost=g.cost, output_bytes=g.output_bytes,
+                       workspace_bytes=[32] * g.size, fixed_bytes=g.fixed_bytes)
+
+    with pytest.raises(ValueError, match="method='search'"):
+        max_batch_size(with_constant_scratch, 200, method="direct", threads=1)
+    with pytest.raises(ValueError, match="method must be"):
+        max_batch_size(lambda b: training_chain(3, b), 100, method="scan")
+    with pytest.raises(ValueError, match="strategy="):
+        max_batch_size(lambda b: training_chain(3, b), 100, method="direct", strategy="chen_greedy")

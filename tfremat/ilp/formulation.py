@@ -111,8 +111,9 @@ class CheckmateModel:
         graph: the graph.
         budget_bytes: the memory budget the model was built for.
         scale: bytes per memory unit in the model.
-        cost_scale: graph cost per objective unit (the solver backends scale back, so
-            objectives and bounds they report are in the graph's cost unit).
+        cost_scale: graph cost (bytes, when minimizing the peak) per objective unit; the
+            solver backends scale back, so objectives and bounds they report are in the
+            graph's cost unit (in bytes).
         cost: objective coefficient of every column.
         lower, upper: column bounds.
         integer: True for binary columns.
@@ -125,6 +126,7 @@ class CheckmateModel:
         capacity: the budget less the fixed bytes in model units, as the rows use it.
         budget_units: the budget less the fixed bytes in model units, before the safety
             margin (what :meth:`dual_bound` bounds against).
+        peak_column: the column of the peak when the model minimizes it, else -1.
     """
 
     graph: DFGraph
@@ -148,6 +150,7 @@ class CheckmateModel:
     u_start: int
     capacity: float
     budget_units: float
+    peak_column: int
 
     @property
     def num_vars(self) -> int:
@@ -207,6 +210,12 @@ class CheckmateModel:
             level += out[k] / self.scale * R[t, k]
             x[self.u_start + offset] = level
             previous = (t, k)
+        if self.peak_column >= 0:
+            work = self.graph.workspace_bytes
+            x[self.peak_column] = max(
+                (x[self.u_start + offset] + work[k] / self.scale for offset, (t, k) in enumerate(self.u_keys) if R[t, k]),
+                default=0.0,
+            )
         if self._violation(x) > 1e-6:
             return None
         return x
@@ -299,15 +308,20 @@ class _Builder:
         return start, rows[order], vals[order]
 
 
-def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
+def build_model(graph: DFGraph, budget_bytes: float, *, peak_within_cost: float | None = None) -> CheckmateModel:
     """Builds Checkmate's MILP for ``graph`` under ``budget_bytes`` (see the module doc).
 
     Args:
         graph: the graph.
         budget_bytes: peak memory allowed, fixed bytes included.
+        peak_within_cost: when given, the model minimizes the peak instead (a column
+            ``peak`` above every ``U + workspace``) subject to a total compute cost of
+            at most this value; ``budget_bytes`` stays an upper bound on memory.
+            Checkmate's batch-size maximization (sec. 6.3) solves this model.
 
     Returns:
-        The model; its objective is the total compute cost of the schedule.
+        The model. Its objective, times ``cost_scale``, is the total compute cost of the
+        schedule, or with ``peak_within_cost`` its peak in bytes less the fixed bytes.
     """
     n = graph.size
     inf = math.inf
@@ -333,7 +347,8 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
         for i in range(t + 1):
             if t <= last[i]:
                 fixed = 1.0 if i == t else 0.0
-                r_index[t, i] = b.column(graph.cost[i] / cost_scale, fixed, 1.0, True)
+                objective = 0.0 if peak_within_cost is not None else graph.cost[i] / cost_scale
+                r_index[t, i] = b.column(objective, fixed, 1.0, True)
         for i in range(t):
             if succ[i] and t <= last[i]:
                 s_index[t, i] = b.column(0.0, 0.0, 1.0, True)
@@ -402,6 +417,15 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
                 b.row([(u, 1.0), (r_index[t, k], work[k] / scale)], -inf, capacity)
             previous, k_prev = u, k
 
+    peak_column = -1
+    if peak_within_cost is not None:
+        peak_column = b.column(1.0, 0.0, capacity, False)
+        for offset, (t, k) in enumerate(u_keys):
+            b.row([(u_start + offset, 1.0), (r_index[t, k], work[k] / scale), (peak_column, -1.0)], -inf, 0.0)
+        costs = [(r_index[t, i], graph.cost[i] / cost_scale) for t in range(n) for i in range(t + 1) if r_index[t, i] >= 0]
+        b.row(costs, -inf, peak_within_cost / cost_scale)
+        cost_scale = scale
+
     start, rows, vals = b.csc()
     return CheckmateModel(
         graph=graph,
@@ -425,4 +449,5 @@ def build_model(graph: DFGraph, budget_bytes: float) -> CheckmateModel:
         u_start=u_start,
         capacity=float(capacity),
         budget_units=float(budget_units),
+        peak_column=peak_column,
     )

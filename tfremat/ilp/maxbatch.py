@@ -3,10 +3,16 @@
 Activation memory and compute grow with the batch, so a larger batch fits a fixed memory
 budget only by rematerializing more. Checkmate asks for the largest batch whose training
 step fits the budget at the cost of at most one extra forward pass; :func:`max_batch_size`
-answers that by searching over batch sizes, asking a strategy for the cheapest schedule
-that fits at each size. Checkmate's direct formulation (the batch size as a variable of
-the MILP) is not used: it is only exact for graphs whose sizes scale linearly, and the
-search works for any ``batch -> graph`` function and any strategy.
+answers that in one of two ways:
+
+* ``method="search"`` (default): over batch sizes, asking a strategy for the cheapest
+  schedule that fits at each size. Works for any ``batch -> graph`` function (profiled
+  costs and CPU convolution scratch do not scale linearly) and any strategy.
+* ``method="direct"``: Checkmate's formulation. When every output and workspace size is
+  proportional to the batch, the fixed bytes are affine in it and the costs scale
+  together, the largest batch follows from one MILP, the smallest peak among schedules
+  within the cost cap (:func:`min_peak_within_cost`). The solver's bound on that peak
+  also bounds the batch from above. Graphs that do not scale so are refused.
 """
 
 from __future__ import annotations
@@ -16,13 +22,19 @@ import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
+import time
+
+import numpy as np
+
 from tfremat.errors import InfeasibleBudgetError, SolverError, SolverLicenseError, SolverUnavailableError
 from tfremat.graph import DFGraph
-from tfremat.ilp.formulation import memory_lower_bound
+from tfremat.ilp.formulation import build_model, memory_lower_bound
+from tfremat.ilp.solvers import DEFAULT_SOLVER, ProgressFn, solve_model
 from tfremat.plan.registry import get_strategy
-from tfremat.plan.schedule import Schedule
+from tfremat.plan.schedule import Schedule, checkpoint_all_s, prune_s, schedule_from_keep_matrix, validate_schedule
+from tfremat.plan.simulator import simulate
 
-__all__ = ["MaxBatchResult", "max_batch_size", "one_extra_forward_cap"]
+__all__ = ["MaxBatchResult", "max_batch_size", "min_peak_within_cost", "one_extra_forward_cap"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +49,11 @@ class MaxBatchResult:
         graph: its graph.
         cost: the schedule's total cost.
         cost_cap: the largest cost allowed at that batch.
-        tried: every batch size evaluated, mapped to whether it fit.
+        tried: every batch size evaluated, mapped to whether it fit (``search``), or the
+            batches whose graphs were built (``direct``).
+        method: ``"search"`` or ``"direct"``.
+        upper_bound: a proven upper bound on the largest batch (``direct`` only; equal
+            to ``batch_size`` when the peak MILP was solved to optimality).
     """
 
     batch_size: int
@@ -46,6 +62,8 @@ class MaxBatchResult:
     cost: float
     cost_cap: float
     tried: Mapping[int, bool]
+    method: str = "search"
+    upper_bound: int | None = None
 
 
 def one_extra_forward_cap(graph: DFGraph) -> float:
@@ -61,12 +79,14 @@ def max_batch_size(
     max_overhead: float | None = None,
     min_batch: int = 1,
     max_batch: int = 1 << 16,
+    method: str = "search",
     **strategy_options,
 ) -> MaxBatchResult:
     """The largest batch whose schedule fits ``budget`` within the compute overhead limit.
 
-    Doubles the batch from ``min_batch`` until a size does not fit, then bisects. This
-    assumes feasibility is monotone in the batch (true when bytes and costs grow with it).
+    ``search`` doubles the batch from ``min_batch`` until a size does not fit, then
+    bisects. This assumes feasibility is monotone in the batch (true when bytes and costs
+    grow with it). ``direct`` solves one MILP (module docstring).
 
     Args:
         graph_for_batch: builds the training graph at a batch size.
@@ -77,19 +97,29 @@ def max_batch_size(
             None uses Checkmate's criterion, one extra forward pass.
         min_batch: the smallest batch to consider.
         max_batch: the largest batch to consider.
-        **strategy_options: passed to the strategy (for example ``time_limit``).
+        method: ``"search"`` or ``"direct"``.
+        **strategy_options: passed to the strategy (for example ``time_limit``); with
+            ``direct``, to :func:`min_peak_within_cost` (``strategy`` must stay
+            ``"optimal"``).
 
     Returns:
         A :class:`MaxBatchResult`.
 
     Raises:
         InfeasibleBudgetError: even ``min_batch`` does not fit.
-        ValueError: bad search bounds or overhead.
+        ValueError: bad search bounds, overhead or method; with ``direct``, a graph that
+            does not scale linearly with the batch, or a strategy other than ``optimal``.
     """
     if not 1 <= min_batch <= max_batch:
         raise ValueError(f"need 1 <= min_batch <= max_batch, got min_batch={min_batch}, max_batch={max_batch}")
     if max_overhead is not None and max_overhead < 0:
         raise ValueError(f"max_overhead must be >= 0 (a fraction of the no-remat cost), got {max_overhead}")
+    if method == "direct":
+        if strategy != "optimal":
+            raise ValueError(f"method='direct' solves Checkmate's MILP; strategy={strategy!r} needs method='search'")
+        return _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, strategy_options)
+    if method != "search":
+        raise ValueError(f"method must be 'search' or 'direct', got {method!r}")
     solve = get_strategy(strategy)
     tried: dict[int, bool] = {}
     found: dict[int, tuple[Schedule, DFGraph, float, float]] = {}
@@ -137,3 +167,112 @@ def max_batch_size(
             bad = middle
     schedule, graph, cost, cap = found[good]
     return MaxBatchResult(good, schedule, graph, cost, cap, MappingProxyType(dict(sorted(tried.items()))))
+
+
+def _cost_cap(graph: DFGraph, max_overhead: float | None) -> float:
+    return one_extra_forward_cap(graph) if max_overhead is None else (1 + max_overhead) * graph.total_cost
+
+
+def min_peak_within_cost(
+    graph: DFGraph,
+    max_cost: float,
+    *,
+    solver: str = DEFAULT_SOLVER,
+    time_limit: float | None = None,
+    mip_gap: float | None = None,
+    threads: int | None = None,
+    seed: int = 0,
+    progress: ProgressFn | None = None,
+) -> Schedule:
+    """The schedule with the smallest peak among those costing at most ``max_cost``.
+
+    Checkmate's batch-size MILP (sec. 6.3): the objective is the peak, the compute cost
+    a constraint. The MILP starts from the checkpoint-all schedule (the cheapest there
+    is), so a time limit still returns a schedule.
+
+    Returns:
+        The schedule; ``facts`` hold ``status``, ``peak_bytes``, ``peak_bound_bytes`` (a
+        proven lower bound on the smallest peak), ``cost`` and ``seconds``.
+
+    Raises:
+        ValueError: ``max_cost`` is below the cost of running every node once.
+    """
+    began = time.perf_counter()
+    if max_cost < graph.total_cost * (1 - 1e-12):
+        raise ValueError(f"max_cost={max_cost} is below the no-remat cost {graph.total_cost}: no schedule is that cheap")
+    keep_all = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "min_peak")
+    reference = simulate(graph, keep_all).peak_bytes
+    model = build_model(graph, reference, peak_within_cost=max_cost)
+    result = solve_model(
+        model, solver=solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed,
+        start=model.encode(keep_all), progress=progress,
+    )
+    best, best_peak = keep_all, reference
+    if result.x is not None:
+        R, S = model.decode(result.x)
+        R &= ~np.tril(S, -1)
+        candidate = Schedule(R, prune_s(graph, R, S), "min_peak")
+        validate_schedule(graph, candidate)
+        peak = simulate(graph, candidate).peak_bytes
+        if peak < best_peak and candidate.cost(graph) <= max_cost * (1 + 1e-9):
+            best, best_peak = candidate, peak
+    bound = memory_lower_bound(graph)
+    if result.best_bound is not None:
+        bound = max(bound, int(np.ceil(graph.fixed_bytes + result.best_bound - 1e-6 * model.scale)))
+    return best.with_facts(
+        status=result.status, peak_bytes=best_peak, peak_bound_bytes=min(bound, best_peak), cost=best.cost(graph),
+        cost_cap=max_cost, seconds=time.perf_counter() - began, solver=result.solver,
+    )
+
+
+def _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, options) -> MaxBatchResult:
+    """Checkmate's direct batch maximization for graphs that scale linearly (module docstring)."""
+    small, large = min_batch, 2 * min_batch
+    graph_small, graph_large = graph_for_batch(small), graph_for_batch(large)
+    _check_linear(graph_small, graph_large, small, large)
+    # fixed(b) = fixed_base + b * fixed_per_sample; activations scale as b / small.
+    fixed_per_sample = (graph_large.fixed_bytes - graph_small.fixed_bytes) / (large - small)
+    fixed_base = graph_small.fixed_bytes - small * fixed_per_sample
+    schedule = min_peak_within_cost(graph_small, _cost_cap(graph_small, max_overhead), **options)
+    facts = schedule.facts
+
+    def largest(peak_bytes: float) -> int:
+        per_sample = fixed_per_sample + (peak_bytes - graph_small.fixed_bytes) / small
+        return int(np.floor((budget - fixed_base) / per_sample + 1e-9)) if per_sample > 0 else max_batch
+
+    batch = min(largest(facts["peak_bytes"]), max_batch)
+    upper = min(largest(facts["peak_bound_bytes"]), max_batch)
+    if batch < min_batch:
+        raise InfeasibleBudgetError(
+            budget, strategy="optimal",
+            detail=f"batch size {min_batch} does not fit within the overhead limit (direct formulation)",
+        )
+    graph = graph_for_batch(batch)
+    cost, cap = schedule.cost(graph), _cost_cap(graph, max_overhead)
+    if simulate(graph, schedule).peak_bytes > budget or cost > cap * (1 + 1e-9):
+        raise ValueError(
+            f"graph_for_batch({batch}) does not scale like graph_for_batch({small}) and ({large}); "
+            "use method='search'"
+        )
+    tried = {small: True, large: large <= batch, batch: True}
+    return MaxBatchResult(batch, schedule, graph, cost, cap, MappingProxyType(dict(sorted(tried.items()))),
+                          method="direct", upper_bound=max(upper, batch))
+
+
+def _check_linear(a: DFGraph, b: DFGraph, batch_a: int, batch_b: int) -> None:
+    """Raises ValueError unless ``b`` is ``a`` with every size scaled by ``batch_b / batch_a``
+    and every cost by one common factor."""
+    same = a.size == b.size and a.edges == b.edges
+    ratio = batch_b / batch_a
+    sizes = all(
+        np.array_equal(np.asarray(x, dtype=float) * ratio, np.asarray(y, dtype=float))
+        for x, y in ((a.output_bytes, b.output_bytes), (a.workspace_bytes, b.workspace_bytes))
+    )
+    cost_a, cost_b = np.asarray(a.cost, dtype=float), np.asarray(b.cost, dtype=float)
+    factor = cost_b.sum() / cost_a.sum() if cost_a.sum() else 1.0
+    costs = np.allclose(cost_a * factor, cost_b, rtol=1e-9, atol=0.0)
+    if not (same and sizes and costs):
+        raise ValueError(
+            f"method='direct' needs graphs whose sizes scale linearly with the batch and whose costs scale "
+            f"together; graph_for_batch({batch_a}) and ({batch_b}) do not; use method='search'"
+        )
