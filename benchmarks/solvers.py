@@ -76,7 +76,8 @@ def run_case(case: dict) -> dict:
         else:
             schedule = solve_approx_lp(graph, case["budget"], time_limit=case["time_limit"], threads=case["threads"])
     except InfeasibleBudgetError as exc:
-        row.update(status="infeasible", detail=str(exc))
+        # approx_lp also raises it when no rounding of a feasible LP fits the budget.
+        row.update(status="no rounding fits" if "no rounding" in str(exc) else "infeasible", detail=str(exc))
     except SolverError as exc:
         row.update(status="no schedule", detail=str(exc))
     else:

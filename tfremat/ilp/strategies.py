@@ -311,6 +311,8 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
     if lp.x is not None:
         rng = np.random.default_rng(seed)
         for S in _round_candidates(model, lp.x, _LARGE_ROUNDING_SAMPLES, rng):
+            if time.perf_counter() > deadline:
+                break
             candidate = schedule_from_keep_matrix(graph, S, "optimal")
             if simulate(graph, candidate).peak_bytes <= budget_bytes and (
                 incumbent is None or candidate.cost(graph) < incumbent.cost(graph)
