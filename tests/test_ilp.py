@@ -380,3 +380,12 @@ def test_model_too_large_for_the_time_limit_returns_the_best_heuristic(monkeypat
         assert schedule.facts["status"] == "time_limit"
     with pytest.raises(SolverError, match="too large"):
         solve_optimal(graph, budget, threads=1, time_limit=10, warm_start=False)
+
+
+def test_approx_lp_refuses_models_too_large_for_its_time_limit(monkeypatch):
+    import tfremat.ilp.strategies as strategies
+
+    graph = random_training_graph(4, 6)
+    monkeypatch.setattr(strategies, "_MAX_R_COLUMNS", 0)
+    with pytest.raises(SolverError, match="too large"):
+        solve_approx_lp(graph, int(0.8 * checkpoint_all_peak(graph)), threads=1, time_limit=5)

@@ -417,7 +417,8 @@ def solve_approx_lp(
     Raises:
         InfeasibleBudgetError: the LP relaxation is infeasible (so is every schedule), or
             no rounded schedule fits; carries the smallest peak reached.
-        SolverError: no LP relaxation was solved within ``time_limit``.
+        SolverError: no LP relaxation was solved within ``time_limit``, or with a
+            ``time_limit`` the model would exceed 250k R columns.
     """
     began = time.perf_counter()
     if budget is None:
@@ -430,6 +431,12 @@ def solve_approx_lp(
     lower_bound = memory_lower_bound(graph)
     if budget_bytes < lower_bound:
         raise _infeasible(graph, budget_bytes, None, "approx_lp", "some node alone needs more while it runs")
+    if time_limit is not None and r_column_count(graph) > _MAX_R_COLUMNS:
+        raise SolverError(
+            f"the LP of this {graph.size}-node graph ({r_column_count(graph)} R columns) is too large to build "
+            f"within time_limit={time_limit}s; use strategy 'optimal' (it returns the best heuristic) or "
+            "time_limit=None"
+        )
     rng = np.random.default_rng(seed)
     best, best_cost, smallest_peak, lp_bound = None, None, None, None
     lp_seconds, num_vars, num_constraints = 0.0, 0, 0
