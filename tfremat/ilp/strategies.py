@@ -83,14 +83,15 @@ def _budget_bytes(graph: DFGraph, budget) -> int:
 
 
 def best_baseline(
-    graph: DFGraph, budget_bytes: int, fallback_seconds: float = 60.0
+    graph: DFGraph, budget_bytes: int, fallback_seconds: float = 60.0, fallback_deadline: float | None = None
 ) -> tuple[Schedule | None, int | None]:
     """The cheapest registered baseline schedule that fits, and the smallest peak any reached.
 
     Every registered strategy other than the solver-based ones runs at the budget; one
     that raises :class:`InfeasibleBudgetError` contributes the smallest peak it reached.
     ``repair``, slow on large graphs and beaten by ``eviction`` on training graphs, runs
-    only when nothing else fits, for at most ``fallback_seconds`` (0: never). Returns
+    only when nothing else fits, for at most ``fallback_seconds`` (0: never) and not past
+    ``fallback_deadline`` (a ``time.perf_counter()`` time) when one is given. Returns
     ``(None, smallest_peak)`` when none fits.
     """
     best, best_cost, smallest_peak = None, None, None
@@ -98,7 +99,14 @@ def best_baseline(
     for name in (*names, *_FALLBACK_STRATEGIES):
         if name in _FALLBACK_STRATEGIES and (best is not None or fallback_seconds <= 0):
             break
-        options = {"time_limit": fallback_seconds} if name in _FALLBACK_STRATEGIES else {}
+        options = {}
+        if name in _FALLBACK_STRATEGIES:
+            seconds = fallback_seconds
+            if fallback_deadline is not None:
+                seconds = min(seconds, fallback_deadline - time.perf_counter())
+            if seconds <= 0:
+                break
+            options = {"time_limit": seconds}
         try:
             schedule = get_strategy(name)(graph, budget_bytes, **options)
         except InfeasibleBudgetError as exc:
@@ -211,12 +219,17 @@ def solve_optimal(
     if budget_bytes < lower_bound:
         _, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0) if warm_start else (None, None)
         raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", "some node alone needs more while it runs")
-    fallback_seconds = 60.0 if time_limit is None else _FALLBACK_TIME_SHARE * time_limit
-    baseline, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds) if warm_start else (None, None)
+    # Without a model to solve, the fallback heuristic may use the whole time limit.
+    too_large = time_limit is not None and r_column_count(graph) > _MAX_R_COLUMNS
+    fallback_seconds = 60.0 if time_limit is None else time_limit if too_large else _FALLBACK_TIME_SHARE * time_limit
+    deadline = None if time_limit is None else began + time_limit
+    baseline, smallest_peak = (
+        best_baseline(graph, budget_bytes, fallback_seconds, deadline) if warm_start else (None, None)
+    )
     # The no-remat cost bounds every schedule's cost from below.
     if baseline is not None and baseline.cost(graph) * (1 - (mip_gap or 0.0)) <= graph.total_cost:
         return _baseline_result(graph, baseline, OPTIMAL, began, budget_bytes)
-    if time_limit is not None and r_column_count(graph) > _MAX_R_COLUMNS:
+    if too_large:
         if baseline is None:
             raise SolverError(
                 f"no heuristic fits {budget_bytes} bytes and the MILP of this {graph.size}-node graph "

@@ -32,7 +32,10 @@ from tfremat.plan.simulator import SimulationResult, simulate
 __all__ = ["repair"]
 
 # Candidate moves simulated per step, and the number of worst stages searched for them.
-_SIMULATED_MOVES = 12
+# 6 rather than 12: the 1000-node random graph at 80% costs 1.293x in 45 s instead of
+# 1.311x in 77 s (the best-ranked moves are the ones that matter; more time per step
+# leaves fewer steps).
+_SIMULATED_MOVES = 6
 _SEARCHED_STAGES = 4
 
 
