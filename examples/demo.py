@@ -30,7 +30,7 @@ from tfremat.plots import plot_memory_traces, plot_overhead_vs_budget  # noqa: E
 
 BUDGET = "50%"
 BATCH = 32
-STRATEGIES = ["checkpoint_all", "chen_sqrtn", "chen_greedy", "griewank_logn", "hong", "approx_lp", "optimal"]
+STRATEGIES = ["checkpoint_all", "chen_sqrtn", "chen_greedy", "griewank_logn", "hong", "eviction", "approx_lp", "optimal"]
 OUT = Path("out")
 
 
