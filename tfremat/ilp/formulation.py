@@ -59,7 +59,7 @@ from functools import reduce
 import numpy as np
 
 from tfremat.graph import DFGraph
-from tfremat.plan.schedule import Schedule
+from tfremat.plan.schedule import Schedule, prune_s, validate_schedule
 
 __all__ = ["CheckmateModel", "build_model", "memory_lower_bound", "last_descendants", "r_column_count"]
 
@@ -170,6 +170,16 @@ class CheckmateModel:
         mask = self.s_index >= 0
         S[mask] = x[self.s_index[mask]] > 0.5
         return R, S
+
+    def schedule(self, x: np.ndarray, strategy: str) -> Schedule:
+        """The valid schedule of a solution vector: rounded, with a value kept into a stage
+        not also recomputed there (a zero-cost node makes both optimal) and unread keeps
+        dropped. Memory only goes down."""
+        R, S = self.decode(x)
+        R &= ~np.tril(S, -1)
+        schedule = Schedule(R, prune_s(self.graph, R, S), strategy)
+        validate_schedule(self.graph, schedule)
+        return schedule
 
     def memory_while_running(self, x: np.ndarray) -> dict[tuple[int, int], float]:
         """The model's bytes while node k runs in stage t (``U + workspace``), for computed k."""
@@ -401,7 +411,7 @@ def build_model(graph: DFGraph, budget_bytes: float, *, peak_within_cost: float 
     u_keys = []
     for t in range(n):
         active = [k for k in range(t + 1) if r_index[t, k] >= 0]
-        previous = None
+        previous, k_prev = None, -1
         for k in active:
             u = b.column(0.0, 0.0, capacity, False)
             u_keys.append((t, k))

@@ -31,7 +31,7 @@ from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import build_model, memory_lower_bound
 from tfremat.ilp.solvers import DEFAULT_SOLVER, ProgressFn, solve_model
 from tfremat.plan.registry import get_strategy
-from tfremat.plan.schedule import Schedule, checkpoint_all_s, prune_s, schedule_from_keep_matrix, validate_schedule
+from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import simulate
 
 __all__ = ["MaxBatchResult", "max_batch_size", "min_peak_within_cost", "one_extra_forward_cap"]
@@ -209,10 +209,7 @@ def min_peak_within_cost(
     )
     best, best_peak = keep_all, reference
     if result.x is not None:
-        R, S = model.decode(result.x)
-        R &= ~np.tril(S, -1)
-        candidate = Schedule(R, prune_s(graph, R, S), "min_peak")
-        validate_schedule(graph, candidate)
+        candidate = model.schedule(result.x, "min_peak")
         peak = simulate(graph, candidate).peak_bytes
         if peak < best_peak and candidate.cost(graph) <= max_cost * (1 + 1e-9):
             best, best_peak = candidate, peak

@@ -40,7 +40,7 @@ from tfremat.ilp.solvers import (
     solve_model,
 )
 from tfremat.plan.registry import get_strategy, register, strategy_names
-from tfremat.plan.schedule import Schedule, checkpoint_all_s, prune_s, schedule_from_keep_matrix, validate_schedule
+from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import simulate
 
 __all__ = ["solve_optimal", "solve_approx_lp", "best_baseline"]
@@ -121,17 +121,6 @@ def best_baseline(
         if best is None or cost < best_cost:
             best, best_cost = schedule, cost
     return best, smallest_peak
-
-
-def _finish(graph: DFGraph, R: np.ndarray, S: np.ndarray, strategy: str) -> Schedule:
-    """Cleans solver output into a valid schedule: a value kept into a stage is not also
-    recomputed there (a zero-cost node makes both optimal), and unread keeps are dropped.
-    Memory only goes down."""
-    R = R & ~np.tril(S, -1)
-    S = prune_s(graph, R, S)
-    schedule = Schedule(R, S, strategy)
-    validate_schedule(graph, schedule)
-    return schedule
 
 
 def _infeasible(graph, budget_bytes, smallest_peak, strategy, detail) -> InfeasibleBudgetError:
@@ -261,7 +250,7 @@ def solve_optimal(
         raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", f"{result.solver} proved no schedule fits")
     candidates = []
     if result.x is not None:
-        candidates.append(_finish(graph, *model.decode(result.x), "optimal"))
+        candidates.append(model.schedule(result.x, "optimal"))
     if baseline is not None:
         candidates.append(Schedule(baseline.R, baseline.S, "optimal"))
     if not candidates:
@@ -323,14 +312,9 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
     incumbent = baseline
     if lp.x is not None:
         rng = np.random.default_rng(seed)
-        for S in _round_candidates(model, lp.x, _LARGE_ROUNDING_SAMPLES, rng):
-            if time.perf_counter() > deadline:
-                break
-            candidate = schedule_from_keep_matrix(graph, S, "optimal")
-            if simulate(graph, candidate).peak_bytes <= budget_bytes and (
-                incumbent is None or candidate.cost(graph) < incumbent.cost(graph)
-            ):
-                incumbent = candidate
+        rounded, _ = _cheapest_rounding(model, lp.x, _LARGE_ROUNDING_SAMPLES, rng, "optimal", deadline)
+        if rounded is not None and (incumbent is None or rounded.cost(graph) < incumbent.cost(graph)):
+            incumbent = rounded
     if incumbent is None:
         raise SolverError(
             f"no schedule fits {budget_bytes} bytes: no baseline does, and the LP rounding found none within "
@@ -374,6 +358,27 @@ def _cheaper_lp_rounding(graph, budget_bytes, baseline, solver, time_limit, bega
     if baseline is None or rounded.cost(graph) < baseline.cost(graph):
         return Schedule(rounded.R, rounded.S, "approx_lp")
     return baseline
+
+
+def _cheapest_rounding(
+    model: CheckmateModel, x: np.ndarray, num_samples: int, rng: np.random.Generator, strategy: str,
+    deadline: float | None = None,
+) -> tuple[Schedule | None, int]:
+    """The cheapest rounding of the LP point ``x`` (completed by solve R given S) whose
+    simulated peak fits the model's budget, or None, and the smallest peak of any rounding.
+    Stops at ``deadline`` (a ``time.perf_counter()`` time) after the first rounding."""
+    graph, budget_bytes = model.graph, model.budget_bytes
+    best, best_cost, smallest_peak = None, None, None
+    for S in _round_candidates(model, x, num_samples, rng):
+        schedule = schedule_from_keep_matrix(graph, S, strategy)
+        peak = simulate(graph, schedule).peak_bytes
+        smallest_peak = peak if smallest_peak is None else min(smallest_peak, peak)
+        cost = schedule.cost(graph)
+        if peak <= budget_bytes and (best is None or cost < best_cost):
+            best, best_cost = schedule, cost
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+    return best, smallest_peak
 
 
 def _round_candidates(model: CheckmateModel, x: np.ndarray, num_samples: int, rng: np.random.Generator):
@@ -470,14 +475,10 @@ def solve_approx_lp(
             lp_bound = max(graph.total_cost, result.best_bound or 0.0)
         if result.x is None:
             continue
-        for S in _round_candidates(model, result.x, num_samples, rng):
-            schedule = schedule_from_keep_matrix(graph, S, "approx_lp")
-            peak = simulate(graph, schedule).peak_bytes
-            smallest_peak = peak if smallest_peak is None else min(smallest_peak, peak)
-            cost = schedule.cost(graph)
-            if peak <= budget_bytes and (best is None or cost < best_cost):
-                best, best_cost = schedule, cost
+        best, peak = _cheapest_rounding(model, result.x, num_samples, rng, "approx_lp")
+        smallest_peak = peak if smallest_peak is None else min(smallest_peak, peak)
         if best is not None:
+            best_cost = best.cost(graph)
             break
     if best is None and smallest_peak is None:
         raise SolverError(f"{solver} solved no LP relaxation within time_limit={time_limit}s; raise time_limit")

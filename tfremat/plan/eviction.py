@@ -176,26 +176,26 @@ def _all_candidates(graph: DFGraph, capacity: int, budget: int | None):
     others are not tried: they refine a schedule, they have not rescued a graph (on the
     random layered graphs all three thrash, which took 10 s for 500 nodes)."""
     first, *others = _WORTH_EXPONENTS
-    fitted = False
-    for schedule in _candidates(graph, capacity, budget, first):
-        fitted = fitted or budget is None or simulate(graph, schedule).peak_bytes <= budget
-        yield schedule
-    if fitted:
+    if (yield from _candidates(graph, capacity, budget, first)):
         for exponents in others:
             yield from _candidates(graph, capacity, budget, exponents)
 
 
 def _candidates(graph: DFGraph, capacity: int, budget: int | None, exponents: tuple[float, float]):
     """Schedules under tighter and tighter limits; a tighter limit costs more, so the
-    sweep ends one limit after the first schedule that fits, or when a run thrashes."""
+    sweep ends one limit after the first schedule that fits, or when a run thrashes.
+    Returns (to ``yield from``) whether some schedule fits the budget."""
     fitted = 0
     for fraction in _LIMITS:
         S = eviction_keep_matrix(graph, fraction * capacity, exponents)
         if S is None:
-            return
+            break
         schedule = schedule_from_keep_matrix(graph, S, "eviction")
         yield schedule
-        if budget is not None:
+        if budget is None:
+            fitted = 1
+        else:
             fitted += bool(fitted) or simulate(graph, schedule).peak_bytes <= budget
             if fitted >= 2:
-                return
+                break
+    return fitted > 0
