@@ -231,6 +231,15 @@ def test_relative_budget_refers_to_checkpoint_all_peak():
     assert schedule.facts["budget_bytes"] == int(0.8 * checkpoint_all_peak(graph))
 
 
+def test_highs_runs_with_another_thread_count_later_in_the_process():
+    """HiGHS fixes its task scheduler's size on the first run; a later run with another
+    ``threads`` used to stop at once without a solution."""
+    graph = random_dag(10, 1)
+    model = build_model(graph, int(0.8 * checkpoint_all_peak(graph)))
+    statuses = {solve_model(model, threads=threads).status for threads in (None, 2, 1, None)}
+    assert len(statuses) == 1 and statuses != {"no_solution"}
+
+
 def test_unknown_solver_and_bad_options():
     graph = training_chain(3)
     budget = memory_lower_bound(graph) + 4

@@ -38,6 +38,9 @@ OPTIMAL, FEASIBLE, TIME_LIMIT, INFEASIBLE, NO_SOLUTION = "optimal", "feasible", 
 _LP_METHODS = ("simplex", "pdlp")
 _GUROBI_SIZE_LIMIT_ERRNO = 10010
 _GUROBI_NO_LICENSE_ERRNOS = (10009, 10010)
+# The thread count HiGHS's process-wide scheduler was last started with ("unset" before
+# the first run).
+_highs_scheduler_threads: int | None | str = "unset"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +238,14 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
             solution.col_value = list(map(float, start))
             solution.value_valid = True
             h.setSolution(solution)
-    h.run()
+    global _highs_scheduler_threads
+    if threads != _highs_scheduler_threads:
+        # HiGHS sizes a process-wide task scheduler on its first run and refuses (without a
+        # solution) a later run asking for another thread count unless it is reset.
+        highspy.Highs.resetGlobalScheduler(True)
+        _highs_scheduler_threads = threads
+    if h.run() == highspy.HighsStatus.kError:
+        raise SolverError(f"HiGHS could not run the model: {h.modelStatusToString(h.getModelStatus())}")
     seconds = time.perf_counter() - began
 
     status = h.getModelStatus()

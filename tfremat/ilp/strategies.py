@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 
 _OWN_STRATEGIES = ("optimal", "approx_lp")
 _FALLBACK_STRATEGIES = ("repair",)
+# Heuristics that take a time limit (best_baseline's fallback_seconds), and those of them
+# that also take solver threads.
+_TIMED_STRATEGIES = ("intervals", "repair")
+_THREADED_STRATEGIES = ("intervals",)
 # Share of time_limit that repair may use when no other heuristic fits.
 _FALLBACK_TIME_SHARE = 0.5
 # Least time given to the solver when the baselines and the model build used up time_limit.
@@ -83,30 +87,37 @@ def _budget_bytes(graph: DFGraph, budget) -> int:
 
 
 def best_baseline(
-    graph: DFGraph, budget_bytes: int, fallback_seconds: float = 60.0, fallback_deadline: float | None = None
+    graph: DFGraph,
+    budget_bytes: int,
+    fallback_seconds: float = 60.0,
+    fallback_deadline: float | None = None,
+    threads: int | None = None,
 ) -> tuple[Schedule | None, int | None]:
     """The cheapest registered baseline schedule that fits, and the smallest peak any reached.
 
     Every registered strategy other than the solver-based ones runs at the budget; one
     that raises :class:`InfeasibleBudgetError` contributes the smallest peak it reached.
+    ``intervals`` (a small MILP, on ``threads``) gets at most ``fallback_seconds``.
     ``repair``, slow on large graphs and beaten by ``eviction`` on training graphs, runs
-    only when nothing else fits, for at most ``fallback_seconds`` (0: never) and not past
-    ``fallback_deadline`` (a ``time.perf_counter()`` time) when one is given. Returns
-    ``(None, smallest_peak)`` when none fits.
+    only when nothing else fits, for at most ``fallback_seconds`` (0: never). Neither
+    runs past ``fallback_deadline`` (a ``time.perf_counter()`` time) when one is given.
+    Returns ``(None, smallest_peak)`` when none fits.
     """
     best, best_cost, smallest_peak = None, None, None
     names = [name for name in strategy_names() if name not in _OWN_STRATEGIES and name not in _FALLBACK_STRATEGIES]
     for name in (*names, *_FALLBACK_STRATEGIES):
-        if name in _FALLBACK_STRATEGIES and (best is not None or fallback_seconds <= 0):
+        if name in _FALLBACK_STRATEGIES and best is not None:
             break
         options = {}
-        if name in _FALLBACK_STRATEGIES:
+        if name in _TIMED_STRATEGIES:
             seconds = fallback_seconds
             if fallback_deadline is not None:
                 seconds = min(seconds, fallback_deadline - time.perf_counter())
             if seconds <= 0:
-                break
+                continue
             options = {"time_limit": seconds}
+            if name in _THREADED_STRATEGIES:
+                options["threads"] = threads
         try:
             schedule = get_strategy(name)(graph, budget_bytes, **options)
         except InfeasibleBudgetError as exc:
@@ -213,7 +224,7 @@ def solve_optimal(
     fallback_seconds = 60.0 if time_limit is None else time_limit if too_large else _FALLBACK_TIME_SHARE * time_limit
     deadline = None if time_limit is None else began + time_limit
     baseline, smallest_peak = (
-        best_baseline(graph, budget_bytes, fallback_seconds, deadline) if warm_start else (None, None)
+        best_baseline(graph, budget_bytes, fallback_seconds, deadline, threads) if warm_start else (None, None)
     )
     # The no-remat cost bounds every schedule's cost from below.
     if baseline is not None and baseline.cost(graph) * (1 - (mip_gap or 0.0)) <= graph.total_cost:

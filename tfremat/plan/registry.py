@@ -16,7 +16,13 @@ __all__ = ["register", "get_strategy", "strategy_names", "StrategyFn"]
 
 StrategyFn = Callable[..., "object"]
 
-_STRATEGY_MODULES = ("tfremat.plan.baselines", "tfremat.plan.eviction", "tfremat.plan.repair", "tfremat.ilp.strategies")
+_STRATEGY_MODULES = (
+    "tfremat.plan.baselines",
+    "tfremat.plan.eviction",
+    "tfremat.plan.repair",
+    "tfremat.ilp.intervals",
+    "tfremat.ilp.strategies",
+)
 _REGISTRY: dict[str, StrategyFn] = {}
 _loaded = False
 

@@ -27,7 +27,7 @@ from tfremat.errors import InfeasibleBudgetError
 from tfremat.graph import DFGraph
 from tfremat.plan.registry import register
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
-from tfremat.plan.simulator import SimulationResult, simulate
+from tfremat.plan.simulator import SimulationResult, simulate, stage_peaks
 
 __all__ = ["repair"]
 
@@ -39,16 +39,9 @@ _SIMULATED_MOVES = 6
 _SEARCHED_STAGES = 4
 
 
-def _stage_peaks(graph: DFGraph, result: SimulationResult) -> np.ndarray:
-    stages = np.fromiter((s.stage for s in result.plan.statements), dtype=np.int64, count=len(result.plan.statements))
-    peaks = np.zeros(graph.size)
-    np.maximum.at(peaks, stages, result.trace_bytes)
-    return peaks
-
-
 def _excess(graph: DFGraph, result: SimulationResult, budget: int) -> float:
     """Bytes above the budget, summed over the stages' peaks."""
-    return float(np.maximum(_stage_peaks(graph, result) - budget, 0).sum())
+    return float(np.maximum(stage_peaks(result, graph.size) - budget, 0).sum())
 
 
 def _read_matrix(graph: DFGraph, R: np.ndarray) -> np.ndarray:
@@ -121,7 +114,7 @@ def repair(graph: DFGraph, budget: int | None = None, *, time_limit: float = 60.
         if time.perf_counter() - began > time_limit:
             raise InfeasibleBudgetError(budget, min_feasible_bytes=smallest_peak, strategy="repair",
                                         detail=f"time_limit={time_limit}s ran out")
-        peaks = _stage_peaks(graph, result)
+        peaks = stage_peaks(result, graph.size)
         excess = float(np.maximum(peaks - budget, 0).sum())
         read = _read_matrix(graph, schedule.R)
         best = None

@@ -25,7 +25,7 @@ from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op, build_plan
 from tfremat.plan.schedule import Schedule
 
-__all__ = ["SimulationResult", "simulate"]
+__all__ = ["SimulationResult", "simulate", "stage_peaks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,3 +88,13 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
         trace[index] = current
     trace.setflags(write=False)
     return SimulationResult(int(peak), total_cost, recomputes, trace, peak_at, plan)
+
+
+def stage_peaks(result: SimulationResult, num_stages: int) -> np.ndarray:
+    """The largest memory during each stage of a simulated plan (0 for a stage without
+    statements)."""
+    statements = result.plan.statements
+    stages = np.fromiter((s.stage for s in statements), dtype=np.int64, count=len(statements))
+    peaks = np.zeros(num_stages)
+    np.maximum.at(peaks, stages, result.trace_bytes)
+    return peaks
