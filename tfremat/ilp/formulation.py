@@ -318,9 +318,7 @@ class SparseBuilder:
         return start, rows[order], vals[order]
 
 
-def build_model(
-    graph: DFGraph, budget_bytes: float, *, peak_within_cost: float | None = None, allowed: np.ndarray | None = None
-) -> CheckmateModel:
+def build_model(graph: DFGraph, budget_bytes: float, *, peak_within_cost: float | None = None) -> CheckmateModel:
     """Builds Checkmate's MILP for ``graph`` under ``budget_bytes`` (see the module doc).
 
     Args:
@@ -330,9 +328,6 @@ def build_model(
             ``peak`` above every ``U + workspace``) subject to a total compute cost of
             at most this value; ``budget_bytes`` stays an upper bound on memory.
             Checkmate's batch-size maximization (sec. 6.3) solves this model.
-        allowed: an (n, n) boolean mask of the computations ``R[t, i]`` the model may
-            use (the frontier ``R[t, t]`` always); None allows all. A restricted model's
-            optimum is a feasible schedule but no longer a lower bound on the full one.
 
     Returns:
         The model. Its objective, times ``cost_scale``, is the total compute cost of the
@@ -358,24 +353,14 @@ def build_model(
 
     r_index = np.full((n, n), -1, dtype=np.int64)
     s_index = np.full((n, n), -1, dtype=np.int64)
-    if allowed is None:
-        allowed = np.ones((n, n), dtype=bool)
-    stages = np.arange(n)[:, None]
-    computable = (np.tril(allowed) & (stages <= last[None, :])) | np.eye(n, dtype=bool)
-    # The last stage that can read value i: keeping it longer is in vain.
-    last_computed = np.where(computable.any(axis=0), n - 1 - np.argmax(computable[::-1], axis=0), -1)
-    last_read = np.full(n, -1)
-    for i in range(n):
-        for k in succ[i]:
-            last_read[i] = max(last_read[i], last_computed[k])
     for t in range(n):
         for i in range(t + 1):
-            if computable[t, i]:
+            if t <= last[i]:
                 fixed = 1.0 if i == t else 0.0
                 objective = 0.0 if peak_within_cost is not None else graph.cost[i] / cost_scale
                 r_index[t, i] = b.column(objective, fixed, 1.0, True)
         for i in range(t):
-            if t <= last_read[i]:
+            if succ[i] and t <= last[i]:
                 s_index[t, i] = b.column(0.0, 0.0, 1.0, True)
 
     def s_col(t: int, i: int) -> int:
@@ -387,14 +372,12 @@ def build_model(
             if rk < 0:
                 continue
             for i in pred[k]:
-                terms = [(rk, 1.0)]
-                if r_index[t, i] >= 0:
-                    terms.append((r_index[t, i], -1.0))
+                terms = [(rk, 1.0), (r_index[t, i], -1.0)]
                 if s_index[t, i] >= 0:
                     terms.append((s_index[t, i], -1.0))
                 b.row(terms, -inf, 0.0)
         for i in range(t):
-            if s_index[t, i] >= 0 and r_index[t, i] >= 0:
+            if s_index[t, i] >= 0:
                 b.row([(s_index[t, i], 1.0), (r_index[t, i], 1.0)], -inf, 1.0)
 
     free_start = len(b.cost)
@@ -402,7 +385,7 @@ def build_model(
     frees_after: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for t in range(n):
         for i in range(t):
-            if r_index[t, i] < 0 and s_index[t, i] < 0:
+            if r_index[t, i] < 0:
                 continue
             keep_next = s_col(t + 1, i)
             outcomes = [(keep_next, 1.0)] if keep_next >= 0 else []
@@ -419,7 +402,7 @@ def build_model(
                 frees_after.setdefault((t, k), []).append((col, i))
                 if k < t:
                     b.row([(col, 1.0), (r_index[t, k], -1.0)], -inf, 0.0)
-            resident = [(r_index[t, i], -1.0)] if r_index[t, i] >= 0 else []
+            resident = [(r_index[t, i], -1.0)]
             if s_index[t, i] >= 0:
                 resident.append((s_index[t, i], -1.0))
             b.row([*outcomes, *resident], 0.0, 0.0)
