@@ -285,6 +285,25 @@ def test_gurobi_agrees_with_highs_on_a_small_model():
     assert gurobi.facts["solver"] == "gurobi"
 
 
+def test_approx_lp_keeps_roundings_that_fit_the_budget_not_the_allowance():
+    """The LP is solved under a smaller allowance so that its roundings fit the budget; a
+    rounding above the allowance but within the budget is a valid answer (a review once
+    checked roundings against the allowance, and approx_lp failed where it had worked)."""
+    above_allowance = 0
+    for seed in range(10):
+        graph = random_dag(14, seed)
+        budget = int(0.85 * checkpoint_all_peak(graph))
+        if budget < memory_lower_bound(graph):
+            continue
+        try:
+            schedule = solve_approx_lp(graph, budget, allowances=(0.7,))
+        except InfeasibleBudgetError:
+            continue  # no rounding fits
+        assert peak(graph, schedule) <= budget
+        above_allowance += peak(graph, schedule) > 0.7 * budget
+    assert above_allowance >= 4
+
+
 def test_approx_lp_infeasible_budget_raises():
     graph = training_chain(4)
     with pytest.raises(InfeasibleBudgetError) as info:

@@ -323,8 +323,9 @@ def deep_resnet(input_shape=(48, 48, 3), channels=8, blocks=12, classes=10, seed
 # The memory test's 10% tolerance was validated on schedules of Checkmate's baselines.
 # Schedules of the later eviction/repair strategies measured 0.95x to 1.12x their
 # prediction on this model at 60% in different processes (the same schedule), so they
-# would make the test flaky; the spread is an open question of the executor.
-_NOT_VALIDATED_FOR_MEMORY = ("eviction", "repair")
+# would make the test flaky; the spread is an open question of the executor. intervals
+# came later still and was not measured here.
+_NOT_VALIDATED_FOR_MEMORY = ("eviction", "repair", "intervals")
 
 
 def _cheapest_fitting(graph, budget):
