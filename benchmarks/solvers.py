@@ -150,7 +150,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--case-limit", type=float, default=None, help="hard wall limit per case (default time limit + 90)")
     parser.add_argument("--sweep", type=int, default=1, help="budgets between 1.1x min and 80%%")
-    parser.add_argument("--max-columns", type=int, default=400_000)
+    parser.add_argument("--max-columns", type=int, default=1_000_000)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "solvers.md")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -61,7 +61,7 @@ import numpy as np
 from tfremat.graph import DFGraph
 from tfremat.plan.schedule import Schedule, prune_s, validate_schedule
 
-__all__ = ["CheckmateModel", "build_model", "memory_lower_bound", "last_descendants", "r_column_count"]
+__all__ = ["SparseMILP", "CheckmateModel", "build_model", "memory_lower_bound", "last_descendants", "r_column_count"]
 
 _MAX_EXACT_UNITS = 1e3
 _SCALED_MARGIN = 1e-6
@@ -104,13 +104,11 @@ def memory_lower_bound(graph: DFGraph) -> int:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class CheckmateModel:
-    """A built MILP in column-wise sparse form plus the maps back to the schedule.
+class SparseMILP:
+    """A MILP in column-wise sparse form, as the solver backends take it.
 
     Attributes:
-        graph: the graph.
-        budget_bytes: the memory budget the model was built for.
-        scale: bytes per memory unit in the model.
+        graph: the graph it schedules.
         cost_scale: graph cost (bytes, when minimizing the peak) per objective unit; the
             solver backends scale back, so objectives and bounds they report are in the
             graph's cost unit (in bytes).
@@ -119,19 +117,9 @@ class CheckmateModel:
         integer: True for binary columns.
         col_start, row_index, value: the constraint matrix, compressed sparse columns.
         row_lower, row_upper: row bounds (``-inf``/``inf`` where open).
-        r_index, s_index: (n, n) int arrays, the column of ``R[t, i]`` / ``S[t, i]``, -1
-            where the variable is not built (fixed to 0).
-        free_keys: ``(t, i, k)`` of every FREE column, in column order from ``free_start``.
-        u_keys: ``(t, k)`` of every U column, in column order from ``u_start``.
-        capacity: the budget less the fixed bytes in model units, as the rows use it.
-        budget_units: the budget less the fixed bytes in model units, before the safety
-            margin (what :meth:`dual_bound` bounds against).
-        peak_column: the column of the peak when the model minimizes it, else -1.
     """
 
     graph: DFGraph
-    budget_bytes: float
-    scale: float
     cost_scale: float
     cost: np.ndarray
     lower: np.ndarray
@@ -142,6 +130,35 @@ class CheckmateModel:
     value: np.ndarray
     row_lower: np.ndarray
     row_upper: np.ndarray
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.cost)
+
+    @property
+    def num_constraints(self) -> int:
+        return len(self.row_lower)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CheckmateModel(SparseMILP):
+    """Checkmate's MILP (a :class:`SparseMILP`) plus the maps back to the schedule.
+
+    Attributes:
+        budget_bytes: the memory budget the model was built for.
+        scale: bytes per memory unit in the model.
+        r_index, s_index: (n, n) int arrays, the column of ``R[t, i]`` / ``S[t, i]``, -1
+            where the variable is not built (fixed to 0).
+        free_keys: ``(t, i, k)`` of every FREE column, in column order from ``free_start``.
+        u_keys: ``(t, k)`` of every U column, in column order from ``u_start``.
+        capacity: the budget less the fixed bytes in model units, as the rows use it.
+        budget_units: the budget less the fixed bytes in model units, before the safety
+            margin (what :meth:`dual_bound` bounds against).
+        peak_column: the column of the peak when the model minimizes it, else -1.
+    """
+
+    budget_bytes: float
+    scale: float
     r_index: np.ndarray
     s_index: np.ndarray
     free_keys: tuple
@@ -151,14 +168,6 @@ class CheckmateModel:
     capacity: float
     budget_units: float
     peak_column: int
-
-    @property
-    def num_vars(self) -> int:
-        return len(self.cost)
-
-    @property
-    def num_constraints(self) -> int:
-        return len(self.row_lower)
 
     def decode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rounds a solution vector to boolean ``(R, S)``."""

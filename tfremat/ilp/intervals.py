@@ -43,7 +43,7 @@ import numpy as np
 
 from tfremat.errors import InfeasibleBudgetError
 from tfremat.graph import DFGraph
-from tfremat.ilp.formulation import SparseBuilder
+from tfremat.ilp.formulation import SparseBuilder, SparseMILP
 from tfremat.ilp.solvers import DEFAULT_SOLVER, INFEASIBLE, solve_model
 from tfremat.plan.registry import register
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
@@ -56,41 +56,19 @@ _ROUNDS = 3
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class IntervalModel:
-    """The interval MILP in the solver backends' column-wise sparse form.
+class IntervalModel(SparseMILP):
+    """The interval MILP (a :class:`~tfremat.ilp.formulation.SparseMILP`) plus the maps
+    back to the keep matrix.
 
     Attributes:
-        graph: the graph.
-        cost_scale: graph cost per objective unit.
-        cost, lower, upper, integer, col_start, row_index, value, row_lower, row_upper:
-            as in :class:`~tfremat.ilp.formulation.CheckmateModel`.
         drops: ``(value, a, c, column)`` for every drop column: value dropped after
             stage a and recomputed in stage c.
         kept_inputs: ``(value, stage, column)`` for every column keeping a value into a
             stage after its last reader.
     """
 
-    graph: DFGraph
-    cost_scale: float
-    cost: np.ndarray
-    lower: np.ndarray
-    upper: np.ndarray
-    integer: np.ndarray
-    col_start: np.ndarray
-    row_index: np.ndarray
-    value: np.ndarray
-    row_lower: np.ndarray
-    row_upper: np.ndarray
     drops: tuple
     kept_inputs: tuple
-
-    @property
-    def num_vars(self) -> int:
-        return len(self.cost)
-
-    @property
-    def num_constraints(self) -> int:
-        return len(self.row_lower)
 
     def keep_matrix(self, x: np.ndarray) -> np.ndarray:
         """The checkpoint-all keep matrix with the chosen drops and kept inputs applied."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from tfremat.errors import SolverError, SolverLicenseError, SolverUnavailableError
-from tfremat.ilp.formulation import CheckmateModel
+from tfremat.ilp.formulation import CheckmateModel, SparseMILP
 
 __all__ = ["SOLVERS", "DEFAULT_SOLVER", "SolveResult", "Progress", "solve_model"]
 
@@ -95,7 +95,7 @@ def _relative_gap(objective: float | None, bound: float | None) -> float | None:
 
 
 def solve_model(
-    model: CheckmateModel,
+    model: SparseMILP,
     *,
     solver: str = DEFAULT_SOLVER,
     relax: bool = False,
@@ -110,7 +110,7 @@ def solve_model(
     """Solves ``model`` (or its LP relaxation) with the named backend.
 
     Args:
-        model: the built MILP.
+        model: the built MILP (Checkmate's, or another in the same sparse form).
         solver: ``"highs"`` (default) or ``"gurobi"``.
         relax: solve the LP relaxation (every binary in [0, 1]) instead of the MILP.
         time_limit: wall-clock seconds, or None for no limit.
@@ -141,6 +141,8 @@ def solve_model(
         raise SolverError(f"threads must be a positive int or None, got {threads!r}")
     if lp_method not in _LP_METHODS:
         raise SolverError(f"lp_method must be one of {', '.join(_LP_METHODS)}, got {lp_method!r}")
+    if lp_method == "pdlp" and not isinstance(model, CheckmateModel):
+        raise SolverError("lp_method='pdlp' bounds only Checkmate's model (CheckmateModel.dual_bound)")
     if lp_method == "pdlp" and solver != "highs":
         raise SolverError(f"lp_method='pdlp' needs solver='highs' (got {solver!r}); use lp_method='simplex'")
     backend = _solve_highs if solver == "highs" else _solve_gurobi
