@@ -400,8 +400,12 @@ def test_model_too_large_for_the_time_limit_returns_the_best_heuristic(monkeypat
     graph = random_training_graph(3, 8)
     budget = int(0.8 * checkpoint_all_peak(graph))
     monkeypatch.setattr(strategies, "_MAX_R_COLUMNS", 0)
-    schedule = solve_optimal(graph, budget, threads=1, time_limit=10)
+    reports = []
+    schedule = solve_optimal(graph, budget, threads=1, time_limit=10, progress=reports.append)
     assert schedule.facts["num_vars"] == 0 and schedule.facts["solver"] is None
+    # The heuristics' improvements were reported although no solver ran.
+    assert reports and reports[-1].incumbent == pytest.approx(schedule.cost(graph))
+    assert all(r.bound == pytest.approx(graph.total_cost) for r in reports)
     assert schedule.facts["best_bound"] == pytest.approx(min(graph.total_cost, schedule.cost(graph)))
     assert simulate(graph, schedule).peak_bytes <= budget
     if schedule.cost(graph) > graph.total_cost:

@@ -96,6 +96,7 @@ def best_baseline(
     fallback_seconds: float = 60.0,
     fallback_deadline: float | None = None,
     threads: int | None = None,
+    progress: ProgressFn | None = None,
 ) -> tuple[Schedule | None, int | None]:
     """The cheapest registered baseline schedule that fits, and the smallest peak any reached.
 
@@ -105,9 +106,12 @@ def best_baseline(
     ``repair``, slow on large graphs and beaten by ``eviction`` on training graphs, runs
     last: for at most ``fallback_seconds`` when nothing else fits, for a fifth of that
     otherwise (0: never). Neither runs past ``fallback_deadline`` (a
-    ``time.perf_counter()`` time) when one is given. Returns ``(None, smallest_peak)``
-    when none fits.
+    ``time.perf_counter()`` time) when one is given. Each new cheapest schedule is
+    reported to ``progress`` (incumbent and the no-remat bound; logged at INFO too), so
+    minutes of heuristics on a large graph are not silent. Returns ``(None,
+    smallest_peak)`` when none fits.
     """
+    began = time.perf_counter()
     best, best_cost, smallest_peak = None, None, None
     names = [name for name in strategy_names() if name not in _OWN_STRATEGIES and name not in _FALLBACK_STRATEGIES]
     for name in (*names, *_FALLBACK_STRATEGIES):
@@ -138,6 +142,7 @@ def best_baseline(
         cost = schedule.cost(graph)
         if best is None or cost < best_cost:
             best, best_cost = schedule, cost
+            _report(progress, began, cost, graph.total_cost)
     return best, smallest_peak
 
 
@@ -230,9 +235,9 @@ def solve_optimal(
     too_large = time_limit is not None and r_column_count(graph) > _MAX_R_COLUMNS
     fallback_seconds = 60.0 if time_limit is None else time_limit if too_large else _FALLBACK_TIME_SHARE * time_limit
     deadline = None if time_limit is None else began + time_limit
-    baseline, smallest_peak = (
-        best_baseline(graph, budget_bytes, fallback_seconds, deadline, threads) if warm_start else (None, None)
-    )
+    baseline, smallest_peak = (None, None)
+    if warm_start:
+        baseline, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds, deadline, threads, progress)
     # The no-remat cost bounds every schedule's cost from below.
     if baseline is not None and baseline.cost(graph) * (1 - (mip_gap or 0.0)) <= graph.total_cost:
         return _baseline_result(graph, baseline, OPTIMAL, began, budget_bytes)
