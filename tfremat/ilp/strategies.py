@@ -49,10 +49,10 @@ logger = logging.getLogger(__name__)
 
 _OWN_STRATEGIES = ("optimal", "approx_lp")
 _FALLBACK_STRATEGIES = ("repair",)
-# Share of the fallback's seconds that repair gets when another heuristic already fits:
-# enough for the 250-node random graph at 80% (1.5 s; 1.072x where intervals gives
-# 1.083x), far less than the minutes it spends on the 500- and 1000-node graphs.
-_COMPETING_SHARE = 0.2
+# Seconds repair gets when another heuristic already fits: enough for the 250-node random
+# graph at 80% (1.5 s; 1.072x where intervals gives 1.083x), far less than the minutes it
+# spends, and loses, on the 500- and 1000-node graphs.
+_COMPETING_SECONDS = 6.0
 # Heuristics that take a time limit (best_baseline's fallback_seconds), and those of them
 # that also take solver threads.
 _TIMED_STRATEGIES = ("intervals", "repair")
@@ -104,8 +104,8 @@ def best_baseline(
     that raises :class:`InfeasibleBudgetError` contributes the smallest peak it reached.
     ``intervals`` (a small MILP, on ``threads``) gets at most ``fallback_seconds``.
     ``repair``, slow on large graphs and beaten by ``eviction`` on training graphs, runs
-    last: for at most ``fallback_seconds`` when nothing else fits, for a fifth of that
-    otherwise (0: never). Neither runs past ``fallback_deadline`` (a
+    last: for at most ``fallback_seconds`` when nothing else fits, for at most 6 s
+    otherwise (``fallback_seconds`` 0: never). Neither runs past ``fallback_deadline`` (a
     ``time.perf_counter()`` time) when one is given. Each new cheapest schedule is
     reported to ``progress`` (incumbent and the no-remat bound; logged at INFO too), so
     minutes of heuristics on a large graph are not silent. Returns ``(None,
@@ -121,7 +121,7 @@ def best_baseline(
         if name in _TIMED_STRATEGIES:
             seconds = fallback_seconds
             if name in _FALLBACK_STRATEGIES and best is not None:
-                seconds *= _COMPETING_SHARE
+                seconds = min(seconds, _COMPETING_SECONDS)
             if fallback_deadline is not None:
                 seconds = min(seconds, fallback_deadline - time.perf_counter())
             if seconds <= 0:
