@@ -18,6 +18,7 @@ schedule fits). A proven-infeasible budget raises
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 
@@ -53,16 +54,12 @@ _FALLBACK_STRATEGIES = ("repair",)
 # graph at 80% (1.5 s; 1.072x where intervals gives 1.083x), far less than the minutes it
 # spends, and loses, on the 500- and 1000-node graphs.
 _COMPETING_SECONDS = 6.0
-# Heuristics that take a time limit (best_baseline's fallback_seconds), and those of them
-# that also take solver threads.
-_TIMED_STRATEGIES = ("intervals", "repair")
-_THREADED_STRATEGIES = ("intervals",)
 # Share of time_limit that repair may use when no other heuristic fits.
 _FALLBACK_TIME_SHARE = 0.5
 # Least time given to the solver when the baselines and the model build used up time_limit.
 _MIN_SOLVE_SECONDS = 1.0
-# Models with more columns are solved by LP bound plus window search when a time limit
-# is set (MobileNet's 77k-column MILP is proven optimal in 37 s at 80%; ResNet50's
+# Models with more columns get a PDLP bound plus LP rounding instead of the whole MILP
+# when a time limit is set (MobileNet's 77k-column MILP is proven optimal in 37 s at 80%; ResNet50's
 # 287k-column LP alone takes 87-170 s with the dual simplex).
 _FULL_MILP_COLUMNS = 100_000
 # Graphs with more R columns are not modelled at all when a time limit is set: the
@@ -102,8 +99,8 @@ def best_baseline(
 
     Every registered strategy other than the solver-based ones runs at the budget; one
     that raises :class:`InfeasibleBudgetError` contributes the smallest peak it reached.
-    ``intervals`` (a small MILP, on ``threads``) gets at most ``fallback_seconds``.
-    ``repair``, slow on large graphs and beaten by ``eviction`` on training graphs, runs
+    Heuristics that take a ``time_limit`` (``intervals``, a small MILP, also takes
+    ``threads``) get at most ``fallback_seconds``. ``repair``, slow on large graphs and beaten by ``eviction`` on training graphs, runs
     last: for at most ``fallback_seconds`` when nothing else fits, for at most 6 s
     otherwise (``fallback_seconds`` 0: never). Neither runs past ``fallback_deadline`` (a
     ``time.perf_counter()`` time) when one is given. Each new cheapest schedule is
@@ -117,8 +114,10 @@ def best_baseline(
     for name in (*names, *_FALLBACK_STRATEGIES):
         if best is not None and best_cost <= graph.total_cost:
             break  # nothing recomputed: no schedule is cheaper
-        options = {}
-        if name in _TIMED_STRATEGIES:
+        strategy = get_strategy(name)
+        accepts = inspect.signature(strategy).parameters
+        options = {"threads": threads} if "threads" in accepts else {}
+        if "time_limit" in accepts:
             seconds = fallback_seconds
             if name in _FALLBACK_STRATEGIES and best is not None:
                 seconds = min(seconds, _COMPETING_SECONDS)
@@ -126,11 +125,9 @@ def best_baseline(
                 seconds = min(seconds, fallback_deadline - time.perf_counter())
             if seconds <= 0:
                 continue
-            options = {"time_limit": seconds}
-            if name in _THREADED_STRATEGIES:
-                options["threads"] = threads
+            options["time_limit"] = seconds
         try:
-            schedule = get_strategy(name)(graph, budget_bytes, **options)
+            schedule = strategy(graph, budget_bytes, **options)
         except InfeasibleBudgetError as exc:
             if exc.min_feasible_bytes is not None:
                 smallest_peak = min(smallest_peak or exc.min_feasible_bytes, exc.min_feasible_bytes)

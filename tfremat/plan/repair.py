@@ -14,7 +14,8 @@ removes the most bytes above the budget per unit of added cost is applied.
 Measured (2-core machine, `python benchmarks/solvers.py`): the 250-node random graph at
 90% / 80% of its checkpoint-all peak costs 1.024x / 1.072x the no-remat cost; the
 1000-node one 1.013x at 90% in under 30 s. On the training graphs eviction is far better
-and faster, so ``optimal`` asks repair only when no other heuristic fits.
+and faster, so ``optimal`` gives repair its time only when no other heuristic fits, and
+a few seconds otherwise.
 """
 
 from __future__ import annotations
