@@ -421,3 +421,37 @@ def test_approx_lp_refuses_models_too_large_for_its_time_limit(monkeypatch):
     monkeypatch.setattr(strategies, "_MAX_R_COLUMNS", 0)
     with pytest.raises(SolverError, match="too large"):
         solve_approx_lp(graph, int(0.8 * checkpoint_all_peak(graph)), threads=1, time_limit=5)
+
+
+def _stage_relaxation_cases():
+    for seed in range(8):
+        graph = random_dag(9 + seed % 4, 300 + seed) if seed % 2 else random_training_graph(20 + seed, 5)
+        low, high = memory_lower_bound(graph), checkpoint_all_peak(graph)
+        for share in (0.2, 0.6):
+            yield graph, int(low + share * (high - low))
+
+
+def test_stage_end_relaxation_bounds_the_exact_model_and_optimal_closes_it():
+    """The model with every stage relaxed to its stage-end row: its LP, MILP and dual
+    bounds are below the exact model's optimum, every real schedule is feasible in it,
+    and ``optimal`` (which solves it and accounts overflowing stages exactly) reaches the
+    exact model's optimum, on cases where the relaxation alone overflows."""
+    exact_rounds = 0
+    for graph, budget in _stage_relaxation_cases():
+        exact = solve_model(build_model(graph, budget), threads=1, mip_gap=0.0)
+        if exact.status == "infeasible":
+            continue
+        relaxed = build_model(graph, budget, exact_stages=())
+        assert relaxed.num_vars < build_model(graph, budget).num_vars
+        assert relaxed.encode(build_model(graph, budget).schedule(exact.x, "exact")) is not None
+        lp = solve_model(relaxed, relax=True, threads=1)
+        milp = solve_model(relaxed, threads=1, mip_gap=0.0)
+        assert lp.objective <= milp.objective + 1e-6 <= exact.objective + 2e-6
+        pdlp = solve_model(relaxed, relax=True, threads=1, lp_method="pdlp", time_limit=10)
+        assert pdlp.best_bound is None or pdlp.best_bound <= exact.objective + 1e-6
+        optimal = solve_optimal(graph, budget, threads=1, mip_gap=0.0)
+        assert optimal.cost(graph) == pytest.approx(exact.objective)
+        assert optimal.facts["status"] == "optimal"
+        assert peak(graph, optimal) <= budget
+        exact_rounds += optimal.facts["exact_stages"] > 0
+    assert exact_rounds > 0, "no case needed a stage accounted exactly; the loop went untested"

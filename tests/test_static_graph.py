@@ -34,15 +34,8 @@ MILP = {"optimal", "approx_lp"}
 # Budgets tried in order for a strategy that needs one: the first feasible one is used,
 # so that the schedule recomputes something where the strategy can.
 BUDGET_FRACTIONS = (0.6, 0.8, None)
-# Allocator overhead the simulator does not model: BFC rounds every allocation up to
-# 256 bytes and into size bins (measured at most about 1 MiB on these models).
+# Bytes the simulator does not model (small allocations such as shapes and scalars).
 MEASURE_SLACK_BYTES = 2 * 2**20
-# An extra ~24 MiB that some processes measure on the same compiled schedule and others do
-# not (chen_greedy at 80% on deep_resnet: 100.5-104.6 MB in most test runs, 124.9-127.2 MB
-# in about one process of three, stable within a process; predicted 101.1 MB). Not
-# explained yet; its size matches one CPU convolution scratch buffer (about 32 MiB), so the
-# memory test allows one (issue 3 closing note, session 3, has the reproduction).
-UNEXPLAINED_SCRATCH_BYTES = 32 * 2**20
 
 
 @pytest.fixture(autouse=True)
@@ -367,10 +360,18 @@ def test_measured_peak_follows_the_prediction_and_the_budget():
         )
         predicted = simulate(graph, schedule).peak_bytes
         step = compile_step(extraction, schedule)
-        peak = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables))
-        allowed = predicted * 1.10 + MEASURE_SLACK_BYTES + UNEXPLAINED_SCRATCH_BYTES
-        assert peak <= allowed, (fraction, peak, predicted)
-        print(f"budget {fraction}: strategy {schedule.strategy}, predicted {predicted}, measured {peak}")
+        resident = list(model.variables) + list(optimizer.variables)
+        # The bytes the step's operations request: the allocator's own peak counts whole BFC
+        # chunks, and BFC hands out a free chunk up to twice a request unsplit, so on the same
+        # schedule it reads 100-105 MB or 123-129 MB (a 28.5 MB convolution scratch in a 50-55
+        # MB chunk) depending on what the process allocated before (memory module docstring).
+        peak = measure_step_peak(step, x, y, resident=resident, count="requested")
+        allocator_peak = measure_step_peak(step, x, y, resident=resident)
+        assert peak <= predicted * 1.10 + MEASURE_SLACK_BYTES, (fraction, peak, predicted)
+        # Every chunk is at least its request: the profiler saw the step's allocations.
+        assert allocator_peak >= peak - MEASURE_SLACK_BYTES, (fraction, allocator_peak, peak)
+        print(f"budget {fraction}: strategy {schedule.strategy}, predicted {predicted}, requested {peak}, "
+              f"allocator {allocator_peak}")
         measured.append(peak)
     assert measured[1] < measured[0] and measured[2] < measured[1] and measured[3] < measured[2], measured
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from functools import reduce
 
 import numpy as np
@@ -155,6 +156,8 @@ class CheckmateModel(SparseMILP):
         budget_units: the budget less the fixed bytes in model units, before the safety
             margin (what :meth:`dual_bound` bounds against).
         peak_column: the column of the peak when the model minimizes it, else -1.
+        budget_rows: rows whose upper bound is the capacity less a constant (the
+            stage-end rows of stages not accounted exactly).
     """
 
     budget_bytes: float
@@ -168,6 +171,7 @@ class CheckmateModel(SparseMILP):
     capacity: float
     budget_units: float
     peak_column: int
+    budget_rows: np.ndarray
 
     def decode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rounds a solution vector to boolean ``(R, S)``."""
@@ -253,6 +257,7 @@ class CheckmateModel(SparseMILP):
         y = np.asarray(row_dual, dtype=float).copy()
         lower, upper = self.row_lower.copy(), self.row_upper.copy()
         upper[upper == self.capacity] = self.budget_units
+        upper[self.budget_rows] = self.row_upper[self.budget_rows] + (self.budget_units - self.capacity)
         col_upper = np.where(self.upper == self.capacity, self.budget_units, self.upper)
         y[np.isinf(lower)] = np.minimum(y[np.isinf(lower)], 0.0)
         y[np.isinf(upper)] = np.maximum(y[np.isinf(upper)], 0.0)
@@ -327,7 +332,40 @@ class SparseBuilder:
         return start, rows[order], vals[order]
 
 
-def build_model(graph: DFGraph, budget_bytes: float, *, peak_within_cost: float | None = None) -> CheckmateModel:
+def _stage_end_row(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_col, scale: float, capacity: float) -> int:
+    """The rows of stage t when its memory is not accounted exactly; returns the memory row.
+
+    The memory row is exact at the moment node t runs, the stage's last: every value
+    kept into stage t+1 is resident then (kept since the stage began, or computed earlier
+    in it), as are t's inputs, t's output and t's workspace. Earlier moments of the stage
+    are not bounded. Without the stage's ``FREE`` equality, the keep-source rows
+    ``S[t+1, i] <= R[t, i] + S[t, i]`` are built instead.
+    """
+    out, pred = graph.output_bytes, graph.predecessors
+    inputs = set(pred[t])
+    terms = []
+    for i in range(t):
+        keep = s_col(t + 1, i)
+        if keep < 0:
+            continue
+        source = [(keep, 1.0), (r_index[t, i], -1.0)]
+        if s_col(t, i) >= 0:
+            source.append((s_col(t, i), -1.0))
+        b.row(source, -math.inf, 0.0)
+        if i not in inputs and out[i]:
+            terms.append((keep, out[i] / scale))
+    running = out[t] + graph.workspace_bytes[t] + sum(out[i] for i in inputs)
+    b.row(terms, -math.inf, capacity - running / scale)
+    return len(b.row_lower) - 1
+
+
+def build_model(
+    graph: DFGraph,
+    budget_bytes: float,
+    *,
+    peak_within_cost: float | None = None,
+    exact_stages: Iterable[int] | None = None,
+) -> CheckmateModel:
     """Builds Checkmate's MILP for ``graph`` under ``budget_bytes`` (see the module doc).
 
     Args:
@@ -337,11 +375,18 @@ def build_model(graph: DFGraph, budget_bytes: float, *, peak_within_cost: float 
             ``peak`` above every ``U + workspace``) subject to a total compute cost of
             at most this value; ``budget_bytes`` stays an upper bound on memory.
             Checkmate's batch-size maximization (sec. 6.3) solves this model.
+        exact_stages: the stages whose memory is accounted exactly (``FREE`` and ``U``);
+            None means all (the exact model). Every other stage gets only its
+            stage-end row (see the module doc), which makes the model a relaxation:
+            its LP and MILP bounds hold for the exact model, and a solution whose
+            schedule simulates within the budget is optimal for it too.
 
     Returns:
         The model. Its objective, times ``cost_scale``, is the total compute cost of the
         schedule, or with ``peak_within_cost`` its peak in bytes less the fixed bytes.
     """
+    if peak_within_cost is not None and exact_stages is not None:
+        raise ValueError("peak_within_cost needs every stage accounted exactly; leave exact_stages=None")
     n = graph.size
     inf = math.inf
     pred, succ = graph.predecessors, graph.successors
@@ -389,10 +434,15 @@ def build_model(graph: DFGraph, budget_bytes: float, *, peak_within_cost: float 
             if s_index[t, i] >= 0:
                 b.row([(s_index[t, i], 1.0), (r_index[t, i], 1.0)], -inf, 1.0)
 
+    exact_stage = np.ones(n, dtype=bool) if exact_stages is None else np.isin(np.arange(n), list(exact_stages))
     free_start = len(b.cost)
     free_keys = []
     frees_after: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    budget_rows = []
     for t in range(n):
+        if not exact_stage[t]:
+            budget_rows.append(_stage_end_row(b, graph, t, r_index, s_col, scale, capacity))
+            continue
         for i in range(t):
             if r_index[t, i] < 0:
                 continue
@@ -418,7 +468,7 @@ def build_model(graph: DFGraph, budget_bytes: float, *, peak_within_cost: float 
 
     u_start = len(b.cost)
     u_keys = []
-    for t in range(n):
+    for t in map(int, np.flatnonzero(exact_stage)):
         active = [k for k in range(t + 1) if r_index[t, k] >= 0]
         previous, k_prev = None, -1
         for k in active:
@@ -469,4 +519,5 @@ def build_model(graph: DFGraph, budget_bytes: float, *, peak_within_cost: float 
         capacity=float(capacity),
         budget_units=float(budget_units),
         peak_column=peak_column,
+        budget_rows=np.asarray(budget_rows, dtype=np.int64),
     )

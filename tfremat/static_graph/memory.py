@@ -7,11 +7,23 @@ fixed (variables, optimizer slots, the batch): the same convention as
 :func:`tfremat.extract.measure_plain_step_peak`, so a compiled step, a plain step and the
 simulator's prediction compare directly. Tensors the process holds for other reasons are
 not counted.
+
+The allocator's peak (``count="allocator"``, what ``get_memory_info`` reports) counts whole
+BFC chunks, and BFC hands out a free chunk whole when it is less than twice the request:
+a 28.5 MB convolution-gradient scratch buffer that finds a 50-55 MB free chunk counts as
+50-55 MB. Which free chunks exist depends on everything the process allocated before, so the
+same step measures differently in different processes (deep_resnet at 80%: 100-105 MB or
+123-129 MB with identical requests). ``count="requested"`` sums the bytes the step's
+operations asked for instead, from the profiler's allocation events: the quantity the
+simulator predicts, independent of the allocator's history.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
+import tempfile
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -34,7 +46,8 @@ def resident_bytes(tensors: Sequence) -> int:
     return sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size for t in tensors)
 
 
-def measure_step_peak(step: Callable, x, y, resident: Sequence = (), device: str | None = None, warmup: int = 1) -> int:
+def measure_step_peak(step: Callable, x, y, resident: Sequence = (), device: str | None = None, warmup: int = 1,
+                      count: str = "allocator") -> int:
     """Runs ``step(x, y)`` and returns the allocator peak of the last run, in bytes.
 
     Args:
@@ -45,13 +58,20 @@ def measure_step_peak(step: Callable, x, y, resident: Sequence = (), device: str
             fixed (model and optimizer variables); their bytes and the batch's are added.
         device: the allocator to read (default :func:`default_device`).
         warmup: runs (tracing included) before the measured one.
+        count: ``"allocator"``: the allocator's peak bytes in use (whole chunks, so it
+            includes the allocator's internal fragmentation, which depends on the process's
+            history); ``"requested"``: the peak of the bytes the step's operations
+            requested, from the profiler's allocation events (see the module docstring).
 
     Returns:
         Peak bytes of one step in the graph's convention (see the module docstring).
 
     Raises:
-        CompileError: the allocator reports nothing (``TF_CPU_ALLOCATOR_USE_BFC`` unset).
+        CompileError: the allocator reports nothing (``TF_CPU_ALLOCATOR_USE_BFC`` unset),
+            or ``count`` is unknown.
     """
+    if count not in ("allocator", "requested"):
+        raise CompileError(f"count must be 'allocator' or 'requested', got {count!r}")
     device = device or default_device()
 
     def run():
@@ -62,10 +82,80 @@ def measure_step_peak(step: Callable, x, y, resident: Sequence = (), device: str
         run()
     tf.config.experimental.reset_memory_stats(device)
     start = tf.config.experimental.get_memory_info(device)["current"]
-    run()
-    peak = tf.config.experimental.get_memory_info(device)["peak"] - start
-    if start == 0 and peak == 0:
+    if count == "requested":
+        peak = _requested_peak(run, device)
+    else:
+        run()
+        peak = tf.config.experimental.get_memory_info(device)["peak"] - start
+    if start == 0 and tf.config.experimental.get_memory_info(device)["peak"] == 0:
         raise CompileError("the allocator reports no memory use; set TF_CPU_ALLOCATOR_USE_BFC=true before importing TensorFlow")
     fixed = resident_bytes(list(resident)) + resident_bytes(tf.nest.flatten(x)) + resident_bytes(tf.nest.flatten(y))
     logger.info("step peak on %s: %d bytes above start, %d resident", device, peak, fixed)
     return int(peak + fixed)
+
+
+def _allocator_matches(name: str, device: str) -> bool:
+    """Whether the allocator called ``name`` serves ``device`` (``CPU:0``, ``GPU:1``)."""
+    kind, _, index = device.upper().rpartition("/")[2].partition(":")
+    if kind == "GPU":
+        return name.startswith(f"GPU_{index or 0}_")
+    return "cpu" in name.lower()
+
+
+def _requested_peak(run: Callable[[], None], device: str) -> int:
+    """Peak of the bytes requested from ``device``'s allocator by allocations made in ``run()``.
+
+    Replays the profiler's ``MemoryAllocation``/``MemoryDeallocation`` events in time order;
+    frees of tensors allocated before the run are ignored (the peak is above the start).
+    """
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    except ImportError as error:  # pragma: no cover - depends on the TensorFlow build
+        raise CompileError(f"count='requested' needs TensorFlow's profiler protos: {error}") from error
+    with tempfile.TemporaryDirectory(prefix="tfremat_memory_") as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            run()
+        finally:
+            tf.profiler.experimental.stop()
+        events = []
+        for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
+            space = xplane_pb2.XSpace()
+            with open(path, "rb") as f:
+                space.ParseFromString(f.read())
+            for plane in space.planes:
+                stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+                kinds = {
+                    k: v.name for k, v in plane.event_metadata.items()
+                    if v.name in ("MemoryAllocation", "MemoryDeallocation")
+                }
+                if not kinds:
+                    continue
+                for line in plane.lines:
+                    for event in line.events:
+                        kind = kinds.get(event.metadata_id)
+                        if kind is None:
+                            continue
+                        stats = {}
+                        for stat in event.stats:
+                            name = stat_names.get(stat.metadata_id)
+                            if name == "allocator_name":
+                                stats[name] = stat_names.get(stat.ref_value, "") if stat.ref_value else stat.str_value
+                            elif name in ("addr", "requested_bytes"):
+                                stats[name] = stat.uint64_value or stat.int64_value
+                        if _allocator_matches(stats.get("allocator_name", ""), device):
+                            events.append((line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation",
+                                           stats.get("addr"), stats.get("requested_bytes", 0)))
+    if not events:
+        raise CompileError(f"the profiler recorded no allocation on {device}")
+    events.sort(key=lambda e: (e[0], not e[1]))
+    live: dict = {}
+    current = peak = 0
+    for _, allocation, addr, requested in events:
+        if allocation:
+            live[addr] = requested
+            current += requested
+            peak = max(peak, current)
+        else:
+            current -= live.pop(addr, 0)
+    return peak
