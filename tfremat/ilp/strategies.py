@@ -58,10 +58,11 @@ _COMPETING_SECONDS = 6.0
 _FALLBACK_TIME_SHARE = 0.5
 # Least time given to the solver when the baselines and the model build used up time_limit.
 _MIN_SOLVE_SECONDS = 1.0
-# Models with more columns get a PDLP bound plus LP rounding instead of the whole MILP
-# when a time limit is set (MobileNet's 77k-column MILP is proven optimal in 37 s at 80%; ResNet50's
-# 287k-column LP alone takes 87-170 s with the dual simplex).
-_FULL_MILP_COLUMNS = 100_000
+# Stage-end relaxations with more columns get a PDLP bound plus LP rounding instead of the
+# MILP when a time limit is set. ResNet50's (125k columns; the exact model has 287k) has its
+# LP in about 20 s and its MILP then matches PDLP's bound and schedule at 1.1x its smallest
+# feasible budget; the 500-node random graph's (250k) LP takes 95-260 s with the dual simplex.
+_FULL_MILP_COLUMNS = 150_000
 # Graphs with more R columns are not modelled at all when a time limit is set: the
 # 1000-node random graph (500k R columns, 4.1M columns) takes minutes and gigabytes to
 # build, and PDLP gets nowhere on it in minutes; the best heuristic is returned with the
@@ -177,19 +178,25 @@ def solve_optimal(
 ) -> Schedule:
     """The minimum-cost schedule within a memory budget: Checkmate's MILP (Jain et al. 2020).
 
-    The MILP starts from the cheapest schedule that fits among the baselines (``eviction``
-    among them) and the LP rounding (``approx_lp``), so the result is never worse than
-    either, even when the time limit stops the solver early. When a baseline is within
-    ``mip_gap`` of the no-remat cost (a lower bound), it is returned as optimal at once.
+    The solver works on the stage-end relaxation of the MILP (``build_model(...,
+    exact_stages=())``: one memory row per stage, at its last node), which is a third to a
+    half of the exact model's size and whose LP is as tight on the benchmark graphs; a
+    solution that overflows the budget in the simulator gets its overflowing stages
+    accounted exactly and the model is solved again, so a returned "optimal" is optimal
+    for the exact model. The MILP starts from the cheapest schedule that fits among the
+    baselines (``eviction`` among them) and the rounding of the relaxation's LP, so the
+    result is never worse than either, even when the time limit stops the solver early.
+    When a baseline is within ``mip_gap`` of the no-remat cost (a lower bound), it is
+    returned as optimal at once.
 
-    Models of more than 100k columns (ResNet50 has 287k) are not solved whole when a
-    ``time_limit`` is set: the time goes to the LP relaxation by PDLP, whose duals give
-    a proven bound whenever it stops, and to rounding its solution; the best schedule
-    comes with that bound and status ``time_limit`` unless it is within ``mip_gap`` of
-    it. Graphs whose model would exceed 250k R columns (about 1.5M in all; the 1000-node
+    Relaxed models of more than 150k columns (the 500-node random graph has 250k) are not
+    solved as MILPs when a ``time_limit`` is set: the time goes to their LP by PDLP, whose
+    duals give a proven bound whenever it stops, and to rounding its solution; the best
+    schedule comes with that bound and status ``time_limit`` unless it is within
+    ``mip_gap`` of it. Graphs whose model would exceed 250k R columns (the 1000-node
     random graph) are not modelled with a time limit: the best heuristic is returned,
-    bounded by the no-remat cost. Without a time limit the whole MILP is solved, however
-    long it takes.
+    bounded by the no-remat cost. Without a time limit the MILP is solved, however long it
+    takes.
 
     Args:
         graph: the graph.
@@ -203,9 +210,9 @@ def solve_optimal(
         mip_gap: relative gap at which to stop (None: the solver's default, HiGHS 1e-4).
         threads: solver threads (None: solver default).
         seed: solver random seed.
-        warm_start: start from the cheapest of the baselines and the LP rounding of
-            ``approx_lp`` (given a quarter of ``time_limit``), and return it if the solver
-            does worse.
+        warm_start: start from the cheapest of the baselines and the rounding of the
+            relaxation's LP (given a quarter of the time left), and return it if the
+            solver does worse.
         progress: called with :class:`~tfremat.ilp.solvers.Progress` reports while the
             solver runs; reports are also logged at INFO on ``tfremat.ilp.solvers``.
 
@@ -253,16 +260,19 @@ def solve_optimal(
             graph, model, baseline, smallest_peak, began=began, solver=solver, time_limit=time_limit,
             mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed, progress=progress,
         )
+    lp_bound = None
     if warm_start:
-        baseline = _cheaper_lp_rounding(graph, budget_bytes, baseline, solver, time_limit, began, threads, seed)
+        baseline, lp_bound = _relaxed_lp_start(
+            model, baseline, began=began, time_limit=time_limit, solver=solver, threads=threads, seed=seed,
+        )
     return _solve_with_stage_rows(
-        graph, model, baseline, smallest_peak, began=began, solver=solver, time_limit=time_limit,
+        graph, model, baseline, smallest_peak, lp_bound, began=began, solver=solver, time_limit=time_limit,
         mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed, progress=progress,
     )
 
 
-def _solve_with_stage_rows(graph, model, baseline, smallest_peak, *, began, solver, time_limit, mip_gap, threads, seed,
-                           progress):
+def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, began, solver, time_limit, mip_gap,
+                           threads, seed, progress):
     """``optimal`` by the stage-end relaxation, made exact where its solutions overflow.
 
     ``model`` starts with every stage relaxed to its stage-end row. Each round solves it
@@ -276,7 +286,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, *, began, solv
     budget_bytes = int(model.budget_bytes)
     deadline = None if time_limit is None else began + time_limit
     incumbent = baseline
-    bound = graph.total_cost
+    bound = max(graph.total_cost, lp_bound or 0.0)
     exact_stages: set[int] = set()
     solve_seconds = 0.0
     proven = False
@@ -399,22 +409,34 @@ def _lp_method(model: CheckmateModel, solver: str) -> str:
     return "pdlp" if solver == "highs" and model.num_vars > _FULL_MILP_COLUMNS else "simplex"
 
 
-def _cheaper_lp_rounding(graph, budget_bytes, baseline, solver, time_limit, began, threads, seed):
-    """The LP rounding's schedule when it is cheaper than ``baseline``, else ``baseline``.
+def _relaxed_lp_start(model, baseline, *, began, time_limit, solver, threads, seed):
+    """The LP of the stage-end relaxation ``model``: its bound, and the cheaper of ``baseline``
+    and the LP's rounding as the MILP's start.
 
     HiGHS can spend a whole time limit without improving a poor incumbent (measured: a
     55-node graph at 50% budget kept Griewank's 2.74x cost for 60 s while the LP rounding
-    found 1.87x in 1 s), so the MILP starts from the better of the two.
+    found 1.87x in 1 s), so the MILP starts from the better of the two. The relaxation's
+    LP is fast (the 250-node random graph: 4-6 s, where the exact model's LP took 32-45 s)
+    and as tight as the exact one on the benchmark graphs. Gets a quarter of the time left.
+
+    Returns:
+        ``(start, bound)``; ``bound`` is None when the LP did not finish.
     """
+    graph = model.graph
     lp_time = None if time_limit is None else max(0.25 * (time_limit - (time.perf_counter() - began)), _MIN_SOLVE_SECONDS)
-    try:
-        rounded = solve_approx_lp(graph, budget_bytes, solver=solver, time_limit=lp_time, threads=threads, seed=seed)
-    except (InfeasibleBudgetError, SolverError) as exc:
-        logger.info("optimal: no LP-rounding warm start (%s)", exc)
-        return baseline
-    if baseline is None or rounded.cost(graph) < baseline.cost(graph):
-        return Schedule(rounded.R, rounded.S, "approx_lp")
-    return baseline
+    lp = solve_model(model, solver=solver, relax=True, time_limit=lp_time, threads=threads, seed=seed)
+    if lp.status == INFEASIBLE:
+        return baseline, None
+    if lp.x is None or lp.status != OPTIMAL:
+        logger.info("optimal: the relaxation's LP did not finish in %s s", lp_time)
+        return baseline, None
+    rng = np.random.default_rng(seed)
+    deadline = None if time_limit is None else began + time_limit
+    rounded, _ = _cheapest_rounding(model, lp.x, int(model.budget_bytes), _LARGE_ROUNDING_SAMPLES, rng, "approx_lp",
+                                    deadline)
+    if rounded is not None and (baseline is None or rounded.cost(graph) < baseline.cost(graph)):
+        baseline = rounded
+    return baseline, lp.best_bound
 
 
 def _cheapest_rounding(
