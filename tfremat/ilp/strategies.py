@@ -320,7 +320,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
         overflowing = set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes))) - exact_stages
         if not overflowing:
             raise SolverError("internal error: a schedule overflows the budget in stages the MILP accounts exactly")
-        if deadline is not None and time.perf_counter() >= deadline:
+        if deadline is not None and time.perf_counter() >= deadline - _FINISH_SECONDS - _MIN_SOLVE_SECONDS:
             break
         exact_stages |= overflowing
         model = build_model(graph, budget_bytes, exact_stages=exact_stages)

@@ -276,13 +276,21 @@ def revolve_advances(num_steps: int, max_slots: int) -> tuple[np.ndarray, np.nda
     advance = np.ones((L + 1, s_max + 1), dtype=int)
     lengths = np.arange(L + 1)
     cost[:, 0] = lengths * (lengths - 1) / 2
-    for s in range(1, s_max + 1):
-        for length in range(2, L + 1):
-            k = np.arange(1, length)
-            totals = k + cost[length - k, s - 1] + cost[k, s]
-            best = int(np.argmin(totals))
-            cost[length, s] = totals[best]
-            advance[length, s] = k[best]
+    for length in range(2, L + 1):
+        # Every slot count at once (a loop per slot count took 23 s for 1000 steps). With
+        # s >= length - 1 slots the recurrence no longer depends on s (by induction on
+        # length), so those columns repeat the column s = length - 1.
+        top = min(s_max, length - 1)
+        if top < 1:
+            continue
+        k = np.arange(1, length)
+        slots = np.arange(1, top + 1)[:, None]
+        totals = k + cost[length - k, slots - 1] + cost[k, slots]
+        best = np.argmin(totals, axis=1)
+        cost[length, 1 : top + 1] = totals[np.arange(top), best]
+        advance[length, 1 : top + 1] = k[best]
+        cost[length, top + 1 :] = cost[length, top]
+        advance[length, top + 1 :] = advance[length, top]
     return cost, advance
 
 
@@ -384,24 +392,27 @@ def _hong_subset(sizes: np.ndarray, bound: float, model: str, gradient_buffer: f
     once, separately, as in Chen's model). ``eager``: a framework that frees eagerly
     holds, while reversing a segment, the checkpoints before it plus the segment plus
     the output-gradient buffer, so ``prefix checkpoints + segment + buffer <= bound``.
-    Dynamic programming over the last checkpoint, O(n^2) per bound.
+    Dynamic programming over the last checkpoint, O(n^2) per bound (vectorized over the
+    previous checkpoint: 1000 nodes took 28 s as a Python loop).
     """
     n = len(sizes)
     seg = _segment_sums(sizes)
-    # best[j]: least checkpoint bytes of a valid prefix whose last checkpoint is j (index j+1 in seg).
+    # best[j]: least checkpoint bytes of a valid prefix whose last checkpoint is j (index j+1
+    # in seg); prefix[0] is the virtual start (position -1, no bytes), prefix[i + 1] is best[i].
     best = np.full(n + 1, np.inf)
     parent = np.full(n + 1, -1)
-    best_start = 0.0
+    prefix = np.concatenate([[0.0], best])
     for j in range(n + 1):
         size_j = sizes[j] if j < n else 0.0
-        # the virtual start (position -1) has no bytes.
-        options = [(best_start, -1)] + [(best[i], i) for i in range(j) if np.isfinite(best[i])]
-        for prefix_bytes, i in options:
-            segment = seg[i + 1, j + 1]
-            needed = segment + (prefix_bytes + gradient_buffer if model == "eager" else 0.0)
-            if needed <= bound and prefix_bytes + size_j < best[j]:
-                best[j] = prefix_bytes + size_j
-                parent[j] = i
+        previous = prefix[: j + 1]
+        needed = seg[: j + 1, j + 1] + (previous + gradient_buffer if model == "eager" else 0.0)
+        feasible = np.isfinite(previous) & (needed <= bound)
+        if feasible.any():
+            # The first option of least prefix bytes, as the earliest-first scan found it.
+            option = int(np.argmin(np.where(feasible, previous, np.inf)))
+            best[j] = previous[option] + size_j
+            parent[j] = option - 1
+            prefix[j + 1] = best[j]
     if not np.isfinite(best[n]):
         return None
     chosen, j = [], parent[n]
