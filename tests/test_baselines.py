@@ -1,13 +1,15 @@
 """Baseline strategies: exact revolve costs, budget families, shared benchmark graphs."""
 
+import itertools
 import math
 
+import numpy as np
 import pytest
 
 from tfremat.errors import InfeasibleBudgetError
 from tfremat.graph import load_graph
 from tfremat.plan import simulate, validate_schedule
-from tfremat.plan.baselines import revolve_advances
+from tfremat.plan.baselines import _hong_subset, revolve_advances
 from tfremat.plan.registry import get_strategy, strategy_names
 
 from graph_factories import SHARED_GRAPHS, random_training_graph, training_graph
@@ -24,12 +26,42 @@ def test_registry_has_every_baseline():
 def test_revolve_matches_griewank_closed_form():
     """Griewank & Walther: with c snapshots (ours: s = c - 1 besides the input) and r repetitions,
     reversing l <= C(c + r, c) steps costs r*l - C(c + r, c - 1) forward steps (unit costs)."""
-    cost, _ = revolve_advances(40, 6)
-    for s in range(1, 7):
-        c = s + 1
-        for length in range(2, 41):
-            r = next(r for r in range(1, 100) if math.comb(c + r, c) >= length)
-            assert cost[length, s] == r * length - math.comb(c + r, r - 1)
+    for steps, max_slots in ((40, 6), (12, 30)):  # the second has more slots than steps
+        cost, _ = revolve_advances(steps, max_slots)
+        for s in range(1, max_slots + 1):
+            c = s + 1
+            for length in range(2, steps + 1):
+                r = next(r for r in range(1, 100) if math.comb(c + r, c) >= length)
+                assert cost[length, s] == r * length - math.comb(c + r, r - 1)
+
+
+@pytest.mark.parametrize("model", ["eager", "classic"])
+def test_hong_dp_finds_the_least_checkpoint_bytes_of_any_valid_subset(model):
+    """The DP against every subset of a short chain: same least checkpoint bytes, and the
+    subset it returns satisfies its memory model."""
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        sizes = rng.integers(1, 9, size=int(rng.integers(1, 9))).astype(float)
+        buffer = float(rng.integers(0, 4))
+        for bound in np.linspace(sizes.max(), sizes.sum() + buffer, 5):
+
+            def valid(subset):
+                ends = [-1, *subset, len(sizes)]
+                prefix = 0.0
+                for a, b in zip(ends, ends[1:]):
+                    segment = sizes[a + 1 : b].sum()
+                    if segment + (prefix + buffer if model == "eager" else 0.0) > bound:
+                        return False
+                    prefix += sizes[b] if b < len(sizes) else 0.0
+                return True
+
+            subsets = [c for r in range(len(sizes) + 1) for c in itertools.combinations(range(len(sizes)), r)]
+            least = min((sizes[list(c)].sum() for c in subsets if valid(c)), default=None)
+            chosen = _hong_subset(sizes, bound, model, buffer)
+            if least is None:
+                assert chosen is None
+            else:
+                assert valid(chosen) and sizes[chosen].sum() == least
 
 
 def test_chain_strategies_trade_memory_for_compute():
