@@ -32,7 +32,6 @@ from tfremat.ilp.solvers import (
     DEFAULT_SOLVER,
     FEASIBLE,
     INFEASIBLE,
-    NO_SOLUTION,
     OPTIMAL,
     TIME_LIMIT,
     Progress,
