@@ -455,3 +455,25 @@ def test_stage_end_relaxation_bounds_the_exact_model_and_optimal_closes_it():
         assert peak(graph, optimal) <= budget
         exact_rounds += optimal.facts["exact_stages"] > 0
     assert exact_rounds > 0, "no case needed a stage accounted exactly; the loop went untested"
+
+
+def test_rins_returns_a_fitting_schedule_no_costlier_than_its_start():
+    """RINS from a deliberately poor start (Griewank's family) on random training graphs: the
+    result fits the budget and never costs more; on some graph it is strictly cheaper."""
+    from tfremat.ilp.strategies import _rins
+
+    improved = 0
+    for seed in range(6):
+        graph = random_training_graph(40 + seed, 6)
+        budget = int(0.5 * (memory_lower_bound(graph) + checkpoint_all_peak(graph)))
+        try:
+            start = get_strategy("griewank_logn")(graph, budget)
+        except InfeasibleBudgetError:
+            continue
+        model = build_model(graph, budget, exact_stages=())
+        lp = solve_model(model, relax=True, threads=1)
+        result = _rins(model, start, lp.x, began=0.0, time_limit=None, solver="highs", threads=1, seed=0)
+        assert peak(graph, result) <= budget
+        assert result.cost(graph) <= start.cost(graph) + 1e-9
+        improved += result.cost(graph) < start.cost(graph) - 1e-9
+    assert improved > 0

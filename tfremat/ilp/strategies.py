@@ -18,6 +18,7 @@ schedule fits). A proven-infeasible budget raises
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -261,14 +262,18 @@ def solve_optimal(
             graph, model, baseline, smallest_peak, began=began, solver=solver, time_limit=time_limit,
             mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed, progress=progress,
         )
-    lp_bound = None
+    lp = None
     if warm_start:
-        baseline, lp_bound = _relaxed_lp_start(
+        baseline, lp = _relaxed_lp_start(
             model, baseline, began=began, time_limit=time_limit, solver=solver, threads=threads, seed=seed,
         )
+    if lp is not None and baseline is not None:
+        baseline = _rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver, threads=threads,
+                         seed=seed)
     return _solve_with_stage_rows(
-        graph, model, baseline, smallest_peak, lp_bound, began=began, solver=solver, time_limit=time_limit,
-        mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed, progress=progress,
+        graph, model, baseline, smallest_peak, lp.best_bound if lp is not None else None, began=began, solver=solver,
+        time_limit=time_limit, mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed,
+        progress=progress,
     )
 
 
@@ -421,15 +426,14 @@ def _relaxed_lp_start(model, baseline, *, began, time_limit, solver, threads, se
     and as tight as the exact one on the benchmark graphs. Gets a quarter of the time left.
 
     Returns:
-        ``(start, bound)``; ``bound`` is None when the LP did not finish.
+        ``(start, lp)``: the schedule to start from and the LP's
+        :class:`~tfremat.ilp.solvers.SolveResult`, None when the LP did not finish.
     """
     graph = model.graph
     lp_time = None if time_limit is None else max(0.25 * (time_limit - (time.perf_counter() - began)), _MIN_SOLVE_SECONDS)
     lp = solve_model(model, solver=solver, relax=True, time_limit=lp_time, threads=threads, seed=seed)
-    if lp.status == INFEASIBLE:
-        return baseline, None
     if lp.x is None or lp.status != OPTIMAL:
-        logger.info("optimal: the relaxation's LP did not finish in %s s", lp_time)
+        logger.info("optimal: the relaxation's LP did not finish in %s s (%s)", lp_time, lp.status)
         return baseline, None
     rng = np.random.default_rng(seed)
     deadline = None if time_limit is None else began + time_limit
@@ -437,7 +441,37 @@ def _relaxed_lp_start(model, baseline, *, began, time_limit, solver, threads, se
                                     deadline)
     if rounded is not None and (baseline is None or rounded.cost(graph) < baseline.cost(graph)):
         baseline = rounded
-    return baseline, lp.best_bound
+    return baseline, lp
+
+
+def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
+    """RINS (relaxation-induced neighbourhood search): the MILP with every integer column
+    on which ``start`` and the LP point agree fixed to that value, for half the time left;
+    its schedule when it fits the budget and is cheaper, else ``start``.
+
+    HiGHS alone never improved eviction's 1.0608x on ResNet50 at 1.1x its smallest
+    feasible budget, even in 600 s; with the 93% of the integer columns on which the two
+    agree fixed, it finds 1.0564x in 20 s (1.0557x in 60 s). Where the neighbourhood holds
+    nothing better (the 250-node random graph at 80%) it proves that in under a second.
+    """
+    graph = model.graph
+    x0 = model.encode(start)
+    if x0 is None:
+        return start
+    agree = model.integer & (np.abs(lp_x - x0) < 1e-6)
+    lower, upper = model.lower.copy(), model.upper.copy()
+    lower[agree] = upper[agree] = x0[agree]
+    seconds = None if time_limit is None else max(0.5 * (time_limit - (time.perf_counter() - began)), _MIN_SOLVE_SECONDS)
+    neighbourhood = dataclasses.replace(model, lower=lower, upper=upper)
+    result = solve_model(neighbourhood, solver=solver, time_limit=seconds, threads=threads, seed=seed, start=x0)
+    if result.x is None:
+        return start
+    candidate = model.schedule(result.x, "rins")
+    fits = simulate(graph, candidate).peak_bytes <= model.budget_bytes
+    logger.info("optimal: RINS with %d of %d integer columns fixed: %s, %.6g (start %.6g)%s", int(agree.sum()),
+                int(model.integer.sum()), result.status, candidate.cost(graph), start.cost(graph),
+                "" if fits else ", overflows the budget")
+    return candidate if fits and candidate.cost(graph) < start.cost(graph) else start
 
 
 def _cheapest_rounding(
