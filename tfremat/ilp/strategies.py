@@ -384,10 +384,7 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
     bound = max(graph.total_cost, lp.best_bound or 0.0)
     incumbent = baseline
     if lp.x is not None:
-        rng = np.random.default_rng(seed)
-        rounded, _ = _cheapest_rounding(model, lp.x, budget_bytes, _LARGE_ROUNDING_SAMPLES, rng, "optimal", deadline)
-        if rounded is not None and (incumbent is None or rounded.cost(graph) < incumbent.cost(graph)):
-            incumbent = rounded
+        incumbent = _cheaper_rounding(model, lp.x, incumbent, seed=seed, strategy="optimal", deadline=deadline)
     if incumbent is None:
         raise SolverError(
             f"no schedule fits {budget_bytes} bytes: no baseline does, and the LP rounding found none within "
@@ -429,19 +426,25 @@ def _relaxed_lp_start(model, baseline, *, began, time_limit, solver, threads, se
         ``(start, lp)``: the schedule to start from and the LP's
         :class:`~tfremat.ilp.solvers.SolveResult`, None when the LP did not finish.
     """
-    graph = model.graph
     lp_time = None if time_limit is None else max(0.25 * (time_limit - (time.perf_counter() - began)), _MIN_SOLVE_SECONDS)
     lp = solve_model(model, solver=solver, relax=True, time_limit=lp_time, threads=threads, seed=seed)
     if lp.x is None or lp.status != OPTIMAL:
         logger.info("optimal: the relaxation's LP did not finish in %s s (%s)", lp_time, lp.status)
         return baseline, None
-    rng = np.random.default_rng(seed)
     deadline = None if time_limit is None else began + time_limit
-    rounded, _ = _cheapest_rounding(model, lp.x, int(model.budget_bytes), _LARGE_ROUNDING_SAMPLES, rng, "approx_lp",
-                                    deadline)
-    if rounded is not None and (baseline is None or rounded.cost(graph) < baseline.cost(graph)):
-        baseline = rounded
-    return baseline, lp
+    return _cheaper_rounding(model, lp.x, baseline, seed=seed, strategy="approx_lp", deadline=deadline), lp
+
+
+def _cheaper_rounding(model, lp_x, incumbent, *, seed, strategy, deadline):
+    """The cheaper of ``incumbent`` (or None) and the cheapest rounding of the LP point
+    ``lp_x`` that fits the model's budget."""
+    rng = np.random.default_rng(seed)
+    rounded, _ = _cheapest_rounding(
+        model, lp_x, int(model.budget_bytes), _LARGE_ROUNDING_SAMPLES, rng, strategy, deadline,
+    )
+    if rounded is not None and (incumbent is None or rounded.cost(model.graph) < incumbent.cost(model.graph)):
+        return rounded
+    return incumbent
 
 
 def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
