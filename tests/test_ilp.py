@@ -330,8 +330,9 @@ def test_highs_refuses_to_run_next_to_ortools(monkeypatch):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_dual_bound_of_any_multipliers_is_below_the_optimum(seed):
-    """Weak duality: zero, random and PDLP multipliers all bound the MILP optimum (and the
-    zero ones the LP optimum) from below."""
+    """Weak duality: zero, random, PDLP and dual-simplex multipliers all bound the MILP
+    optimum (and the zero ones the LP optimum) from below; the dual simplex's duals at its
+    optimum give the LP optimum itself."""
     graph = random_training_graph(seed, 5)
     budget = int(0.5 * (memory_lower_bound(graph) + checkpoint_all_peak(graph)))
     try:
@@ -348,15 +349,21 @@ def test_dual_bound_of_any_multipliers_is_below_the_optimum(seed):
     assert pdlp.best_bound is not None and pdlp.best_bound <= optimum + 1e-6
     assert pdlp.best_bound <= lp.objective + 1e-6 * abs(lp.objective)
     assert pdlp.best_bound >= graph.total_cost * 0.5
+    dual = solve_model(model, relax=True, threads=1, lp_method="dual_simplex")
+    assert dual.status == "optimal"
+    assert dual.best_bound == pytest.approx(lp.objective, rel=1e-6)
+    stopped = solve_model(model, relax=True, threads=1, lp_method="dual_simplex", time_limit=1e-3)
+    assert stopped.best_bound is None or stopped.best_bound <= lp.objective + 1e-6 * abs(lp.objective)
 
 
-def test_pdlp_needs_highs_and_lp_method_is_checked():
+def test_stoppable_lp_methods_need_highs_and_lp_method_is_checked():
     graph = random_dag(6, 3)
     model = build_model(graph, checkpoint_all_peak(graph))
     with pytest.raises(SolverError, match="lp_method"):
         solve_model(model, relax=True, lp_method="barrier")
-    with pytest.raises(SolverError, match="needs solver='highs'"):
-        solve_model(model, relax=True, solver="gurobi", lp_method="pdlp")
+    for method in ("pdlp", "dual_simplex"):
+        with pytest.raises(SolverError, match="needs solver='highs'"):
+            solve_model(model, relax=True, solver="gurobi", lp_method=method)
 
 
 @pytest.mark.parametrize("seed", range(3))
