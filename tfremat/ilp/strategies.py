@@ -461,6 +461,14 @@ def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
     feasible budget, even in 600 s; with the 93% of the integer columns on which the two
     agree fixed, it finds 1.0564x in 20 s (1.0557x in 60 s). Where the neighbourhood holds
     nothing better (the 250-node random graph at 80%) it proves that in under a second.
+
+    Other neighbourhoods measured on that ResNet50 case (2 threads) and not used: RINS
+    repeated from its own result (1.0561x after 45 s); RINS around eviction runs whose
+    limit is above the budget (cheaper, overflowing references: 1.0545x-1.0594x, most
+    results overflowing the budget inside a stage, where the relaxation does not look);
+    crossovers of those results; windows of 20 stages or of 30 values with everything
+    else fixed (nothing, and 1.0594x from eviction's 1.0608x in 90 s); HiGHS's
+    ``mip_heuristic_effort`` at 0.3 (nothing in 60 s).
     """
     graph = model.graph
     x0 = model.encode(start)
