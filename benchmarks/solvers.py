@@ -107,7 +107,9 @@ def markdown(rows, args) -> str:
     lines = [
         "# tfremat.ilp solver benchmark",
         "",
-        f"`python benchmarks/solvers.py --time-limit {args.time_limit} --threads {args.threads}` "
+        f"`python benchmarks/solvers.py --time-limit {args.time_limit} --threads {args.threads}"
+        + (f" --only {args.only}" if args.only else "") + (f" --sweep {args.sweep}" if args.sweep != 1 else "")
+        + "` "
         f"(per-case wall limit {args.case_limit} s; {os.cpu_count()} CPUs; HiGHS; commit {_commit()}).",
         "Cost = total cost / no-remat cost. Gap = (cost - best proven bound) / cost, where the bound is the",
         "largest of the MILP's bound, the LP bound and the no-remat cost. 'min' = smallest peak any",

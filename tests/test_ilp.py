@@ -484,3 +484,17 @@ def test_rins_returns_a_fitting_schedule_no_costlier_than_its_start():
         assert result.cost(graph) <= start.cost(graph) + 1e-9
         improved += result.cost(graph) < start.cost(graph) - 1e-9
     assert improved > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_milp_without_presolve_reaches_the_same_optimum(seed):
+    """``optimal`` solves its MILP without presolve (HiGHS's presolve ignores the time limit
+    on large models); the optimum must not depend on it."""
+    graph = random_training_graph(20 + seed, 5)
+    model = build_model(graph, int(0.5 * (memory_lower_bound(graph) + checkpoint_all_peak(graph))), exact_stages=())
+    with_presolve = solve_model(model, threads=1, mip_gap=0.0)
+    without = solve_model(model, threads=1, mip_gap=0.0, presolve=False)
+    assert without.status == with_presolve.status
+    if with_presolve.status == "optimal":
+        assert without.objective == pytest.approx(with_presolve.objective, rel=1e-9)
+        assert model.encode(model.schedule(without.x, "x")) is not None
