@@ -71,7 +71,7 @@ _FULL_MILP_COLUMNS = 150_000
 # build, and its LP gets nowhere in minutes; the best heuristic is returned with the
 # no-remat cost as its bound.
 _MAX_R_COLUMNS = 250_000
-# Seconds kept from the LP of a large model for rounding its solution.
+# Seconds kept from an LP under a time limit for rounding its solution.
 _ROUNDING_RESERVE_SECONDS = 3.0
 # The gap at which a large model's schedule counts as optimal when mip_gap is None
 # (HiGHS's MILP default).
@@ -564,7 +564,9 @@ def solve_approx_lp(
         budget: peak bytes allowed (see :func:`solve_optimal`); None returns the
             checkpoint-all schedule, optimal without a solver.
         solver: LP backend, ``"highs"`` (default) or ``"gurobi"``.
-        time_limit: seconds for all LP solves together (None: no limit).
+        time_limit: seconds for the whole call (None: no limit). Each LP gets what is
+            left after its model is built, less a few seconds for rounding, and the
+            rounding stops at the limit once it has tried one candidate.
         threads: solver threads.
         seed: seed of the randomized rounding and of the solver.
         num_samples: randomized roundings per LP solution.
@@ -600,11 +602,14 @@ def solve_approx_lp(
     rng = np.random.default_rng(seed)
     best, best_cost, smallest_peak, lp_bound = None, None, None, None
     lp_seconds, num_vars, num_constraints = 0.0, 0, 0
+    deadline = None if time_limit is None else began + time_limit
     for allowance in allowances:
-        remaining = None if time_limit is None else time_limit - (time.perf_counter() - began)
-        if remaining is not None and remaining <= 0:
+        if deadline is not None and time.perf_counter() >= deadline:
             break
         model = build_model(graph, max(lower_bound, allowance * budget_bytes), exact_stages=())
+        remaining = None if deadline is None else max(
+            deadline - time.perf_counter() - _ROUNDING_RESERVE_SECONDS, _MIN_SOLVE_SECONDS,
+        )
         result = solve_model(
             model, solver=solver, relax=True, time_limit=remaining, threads=threads, seed=seed,
             lp_method=_lp_method(model, solver),
@@ -617,7 +622,7 @@ def solve_approx_lp(
             lp_bound = max(graph.total_cost, result.best_bound or 0.0)
         if result.x is None:
             continue
-        best, peak = _cheapest_rounding(model, result.x, budget_bytes, num_samples, rng, "approx_lp")
+        best, peak = _cheapest_rounding(model, result.x, budget_bytes, num_samples, rng, "approx_lp", deadline)
         smallest_peak = peak if smallest_peak is None else min(smallest_peak, peak)
         if best is not None:
             best_cost = best.cost(graph)
