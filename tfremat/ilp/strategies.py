@@ -194,9 +194,9 @@ def solve_optimal(
 
     Relaxed models of more than 150k columns (the 500-node random graph has 250k) are not
     solved as MILPs when a ``time_limit`` is set: the time goes to their LP by the dual
-    simplex without presolve, whose row duals give a proven bound whenever it stops, and to rounding its solution; the best
-    schedule comes with that bound and status ``time_limit`` unless it is within
-    ``mip_gap`` of it. Graphs whose model would exceed 250k R columns (the 1000-node
+    simplex without presolve, whose row duals give a proven bound whenever it stops, and
+    to rounding its solution; the best schedule comes with that bound and status
+    ``time_limit`` unless it is within ``mip_gap`` of it. Graphs whose model would exceed 250k R columns (the 1000-node
     random graph) are not modelled with a time limit: the best heuristic is returned,
     bounded by the no-remat cost. Without a time limit the MILP is solved, however long it
     takes.
@@ -425,6 +425,14 @@ def _lp_method(model: CheckmateModel, solver: str) -> str:
     return "dual_simplex" if solver == "highs" and model.num_vars > _FULL_MILP_COLUMNS else "simplex"
 
 
+def _share_of_time_left(fraction: float, began: float, time_limit: float | None) -> float | None:
+    """``fraction`` of what is left of ``time_limit`` (at least ``_MIN_SOLVE_SECONDS``), or
+    None without a limit."""
+    if time_limit is None:
+        return None
+    return max(fraction * (time_limit - (time.perf_counter() - began)), _MIN_SOLVE_SECONDS)
+
+
 def _relaxed_lp_start(model, baseline, *, began, time_limit, solver, threads, seed):
     """The LP of the stage-end relaxation ``model``: its bound, and the cheaper of ``baseline``
     and the LP's rounding as the MILP's start.
@@ -439,7 +447,7 @@ def _relaxed_lp_start(model, baseline, *, began, time_limit, solver, threads, se
         ``(start, lp)``: the schedule to start from and the LP's
         :class:`~tfremat.ilp.solvers.SolveResult`, None when the LP did not finish.
     """
-    lp_time = None if time_limit is None else max(0.25 * (time_limit - (time.perf_counter() - began)), _MIN_SOLVE_SECONDS)
+    lp_time = _share_of_time_left(0.25, began, time_limit)
     lp = solve_model(model, solver=solver, relax=True, time_limit=lp_time, threads=threads, seed=seed)
     if lp.x is None or lp.status != OPTIMAL:
         logger.info("optimal: the relaxation's LP did not finish in %s s (%s)", lp_time, lp.status)
@@ -485,7 +493,7 @@ def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
     agree = model.integer & (np.abs(lp_x - x0) < 1e-6)
     lower, upper = model.lower.copy(), model.upper.copy()
     lower[agree] = upper[agree] = x0[agree]
-    seconds = None if time_limit is None else max(0.5 * (time_limit - (time.perf_counter() - began)), _MIN_SOLVE_SECONDS)
+    seconds = _share_of_time_left(0.5, began, time_limit)
     neighbourhood = dataclasses.replace(model, lower=lower, upper=upper)
     result = solve_model(neighbourhood, solver=solver, time_limit=seconds, threads=threads, seed=seed, start=x0)
     if result.x is None:
