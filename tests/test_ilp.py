@@ -13,6 +13,7 @@ import pytest
 from tfremat.errors import InfeasibleBudgetError, SolverError, SolverLicenseError, SolverUnavailableError
 from tfremat.graph import DFGraph, load_graph
 from tfremat.ilp import build_model, memory_lower_bound, solve_model
+from tfremat.ilp.solvers import SolveResult
 from tfremat.ilp.strategies import solve_approx_lp, solve_optimal
 from tfremat.plan.execution import Op
 from tfremat.plan.registry import get_strategy, strategy_names
@@ -65,15 +66,20 @@ def checkpoint_all_peak(graph) -> int:
     return peak(graph, schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "all"))
 
 
-def brute_force_frontier(graph):
-    """(peak, cost) of every keep matrix completed with solve R given S."""
-    n = graph.size
+def _keep_matrices(n: int):
+    """Every keep matrix of an n-node graph."""
     cells = [(t, i) for t in range(n) for i in range(t)]
-    points = set()
     for bits in itertools.product((False, True), repeat=len(cells)):
         S = np.zeros((n, n), dtype=bool)
         for (t, i), bit in zip(cells, bits):
             S[t, i] = bit
+        yield S
+
+
+def brute_force_frontier(graph):
+    """(peak, cost) of every keep matrix completed with solve R given S."""
+    points = set()
+    for S in _keep_matrices(graph.size):
         schedule = schedule_from_keep_matrix(graph, S, "brute")
         points.add((peak(graph, schedule), schedule.cost(graph)))
     return points
@@ -92,6 +98,73 @@ def test_brute_force_equals_milp_on_tiny_graphs(seed):
     with pytest.raises(InfeasibleBudgetError) as info:
         solve_optimal(graph, smallest - 1, threads=1, warm_start=False)
     assert info.value.lower_bound_bytes <= smallest
+
+
+def with_coprime_bytes(graph: DFGraph) -> DFGraph:
+    """``graph`` with bytes scaled by a large prime plus odd offsets: their gcd is 1 and
+    the budget spans millions of units, so the MILP measures memory in units of the
+    budget (the case of every real graph) instead of in exact integers."""
+    rng = np.random.default_rng(graph.size)
+    out = [int(b) * 1_000_003 + int(rng.integers(1, 7)) for b in graph.output_bytes]
+    work = [int(b) * 1_000_003 for b in graph.workspace_bytes]
+    return DFGraph(names=graph.names, edges=graph.edges, cost=graph.cost, output_bytes=out, workspace_bytes=work,
+                   fixed_bytes=graph.fixed_bytes, name=f"{graph.name}_coprime")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_budget_exactly_at_a_peak_in_budget_units(seed):
+    """A schedule that peaks exactly at the budget fits: the model does not shrink the
+    budget for solver tolerances (it did by 1e-6, which returned a costlier schedule as
+    "optimal", or raised infeasible although eviction's schedule fit)."""
+    graph = with_coprime_bytes(random_dag(5, seed))
+    points = brute_force_frontier(graph)
+    for budget in sorted({p for p, _ in points}):
+        assert build_model(graph, budget).scale == budget - graph.fixed_bytes, "expected units of the budget"
+        best = min(c for p, c in points if p <= budget)
+        for warm_start in (False, True):
+            schedule = solve_optimal(graph, budget, threads=1, warm_start=warm_start, mip_gap=0.0)
+            assert schedule.cost(graph) == pytest.approx(best)
+            assert peak(graph, schedule) <= budget
+            assert schedule.facts["best_bound"] <= best * (1 + 1e-9)
+        on_budget = next(
+            schedule for schedule in (schedule_from_keep_matrix(graph, S, "x") for S in _keep_matrices(graph.size))
+            if peak(graph, schedule) == budget
+        )
+        assert build_model(graph, budget).encode(on_budget) is not None, "a warm start at the budget is refused"
+
+
+def test_solution_over_the_budget_by_the_solver_tolerance_is_solved_again(monkeypatch, caplog):
+    """A MILP solution whose schedule peaks a byte above the budget (within the solver's
+    tolerance in units of the budget) is not returned: the model's budget is lowered by
+    that byte and solved again, and the lowered model's bound is not reported."""
+    import tfremat.ilp.strategies as strategies
+
+    graph = with_coprime_bytes(random_dag(5, 1))
+    points = brute_force_frontier(graph)
+    budget = sorted({p for p, _ in points})[1] - 1
+    over = next(
+        schedule for schedule in (schedule_from_keep_matrix(graph, S, "x") for S in _keep_matrices(graph.size))
+        if peak(graph, schedule) == budget + 1
+    )
+    real_solve = strategies.solve_model
+    calls = []
+
+    def solve_returning_the_overflow_first(model, **options):
+        calls.append(model.budget_bytes)
+        x = model.encode(over)
+        if len(calls) <= 2 and x is not None:
+            cost = over.cost(graph) / model.cost_scale
+            return SolveResult(x, "optimal", cost, cost, 0.0, 0.0, "fake")
+        return real_solve(model, **options)
+
+    monkeypatch.setattr(strategies, "solve_model", solve_returning_the_overflow_first)
+    with caplog.at_level("INFO", logger="tfremat.ilp.strategies"):
+        schedule = solve_optimal(graph, budget, threads=1, warm_start=False, mip_gap=0.0)
+    assert any("within the solver's tolerance" in record.message for record in caplog.records)
+    assert calls[-1] < budget, "the last model was not built for a lowered budget"
+    assert peak(graph, schedule) <= budget
+    assert schedule.cost(graph) == pytest.approx(min(c for p, c in points if p <= budget))
+    assert schedule.facts["best_bound"] <= schedule.cost(graph)
 
 
 def test_brute_force_six_nodes_training_chain():
@@ -140,9 +213,12 @@ def test_milp_never_worse_than_baselines_and_lp_bounds_hold(graph, budget):
             continue
         if peak(graph, baseline) <= budget:
             assert cost <= baseline.cost(graph) + 1e-9, name
+    lp = solve_model(build_model(graph, budget, exact_stages=()), relax=True, threads=1)
+    assert lp.best_bound <= cost * (1 + 1e-9)
     try:
         approx = solve_approx_lp(graph, budget, threads=1)
-    except InfeasibleBudgetError:
+    except InfeasibleBudgetError as error:
+        assert not error.proven and "no rounding" in str(error) and "strategy='optimal'" in str(error)
         return
     validate_schedule(graph, approx)
     assert peak(graph, approx) <= budget

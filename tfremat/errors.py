@@ -64,6 +64,8 @@ class InfeasibleBudgetError(TfrematError):
         min_feasible_bytes: the smallest peak the strategy reached (None if none ran).
         lower_bound_bytes: a proven lower bound on any schedule's peak, when known.
         strategy: the strategy name.
+        proven: no schedule at all fits (a lower bound or a solver proved it), as
+            opposed to this strategy not finding one; the advice differs.
     """
 
     def __init__(
@@ -73,11 +75,13 @@ class InfeasibleBudgetError(TfrematError):
         lower_bound_bytes: float | None = None,
         strategy: str | None = None,
         detail: str = "",
+        proven: bool = False,
     ):
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
         self.lower_bound_bytes = lower_bound_bytes
         self.strategy = strategy
+        self.proven = proven
         parts = [f"budget of {format_bytes(budget_bytes)} is infeasible"]
         if strategy:
             parts[0] = f"strategy {strategy!r}: " + parts[0]
@@ -88,8 +92,10 @@ class InfeasibleBudgetError(TfrematError):
         message = "; ".join(parts)
         if detail:
             message += f" ({detail})"
-        if strategy in ("optimal", "approx_lp"):
+        if proven:
             advice = "Raise the budget."
+        elif strategy == "optimal":
+            advice = "Raise the budget or the time limit."
         else:
             advice = "Raise the budget or try strategy='optimal'."
         super().__init__(f"{message}. {advice}")

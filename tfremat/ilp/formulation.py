@@ -54,11 +54,15 @@ one overflows.
 
 Memory is measured in units of ``scale`` bytes. When every byte count is a multiple of a
 common unit and the budget is at most 1000 such units, that unit is used and the budget
-row is exact in integers. Otherwise the budget is one unit (less a relative 1e-6 that
-absorbs solver tolerances): the dual simplex is far faster with memory in units of the
-budget than in units of a tensor (measured on the MobileNet graph at 80%: LP in 8.6 s
+row is exact in integers. Otherwise the budget is one unit: the dual simplex is far
+faster with memory in units of the budget than in units of a tensor (measured on the MobileNet graph at 80%: LP in 8.6 s
 with the budget as unit, 26 s with 1/1000 of it, over 90 s with 1/10000 of the largest
-tensor; ResNet50 at 80%: 87 s instead of over 150 s).
+tensor; ResNet50 at 80%: 87 s instead of over 150 s). The budget row is not shrunk to absorb the
+solver's tolerances: a margin would cut off every schedule whose peak lies within it, so
+a schedule exactly at the budget (a budget taken from a measured peak) was neither found
+nor accepted as a warm start, and the bound and the "optimal" claim held only for the
+shrunk budget. A solution that overflows by the tolerance is caught by the simulator
+instead (see ``optimal``).
 """
 
 from __future__ import annotations
@@ -76,7 +80,6 @@ from tfremat.plan.schedule import Schedule, prune_s, validate_schedule
 __all__ = ["SparseMILP", "CheckmateModel", "build_model", "memory_lower_bound", "last_descendants", "r_column_count"]
 
 _MAX_EXACT_UNITS = 1e3
-_SCALED_MARGIN = 1e-6
 
 
 def last_descendants(graph: DFGraph) -> np.ndarray:
@@ -164,11 +167,7 @@ class CheckmateModel(SparseMILP):
         free_keys: ``(t, i, k)`` of every FREE column, in column order from ``free_start``.
         u_keys: ``(t, k)`` of every U column, in column order from ``u_start``.
         capacity: the budget less the fixed bytes in model units, as the rows use it.
-        budget_units: the budget less the fixed bytes in model units, before the safety
-            margin (what :meth:`dual_bound` bounds against).
         peak_column: the column of the peak when the model minimizes it, else -1.
-        budget_rows: rows whose upper bound is the capacity less a constant (the
-            stage-end rows of stages not accounted exactly).
     """
 
     budget_bytes: float
@@ -180,9 +179,7 @@ class CheckmateModel(SparseMILP):
     u_keys: tuple
     u_start: int
     capacity: float
-    budget_units: float
     peak_column: int
-    budget_rows: np.ndarray
 
     def decode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rounds a solution vector to boolean ``(R, S)``."""
@@ -262,14 +259,9 @@ class CheckmateModel(SparseMILP):
         (``y >= 0`` on rows bounded only below, ``<= 0`` on rows bounded only above;
         others are clipped to that), every feasible x has ``c x >= sum_r y_r b_r +
         sum_j min over [l_j, u_j] of (c - A^T y)_j x_j``. Every column here is bounded.
-        The budget enters at ``budget_units`` (without the safety margin), so the bound
-        holds for the true budget.
         """
         y = np.asarray(row_dual, dtype=float).copy()
-        lower, upper = self.row_lower.copy(), self.row_upper.copy()
-        upper[upper == self.capacity] = self.budget_units
-        upper[self.budget_rows] = self.row_upper[self.budget_rows] + (self.budget_units - self.capacity)
-        col_upper = np.where(self.upper == self.capacity, self.budget_units, self.upper)
+        lower, upper = self.row_lower, self.row_upper
         y[np.isinf(lower)] = np.minimum(y[np.isinf(lower)], 0.0)
         y[np.isinf(upper)] = np.maximum(y[np.isinf(upper)], 0.0)
         rows = np.where(y > 0, np.where(np.isinf(lower), 0.0, lower), np.where(np.isinf(upper), 0.0, upper)) * y
@@ -277,7 +269,7 @@ class CheckmateModel(SparseMILP):
         reduced = self.cost - np.bincount(
             np.repeat(np.arange(self.num_vars), counts), weights=self.value * y[self.row_index], minlength=self.num_vars
         )
-        cols = np.where(reduced > 0, reduced * self.lower, reduced * col_upper)
+        cols = np.where(reduced > 0, reduced * self.lower, reduced * self.upper)
         return float((rows.sum() + cols.sum()) * self.cost_scale)
 
     def _violation(self, x: np.ndarray) -> float:
@@ -343,8 +335,8 @@ class SparseBuilder:
         return start, rows[order], vals[order]
 
 
-def _stage_end_row(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_col, scale: float, capacity: float) -> int:
-    """The rows of stage t when its memory is not accounted exactly; returns the memory row.
+def _stage_end_row(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_col, scale: float, capacity: float) -> None:
+    """The rows of stage t when its memory is not accounted exactly.
 
     The memory row is exact at the moment node t runs, the stage's last: every value
     kept into stage t+1 is resident then (kept since the stage began, or computed earlier
@@ -367,7 +359,6 @@ def _stage_end_row(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_col, sca
             terms.append((keep, out[i] / scale))
     running = out[t] + graph.workspace_bytes[t] + sum(out[i] for i in inputs)
     b.row(terms, -math.inf, capacity - running / scale)
-    return len(b.row_lower) - 1
 
 
 def build_model(
@@ -403,13 +394,12 @@ def build_model(
     pred, succ = graph.predecessors, graph.successors
     out, work = graph.output_bytes, graph.workspace_bytes
     scale, exact = _memory_scale(graph, budget_bytes - graph.fixed_bytes)
-    budget_units = (budget_bytes - graph.fixed_bytes) / scale
-    # Solver tolerances (1e-7 on rows, 1e-6 on integrality) stay far below one unit in the
-    # exact case; otherwise a relative margin of 1e-6 absorbs them, so the rounded schedule
-    # still fits when the solver's memory sits on the budget.
-    capacity = math.floor(budget_units + 1e-9) if exact else budget_units * (1 - _SCALED_MARGIN)
+    # In integer units the solver's tolerances (1e-7 on rows, 1e-6 on integrality) stay
+    # far below one unit; in units of the budget a solution may sit above it by about
+    # 1e-7 of it, which the simulator catches (module docstring).
+    capacity = (budget_bytes - graph.fixed_bytes) / scale
     if exact:
-        budget_units = capacity
+        capacity = math.floor(capacity + 1e-9)
     # Node costs span many orders of magnitude (up to 2e12 in the FCN8 graph), which
     # stalls the simplex; the objective is in units of the largest node cost.
     cost_scale = max(graph.cost) or 1.0
@@ -449,10 +439,9 @@ def build_model(
     free_start = len(b.cost)
     free_keys = []
     frees_after: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    budget_rows = []
     for t in range(n):
         if not exact_stage[t]:
-            budget_rows.append(_stage_end_row(b, graph, t, r_index, s_col, scale, capacity))
+            _stage_end_row(b, graph, t, r_index, s_col, scale, capacity)
             continue
         for i in range(t):
             if r_index[t, i] < 0:
@@ -528,7 +517,5 @@ def build_model(
         u_keys=tuple(u_keys),
         u_start=u_start,
         capacity=float(capacity),
-        budget_units=float(budget_units),
         peak_column=peak_column,
-        budget_rows=np.asarray(budget_rows, dtype=np.int64),
     )

@@ -77,6 +77,10 @@ _ROUNDING_RESERVE_SECONDS = 3.0
 # (HiGHS's MILP default).
 _DEFAULT_MIP_GAP = 1e-4
 _LARGE_ROUNDING_SAMPLES = 16
+# Largest overflow, relative to the budget, that counts as the solver's tolerance when
+# memory is in units of the budget: 1e-7 on rows plus 1e-6 on the integrality of binaries
+# whose bytes sum to a few budgets.
+_TOLERANCE_OVERFLOW = 1e-5
 
 
 def _checkpoint_all(graph: DFGraph, strategy: str) -> Schedule:
@@ -147,13 +151,14 @@ def best_baseline(
     return best, smallest_peak
 
 
-def _infeasible(graph, budget_bytes, smallest_peak, strategy, detail) -> InfeasibleBudgetError:
+def _infeasible(graph, budget_bytes, smallest_peak, strategy, detail, proven=True) -> InfeasibleBudgetError:
     return InfeasibleBudgetError(
         budget_bytes,
         min_feasible_bytes=smallest_peak,
         lower_bound_bytes=memory_lower_bound(graph),
         strategy=strategy,
         detail=detail,
+        proven=proven,
     )
 
 
@@ -287,6 +292,9 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
     the budget accounts those stages exactly and solves again; the rounds stop when the
     solution fits (then it is optimal for the exact model, being optimal for a
     relaxation of it) or the time is up. Every round's bound holds for the exact model.
+    A solution that overflows only in exact stages, by no more than the solver's
+    tolerance (memory in units of the budget), lowers the model's budget by the overflow
+    and is solved again; bounds and infeasibility proofs of a lowered model are not used.
     Measured (1 thread): on the 100-node random graph at 80% the relaxation's optimum
     fits at once, proven in 9 s (the exact model took 59 s on 2 threads).
 
@@ -303,6 +311,10 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
     incumbent = baseline
     bound = max(graph.total_cost, lp_bound or 0.0)
     exact_stages: set[int] = set()
+    # Bytes the model's budget is lowered by after a solution overflowed within the
+    # solver's tolerance; bounds and infeasibility proofs of a lowered model do not hold
+    # for the true budget.
+    lowered = 0.0
     solve_seconds = 0.0
     proven = False
     while True:
@@ -317,9 +329,9 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
             progress=progress, presolve=False,
         )
         solve_seconds += result.seconds
-        if result.status == INFEASIBLE:
+        if result.status == INFEASIBLE and not lowered:
             raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", f"{result.solver} proved no schedule fits")
-        if result.best_bound is not None:
+        if result.best_bound is not None and not lowered:
             bound = max(bound, result.best_bound)
         if result.x is None:
             break
@@ -328,15 +340,20 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
         if outcome.peak_bytes <= budget_bytes:
             if incumbent is None or candidate.cost(graph) <= incumbent.cost(graph):
                 incumbent = candidate
-                proven = result.status == OPTIMAL
+                proven = result.status == OPTIMAL and not lowered
             break
-        overflowing = set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes))) - exact_stages
-        if not overflowing:
-            raise SolverError("internal error: a schedule overflows the budget in stages the MILP accounts exactly")
         if deadline is not None and time.perf_counter() >= deadline - _FINISH_SECONDS - _MIN_SOLVE_SECONDS:
             break
-        exact_stages |= overflowing
-        model = build_model(graph, budget_bytes, exact_stages=exact_stages)
+        overflowing = set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes))) - exact_stages
+        if overflowing:
+            exact_stages |= overflowing
+        elif outcome.peak_bytes - budget_bytes <= _TOLERANCE_OVERFLOW * budget_bytes:
+            lowered += outcome.peak_bytes - budget_bytes
+            logger.info("optimal: the solution overflows by %d bytes, within the solver's tolerance; "
+                        "lowering the model's budget by that", outcome.peak_bytes - budget_bytes)
+        else:
+            raise SolverError("internal error: a schedule overflows the budget in stages the MILP accounts exactly")
+        model = build_model(graph, budget_bytes - lowered, exact_stages=exact_stages)
     if incumbent is None:
         raise SolverError(
             f"{result.solver} found no schedule within time_limit={time_limit}s and no baseline fits "
@@ -638,7 +655,8 @@ def solve_approx_lp(
     if best is None and smallest_peak is None:
         raise SolverError(f"{solver} solved no LP relaxation within time_limit={time_limit}s; raise time_limit")
     if best is None:
-        raise _infeasible(graph, budget_bytes, smallest_peak, "approx_lp", "no rounding of the LP solution fits; try 'optimal'")
+        raise _infeasible(graph, budget_bytes, smallest_peak, "approx_lp", "no rounding of the LP solution fits",
+                          proven=False)
     return best.with_facts(
         status=FEASIBLE if best_cost > lp_bound else OPTIMAL, objective=best_cost, best_bound=lp_bound,
         gap=max(0.0, (best_cost - lp_bound) / best_cost) if best_cost else 0.0, seconds=time.perf_counter() - began,
