@@ -333,6 +333,32 @@ def test_missing_gurobipy_names_the_install_and_the_default(monkeypatch):
     assert "highs" in str(info.value)
 
 
+def test_options_are_checked_before_any_baseline_runs(monkeypatch):
+    """At a budget where checkpoint all fits (a baseline is optimal, no solver runs), a bad
+    option or a missing backend still raises, from every strategy that takes them."""
+    from tfremat.ilp.maxbatch import min_peak_within_cost
+
+    graph = training_chain(3)
+    roomy = checkpoint_all_peak(graph)
+    for call in (
+        lambda **o: solve_optimal(graph, roomy, **o),
+        lambda **o: solve_approx_lp(graph, roomy, **{k: v for k, v in o.items() if k != "mip_gap"}),
+        lambda **o: min_peak_within_cost(graph, graph.total_cost, **o),
+    ):
+        with pytest.raises(SolverError, match="unknown solver 'cplex'"):
+            call(solver="cplex")
+        with pytest.raises(SolverError, match="threads must be a positive int"):
+            call(threads=0)
+    with pytest.raises(SolverError, match=r"mip_gap must be in \[0, 1\)"):
+        solve_optimal(graph, roomy, mip_gap=2.0)
+    monkeypatch.setitem(sys.modules, "highspy", None)
+    with pytest.raises(SolverUnavailableError, match="pip install 'highspy"):
+        solve_optimal(graph, roomy)
+    monkeypatch.setitem(sys.modules, "gurobipy", None)
+    with pytest.raises(SolverUnavailableError, match="pip install gurobipy"):
+        solve_approx_lp(graph, roomy, solver="gurobi")
+
+
 def test_gurobi_size_limited_license_error():
     gurobipy = pytest.importorskip("gurobipy", reason="gurobipy is not installed")
     graph = random_dag(40, 5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tfremat.errors import InfeasibleBudgetError
+from tfremat.errors import BudgetFormatError, InfeasibleBudgetError
 from tfremat.ilp import max_batch_size
 from tfremat.ilp.maxbatch import one_extra_forward_cap
 from tfremat.plan.simulator import simulate
@@ -96,3 +96,23 @@ def test_direct_formulation_refuses_graphs_that_do_not_scale():
         max_batch_size(lambda b: training_chain(3, b), 100, method="scan")
     with pytest.raises(ValueError, match="strategy="):
         max_batch_size(lambda b: training_chain(3, b), 100, method="direct", strategy="chen_greedy")
+
+
+def test_max_batch_takes_a_budget_with_a_unit_but_not_a_share():
+    budget = 16 + 4 * 12
+    in_bytes = max_batch_size(lambda b: training_chain(4, b), budget, max_batch=64, threads=1)
+    with_unit = max_batch_size(lambda b: training_chain(4, b), f"{budget}B", max_batch=64, threads=1)
+    assert with_unit.batch_size == in_bytes.batch_size
+    with pytest.raises(BudgetFormatError, match="80%"):
+        max_batch_size(lambda b: training_chain(4, b), "80%", max_batch=64, threads=1)
+
+
+def test_max_batch_warns_when_a_solver_error_decides_a_batch(caplog):
+    """A batch whose solve stops without a schedule counts as not fitting, and says so."""
+    with caplog.at_level("WARNING", logger="tfremat.ilp.maxbatch"), pytest.raises(InfeasibleBudgetError):
+        max_batch_size(
+            lambda b: training_chain(4, b), 16 + 4 * 12, max_batch=64, strategy="approx_lp", threads=1,
+            time_limit=1e-9,
+        )
+    assert any("batch 1 counts as not fitting" in record.message and "time_limit" in record.message
+               for record in caplog.records)

@@ -26,10 +26,11 @@ import time
 
 import numpy as np
 
+from tfremat.budget import parse_budget
 from tfremat.errors import InfeasibleBudgetError, SolverError, SolverLicenseError, SolverUnavailableError
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import build_model, memory_lower_bound
-from tfremat.ilp.solvers import DEFAULT_SOLVER, ProgressFn, solve_model
+from tfremat.ilp.solvers import DEFAULT_SOLVER, ProgressFn, check_solver_options, solve_model
 from tfremat.plan.registry import get_strategy
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import simulate
@@ -73,7 +74,7 @@ def one_extra_forward_cap(graph: DFGraph) -> float:
 
 def max_batch_size(
     graph_for_batch: Callable[[int], DFGraph],
-    budget: int,
+    budget: int | str,
     *,
     strategy: str = "optimal",
     max_overhead: float | None = None,
@@ -90,7 +91,8 @@ def max_batch_size(
 
     Args:
         graph_for_batch: builds the training graph at a batch size.
-        budget: peak bytes allowed, fixed bytes included.
+        budget: peak bytes allowed, fixed bytes included: an int, or a string with a unit
+            such as ``"12GiB"`` (not a share of a peak: the peak changes with the batch).
         strategy: registered strategy that finds the cheapest schedule within a budget
             (``"optimal"`` gives exact answers; a baseline name is faster).
         max_overhead: allowed extra cost as a fraction of the no-remat cost (0.3 = 30%);
@@ -109,7 +111,9 @@ def max_batch_size(
         InfeasibleBudgetError: even ``min_batch`` does not fit.
         ValueError: bad search bounds, overhead or method; with ``direct``, a graph that
             does not scale linearly with the batch, or a strategy other than ``optimal``.
+        BudgetFormatError: ``budget`` is not an absolute number of bytes.
     """
+    budget = parse_budget(budget)
     if not 1 <= min_batch <= max_batch:
         raise ValueError(f"need 1 <= min_batch <= max_batch, got min_batch={min_batch}, max_batch={max_batch}")
     if max_overhead is not None and max_overhead < 0:
@@ -136,7 +140,8 @@ def max_batch_size(
             except (SolverUnavailableError, SolverLicenseError):
                 raise
             except SolverError as exc:
-                logger.info("batch %d: %s", batch, exc)
+                # Counted as not fitting, though nothing proved it: say so where it shows.
+                logger.warning("batch %d counts as not fitting: %s found no schedule (%s)", batch, strategy, exc)
                 schedule = None
             if schedule is not None:
                 cost = schedule.cost(graph)
@@ -198,6 +203,7 @@ def min_peak_within_cost(
         ValueError: ``max_cost`` is below the cost of running every node once.
     """
     began = time.perf_counter()
+    check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
     if max_cost < graph.total_cost * (1 - 1e-12):
         raise ValueError(f"max_cost={max_cost} is below the no-remat cost {graph.total_cost}: no schedule is that cheap")
     keep_all = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "min_peak")

@@ -25,7 +25,7 @@ import numpy as np
 from tfremat.errors import SolverError, SolverLicenseError, SolverUnavailableError
 from tfremat.ilp.formulation import CheckmateModel, SparseMILP
 
-__all__ = ["SOLVERS", "DEFAULT_SOLVER", "SolveResult", "Progress", "solve_model"]
+__all__ = ["SOLVERS", "DEFAULT_SOLVER", "SolveResult", "Progress", "solve_model", "check_solver_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,14 +145,7 @@ def solve_model(
         SolverLicenseError: the backend's license does not cover the model.
         SolverError: unknown backend name, or the backend failed.
     """
-    if solver not in SOLVERS:
-        raise SolverError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)} (default {DEFAULT_SOLVER!r})")
-    if time_limit is not None and not time_limit > 0:
-        raise SolverError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
-    if mip_gap is not None and not 0 <= mip_gap < 1:
-        raise SolverError(f"mip_gap must be in [0, 1), got {mip_gap!r}")
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise SolverError(f"threads must be a positive int or None, got {threads!r}")
+    check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
     if lp_method not in _LP_METHODS:
         raise SolverError(f"lp_method must be one of {', '.join(_LP_METHODS)}, got {lp_method!r}")
     if lp_method in _STOPPABLE_LP_METHODS and not isinstance(model, CheckmateModel):
@@ -182,6 +175,57 @@ def solve_model(
     )
 
 
+def check_solver_options(
+    solver: str, *, time_limit: float | None = None, mip_gap: float | None = None, threads: int | None = None,
+) -> None:
+    """Raises for a solver option no backend accepts, or a backend that is not installed.
+
+    Strategies call it before their heuristics run, so a typo or a missing ``gurobipy``
+    is reported at once rather than after minutes of baselines, and not at all when a
+    baseline happens to be optimal.
+
+    Raises:
+        SolverError: an unknown solver name or an option out of range (the message names
+            the argument and what it accepts), or ``ortools`` imported with HiGHS asked for.
+        SolverUnavailableError: the backend's Python package is not installed.
+    """
+    if solver not in SOLVERS:
+        raise SolverError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)} (default {DEFAULT_SOLVER!r})")
+    if time_limit is not None and not time_limit > 0:
+        raise SolverError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
+    if mip_gap is not None and not 0 <= mip_gap < 1:
+        raise SolverError(f"mip_gap must be in [0, 1), got {mip_gap!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise SolverError(f"threads must be a positive int or None, got {threads!r}")
+    _backend_module(solver)
+
+
+def _backend_module(solver: str):
+    """The backend's Python module, imported (highspy lazily: see the module docstring)."""
+    if solver == "highs":
+        if "ortools" in sys.modules:
+            raise SolverError(
+                "ortools is imported in this process, and its native HiGHS library clashes with highspy's; "
+                "run the solver in a process that does not import ortools"
+            )
+        try:
+            import highspy
+        except ImportError as exc:
+            raise SolverUnavailableError(
+                "solver='highs' needs highspy, which tfremat installs: `pip install 'highspy>=1.7'`"
+            ) from exc
+        return highspy
+    try:
+        import gurobipy
+    except ImportError as exc:
+        raise SolverUnavailableError(
+            "solver='gurobi' needs gurobipy: `pip install gurobipy` (plus a Gurobi license for "
+            "models above 2000 variables or constraints), or use the default solver='highs', "
+            "which needs no license"
+        ) from exc
+    return gurobipy
+
+
 def report_progress(progress: ProgressFn | None, report: Progress) -> None:
     """Logs ``report`` at INFO and passes it to ``progress`` (when not None)."""
     logger.info(
@@ -197,13 +241,7 @@ def report_progress(progress: ProgressFn | None, report: Progress) -> None:
 
 def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progress, presolve,
                  lp_method="simplex") -> SolveResult:
-    if "ortools" in sys.modules:
-        raise SolverError(
-            "ortools is imported in this process, and its native HiGHS library clashes with highspy's; "
-            "run the solver in a process that does not import ortools"
-        )
-    import highspy
-
+    highspy = _backend_module("highs")
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", int(seed))
@@ -302,15 +340,8 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
 
 
 def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progress, presolve) -> SolveResult:
-    try:
-        import gurobipy as gp
-    except ImportError as exc:
-        raise SolverUnavailableError(
-            "solver='gurobi' needs gurobipy: `pip install gurobipy` (plus a Gurobi license for "
-            "models above 2000 variables or constraints), or use the default solver='highs', "
-            "which needs no license"
-        ) from exc
-    from gurobipy import GRB
+    gp = _backend_module("gurobi")
+    GRB = gp.GRB
 
     size = f"{model.num_vars} variables and {model.num_constraints} constraints"
     try:

@@ -37,6 +37,7 @@ from tfremat.ilp.solvers import (
     TIME_LIMIT,
     Progress,
     ProgressFn,
+    check_solver_options,
     report_progress,
     solve_model,
 )
@@ -230,12 +231,12 @@ def solve_optimal(
     Raises:
         InfeasibleBudgetError: no schedule fits (proven by the solver, or the budget is
             below :func:`~tfremat.ilp.formulation.memory_lower_bound`).
-        SolverError: the solver stopped without any schedule and no baseline fits.
+        SolverError: the solver stopped without any schedule and no baseline fits, or an
+            option is out of range (raised before anything runs).
         SolverUnavailableError, SolverLicenseError: see :func:`~tfremat.ilp.solvers.solve_model`.
     """
     began = time.perf_counter()
-    if time_limit is not None and not time_limit > 0:
-        raise SolverError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
+    check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
     if budget is None:
         return _no_budget(graph, "optimal", began)
     budget_bytes = _budget_bytes(graph, budget)
@@ -604,10 +605,12 @@ def solve_approx_lp(
     Raises:
         InfeasibleBudgetError: the LP relaxation is infeasible (so is every schedule), or
             no rounded schedule fits; carries the smallest peak reached.
-        SolverError: no LP relaxation was solved within ``time_limit``, or with a
+        SolverError: an option is out of range (raised before anything runs), no LP
+            relaxation was solved within ``time_limit``, or with a
             ``time_limit`` the model would exceed 250k R columns.
     """
     began = time.perf_counter()
+    check_solver_options(solver, time_limit=time_limit, threads=threads)
     if budget is None:
         return _no_budget(graph, "approx_lp", began)
     if num_samples < 0:
