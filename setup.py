@@ -14,7 +14,7 @@ setup(
         "numpy>=1.24",
         "networkx>=3.0",
         "absl-py>=1.0",
-        "highspy>=1.7",
+        "highspy>=1.15",
     ],
     # TensorFlow is an extra so that the planning core installs without it and users pick
     # their build: "tensorflow" (GPU-capable) or "cpu" (tensorflow-cpu, smaller).

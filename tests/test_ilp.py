@@ -281,11 +281,13 @@ def test_no_budget_returns_checkpoint_all_as_optimal():
 def test_budget_below_lower_bound_raises_with_facts():
     graph = training_chain(4)
     bound = memory_lower_bound(graph)
-    with pytest.raises(InfeasibleBudgetError) as info:
-        solve_optimal(graph, bound - 1, threads=1)
-    assert info.value.lower_bound_bytes == bound
-    assert info.value.strategy == "optimal"
-    assert info.value.min_feasible_bytes is not None and info.value.min_feasible_bytes >= bound
+    for strategy in (solve_optimal, solve_approx_lp):
+        with pytest.raises(InfeasibleBudgetError) as info:
+            strategy(graph, bound - 1, threads=1)
+        assert info.value.lower_bound_bytes == bound and info.value.proven
+        assert info.value.strategy == strategy.__name__.replace("solve_", "")
+        assert info.value.min_feasible_bytes is not None and info.value.min_feasible_bytes >= bound
+        assert str(info.value).endswith("Raise the budget.")
 
 
 def test_facts_report_the_solve():
@@ -503,14 +505,16 @@ def test_baseline_within_mip_gap_of_the_no_remat_cost_is_returned_at_once():
     assert simulate(graph, schedule).peak_bytes <= budget
 
 
-def test_model_too_large_for_the_time_limit_returns_the_best_heuristic(monkeypatch):
+def test_model_too_large_for_the_time_limit_returns_the_best_heuristic(monkeypatch, caplog):
     import tfremat.ilp.strategies as strategies
 
     graph = random_training_graph(3, 8)
     budget = int(0.8 * checkpoint_all_peak(graph))
     monkeypatch.setattr(strategies, "_MAX_R_COLUMNS", 0)
     reports = []
-    schedule = solve_optimal(graph, budget, threads=1, time_limit=10, progress=reports.append)
+    with caplog.at_level("WARNING", logger="tfremat.ilp.strategies"):
+        schedule = solve_optimal(graph, budget, threads=1, time_limit=10, progress=reports.append)
+    assert any("too large" in r.message and "time_limit=None" in r.message for r in caplog.records), "not said"
     assert schedule.facts["num_vars"] == 0 and schedule.facts["solver"] is None
     # The heuristics' improvements were reported although no solver ran.
     assert reports and reports[-1].incumbent == pytest.approx(schedule.cost(graph))

@@ -212,7 +212,7 @@ def _backend_module(solver: str):
             import highspy
         except ImportError as exc:
             raise SolverUnavailableError(
-                "solver='highs' needs highspy, which tfremat installs: `pip install 'highspy>=1.7'`"
+                "solver='highs' needs highspy, which tfremat installs: `pip install 'highspy>=1.15'`"
             ) from exc
         return highspy
     try:

@@ -261,7 +261,11 @@ def solve_optimal(
                 f"({r_column_count(graph)} R columns) is too large to build within time_limit={time_limit}s; "
                 "raise the budget, or pass time_limit=None to build and solve it however long it takes"
             )
-        logger.info("optimal: model too large for time_limit=%ss; returning %s", time_limit, baseline.strategy)
+        logger.warning(
+            "optimal: the MILP of this %d-node graph (%d R columns) is too large to build within time_limit=%ss; "
+            "returning the best heuristic (%s), bounded only by the no-remat cost; time_limit=None builds and "
+            "solves it however long it takes", graph.size, r_column_count(graph), time_limit, baseline.strategy,
+        )
         return _baseline_result(graph, baseline, TIME_LIMIT, began, budget_bytes)
     model = build_model(graph, budget_bytes, exact_stages=())
     if time_limit is not None and model.num_vars > _FULL_MILP_COLUMNS:
@@ -620,7 +624,8 @@ def solve_approx_lp(
     budget_bytes = _budget_bytes(graph, budget)
     lower_bound = memory_lower_bound(graph)
     if budget_bytes < lower_bound:
-        raise _infeasible(graph, budget_bytes, None, "approx_lp", "some node alone needs more while it runs")
+        _, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0)
+        raise _infeasible(graph, budget_bytes, smallest_peak, "approx_lp", "some node alone needs more while it runs")
     if time_limit is not None and r_column_count(graph) > _MAX_R_COLUMNS:
         raise SolverError(
             f"the LP of this {graph.size}-node graph ({r_column_count(graph)} R columns) is too large to build "
