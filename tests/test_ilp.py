@@ -297,6 +297,23 @@ def test_budget_below_lower_bound_raises_with_facts():
         assert str(info.value).endswith("Raise the budget.")
 
 
+def test_progress_reports_share_the_call_clock():
+    """The heuristics' reports and the solver's count seconds from the call's start, so
+    the stream never jumps back to 0 when the MILP starts; progress=None reports nothing
+    and gives the same schedule."""
+    graph = random_dag(12, 7)
+    low, high = memory_lower_bound(graph), checkpoint_all_peak(graph)
+    budget = (low + high) // 2
+    reports = []
+    with_reports = solve_optimal(graph, budget, threads=1, seed=3, progress=reports.append)
+    silent = solve_optimal(graph, budget, threads=1, seed=3, progress=None)
+    assert len(reports) >= 2
+    seconds = [r.seconds for r in reports]
+    assert seconds == sorted(seconds) and seconds[-1] <= with_reports.facts["seconds"]
+    assert silent.cost(graph) == pytest.approx(with_reports.cost(graph))
+    assert np.array_equal(silent.R, with_reports.R) and np.array_equal(silent.S, with_reports.S)
+
+
 def test_facts_report_the_solve():
     graph = training_chain(5)
     budget = memory_lower_bound(graph) + 8

@@ -211,7 +211,7 @@ def min_peak_within_cost(
     model = build_model(graph, reference, peak_within_cost=max_cost)
     result = solve_model(
         model, solver=solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed,
-        start=model.encode(keep_all), progress=progress,
+        start=model.encode(keep_all), progress=progress, started=began,
     )
     best, best_peak = keep_all, reference
     if result.x is not None:

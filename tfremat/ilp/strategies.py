@@ -331,7 +331,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
         remaining = None if deadline is None else max(deadline - time.perf_counter() - _FINISH_SECONDS, _MIN_SOLVE_SECONDS)
         result = solve_model(
             model, solver=solver, time_limit=remaining, mip_gap=mip_gap, threads=threads, seed=seed, start=start,
-            progress=progress, presolve=False,
+            progress=progress, presolve=False, started=began,
         )
         solve_seconds += result.seconds
         if result.status == INFEASIBLE and not lowered:
