@@ -73,3 +73,35 @@ def test_compare_graph_reports_infeasible_strategies_with_smallest_peak():
     rows = compare_graph(g, "90%", ["checkpoint_all", "chen_greedy"], cache=False)
     assert isinstance(rows[0], InfeasibleBudgetError)
     assert rows[1].predicted_peak_bytes <= rows[1].budget_bytes
+
+
+def test_milp_strategies_get_a_default_time_limit_from_the_api(monkeypatch):
+    """plan_graph (and so plan, fit, compare and the command line) gives the MILP
+    strategies 60 s unless told otherwise; math.inf asks for no limit; the heuristics get
+    only what the caller passed."""
+    import math
+
+    import tfremat.api as api
+    from tfremat.plan.registry import get_strategy
+
+    seen = {}
+
+    def recording(name):
+        real = get_strategy(name)
+
+        def strategy(graph, budget=None, **options):
+            seen[name] = options
+            return real(graph, budget, **options)
+
+        return strategy
+
+    monkeypatch.setattr(api, "get_strategy", recording)
+    g = random_training_graph(4, 8)
+    api.plan_graph(g, "90%", "optimal", cache=False, verbose=0)
+    assert seen["optimal"]["time_limit"] == api.DEFAULT_TIME_LIMIT == 60.0
+    api.plan_graph(g, "90%", "optimal", cache=False, verbose=0, time_limit=5, solver=None)
+    assert seen["optimal"] == {"time_limit": 5}
+    api.plan_graph(g, "90%", "approx_lp", cache=False, verbose=0, time_limit=math.inf)
+    assert seen["approx_lp"] == {"time_limit": None}
+    api.plan_graph(g, "90%", "chen_greedy", cache=False, verbose=0)
+    assert seen["chen_greedy"] == {}

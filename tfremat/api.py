@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -22,11 +23,31 @@ from tfremat.plan.registry import get_strategy, strategy_names
 from tfremat.plan.schedule import Schedule
 from tfremat.plan.simulator import simulate
 
-__all__ = ["PlanResult", "plan_graph", "compare_graph", "plan", "compare", "fit", "max_batch_size"]
+__all__ = [
+    "PlanResult", "plan_graph", "compare_graph", "plan", "compare", "fit", "max_batch_size", "strategy_options",
+    "DEFAULT_TIME_LIMIT",
+]
 
 logger = logging.getLogger(__name__)
 
 _MILP_STRATEGIES = ("optimal", "approx_lp")
+# Seconds the MILP strategies get from the high-level API when the caller names none: a
+# solve without a limit can take hours on a ResNet-sized graph at a tight budget, while
+# within 60 s `optimal` proves most budgets optimal and returns the rest with their gap
+# (README, "Solvers on the Checkmate graphs").
+DEFAULT_TIME_LIMIT = 60.0
+
+
+def strategy_options(strategy: str, **options) -> dict:
+    """The options the high-level API passes to ``strategy``: those given (None means not
+    given), and for the MILP strategies ``time_limit=DEFAULT_TIME_LIMIT`` unless one is;
+    ``time_limit=math.inf`` asks for no limit (solve until proven optimal)."""
+    options = {k: v for k, v in options.items() if v is not None}
+    if strategy in _MILP_STRATEGIES:
+        options.setdefault("time_limit", DEFAULT_TIME_LIMIT)
+    if options.get("time_limit") == math.inf:
+        options["time_limit"] = None
+    return options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +143,9 @@ def plan_graph(
         cache: True for the default schedule cache, a directory, a :class:`ScheduleCache`,
             or False to always solve.
         verbose: 0 silences the solver's progress line.
-        **options: passed to the strategy (e.g. ``time_limit``, ``solver``).
+        **options: passed to the strategy (e.g. ``time_limit``, ``solver``); the MILP
+            strategies get ``time_limit=60`` unless told otherwise (``math.inf``: none),
+            see :func:`strategy_options`.
 
     Raises:
         InfeasibleBudgetError: no schedule of the strategy fits.
@@ -132,7 +155,7 @@ def plan_graph(
     budget_bytes = None if budget is None else parse_budget(budget, reference)
     function = get_strategy(strategy)
     store = _cache_of(cache)
-    options = {k: v for k, v in options.items() if v is not None}
+    options = strategy_options(strategy, **options)
     cache_options = {k: v for k, v in options.items() if k != "progress"}
     schedule = store.load(graph, budget_bytes, strategy, cache_options) if store else None
     from_cache = schedule is not None
@@ -299,7 +322,9 @@ def fit(
     Extracts the graph for each batch shape met, plans it with ``strategy`` and compiles the
     schedule into a ``tf.function`` step (:class:`tfremat.keras.RematCallback` does the
     work, so ``model.fit(..., callbacks=[RematCallback(...)])`` is the same thing).
-    The model must be compiled (loss, optimizer, metrics are taken from it).
+    The model must be compiled (loss, optimizer, metrics are taken from it). The MILP
+    strategies get ``time_limit`` seconds per batch shape (60 unless given; ``math.inf``
+    solves until proven optimal); the schedule's facts say whether it was proven.
 
     Returns:
         The Keras ``History``.
@@ -339,6 +364,8 @@ def max_batch_size(
         model: a Keras model whose inputs have static shapes apart from the batch.
         budget: bytes or a string with a unit; a relative budget is refused (no batch to refer to).
         strategies: strategy names to search with.
+        **options: MILP options (``time_limit`` per batch solve, 60 s unless given,
+            ``math.inf`` for none; ``solver``, ...), see :func:`strategy_options`.
 
     Returns:
         ``{strategy: tfremat.ilp.MaxBatchResult}``.
@@ -364,5 +391,6 @@ def max_batch_size(
     results = {}
     for name in strategies:
         results[name] = search(graph_for_batch, budget_bytes, strategy=name, max_overhead=max_overhead,
-                               min_batch=min_batch, max_batch=max_batch, **(options if name in _MILP_STRATEGIES else {}))
+                               min_batch=min_batch, max_batch=max_batch,
+                               **(strategy_options(name, **options) if name in _MILP_STRATEGIES else {}))
     return results

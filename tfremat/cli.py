@@ -34,7 +34,7 @@ flags.DEFINE_string(
     'Memory budget: bytes ("12000000000"), a size with unit ("12GiB", "800MB") or a share of the '
     'checkpoint-all peak ("80%"). Default: no budget.',
 )
-flags.DEFINE_float("time_limit", None, "Solver time limit in seconds (MILP strategies).")
+flags.DEFINE_float("time_limit", None, "Solver time limit in seconds for the MILP strategies (default 60; inf: none).")
 flags.DEFINE_string("schedule_out", None, "Write the schedule (R, S, execution order, graph fingerprint) to this JSON file.")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of a human-readable summary.")
 flags.DEFINE_string("model", None, "A Keras Applications constructor name (resnet50, mobilenet_v2, vgg16, ...; weights=None) or a saved .keras file.")
@@ -200,9 +200,11 @@ def _extraction(model, batch: int):
 
 
 def _milp_options(name: str) -> dict:
+    from tfremat.api import strategy_options
+
     if name not in ("optimal", "approx_lp"):
         return {}
-    return {k: v for k, v in {"time_limit": FLAGS.time_limit, "solver": FLAGS.solver}.items() if v is not None}
+    return strategy_options(name, time_limit=FLAGS.time_limit, solver=FLAGS.solver)
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:

@@ -29,7 +29,8 @@ class RematCallback(keras.callbacks.Callback):
             ("50%" or 0.5), applied to every batch shape.
         strategy: the strategy name (default "optimal", the MILP).
         solver: MILP solver name ("highs" default, "gurobi" when licensed).
-        time_limit: MILP time limit in seconds.
+        time_limit: MILP time limit in seconds per batch shape (None: 60 s,
+            ``tfremat.api.DEFAULT_TIME_LIMIT``; ``math.inf``: until proven optimal).
         cost_model: "profile" or "flops" for the extraction.
         cache: schedule cache (True: default directory; a path; False: off).
         verbose: 0 silences planning progress.
