@@ -413,6 +413,25 @@ def test_gurobi_agrees_with_highs_on_a_small_model():
     assert gurobi.facts["solver"] == "gurobi"
 
 
+def test_gurobi_reports_the_bound_periodically(monkeypatch):
+    """Besides every new incumbent, Gurobi's reports include the bound from its MIP
+    callback at a fixed interval (0 here, so every call reports)."""
+    pytest.importorskip("gurobipy", reason="gurobipy is not installed")
+    import tfremat.ilp.solvers as solvers
+
+    monkeypatch.setattr(solvers, "_GUROBI_REPORT_SECONDS", 0.0)
+    graph = random_dag(9, 4)
+    model = build_model(graph, (memory_lower_bound(graph) + checkpoint_all_peak(graph)) // 2)
+    reports = []
+    try:
+        result = solve_model(model, solver="gurobi", threads=1, progress=reports.append)
+    except SolverLicenseError as exc:
+        pytest.skip(f"no usable Gurobi license: {exc}")
+    assert len(reports) >= 2 and all(r.bound is not None for r in reports)
+    assert reports[-1].bound <= result.objective + 1e-6
+    assert [r.seconds for r in reports] == sorted(r.seconds for r in reports)
+
+
 def test_approx_lp_keeps_roundings_that_fit_the_budget_not_the_allowance():
     """The LP is solved under a smaller allowance so that its roundings fit the budget; a
     rounding above the allowance but within the budget is a valid answer (a review once

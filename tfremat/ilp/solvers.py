@@ -42,6 +42,8 @@ _STOPPABLE_LP_METHODS = ("dual_simplex", "pdlp")
 _HIGHS_DUAL_SIMPLEX = 1
 _GUROBI_SIZE_LIMIT_ERRNO = 10010
 _GUROBI_NO_LICENSE_ERRNOS = (10009, 10010)
+# Seconds between Gurobi's periodic progress reports (HiGHS logs every 5 s by default).
+_GUROBI_REPORT_SECONDS = 5.0
 # The thread count HiGHS's process-wide scheduler was last started with ("unset" before
 # the first run).
 _highs_scheduler_threads: int | None | str = "unset"
@@ -384,12 +386,25 @@ def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progr
             for c, value in enumerate(start):
                 variables[c].Start = float(value)
         began = time.perf_counter()
+        last_report = -math.inf
 
         def on_event(solver_model, where) -> None:
+            # Every new incumbent, and the bound at least every _GUROBI_REPORT_SECONDS (as
+            # HiGHS's logging callback does), so a long search is not silent.
+            nonlocal last_report
+            now = time.perf_counter()
             if where == GRB.Callback.MIPSOL:
                 incumbent = solver_model.cbGet(GRB.Callback.MIPSOL_OBJBST)
                 bound = solver_model.cbGet(GRB.Callback.MIPSOL_OBJBND)
-                progress(Progress(time.perf_counter() - began, incumbent, bound, _relative_gap(incumbent, bound)))
+            elif where == GRB.Callback.MIP and now - last_report >= _GUROBI_REPORT_SECONDS:
+                incumbent = solver_model.cbGet(GRB.Callback.MIP_OBJBST)
+                bound = solver_model.cbGet(GRB.Callback.MIP_OBJBND)
+            else:
+                return
+            last_report = now
+            incumbent = incumbent if abs(incumbent) < GRB.INFINITY else None
+            bound = bound if abs(bound) < GRB.INFINITY else None
+            progress(Progress(now - began, incumbent, bound, _relative_gap(incumbent, bound)))
 
         m.optimize(None if relax else on_event)
         seconds = time.perf_counter() - began
