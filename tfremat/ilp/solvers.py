@@ -151,13 +151,13 @@ def solve_model(
         SolverLicenseError: the backend's license does not cover the model.
         SolverError: unknown backend name, or the backend failed.
     """
-    check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
     if lp_method not in _LP_METHODS:
         raise SolverError(f"lp_method must be one of {', '.join(_LP_METHODS)}, got {lp_method!r}")
     if lp_method in _STOPPABLE_LP_METHODS and not isinstance(model, CheckmateModel):
         raise SolverError(f"lp_method={lp_method!r} bounds only Checkmate's model (CheckmateModel.dual_bound)")
     if lp_method in _STOPPABLE_LP_METHODS and solver != "highs":
         raise SolverError(f"lp_method={lp_method!r} needs solver='highs' (got {solver!r}); use lp_method='simplex'")
+    check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
     backend = _solve_highs if solver == "highs" else _solve_gurobi
     unit = model.cost_scale
 
