@@ -325,7 +325,10 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
     while True:
         start = model.encode(incumbent) if incumbent is not None else None
         if incumbent is not None and start is None:
-            logger.warning("schedule %s is outside the MILP's variable set; solving without a MIP start", incumbent.strategy)
+            # Expected after lowering the budget (the incumbent may peak above it); else a defect.
+            logger.log(logging.INFO if lowered else logging.WARNING,
+                       "schedule %s is not a solution of this model (it uses a variable the model prunes, or peaks "
+                       "above its lowered budget); solving without a MIP start", incumbent.strategy)
         logger.info("optimal: %d variables, %d constraints, %d of %d stages exact, start %s", model.num_vars,
                     model.num_constraints, len(exact_stages), graph.size, incumbent.strategy if incumbent else None)
         remaining = None if deadline is None else max(deadline - time.perf_counter() - _FINISH_SECONDS, _MIN_SOLVE_SECONDS)
