@@ -40,8 +40,12 @@ def test_max_batch_matches_a_linear_scan(max_overhead):
 
 
 def test_max_batch_raises_when_nothing_fits():
-    with pytest.raises(InfeasibleBudgetError):
+    from tfremat.ilp import memory_lower_bound
+
+    lower_bound = memory_lower_bound(training_chain(3, 1))
+    with pytest.raises(InfeasibleBudgetError) as info:
         max_batch_size(lambda b: training_chain(3, b), 20, threads=1)
+    assert info.value.lower_bound_bytes == lower_bound and info.value.proven == (20 < lower_bound)
 
 
 def test_max_batch_rejects_bad_bounds():

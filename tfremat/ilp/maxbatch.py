@@ -153,8 +153,9 @@ def max_batch_size(
         return ok
 
     if not fits(min_batch):
+        lower_bound = memory_lower_bound(graph_for_batch(min_batch))
         raise InfeasibleBudgetError(
-            budget, strategy=strategy,
+            budget, strategy=strategy, lower_bound_bytes=lower_bound, proven=budget < lower_bound,
             detail=f"batch size {min_batch} does not fit within the overhead limit",
         )
     good, bad = min_batch, None
