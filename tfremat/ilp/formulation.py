@@ -55,14 +55,14 @@ one overflows.
 Memory is measured in units of ``scale`` bytes. When every byte count is a multiple of a
 common unit and the budget is at most 1000 such units, that unit is used and the budget
 row is exact in integers. Otherwise the budget is one unit: the dual simplex is far
-faster with memory in units of the budget than in units of a tensor (measured on the MobileNet graph at 80%: LP in 8.6 s
-with the budget as unit, 26 s with 1/1000 of it, over 90 s with 1/10000 of the largest
-tensor; ResNet50 at 80%: 87 s instead of over 150 s). The budget row is not shrunk to absorb the
-solver's tolerances: a margin would cut off every schedule whose peak lies within it, so
-a schedule exactly at the budget (a budget taken from a measured peak) was neither found
-nor accepted as a warm start, and the bound and the "optimal" claim held only for the
-shrunk budget. A solution that overflows by the tolerance is caught by the simulator
-instead (see ``optimal``).
+faster with memory in units of the budget than in units of a tensor (measured on the
+MobileNet graph at 80%: LP in 8.6 s with the budget as unit, 26 s with 1/1000 of it, over
+90 s with 1/10000 of the largest tensor; ResNet50 at 80%: 87 s instead of over 150 s).
+The budget row is not shrunk to absorb the solver's tolerances: a margin would cut off
+every schedule whose peak lies within it, so a schedule exactly at the budget (a budget
+taken from a measured peak) was neither found nor accepted as a warm start, and the bound
+and the "optimal" claim held only for the shrunk budget. A solution that overflows by the
+tolerance is caught by the simulator instead (see ``optimal``).
 """
 
 from __future__ import annotations
