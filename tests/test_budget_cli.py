@@ -74,3 +74,13 @@ def test_cli_bad_flags_give_one_line_errors(tmp_path):
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     out = run_cli("solve", "--help")
     assert out.returncode == 0 and "--budget" in out.stdout and "--schedule_out" in out.stdout
+
+
+def test_integer_like_budgets_are_bytes():
+    """NumPy integers (a budget computed with NumPy) are bytes, as a Python int is."""
+    import numpy as np
+
+    assert parse_budget(np.int64(123_456)) == 123_456
+    assert parse_budget(np.uint32(1024)) == 1024
+    with pytest.raises(BudgetFormatError):
+        parse_budget(True)

@@ -101,7 +101,10 @@ def test_milp_strategies_get_a_default_time_limit_from_the_api(monkeypatch):
     assert seen["optimal"]["time_limit"] == api.DEFAULT_TIME_LIMIT == 60.0
     api.plan_graph(g, "90%", "optimal", cache=False, verbose=0, time_limit=5, solver=None)
     assert seen["optimal"] == {"time_limit": 5}
-    api.plan_graph(g, "90%", "approx_lp", cache=False, verbose=0, time_limit=math.inf)
-    assert seen["approx_lp"] == {"time_limit": None}
+    result = api.plan_graph(g, "90%", "approx_lp", cache=False, verbose=0, time_limit=math.inf)
+    assert seen["approx_lp"] == {"time_limit": math.inf} and result.schedule.facts["status"] in ("optimal", "feasible")
     api.plan_graph(g, "90%", "chen_greedy", cache=False, verbose=0)
     assert seen["chen_greedy"] == {}
+    # The command line applies it before plan_graph does: twice must not undo math.inf.
+    twice = api.strategy_options("optimal", **api.strategy_options("optimal", time_limit=math.inf))
+    assert twice == {"time_limit": math.inf}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -135,36 +136,41 @@ def test_budget_exactly_at_a_peak_in_budget_units(seed):
 
 def test_solution_over_the_budget_by_the_solver_tolerance_is_solved_again(monkeypatch, caplog):
     """A MILP solution whose schedule peaks a byte above the budget (within the solver's
-    tolerance in units of the budget) is not returned: the model's budget is lowered by
-    that byte and solved again, and the lowered model's bound is not reported."""
+    tolerance in units of the budget) is not returned: the model's budget is lowered and
+    solved again, and the lowered model's bound and "optimal" are not taken (here a fake
+    one far above the true optimum, which would make the result look proven)."""
     import tfremat.ilp.strategies as strategies
 
     graph = with_coprime_bytes(random_dag(5, 1))
     points = brute_force_frontier(graph)
     budget = sorted({p for p, _ in points})[1] - 1
+    best = min(c for p, c in points if p <= budget)
+    assert best > graph.total_cost, "the case needs recomputation, so only a false bound could prove it"
     over = next(
         schedule for schedule in (schedule_from_keep_matrix(graph, S, "x") for S in _keep_matrices(graph.size))
         if peak(graph, schedule) == budget + 1
     )
     real_solve = strategies.solve_model
-    calls = []
+    budgets = []
 
     def solve_returning_the_overflow_first(model, **options):
-        calls.append(model.budget_bytes)
+        budgets.append(model.budget_bytes)
         x = model.encode(over)
-        if len(calls) <= 2 and x is not None:
-            cost = over.cost(graph) / model.cost_scale
-            return SolveResult(x, "optimal", cost, cost, 0.0, 0.0, "fake")
-        return real_solve(model, **options)
+        if len(budgets) <= 2 and x is not None:
+            return SolveResult(x, "time_limit", over.cost(graph), graph.total_cost, None, 0.0, "fake")
+        result = real_solve(model, **options)
+        if model.budget_bytes < budget:
+            return dataclasses.replace(result, status="optimal", best_bound=10 * best)
+        return result
 
     monkeypatch.setattr(strategies, "solve_model", solve_returning_the_overflow_first)
     with caplog.at_level("INFO", logger="tfremat.ilp.strategies"):
         schedule = solve_optimal(graph, budget, threads=1, warm_start=False, mip_gap=0.0)
     assert any("within the solver's tolerance" in record.message for record in caplog.records)
-    assert calls[-1] < budget, "the last model was not built for a lowered budget"
+    assert budgets[-1] < budget, "the last model was not built for a lowered budget"
     assert peak(graph, schedule) <= budget
-    assert schedule.cost(graph) == pytest.approx(min(c for p, c in points if p <= budget))
-    assert schedule.facts["best_bound"] <= schedule.cost(graph)
+    assert schedule.cost(graph) == pytest.approx(best)
+    assert schedule.facts["status"] != "optimal" and schedule.facts["gap"] > 0, "a lowered model's bound was used"
 
 
 def test_brute_force_six_nodes_training_chain():
@@ -427,8 +433,8 @@ def test_gurobi_reports_the_bound_periodically(monkeypatch):
         result = solve_model(model, solver="gurobi", threads=1, progress=reports.append)
     except SolverLicenseError as exc:
         pytest.skip(f"no usable Gurobi license: {exc}")
-    assert len(reports) >= 2 and all(r.bound is not None for r in reports)
-    assert reports[-1].bound <= result.objective + 1e-6
+    bounded = [r for r in reports if r.bound is not None]
+    assert len(bounded) >= 2 and bounded[-1].bound <= result.objective + 1e-6
     assert [r.seconds for r in reports] == sorted(r.seconds for r in reports)
 
 

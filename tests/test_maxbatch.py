@@ -120,3 +120,21 @@ def test_max_batch_warns_when_a_solver_error_decides_a_batch(caplog):
         )
     assert any("batch 1 counts as not fitting" in record.message and "time_limit" in record.message
                for record in caplog.records)
+
+
+def test_max_batch_checks_solver_options_before_searching():
+    """A bad option is an error, not "batch 1 does not fit"."""
+    from tfremat.errors import SolverError
+
+    with pytest.raises(SolverError, match="unknown solver 'cplex'"):
+        max_batch_size(lambda b: training_chain(4, b), 16 + 4 * 12, max_batch=64, solver="cplex")
+
+
+def test_max_batch_error_names_the_overhead_cap_when_it_is_the_cause():
+    """Batch 1 fits in memory only by recomputing more than the cap allows."""
+    from tfremat.ilp import memory_lower_bound
+
+    graph = training_chain(4, 1)
+    with pytest.raises(InfeasibleBudgetError, match="max_overhead") as info:
+        max_batch_size(lambda b: training_chain(4, b), memory_lower_bound(graph) + 4, max_overhead=0.0, threads=1)
+    assert not info.value.proven

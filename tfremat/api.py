@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -41,12 +40,11 @@ DEFAULT_TIME_LIMIT = 60.0
 def strategy_options(strategy: str, **options) -> dict:
     """The options the high-level API passes to ``strategy``: those given (None means not
     given), and for the MILP strategies ``time_limit=DEFAULT_TIME_LIMIT`` unless one is;
-    ``time_limit=math.inf`` asks for no limit (solve until proven optimal)."""
+    ``time_limit=math.inf`` asks for no limit (the strategies read it as None: solve until
+    proven optimal). Applying it twice changes nothing."""
     options = {k: v for k, v in options.items() if v is not None}
     if strategy in _MILP_STRATEGIES:
         options.setdefault("time_limit", DEFAULT_TIME_LIMIT)
-    if options.get("time_limit") == math.inf:
-        options["time_limit"] = None
     return options
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 from tfremat.errors import BudgetFormatError
@@ -36,8 +37,8 @@ def parse_budget(budget, reference_bytes: float | None = None) -> int:
     if isinstance(budget, bool) or budget is None:
         raise BudgetFormatError(f"budget={budget!r} is not a budget; use {_ACCEPTED}")
     fraction = None
-    if isinstance(budget, int):
-        value = budget
+    if isinstance(budget, numbers.Integral):
+        value = int(budget)
     elif isinstance(budget, float):
         if not math.isfinite(budget) or budget <= 0:
             raise BudgetFormatError(f"budget={budget!r} must be positive; use {_ACCEPTED}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -124,18 +125,30 @@ def max_batch_size(
         return _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, strategy_options)
     if method != "search":
         raise ValueError(f"method must be 'search' or 'direct', got {method!r}")
+    if strategy in ("optimal", "approx_lp"):
+        # A bad option would otherwise read as "batch 1 does not fit" (SolverError below).
+        check_solver_options(
+            strategy_options.get("solver", DEFAULT_SOLVER), time_limit=strategy_options.get("time_limit"),
+            mip_gap=strategy_options.get("mip_gap"), threads=strategy_options.get("threads"),
+        )
     solve = get_strategy(strategy)
     tried: dict[int, bool] = {}
     found: dict[int, tuple[Schedule, DFGraph, float, float]] = {}
+    # Why the smallest batch was refused: "memory" (proven: no schedule fits), "schedule"
+    # (the strategy found none), or "overhead" (its schedule costs more than the cap).
+    refusal: dict[int, str] = {}
 
     def fits(batch: int) -> bool:
         graph = graph_for_batch(batch)
         cap = one_extra_forward_cap(graph) if max_overhead is None else (1 + max_overhead) * graph.total_cost
         ok = False
+        refusal[batch] = "memory"
         if memory_lower_bound(graph) <= budget:
+            refusal[batch] = "schedule"
             try:
                 schedule = solve(graph, budget, **strategy_options)
-            except InfeasibleBudgetError:
+            except InfeasibleBudgetError as exc:
+                refusal[batch] = "memory" if exc.proven else "schedule"
                 schedule = None
             except (SolverUnavailableError, SolverLicenseError):
                 raise
@@ -146,6 +159,7 @@ def max_batch_size(
             if schedule is not None:
                 cost = schedule.cost(graph)
                 ok = cost <= cap * (1 + 1e-12)
+                refusal[batch] = "overhead"
                 if ok:
                     found[batch] = (schedule, graph, cost, cap)
         tried[batch] = ok
@@ -153,10 +167,14 @@ def max_batch_size(
         return ok
 
     if not fits(min_batch):
-        lower_bound = memory_lower_bound(graph_for_batch(min_batch))
+        detail = {
+            "memory": f"no schedule of batch size {min_batch} fits",
+            "schedule": f"{strategy} found no schedule of batch size {min_batch} that fits",
+            "overhead": f"batch size {min_batch}'s schedule costs more than the overhead limit (raise max_overhead)",
+        }[refusal[min_batch]]
         raise InfeasibleBudgetError(
-            budget, strategy=strategy, lower_bound_bytes=lower_bound, proven=budget < lower_bound,
-            detail=f"batch size {min_batch} does not fit within the overhead limit",
+            budget, strategy=strategy, lower_bound_bytes=memory_lower_bound(graph_for_batch(min_batch)),
+            proven=refusal[min_batch] == "memory", detail=detail,
         )
     good, bad = min_batch, None
     while bad is None and good < max_batch:
@@ -205,6 +223,7 @@ def min_peak_within_cost(
     """
     began = time.perf_counter()
     check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
+    time_limit = None if time_limit == math.inf else time_limit
     if max_cost < graph.total_cost * (1 - 1e-12):
         raise ValueError(f"max_cost={max_cost} is below the no-remat cost {graph.total_cost}: no schedule is that cheap")
     keep_all = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "min_peak")
