@@ -18,6 +18,7 @@ from tfremat.budget import format_bytes, parse_budget
 from tfremat.cache import ScheduleCache
 from tfremat.errors import BudgetFormatError, InfeasibleBudgetError, TfrematError
 from tfremat.graph import DFGraph
+from tfremat.ilp.strategies import MILP_STRATEGIES
 from tfremat.plan.registry import get_strategy, strategy_names
 from tfremat.plan.schedule import Schedule
 from tfremat.plan.simulator import simulate
@@ -29,7 +30,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_MILP_STRATEGIES = ("optimal", "approx_lp")
 # Seconds the MILP strategies get from the high-level API when the caller names none: a
 # solve without a limit can take hours on a ResNet-sized graph at a tight budget, while
 # within 60 s `optimal` proves most budgets optimal and returns the rest with their gap
@@ -43,7 +43,7 @@ def strategy_options(strategy: str, **options) -> dict:
     ``time_limit=math.inf`` asks for no limit (the strategies read it as None: solve until
     proven optimal). Applying it twice changes nothing."""
     options = {k: v for k, v in options.items() if v is not None}
-    if strategy in _MILP_STRATEGIES:
+    if strategy in MILP_STRATEGIES:
         options.setdefault("time_limit", DEFAULT_TIME_LIMIT)
     return options
 
@@ -160,7 +160,7 @@ def plan_graph(
     started = time.perf_counter()
     if schedule is None:
         progress = None
-        if strategy in _MILP_STRATEGIES and verbose and "progress" not in options:
+        if strategy in MILP_STRATEGIES and verbose and "progress" not in options:
             progress = _SolverProgress(f"tfremat {strategy}")
             options["progress"] = progress
         try:
@@ -211,7 +211,7 @@ def compare_graph(
     """
     results: list[PlanResult | InfeasibleBudgetError] = []
     for name in strategies or strategy_names():
-        options = milp_options if name in _MILP_STRATEGIES else {}
+        options = milp_options if name in MILP_STRATEGIES else {}
         try:
             results.append(plan_graph(graph, budget, name, cache=cache, verbose=verbose, **options))
         except InfeasibleBudgetError as exc:
@@ -390,5 +390,5 @@ def max_batch_size(
     for name in strategies:
         results[name] = search(graph_for_batch, budget_bytes, strategy=name, max_overhead=max_overhead,
                                min_batch=min_batch, max_batch=max_batch,
-                               **(strategy_options(name, **options) if name in _MILP_STRATEGIES else {}))
+                               **(strategy_options(name, **options) if name in MILP_STRATEGIES else {}))
     return results

@@ -201,8 +201,9 @@ def _extraction(model, batch: int):
 
 def _milp_options(name: str) -> dict:
     from tfremat.api import strategy_options
+    from tfremat.ilp.strategies import MILP_STRATEGIES
 
-    if name not in ("optimal", "approx_lp"):
+    if name not in MILP_STRATEGIES:
         return {}
     return strategy_options(name, time_limit=FLAGS.time_limit, solver=FLAGS.solver)
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfremat.budget import format_bytes
 from tfremat.errors import CompileError, TfrematError
+from tfremat.ilp.strategies import MILP_STRATEGIES
 
 __all__ = ["RematCallback"]
 
@@ -76,7 +77,7 @@ class RematCallback(keras.callbacks.Callback):
         key = tuple(tuple(t.shape) for t in tf.nest.flatten((x, y)))
         if key not in self._steps:
             model = self.model
-            options = {"solver": self.solver, "time_limit": self.time_limit} if self.strategy in ("optimal", "approx_lp") else {}
+            options = {"solver": self.solver, "time_limit": self.time_limit} if self.strategy in MILP_STRATEGIES else {}
             result = plan(model, self.budget, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]), loss=model.loss,
                           optimizer=model.optimizer, strategy=self.strategy, cost_model=self.cost_model,
                           cache=self.cache, verbose=self.verbose, **options)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -32,6 +31,7 @@ from tfremat.errors import InfeasibleBudgetError, SolverError, SolverLicenseErro
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import build_model, memory_lower_bound
 from tfremat.ilp.solvers import DEFAULT_SOLVER, ProgressFn, check_solver_options, solve_model
+from tfremat.ilp.strategies import MILP_STRATEGIES
 from tfremat.plan.registry import get_strategy
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import simulate
@@ -125,7 +125,7 @@ def max_batch_size(
         return _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, strategy_options)
     if method != "search":
         raise ValueError(f"method must be 'search' or 'direct', got {method!r}")
-    if strategy in ("optimal", "approx_lp"):
+    if strategy in MILP_STRATEGIES:
         # A bad option would otherwise read as "batch 1 does not fit" (SolverError below).
         check_solver_options(
             strategy_options.get("solver", DEFAULT_SOLVER), time_limit=strategy_options.get("time_limit"),
@@ -222,8 +222,7 @@ def min_peak_within_cost(
         ValueError: ``max_cost`` is below the cost of running every node once.
     """
     began = time.perf_counter()
-    check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
-    time_limit = None if time_limit == math.inf else time_limit
+    time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
     if max_cost < graph.total_cost * (1 - 1e-12):
         raise ValueError(f"max_cost={max_cost} is below the no-remat cost {graph.total_cost}: no schedule is that cheap")
     keep_all = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "min_peak")

@@ -183,12 +183,16 @@ def solve_model(
 
 def check_solver_options(
     solver: str, *, time_limit: float | None = None, mip_gap: float | None = None, threads: int | None = None,
-) -> None:
+) -> float | None:
     """Raises for a solver option no backend accepts, or a backend that is not installed.
 
     Strategies call it before their heuristics run, so a typo or a missing ``gurobipy``
     is reported at once rather than after minutes of baselines, and not at all when a
     baseline happens to be optimal.
+
+    Returns:
+        ``time_limit`` as the strategies use it: ``math.inf`` (the high-level API's "no
+        limit", see :func:`tfremat.api.strategy_options`) becomes None.
 
     Raises:
         SolverError: an unknown solver name or an option out of range (the message names
@@ -204,6 +208,7 @@ def check_solver_options(
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise SolverError(f"threads must be a positive int or None, got {threads!r}")
     _backend_module(solver)
+    return None if time_limit == math.inf else time_limit
 
 
 def _backend_module(solver: str):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import math
 import time
 
 import numpy as np
@@ -46,11 +45,12 @@ from tfremat.plan.registry import get_strategy, register, strategy_names
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import simulate, stage_peaks
 
-__all__ = ["solve_optimal", "solve_approx_lp", "best_baseline"]
+__all__ = ["solve_optimal", "solve_approx_lp", "best_baseline", "MILP_STRATEGIES"]
 
 logger = logging.getLogger(__name__)
 
-_OWN_STRATEGIES = ("optimal", "approx_lp")
+# The strategies that take solver options (solver, time_limit, mip_gap, ...).
+MILP_STRATEGIES = ("optimal", "approx_lp")
 _FALLBACK_STRATEGIES = ("repair",)
 # Seconds repair gets when another heuristic already fits: enough for the 250-node random
 # graph at 80% (1.5 s; 1.072x where intervals gives 1.083x), far less than the minutes it
@@ -120,7 +120,7 @@ def best_baseline(
     """
     began = time.perf_counter()
     best, best_cost, smallest_peak = None, None, None
-    names = [name for name in strategy_names() if name not in _OWN_STRATEGIES and name not in _FALLBACK_STRATEGIES]
+    names = [name for name in strategy_names() if name not in MILP_STRATEGIES and name not in _FALLBACK_STRATEGIES]
     for name in (*names, *_FALLBACK_STRATEGIES):
         if best is not None and best_cost <= graph.total_cost:
             break  # nothing recomputed: no schedule is cheaper
@@ -239,8 +239,7 @@ def solve_optimal(
     began = time.perf_counter()
     if budget is None:
         return _no_budget(graph, "optimal", began)
-    check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
-    time_limit = None if time_limit == math.inf else time_limit
+    time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
     budget_bytes = _budget_bytes(graph, budget)
     lower_bound = memory_lower_bound(graph)
     if budget_bytes < lower_bound:
@@ -628,8 +627,7 @@ def solve_approx_lp(
     began = time.perf_counter()
     if budget is None:
         return _no_budget(graph, "approx_lp", began)
-    check_solver_options(solver, time_limit=time_limit, threads=threads)
-    time_limit = None if time_limit == math.inf else time_limit
+    time_limit = check_solver_options(solver, time_limit=time_limit, threads=threads)
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
     if not allowances or not all(0 < a <= 1 for a in allowances):
