@@ -57,6 +57,29 @@ def test_cli_solve_json_and_schedule_out(tmp_path):
     assert schedule["order"] == list(range(17)) and schedule["graph_fingerprint"]
 
 
+def test_cli_order_flag_picks_a_moccasin_graphs_execution_order(tmp_path):
+    document = {
+        "directed": True, "multigraph": False, "graph": {"name": "tiny", "order": [5, 7, 6]},
+        "nodes": [{"name": v, "duration": 1, "out_cost": 10, "param_cost": 0} for v in (5, 7, 6)],
+        "links": [{"0": 5, "1": 6}, {"0": 5, "1": 7}],
+    }
+    graph_path = tmp_path / "g.json"
+    graph_path.write_text(json.dumps(document))
+    orders = {}
+    for order in ("file", "topological"):
+        schedule_path = tmp_path / f"{order}.json"
+        out = run_cli("solve", f"--graph={graph_path}", "--strategy=checkpoint_all", f"--order={order}",
+                      f"--schedule_out={schedule_path}", "--json")
+        assert out.returncode == 0, out.stderr
+        orders[order] = json.loads(schedule_path.read_text())["order"]
+    assert orders == {"file": [5, 7, 6], "topological": [5, 6, 7]}
+    document["graph"]["order"] = [6, 5, 7]
+    graph_path.write_text(json.dumps(document))
+    out = run_cli("solve", f"--graph={graph_path}", "--strategy=checkpoint_all")
+    assert out.returncode == 1
+    assert "graph.order" in out.stderr and "--order=topological" in out.stderr
+
+
 def test_cli_infeasible_budget_reports_smallest_peak(tmp_path):
     graph_path = tmp_path / "g.json"
     random_training_graph(2, 8).to_json(graph_path)

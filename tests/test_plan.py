@@ -187,6 +187,40 @@ def test_from_unordered_renumbers_topologically():
     assert g.edges == ((0, 1), (1, 2))
 
 
+def test_from_unordered_follows_a_given_order_and_checks_it():
+    ids, edges = ["c", "a", "b", "d"], [("a", "b"), ("b", "c"), ("a", "d")]
+    fields = dict(cost=[3, 1, 2, 4], output_bytes=[30, 10, 20, 40])
+    g = DFGraph.from_unordered(ids, edges, order=["a", "d", "b", "c"], **fields)
+    assert g.names == ("a", "d", "b", "c")
+    assert g.cost == (1.0, 4.0, 2.0, 3.0)
+    with pytest.raises(GraphError, match="puts node 'b' before its input 'a'"):
+        DFGraph.from_unordered(ids, edges, order=["b", "a", "c", "d"], **fields)
+    with pytest.raises(GraphError, match="3 ids for 4 nodes"):
+        DFGraph.from_unordered(ids, edges, order=["a", "b", "c"], **fields)
+    with pytest.raises(GraphError, match="every node once"):
+        DFGraph.from_unordered(ids, edges, order=["a", "b", "c", "c"], **fields)
+
+
+def _moccasin_document(order=None):
+    graph = {"name": "tiny"} if order is None else {"name": "tiny", "order": order}
+    return {
+        "directed": True, "multigraph": False, "graph": graph,
+        "nodes": [{"name": v, "duration": 1, "out_cost": 10 * (v + 1), "param_cost": 0} for v in (5, 7, 6)],
+        "links": [{"0": 5, "1": 6}, {"0": 5, "1": 7}],
+    }
+
+
+def test_moccasin_documents_load_in_their_stored_order_unless_told_otherwise():
+    """Moccasin's evaluation runs its random graphs in their stored ``graph.order``."""
+    assert load_graph(_moccasin_document([5, 7, 6])).names == ("5", "7", "6")
+    assert load_graph(_moccasin_document([5, 7, 6]), order="topological").names == ("5", "6", "7")
+    assert load_graph(_moccasin_document()).names == ("5", "6", "7")
+    with pytest.raises(GraphError, match="graph.order: .*order='topological'"):
+        load_graph(_moccasin_document([7, 5, 6]))
+    with pytest.raises(ValueError, match="order='given'"):
+        load_graph(_moccasin_document(), order="given")
+
+
 def test_graph_is_immutable():
     g = chain4()
     with pytest.raises(AttributeError):

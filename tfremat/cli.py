@@ -28,6 +28,11 @@ from tfremat.errors import InfeasibleBudgetError, TfrematError
 FLAGS = flags.FLAGS
 
 flags.DEFINE_string("graph", None, "Graph JSON file: tfremat's format or a shared/graphs node-link file.")
+flags.DEFINE_enum(
+    "order", "file", ["file", "topological"],
+    "Execution order of a --graph file's nodes: the document's own (a Moccasin graph's graph.order, "
+    "as Moccasin evaluates it) or networkx.topological_sort.",
+)
 flags.DEFINE_string("strategy", None, "Strategy name (see `tfremat strategies`).")
 flags.DEFINE_string(
     "budget", None,
@@ -120,7 +125,7 @@ def cmd_solve() -> None:
             document = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         _fail(f"--graph={FLAGS.graph}: {exc}")
-    graph = load_graph(document)
+    graph = load_graph(document, order=FLAGS.order)
     strategy = get_strategy(FLAGS.strategy)
     reference_peak = simulate(graph, checkpoint_all(graph)).peak_bytes
     budget = parse_budget(FLAGS.budget, reference_peak) if FLAGS.budget is not None else None
@@ -296,7 +301,7 @@ def cmd_plot() -> None:
 
     _require("out")
     if FLAGS.graph:
-        graph = load_graph(FLAGS.graph)
+        graph = load_graph(FLAGS.graph, order=FLAGS.order)
     else:
         graph = _extraction(_keras_model(), _batch()).graph
     reference = simulate(graph, checkpoint_all(graph)).peak_bytes

@@ -28,7 +28,7 @@ import networkx as nx
 
 from tfremat.errors import GraphError
 
-__all__ = ["DFGraph", "load_graph", "graph_format", "file_node_ids", "GRAPH_FORMAT"]
+__all__ = ["DFGraph", "load_graph", "graph_format", "file_node_ids", "GRAPH_FORMAT", "LOAD_ORDERS"]
 
 GRAPH_FORMAT = "tfremat.graph/1"
 
@@ -143,20 +143,30 @@ class DFGraph:
             raise GraphError(f"loss node {self.loss_node} must be flagged backward (Checkmate's convention)", node=self.loss_node)
 
     @classmethod
-    def from_unordered(cls, node_ids: Sequence, edges: Iterable[tuple], **fields) -> "DFGraph":
-        """Builds a graph from arbitrary node ids, renumbering them topologically.
+    def from_unordered(
+        cls, node_ids: Sequence, edges: Iterable[tuple], order: Sequence | None = None, **fields
+    ) -> "DFGraph":
+        """Builds a graph from arbitrary node ids, renumbering them in an execution order.
 
         ``fields`` holds the per-node sequences (``cost``, ``output_bytes``, ...) indexed
-        like ``node_ids``; the order is ``networkx.topological_sort`` of the input.
+        like ``node_ids``. ``order`` lists the node ids in the execution order to number
+        them by; it must hold every id once and respect every edge. Without it the order is
+        ``networkx.topological_sort`` of the input. The order matters beyond numbering:
+        Checkmate's stages compute the nodes for the first time in this order, and the
+        checkpoint-all peak (the reference of percentage budgets) is measured in it.
         """
         digraph = nx.DiGraph()
         digraph.add_nodes_from(node_ids)
         digraph.add_edges_from(edges)
-        try:
-            order = list(nx.topological_sort(digraph))
-        except nx.NetworkXUnfeasible:
-            cycle = nx.find_cycle(digraph)
-            raise GraphError(f"the graph has a cycle through {cycle[0][0]!r}") from None
+        if order is None:
+            try:
+                order = list(nx.topological_sort(digraph))
+            except nx.NetworkXUnfeasible:
+                cycle = nx.find_cycle(digraph)
+                raise GraphError(f"the graph has a cycle through {cycle[0][0]!r}") from None
+        else:
+            order = list(order)
+            _check_order(order, digraph)
         position = {node: i for i, node in enumerate(order)}
         source_index = {node: i for i, node in enumerate(node_ids)}
         per_node = ("names", "cost", "output_bytes", "workspace_bytes", "is_backward")
@@ -297,6 +307,24 @@ class DFGraph:
         )
 
 
+def _check_order(order: list, digraph: nx.DiGraph) -> None:
+    """Raises GraphError unless ``order`` lists every node of ``digraph`` once, edges forward."""
+    if len(order) != digraph.number_of_nodes() or set(order) != set(digraph.nodes):
+        missing = sorted(set(digraph.nodes) - set(order), key=str)[:3]
+        extra = sorted(set(order) - set(digraph.nodes), key=str)[:3]
+        raise GraphError(
+            f"the execution order lists {len(order)} ids for {digraph.number_of_nodes()} nodes "
+            f"(missing {missing}, unknown {extra}, or repeated ids); it must list every node once"
+        )
+    position = {node: i for i, node in enumerate(order)}
+    for u, v in digraph.edges:
+        if position[u] > position[v]:
+            raise GraphError(
+                f"the execution order puts node {v!r} before its input {u!r}; it must be a "
+                f"topological order of the graph"
+            )
+
+
 def _from_tfremat_dict(data: dict) -> DFGraph:
     nodes = sorted(data["nodes"], key=lambda node: node["id"])
     if [node["id"] for node in nodes] != list(range(len(nodes))):
@@ -337,29 +365,60 @@ def _from_checkmate_dict(data: dict, name: str) -> DFGraph:
     )
 
 
-def _from_moccasin_dict(data: dict, name: str) -> DFGraph:
-    """Moccasin's random layered DAGs: arbitrary ids, every node "forward", no loss."""
+def _from_moccasin_dict(data: dict, name: str, order: str) -> DFGraph:
+    """Moccasin's random layered DAGs: arbitrary ids, every node "forward", no loss.
+
+    Their documents carry the execution order they were published with (``graph.order``);
+    Moccasin's evaluation runs them in it and takes its budgets from the peak in it.
+    """
     ids = [node["name"] for node in data["nodes"]]
     edges = [(link["0"], link["1"]) for link in data["links"]]
-    return DFGraph.from_unordered(
-        ids,
-        edges,
-        names=[str(i) for i in ids],
-        cost=[node["duration"] for node in data["nodes"]],
-        output_bytes=[node["out_cost"] for node in data["nodes"]],
-        fixed_bytes=sum(node.get("param_cost", 0) for node in data["nodes"]),
-        name=data.get("graph", {}).get("name", name),
-    )
+    stored = data.get("graph", {}).get("order")
+    try:
+        return DFGraph.from_unordered(
+            ids,
+            edges,
+            order=stored if order == "file" else None,
+            names=[str(i) for i in ids],
+            cost=[node["duration"] for node in data["nodes"]],
+            output_bytes=[node["out_cost"] for node in data["nodes"]],
+            fixed_bytes=sum(node.get("param_cost", 0) for node in data["nodes"]),
+            name=data.get("graph", {}).get("name", name),
+        )
+    except GraphError as exc:
+        if order == "file" and stored is not None:
+            raise GraphError(
+                f"{name}: graph.order: {exc}; load it with order='topological' (--order=topological "
+                f"on the command line) to number the nodes by networkx.topological_sort instead"
+            ) from None
+        raise
 
 
-def load_graph(source: str | os.PathLike | dict) -> DFGraph:
+LOAD_ORDERS = ("file", "topological")
+
+
+def load_graph(source: str | os.PathLike | dict, order: str = "file") -> DFGraph:
     """Reads a graph from a JSON file (or an already parsed dict).
 
     Accepts tfremat's own format and the two node-link formats of ``shared/graphs``.
 
+    Args:
+        source: a path, or a parsed document.
+        order: the execution order to number the nodes in (Checkmate's stages follow it,
+            and percentage budgets are taken from the checkpoint-all peak in it). "file":
+            the document's own order, which is its node numbering for tfremat's and
+            Checkmate's formats and, for a Moccasin graph, its ``graph.order`` (the order
+            Moccasin's evaluation uses; ``networkx.topological_sort`` when it has none).
+            "topological": ``networkx.topological_sort`` of a Moccasin graph even where
+            it stores an order (the other formats are numbered topologically already).
+
     Raises:
-        GraphError: the document is none of the known formats, or the graph is invalid.
+        GraphError: the document is none of the known formats, the graph is invalid, or
+            a Moccasin graph's stored order is not an execution order of it.
+        ValueError: ``order`` is not one of ``LOAD_ORDERS``.
     """
+    if order not in LOAD_ORDERS:
+        raise ValueError(f"order={order!r}: must be one of {', '.join(map(repr, LOAD_ORDERS))}")
     if isinstance(source, dict):
         data, label = source, "graph"
     else:
@@ -372,7 +431,7 @@ def load_graph(source: str | os.PathLike | dict) -> DFGraph:
     if kind == "checkmate":
         return _from_checkmate_dict(data, label)
     if kind == "moccasin":
-        return _from_moccasin_dict(data, label)
+        return _from_moccasin_dict(data, label, order)
     raise GraphError(
         f"{label}: unknown graph format; expected {GRAPH_FORMAT!r}, a Checkmate node-link graph "
         "(cost_cpu/cost_ram) or a Moccasin node-link graph (duration/out_cost)"
@@ -394,8 +453,8 @@ def graph_format(data: dict) -> str | None:
 def file_node_ids(graph: DFGraph, data: dict) -> list:
     """The source document's node id at each execution position of ``graph`` (loaded from ``data``).
 
-    Moccasin graphs are renumbered topologically on load and keep their file ids as node
-    names; the other formats are already numbered in execution order.
+    Moccasin graphs are renumbered in an execution order on load and keep their file ids
+    as node names; the other formats are already numbered in execution order.
     """
     if graph_format(data) == "moccasin":
         return [int(name) if name.lstrip("-").isdigit() else name for name in graph.names]
