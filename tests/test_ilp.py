@@ -641,6 +641,33 @@ def test_rins_returns_a_fitting_schedule_no_costlier_than_its_start():
     assert improved > 0
 
 
+def test_rins_accounts_overflowing_stages_exactly_and_solves_again(caplog):
+    """The neighbourhood's optimum in the stage-end relaxation can overflow the budget
+    inside a stage (found by search over small random training graphs); RINS then makes
+    those stages exact and solves the same neighbourhood again instead of giving up."""
+    from tfremat.ilp.strategies import _rins
+
+    repaired = 0
+    for seed, n, fraction, strategy in ((11, 6, 0.7, "griewank_logn"), (39, 6, 0.7, "griewank_logn"),
+                                        (45, 8, 0.5, "chen_greedy")):
+        graph = random_training_graph(seed, n)
+        lower = memory_lower_bound(graph)
+        budget = int(lower + fraction * (checkpoint_all_peak(graph) - lower))
+        start = get_strategy(strategy)(graph, budget)
+        model = build_model(graph, budget, exact_stages=())
+        lp = solve_model(model, relax=True, threads=1)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="tfremat.ilp.strategies"):
+            result = _rins(model, start, lp.x, began=0.0, time_limit=None, solver="highs", threads=1, seed=0)
+        assert peak(graph, result) <= budget
+        assert result.cost(graph) <= start.cost(graph) + 1e-9
+        rounds = [r.getMessage() for r in caplog.records if "RINS" in r.getMessage()]
+        if "overflows the budget" in rounds[0] and result.cost(graph) < start.cost(graph) - 1e-9:
+            assert "0 stages exact" in rounds[0] and "0 stages exact" not in rounds[-1]
+            repaired += 1
+    assert repaired > 0, "no case overflowed in the relaxation; the exact-stage rounds went untested"
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_milp_without_presolve_reaches_the_same_optimum(seed):
     """``optimal`` solves its MILP without presolve (HiGHS's presolve ignores the time limit
