@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 
+import networkx as nx
 import numpy as np
 import pytest
 
@@ -126,12 +127,14 @@ def test_moccasin_graph_loads_in_its_stored_order():
     g = load_graph(document)
     assert g.size == 100
     assert g.names == tuple(str(v) for v in document["graph"]["order"])
-    assert all(u < v for u, v in g.edges)
     assert not g.backward_nodes
     renumbered = load_graph(document, order="topological")
-    assert renumbered.names != g.names
-    assert sorted(renumbered.edges) != sorted(g.edges)
-    assert all(u < v for u, v in renumbered.edges)
+    digraph = nx.DiGraph([(link["0"], link["1"]) for link in document["links"]])
+    digraph.add_nodes_from(node["name"] for node in document["nodes"])
+    assert renumbered.names == tuple(str(v) for v in nx.topological_sort(digraph)) != g.names
+    # Another order is another instance: its checkpoint-all peak differs (9.2% at 100 nodes).
+    assert simulate(g, get_strategy("checkpoint_all")(g)).peak_bytes < simulate(
+        renumbered, get_strategy("checkpoint_all")(renumbered)).peak_bytes
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -212,7 +215,8 @@ def test_repair_gives_up_at_its_time_limit():
 
 @pytest.mark.skipif(not (SHARED_GRAPHS / "random_layered_n250.json").exists(), reason="shared graphs absent")
 def test_repair_fits_the_250_node_random_graph_where_eviction_fails():
-    """Measured 1.024x the no-remat cost at 90% (Moccasin reports 1.009x optimal)."""
+    """Measured 1.024x the no-remat cost at 90% (in networkx order; Moccasin's instance, in
+    the file's order, has another budget)."""
     g = load_graph(SHARED_GRAPHS / "random_layered_n250.json", order="topological")
     budget = int(0.9 * simulate(g, get_strategy("checkpoint_all")(g)).peak_bytes)
     with pytest.raises(InfeasibleBudgetError):

@@ -199,6 +199,8 @@ def test_from_unordered_follows_a_given_order_and_checks_it():
         DFGraph.from_unordered(ids, edges, order=["a", "b", "c"], **fields)
     with pytest.raises(GraphError, match="every node once"):
         DFGraph.from_unordered(ids, edges, order=["a", "b", "c", "c"], **fields)
+    with pytest.raises(GraphError, match=r"unknown \['e'\]"):
+        DFGraph.from_unordered(ids, edges, order=["a", "b", "c", "e"], **fields)
 
 
 def _moccasin_document(order=None):
@@ -215,8 +217,16 @@ def test_moccasin_documents_load_in_their_stored_order_unless_told_otherwise():
     assert load_graph(_moccasin_document([5, 7, 6])).names == ("5", "7", "6")
     assert load_graph(_moccasin_document([5, 7, 6]), order="topological").names == ("5", "6", "7")
     assert load_graph(_moccasin_document()).names == ("5", "6", "7")
-    with pytest.raises(GraphError, match="graph.order: .*order='topological'"):
+    with pytest.raises(GraphError, match="graph.order: .*before its input.*order='topological'"):
         load_graph(_moccasin_document([7, 5, 6]))
+    for stored in (5, [[5], [7], [6]]):
+        with pytest.raises(GraphError, match="graph.order: it must be a list of node ids"):
+            load_graph(_moccasin_document(stored))
+    broken = _moccasin_document([5, 7, 6])
+    broken["nodes"][1]["duration"] = -1
+    with pytest.raises(GraphError, match="cost must be finite") as info:
+        load_graph(broken)
+    assert "graph.order" not in str(info.value)
     with pytest.raises(ValueError, match="order='given'"):
         load_graph(_moccasin_document(), order="given")
 

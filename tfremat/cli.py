@@ -69,12 +69,12 @@ COMMANDS = {
 _MODEL_FLAGS = ["model", "input_shape", "batch", "num_classes", "cost_model", "loss", "optimizer"]
 COMMAND_FLAGS = {
     "strategies": ["json"],
-    "solve": ["graph", "strategy", "budget", "time_limit", "schedule_out", "json"],
+    "solve": ["graph", "order", "strategy", "budget", "time_limit", "schedule_out", "json"],
     "graph": _MODEL_FLAGS + ["out", "json"],
     "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "schedule_out", "json"],
     "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "json"],
     "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "loss", "optimizer", "budget", "strategies", "max_overhead", "solver", "time_limit", "json"],
-    "plot": ["graph", "out", "strategies", "budgets", "time_limit"] + _MODEL_FLAGS,
+    "plot": ["graph", "order", "out", "strategies", "budgets", "time_limit"] + _MODEL_FLAGS,
     "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "steps", "json"],
 }
 

@@ -373,25 +373,29 @@ def _from_moccasin_dict(data: dict, name: str, order: str) -> DFGraph:
     """
     ids = [node["name"] for node in data["nodes"]]
     edges = [(link["0"], link["1"]) for link in data["links"]]
-    stored = data.get("graph", {}).get("order")
-    try:
-        return DFGraph.from_unordered(
-            ids,
-            edges,
-            order=stored if order == "file" else None,
-            names=[str(i) for i in ids],
-            cost=[node["duration"] for node in data["nodes"]],
-            output_bytes=[node["out_cost"] for node in data["nodes"]],
-            fixed_bytes=sum(node.get("param_cost", 0) for node in data["nodes"]),
-            name=data.get("graph", {}).get("name", name),
-        )
-    except GraphError as exc:
-        if order == "file" and stored is not None:
+    stored = data.get("graph", {}).get("order") if order == "file" else None
+    if stored is not None:
+        digraph = nx.DiGraph(edges)
+        digraph.add_nodes_from(ids)
+        try:
+            if not isinstance(stored, list) or not all(isinstance(node, (int, str)) for node in stored):
+                raise GraphError(f"it must be a list of node ids, got {str(stored)[:60]}")
+            _check_order(stored, digraph)
+        except GraphError as exc:
             raise GraphError(
                 f"{name}: graph.order: {exc}; load it with order='topological' (--order=topological "
                 f"on the command line) to number the nodes by networkx.topological_sort instead"
             ) from None
-        raise
+    return DFGraph.from_unordered(
+        ids,
+        edges,
+        order=stored,
+        names=[str(i) for i in ids],
+        cost=[node["duration"] for node in data["nodes"]],
+        output_bytes=[node["out_cost"] for node in data["nodes"]],
+        fixed_bytes=sum(node.get("param_cost", 0) for node in data["nodes"]),
+        name=data.get("graph", {}).get("name", name),
+    )
 
 
 LOAD_ORDERS = ("file", "topological")

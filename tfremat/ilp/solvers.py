@@ -134,7 +134,7 @@ def solve_model(
             :meth:`~tfremat.ilp.formulation.CheckmateModel.dual_bound`; its ``x`` is the
             current basic point, feasible only at the optimum) or ``"pdlp"`` (HiGHS's
             first-order method, without presolve, bounded the same way; its ``x`` is an
-            approximate LP solution). On the 500-node random graph's relaxed model at 90% /
+            approximate LP solution). On the 500-node random graph's relaxed model (networkx order) at 90% /
             80% of its checkpoint-all peak (2 threads), the dual simplex solves the LP in
             42 s / bounds it at 1.0107x the no-remat cost in 55 s, where PDLP's bounds after
             57 s were 1.0006x / 1.0072x.

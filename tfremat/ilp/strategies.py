@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 MILP_STRATEGIES = ("optimal", "approx_lp")
 _FALLBACK_STRATEGIES = ("repair",)
 # Seconds repair gets when another heuristic already fits: enough for the 250-node random
-# graph at 80% (1.5 s; 1.072x where intervals gives 1.083x), far less than the minutes it
+# graph at 80% (networkx order; 1.5 s; 1.072x where intervals gives 1.083x), far less than the minutes it
 # spends, and loses, on the 500- and 1000-node graphs.
 _COMPETING_SECONDS = 6.0
 # Share of time_limit that repair may use when no other heuristic fits.
@@ -280,21 +280,23 @@ def solve_optimal(
         baseline, lp = _relaxed_lp_start(
             model, baseline, began=began, time_limit=time_limit, solver=solver, threads=threads, seed=seed,
         )
+    exact_stages: set[int] = set()
     if lp is not None and baseline is not None:
-        baseline = _rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver, threads=threads,
-                         seed=seed)
+        baseline, exact_stages = _rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver,
+                                       threads=threads, seed=seed)
     return _solve_with_stage_rows(
         graph, model, baseline, smallest_peak, lp.best_bound if lp is not None else None, began=began, solver=solver,
         time_limit=time_limit, mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed,
-        progress=progress,
+        progress=progress, exact_stages=exact_stages,
     )
 
 
 def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, began, solver, time_limit, mip_gap,
-                           threads, seed, progress):
+                           threads, seed, progress, exact_stages=frozenset()):
     """``optimal`` by the stage-end relaxation, made exact where its solutions overflow.
 
-    ``model`` starts with every stage relaxed to its stage-end row. Each round solves it
+    ``model`` has every stage relaxed to its stage-end row; the first round makes
+    ``exact_stages`` (found by RINS) exact. Each round solves it
     (from the cheapest schedule known), simulates the solution, and where it overflows
     the budget accounts those stages exactly and solves again; the rounds stop when the
     solution fits (then it is optimal for the exact model, being optimal for a
@@ -302,7 +304,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
     holds for the exact model. A solution that overflows only in exact stages, by no more than the solver's
     tolerance (memory in units of the budget), lowers the model's budget by the overflow
     and is solved again; bounds and infeasibility proofs of a lowered model are not used.
-    Measured (1 thread): on the 100-node random graph at 80% the relaxation's optimum
+    Measured (1 thread): on the 100-node random graph (networkx order) at 80% the relaxation's optimum
     fits at once, proven in 9 s (the exact model took 59 s on 2 threads).
 
     The MILP runs without presolve: on ResNet50's relaxed model HiGHS presolved for
@@ -310,14 +312,16 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
     limit by 7-12 s at 1.1x the smallest feasible budget; without it the root bound
     comes 8 s sooner and the call ends on time (61 s for a 60 s limit). Elsewhere
     it is neutral within noise (``benchmarks/solvers.py``, 60 s: ResNet50 at 90% / 80%
-    proven in 27 / 49 s, was 29-32 / 40-57 s; the 250-node random graph's gaps 0.87% /
+    proven in 27 / 49 s, was 29-32 / 40-57 s; the 250-node random graph (networkx order)'s gaps 0.87% /
     3.39%, were 0.86% / 3.47%).
     """
     budget_bytes = int(model.budget_bytes)
     deadline = None if time_limit is None else began + time_limit
     incumbent = baseline
     bound = max(graph.total_cost, lp_bound or 0.0)
-    exact_stages: set[int] = set()
+    exact_stages = set(exact_stages)
+    if exact_stages:
+        model = build_model(graph, budget_bytes, exact_stages=exact_stages)
     # Bytes the model's budget is lowered by after a solution overflowed within the
     # solver's tolerance; bounds and infeasibility proofs of a lowered model do not hold
     # for the true budget.
@@ -408,7 +412,7 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
     otherwise), and the LP's rounding may improve the warm start. The reported bound is
     the larger of that bound and the no-remat cost, so the gap is honest, if loose where
     the LP did not converge. The dual simplex replaced PDLP here: on the 500-node random
-    graph at 90% / 80% (2 threads) it solves the LP in 42 s (1.0030x the no-remat cost) /
+    graph (networkx order) at 90% / 80% (2 threads) it solves the LP in 42 s (1.0030x the no-remat cost) /
     bounds it at 1.0107x in 55 s, where PDLP's duals gave 1.0006x / 1.0072x.
 
     Window MILPs (large-neighbourhood search over a dozen stages with the keeps at their
@@ -473,7 +477,7 @@ def _relaxed_lp_start(model, baseline, *, began, time_limit, solver, threads, se
     HiGHS can spend a whole time limit without improving a poor incumbent (measured: a
     55-node graph at 50% budget kept Griewank's 2.74x cost for 60 s while the LP rounding
     found 1.87x in 1 s), so the MILP starts from the better of the two. The relaxation's
-    LP is fast (the 250-node random graph: 4-6 s, where the exact model's LP took 32-45 s)
+    LP is fast (the 250-node random graph, networkx order: 4-6 s, where the exact model's LP took 32-45 s)
     and as tight as the exact one on the benchmark graphs. Gets a quarter of the time left.
 
     Returns:
@@ -504,8 +508,12 @@ def _cheaper_rounding(model, lp_x, incumbent, *, seed, strategy, deadline):
 def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
     """RINS (relaxation-induced neighbourhood search): the MILP with every R and S column
     on which ``start`` and the LP point of the stage-end relaxation ``model`` agree fixed
-    to that value, for half the time left; its schedule when it fits the budget and is
-    cheaper, else ``start``.
+    to that value, for half the time left.
+
+    Returns:
+        ``(schedule, exact_stages)``: the neighbourhood's schedule when it fits the budget
+        and is cheaper, else ``start``; and the stages found to need exact accounting
+        (the MILP after RINS starts with them exact).
 
     HiGHS alone never improved eviction's 1.0608x on ResNet50 at 1.1x its smallest
     feasible budget, even in 600 s; with the 93% of the integer columns on which the two
@@ -518,7 +526,7 @@ def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
     neighbourhood is solved again, until its optimum fits or the time share is spent. On
     the 250-node random graph at 80% (its file's order) the first optimum, 1.0467x,
     overflows by 2% in one stage; with that stage exact RINS finds 1.0496x, where the
-    start was ``intervals``' 1.0539x (gap at 60 s: 2.21% instead of 2.69%).
+    start was ``intervals``' 1.0539x (gap at 60 s: 2.19-2.21% instead of 2.69%).
 
     Other neighbourhoods measured on that ResNet50 case (2 threads) and not used: RINS
     repeated from its own result (1.0561x after 45 s); RINS around eviction runs whose
@@ -533,47 +541,39 @@ def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
     x0 = model.encode(start)
     if x0 is None:
         return start
-    agree = model.integer & (np.abs(lp_x - x0) < 1e-6)
-    agreeing_r, agreeing_s = _columns_where(model.r_index, agree), _columns_where(model.s_index, agree)
+    # The relaxation's integer columns are its R and S columns, which build_model numbers
+    # first and alike whatever stages are exact: the same column numbers fix the same
+    # variables in the models with exact stages below.
+    fixed = np.flatnonzero(model.integer & (np.abs(lp_x - x0) < 1e-6))
     deadline = None if time_limit is None else time.perf_counter() + _share_of_time_left(0.5, began, time_limit)
     exact_stages: set[int] = set()
     current = model
     while True:
         x0 = current.encode(start)
         if x0 is None:
-            return start
+            return start, exact_stages
         lower, upper = current.lower.copy(), current.upper.copy()
-        for where, index in ((agreeing_r, current.r_index), (agreeing_s, current.s_index)):
-            columns = index[where & (index >= 0)]
-            lower[columns] = upper[columns] = x0[columns]
+        lower[fixed] = upper[fixed] = x0[fixed]
         seconds = None if deadline is None else max(deadline - time.perf_counter(), _MIN_SOLVE_SECONDS)
         neighbourhood = dataclasses.replace(current, lower=lower, upper=upper)
         result = solve_model(neighbourhood, solver=solver, time_limit=seconds, threads=threads, seed=seed, start=x0)
         if result.x is None:
-            return start
+            return start, exact_stages
         candidate = current.schedule(result.x, "rins")
         outcome = simulate(graph, candidate)
         fits = outcome.peak_bytes <= budget_bytes
         logger.info("optimal: RINS with %d of %d integer columns fixed, %d stages exact: %s, %.6g (start %.6g)%s",
-                    int(agree.sum()), int(model.integer.sum()), len(exact_stages), result.status,
+                    len(fixed), int(model.integer.sum()), len(exact_stages), result.status,
                     candidate.cost(graph), start.cost(graph), "" if fits else ", overflows the budget")
         if fits:
-            return candidate if candidate.cost(graph) < start.cost(graph) else start
+            return (candidate if candidate.cost(graph) < start.cost(graph) else start), exact_stages
         overflowing = set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes))) - exact_stages
-        if not overflowing or (deadline is not None and time.perf_counter() >= deadline - _MIN_SOLVE_SECONDS):
-            return start
+        if not overflowing:
+            return start, exact_stages
         exact_stages |= overflowing
         current = build_model(graph, budget_bytes, exact_stages=exact_stages)
-
-
-def _columns_where(index: np.ndarray, chosen: np.ndarray) -> np.ndarray:
-    """A boolean (n, n) mask of the variables of column map ``index`` (-1 = not built)
-    whose column is ``chosen``; it carries a choice of R or S columns to another model
-    of the same graph, whose column numbers differ."""
-    where = np.zeros(index.shape, dtype=bool)
-    built = index >= 0
-    where[built] = chosen[index[built]]
-    return where
+        if deadline is not None and time.perf_counter() >= deadline - _MIN_SOLVE_SECONDS:
+            return start, exact_stages
 
 
 def _cheapest_rounding(
