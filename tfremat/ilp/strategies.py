@@ -280,23 +280,21 @@ def solve_optimal(
         baseline, lp = _relaxed_lp_start(
             model, baseline, began=began, time_limit=time_limit, solver=solver, threads=threads, seed=seed,
         )
-    exact_stages: set[int] = set()
     if lp is not None and baseline is not None:
-        baseline, exact_stages = _rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver,
-                                       threads=threads, seed=seed)
+        baseline = _rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver, threads=threads,
+                         seed=seed)
     return _solve_with_stage_rows(
         graph, model, baseline, smallest_peak, lp.best_bound if lp is not None else None, began=began, solver=solver,
         time_limit=time_limit, mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed,
-        progress=progress, exact_stages=exact_stages,
+        progress=progress,
     )
 
 
 def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, began, solver, time_limit, mip_gap,
-                           threads, seed, progress, exact_stages=frozenset()):
+                           threads, seed, progress):
     """``optimal`` by the stage-end relaxation, made exact where its solutions overflow.
 
-    ``model`` has every stage relaxed to its stage-end row; the first round makes
-    ``exact_stages`` (found by RINS) exact. Each round solves it
+    ``model`` starts with every stage relaxed to its stage-end row. Each round solves it
     (from the cheapest schedule known), simulates the solution, and where it overflows
     the budget accounts those stages exactly and solves again; the rounds stop when the
     solution fits (then it is optimal for the exact model, being optimal for a
@@ -319,9 +317,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
     deadline = None if time_limit is None else began + time_limit
     incumbent = baseline
     bound = max(graph.total_cost, lp_bound or 0.0)
-    exact_stages = set(exact_stages)
-    if exact_stages:
-        model = build_model(graph, budget_bytes, exact_stages=exact_stages)
+    exact_stages: set[int] = set()
     # Bytes the model's budget is lowered by after a solution overflowed within the
     # solver's tolerance; bounds and infeasibility proofs of a lowered model do not hold
     # for the true budget.
@@ -508,12 +504,8 @@ def _cheaper_rounding(model, lp_x, incumbent, *, seed, strategy, deadline):
 def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
     """RINS (relaxation-induced neighbourhood search): the MILP with every R and S column
     on which ``start`` and the LP point of the stage-end relaxation ``model`` agree fixed
-    to that value, for half the time left.
-
-    Returns:
-        ``(schedule, exact_stages)``: the neighbourhood's schedule when it fits the budget
-        and is cheaper, else ``start``; and the stages found to need exact accounting
-        (the MILP after RINS starts with them exact).
+    to that value, for half the time left; its schedule when it fits the budget and is
+    cheaper, else ``start``.
 
     HiGHS alone never improved eviction's 1.0608x on ResNet50 at 1.1x its smallest
     feasible budget, even in 600 s; with the 93% of the integer columns on which the two
@@ -526,7 +518,10 @@ def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
     neighbourhood is solved again, until its optimum fits or the time share is spent. On
     the 250-node random graph at 80% (its file's order) the first optimum, 1.0467x,
     overflows by 2% in one stage; with that stage exact RINS finds 1.0496x, where the
-    start was ``intervals``' 1.0539x (gap at 60 s: 2.19-2.21% instead of 2.69%).
+    start was ``intervals``' 1.0539x (gap at 60 s: 2.19-2.21% instead of 2.69%). The
+    MILP after it starts from the relaxation again: handing it the stages RINS made exact
+    lowered its bound at 60 s there (1.0247-1.0252x against 1.0263-1.0266x; a larger
+    model, fewer root cut rounds).
 
     Other neighbourhoods measured on that ResNet50 case (2 threads) and not used: RINS
     repeated from its own result (1.0561x after 45 s); RINS around eviction runs whose
@@ -551,14 +546,14 @@ def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
     while True:
         x0 = current.encode(start)
         if x0 is None:
-            return start, exact_stages
+            return start
         lower, upper = current.lower.copy(), current.upper.copy()
         lower[fixed] = upper[fixed] = x0[fixed]
         seconds = None if deadline is None else max(deadline - time.perf_counter(), _MIN_SOLVE_SECONDS)
         neighbourhood = dataclasses.replace(current, lower=lower, upper=upper)
         result = solve_model(neighbourhood, solver=solver, time_limit=seconds, threads=threads, seed=seed, start=x0)
         if result.x is None:
-            return start, exact_stages
+            return start
         candidate = current.schedule(result.x, "rins")
         outcome = simulate(graph, candidate)
         fits = outcome.peak_bytes <= budget_bytes
@@ -566,14 +561,14 @@ def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
                     len(fixed), int(model.integer.sum()), len(exact_stages), result.status,
                     candidate.cost(graph), start.cost(graph), "" if fits else ", overflows the budget")
         if fits:
-            return (candidate if candidate.cost(graph) < start.cost(graph) else start), exact_stages
+            return candidate if candidate.cost(graph) < start.cost(graph) else start
         overflowing = set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes))) - exact_stages
         if not overflowing:
-            return start, exact_stages
+            return start
         exact_stages |= overflowing
         current = build_model(graph, budget_bytes, exact_stages=exact_stages)
         if deadline is not None and time.perf_counter() >= deadline - _MIN_SOLVE_SECONDS:
-            return start, exact_stages
+            return start
 
 
 def _cheapest_rounding(
