@@ -307,19 +307,24 @@ class DFGraph:
         )
 
 
+class _OrderError(GraphError):
+    """A given execution order that does not fit its graph (so a loader can say where the
+    order came from, and other graph errors keep their own message)."""
+
+
 def _check_order(order: list, digraph: nx.DiGraph) -> None:
-    """Raises GraphError unless ``order`` lists every node of ``digraph`` once, edges forward."""
+    """Raises _OrderError unless ``order`` lists every node of ``digraph`` once, edges forward."""
     if len(order) != digraph.number_of_nodes() or set(order) != set(digraph.nodes):
         missing = sorted(set(digraph.nodes) - set(order), key=str)[:3]
         extra = sorted(set(order) - set(digraph.nodes), key=str)[:3]
-        raise GraphError(
+        raise _OrderError(
             f"the execution order lists {len(order)} ids for {digraph.number_of_nodes()} nodes "
             f"(missing {missing}, unknown {extra}, or repeated ids); it must list every node once"
         )
     position = {node: i for i, node in enumerate(order)}
     for u, v in digraph.edges:
         if position[u] > position[v]:
-            raise GraphError(
+            raise _OrderError(
                 f"the execution order puts node {v!r} before its input {u!r}; it must be a "
                 f"topological order of the graph"
             )
@@ -374,28 +379,26 @@ def _from_moccasin_dict(data: dict, name: str, order: str) -> DFGraph:
     ids = [node["name"] for node in data["nodes"]]
     edges = [(link["0"], link["1"]) for link in data["links"]]
     stored = data.get("graph", {}).get("order") if order == "file" else None
-    if stored is not None:
-        digraph = nx.DiGraph(edges)
-        digraph.add_nodes_from(ids)
-        try:
-            if not isinstance(stored, list) or not all(isinstance(node, (int, str)) for node in stored):
-                raise GraphError(f"it must be a list of node ids, got {str(stored)[:60]}")
-            _check_order(stored, digraph)
-        except GraphError as exc:
-            raise GraphError(
-                f"{name}: graph.order: {exc}; load it with order='topological' (--order=topological "
-                f"on the command line) to number the nodes by networkx.topological_sort instead"
-            ) from None
-    return DFGraph.from_unordered(
-        ids,
-        edges,
-        order=stored,
-        names=[str(i) for i in ids],
-        cost=[node["duration"] for node in data["nodes"]],
-        output_bytes=[node["out_cost"] for node in data["nodes"]],
-        fixed_bytes=sum(node.get("param_cost", 0) for node in data["nodes"]),
-        name=data.get("graph", {}).get("name", name),
-    )
+    try:
+        if stored is not None and (
+            not isinstance(stored, list) or not all(isinstance(node, (int, str)) for node in stored)
+        ):
+            raise _OrderError(f"it must be a list of node ids, got {str(stored)[:60]}")
+        return DFGraph.from_unordered(
+            ids,
+            edges,
+            order=stored,
+            names=[str(i) for i in ids],
+            cost=[node["duration"] for node in data["nodes"]],
+            output_bytes=[node["out_cost"] for node in data["nodes"]],
+            fixed_bytes=sum(node.get("param_cost", 0) for node in data["nodes"]),
+            name=data.get("graph", {}).get("name", name),
+        )
+    except _OrderError as exc:
+        raise GraphError(
+            f"{name}: graph.order: {exc}; load it with order='topological' (--order=topological "
+            f"on the command line) to number the nodes by networkx.topological_sort instead"
+        ) from None
 
 
 LOAD_ORDERS = ("file", "topological")

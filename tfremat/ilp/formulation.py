@@ -47,8 +47,8 @@ last: every value kept into stage t+1 is resident then, with t's inputs, output 
 workspace), plus the keep-source rows its ``FREE`` equality implied. Moments earlier in
 the stage are unbounded there, so the model is a relaxation, a third to a half the size
 of the exact one. Its LP is as tight as the exact LP on the benchmark graphs (the 250-node
-random graph (networkx order) at 90% / 80%: 1.00606 / 1.0264 of the no-remat cost in 4-6 s, where the exact
-LP took 32-45 s; ResNet50 at 1.1x its smallest feasible budget: 1.0441 in 21 s, 87-170 s
+random graph, networkx order, at 90% / 80%: 1.00606 / 1.0264 of the no-remat cost in
+4-6 s, where the exact LP took 32-45 s; ResNet50 at 1.1x its smallest feasible budget: 1.0441 in 21 s, 87-170 s
 exact), and its solutions usually fit: ``optimal`` accounts exactly only the stages where
 one overflows.
 

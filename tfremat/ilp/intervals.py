@@ -24,9 +24,9 @@ resident anyway), except for a recomputed node's workspace; the schedule is simu
 and, where a stage still exceeds the budget, that stage's requirement is raised by the
 excess and the model solved again.
 
-Measured (2-core machine, ``python benchmarks/solvers.py``; cost / no-remat cost):
-the 1000-node random graph (networkx order) at 80% / 90% of its checkpoint-all peak 1.0456 / 1.0106 in
-34 / 21 s (``repair``: 1.293 / 1.014); the 500-node one 1.0805 / 1.0170 in 13 / 8 s
+Measured (2-core machine, ``python benchmarks/solvers.py``; cost / no-remat cost; the
+random graphs in networkx order): the 1000-node random graph at 80% / 90% of its
+checkpoint-all peak 1.0456 / 1.0106 in 34 / 21 s (``repair``: 1.293 / 1.014); the 500-node one 1.0805 / 1.0170 in 13 / 8 s
 (``repair``: 1.223 / 1.021); ResNet50 at 80% 1.0039 in 0.7 s. Chains of recomputation
 (a value and its dropped inputs recomputed together at a later reader) are outside the
 model, so it finds nothing at the tight budgets of training graphs (ResNet50 at 1.1x its

@@ -134,10 +134,10 @@ def solve_model(
             :meth:`~tfremat.ilp.formulation.CheckmateModel.dual_bound`; its ``x`` is the
             current basic point, feasible only at the optimum) or ``"pdlp"`` (HiGHS's
             first-order method, without presolve, bounded the same way; its ``x`` is an
-            approximate LP solution). On the 500-node random graph's relaxed model (networkx order) at 90% /
-            80% of its checkpoint-all peak (2 threads), the dual simplex solves the LP in
-            42 s / bounds it at 1.0107x the no-remat cost in 55 s, where PDLP's bounds after
-            57 s were 1.0006x / 1.0072x.
+            approximate LP solution). On the 500-node random graph's relaxed model
+            (networkx order) at 90% / 80% of its checkpoint-all peak (2 threads), the dual
+            simplex solves the LP in 42 s / bounds it at 1.0107x the no-remat cost in 55 s,
+            where PDLP's bounds after 57 s were 1.0006x / 1.0072x.
         presolve: let the solver presolve the model. Off, the MILP of a large relaxation
             reaches its root bound sooner: HiGHS presolves ResNet50's relaxed model
             (125k columns) for 9-11 s, removing 4% of its columns, and does not stop

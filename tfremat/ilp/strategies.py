@@ -53,8 +53,8 @@ logger = logging.getLogger(__name__)
 MILP_STRATEGIES = ("optimal", "approx_lp")
 _FALLBACK_STRATEGIES = ("repair",)
 # Seconds repair gets when another heuristic already fits: enough for the 250-node random
-# graph at 80% (networkx order; 1.5 s; 1.072x where intervals gives 1.083x), far less than the minutes it
-# spends, and loses, on the 500- and 1000-node graphs.
+# graph at 80% (networkx order; 1.5 s; 1.072x where intervals gives 1.083x), far less
+# than the minutes it spends, and loses, on the 500- and 1000-node graphs.
 _COMPETING_SECONDS = 6.0
 # Share of time_limit that repair may use when no other heuristic fits.
 _FALLBACK_TIME_SHARE = 0.5
@@ -203,9 +203,9 @@ def solve_optimal(
     solved as MILPs when a ``time_limit`` is set: the time goes to their LP by the dual
     simplex without presolve, whose row duals give a proven bound whenever it stops, and
     to rounding its solution; the best schedule comes with that bound and status
-    ``time_limit`` unless it is within ``mip_gap`` of it. Graphs whose model would exceed 250k R columns (the 1000-node
-    random graph) are not modelled with a time limit: the best heuristic is returned,
-    bounded by the no-remat cost. Without a time limit the MILP is solved, however long it
+    ``time_limit`` unless it is within ``mip_gap`` of it. Graphs whose model would exceed
+    250k R columns (the 1000-node random graph) are not modelled with a time limit: the
+    best heuristic is returned, bounded by the no-remat cost. Without a time limit the MILP is solved, however long it
     takes.
 
     Args:
@@ -266,7 +266,8 @@ def solve_optimal(
         logger.warning(
             "optimal: the MILP of this %d-node graph (%d R columns) is too large to build within time_limit=%ss; "
             "returning the best heuristic (%s), bounded only by the no-remat cost; time_limit=None (math.inf "
-            "through tfremat.plan, fit and max_batch_size) builds and solves it however long it takes", graph.size, r_column_count(graph), time_limit, baseline.strategy,
+            "through tfremat.plan, fit and max_batch_size) builds and solves it however long it takes",
+            graph.size, r_column_count(graph), time_limit, baseline.strategy,
         )
         return _baseline_result(graph, baseline, TIME_LIMIT, began, budget_bytes)
     model = build_model(graph, budget_bytes, exact_stages=())
@@ -299,19 +300,20 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
     the budget accounts those stages exactly and solves again; the rounds stop when the
     solution fits (then it is optimal for the exact model, being optimal for a
     relaxation of it) or the time is up. Every round's bound before any lowering (below)
-    holds for the exact model. A solution that overflows only in exact stages, by no more than the solver's
-    tolerance (memory in units of the budget), lowers the model's budget by the overflow
-    and is solved again; bounds and infeasibility proofs of a lowered model are not used.
-    Measured (1 thread): on the 100-node random graph (networkx order) at 80% the relaxation's optimum
-    fits at once, proven in 9 s (the exact model took 59 s on 2 threads).
+    holds for the exact model. A solution that overflows only in exact stages, by no more
+    than the solver's tolerance (memory in units of the budget), lowers the model's budget
+    by the overflow and is solved again; bounds and infeasibility proofs of a lowered
+    model are not used. Measured (1 thread): on the 100-node random graph (networkx
+    order) at 80% the relaxation's optimum fits at once, proven in 9 s (the exact model
+    took 59 s on 2 threads).
 
     The MILP runs without presolve: on ResNet50's relaxed model HiGHS presolved for
     9-11 s (removing 4% of the columns) before its root LP and overran the call's time
     limit by 7-12 s at 1.1x the smallest feasible budget; without it the root bound
     comes 8 s sooner and the call ends on time (61 s for a 60 s limit). Elsewhere
     it is neutral within noise (``benchmarks/solvers.py``, 60 s: ResNet50 at 90% / 80%
-    proven in 27 / 49 s, was 29-32 / 40-57 s; the 250-node random graph (networkx order)'s gaps 0.87% /
-    3.39%, were 0.86% / 3.47%).
+    proven in 27 / 49 s, was 29-32 / 40-57 s; the 250-node random graph's gaps, networkx
+    order, 0.87% / 3.39%, were 0.86% / 3.47%).
     """
     budget_bytes = int(model.budget_bytes)
     deadline = None if time_limit is None else began + time_limit
@@ -354,7 +356,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
             break
         if deadline is not None and time.perf_counter() >= deadline - _FINISH_SECONDS - _MIN_SOLVE_SECONDS:
             break
-        overflowing = set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes))) - exact_stages
+        overflowing = _overflowing_stages(graph, outcome, budget_bytes) - exact_stages
         if overflowing:
             exact_stages |= overflowing
         elif outcome.peak_bytes - budget_bytes <= _TOLERANCE_OVERFLOW * budget_bytes:
@@ -389,6 +391,11 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
     )
 
 
+def _overflowing_stages(graph: DFGraph, outcome, budget_bytes: int) -> set[int]:
+    """The stages of a simulated schedule (``outcome``) whose memory exceeds the budget."""
+    return set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes)))
+
+
 def _baseline_result(graph, baseline, status, began, budget_bytes) -> Schedule:
     """A baseline returned without a solver, bounded by the no-remat cost."""
     cost = baseline.cost(graph)
@@ -408,8 +415,8 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
     otherwise), and the LP's rounding may improve the warm start. The reported bound is
     the larger of that bound and the no-remat cost, so the gap is honest, if loose where
     the LP did not converge. The dual simplex replaced PDLP here: on the 500-node random
-    graph (networkx order) at 90% / 80% (2 threads) it solves the LP in 42 s (1.0030x the no-remat cost) /
-    bounds it at 1.0107x in 55 s, where PDLP's duals gave 1.0006x / 1.0072x.
+    graph (networkx order) at 90% / 80% (2 threads) it solves the LP in 42 s (1.0030x the
+    no-remat cost) / bounds it at 1.0107x in 55 s, where PDLP's duals gave 1.0006x / 1.0072x.
 
     Window MILPs (large-neighbourhood search over a dozen stages with the keeps at their
     edges fixed) were tried here and dropped: on ResNet50 at 1.1x its smallest feasible
@@ -473,8 +480,9 @@ def _relaxed_lp_start(model, baseline, *, began, time_limit, solver, threads, se
     HiGHS can spend a whole time limit without improving a poor incumbent (measured: a
     55-node graph at 50% budget kept Griewank's 2.74x cost for 60 s while the LP rounding
     found 1.87x in 1 s), so the MILP starts from the better of the two. The relaxation's
-    LP is fast (the 250-node random graph, networkx order: 4-6 s, where the exact model's LP took 32-45 s)
-    and as tight as the exact one on the benchmark graphs. Gets a quarter of the time left.
+    LP is fast (the 250-node random graph, networkx order: 4-6 s, where the exact model's
+    LP took 32-45 s) and as tight as the exact one on the benchmark graphs. Gets a quarter
+    of the time left.
 
     Returns:
         ``(start, lp)``: the schedule to start from and the LP's
@@ -562,7 +570,7 @@ def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
                     candidate.cost(graph), start.cost(graph), "" if fits else ", overflows the budget")
         if fits:
             return candidate if candidate.cost(graph) < start.cost(graph) else start
-        overflowing = set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes))) - exact_stages
+        overflowing = _overflowing_stages(graph, outcome, budget_bytes) - exact_stages
         if not overflowing:
             return start
         exact_stages |= overflowing
