@@ -108,3 +108,23 @@ def test_milp_strategies_get_a_default_time_limit_from_the_api(monkeypatch):
     # The command line applies it before plan_graph does: twice must not undo math.inf.
     twice = api.strategy_options("optimal", **api.strategy_options("optimal", time_limit=math.inf))
     assert twice == {"time_limit": math.inf}
+
+
+def test_plan_graph_runs_the_lp_strategy_with_its_progress_line(capsys):
+    """approx_lp gets the progress line like optimal (it once had no progress option, and
+    plan_graph, fit and the callback failed with a TypeError)."""
+    g = random_training_graph(3, 10)
+    result = plan_graph(g, "85%", "approx_lp", cache=False, threads=1)
+    assert result.predicted_peak_bytes <= result.budget_bytes
+    assert "tfremat approx_lp" in capsys.readouterr().err
+
+
+def test_plan_graph_names_an_option_the_strategy_does_not_take():
+    g = random_training_graph(3, 10)
+    try:
+        plan_graph(g, "85%", "chen_greedy", cache=False, time_limit=5)
+    except ValueError as exc:
+        assert "strategy 'chen_greedy' takes no option 'time_limit'" in str(exc)
+        assert "num_segment_budgets" in str(exc)
+    else:
+        raise AssertionError("an unknown option was accepted")

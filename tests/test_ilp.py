@@ -382,8 +382,16 @@ def test_options_are_checked_before_any_baseline_runs(monkeypatch):
             call(solver="cplex")
         with pytest.raises(SolverError, match="threads must be a positive int"):
             call(threads=0)
-    with pytest.raises(SolverError, match=r"mip_gap must be in \[0, 1\)"):
+        with pytest.raises(SolverError, match="time_limit must be a positive number"):
+            call(time_limit="10")
+        with pytest.raises(SolverError, match="seed must be a non-negative int"):
+            call(seed="x")
+    with pytest.raises(SolverError, match=r"mip_gap must be a number in \[0, 1\)"):
         solve_optimal(graph, roomy, mip_gap=2.0)
+    with pytest.raises(SolverError, match=r"mip_gap must be a number in \[0, 1\)"):
+        solve_optimal(graph, roomy, mip_gap="0.1")
+    with pytest.raises(ValueError, match="num_samples must be an int"):
+        solve_approx_lp(graph, roomy, num_samples=2.5)
     monkeypatch.setitem(sys.modules, "highspy", None)
     with pytest.raises(SolverUnavailableError, match="pip install 'highspy"):
         solve_optimal(graph, roomy)
@@ -456,6 +464,61 @@ def test_approx_lp_keeps_roundings_that_fit_the_budget_not_the_allowance():
         assert peak(graph, schedule) <= budget
         above_allowance += peak(graph, schedule) > 0.7 * budget
     assert above_allowance >= 4
+
+
+def test_approx_lp_bound_holds_for_the_full_budget_only():
+    """An LP under a smaller allowance bounds that smaller budget, not the user's: taking
+    its bound once reported 51.8 (status optimal) where the optimum is 38."""
+    checked = 0
+    for seed in range(12):
+        graph = random_dag(14, seed)
+        budget = int(0.85 * checkpoint_all_peak(graph))
+        if budget < memory_lower_bound(graph):
+            continue
+        try:
+            schedule = solve_approx_lp(graph, budget, allowances=(0.7,), threads=1)
+        except InfeasibleBudgetError:
+            continue
+        optimum = solve_optimal(graph, budget, threads=1).cost(graph)
+        assert schedule.facts["best_bound"] <= optimum + 1e-6
+        assert schedule.facts["status"] != "optimal" or schedule.cost(graph) == pytest.approx(optimum)
+        checked += 1
+    assert checked >= 4
+
+
+def test_solver_proven_infeasibility_bounds_the_budget_from_above_it():
+    """When the solver (not the per-node bound) proves a budget infeasible, every feasible
+    budget is above it: the error says so and carries the heuristics' smallest peak."""
+    found = 0
+    for seed in range(30):
+        graph = random_dag(10, seed)
+        budget = memory_lower_bound(graph)
+        try:
+            solve_optimal(graph, budget, threads=1)
+        except InfeasibleBudgetError as exc:
+            assert exc.proven and exc.lower_bound_bytes == budget + 1
+            assert exc.min_feasible_bytes is not None and exc.min_feasible_bytes > budget
+            found += 1
+    assert found >= 3
+
+
+def test_approx_lp_reports_progress():
+    graph = random_dag(12, 7)
+    budget = (memory_lower_bound(graph) + checkpoint_all_peak(graph)) // 2
+    reports = []
+    schedule = solve_approx_lp(graph, budget, threads=1, progress=reports.append)
+    assert reports and reports[0].incumbent is None
+    assert reports[-1].incumbent == pytest.approx(schedule.cost(graph))
+    assert all(r.bound == pytest.approx(schedule.facts["best_bound"]) for r in reports)
+
+
+def test_quiet_solves_report_nothing():
+    graph = random_dag(12, 7)
+    model = build_model(graph, (memory_lower_bound(graph) + checkpoint_all_peak(graph)) // 2)
+    loud, quiet = [], []
+    solve_model(model, threads=1, progress=loud.append)
+    solve_model(model, threads=1, progress=quiet.append, quiet=True)
+    assert loud and not quiet
 
 
 def test_approx_lp_infeasible_budget_raises():

@@ -130,6 +130,18 @@ def test_max_batch_checks_solver_options_before_searching():
         max_batch_size(lambda b: training_chain(4, b), 16 + 4 * 12, max_batch=64, solver="cplex")
 
 
+def test_max_batch_names_options_the_strategy_does_not_take():
+    chain = lambda b: training_chain(4, b)  # noqa: E731
+    with pytest.raises(ValueError, match="strategy 'chen_greedy' takes no option 'time_limit'"):
+        max_batch_size(chain, 16 + 4 * 12, strategy="chen_greedy", max_batch=64, time_limit=5)
+    with pytest.raises(ValueError, match="min_peak_within_cost.*takes no option 'warm_start'"):
+        max_batch_size(chain, 16 + 4 * 12, method="direct", max_batch=64, warm_start=False)
+    with pytest.raises(ValueError, match="max_overhead must be a number"):
+        max_batch_size(chain, 16 + 4 * 12, max_overhead="0.3")
+    with pytest.raises(ValueError, match="needs max_batch > min_batch"):
+        max_batch_size(chain, 16 + 4 * 12, method="direct", min_batch=4, max_batch=4)
+
+
 def test_max_batch_error_names_the_overhead_cap_when_it_is_the_cause():
     """Batch 1 fits in memory only by recomputing more than the cap allows."""
     from tfremat.ilp import memory_lower_bound

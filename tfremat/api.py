@@ -19,7 +19,7 @@ from tfremat.cache import ScheduleCache
 from tfremat.errors import BudgetFormatError, InfeasibleBudgetError, TfrematError
 from tfremat.graph import DFGraph
 from tfremat.ilp.strategies import MILP_STRATEGIES
-from tfremat.plan.registry import get_strategy, strategy_names
+from tfremat.plan.registry import check_options, get_strategy, strategy_names
 from tfremat.plan.schedule import Schedule
 from tfremat.plan.simulator import simulate
 
@@ -148,12 +148,14 @@ def plan_graph(
     Raises:
         InfeasibleBudgetError: no schedule of the strategy fits.
         BudgetFormatError: the budget is unparsable.
+        ValueError: an option the strategy does not take (raised before anything runs).
     """
     reference = _checkpoint_all_peak(graph)
     budget_bytes = None if budget is None else parse_budget(budget, reference)
     function = get_strategy(strategy)
     store = _cache_of(cache)
     options = strategy_options(strategy, **options)
+    check_options(function, options, f"strategy {strategy!r}")
     cache_options = {k: v for k, v in options.items() if k != "progress"}
     schedule = store.load(graph, budget_bytes, strategy, cache_options) if store else None
     from_cache = schedule is not None

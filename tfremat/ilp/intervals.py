@@ -179,7 +179,7 @@ def intervals(
         remaining = time_limit - (time.perf_counter() - began)
         if remaining <= 0:
             break
-        solved = solve_model(model, solver=solver, time_limit=remaining, threads=threads)
+        solved = solve_model(model, solver=solver, time_limit=remaining, threads=threads, quiet=True)
         if solved.x is None:
             detail = "no drops between reads cover the excess" if solved.status == INFEASIBLE else (
                 f"the solver found no schedule within time_limit={time_limit}s")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -32,7 +33,7 @@ from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import build_model, memory_lower_bound
 from tfremat.ilp.solvers import DEFAULT_SOLVER, ProgressFn, check_solver_options, solve_model
 from tfremat.ilp.strategies import MILP_STRATEGIES
-from tfremat.plan.registry import get_strategy
+from tfremat.plan.registry import check_options, get_strategy
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import simulate
 
@@ -117,21 +118,29 @@ def max_batch_size(
     budget = parse_budget(budget)
     if not 1 <= min_batch <= max_batch:
         raise ValueError(f"need 1 <= min_batch <= max_batch, got min_batch={min_batch}, max_batch={max_batch}")
-    if max_overhead is not None and max_overhead < 0:
-        raise ValueError(f"max_overhead must be >= 0 (a fraction of the no-remat cost), got {max_overhead}")
+    if max_overhead is not None and not (
+        isinstance(max_overhead, numbers.Real) and not isinstance(max_overhead, bool) and max_overhead >= 0
+    ):
+        raise ValueError(f"max_overhead must be a number >= 0 (a fraction of the no-remat cost) or None, got "
+                         f"{max_overhead!r}")
     if method == "direct":
         if strategy != "optimal":
             raise ValueError(f"method='direct' solves Checkmate's MILP; strategy={strategy!r} needs method='search'")
+        if max_batch == min_batch:
+            raise ValueError("method='direct' extrapolates from two batch sizes; it needs max_batch > min_batch")
+        check_options(min_peak_within_cost, strategy_options, "method='direct' (min_peak_within_cost)")
         return _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, strategy_options)
     if method != "search":
         raise ValueError(f"method must be 'search' or 'direct', got {method!r}")
+    solve = get_strategy(strategy)
+    check_options(solve, strategy_options, f"strategy {strategy!r}")
     if strategy in MILP_STRATEGIES:
         # A bad option would otherwise read as "batch 1 does not fit" (SolverError below).
         check_solver_options(
             strategy_options.get("solver", DEFAULT_SOLVER), time_limit=strategy_options.get("time_limit"),
             mip_gap=strategy_options.get("mip_gap"), threads=strategy_options.get("threads"),
+            seed=strategy_options.get("seed"),
         )
-    solve = get_strategy(strategy)
     tried: dict[int, bool] = {}
     found: dict[int, tuple[Schedule, DFGraph, float, float]] = {}
     # Why the smallest batch was refused: "memory" (proven: no schedule fits), "schedule"
@@ -222,7 +231,7 @@ def min_peak_within_cost(
         ValueError: ``max_cost`` is below the cost of running every node once.
     """
     began = time.perf_counter()
-    time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
+    time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
     if max_cost < graph.total_cost * (1 - 1e-12):
         raise ValueError(f"max_cost={max_cost} is below the no-remat cost {graph.total_cost}: no schedule is that cheap")
     keep_all = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "min_peak")
@@ -249,7 +258,7 @@ def min_peak_within_cost(
 
 def _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, options) -> MaxBatchResult:
     """Checkmate's direct batch maximization for graphs that scale linearly (module docstring)."""
-    small, large = min_batch, 2 * min_batch
+    small, large = min_batch, min(2 * min_batch, max_batch)
     graph_small, graph_large = graph_for_batch(small), graph_for_batch(large)
     _check_linear(graph_small, graph_large, small, large)
     # fixed(b) = fixed_base + b * fixed_per_sample; activations scale as b / small.

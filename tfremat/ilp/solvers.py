@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import sys
 import time
 from collections.abc import Callable
@@ -114,6 +115,7 @@ def solve_model(
     lp_method: str = "simplex",
     presolve: bool = True,
     started: float | None = None,
+    quiet: bool = False,
 ) -> SolveResult:
     """Solves ``model`` (or its LP relaxation) with the named backend.
 
@@ -145,6 +147,10 @@ def solve_model(
         started: the ``time.perf_counter()`` time that progress reports count seconds
             from (a strategy passes its own start, so its heuristics' reports and the
             solver's share one clock); None: the solve's start.
+        quiet: no progress reports at all, neither to ``progress`` nor to the log: for
+            sub-solves whose objective is not the caller's schedule cost (a RINS
+            neighbourhood, the ``intervals`` heuristic's own model), which would
+            otherwise interleave their figures and clocks with the main solve's.
 
     Raises:
         SolverUnavailableError: the backend is not installed.
@@ -157,11 +163,13 @@ def solve_model(
         raise SolverError(f"lp_method={lp_method!r} bounds only Checkmate's model (CheckmateModel.dual_bound)")
     if lp_method in _STOPPABLE_LP_METHODS and solver != "highs":
         raise SolverError(f"lp_method={lp_method!r} needs solver='highs' (got {solver!r}); use lp_method='simplex'")
-    check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
+    check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
     backend = _solve_highs if solver == "highs" else _solve_gurobi
     unit = model.cost_scale
 
     def in_cost_unit(report: Progress) -> None:
+        if quiet:
+            return
         scaled = Progress(
             report.seconds if started is None else time.perf_counter() - started,
             None if report.incumbent is None else report.incumbent * unit,
@@ -183,6 +191,7 @@ def solve_model(
 
 def check_solver_options(
     solver: str, *, time_limit: float | None = None, mip_gap: float | None = None, threads: int | None = None,
+    seed: int | None = None,
 ) -> float | None:
     """Raises for a solver option no backend accepts, or a backend that is not installed.
 
@@ -201,14 +210,25 @@ def check_solver_options(
     """
     if solver not in SOLVERS:
         raise SolverError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)} (default {DEFAULT_SOLVER!r})")
-    if time_limit is not None and not time_limit > 0:
+    if time_limit is not None and not (_is_number(time_limit) and time_limit > 0):
         raise SolverError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
-    if mip_gap is not None and not 0 <= mip_gap < 1:
-        raise SolverError(f"mip_gap must be in [0, 1), got {mip_gap!r}")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+    if mip_gap is not None and not (_is_number(mip_gap) and 0 <= mip_gap < 1):
+        raise SolverError(f"mip_gap must be a number in [0, 1) or None, got {mip_gap!r}")
+    if threads is not None and not (_is_int(threads) and threads >= 1):
         raise SolverError(f"threads must be a positive int or None, got {threads!r}")
+    if seed is not None and not (_is_int(seed) and seed >= 0):
+        raise SolverError(f"seed must be a non-negative int, got {seed!r}")
     _backend_module(solver)
     return None if time_limit == math.inf else time_limit
+
+
+def _is_number(value) -> bool:
+    """A real number (a bool is not one here, nor a numeric string)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _backend_module(solver: str):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import numbers
 import time
 
 import numpy as np
@@ -153,11 +154,15 @@ def best_baseline(
     return best, smallest_peak
 
 
-def _infeasible(graph, budget_bytes, smallest_peak, strategy, detail, proven=True) -> InfeasibleBudgetError:
+def _infeasible(graph, budget_bytes, smallest_peak, strategy, detail, proven=True,
+                lower_bound_bytes=None) -> InfeasibleBudgetError:
+    """The infeasible-budget error; ``lower_bound_bytes`` defaults to
+    :func:`memory_lower_bound`, and is ``budget_bytes + 1`` where a solver proved the
+    budget infeasible (every feasible budget is above it)."""
     return InfeasibleBudgetError(
         budget_bytes,
         min_feasible_bytes=smallest_peak,
-        lower_bound_bytes=memory_lower_bound(graph),
+        lower_bound_bytes=max(memory_lower_bound(graph), lower_bound_bytes or 0),
         strategy=strategy,
         detail=detail,
         proven=proven,
@@ -239,7 +244,7 @@ def solve_optimal(
     began = time.perf_counter()
     if budget is None:
         return _no_budget(graph, "optimal", began)
-    time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
+    time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
     budget_bytes = _budget_bytes(graph, budget)
     lower_bound = memory_lower_bound(graph)
     if budget_bytes < lower_bound:
@@ -258,8 +263,9 @@ def solve_optimal(
     if too_large:
         if baseline is None:
             raise SolverError(
-                f"no heuristic fits {budget_bytes} bytes and the MILP of this {graph.size}-node graph "
-                f"({r_column_count(graph)} R columns) is too large to build within time_limit={time_limit}s; "
+                f"no heuristic fits {budget_bytes} bytes{_smallest_peak_note(smallest_peak)} and the MILP of this "
+                f"{graph.size}-node graph ({r_column_count(graph)} R columns) is too large to build within "
+                f"time_limit={time_limit}s; "
                 "raise the budget, or pass time_limit=None (math.inf through tfremat.plan, fit and max_batch_size) "
                 "to build and solve it however long it takes"
             )
@@ -281,9 +287,13 @@ def solve_optimal(
         baseline, lp = _relaxed_lp_start(
             model, baseline, began=began, time_limit=time_limit, solver=solver, threads=threads, seed=seed,
         )
-    if lp is not None and baseline is not None:
-        baseline = _rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver, threads=threads,
-                         seed=seed)
+    if lp is not None:
+        lp_bound = max(graph.total_cost, lp.best_bound or 0.0)
+        _report(progress, began, baseline.cost(graph) if baseline is not None else None, lp_bound)
+        if baseline is not None:
+            baseline = _rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver,
+                             threads=threads, seed=seed)
+            _report(progress, began, baseline.cost(graph), lp_bound)
     return _solve_with_stage_rows(
         graph, model, baseline, smallest_peak, lp.best_bound if lp is not None else None, began=began, solver=solver,
         time_limit=time_limit, mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed,
@@ -342,7 +352,8 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
         )
         solve_seconds += result.seconds
         if result.status == INFEASIBLE and not lowered:
-            raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", f"{result.solver} proved no schedule fits")
+            raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", f"{result.solver} proved no schedule fits",
+                              lower_bound_bytes=budget_bytes + 1)
         if result.best_bound is not None and not lowered:
             bound = max(bound, result.best_bound)
         if result.x is None:
@@ -375,7 +386,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
     if incumbent is None:
         raise SolverError(
             f"{result.solver} found no schedule within time_limit={time_limit}s and no baseline fits "
-            f"{budget_bytes} bytes; raise time_limit or the budget"
+            f"{budget_bytes} bytes{_smallest_peak_note(smallest_peak)}; raise time_limit or the budget"
         )
     cost = incumbent.cost(graph)
     peak = simulate(graph, incumbent).peak_bytes
@@ -389,6 +400,11 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
         solver=result.solver, warm_start=baseline.strategy if baseline is not None else None, peak_bytes=peak,
         budget_bytes=budget_bytes, exact_stages=len(exact_stages),
     )
+
+
+def _smallest_peak_note(smallest_peak: int | None) -> str:
+    """`` (the smallest peak any heuristic reached is ...)`` for an unproven failure's message."""
+    return "" if smallest_peak is None else f" (the smallest peak any heuristic reached is {smallest_peak} bytes)"
 
 
 def _overflowing_stages(graph: DFGraph, outcome, budget_bytes: int) -> set[int]:
@@ -432,15 +448,17 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
         lp_method=_lp_method(model, solver),
     )
     if lp.status == INFEASIBLE:
-        raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", f"{lp.solver} proved the LP relaxation infeasible")
+        raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", f"{lp.solver} proved the LP relaxation infeasible",
+                          lower_bound_bytes=budget_bytes + 1)
     bound = max(graph.total_cost, lp.best_bound or 0.0)
     incumbent = baseline
     if lp.x is not None:
         incumbent = _cheaper_rounding(model, lp.x, incumbent, seed=seed, strategy="optimal", deadline=deadline)
     if incumbent is None:
         raise SolverError(
-            f"no schedule fits {budget_bytes} bytes: no baseline does, and the LP rounding found none within "
-            f"time_limit={time_limit}s; raise time_limit (the whole MILP runs without one) or the budget"
+            f"no schedule fits {budget_bytes} bytes{_smallest_peak_note(smallest_peak)}: no baseline does, and the "
+            f"LP rounding found none within time_limit={time_limit}s; raise time_limit (the whole MILP runs without "
+            "one) or the budget"
         )
     cost = incumbent.cost(graph)
     gap = max(0.0, (cost - bound) / cost) if cost else 0.0
@@ -559,7 +577,8 @@ def _rins(model, start, lp_x, *, began, time_limit, solver, threads, seed):
         lower[fixed] = upper[fixed] = x0[fixed]
         seconds = None if deadline is None else max(deadline - time.perf_counter(), _MIN_SOLVE_SECONDS)
         neighbourhood = dataclasses.replace(current, lower=lower, upper=upper)
-        result = solve_model(neighbourhood, solver=solver, time_limit=seconds, threads=threads, seed=seed, start=x0)
+        result = solve_model(neighbourhood, solver=solver, time_limit=seconds, threads=threads, seed=seed, start=x0,
+                             quiet=True)
         if result.x is None:
             return start
         candidate = current.schedule(result.x, "rins")
@@ -628,6 +647,7 @@ def solve_approx_lp(
     seed: int = 0,
     num_samples: int = 32,
     allowances: tuple[float, ...] = (1.0, 0.9, 0.75, 0.5),
+    progress: ProgressFn | None = None,
 ) -> Schedule:
     """A fast feasible schedule plus a lower bound: Checkmate's LP relaxation and two-phase rounding.
 
@@ -653,13 +673,19 @@ def solve_approx_lp(
         num_samples: randomized roundings per LP solution.
         allowances: fractions of the budget given to the LP, tried in order until a
             rounded schedule fits the full budget.
+        progress: called with a :class:`~tfremat.ilp.solvers.Progress` report after each
+            LP (its bound) and each rounding that fits (the incumbent); reports are also
+            logged at INFO on ``tfremat.ilp.solvers``.
 
     Returns:
-        The schedule; ``facts["best_bound"]`` is the LP bound at the full budget.
+        The schedule; ``facts["best_bound"]`` is the larger of the no-remat cost and the
+        LP bound at the full budget (allowance 1.0). An LP under a smaller allowance
+        bounds only that smaller budget, so it never counts as the bound.
 
     Raises:
-        InfeasibleBudgetError: the LP relaxation is infeasible (so is every schedule), or
-            no rounded schedule fits; carries the smallest peak reached.
+        InfeasibleBudgetError: the LP relaxation at the full budget is infeasible (so is
+            every schedule), or no rounded schedule fits; carries the smallest peak
+            reached.
         SolverError: an option is out of range (raised before anything runs), no LP
             relaxation was solved within ``time_limit``, or with a
             ``time_limit`` the model would exceed 250k R columns.
@@ -667,9 +693,9 @@ def solve_approx_lp(
     began = time.perf_counter()
     if budget is None:
         return _no_budget(graph, "approx_lp", began)
-    time_limit = check_solver_options(solver, time_limit=time_limit, threads=threads)
-    if num_samples < 0:
-        raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+    time_limit = check_solver_options(solver, time_limit=time_limit, threads=threads, seed=seed)
+    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 0:
+        raise ValueError(f"num_samples must be an int >= 0, got {num_samples!r}")
     if not allowances or not all(0 < a <= 1 for a in allowances):
         raise ValueError(f"allowances must be fractions in (0, 1], got {allowances!r}")
     budget_bytes = _budget_bytes(graph, budget)
@@ -684,7 +710,8 @@ def solve_approx_lp(
             "time_limit=None (math.inf through tfremat.plan, fit and max_batch_size)"
         )
     rng = np.random.default_rng(seed)
-    best, best_cost, smallest_peak, lp_bound = None, None, None, None
+    best, best_cost, smallest_peak = None, None, None
+    lp_bound = graph.total_cost
     lp_seconds, num_vars, num_constraints = 0.0, 0, 0
     deadline = None if time_limit is None else began + time_limit
     for allowance in allowances:
@@ -699,17 +726,22 @@ def solve_approx_lp(
             lp_method=_lp_method(model, solver),
         )
         lp_seconds += result.seconds
-        if lp_bound is None:
+        if not num_vars:
             num_vars, num_constraints = model.num_vars, model.num_constraints
+        if allowance == 1.0:
             if result.status == INFEASIBLE:
-                raise _infeasible(graph, budget_bytes, None, "approx_lp", "the LP relaxation is infeasible")
-            lp_bound = max(graph.total_cost, result.best_bound or 0.0)
+                _, heuristic_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0)
+                raise _infeasible(graph, budget_bytes, heuristic_peak, "approx_lp", "the LP relaxation is infeasible",
+                                  lower_bound_bytes=budget_bytes + 1)
+            lp_bound = max(lp_bound, result.best_bound or 0.0)
+            _report(progress, began, None, lp_bound)
         if result.x is None:
             continue
         best, peak = _cheapest_rounding(model, result.x, budget_bytes, num_samples, rng, "approx_lp", deadline)
         smallest_peak = peak if smallest_peak is None else min(smallest_peak, peak)
         if best is not None:
             best_cost = best.cost(graph)
+            _report(progress, began, best_cost, lp_bound)
             break
     if best is None and smallest_peak is None:
         raise SolverError(f"{solver} solved no LP relaxation within time_limit={time_limit}s; raise time_limit")

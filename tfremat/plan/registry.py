@@ -8,11 +8,12 @@ core never imports a solver backend it does not use.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 
 from tfremat.errors import TfrematError
 
-__all__ = ["register", "get_strategy", "strategy_names", "StrategyFn"]
+__all__ = ["register", "get_strategy", "strategy_names", "check_options", "StrategyFn"]
 
 StrategyFn = Callable[..., "object"]
 
@@ -64,3 +65,25 @@ def get_strategy(name: str) -> StrategyFn:
         return _REGISTRY[name]
     except KeyError:
         raise TfrematError(f"unknown strategy {name!r}; choose one of: {', '.join(_REGISTRY)}") from None
+
+
+def check_options(function: Callable, options: Mapping[str, object], what: str) -> None:
+    """Raises ValueError naming every key of ``options`` that ``function`` takes no option for.
+
+    ``function`` is a strategy (or another solver function, described by ``what``) whose
+    first two parameters are the graph and the budget (or a cost cap); its options are
+    the parameters after them. Callers that pass user options on check them first, so a
+    misspelt or misplaced option is reported at once, by name, rather than as a bare
+    ``TypeError`` after minutes of work.
+    """
+    parameters = list(inspect.signature(function).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    accepted = [p.name for p in parameters[2:] if p.kind in keyword]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"{what} takes no option {', '.join(map(repr, unknown))}; "
+            f"its options are: {', '.join(accepted) if accepted else 'none'}"
+        )
