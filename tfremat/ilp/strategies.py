@@ -111,9 +111,9 @@ def best_baseline(
     Every registered strategy other than the solver-based ones runs at the budget; one
     that raises :class:`InfeasibleBudgetError` contributes the smallest peak it reached.
     Heuristics that take a ``time_limit`` (``intervals``, a small MILP, also takes
-    ``threads``) get at most ``fallback_seconds``. ``repair``, slow on large graphs and beaten by ``eviction`` on training graphs, runs
-    last: for at most ``fallback_seconds`` when nothing else fits, for at most 6 s
-    otherwise (``fallback_seconds`` 0: never). Neither runs past ``fallback_deadline`` (a
+    ``threads``) get at most ``fallback_seconds`` (0: they do not run). ``repair``, slow
+    on large graphs and beaten by ``eviction`` on training graphs, runs last: for at most
+    ``fallback_seconds`` when nothing else fits, for at most 6 s otherwise. Neither runs past ``fallback_deadline`` (a
     ``time.perf_counter()`` time) when one is given. Each new cheapest schedule is
     reported to ``progress`` (incumbent and the no-remat bound; logged at INFO too), so
     minutes of heuristics on a large graph are not silent. Returns ``(None,
@@ -199,8 +199,10 @@ def solve_optimal(
     solution that overflows the budget in the simulator gets its overflowing stages
     accounted exactly and the model is solved again, so a returned "optimal" is optimal
     for the exact model. The MILP starts from the cheapest schedule that fits among the
-    baselines (``eviction`` among them) and the rounding of the relaxation's LP, so the
-    result is never worse than either, even when the time limit stops the solver early.
+    baselines (``eviction`` among them) and the rounding of the relaxation's LP, improved
+    by RINS (the MILP over the columns on which that start and the LP disagree; see
+    ``_rins``), so the result is never worse than any of them, even when the time limit
+    stops the solver early.
     When a baseline is within ``mip_gap`` of the no-remat cost (a lower bound), it is
     returned as optimal at once.
 
