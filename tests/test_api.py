@@ -155,3 +155,67 @@ def test_cli_model_commands_reject_bad_flags(saved_model):
     assert out.returncode == 2 and "input_shape" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     out = run_cli("plan", f"--model={path}", "--input_shape=32,32,3", "--batch=2", "--budget=lots", cwd=folder)
     assert out.returncode == 1 and "budget" in out.stderr
+
+
+def two_output_model(loss, loss_weights=None):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    a = keras.layers.Dense(1, activation="sigmoid", name="a")(hidden)
+    b = keras.layers.Dense(3, activation="softmax", name="b")(hidden)
+    model = keras.Model(inputs, [a, b])
+    model.compile(keras.optimizers.SGD(0.1), loss, loss_weights=loss_weights)
+    return model
+
+
+@pytest.mark.parametrize("loss, loss_weights", [
+    (["mse", "categorical_crossentropy"], [1.0, 0.5]),
+    ({"a": "mae", "b": "categorical_crossentropy"}, {"a": 2.0, "b": 1.0}),
+    ("mse", 3.0),
+    (["mse", None], None),
+])
+def test_fit_trains_like_keras_for_every_way_to_compile_a_loss(loss, loss_weights):
+    """Lists and dicts of losses, loss weights, an output without loss, and losses that
+    read a sigmoid/softmax output itself rather than its logits (mse, mae) all train to
+    the same weights as plain Keras (each once failed or trained on another loss)."""
+    rng = np.random.default_rng(0)
+    x = rng.random((16, 16)).astype("float32")
+    y = [rng.random((16, 1)).astype("float32"), np.eye(3, dtype="float32")[rng.integers(0, 3, 16)]]
+    plain, remat = two_output_model(loss, loss_weights), two_output_model(loss, loss_weights)
+    keras.utils.set_random_seed(1)
+    expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    keras.utils.set_random_seed(1)
+    history = tfremat.fit(remat, "100%", x, y, batch_size=8, epochs=2, shuffle=False, strategy="checkpoint_all",
+                          cost_model="flops", verbose=0)
+    assert max_weight_difference(plain, remat) == 0.0
+    assert history.history["loss"] == expected.history["loss"]
+
+
+def test_a_callback_reused_on_another_model_trains_that_model():
+    x, y = data(16)
+    first, second = compiled_convnet(seed=0), compiled_convnet(seed=1)
+    callback = RematCallback("100%", strategy="chen_sqrtn", cost_model="flops", verbose=0)
+    first.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    first_weights = first.get_weights()
+    second_before = second.get_weights()
+    second.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    assert all(np.array_equal(u, v) for u, v in zip(first_weights, first.get_weights()))
+    assert any(not np.array_equal(u, v) for u, v in zip(second_before, second.get_weights()))
+
+
+def test_a_failed_fit_gives_the_model_its_own_train_step_back():
+    x, y = data(16)
+    model = compiled_convnet()
+    with pytest.raises(InfeasibleBudgetError):
+        tfremat.fit(model, "1MB", x, y, batch_size=8, strategy="chen_greedy", cost_model="flops", verbose=0)
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_plan_takes_an_optimizer_name():
+    x, y = data(8)
+    result = tfremat.plan(compiled_convnet(), "100%", x, y, batch_size=8, optimizer="adam", strategy="chen_sqrtn",
+                          cost_model="flops", verbose=0)
+    assert result.extraction.side_table.optimizer.__class__.__name__ == "Adam"
+    with pytest.raises(TfrematError, match="optimizer='nope'"):
+        tfremat.plan(compiled_convnet(), "100%", x, y, batch_size=8, optimizer="nope", cost_model="flops", verbose=0)

@@ -241,12 +241,27 @@ def _sample_batch(x, y, batch_size: int | None):
     return take(x), take(y)
 
 
-def _loss_and_optimizer(model, loss, optimizer):
-    loss = loss if loss is not None else getattr(model, "loss", None)
-    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+def _loss_and_optimizer(model, loss, optimizer) -> dict:
+    """``extract``'s loss, loss_weights and optimizer arguments: those given, else the
+    compiled model's (its ``loss_weights`` come with its loss only); an optimizer name
+    becomes a new Keras optimizer, as ``model.compile`` makes one."""
+    loss_weights = None
+    if loss is None:
+        loss = getattr(model, "loss", None)
+        if loss is not None and getattr(model, "compiled", False):
+            loss_weights = (model.get_compile_config() or {}).get("loss_weights")
     if loss is None:
         raise TfrematError("no loss: compile the model or pass loss=")
-    return loss, optimizer
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    if isinstance(optimizer, str):
+        import keras
+
+        try:
+            optimizer = keras.optimizers.get(optimizer)
+        except ValueError as err:
+            raise TfrematError(f"optimizer={optimizer!r} is not a Keras optimizer name ({err}); pass a "
+                               "keras.optimizers object or a name such as 'sgd' or 'adam'") from None
+    return {"loss": loss, "loss_weights": loss_weights, "optimizer": optimizer}
 
 
 def plan(
@@ -281,9 +296,9 @@ def plan(
     """
     from tfremat.extract.extractor import extract
 
-    loss, optimizer = _loss_and_optimizer(model, loss, optimizer)
+    training = _loss_and_optimizer(model, loss, optimizer)
     batch = _sample_batch(x, y, batch_size)
-    extraction = extract(model, sample_batch=batch, loss=loss, optimizer=optimizer, cost_model=cost_model)
+    extraction = extract(model, sample_batch=batch, cost_model=cost_model, **training)
     result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **options)
     return dataclasses.replace(result, extraction=extraction)
 
@@ -293,9 +308,9 @@ def compare(model, budget, x=None, y=None, *, strategies: Sequence[str] | None =
     """:func:`compare_graph` for a Keras model (extracts once, plans with every strategy)."""
     from tfremat.extract.extractor import extract
 
-    loss, optimizer = _loss_and_optimizer(model, loss, optimizer)
+    training = _loss_and_optimizer(model, loss, optimizer)
     batch = _sample_batch(x, y, batch_size)
-    extraction = extract(model, sample_batch=batch, loss=loss, optimizer=optimizer, cost_model=cost_model)
+    extraction = extract(model, sample_batch=batch, cost_model=cost_model, **training)
     return compare_graph(extraction.graph, budget, strategies, cache=cache, verbose=verbose, **milp_options)
 
 
@@ -378,13 +393,13 @@ def max_batch_size(
     if isinstance(budget, float) and budget <= 1 or isinstance(budget, str) and budget.strip().endswith("%"):
         raise BudgetFormatError(f"budget={budget!r}: max_batch_size needs an absolute budget (bytes or '3GiB'), not a share")
     budget_bytes = parse_budget(budget)
-    loss, optimizer = _loss_and_optimizer(model, loss, optimizer)
+    training = _loss_and_optimizer(model, loss, optimizer)
     graphs: dict[int, DFGraph] = {}
 
     def graph_for_batch(batch: int) -> DFGraph:
         if batch not in graphs:
             signature = [tf.TensorSpec((batch, *t.shape[1:]), t.dtype) for t in model.inputs]
-            graphs[batch] = extract(model, input_signature=signature, loss=loss, optimizer=optimizer, cost_model=cost_model).graph
+            graphs[batch] = extract(model, input_signature=signature, cost_model=cost_model, **training).graph
             logger.info("batch %d: checkpoint-all peak %s", batch, format_bytes(_checkpoint_all_peak(graphs[batch])))
         return graphs[batch]
 

@@ -4,6 +4,11 @@
 for the duration of ``fit``: each batch shape met gets its own extraction, schedule and
 compiled step (a smaller last batch is planned separately, never run over budget), and
 the model's loss tracker and compiled metrics are updated as ``model.fit`` would.
+
+Keras restores nothing when ``fit`` raises (``on_train_end`` does not run), so the
+rematerialized step puts the model's own train function back itself when it raises (a
+budget no schedule fits, an interrupt); otherwise a later plain ``model.fit`` would keep
+running it.
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ class RematCallback(keras.callbacks.Callback):
         self.verbose = verbose
         self.plans: dict = {}
         self._steps: dict = {}
+        # The (model, optimizer, loss) the compiled steps belong to: a callback reused on
+        # another model, or on the same model compiled anew, must not run stale steps
+        # (they would train the first model's variables).
+        self._steps_belong_to: tuple = ()
         self._original_train_function = None
 
     def on_train_begin(self, logs=None):
@@ -64,11 +73,20 @@ class RematCallback(keras.callbacks.Callback):
             raise TfrematError("RematCallback runs on one device; use tfremat.static_graph.compile_step(strategy=...) for tf.distribute")
         if getattr(model, "steps_per_execution", 1) != 1:
             raise TfrematError("RematCallback runs one batch per step; compile the model with steps_per_execution=1")
-        self._original_train_function = model.train_function
+        owner = (model, model.optimizer, model.loss)
+        if len(self._steps_belong_to) != len(owner) or any(a is not b for a, b in zip(self._steps_belong_to, owner)):
+            self._steps, self.plans, self._steps_belong_to = {}, {}, owner
+        if model.train_function != self._train_function:  # else left over from a fit stopped between steps
+            self._original_train_function = model.train_function
         model.train_function = self._train_function
 
     def on_train_end(self, logs=None):
-        self.model.train_function = self._original_train_function
+        self._restore()
+
+    def _restore(self):
+        if self._original_train_function is not None:
+            self.model.train_function = self._original_train_function
+            self._original_train_function = None
 
     def _step_for(self, x, y):
         from tfremat.api import plan
@@ -78,8 +96,9 @@ class RematCallback(keras.callbacks.Callback):
         if key not in self._steps:
             model = self.model
             options = {"solver": self.solver, "time_limit": self.time_limit} if self.strategy in MILP_STRATEGIES else {}
-            result = plan(model, self.budget, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]), loss=model.loss,
-                          optimizer=model.optimizer, strategy=self.strategy, cost_model=self.cost_model,
+            # The model's own loss, loss weights and optimizer (plan's defaults).
+            result = plan(model, self.budget, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]),
+                          strategy=self.strategy, cost_model=self.cost_model,
                           cache=self.cache, verbose=self.verbose, **options)
             if self.verbose:
                 logger.info("batch shape %s: %s, predicted peak %s (checkpoint all %s), overhead %.1f%%",
@@ -90,6 +109,15 @@ class RematCallback(keras.callbacks.Callback):
         return self._steps[key]
 
     def _train_function(self, iterator):
+        try:
+            return self._remat_step(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            raise  # the end of an epoch's data: Keras catches it and goes on training
+        except BaseException:
+            self._restore()
+            raise
+
+    def _remat_step(self, iterator):
         data = next(iterator)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:

@@ -44,9 +44,10 @@ import dataclasses
 import hashlib
 import json
 import logging
+import numbers
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 import keras
@@ -91,34 +92,89 @@ def cache_dir() -> str:
     return os.environ.get("TFREMAT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tfremat")
 
 
-def resolve_loss(loss, num_outputs: int) -> Callable:
-    """Turns a Keras loss object, a loss name or a callable into ``fn(labels, preds) -> scalar``.
-
-    Both arguments of the returned function are lists with one tensor per model output; the
-    loss is applied to each output and the results are summed (Keras' default for a model
-    with several outputs and one loss).
-
-    Raises:
-        ExtractionError: the name is not a Keras loss.
-    """
+def _one_loss(loss, where: str) -> Callable:
+    """A Keras loss object, its name or a callable, as a callable."""
     if isinstance(loss, str):
         try:
-            loss = keras.losses.get(loss)
+            return keras.losses.get(loss)
         except ValueError as err:
             raise ExtractionError(
-                f"loss {loss!r} is not a Keras loss name ({err}); pass a keras.losses object or a callable",
+                f"{where} {loss!r} is not a Keras loss name ({err}); pass a keras.losses object or a callable",
                 layer="loss",
             ) from None
     if not callable(loss):
-        raise ExtractionError(f"loss must be a Keras loss, its name or a callable, got {type(loss).__name__}", layer="loss")
+        raise ExtractionError(
+            f"{where} must be a Keras loss, its name or a callable, got {type(loss).__name__}", layer="loss"
+        )
+    return loss
+
+
+def _per_output(value, output_names: Sequence[str], what: str, default) -> list:
+    """``value`` given as in ``model.compile`` (one for all outputs, a list with one per
+    output, or a dict keyed by output name) as a list with one entry per output."""
+    count = len(output_names)
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(output_names))
+        if unknown:
+            raise ExtractionError(f"{what} names no model output {unknown}; the outputs are {list(output_names)}",
+                                  layer="loss")
+        return [value.get(name, default) for name in output_names]
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ExtractionError(f"{what} has {len(value)} entries for a model with {count} outputs", layer="loss")
+        return list(value)
+    return [value] * count
+
+
+def resolve_loss(loss, num_outputs: int, output_names: Sequence[str] = (), loss_weights=None) -> Callable:
+    """Turns a loss as ``model.compile`` takes it into ``fn(labels, preds) -> scalar``.
+
+    Both arguments of the returned function are lists with one tensor per model output.
+    ``loss`` is a Keras loss object, its name or a callable applied to every output, or a
+    list (one per output, None for an output without loss) or a dict keyed by output name;
+    ``loss_weights`` likewise a number, a list or a dict (None: 1 each). The result is
+    the weighted sum over outputs of each loss's mean, which is what Keras trains on.
+
+    Raises:
+        ExtractionError: a name is not a Keras loss, or the structure does not match the
+            model's outputs.
+    """
+    names = list(output_names) or [f"output_{k}" for k in range(num_outputs)]
+    if len(names) != num_outputs:
+        raise ExtractionError(f"{len(names)} output names for a model with {num_outputs} outputs", layer="loss")
+    losses = [None if item is None else _one_loss(item, "loss")
+              for item in _per_output(loss, names, "loss", None)]
+    if all(item is None for item in losses):
+        raise ExtractionError("no loss for any model output", layer="loss")
+    weights = _per_output(1.0 if loss_weights is None else loss_weights, names, "loss_weights", 1.0)
+    if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) for w in weights):
+        raise ExtractionError(f"loss_weights must be numbers, got {loss_weights!r}", layer="loss")
+    terms = [(k, fn, float(w)) for k, (fn, w) in enumerate(zip(losses, weights)) if fn is not None]
 
     def loss_fn(labels, preds):
-        total = loss(labels[0], preds[0])
-        for y, p in zip(labels[1:num_outputs], preds[1:num_outputs]):
-            total = total + loss(y, p)
-        return tf.reduce_mean(total)
+        total = None
+        for k, fn, weight in terms:
+            term = tf.reduce_mean(fn(labels[k], preds[k]))
+            term = term if weight == 1.0 else term * weight
+            total = term if total is None else total + term
+        return total
 
     return loss_fn
+
+
+def _loss_name(loss, loss_weights) -> str:
+    """A stable name of a loss (and its weights) for the profile cache's key."""
+    def name(item):
+        if item is None or isinstance(item, str):
+            return repr(item)
+        if isinstance(item, Mapping):
+            return "{" + ", ".join(f"{k!r}: {name(v)}" for k, v in sorted(item.items())) + "}"
+        if isinstance(item, (list, tuple)):
+            return "[" + ", ".join(map(name, item)) + "]"
+        return getattr(item, "name", None) or getattr(item, "__name__", None) or repr(item)
+
+    named = name(loss)
+    return named if loss_weights is None else f"{named} weighted {name(loss_weights)}"
 
 
 def _input_specs(model, sample_batch, input_signature, batch_size) -> tuple[list[tf.TensorSpec], list[tf.TensorSpec]]:
@@ -246,6 +302,7 @@ def extract(
     *,
     input_signature=None,
     loss="categorical_crossentropy",
+    loss_weights=None,
     optimizer=None,
     cost_model: str = "profile",
     batch_size: int | None = None,
@@ -260,7 +317,10 @@ def extract(
         sample_batch: ``(x, y)`` arrays or tensors; their shapes and dtypes fix the signature.
         input_signature: instead of a sample batch, ``tf.TensorSpec`` per model input; labels
             are shaped like the model outputs. A ``None`` batch dimension needs ``batch_size``.
-        loss: a Keras loss object, its name, or ``fn(y_true, y_pred) -> scalar``.
+        loss: a Keras loss object, its name, or ``fn(y_true, y_pred) -> scalar``, applied
+            to every output; or, as ``model.compile`` takes it, a list or dict of those
+            (see :func:`resolve_loss`).
+        loss_weights: as ``model.compile`` takes them (None: 1 for every output).
         optimizer: a Keras optimizer (default SGD); it is built on the model's trainable
             variables so that its slot variables are counted.
         cost_model: ``"profile"`` (median seconds on the device, plus allocator workspace) or
@@ -301,8 +361,11 @@ def extract(
     calls, output_refs = walk_model(model)
     in_specs, label_specs = _input_specs(model, sample_batch, input_signature, batch_size)
     batch = int(in_specs[0].shape[0])
-    loss_name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", repr(loss))
-    loss_fn = resolve_loss(loss, len(output_refs))
+    loss_name = _loss_name(loss, loss_weights)
+    output_names = list(getattr(model, "output_names", None) or [])
+    if len(output_names) != len(output_refs):
+        output_names = []  # then lists match outputs by position, and dicts cannot be used
+    loss_fn = resolve_loss(loss, len(output_refs), output_names, loss_weights)
     device = device_name()
     key = _cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device)
     cached = _load_cache(key) if use_cache else None

@@ -102,6 +102,9 @@ class _Interpreter:
         self.token: list = []
         self.loss = None
         self.predictions: list = []
+        # Per loss input: whether the loss's gradient is taken at the output's logits
+        # (see ``_loss``); the backward node of that output must take the same target.
+        self.loss_reads_logits: list[bool] = []
         self.weight_grads: dict[int, tuple[Any, Any]] = {}
         self.last_reader: dict[int, list] = {}
         self.report = TraceReport()
@@ -234,16 +237,21 @@ class _Interpreter:
 
     def _loss(self, node: int, entry) -> list:
         predictions = [self._tensor(ref, node) for ref in entry.inputs]
-        # Keras losses read a softmax/sigmoid output's logits (``_keras_logits``) directly
-        # when they exist, as plain training does; differentiate with respect to them so
-        # the gradient takes the same path (the backward node picks the logits up again).
-        targets = [_logits(p) for p in predictions]
+        # Cross-entropy losses read a softmax/sigmoid output's logits (``_keras_logits``)
+        # directly, as plain training does; their gradient is then taken at the logits so
+        # it follows the same path (the backward node picks the logits up again). Other
+        # losses (mse on a sigmoid output) read the output itself, and the logits get no
+        # gradient: the output is the target then.
+        logits = [_logits(p) for p in predictions]
         with tf.GradientTape() as tape:
-            tape.watch(predictions + targets)
+            tape.watch(predictions + logits)
             # SideTable.loss_fn takes lists (one entry per model output) in every case.
             loss = self.table.loss_fn(list(self.y), list(predictions))
             scaled = loss * self.gradient_scale
-        grads = tape.gradient(scaled, targets)
+        both = tape.gradient(scaled, logits + predictions)
+        at_logits, at_outputs = both[:len(logits)], both[len(logits):]
+        self.loss_reads_logits = [g is not None and l is not p for g, l, p in zip(at_logits, logits, predictions)]
+        grads = [g if reads else o for g, o, reads in zip(at_logits, at_outputs, self.loss_reads_logits)]
         self.loss = loss
         self.predictions = predictions
         self.resident[node] = _Instance(grads, tape, predictions, [])
@@ -258,7 +266,8 @@ class _Interpreter:
                 grad = self._value(ref.node, node).outputs[ref.input_index]
                 if grad is None:
                     continue
-                target = _logits(outputs[k]) if ref.node == loss_node else outputs[k]
+                reads_logits = ref.node == loss_node and self.loss_reads_logits[ref.input_index]
+                target = _logits(outputs[k]) if reads_logits else outputs[k]
                 sums.setdefault(id(target), (target, []))[1].append(grad)
         targets = [target for target, _ in sums.values()]
         grads = [parts[0] if len(parts) == 1 else tf.add_n(parts) for _, parts in sums.values()]
@@ -310,6 +319,8 @@ class _Interpreter:
             input_grads[p] = g
         produced = [g for g in input_grads if g is not None]
         for variable, g in zip(variables, grads[len(sources):]):
+            if g is None:
+                continue  # no loss reaches this layer (an output compiled without loss)
             key = id(variable)
             if key in self.weight_grads:
                 self.weight_grads[key] = (variable, self.weight_grads[key][1] + g)
