@@ -155,6 +155,22 @@ def test_cli_model_commands_reject_bad_flags(saved_model):
     assert out.returncode == 2 and "input_shape" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     out = run_cli("plan", f"--model={path}", "--input_shape=32,32,3", "--batch=2", "--budget=lots", cwd=folder)
     assert out.returncode == 1 and "budget" in out.stderr
+    # A saved model has its own input shape: a different one is refused, none is fine.
+    out = run_cli("plan", f"--model={path}", "--input_shape=16,16,3", "--batch=2", "--budget=100%",
+                  "--strategy=checkpoint_all", "--cost_model=flops", cwd=folder)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "32,32,3" in out.stderr.strip().splitlines()[-1]
+    out = run_cli("plan", f"--model={path}", "--batch=2", "--budget=100%", "--strategy=checkpoint_all",
+                  "--cost_model=flops", cwd=folder)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # Values and files the library refuses are one line too, not a traceback.
+    (folder / "list.json").write_text("[1, 2]")
+    out = run_cli("solve", "--graph=list.json", "--strategy=eviction", "--budget=90%", cwd=folder)
+    assert out.returncode == 1 and "JSON object" in out.stderr and "Traceback" not in out.stderr
+    out = run_cli("graph", f"--model={path}", "--batch=2", "--cost_model=flops", "--out=/nonexistent/g.json",
+                  cwd=folder)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("tfremat: error:") and "/nonexistent/g.json" in out.stderr
 
 
 def two_output_model(loss, loss_weights=None):

@@ -43,7 +43,8 @@ flags.DEFINE_float("time_limit", None, "Solver time limit in seconds for the MIL
 flags.DEFINE_string("schedule_out", None, "Write the schedule (R, S, execution order, graph fingerprint) to this JSON file.")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of a human-readable summary.")
 flags.DEFINE_string("model", None, "A Keras Applications constructor name (resnet50, mobilenet_v2, vgg16, ...; weights=None) or a saved .keras file.")
-flags.DEFINE_string("input_shape", None, "Input shape without the batch, e.g. 128,128,3.")
+flags.DEFINE_string("input_shape", None, "Input shape without the batch, e.g. 128,128,3 (optional for a saved "
+                    ".keras model, which has its own; checked against it when given).")
 flags.DEFINE_integer("batch", None, "Batch size.")
 flags.DEFINE_integer("num_classes", 10, "Classes of the head of a Keras Applications model.")
 flags.DEFINE_enum("cost_model", "profile", ["profile", "flops"], "Per-node cost: timed on this device, or an analytic FLOP count.")
@@ -170,7 +171,10 @@ def _emit(record: dict) -> None:
         print("\n".join(f"{k:<{width}}  {v}" for k, v in record.items()))
 
 
-def _input_shape() -> tuple[int, ...]:
+def _input_shape() -> tuple[int, ...] | None:
+    """``--input_shape`` parsed; None when left out (a saved model has its own)."""
+    if FLAGS.input_shape is None:
+        return None
     try:
         shape = tuple(int(d) for d in FLAGS.input_shape.split(","))
     except (AttributeError, ValueError):
@@ -372,8 +376,10 @@ def main(argv: list[str]) -> None:
     FLAGS.command = argv[1]
     try:
         _HANDLERS[argv[1]]()
-    except TfrematError as exc:
-        _fail(str(exc), code=1)
+    except (TfrematError, ValueError, OSError) as exc:
+        # The library's errors, values it refuses (they name the argument) and files it
+        # cannot read or write: one line each, not a traceback.
+        _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, code=1)
 
 
 def run() -> None:

@@ -426,12 +426,14 @@ def load_graph(source: str | os.PathLike | dict, order: str = "file") -> DFGraph
     """
     if order not in LOAD_ORDERS:
         raise ValueError(f"order={order!r}: must be one of {', '.join(map(repr, LOAD_ORDERS))}")
-    if isinstance(source, dict):
-        data, label = source, "graph"
-    else:
+    if isinstance(source, (str, os.PathLike)):
         with open(source) as f:
             data = json.load(f)
         label = os.path.splitext(os.path.basename(os.fspath(source)))[0]
+    else:
+        data, label = source, "graph"
+    if not isinstance(data, dict):
+        raise GraphError(f"{label}: a graph document is a JSON object, got a JSON {type(data).__name__}")
     kind = graph_format(data)
     if kind == "tfremat":
         return _from_tfremat_dict(data)

@@ -37,25 +37,38 @@ def application_names() -> dict[str, str]:
     return names
 
 
-def build_model(name_or_file: str, input_shape: tuple[int, ...], num_classes: int = 1000):
+def build_model(name_or_file: str, input_shape: tuple[int, ...] | None, num_classes: int = 1000):
     """Builds a model from a Keras Applications name or loads a ``.keras`` file.
 
     Args:
         name_or_file: e.g. ``"resnet50"``, ``"MobileNetV2"``, or ``"path/model.keras"``.
-        input_shape: ``(H, W, C)`` for an Applications model (ignored for a file, whose
-            model carries its own shapes).
+        input_shape: ``(H, W, C)``, needed for an Applications model; a file's model
+            carries its own shapes, which must then equal it (None: not checked).
         num_classes: classes of an Applications model's head.
 
     Returns:
         A built Keras model.
 
     Raises:
-        ExtractionError: unknown name, missing file, or an input shape the model refuses.
+        ExtractionError: unknown name, missing file, a missing input shape, or an input
+            shape the model refuses or (for a file) does not have.
     """
     if name_or_file.endswith(".keras") or os.path.sep in name_or_file:
         if not os.path.exists(name_or_file):
             raise ExtractionError(f"model file {name_or_file!r} does not exist")
-        return keras.models.load_model(name_or_file, compile=False)
+        model = keras.models.load_model(name_or_file, compile=False)
+        if input_shape is not None:
+            saved = [tuple(tensor.shape[1:]) for tensor in model.inputs]
+            if saved != [tuple(input_shape)]:
+                shapes = ", ".join(",".join(map(str, shape)) for shape in saved)
+                raise ExtractionError(
+                    f"model file {name_or_file!r} takes inputs of shape {shapes} (without the batch), not "
+                    f"{','.join(map(str, input_shape))}; leave the input shape out for a saved model"
+                )
+        return model
+    if input_shape is None:
+        raise ExtractionError(f"model {name_or_file!r} needs an input shape (H, W, C; --input_shape=H,W,C on the "
+                              "command line)")
     names = application_names()
     constructor = names.get(_normalize(name_or_file))
     if constructor is None:
