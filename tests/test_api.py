@@ -235,3 +235,12 @@ def test_plan_takes_an_optimizer_name():
     assert result.extraction.side_table.optimizer.__class__.__name__ == "Adam"
     with pytest.raises(TfrematError, match="optimizer='nope'"):
         tfremat.plan(compiled_convnet(), "100%", x, y, batch_size=8, optimizer="nope", cost_model="flops", verbose=0)
+
+
+def test_plan_refuses_a_batch_size_its_data_cannot_fill():
+    x, y = data(8)
+    for bad in (0, -1, 8.0, "8"):
+        with pytest.raises(ValueError, match="batch_size must be a positive int"):
+            tfremat.plan(compiled_convnet(), "100%", x, y, batch_size=bad, cost_model="flops", verbose=0)
+    with pytest.raises(ValueError, match="fewer than batch_size=16"):
+        tfremat.plan(compiled_convnet(), "100%", x, y, batch_size=16, cost_model="flops", verbose=0)

@@ -128,3 +128,20 @@ def test_plan_graph_names_an_option_the_strategy_does_not_take():
         assert "num_segment_budgets" in str(exc)
     else:
         raise AssertionError("an unknown option was accepted")
+
+
+def test_compare_graph_checks_its_strategies_and_options_before_running_any():
+    import pytest
+
+    g = random_training_graph(3, 10)
+    with pytest.raises(ValueError, match=r"write \['eviction'\]"):
+        compare_graph(g, "85%", "eviction", cache=False)
+    with pytest.raises(ValueError, match="'foo' is taken by no MILP strategy"):
+        compare_graph(g, "85%", ["eviction"], cache=False, foo=5)
+    with pytest.raises(ValueError, match="'time_limit' is taken by no MILP strategy"):
+        compare_graph(g, "85%", ["eviction", "chen_greedy"], cache=False, time_limit=5)
+    # mip_gap is optimal's alone: approx_lp runs without it.
+    results = compare_graph(g, "85%", ["optimal", "approx_lp"], cache=False, verbose=0, mip_gap=0.01, threads=1)
+    assert [r.strategy for r in results] == ["optimal", "approx_lp"]
+    with pytest.raises(TypeError, match="cache must be"):
+        plan_graph(g, "85%", "eviction", cache=5)

@@ -8,7 +8,10 @@ its graph (:mod:`tfremat.extract`) and import TensorFlow when called.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import numbers
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -18,6 +21,7 @@ from tfremat.budget import format_bytes, parse_budget
 from tfremat.cache import ScheduleCache
 from tfremat.errors import BudgetFormatError, InfeasibleBudgetError, TfrematError
 from tfremat.graph import DFGraph
+from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.ilp.strategies import MILP_STRATEGIES
 from tfremat.plan.registry import check_options, get_strategy, strategy_names
 from tfremat.plan.schedule import Schedule
@@ -194,6 +198,8 @@ def _cache_of(cache) -> ScheduleCache | None:
         return ScheduleCache()
     if isinstance(cache, ScheduleCache):
         return cache
+    if not isinstance(cache, (str, os.PathLike)):
+        raise TypeError(f"cache must be True, False, a directory path or a ScheduleCache, got {cache!r}")
     return ScheduleCache(cache)
 
 
@@ -209,16 +215,50 @@ def compare_graph(
     """Plans ``graph`` with every strategy (or the given ones) at one budget.
 
     Returns one entry per strategy, in order: its :class:`PlanResult`, or the
-    :class:`InfeasibleBudgetError` it raised. ``milp_options`` go to the MILP strategies only.
+    :class:`InfeasibleBudgetError` it raised. ``milp_options`` go to the MILP strategies
+    only, each getting those it takes (``mip_gap`` goes to ``optimal`` alone).
+
+    Raises:
+        ValueError: ``strategies`` is not a list of names, or an option no MILP strategy
+            in the list takes (checked before any strategy runs).
     """
+    names, per_strategy = _split_milp_options(strategies or strategy_names(), milp_options)
     results: list[PlanResult | InfeasibleBudgetError] = []
-    for name in strategies or strategy_names():
-        options = milp_options if name in MILP_STRATEGIES else {}
+    for name in names:
+        options = per_strategy.get(name, {})
         try:
             results.append(plan_graph(graph, budget, name, cache=cache, verbose=verbose, **options))
         except InfeasibleBudgetError as exc:
             results.append(exc)
     return results
+
+
+def _split_milp_options(strategies: Sequence[str], options: Mapping[str, Any]) -> tuple[list[str], dict]:
+    """The strategy names, and for each MILP strategy among them the ``options`` it takes
+    (``mip_gap`` is for ``optimal`` alone), checked before any strategy runs.
+
+    Raises:
+        ValueError: ``strategies`` is a string, or an option no MILP strategy among them takes.
+        SolverError: a solver option out of range.
+    """
+    if isinstance(strategies, str):
+        raise ValueError(f"strategies must be a list of strategy names, got the string {strategies!r}; "
+                         f"write [{strategies!r}]")
+    names = list(strategies)
+    per_strategy = {}
+    for name in names:
+        if name in MILP_STRATEGIES:
+            taken = list(inspect.signature(get_strategy(name)).parameters)[2:]
+            per_strategy[name] = {key: value for key, value in options.items() if key in taken}
+    unknown = sorted(set(options) - {key for chosen in per_strategy.values() for key in chosen})
+    if unknown:
+        raise ValueError(f"option {', '.join(map(repr, unknown))} is taken by no MILP strategy among {names} "
+                         f"(the options go to {', '.join(MILP_STRATEGIES)} only)")
+    for chosen in per_strategy.values():
+        # Values too, so that a bad one fails before the heuristics run, not after them.
+        check_solver_options(chosen.get("solver", DEFAULT_SOLVER), time_limit=chosen.get("time_limit"),
+                             mip_gap=chosen.get("mip_gap"), threads=chosen.get("threads"), seed=chosen.get("seed"))
+    return names, per_strategy
 
 
 # ----- Keras models -----
@@ -237,6 +277,12 @@ def _sample_batch(x, y, batch_size: int | None):
         raise TfrematError("pass x and y (arrays) or x as a tf.data.Dataset yielding (x, y) batches")
     if batch_size is None:
         raise TfrematError("batch_size is needed with array inputs: it fixes the shapes the schedule is planned for")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    samples = int(tf.nest.flatten(x)[0].shape[0])
+    if samples < batch_size:
+        raise ValueError(f"x has {samples} samples, fewer than batch_size={batch_size}: the schedule is planned for "
+                         "one full batch; pass at least that many samples or a smaller batch_size")
     take = lambda a: tf.nest.map_structure(lambda t: t[:batch_size], a)  # noqa: E731
     return take(x), take(y)
 
@@ -403,9 +449,10 @@ def max_batch_size(
             logger.info("batch %d: checkpoint-all peak %s", batch, format_bytes(_checkpoint_all_peak(graphs[batch])))
         return graphs[batch]
 
+    names, per_strategy = _split_milp_options(strategies, options)
     results = {}
-    for name in strategies:
+    for name in names:
         results[name] = search(graph_for_batch, budget_bytes, strategy=name, max_overhead=max_overhead,
                                min_batch=min_batch, max_batch=max_batch,
-                               **(strategy_options(name, **options) if name in MILP_STRATEGIES else {}))
+                               **(strategy_options(name, **per_strategy[name]) if name in per_strategy else {}))
     return results
