@@ -82,6 +82,15 @@ def test_plan_reports_prediction_and_infeasible_budget_reports_smallest_peak():
     assert info.value.min_feasible_bytes > 10**6
 
 
+def test_the_callback_refuses_a_bad_budget_or_strategy_at_once():
+    from tfremat.errors import BudgetFormatError
+
+    with pytest.raises(BudgetFormatError, match="budget='abc'"):
+        RematCallback("abc")
+    with pytest.raises(TfrematError, match="unknown strategy 'nope'"):
+        RematCallback("50%", strategy="nope")
+
+
 def test_fit_needs_a_compiled_model():
     with pytest.raises(TfrematError, match="compile"):
         tfremat.fit(small_convnet(), "50%", *data(8), batch_size=8)

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tfremat.budget import parse_budget
@@ -14,16 +15,23 @@ from graph_factories import random_training_graph
 
 @pytest.mark.parametrize("text, expected", [
     (1000, 1000), ("1000", 1000), ("3.5GiB", int(3.5 * 2**30)), ("800MB", 800 * 10**6),
-    ("2 KiB", 2048), ("50%", 500), (0.25, 250), ("1e3", 1000), (2000.0, 2000),
+    ("2 KiB", 2048), ("50%", 500), (0.25, 250), ("1e3", 1000), (2000.0, 2000), (np.float32(0.5), 500),
+    (np.int64(700), 700),
 ])
 def test_budget_forms(text, expected):
     assert parse_budget(text, reference_bytes=1000) == expected
 
 
-@pytest.mark.parametrize("bad", ["", "lots", "12 parsecs", "-5GB", "0", 0, -1, True, None, [1], "50%%", float("nan")])
+@pytest.mark.parametrize("bad", ["", "lots", "12 parsecs", "-5GB", "0", 0, -1, True, None, [1], "50%%", float("nan"),
+                                 "1e400", "12.5"])
 def test_bad_budgets_name_the_accepted_forms(bad):
     with pytest.raises(BudgetFormatError, match="budget="):
         parse_budget(bad, reference_bytes=1000)
+
+
+def test_a_unitless_fraction_string_points_to_the_share_forms():
+    with pytest.raises(BudgetFormatError, match="write '50%'"):
+        parse_budget("0.5", reference_bytes=1000)
 
 
 def test_relative_budget_needs_reference():
@@ -97,6 +105,15 @@ def test_cli_bad_flags_give_one_line_errors(tmp_path):
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     out = run_cli("solve", "--help")
     assert out.returncode == 0 and "--budget" in out.stdout and "--schedule_out" in out.stdout
+
+
+def test_cli_plot_names_a_middle_budget_nothing_fits(tmp_path):
+    graph_path = tmp_path / "g.json"
+    random_training_graph(3, 10).to_json(graph_path)
+    out = run_cli("plot", f"--graph={graph_path}", f"--out={tmp_path / 'plots'}", "--budgets=10%,20%,30%",
+                  "--strategies=eviction")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "fits the middle budget" in out.stderr.strip().splitlines()[-1]
 
 
 def test_integer_like_budgets_are_bytes():

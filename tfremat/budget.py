@@ -39,7 +39,8 @@ def parse_budget(budget, reference_bytes: float | None = None) -> int:
     fraction = None
     if isinstance(budget, numbers.Integral):
         value = int(budget)
-    elif isinstance(budget, float):
+    elif isinstance(budget, numbers.Real):
+        budget = float(budget)
         if not math.isfinite(budget) or budget <= 0:
             raise BudgetFormatError(f"budget={budget!r} must be positive; use {_ACCEPTED}")
         if budget <= 1:
@@ -54,6 +55,14 @@ def parse_budget(budget, reference_bytes: float | None = None) -> int:
         if not match or match.group(2).lower() not in {**_UNITS, "%": 1}:
             raise BudgetFormatError(f"budget={budget!r} is unparsable; use {_ACCEPTED}")
         number, unit = float(match.group(1)), match.group(2).lower()
+        if not math.isfinite(number):
+            raise BudgetFormatError(f"budget={budget!r} is not a finite number; use {_ACCEPTED}")
+        if unit in ("", "b") and not number.is_integer():
+            raise BudgetFormatError(
+                f"budget={budget!r}: a string without a unit counts bytes, which are whole; write "
+                f"'{number * 100:g}%' (or the number {number:g}) for a share of the checkpoint-all peak"
+                if number <= 1 else f"budget={budget!r}: bytes are whole; use {_ACCEPTED}"
+            )
         if unit == "%":
             fraction = number / 100
             value = 0

@@ -296,7 +296,7 @@ def cmd_maxbatch() -> None:
 def cmd_plot() -> None:
     from pathlib import Path
 
-    from tfremat.budget import parse_budget
+    from tfremat.budget import format_bytes, parse_budget
     from tfremat.graph import load_graph
     from tfremat.plan import simulate
     from tfremat.plan.baselines import checkpoint_all
@@ -320,6 +320,10 @@ def cmd_plot() -> None:
             schedules[name] = get_strategy(name)(graph, middle, **_milp_options(name))
         except InfeasibleBudgetError:
             continue
+    if not schedules:
+        _fail(f"no strategy of {', '.join(names)} fits the middle budget {format_bytes(middle)} "
+              f"({100 * middle / reference:.0f}% of the checkpoint-all peak), whose memory traces memory.png "
+              "shows; give --budgets whose middle one is larger", code=1)
     traces = plot_memory_traces(graph, schedules, out / "memory.png", budget_bytes=middle)
     overhead, _ = plot_overhead_vs_budget(graph, names, budgets, out / "overhead.png",
                                           strategy_options={n: _milp_options(n) for n in names})

@@ -18,9 +18,10 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfremat.budget import format_bytes
+from tfremat.budget import format_bytes, parse_budget
 from tfremat.errors import CompileError, TfrematError
 from tfremat.ilp.strategies import MILP_STRATEGIES
+from tfremat.plan.registry import get_strategy
 
 __all__ = ["RematCallback"]
 
@@ -48,6 +49,10 @@ class RematCallback(keras.callbacks.Callback):
     def __init__(self, budget, strategy: str = "optimal", solver: str | None = None, time_limit: float | None = None,
                  cost_model: str = "profile", cache=True, verbose: int = 1):
         super().__init__()
+        # Refuse a malformed budget or an unknown strategy here, not at the first step.
+        # A share needs the batch's peak, unknown until then; any reference checks its form.
+        parse_budget(budget, reference_bytes=float(2**40))
+        get_strategy(strategy)
         self.budget = budget
         self.strategy = strategy
         self.solver = solver
