@@ -447,20 +447,26 @@ def test_gurobi_reports_the_bound_periodically(monkeypatch):
     assert [r.seconds for r in reports] == sorted(r.seconds for r in reports)
 
 
-def test_approx_lp_keeps_roundings_that_fit_the_budget_not_the_allowance():
-    """The LP is solved under a smaller allowance so that its roundings fit the budget; a
-    rounding above the allowance but within the budget is a valid answer (a review once
-    checked roundings against the allowance, and approx_lp failed where it had worked)."""
-    above_allowance = 0
-    for seed in range(10):
+def _approx_lp_at_a_reduced_allowance(num_seeds: int):
+    """``(graph, budget, schedule)`` of approx_lp with its LP under 70% of the budget, on
+    random DAGs at 85% of their checkpoint-all peak where some rounding fits."""
+    for seed in range(num_seeds):
         graph = random_dag(14, seed)
         budget = int(0.85 * checkpoint_all_peak(graph))
         if budget < memory_lower_bound(graph):
             continue
         try:
-            schedule = solve_approx_lp(graph, budget, allowances=(0.7,))
+            yield graph, budget, solve_approx_lp(graph, budget, allowances=(0.7,), threads=1)
         except InfeasibleBudgetError:
             continue  # no rounding fits
+
+
+def test_approx_lp_keeps_roundings_that_fit_the_budget_not_the_allowance():
+    """The LP is solved under a smaller allowance so that its roundings fit the budget; a
+    rounding above the allowance but within the budget is a valid answer (a review once
+    checked roundings against the allowance, and approx_lp failed where it had worked)."""
+    above_allowance = 0
+    for graph, budget, schedule in _approx_lp_at_a_reduced_allowance(10):
         assert peak(graph, schedule) <= budget
         above_allowance += peak(graph, schedule) > 0.7 * budget
     assert above_allowance >= 4
@@ -470,15 +476,7 @@ def test_approx_lp_bound_holds_for_the_full_budget_only():
     """An LP under a smaller allowance bounds that smaller budget, not the user's: taking
     its bound once reported 51.8 (status optimal) where the optimum is 38."""
     checked = 0
-    for seed in range(12):
-        graph = random_dag(14, seed)
-        budget = int(0.85 * checkpoint_all_peak(graph))
-        if budget < memory_lower_bound(graph):
-            continue
-        try:
-            schedule = solve_approx_lp(graph, budget, allowances=(0.7,), threads=1)
-        except InfeasibleBudgetError:
-            continue
+    for graph, budget, schedule in _approx_lp_at_a_reduced_allowance(12):
         optimum = solve_optimal(graph, budget, threads=1).cost(graph)
         assert schedule.facts["best_bound"] <= optimum + 1e-6
         assert schedule.facts["status"] != "optimal" or schedule.cost(graph) == pytest.approx(optimum)
