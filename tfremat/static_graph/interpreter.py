@@ -248,9 +248,18 @@ class _Interpreter:
             # SideTable.loss_fn takes lists (one entry per model output) in every case.
             loss = self.table.loss_fn(list(self.y), list(predictions))
             scaled = loss * self.gradient_scale
-        both = tape.gradient(scaled, logits + predictions)
-        at_logits, at_outputs = both[:len(logits)], both[len(logits):]
-        self.loss_reads_logits = [g is not None and l is not p for g, l, p in zip(at_logits, logits, predictions)]
+        distinct = [l for l, p in zip(logits, predictions) if l is not p]
+        gradients = tape.gradient(scaled, distinct + predictions)
+        of_logits = iter(gradients[:len(distinct)])
+        at_logits = [next(of_logits) if l is not p else None for l, p in zip(logits, predictions)]
+        at_outputs = gradients[len(distinct):]
+        for k, (g, o) in enumerate(zip(at_logits, at_outputs)):
+            if g is not None and o is not None:
+                raise CompileError(
+                    f"the loss reads model output {k} both through its softmax/sigmoid and through the logits Keras "
+                    "attached to it; the rematerialized step supports one of the two per output"
+                )
+        self.loss_reads_logits = [g is not None for g in at_logits]
         grads = [g if reads else o for g, o, reads in zip(at_logits, at_outputs, self.loss_reads_logits)]
         self.loss = loss
         self.predictions = predictions
