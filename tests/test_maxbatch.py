@@ -46,6 +46,9 @@ def test_max_batch_raises_when_nothing_fits():
     with pytest.raises(InfeasibleBudgetError) as info:
         max_batch_size(lambda b: training_chain(3, b), 20, threads=1)
     assert info.value.lower_bound_bytes == lower_bound and info.value.proven == (20 < lower_bound)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        max_batch_size(lambda b: training_chain(3, b), 20, method="direct", max_batch=8, threads=1)
+    assert info.value.min_feasible_bytes > 20
 
 
 def test_max_batch_rejects_bad_bounds():

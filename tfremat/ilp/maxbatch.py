@@ -274,8 +274,10 @@ def _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, options
     batch = min(largest(facts["peak_bytes"]), max_batch)
     upper = min(largest(facts["peak_bound_bytes"]), max_batch)
     if batch < min_batch:
+        # ``small`` is min_batch: the schedule's peak is the least any schedule within the
+        # overhead limit reaches at that batch, up to the solver's gap.
         raise InfeasibleBudgetError(
-            budget, strategy="optimal",
+            budget, min_feasible_bytes=facts["peak_bytes"], strategy="optimal",
             detail=f"batch size {min_batch} does not fit within the overhead limit (direct formulation)",
         )
     graph = graph_for_batch(batch)
