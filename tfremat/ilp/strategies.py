@@ -74,6 +74,8 @@ _FULL_MILP_COLUMNS = 150_000
 # build, and its LP gets nowhere in minutes; the best heuristic is returned with the
 # no-remat cost as its bound.
 _MAX_R_COLUMNS = 250_000
+# Models up to this many columns are presolved before the MILP (see _solve_with_stage_rows).
+_PRESOLVE_MAX_COLUMNS = 20_000
 # Seconds kept from an LP under a time limit for rounding its solution.
 _ROUNDING_RESERVE_SECONDS = 3.0
 # The gap at which a large model's schedule counts as optimal when mip_gap is None
@@ -319,13 +321,19 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
     order) at 80% the relaxation's optimum fits at once, proven in 9 s (the exact model
     took 59 s on 2 threads).
 
-    The MILP runs without presolve: on ResNet50's relaxed model HiGHS presolved for
-    9-11 s (removing 4% of the columns) before its root LP and overran the call's time
-    limit by 7-12 s at 1.1x the smallest feasible budget; without it the root bound
-    comes 8 s sooner and the call ends on time (61 s for a 60 s limit). Elsewhere
-    it is neutral within noise (``benchmarks/solvers.py``, 60 s: ResNet50 at 90% / 80%
-    proven in 27 / 49 s, was 29-32 / 40-57 s; the 250-node random graph's gaps, networkx
-    order, 0.87% / 3.39%, were 0.86% / 3.47%).
+    Models above 20k columns run without presolve: on ResNet50's relaxed model (125k)
+    HiGHS presolved for 9-11 s (removing 4% of the columns) before its root LP and
+    overran the call's time limit by 7-12 s at 1.1x the smallest feasible budget; without
+    it the root bound comes 8 s sooner and the call ends on time (61 s for a 60 s limit).
+    There it is otherwise neutral within noise (``benchmarks/solvers.py``, 60 s: ResNet50
+    at 90% / 80% proven in 27 / 49 s, was 29-32 / 40-57 s; the 250-node random graph's
+    gaps, networkx order, 0.87% / 3.39%, were 0.86% / 3.47%). Smaller models presolve in
+    well under a second, and HiGHS's seed decides more than presolve does (seeds 0 / 1 /
+    2, 2 threads, seconds to the proof without / with presolve): vgg_unet at 1.1x its
+    smallest budget (5k columns) 23.1 / 6.0 / 6.4 against 5.1 / 5.6 / 7.2; the 100-node
+    random graph (10k) at 90% 7.9 / 5.0 / 4.6 against 3.9 / 3.9 / 3.3, at 80% 5.3 / 7.5 /
+    7.5 against 7.7 / 7.3 / 7.6; the demo's 55-node graph at 50% (3k, not proven in 60 s)
+    gaps 12.0 / 7.7 / 7.8% against 9.9 / 8.2 / 7.3%.
     """
     budget_bytes = int(model.budget_bytes)
     deadline = None if time_limit is None else began + time_limit
@@ -350,7 +358,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
         remaining = None if deadline is None else max(deadline - time.perf_counter() - _FINISH_SECONDS, _MIN_SOLVE_SECONDS)
         result = solve_model(
             model, solver=solver, time_limit=remaining, mip_gap=mip_gap, threads=threads, seed=seed, start=start,
-            progress=progress, presolve=False, started=began,
+            progress=progress, presolve=model.num_vars <= _PRESOLVE_MAX_COLUMNS, started=began,
         )
         solve_seconds += result.seconds
         if result.status == INFEASIBLE and not lowered:
