@@ -14,6 +14,7 @@ import numbers
 import os
 import sys
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -295,7 +296,11 @@ def _loss_and_optimizer(model, loss, optimizer) -> dict:
     if loss is None:
         loss = getattr(model, "loss", None)
         if loss is not None and getattr(model, "compiled", False):
-            loss_weights = (model.get_compile_config() or {}).get("loss_weights")
+            # get_compile_config serializes the whole config, and warns of a lambda loss
+            # while doing so; only the weights are read here.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                loss_weights = (model.get_compile_config() or {}).get("loss_weights")
     if loss is None:
         raise TfrematError("no loss: compile the model or pass loss=")
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
