@@ -253,3 +253,15 @@ def test_plan_refuses_a_batch_size_its_data_cannot_fill():
             tfremat.plan(compiled_convnet(), "100%", x, y, batch_size=bad, cost_model="flops", verbose=0)
     with pytest.raises(ValueError, match="fewer than batch_size=16"):
         tfremat.plan(compiled_convnet(), "100%", x, y, batch_size=16, cost_model="flops", verbose=0)
+
+
+def test_measure_names_a_bad_argument_before_any_work():
+    from tfremat.errors import ArgumentError
+    from tfremat.measure import measure_model
+
+    model = compiled_convnet()
+    for arguments, name in (({"steps": "2"}, "steps"), ({"steps": 1.5}, "steps"), ({"batch_size": 0}, "batch_size"),
+                            ({"optimizer_name": "nope"}, "optimizer_name")):
+        options = {"batch_size": 4, **arguments}
+        with pytest.raises(ArgumentError, match=name):
+            measure_model(model, "100%", cost_model="flops", verbose=0, **options)

@@ -20,7 +20,7 @@ from typing import Any
 
 from tfremat.budget import format_bytes, parse_budget
 from tfremat.cache import ScheduleCache
-from tfremat.errors import BudgetFormatError, InfeasibleBudgetError, TfrematError
+from tfremat.errors import ArgumentError, BudgetFormatError, InfeasibleBudgetError, TfrematError
 from tfremat.graph import DFGraph
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.ilp.strategies import MILP_STRATEGIES
@@ -243,7 +243,7 @@ def _split_milp_options(strategies: Sequence[str], options: Mapping[str, Any]) -
         SolverError: a solver option out of range.
     """
     if isinstance(strategies, str):
-        raise ValueError(f"strategies must be a list of strategy names, got the string {strategies!r}; "
+        raise ArgumentError(f"strategies must be a list of strategy names, got the string {strategies!r}; "
                          f"write [{strategies!r}]")
     names = list(strategies)
     per_strategy = {}
@@ -253,7 +253,7 @@ def _split_milp_options(strategies: Sequence[str], options: Mapping[str, Any]) -
             per_strategy[name] = {key: value for key, value in options.items() if key in taken}
     unknown = sorted(set(options) - {key for chosen in per_strategy.values() for key in chosen})
     if unknown:
-        raise ValueError(f"option {', '.join(map(repr, unknown))} is taken by no MILP strategy among {names} "
+        raise ArgumentError(f"option {', '.join(map(repr, unknown))} is taken by no MILP strategy among {names} "
                          f"(the options go to {', '.join(MILP_STRATEGIES)} only)")
     for chosen in per_strategy.values():
         # Values too, so that a bad one fails before the heuristics run, not after them.
@@ -279,10 +279,10 @@ def _sample_batch(x, y, batch_size: int | None):
     if batch_size is None:
         raise TfrematError("batch_size is needed with array inputs: it fixes the shapes the schedule is planned for")
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise ArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
     samples = int(tf.nest.flatten(x)[0].shape[0])
     if samples < batch_size:
-        raise ValueError(f"x has {samples} samples, fewer than batch_size={batch_size}: the schedule is planned for "
+        raise ArgumentError(f"x has {samples} samples, fewer than batch_size={batch_size}: the schedule is planned for "
                          "one full batch; pass at least that many samples or a smaller batch_size")
     take = lambda a: tf.nest.map_structure(lambda t: t[:batch_size], a)  # noqa: E731
     return take(x), take(y)

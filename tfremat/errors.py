@@ -12,6 +12,7 @@ from tfremat.units import format_bytes
 
 __all__ = [
     "TfrematError",
+    "ArgumentError",
     "GraphError",
     "ScheduleError",
     "InfeasibleBudgetError",
@@ -26,6 +27,12 @@ __all__ = [
 
 class TfrematError(Exception):
     """Base class of every error tfremat raises deliberately."""
+
+
+class ArgumentError(TfrematError, ValueError):
+    """An argument of the wrong type, out of range, or not taken by the function it was
+    passed to; the message names the argument and what it accepts. A ``ValueError`` too,
+    as Python's own argument errors are."""
 
 
 class GraphError(TfrematError, ValueError):

@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 import networkx as nx
 
-from tfremat.errors import GraphError
+from tfremat.errors import ArgumentError, GraphError
 
 __all__ = ["DFGraph", "load_graph", "graph_format", "file_node_ids", "GRAPH_FORMAT", "LOAD_ORDERS"]
 
@@ -425,7 +425,7 @@ def load_graph(source: str | os.PathLike | dict, order: str = "file") -> DFGraph
         ValueError: ``order`` is not one of ``LOAD_ORDERS``.
     """
     if order not in LOAD_ORDERS:
-        raise ValueError(f"order={order!r}: must be one of {', '.join(map(repr, LOAD_ORDERS))}")
+        raise ArgumentError(f"order={order!r}: must be one of {', '.join(map(repr, LOAD_ORDERS))}")
     if isinstance(source, (str, os.PathLike)):
         with open(source) as f:
             data = json.load(f)

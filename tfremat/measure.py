@@ -10,6 +10,7 @@ counts as fixed (weights, optimizer state, the batch).
 from __future__ import annotations
 
 import logging
+import numbers
 import statistics
 import time
 
@@ -17,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.errors import TfrematError
+from tfremat.errors import ArgumentError
 from tfremat.extract.analysis import reset_allocator_peak
 from tfremat.static_graph.memory import default_device, resident_bytes
 
@@ -59,7 +60,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     """Plans, compiles and runs ``model``'s step under ``budget``, and a plain Keras step.
 
     Args:
-        model: a Keras model (its weights are restored afterwards).
+        model: a Keras model (its weights are restored afterwards, also when a step raises).
         budget: any budget form of :func:`tfremat.budget.parse_budget`.
         batch_size: the batch size; the data is random.
         strategy: the strategy name.
@@ -71,6 +72,10 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         predicted_peak_bytes, measured_peak_bytes, step_seconds, plain_peak_bytes,
         plain_step_seconds, max_grad_rel_error, and the ratios measured/predicted,
         peak/plain and time/plain.
+
+    Raises:
+        ArgumentError: ``steps`` or ``batch_size`` not an int >= 1, or an unknown
+            ``optimizer_name`` (before anything runs).
     """
     from tfremat.api import plan_graph
     from tfremat.extract.extractor import extract
@@ -78,70 +83,81 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     from tfremat.static_graph.compile import compile_step
     from tfremat.static_graph.interpreter import interpret_plan
 
-    if steps < 1:
-        raise TfrematError(f"steps={steps} must be >= 1")
+    for name, value in (("steps", steps), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ArgumentError(f"{name}={value!r} must be an int >= 1")
+    try:
+        keras.optimizers.get(optimizer_name)
+    except ValueError as err:
+        raise ArgumentError(f"optimizer_name={optimizer_name!r} is not a Keras optimizer name ({err}); use e.g. "
+                            "'sgd' or 'adam'") from None
     x, y = _random_batch(model, batch_size, seed)
     saved = [v.numpy() for v in model.variables]
-    extraction = extract(model, sample_batch=(x, y), loss=loss, optimizer=keras.optimizers.get(optimizer_name),
-                         cost_model=cost_model)
-    graph = extraction.graph
-    result = plan_graph(graph, budget, strategy, verbose=verbose, **strategy_options)
-    plan = build_plan(graph, result.schedule)
+    try:
+        extraction = extract(model, sample_batch=(x, y), loss=loss, optimizer=keras.optimizers.get(optimizer_name),
+                             cost_model=cost_model)
+        graph = extraction.graph
+        result = plan_graph(graph, budget, strategy, verbose=verbose, **strategy_options)
+        plan = build_plan(graph, result.schedule)
 
-    @tf.function
-    def planned_gradients(inputs, labels):
-        _, _, grads, _ = interpret_plan(graph, extraction.side_table, plan, inputs, labels)
-        return {key: grad for key, (_, grad) in grads.items()}
+        @tf.function
+        def planned_gradients(inputs, labels):
+            _, _, grads, _ = interpret_plan(graph, extraction.side_table, plan, inputs, labels)
+            return {key: grad for key, (_, grad) in grads.items()}
 
-    @tf.function
-    def plain_gradients(inputs, labels):
-        with tf.GradientTape() as tape:
-            predictions = model(inputs, training=True)
-            value = extraction.side_table.loss_fn(tf.nest.flatten(labels), tf.nest.flatten(predictions))
-        return tape.gradient(value, model.trainable_variables)
+        @tf.function
+        def plain_gradients(inputs, labels):
+            with tf.GradientTape() as tape:
+                predictions = model(inputs, training=True)
+                value = extraction.side_table.loss_fn(tf.nest.flatten(labels), tf.nest.flatten(predictions))
+            return tape.gradient(value, model.trainable_variables)
 
-    planned = planned_gradients(x, y)
-    for variable, value in zip(model.variables, saved):
-        variable.assign(value)
-    reference = plain_gradients(x, y)
-    errors = []
-    for variable, plain in zip(model.trainable_variables, reference):
-        if id(variable) in planned and plain is not None:
-            difference = np.abs(planned[id(variable)].numpy() - plain.numpy()).max()
-            errors.append(float(difference / max(np.abs(plain.numpy()).max(), 1e-30)))
-    for variable, value in zip(model.variables, saved):
-        variable.assign(value)
+        planned = planned_gradients(x, y)
+        for variable, value in zip(model.variables, saved):
+            variable.assign(value)
+        reference = plain_gradients(x, y)
+        errors = []
+        for variable, plain in zip(model.trainable_variables, reference):
+            if id(variable) in planned and plain is not None:
+                difference = np.abs(planned[id(variable)].numpy() - plain.numpy()).max()
+                errors.append(float(difference / max(np.abs(plain.numpy()).max(), 1e-30)))
+        for variable, value in zip(model.variables, saved):
+            variable.assign(value)
 
-    optimizer = keras.optimizers.get(optimizer_name)
-    optimizer.build(model.trainable_variables)
-    step = compile_step(extraction, result.schedule, optimizer=optimizer)
-    peak, seconds = _run_and_measure(lambda: step(x, y).numpy(), steps)
-    resident = resident_bytes(model.variables) + resident_bytes(optimizer.variables) + resident_bytes(tf.nest.flatten((x, y)))
-    for variable, value in zip(model.variables, saved):
-        variable.assign(value)
+        optimizer = keras.optimizers.get(optimizer_name)
+        optimizer.build(model.trainable_variables)
+        step = compile_step(extraction, result.schedule, optimizer=optimizer)
+        peak, seconds = _run_and_measure(lambda: step(x, y).numpy(), steps)
+        resident = resident_bytes(model.variables) + resident_bytes(optimizer.variables) + resident_bytes(tf.nest.flatten((x, y)))
+        for variable, value in zip(model.variables, saved):
+            variable.assign(value)
 
-    plain_model = keras.models.clone_model(model)
-    plain_model.set_weights(model.get_weights())
-    plain_model.compile(optimizer=keras.optimizers.get(optimizer_name), loss=loss)
-    plain_peak, plain_seconds = _run_and_measure(lambda: plain_model.train_on_batch(x, y), steps)
-    plain_resident = resident_bytes(plain_model.variables) + resident_bytes(plain_model.optimizer.variables) + resident_bytes(tf.nest.flatten((x, y)))
+        plain_model = keras.models.clone_model(model)
+        plain_model.set_weights(model.get_weights())
+        plain_model.compile(optimizer=keras.optimizers.get(optimizer_name), loss=loss)
+        plain_peak, plain_seconds = _run_and_measure(lambda: plain_model.train_on_batch(x, y), steps)
+        plain_resident = resident_bytes(plain_model.variables) + resident_bytes(plain_model.optimizer.variables) + resident_bytes(tf.nest.flatten((x, y)))
 
-    measured = peak + resident
-    plain = plain_peak + plain_resident
-    return {
-        "model": model.name,
-        "strategy": strategy,
-        "batch_size": batch_size,
-        "budget_bytes": result.budget_bytes,
-        "predicted_peak_bytes": result.predicted_peak_bytes,
-        "measured_peak_bytes": measured,
-        "step_seconds": round(seconds, 5),
-        "plain_peak_bytes": plain,
-        "plain_step_seconds": round(plain_seconds, 5),
-        "max_grad_rel_error": max(errors) if errors else None,
-        "measured_over_predicted": round(measured / result.predicted_peak_bytes, 4),
-        "peak_over_plain": round(measured / plain, 4),
-        "time_over_plain": round(seconds / plain_seconds, 4),
-        "predicted_overhead": round(result.overhead, 4),
-        "device": default_device(),
-    }
+        measured = peak + resident
+        plain = plain_peak + plain_resident
+        return {
+            "model": model.name,
+            "strategy": strategy,
+            "batch_size": batch_size,
+            "budget_bytes": result.budget_bytes,
+            "predicted_peak_bytes": result.predicted_peak_bytes,
+            "measured_peak_bytes": measured,
+            "step_seconds": round(seconds, 5),
+            "plain_peak_bytes": plain,
+            "plain_step_seconds": round(plain_seconds, 5),
+            "max_grad_rel_error": max(errors) if errors else None,
+            "measured_over_predicted": round(measured / result.predicted_peak_bytes, 4),
+            "peak_over_plain": round(measured / plain, 4),
+            "time_over_plain": round(seconds / plain_seconds, 4),
+            "predicted_overhead": round(result.overhead, 4),
+            "device": default_device(),
+        }
+    finally:
+        # Also when planning or a run raises: the docstring promises the weights back.
+        for variable, value in zip(model.variables, saved):
+            variable.assign(value)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from tfremat.budget import format_bytes
-from tfremat.errors import InfeasibleBudgetError
+from tfremat.errors import ArgumentError, InfeasibleBudgetError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import Op
 from tfremat.plan.registry import get_strategy
@@ -90,7 +90,7 @@ def _styles(names: Sequence[str]) -> dict[str, dict]:
 
 def _check_budget(value, argument: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{argument}={value!r} must be a positive int number of bytes (see tfremat.budget.parse_budget)")
+        raise ArgumentError(f"{argument}={value!r} must be a positive int number of bytes (see tfremat.budget.parse_budget)")
     return int(value)
 
 
@@ -137,7 +137,7 @@ def plot_memory_traces(
         >>> plot_memory_traces(graph, schedules, "memory.png", budget_bytes=8 * 2**30)
     """
     if not schedules:
-        raise ValueError("schedules is empty; pass a mapping of label -> Schedule, e.g. {'chen_sqrtn': schedule}")
+        raise ArgumentError("schedules is empty; pass a mapping of label -> Schedule, e.g. {'chen_sqrtn': schedule}")
     if budget_bytes is not None:
         budget_bytes = _check_budget(budget_bytes, "budget_bytes")
     results = {label: simulate(graph, schedule) for label, schedule in schedules.items()}
@@ -228,12 +228,12 @@ def plot_overhead_vs_budget(
     """
     strategies = list(strategies)
     if not strategies:
-        raise ValueError("strategies is empty; pass registered names such as ['checkpoint_all', 'chen_sqrtn']")
+        raise ArgumentError("strategies is empty; pass registered names such as ['checkpoint_all', 'chen_sqrtn']")
     if len(set(strategies)) != len(strategies):
-        raise ValueError(f"strategies={strategies!r} repeats a name; give each strategy once")
+        raise ArgumentError(f"strategies={strategies!r} repeats a name; give each strategy once")
     budgets = [_check_budget(b, "budgets_bytes entry") for b in budgets_bytes]
     if not budgets:
-        raise ValueError("budgets_bytes is empty; pass at least one budget in bytes")
+        raise ArgumentError("budgets_bytes is empty; pass at least one budget in bytes")
     solvers = {name: get_strategy(name) for name in strategies}
     options = dict(strategy_options or {})
     reference = simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes

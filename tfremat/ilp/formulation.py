@@ -74,6 +74,7 @@ from functools import reduce
 
 import numpy as np
 
+from tfremat.errors import ArgumentError
 from tfremat.graph import DFGraph
 from tfremat.plan.schedule import Schedule, prune_s, validate_schedule
 
@@ -388,7 +389,7 @@ def build_model(
         schedule, or with ``peak_within_cost`` its peak in bytes less the fixed bytes.
     """
     if peak_within_cost is not None and exact_stages is not None:
-        raise ValueError("peak_within_cost needs every stage accounted exactly; leave exact_stages=None")
+        raise ArgumentError("peak_within_cost needs every stage accounted exactly; leave exact_stages=None")
     n = graph.size
     inf = math.inf
     pred, succ = graph.predecessors, graph.successors

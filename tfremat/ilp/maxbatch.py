@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from tfremat.budget import parse_budget
-from tfremat.errors import InfeasibleBudgetError, SolverError, SolverLicenseError, SolverUnavailableError
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverError, SolverLicenseError, SolverUnavailableError
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import build_model, memory_lower_bound
 from tfremat.ilp.solvers import DEFAULT_SOLVER, ProgressFn, check_solver_options, solve_model
@@ -117,21 +117,21 @@ def max_batch_size(
     """
     budget = parse_budget(budget)
     if not 1 <= min_batch <= max_batch:
-        raise ValueError(f"need 1 <= min_batch <= max_batch, got min_batch={min_batch}, max_batch={max_batch}")
+        raise ArgumentError(f"need 1 <= min_batch <= max_batch, got min_batch={min_batch}, max_batch={max_batch}")
     if max_overhead is not None and not (
         isinstance(max_overhead, numbers.Real) and not isinstance(max_overhead, bool) and max_overhead >= 0
     ):
-        raise ValueError(f"max_overhead must be a number >= 0 (a fraction of the no-remat cost) or None, got "
+        raise ArgumentError(f"max_overhead must be a number >= 0 (a fraction of the no-remat cost) or None, got "
                          f"{max_overhead!r}")
     if method == "direct":
         if strategy != "optimal":
-            raise ValueError(f"method='direct' solves Checkmate's MILP; strategy={strategy!r} needs method='search'")
+            raise ArgumentError(f"method='direct' solves Checkmate's MILP; strategy={strategy!r} needs method='search'")
         if max_batch == min_batch:
-            raise ValueError("method='direct' extrapolates from two batch sizes; it needs max_batch > min_batch")
+            raise ArgumentError("method='direct' extrapolates from two batch sizes; it needs max_batch > min_batch")
         check_options(min_peak_within_cost, strategy_options, "method='direct' (min_peak_within_cost)")
         return _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, strategy_options)
     if method != "search":
-        raise ValueError(f"method must be 'search' or 'direct', got {method!r}")
+        raise ArgumentError(f"method must be 'search' or 'direct', got {method!r}")
     solve = get_strategy(strategy)
     check_options(solve, strategy_options, f"strategy {strategy!r}")
     if strategy in MILP_STRATEGIES:
@@ -233,7 +233,7 @@ def min_peak_within_cost(
     began = time.perf_counter()
     time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
     if max_cost < graph.total_cost * (1 - 1e-12):
-        raise ValueError(f"max_cost={max_cost} is below the no-remat cost {graph.total_cost}: no schedule is that cheap")
+        raise ArgumentError(f"max_cost={max_cost} is below the no-remat cost {graph.total_cost}: no schedule is that cheap")
     keep_all = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "min_peak")
     reference = simulate(graph, keep_all).peak_bytes
     model = build_model(graph, reference, peak_within_cost=max_cost)
@@ -283,7 +283,7 @@ def _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, options
     graph = graph_for_batch(batch)
     cost, cap = schedule.cost(graph), _cost_cap(graph, max_overhead)
     if simulate(graph, schedule).peak_bytes > budget or cost > cap * (1 + 1e-9):
-        raise ValueError(
+        raise ArgumentError(
             f"graph_for_batch({batch}) does not scale like graph_for_batch({small}) and ({large}); "
             "use method='search'"
         )
@@ -305,7 +305,7 @@ def _check_linear(a: DFGraph, b: DFGraph, batch_a: int, batch_b: int) -> None:
     factor = cost_b.sum() / cost_a.sum() if cost_a.sum() else 1.0
     costs = np.allclose(cost_a * factor, cost_b, rtol=1e-9, atol=0.0)
     if not (same and sizes and costs):
-        raise ValueError(
+        raise ArgumentError(
             f"method='direct' needs graphs whose sizes scale linearly with the batch and whose costs scale "
             f"together; graph_for_batch({batch_a}) and ({batch_b}) do not; use method='search'"
         )

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from tfremat.errors import InfeasibleBudgetError
+from tfremat.errors import ArgumentError, InfeasibleBudgetError
 from tfremat.graph import DFGraph
 from tfremat.plan.registry import register
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
@@ -445,7 +445,7 @@ def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager",
         ValueError: unknown memory_model.
     """
     if memory_model not in ("eager", "classic"):
-        raise ValueError(f"memory_model={memory_model!r}; use 'eager' or 'classic'")
+        raise ArgumentError(f"memory_model={memory_model!r}; use 'eager' or 'classic'")
     chain = _forward_order(graph)
     sizes = np.array([graph.output_bytes[i] for i in chain], dtype=float)
     if len(chain) == 0 or sizes.sum() == 0:

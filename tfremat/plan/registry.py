@@ -11,7 +11,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping
 
-from tfremat.errors import TfrematError
+from tfremat.errors import ArgumentError, TfrematError
 
 __all__ = ["register", "get_strategy", "strategy_names", "check_options", "StrategyFn"]
 
@@ -83,7 +83,7 @@ def check_options(function: Callable, options: Mapping[str, object], what: str) 
     accepted = [p.name for p in parameters[2:] if p.kind in keyword]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(
+        raise ArgumentError(
             f"{what} takes no option {', '.join(map(repr, unknown))}; "
             f"its options are: {', '.join(accepted) if accepted else 'none'}"
         )
