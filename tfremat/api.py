@@ -8,9 +8,7 @@ its graph (:mod:`tfremat.extract`) and import TensorFlow when called.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
-import numbers
 import os
 import sys
 import time
@@ -20,17 +18,17 @@ from typing import Any
 
 from tfremat.budget import format_bytes, parse_budget
 from tfremat.cache import ScheduleCache
-from tfremat.errors import ArgumentError, BudgetFormatError, InfeasibleBudgetError, TfrematError
+from tfremat.errors import ArgumentError, BudgetFormatError, InfeasibleBudgetError, TfrematError, is_int
 from tfremat.graph import DFGraph
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.ilp.strategies import MILP_STRATEGIES
-from tfremat.plan.registry import check_options, get_strategy, strategy_names
+from tfremat.plan.registry import check_options, get_strategy, option_names, strategy_names
 from tfremat.plan.schedule import Schedule
 from tfremat.plan.simulator import simulate
 
 __all__ = [
     "PlanResult", "plan_graph", "compare_graph", "plan", "compare", "fit", "max_batch_size", "strategy_options",
-    "DEFAULT_TIME_LIMIT",
+    "DEFAULT_TIME_LIMIT", "keras_optimizer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -153,7 +151,7 @@ def plan_graph(
     Raises:
         InfeasibleBudgetError: no schedule of the strategy fits.
         BudgetFormatError: the budget is unparsable.
-        ValueError: an option the strategy does not take (raised before anything runs).
+        ArgumentError: an option the strategy does not take (raised before anything runs).
     """
     reference = _checkpoint_all_peak(graph)
     budget_bytes = None if budget is None else parse_budget(budget, reference)
@@ -220,8 +218,8 @@ def compare_graph(
     only, each getting those it takes (``mip_gap`` goes to ``optimal`` alone).
 
     Raises:
-        ValueError: ``strategies`` is not a list of names, or an option no MILP strategy
-            in the list takes (checked before any strategy runs).
+        ArgumentError: ``strategies`` is not a list of names, or an option no MILP
+            strategy in the list takes (checked before any strategy runs).
     """
     names, per_strategy = _split_milp_options(strategies or strategy_names(), milp_options)
     results: list[PlanResult | InfeasibleBudgetError] = []
@@ -239,22 +237,22 @@ def _split_milp_options(strategies: Sequence[str], options: Mapping[str, Any]) -
     (``mip_gap`` is for ``optimal`` alone), checked before any strategy runs.
 
     Raises:
-        ValueError: ``strategies`` is a string, or an option no MILP strategy among them takes.
+        ArgumentError: ``strategies`` is a string, or an option no MILP strategy among them takes.
         SolverError: a solver option out of range.
     """
     if isinstance(strategies, str):
         raise ArgumentError(f"strategies must be a list of strategy names, got the string {strategies!r}; "
-                         f"write [{strategies!r}]")
+                            f"write [{strategies!r}]")
     names = list(strategies)
     per_strategy = {}
     for name in names:
         if name in MILP_STRATEGIES:
-            taken = list(inspect.signature(get_strategy(name)).parameters)[2:]
+            taken = option_names(get_strategy(name)) or []
             per_strategy[name] = {key: value for key, value in options.items() if key in taken}
     unknown = sorted(set(options) - {key for chosen in per_strategy.values() for key in chosen})
     if unknown:
         raise ArgumentError(f"option {', '.join(map(repr, unknown))} is taken by no MILP strategy among {names} "
-                         f"(the options go to {', '.join(MILP_STRATEGIES)} only)")
+                            f"(the options go to {', '.join(MILP_STRATEGIES)} only)")
     for chosen in per_strategy.values():
         # Values too, so that a bad one fails before the heuristics run, not after them.
         check_solver_options(chosen.get("solver", DEFAULT_SOLVER), time_limit=chosen.get("time_limit"),
@@ -278,12 +276,12 @@ def _sample_batch(x, y, batch_size: int | None):
         raise TfrematError("pass x and y (arrays) or x as a tf.data.Dataset yielding (x, y) batches")
     if batch_size is None:
         raise TfrematError("batch_size is needed with array inputs: it fixes the shapes the schedule is planned for")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
     samples = int(tf.nest.flatten(x)[0].shape[0])
     if samples < batch_size:
-        raise ArgumentError(f"x has {samples} samples, fewer than batch_size={batch_size}: the schedule is planned for "
-                         "one full batch; pass at least that many samples or a smaller batch_size")
+        raise ArgumentError(f"x has {samples} samples, fewer than batch_size={batch_size}: the schedule is planned "
+                            "for one full batch; pass at least that many samples or a smaller batch_size")
     take = lambda a: tf.nest.map_structure(lambda t: t[:batch_size], a)  # noqa: E731
     return take(x), take(y)
 
@@ -305,14 +303,23 @@ def _loss_and_optimizer(model, loss, optimizer) -> dict:
         raise TfrematError("no loss: compile the model or pass loss=")
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     if isinstance(optimizer, str):
-        import keras
-
-        try:
-            optimizer = keras.optimizers.get(optimizer)
-        except ValueError as err:
-            raise TfrematError(f"optimizer={optimizer!r} is not a Keras optimizer name ({err}); pass a "
-                               "keras.optimizers object or a name such as 'sgd' or 'adam'") from None
+        optimizer = keras_optimizer(optimizer, "optimizer")
     return {"loss": loss, "loss_weights": loss_weights, "optimizer": optimizer}
+
+
+def keras_optimizer(name: str, argument: str):
+    """A new Keras optimizer from its name, as ``model.compile`` makes one.
+
+    Raises:
+        ArgumentError: not a Keras optimizer name; the message names ``argument``.
+    """
+    import keras
+
+    try:
+        return keras.optimizers.get(name)
+    except ValueError as err:
+        raise ArgumentError(f"{argument}={name!r} is not a Keras optimizer name ({err}); pass a keras.optimizers "
+                            "object or a name such as 'sgd' or 'adam'") from None
 
 
 def plan(

@@ -198,14 +198,14 @@ def _keras_model():
 
 
 def _extraction(model, batch: int):
-    import keras
     import tensorflow as tf
 
+    from tfremat.api import keras_optimizer
     from tfremat.extract.extractor import extract
 
     specs = [tf.TensorSpec((batch, *t.shape[1:]), t.dtype) for t in model.inputs]
-    return extract(model, input_signature=specs, loss=FLAGS.loss, optimizer=keras.optimizers.get(FLAGS.optimizer),
-                   cost_model=FLAGS.cost_model)
+    return extract(model, input_signature=specs, loss=FLAGS.loss, cost_model=FLAGS.cost_model,
+                   optimizer=keras_optimizer(FLAGS.optimizer, "--optimizer"))
 
 
 def _milp_options(name: str) -> dict:
@@ -281,12 +281,10 @@ def cmd_maxbatch() -> None:
     from tfremat.api import max_batch_size
 
     _require("budget")
-    import keras
-
     names = FLAGS.strategies or ["optimal"]
     options = {k: v for k, v in {"time_limit": FLAGS.time_limit, "solver": FLAGS.solver}.items() if v is not None}
     results = max_batch_size(_keras_model(), FLAGS.budget, strategies=names, max_overhead=FLAGS.max_overhead,
-                             loss=FLAGS.loss, optimizer=keras.optimizers.get(FLAGS.optimizer),
+                             loss=FLAGS.loss, optimizer=FLAGS.optimizer,
                              cost_model=FLAGS.cost_model, **options)
     rows = [{"strategy": n, "batch_size": r.batch_size, "cost_ratio": round(r.cost / r.graph.total_cost, 4),
              "cost_cap_ratio": round(r.cost_cap / r.graph.total_cost, 4)} for n, r in results.items()]

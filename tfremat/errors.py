@@ -8,6 +8,8 @@ in its message. Nothing in tfremat returns a ``feasible=False`` flag instead of 
 
 from __future__ import annotations
 
+import numbers
+
 from tfremat.units import format_bytes
 
 __all__ = [
@@ -22,7 +24,19 @@ __all__ = [
     "SolverLicenseError",
     "ExtractionError",
     "CompileError",
+    "is_int",
+    "is_number",
 ]
+
+
+def is_int(value) -> bool:
+    """An integer (numpy's included), and not a bool: what an int argument accepts."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A real number (numpy's included), and not a bool or a numeric string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class TfrematError(Exception):

@@ -65,7 +65,7 @@ class RematCallback(keras.callbacks.Callback):
         # The (model, optimizer, loss) the compiled steps belong to: a callback reused on
         # another model, or on the same model compiled anew, must not run stale steps
         # (they would train the first model's variables).
-        self._steps_belong_to: tuple = ()
+        self._steps_belong_to: tuple = (None, None, None)
         self._original_train_function = None
 
     def on_train_begin(self, logs=None):
@@ -79,7 +79,7 @@ class RematCallback(keras.callbacks.Callback):
         if getattr(model, "steps_per_execution", 1) != 1:
             raise TfrematError("RematCallback runs one batch per step; compile the model with steps_per_execution=1")
         owner = (model, model.optimizer, model.loss)
-        if len(self._steps_belong_to) != len(owner) or any(a is not b for a, b in zip(self._steps_belong_to, owner)):
+        if any(a is not b for a, b in zip(self._steps_belong_to, owner)):
             self._steps, self.plans, self._steps_belong_to = {}, {}, owner
         if model.train_function != self._train_function:  # else left over from a fit stopped between steps
             self._original_train_function = model.train_function

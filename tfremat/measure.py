@@ -10,7 +10,6 @@ counts as fixed (weights, optimizer state, the batch).
 from __future__ import annotations
 
 import logging
-import numbers
 import statistics
 import time
 
@@ -18,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.errors import ArgumentError
+from tfremat.errors import ArgumentError, is_int
 from tfremat.extract.analysis import reset_allocator_peak
 from tfremat.static_graph.memory import default_device, resident_bytes
 
@@ -77,25 +76,20 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         ArgumentError: ``steps`` or ``batch_size`` not an int >= 1, or an unknown
             ``optimizer_name`` (before anything runs).
     """
-    from tfremat.api import plan_graph
+    from tfremat.api import keras_optimizer, plan_graph
     from tfremat.extract.extractor import extract
     from tfremat.plan.execution import build_plan
     from tfremat.static_graph.compile import compile_step
     from tfremat.static_graph.interpreter import interpret_plan
 
     for name, value in (("steps", steps), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        if not is_int(value) or value < 1:
             raise ArgumentError(f"{name}={value!r} must be an int >= 1")
-    try:
-        keras.optimizers.get(optimizer_name)
-    except ValueError as err:
-        raise ArgumentError(f"optimizer_name={optimizer_name!r} is not a Keras optimizer name ({err}); use e.g. "
-                            "'sgd' or 'adam'") from None
     x, y = _random_batch(model, batch_size, seed)
     saved = [v.numpy() for v in model.variables]
     try:
-        extraction = extract(model, sample_batch=(x, y), loss=loss, optimizer=keras.optimizers.get(optimizer_name),
-                             cost_model=cost_model)
+        optimizer = keras_optimizer(optimizer_name, "optimizer_name")
+        extraction = extract(model, sample_batch=(x, y), loss=loss, optimizer=optimizer, cost_model=cost_model)
         graph = extraction.graph
         result = plan_graph(graph, budget, strategy, verbose=verbose, **strategy_options)
         plan = build_plan(graph, result.schedule)
@@ -124,7 +118,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
 
-        optimizer = keras.optimizers.get(optimizer_name)
+        optimizer = keras_optimizer(optimizer_name, "optimizer_name")
         optimizer.build(model.trainable_variables)
         step = compile_step(extraction, result.schedule, optimizer=optimizer)
         peak, seconds = _run_and_measure(lambda: step(x, y).numpy(), steps)
@@ -134,7 +128,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
 
         plain_model = keras.models.clone_model(model)
         plain_model.set_weights(model.get_weights())
-        plain_model.compile(optimizer=keras.optimizers.get(optimizer_name), loss=loss)
+        plain_model.compile(optimizer=keras_optimizer(optimizer_name, "optimizer_name"), loss=loss)
         plain_peak, plain_seconds = _run_and_measure(lambda: plain_model.train_on_batch(x, y), steps)
         plain_resident = resident_bytes(plain_model.variables) + resident_bytes(plain_model.optimizer.variables) + resident_bytes(tf.nest.flatten((x, y)))
 

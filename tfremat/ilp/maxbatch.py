@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -28,7 +27,14 @@ import time
 import numpy as np
 
 from tfremat.budget import parse_budget
-from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverError, SolverLicenseError, SolverUnavailableError
+from tfremat.errors import (
+    ArgumentError,
+    InfeasibleBudgetError,
+    SolverError,
+    SolverLicenseError,
+    SolverUnavailableError,
+    is_number,
+)
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import build_model, memory_lower_bound
 from tfremat.ilp.solvers import DEFAULT_SOLVER, ProgressFn, check_solver_options, solve_model
@@ -118,11 +124,9 @@ def max_batch_size(
     budget = parse_budget(budget)
     if not 1 <= min_batch <= max_batch:
         raise ArgumentError(f"need 1 <= min_batch <= max_batch, got min_batch={min_batch}, max_batch={max_batch}")
-    if max_overhead is not None and not (
-        isinstance(max_overhead, numbers.Real) and not isinstance(max_overhead, bool) and max_overhead >= 0
-    ):
+    if max_overhead is not None and not (is_number(max_overhead) and max_overhead >= 0):
         raise ArgumentError(f"max_overhead must be a number >= 0 (a fraction of the no-remat cost) or None, got "
-                         f"{max_overhead!r}")
+                            f"{max_overhead!r}")
     if method == "direct":
         if strategy != "optimal":
             raise ArgumentError(f"method='direct' solves Checkmate's MILP; strategy={strategy!r} needs method='search'")

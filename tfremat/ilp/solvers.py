@@ -16,14 +16,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from tfremat.errors import SolverError, SolverLicenseError, SolverUnavailableError
+from tfremat.errors import SolverError, SolverLicenseError, SolverUnavailableError, is_int, is_number
 from tfremat.ilp.formulation import CheckmateModel, SparseMILP
 
 __all__ = ["SOLVERS", "DEFAULT_SOLVER", "SolveResult", "Progress", "solve_model", "check_solver_options"]
@@ -210,25 +209,16 @@ def check_solver_options(
     """
     if solver not in SOLVERS:
         raise SolverError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)} (default {DEFAULT_SOLVER!r})")
-    if time_limit is not None and not (_is_number(time_limit) and time_limit > 0):
+    if time_limit is not None and not (is_number(time_limit) and time_limit > 0):
         raise SolverError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
-    if mip_gap is not None and not (_is_number(mip_gap) and 0 <= mip_gap < 1):
+    if mip_gap is not None and not (is_number(mip_gap) and 0 <= mip_gap < 1):
         raise SolverError(f"mip_gap must be a number in [0, 1) or None, got {mip_gap!r}")
-    if threads is not None and not (_is_int(threads) and threads >= 1):
+    if threads is not None and not (is_int(threads) and threads >= 1):
         raise SolverError(f"threads must be a positive int or None, got {threads!r}")
-    if seed is not None and not (_is_int(seed) and seed >= 0):
+    if seed is not None and not (is_int(seed) and seed >= 0):
         raise SolverError(f"seed must be a non-negative int, got {seed!r}")
     _backend_module(solver)
     return None if time_limit == math.inf else time_limit
-
-
-def _is_number(value) -> bool:
-    """A real number (a bool is not one here, nor a numeric string)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _backend_module(solver: str):

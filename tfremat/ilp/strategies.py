@@ -21,13 +21,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import numbers
 import time
 
 import numpy as np
 
 from tfremat.budget import parse_budget
-from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverError
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverError, is_int
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import CheckmateModel, build_model, memory_lower_bound, r_column_count
 from tfremat.ilp.solvers import (
@@ -704,7 +703,7 @@ def solve_approx_lp(
     if budget is None:
         return _no_budget(graph, "approx_lp", began)
     time_limit = check_solver_options(solver, time_limit=time_limit, threads=threads, seed=seed)
-    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 0:
+    if not is_int(num_samples) or num_samples < 0:
         raise ArgumentError(f"num_samples must be an int >= 0, got {num_samples!r}")
     if not allowances or not all(0 < a <= 1 for a in allowances):
         raise ArgumentError(f"allowances must be fractions in (0, 1], got {allowances!r}")

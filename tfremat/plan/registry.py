@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 from tfremat.errors import ArgumentError, TfrematError
 
-__all__ = ["register", "get_strategy", "strategy_names", "check_options", "StrategyFn"]
+__all__ = ["register", "get_strategy", "strategy_names", "option_names", "check_options", "StrategyFn"]
 
 StrategyFn = Callable[..., "object"]
 
@@ -67,20 +67,27 @@ def get_strategy(name: str) -> StrategyFn:
         raise TfrematError(f"unknown strategy {name!r}; choose one of: {', '.join(_REGISTRY)}") from None
 
 
-def check_options(function: Callable, options: Mapping[str, object], what: str) -> None:
-    """Raises ValueError naming every key of ``options`` that ``function`` takes no option for.
-
-    ``function`` is a strategy (or another solver function, described by ``what``) whose
-    first two parameters are the graph and the budget (or a cost cap); its options are
-    the parameters after them. Callers that pass user options on check them first, so a
-    misspelt or misplaced option is reported at once, by name, rather than as a bare
-    ``TypeError`` after minutes of work.
-    """
+def option_names(function: Callable) -> list[str] | None:
+    """The options ``function`` takes: a strategy (or another solver function) whose first
+    two parameters are the graph and the budget (or a cost cap), its options the keyword
+    parameters after them. None when it takes any keyword (``**options``)."""
     parameters = list(inspect.signature(function).parameters.values())
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return
+        return None
     keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    accepted = [p.name for p in parameters[2:] if p.kind in keyword]
+    return [p.name for p in parameters[2:] if p.kind in keyword]
+
+
+def check_options(function: Callable, options: Mapping[str, object], what: str) -> None:
+    """Raises ArgumentError naming every key of ``options`` that ``function`` (described by
+    ``what``) takes no option for (see :func:`option_names`).
+
+    Callers that pass user options on check them first, so a misspelt or misplaced option
+    is reported at once, by name, rather than as a bare ``TypeError`` after minutes of work.
+    """
+    accepted = option_names(function)
+    if accepted is None:
+        return
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ArgumentError(
