@@ -8,7 +8,8 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from tfremat.errors import InfeasibleBudgetError
+from tfremat.budget import checkpoint_all_peak, parse_budget
+from tfremat.errors import ArgumentError, BudgetFormatError, InfeasibleBudgetError
 from tfremat.graph import load_graph
 from tfremat.plan import simulate, validate_schedule
 from tfremat.plan.baselines import _hong_subset, revolve_advances
@@ -86,6 +87,59 @@ def test_family_respects_budget_or_raises_with_smallest_peak(name):
         strategy(g, budget=g.fixed_bytes + 1)
     assert info.value.budget_bytes == g.fixed_bytes + 1
     assert info.value.min_feasible_bytes is not None and info.value.min_feasible_bytes > g.fixed_bytes + 1
+
+
+def test_every_registered_strategy_reads_a_budget_the_same_way():
+    """One budget, written five ways, means the same bytes to every strategy (the
+    heuristics refused "80%" with a TypeError and took 0.8 as 0.8 bytes, where optimal
+    took it as 80%), and a budget below one byte is a format error for all of them (the
+    heuristics called it infeasible)."""
+    g = random_training_graph(11, 6)
+    expected = parse_budget("80%", checkpoint_all_peak(g))
+    for name in strategy_names():
+        options = {"time_limit": 5, "threads": 1} if name in ("optimal", "approx_lp") else {}
+        outcomes = []
+        for budget in ("80%", 0.8, expected, np.int64(expected), f"{expected}B"):
+            try:
+                schedule = get_strategy(name)(g, budget, **options)
+            except InfeasibleBudgetError as exc:
+                assert exc.budget_bytes == expected, (name, budget)
+                outcomes.append(None)
+                continue
+            assert simulate(g, schedule).peak_bytes <= expected, (name, budget)
+            outcomes.append((schedule.R.tobytes(), schedule.S.tobytes()))
+        assert outcomes == outcomes[:1] * len(outcomes), name
+        for bad in (0, -5, "0%", 1e-12, "lots"):
+            with pytest.raises(BudgetFormatError):
+                get_strategy(name)(g, bad, **options)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("griewank_logn", {"slots": -1}), ("griewank_logn", {"slots": -3}), ("griewank_logn_ap", {"slots": 2.5}),
+    ("griewank_logn", {"max_slot_counts": 0}), ("chen_greedy", {"num_segment_budgets": 0}),
+    ("chen_greedy_ap", {"num_segment_budgets": -2}), ("hong", {"num_bounds": -1}), ("hong", {"num_bounds": 1.5}),
+    ("repair", {"time_limit": 0}), ("repair", {"time_limit": -1.0}), ("intervals", {"time_limit": 0}),
+    ("intervals", {"time_limit": "5"}),
+])
+def test_options_out_of_range_raise_argument_errors_naming_them(name, options):
+    """slots=-1 silently indexed revolve's table from its end and -3 raised IndexError;
+    counts below one a bare numpy ValueError; a time limit of 0 an InfeasibleBudgetError."""
+    g = random_training_graph(11, 12)
+    budget = int(0.8 * checkpoint_all_peak(g))
+    with pytest.raises(ArgumentError, match=f"{next(iter(options))} must be"):
+        get_strategy(name)(g, budget, **options)
+
+
+@pytest.mark.parametrize("name", ["chen_greedy", "chen_greedy_ap"])
+def test_chen_greedy_without_forward_activations_keeps_its_own_name(name):
+    """With no forward bytes the family is keep-everything alone; its schedule and its
+    error were labelled 'checkpoint_all'."""
+    g = training_graph([(0, 1), (1, 2)], sizes=[0, 0, 0], fixed_bytes=10)
+    schedule = get_strategy(name)(g)
+    assert schedule.strategy == name and schedule.cost(g) == g.total_cost
+    with pytest.raises(InfeasibleBudgetError, match=f"strategy '{name}'") as info:
+        get_strategy(name)(g, 5)
+    assert info.value.strategy == name
 
 
 def test_budget_family_returns_cheapest_fitting_griewank():
@@ -210,7 +264,7 @@ def test_repair_gives_up_at_its_time_limit():
     g = _random_layered(5, 60)
     budget = int(0.6 * simulate(g, get_strategy("checkpoint_all")(g)).peak_bytes)
     with pytest.raises(InfeasibleBudgetError, match="time_limit"):
-        get_strategy("repair")(g, budget=budget, time_limit=0.0)
+        get_strategy("repair")(g, budget=budget, time_limit=1e-9)
 
 
 @pytest.mark.skipif(not (SHARED_GRAPHS / "random_layered_n250.json").exists(), reason="shared graphs absent")

@@ -34,6 +34,29 @@ def test_a_unitless_fraction_string_points_to_the_share_forms():
         parse_budget("0.5", reference_bytes=1000)
 
 
+def test_decimal_budgets_are_read_exactly():
+    """int() of float products lost a byte: "57%" of 100 was 56 (also 29% and 58%), and
+    "2.01MB" was 2009999 (20 of "0.01MB".."9.99MB" were a byte short)."""
+    for hundredths in range(1, 1000):
+        assert parse_budget(f"{hundredths // 100}.{hundredths % 100:02d}MB") == hundredths * 10**4
+    for reference in (100, 1000, 12_345, 2**33 + 7):
+        for percent in range(1, 101):
+            assert parse_budget(f"{percent}%", reference) == percent * reference // 100
+    assert parse_budget("33.3%", 1000) == 333 and parse_budget("0.5KiB") == 512 and parse_budget("1.5e3B") == 1500
+    assert parse_budget("1%", 199) == 1 and parse_budget("2.0001KB") == 2000  # floored: never above what was written
+
+
+def test_float_shares_do_not_lose_a_byte_to_binary_rounding():
+    """0.57 * 100 is 56.99999999999999 in floats: a product within a float's rounding of
+    an integer is that integer; one further from it is floored."""
+    for reference in (100, 1000, 12_345, 2**33 + 7):
+        for percent in range(1, 101):
+            assert parse_budget(percent / 100, reference) == percent * reference // 100
+    assert parse_budget(1 / 3, 300) == 100 and parse_budget(0.1234, 1000) == 123 and parse_budget(0.999, 10) == 9
+    with pytest.raises(BudgetFormatError, match="less than one byte of the reference peak"):
+        parse_budget(1e-12, 1000)
+
+
 def test_relative_budget_needs_reference():
     with pytest.raises(BudgetFormatError, match="relative"):
         parse_budget("50%")
@@ -57,8 +80,10 @@ def test_cli_solve_json_and_schedule_out(tmp_path):
                   f"--schedule_out={schedule_path}")
     assert out.returncode == 0, out.stderr
     record = json.loads(out.stdout)
-    for key in ("strategy", "status", "budget_bytes", "peak_bytes", "cost", "cost_ratio", "lower_bound", "gap", "seconds"):
+    for key in ("strategy", "status", "budget_bytes", "peak_bytes", "cost", "cost_ratio", "cost_lower_bound", "gap",
+                "seconds"):
         assert key in record
+    assert "lower_bound" not in record and record["cost_lower_bound"] is None  # a heuristic proves no bound
     assert record["peak_bytes"] <= record["budget_bytes"]
     assert record["cost_ratio"] >= 1.0
     schedule = json.loads(schedule_path.read_text())
@@ -95,6 +120,84 @@ def test_cli_infeasible_budget_reports_smallest_peak(tmp_path):
     assert out.returncode == 1
     record = json.loads(out.stdout)
     assert record["status"] == "infeasible" and record["min_feasible_bytes"] > 10
+
+
+def test_cli_solve_names_its_bounds_by_what_they_bound(tmp_path):
+    """"lower_bound" held a cost bound on success and a byte count on an infeasible budget."""
+    graph = random_training_graph(2, 8)
+    graph_path = tmp_path / "g.json"
+    graph.to_json(graph_path)
+    out = run_cli("solve", f"--graph={graph_path}", "--strategy=optimal", "--budget=90%", "--time_limit=5", "--json")
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    assert "lower_bound" not in record
+    assert graph.total_cost <= record["cost_lower_bound"] <= record["cost"]
+    out = run_cli("solve", f"--graph={graph_path}", "--strategy=optimal", "--budget=10", "--time_limit=5", "--json")
+    assert out.returncode == 1
+    record = json.loads(out.stdout)
+    assert "lower_bound" not in record and record["cost_lower_bound"] is None
+    assert record["peak_lower_bound_bytes"] > 10 and record["status"] == "infeasible"
+
+
+def test_cli_budget_errors_suggest_what_a_command_line_can_write(tmp_path):
+    """--budget=0.5 was refused with a hint to pass "the number 0.5", which no flag can."""
+    graph_path = tmp_path / "g.json"
+    random_training_graph(2, 8).to_json(graph_path)
+    for args in (["solve", f"--graph={graph_path}", "--strategy=hong", "--budget=0.5"],
+                 ["plan", "--model=resnet50", "--input_shape=32,32,3", "--batch=2", "--budget=0.5"]):
+        out = run_cli(*args)
+        assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "--budget=0.5" in out.stderr and "'50%'" in out.stderr and "(or the number" not in out.stderr
+    out = run_cli("plot", f"--graph={graph_path}", f"--out={tmp_path}", "--budgets=0.25,50%")
+    assert out.returncode == 1 and "--budgets=0.25" in out.stderr and "'25%'" in out.stderr
+    assert "(or the number" not in out.stderr
+    with pytest.raises(BudgetFormatError, match=r"or the number 0.5"):
+        parse_budget("0.5", 1000)  # in Python, the number is a way to write it
+
+
+def test_cli_solve_refuses_a_malformed_graph_in_one_line(tmp_path):
+    """A node without its cost, or with fractional bytes, was a KeyError traceback."""
+    for field, value in (("cost", None), ("output_bytes", 2.7), ("output_bytes", float("inf"))):
+        document = random_training_graph(2, 8).to_dict()
+        if value is None:
+            del document["nodes"][3][field]
+        else:
+            document["nodes"][3][field] = value
+        graph_path = tmp_path / "g.json"
+        graph_path.write_text(json.dumps(document))
+        out = run_cli("solve", f"--graph={graph_path}", "--strategy=hong")
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "node 3" in out.stderr and field in out.stderr
+
+
+def test_python_dash_m_tfremat_runs_the_command_line():
+    out = subprocess.run([sys.executable, "-m", "tfremat", "strategies", "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "optimal" in json.loads(out.stdout)
+
+
+def test_help_lists_every_flag_a_command_reads():
+    """solve and plot read --solver (for the MILP strategies) without listing it."""
+    for command in ("solve", "plot"):
+        out = run_cli(command, "--help")
+        assert out.returncode == 0 and "--solver" in out.stdout, command
+
+
+def test_compare_table_shows_the_smallest_peak_of_strategies_that_do_not_fit():
+    """Infeasible rows showed only "infeasible" and dashes; the smallest peak they reached
+    was in --json alone."""
+    from tfremat.cli import _compare_table
+
+    rows = [
+        {"strategy": "optimal", "status": "optimal", "predicted_peak_bytes": 900, "budget_bytes": 1000,
+         "overhead": 0.05, "solve_seconds": 0.1},
+        {"strategy": "chen_sqrtn", "status": "infeasible", "budget_bytes": 1000, "min_feasible_bytes": 3 * 2**20},
+    ]
+    header, fitting, infeasible = _compare_table(rows).splitlines()
+    assert "min_feasible_bytes" in header
+    assert "infeasible" in infeasible and "3.00 MiB" in infeasible
+    assert "min_feasible_bytes" not in _compare_table(rows[:1])
 
 
 def test_cli_bad_flags_give_one_line_errors(tmp_path):

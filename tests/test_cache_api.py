@@ -45,6 +45,19 @@ def test_corrupt_entry_is_resolved_not_trusted(tmp_path):
     assert json.loads(_only_entry(tmp_path).read_text())["schedule"]["R"]
 
 
+def test_entry_that_is_json_but_no_object_is_resolved(tmp_path):
+    """null, a list or a string parse as JSON; reading them as an entry raised
+    AttributeError instead of solving again."""
+    g = random_training_graph(3, 10)
+    plan_graph(g, "85%", "chen_greedy", cache=tmp_path)
+    entry = _only_entry(tmp_path)
+    for text in ("null", "[]", '"x"', "5", '{"key": null, "schedule": 5}'):
+        entry.write_text(text)
+        again = plan_graph(g, "85%", "chen_greedy", cache=tmp_path)
+        assert not again.from_cache, text
+        assert json.loads(_only_entry(tmp_path).read_text())["schedule"]["R"]
+
+
 def test_stale_entry_that_breaks_the_schedule_rules_is_resolved(tmp_path):
     g = random_training_graph(3, 10)
     plan_graph(g, "85%", "chen_greedy", cache=tmp_path)

@@ -743,3 +743,35 @@ def test_milp_without_presolve_reaches_the_same_optimum(seed):
     if with_presolve.status == "optimal":
         assert without.objective == pytest.approx(with_presolve.objective, rel=1e-9)
         assert model.encode(model.schedule(without.x, "x")) is not None
+
+
+def _scaled(graph: DFGraph, unit: int) -> DFGraph:
+    """``graph`` with every byte count (outputs, workspaces, fixed) multiplied by ``unit``."""
+    return DFGraph(names=graph.names, edges=graph.edges, cost=graph.cost,
+                   output_bytes=[b * unit for b in graph.output_bytes],
+                   workspace_bytes=[b * unit for b in graph.workspace_bytes], is_backward=graph.is_backward,
+                   loss_node=graph.loss_node, forward_of=graph.forward_of, fixed_bytes=graph.fixed_bytes * unit,
+                   name=f"{graph.name}_x{unit}")
+
+
+def test_a_budget_one_byte_below_a_large_unit_boundary_is_proven_infeasible():
+    """With every byte count a multiple of 2**32 the model counts memory in that unit; a
+    budget one byte short of 56 units allows 55. A rounding margin in units (1e-9 of
+    2**32 is 4 bytes) rounded it up to 56: the MILP returned schedules one byte over the
+    budget, the simulator refused them and the proof was thrown away (an unproven error
+    without its bound)."""
+    unit = 2**32
+    small = random_training_graph(27, 5)
+    graph = _scaled(small, unit)
+    smallest = 56  # units: the least peak of any schedule of the unscaled graph
+    with pytest.raises(InfeasibleBudgetError):
+        solve_optimal(small, smallest - 1, time_limit=5, threads=1)
+    assert solve_optimal(small, smallest, time_limit=5, threads=1).facts["status"] == "optimal"
+
+    model = build_model(graph, smallest * unit - 1)
+    assert model.scale == unit and model.capacity == smallest - 1 - small.fixed_bytes
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_optimal(graph, smallest * unit - 1, time_limit=5, threads=1)
+    assert info.value.proven and info.value.lower_bound_bytes == smallest * unit
+    schedule = solve_optimal(graph, smallest * unit, time_limit=5, threads=1)
+    assert schedule.facts["status"] == "optimal" and peak(graph, schedule) == smallest * unit

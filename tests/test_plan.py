@@ -180,6 +180,55 @@ def test_order_violation_and_dangling_edge_and_bad_cost():
         DFGraph(names="ab", edges=[(0, 1)], cost=[1, 1], output_bytes=[1, -3])
 
 
+def test_sizes_and_costs_are_checked_before_they_are_converted():
+    """int() of infinity raised OverflowError and of NaN a bare ValueError before the
+    finiteness check ran, and 2.7 bytes became 2 without a word."""
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(GraphError, match=r"node 0 \(a\): output_bytes must be finite") as info:
+            DFGraph(["a"], [], [1.0], [bad])
+        assert info.value.node == 0
+    with pytest.raises(GraphError, match=r"node 1 \(b\): output_bytes must be a whole number of bytes, got 2.7"):
+        DFGraph("ab", [(0, 1)], [1, 1], [1, 2.7])
+    with pytest.raises(GraphError, match=r"node 0 \(a\): workspace_bytes must be a whole number"):
+        DFGraph("ab", [(0, 1)], [1, 1], [1, 1], workspace_bytes=[0.5, 0])
+    with pytest.raises(GraphError, match="fixed_bytes must be a whole number"):
+        DFGraph("ab", [(0, 1)], [1, 1], [1, 1], fixed_bytes=1.5)
+    with pytest.raises(GraphError, match=r"node 1 \(b\): cost must be a number, got '3'"):
+        DFGraph("ab", [(0, 1)], [1, "3"], [1, 1])
+    with pytest.raises(GraphError, match=r"edge \(0, 1.5\)"):
+        DFGraph("ab", [(0, 1.5)], [1, 1], [1, 1])
+    with pytest.raises(GraphError, match="not a pair"):
+        DFGraph("ab", [(0,)], [1, 1], [1, 1])
+    g = DFGraph("ab", [(0, 1)], [1, 2.5], [8.0, np.int64(4)], fixed_bytes=2.0)
+    assert g.output_bytes == (8, 4) and g.fixed_bytes == 2 and g.cost == (1.0, 2.5)
+    assert all(type(b) is int for b in (*g.output_bytes, g.fixed_bytes))
+
+
+def test_documents_missing_a_field_raise_graph_errors_naming_it():
+    tfremat_format = chain4().to_dict()
+    del tfremat_format["nodes"][2]["cost"]
+    with pytest.raises(GraphError, match="node 2 has no 'cost' field"):
+        load_graph(tfremat_format)
+    checkmate = {"nodes": [{"id": 0, "name": "x", "cost_cpu": 1, "cost_ram": 4}], "links": []}
+    with pytest.raises(GraphError, match="node 0 has no 'backward' field"):
+        load_graph(checkmate)
+    checkmate["nodes"][0]["backward"] = False
+    checkmate["links"] = [{"source": 0}]
+    with pytest.raises(GraphError, match=r"links\[0\] has no 'target' field"):
+        load_graph(checkmate)
+    moccasin = _moccasin_document()
+    del moccasin["nodes"][0]["out_cost"]
+    with pytest.raises(GraphError, match="node 5 has no 'out_cost' field"):
+        load_graph(moccasin)
+    moccasin = _moccasin_document()
+    moccasin["links"].append({"0": 5, "1": 9})
+    with pytest.raises(GraphError, match="dangling: node 9 does not exist"):
+        load_graph(moccasin)
+    for nodes in ({"0": {}}, [5]):
+        with pytest.raises(GraphError, match="nodes"):
+            load_graph({**chain4().to_dict(), "nodes": nodes})
+
+
 def test_from_unordered_renumbers_topologically():
     g = DFGraph.from_unordered(["c", "a", "b"], [("a", "b"), ("b", "c")], cost=[3, 1, 2], output_bytes=[30, 10, 20])
     assert g.names == ("a", "b", "c")

@@ -1,15 +1,33 @@
-"""Memory budgets as users write them: bytes, "3.5GiB"/"800MB" strings, or a share of a reference peak."""
+"""Memory budgets as users write them: bytes, "3.5GiB"/"800MB" strings, or a share of a reference peak.
+
+Budgets are floored to whole bytes, so a budget never exceeds what was written, and are
+read so that the floor does not lose a byte to binary rounding either:
+
+* a string is the decimal it spells, exactly ("2.01MB" is 2,010,000 bytes, "57%" of
+  100 bytes is 57; float arithmetic made them 2,009,999 and 56);
+* a float share (0.57) is a binary fraction that carries its own rounding, up to one
+  part in 2**53 of it, so its product with the reference is taken as the integer just
+  above it when within one part in 2**52 of it: 0.57 of 100 bytes is 57 (the float
+  product is 56.99999999999999) and 1/3 of 300 is 100. A product further from an
+  integer than a float's rounding can explain is floored as it is.
+
+Every registered strategy reads its budget through :func:`parse_graph_budget`, so a
+budget means the same to all of them.
+"""
 
 from __future__ import annotations
 
 import math
-import numbers
 import re
+from fractions import Fraction
 
-from tfremat.errors import BudgetFormatError
+from tfremat.errors import BudgetFormatError, is_int, is_number
+from tfremat.graph import DFGraph
+from tfremat.plan.schedule import checkpoint_all_s, schedule_from_keep_matrix
+from tfremat.plan.simulator import simulate
 from tfremat.units import format_bytes
 
-__all__ = ["parse_budget", "format_bytes"]
+__all__ = ["parse_budget", "check_budget", "parse_graph_budget", "checkpoint_all_peak", "format_bytes"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -19,63 +37,130 @@ _UNITS = {
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
 _ACCEPTED = 'bytes as an int (12_000_000_000), a string with a unit ("3.5GiB", "800MB"), or a share of the checkpoint-all peak ("50%" or 0.5)'
+# The rounding a float share may carry, relative to the product (module docstring): one
+# part in 2**52, twice the half unit in the last place of a float.
+_FLOAT_SLACK = Fraction(1, 2**52)
+# A command line passes strings only: no ints with underscores, no float shares.
+_ACCEPTED_ON_COMMAND_LINE = (
+    "bytes (12000000000), a size with a unit (3.5GiB, 800MB), or a share of the checkpoint-all peak (50%)"
+)
 
 
-def parse_budget(budget, reference_bytes: float | None = None) -> int:
+def parse_budget(budget, reference_bytes: float | None = None, *, flag: str | None = None) -> int:
     """Turns a user budget into bytes.
 
     Args:
         budget: an int number of bytes; a float in (0, 1] or a string ending in ``%``,
             meaning that share of ``reference_bytes``; or a string with a unit
             (B, KB, MB, GB, TB in powers of 10; KiB, MiB, GiB, TiB or K, M, G, T in powers of 2).
+            Read exactly and floored to whole bytes (see the module docstring).
         reference_bytes: the peak a relative budget refers to (the checkpoint-all peak).
+        flag: the command-line flag the budget came from (``"--budget"``), when it came
+            from one: messages then name the flag and suggest only forms a command line
+            can express.
 
     Raises:
-        BudgetFormatError: the budget is unparsable, non-positive, or relative without a
-            reference; the message names the accepted forms.
+        BudgetFormatError: the budget is unparsable, less than one byte, or relative
+            without a reference; the message names the accepted forms.
     """
-    if isinstance(budget, bool) or budget is None:
-        raise BudgetFormatError(f"budget={budget!r} is not a budget; use {_ACCEPTED}")
-    fraction = None
-    if isinstance(budget, numbers.Integral):
-        value = int(budget)
-    elif isinstance(budget, numbers.Real):
-        budget = float(budget)
-        if not math.isfinite(budget) or budget <= 0:
-            raise BudgetFormatError(f"budget={budget!r} must be positive; use {_ACCEPTED}")
-        if budget <= 1:
-            fraction = budget
-            value = 0
-        elif budget.is_integer():
-            value = int(budget)
-        else:
-            raise BudgetFormatError(f"budget={budget!r}: a float budget is a fraction in (0, 1]; use {_ACCEPTED}")
-    elif isinstance(budget, str):
-        match = _PATTERN.match(budget)
-        if not match or match.group(2).lower() not in {**_UNITS, "%": 1}:
-            raise BudgetFormatError(f"budget={budget!r} is unparsable; use {_ACCEPTED}")
-        number, unit = float(match.group(1)), match.group(2).lower()
-        if not math.isfinite(number):
-            raise BudgetFormatError(f"budget={budget!r} is not a finite number; use {_ACCEPTED}")
-        if unit in ("", "b") and not number.is_integer():
-            raise BudgetFormatError(
-                f"budget={budget!r}: a string without a unit counts bytes, which are whole; write "
-                f"'{number * 100:g}%' (or the number {number:g}) for a share of the checkpoint-all peak"
-                if number <= 1 else f"budget={budget!r}: bytes are whole; use {_ACCEPTED}"
-            )
-        if unit == "%":
-            fraction = number / 100
-            value = 0
-        else:
-            value = int(number * _UNITS[unit])
-    else:
-        raise BudgetFormatError(f"budget={budget!r} has type {type(budget).__name__}; use {_ACCEPTED}")
-    if fraction is not None:
-        if fraction <= 0:
-            raise BudgetFormatError(f"budget={budget!r} must be positive")
+    share, value = _read(budget, flag)
+    if share is not None:
         if reference_bytes is None:
-            raise BudgetFormatError(f"budget={budget!r} is relative, but no reference peak is known here; give bytes instead")
-        value = int(fraction * reference_bytes)
-    if value <= 0:
-        raise BudgetFormatError(f"budget={budget!r} must be positive; use {_ACCEPTED}")
+            raise BudgetFormatError(
+                f"{_shown(budget, flag)} is relative, but no reference peak is known here; give bytes instead"
+            )
+        reference = int(reference_bytes) if is_int(reference_bytes) else float(reference_bytes)
+        product = Fraction(share) * Fraction(reference)
+        if isinstance(share, float):
+            product *= 1 + _FLOAT_SLACK  # the float's own rounding (module docstring)
+        value = math.floor(product)
+        if value <= 0:
+            raise BudgetFormatError(f"{_shown(budget, flag)} is less than one byte of the reference peak "
+                                    f"({format_bytes(reference)}); use {_accepted(flag)}")
     return value
+
+
+def check_budget(budget, *, flag: str | None = None) -> None:
+    """Raises :class:`BudgetFormatError` unless ``budget`` has a form :func:`parse_budget`
+    accepts (and, unless relative, is at least a byte). Needs no reference peak, so a
+    command line can refuse a malformed ``--budget`` before it spends minutes extracting
+    the model a share would refer to."""
+    _read(budget, flag)
+
+
+def checkpoint_all_peak(graph: DFGraph) -> int:
+    """The peak of the schedule that keeps every value (no recomputation): what relative
+    budgets ("50%", 0.5) are a share of."""
+    return simulate(graph, schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")).peak_bytes
+
+
+def parse_graph_budget(graph: DFGraph, budget) -> int | None:
+    """``budget`` in bytes for ``graph`` (None stays None: no budget), relative budgets
+    being shares of its :func:`checkpoint_all_peak`, which is simulated only for them.
+
+    The registry (:func:`tfremat.plan.registry.register`) applies it to every strategy's
+    budget argument, so every strategy takes the same forms with the same meaning.
+
+    Raises:
+        BudgetFormatError: see :func:`parse_budget`.
+    """
+    if budget is None:
+        return None
+    share, _ = _read(budget, None)
+    return parse_budget(budget, checkpoint_all_peak(graph) if share is not None else None)
+
+
+def _read(budget, flag: str | None) -> tuple[Fraction | float | None, int]:
+    """``(share, 0)`` for a relative budget, ``(None, bytes)`` for an absolute one. The
+    share is a Fraction when written as a decimal string (exact), a float when given as one."""
+    shown, accepted = _shown(budget, flag), _accepted(flag)
+    if budget is None or isinstance(budget, bool):
+        raise BudgetFormatError(f"{shown} is not a budget; use {accepted}")
+    if is_int(budget):
+        if budget <= 0:
+            raise BudgetFormatError(f"{shown} must be positive; use {accepted}")
+        return None, int(budget)
+    if is_number(budget):
+        number = float(budget)
+        if not math.isfinite(number) or number <= 0:
+            raise BudgetFormatError(f"{shown} must be positive; use {accepted}")
+        if number <= 1:
+            return number, 0
+        if number.is_integer():
+            return None, int(number)
+        raise BudgetFormatError(f"{shown}: a float budget is a fraction in (0, 1]; use {accepted}")
+    if not isinstance(budget, str):
+        raise BudgetFormatError(f"{shown} has type {type(budget).__name__}; use {accepted}")
+    match = _PATTERN.match(budget)
+    if not match or match.group(2).lower() not in {**_UNITS, "%": 1}:
+        raise BudgetFormatError(f"{shown} is unparsable; use {accepted}")
+    if not math.isfinite(float(match.group(1))):
+        raise BudgetFormatError(f"{shown} is not a finite number; use {accepted}")
+    number, unit = Fraction(match.group(1)), match.group(2).lower()
+    if unit == "%":
+        if number <= 0:
+            raise BudgetFormatError(f"{shown} must be positive; use {accepted}")
+        return number / 100, 0
+    if unit in ("", "b") and number.denominator != 1:
+        if number > 1:
+            raise BudgetFormatError(f"{shown}: bytes are whole; use {accepted}")
+        percent = f"{float(number * 100):g}%"
+        # A share as a number (0.5) exists in Python only: a command line passes a string.
+        alternative = "" if flag else f" (or the number {float(number):g})"
+        raise BudgetFormatError(
+            f"{shown}: a number without a unit counts bytes, which are whole; write "
+            f"'{percent}'{alternative} for a share of the checkpoint-all peak"
+        )
+    value = math.floor(number * _UNITS[unit])
+    if value <= 0:
+        raise BudgetFormatError(f"{shown} must be at least one byte; use {accepted}")
+    return None, value
+
+
+def _shown(budget, flag: str | None) -> str:
+    """The budget as the caller wrote it: ``--budget=0.5`` on a command line, else ``budget='0.5'``."""
+    return f"{flag}={budget}" if flag else f"budget={budget!r}"
+
+
+def _accepted(flag: str | None) -> str:
+    return _ACCEPTED_ON_COMMAND_LINE if flag else _ACCEPTED

@@ -1,9 +1,10 @@
 """On-disk cache of solved schedules, so the same model and budget are not solved twice.
 
 Entries are JSON files keyed by a hash of the graph's fingerprint, the budget, the
-strategy name and its options. An entry is trusted only after it parses, names the same
-key, validates against the graph (:func:`tfremat.plan.validate_schedule`) and simulates
-within the budget; anything else is logged, discarded and re-solved.
+strategy name and its options. An entry is trusted only after it parses as a JSON object,
+names the same key, validates against the graph
+(:func:`tfremat.plan.schedule.validate_schedule`) and simulates within the budget;
+anything else is logged, discarded and re-solved.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class ScheduleCache:
             return None
         try:
             document = json.loads(path.read_text())
+            if not isinstance(document, dict):
+                # Valid JSON that is no entry (null, a list, a string) is as corrupt as
+                # text that does not parse, and is solved again the same way.
+                raise ScheduleError(f"entry is {json.dumps(document)[:40]}, not a JSON object", rule="cache-format")
             if document.get("key") != key:
                 raise ScheduleError(f"entry names key {document.get('key')!r}", rule="cache-key")
             schedule = Schedule.from_dict(document["schedule"], graph)

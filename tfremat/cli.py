@@ -10,8 +10,8 @@ Commands:
   plot         memory-over-the-step and overhead-vs-budget PNGs
   measure      compile and run the planned step; measured vs predicted peak and time, vs plain Keras
 
-Usage: ``tfremat COMMAND [--flags]``; ``tfremat COMMAND --help`` lists every flag.
-Commands that need TensorFlow import it only when they run.
+Usage: ``tfremat COMMAND [--flags]`` (or ``python -m tfremat COMMAND``); ``tfremat COMMAND
+--help`` lists every flag. Commands that need TensorFlow import it only when they run.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 
 from absl import app, flags
 
+from tfremat.budget import check_budget
 from tfremat.errors import InfeasibleBudgetError, TfrematError
 
 FLAGS = flags.FLAGS
@@ -70,12 +71,12 @@ COMMANDS = {
 _MODEL_FLAGS = ["model", "input_shape", "batch", "num_classes", "cost_model", "loss", "optimizer"]
 COMMAND_FLAGS = {
     "strategies": ["json"],
-    "solve": ["graph", "order", "strategy", "budget", "time_limit", "schedule_out", "json"],
+    "solve": ["graph", "order", "strategy", "budget", "solver", "time_limit", "schedule_out", "json"],
     "graph": _MODEL_FLAGS + ["out", "json"],
     "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "schedule_out", "json"],
     "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "json"],
     "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "loss", "optimizer", "budget", "strategies", "max_overhead", "solver", "time_limit", "json"],
-    "plot": ["graph", "order", "out", "strategies", "budgets", "time_limit"] + _MODEL_FLAGS,
+    "plot": ["graph", "order", "out", "strategies", "budgets", "solver", "time_limit"] + _MODEL_FLAGS,
     "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "steps", "json"],
 }
 
@@ -114,11 +115,10 @@ def cmd_strategies() -> None:
 
 
 def cmd_solve() -> None:
-    from tfremat.budget import parse_budget
+    from tfremat.budget import checkpoint_all_peak, parse_budget
     from tfremat.graph import file_node_ids, load_graph
-    from tfremat.plan import simulate
-    from tfremat.plan.baselines import checkpoint_all
     from tfremat.plan.registry import get_strategy
+    from tfremat.plan.simulator import simulate
 
     _require("graph", "strategy")
     try:
@@ -128,17 +128,19 @@ def cmd_solve() -> None:
         _fail(f"--graph={FLAGS.graph}: {exc}")
     graph = load_graph(document, order=FLAGS.order)
     strategy = get_strategy(FLAGS.strategy)
-    reference_peak = simulate(graph, checkpoint_all(graph)).peak_bytes
-    budget = parse_budget(FLAGS.budget, reference_peak) if FLAGS.budget is not None else None
+    reference_peak = checkpoint_all_peak(graph)
+    budget = parse_budget(FLAGS.budget, reference_peak, flag="--budget") if FLAGS.budget is not None else None
     options = _milp_options(FLAGS.strategy)
     started = time.perf_counter()
     record = {"strategy": FLAGS.strategy, "graph": graph.name, "budget_bytes": budget}
     try:
         schedule = strategy(graph, budget, **options)
     except InfeasibleBudgetError as exc:
+        # Bounds on the peak (bytes), not on the cost: keys of their own, so that no
+        # reader takes one for the other.
         record.update(
-            status="infeasible", peak_bytes=None, cost=None, cost_ratio=None,
-            lower_bound=exc.lower_bound_bytes, min_feasible_bytes=exc.min_feasible_bytes, gap=None,
+            status="infeasible", peak_bytes=None, cost=None, cost_ratio=None, cost_lower_bound=None,
+            peak_lower_bound_bytes=exc.lower_bound_bytes, min_feasible_bytes=exc.min_feasible_bytes, gap=None,
             seconds=round(time.perf_counter() - started, 4), message=str(exc),
         )
         _emit(record)
@@ -152,7 +154,7 @@ def cmd_solve() -> None:
         cost=result.cost,
         cost_ratio=result.cost / graph.total_cost if graph.total_cost else 1.0,
         recomputations=result.recompute_count,
-        lower_bound=schedule.facts.get("best_bound"),
+        cost_lower_bound=schedule.facts.get("best_bound"),
         gap=schedule.facts.get("gap"),
         seconds=round(seconds, 4),
     )
@@ -239,6 +241,13 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 _PLAN_COLUMNS = ["strategy", "status", "predicted_peak_bytes", "budget_bytes", "overhead", "solve_seconds"]
 
 
+def _compare_table(rows: list[dict]) -> str:
+    """``compare``'s table: the plan columns, and where some strategy does not fit, the
+    smallest peak each of those reached (what budget would do for it)."""
+    infeasible = any(row.get("status") == "infeasible" for row in rows)
+    return _table(rows, _PLAN_COLUMNS + (["min_feasible_bytes"] if infeasible else []))
+
+
 def cmd_graph() -> None:
     from tfremat.extract.keras_models import graph_command
 
@@ -273,8 +282,9 @@ def cmd_compare() -> None:
         try:
             rows.append(plan_graph(extraction.graph, FLAGS.budget, name, **_milp_options(name)).summary())
         except InfeasibleBudgetError as exc:
-            rows.append({"strategy": name, "status": "infeasible", "min_feasible_bytes": exc.min_feasible_bytes})
-    print(json.dumps(rows) if FLAGS.json else _table(rows, _PLAN_COLUMNS))
+            rows.append({"strategy": name, "status": "infeasible", "budget_bytes": exc.budget_bytes,
+                         "min_feasible_bytes": exc.min_feasible_bytes})
+    print(json.dumps(rows) if FLAGS.json else _compare_table(rows))
 
 
 def cmd_maxbatch() -> None:
@@ -294,10 +304,8 @@ def cmd_maxbatch() -> None:
 def cmd_plot() -> None:
     from pathlib import Path
 
-    from tfremat.budget import format_bytes, parse_budget
+    from tfremat.budget import checkpoint_all_peak, format_bytes, parse_budget
     from tfremat.graph import load_graph
-    from tfremat.plan import simulate
-    from tfremat.plan.baselines import checkpoint_all
     from tfremat.plan.registry import get_strategy, strategy_names
     from tfremat.plots import plot_memory_traces, plot_overhead_vs_budget
 
@@ -306,8 +314,9 @@ def cmd_plot() -> None:
         graph = load_graph(FLAGS.graph, order=FLAGS.order)
     else:
         graph = _extraction(_keras_model(), _batch()).graph
-    reference = simulate(graph, checkpoint_all(graph)).peak_bytes
-    budgets = [parse_budget(b, reference) for b in (FLAGS.budgets or ["30%", "40%", "50%", "60%", "70%", "80%", "90%", "100%"])]
+    reference = checkpoint_all_peak(graph)
+    budgets = [parse_budget(b, reference, flag="--budgets")
+               for b in (FLAGS.budgets or ["30%", "40%", "50%", "60%", "70%", "80%", "90%", "100%"])]
     names = FLAGS.strategies or [n for n in strategy_names() if n != "optimal"]
     out = Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -377,6 +386,10 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     FLAGS.command = argv[1]
     try:
+        if FLAGS.budget is not None and "budget" in COMMAND_FLAGS[argv[1]]:
+            # Before any work (extracting a model takes minutes), and in the command line's
+            # terms: the library's messages suggest forms only Python can pass.
+            check_budget(FLAGS.budget, flag="--budget")
         _HANDLERS[argv[1]]()
     except (TfrematError, ValueError, OSError) as exc:
         # The library's errors, values it refuses (they name the argument) and files it

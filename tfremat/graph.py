@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 import networkx as nx
 
-from tfremat.errors import ArgumentError, GraphError
+from tfremat.errors import ArgumentError, GraphError, is_int, is_number
 
 __all__ = ["DFGraph", "load_graph", "graph_format", "file_node_ids", "GRAPH_FORMAT", "LOAD_ORDERS"]
 
@@ -51,7 +51,8 @@ class DFGraph:
 
     Raises:
         GraphError: naming the node, for a cycle, an edge against the order, a dangling
-            edge, a negative or non-finite cost or size, or inconsistent lengths.
+            edge or one that is not a pair of ints, a cost or size that is not a finite
+            number >= 0, a byte count that is not whole, or inconsistent lengths.
     """
 
     __slots__ = (
@@ -81,17 +82,25 @@ class DFGraph:
         fixed_bytes: int = 0,
         name: str = "graph",
     ):
+        names = tuple(str(x) for x in names)
         n = len(names)
         set_ = object.__setattr__
-        set_(self, "names", tuple(str(x) for x in names))
-        set_(self, "edges", tuple(sorted({(int(u), int(v)) for u, v in edges})))
-        set_(self, "cost", tuple(float(c) for c in cost))
-        set_(self, "output_bytes", tuple(int(b) for b in output_bytes))
-        set_(self, "workspace_bytes", tuple(int(b) for b in (workspace_bytes if workspace_bytes is not None else [0] * n)))
-        set_(self, "is_backward", tuple(bool(b) for b in (is_backward if is_backward is not None else [False] * n)))
-        set_(self, "loss_node", None if loss_node is None else int(loss_node))
-        set_(self, "forward_of", MappingProxyType({int(k): int(v) for k, v in (forward_of or {}).items()}))
-        set_(self, "fixed_bytes", int(fixed_bytes))
+        set_(self, "names", names)
+        set_(self, "edges", _edge_pairs(edges))
+        set_(self, "cost", _per_node("cost", cost, names, whole=False))
+        set_(self, "output_bytes", _per_node("output_bytes", output_bytes, names, whole=True))
+        set_(self, "workspace_bytes", _per_node(
+            "workspace_bytes", workspace_bytes if workspace_bytes is not None else [0] * n, names, whole=True,
+        ))
+        is_backward = tuple(bool(b) for b in (is_backward if is_backward is not None else [False] * n))
+        if len(is_backward) != n:
+            raise GraphError(f"is_backward has {len(is_backward)} entries but the graph has {n} nodes")
+        set_(self, "is_backward", is_backward)
+        set_(self, "loss_node", None if loss_node is None else _node_id(loss_node, "loss_node"))
+        set_(self, "forward_of", MappingProxyType({
+            _node_id(k, "forward_of"): _node_id(v, "forward_of") for k, v in (forward_of or {}).items()
+        }))
+        set_(self, "fixed_bytes", _amount(fixed_bytes, "fixed_bytes", whole=True))
         set_(self, "name", str(name))
         self._validate()
 
@@ -102,16 +111,6 @@ class DFGraph:
         n = self.size
         if n == 0:
             raise GraphError("a graph needs at least one node")
-        for field in ("cost", "output_bytes", "workspace_bytes", "is_backward"):
-            if len(getattr(self, field)) != n:
-                raise GraphError(f"{field} has {len(getattr(self, field))} entries but the graph has {n} nodes")
-        for i in range(n):
-            for field in ("cost", "output_bytes", "workspace_bytes"):
-                value = getattr(self, field)[i]
-                if not math.isfinite(value) or value < 0:
-                    raise GraphError(f"node {i} ({self.names[i]}): {field} must be finite and >= 0, got {value}", node=i)
-        if self.fixed_bytes < 0:
-            raise GraphError(f"fixed_bytes must be >= 0, got {self.fixed_bytes}")
         for u, v in self.edges:
             for end in (u, v):
                 if not 0 <= end < n:
@@ -155,6 +154,15 @@ class DFGraph:
         Checkmate's stages compute the nodes for the first time in this order, and the
         checkpoint-all peak (the reference of percentage budgets) is measured in it.
         """
+        known = set(node_ids)
+        if len(known) != len(node_ids):
+            repeated = sorted({node for node in node_ids if list(node_ids).count(node) > 1}, key=str)[:3]
+            raise GraphError(f"node ids must be distinct; repeated: {repeated}")
+        edges = list(edges)
+        for u, v in edges:
+            for end in (u, v):
+                if end not in known:
+                    raise GraphError(f"edge ({u!r}, {v!r}) is dangling: node {end!r} does not exist")
         digraph = nx.DiGraph()
         digraph.add_nodes_from(node_ids)
         digraph.add_edges_from(edges)
@@ -307,6 +315,48 @@ class DFGraph:
         )
 
 
+def _amount(value, what: str, whole: bool, node: int | None = None) -> int | float:
+    """``value`` as a cost (float) or a byte count (int, ``whole``), checked before it is
+    converted: int() of infinity raises OverflowError and of NaN a bare ValueError, and of
+    2.7 bytes gives 2, hiding what is more likely a unit mix-up than a rounding."""
+    if not is_number(value):
+        raise GraphError(f"{what} must be a number, got {value!r}", node=node)
+    if not (is_int(value) or math.isfinite(value)) or value < 0:
+        raise GraphError(f"{what} must be finite and >= 0, got {value!r}", node=node)
+    if not whole:
+        return float(value)
+    if not (is_int(value) or float(value).is_integer()):
+        raise GraphError(f"{what} must be a whole number of bytes, got {value!r}", node=node)
+    return int(value)
+
+
+def _per_node(field: str, values: Iterable, names: tuple[str, ...], whole: bool) -> tuple:
+    """One checked :func:`_amount` per node, the message naming the node and ``field``."""
+    values = list(values)
+    if len(values) != len(names):
+        raise GraphError(f"{field} has {len(values)} entries but the graph has {len(names)} nodes")
+    return tuple(_amount(value, f"node {i} ({names[i]}): {field}", whole, node=i) for i, value in enumerate(values))
+
+
+def _node_id(value, what: str) -> int:
+    """A node id given as an int (numpy's included); a float id would be silently truncated."""
+    if not is_int(value):
+        raise GraphError(f"{what}: node ids are ints (0..n-1), got {value!r}")
+    return int(value)
+
+
+def _edge_pairs(edges: Iterable) -> tuple[tuple[int, int], ...]:
+    """The edges as sorted, distinct ``(source, target)`` pairs of ints."""
+    pairs = set()
+    for edge in edges:
+        try:
+            u, v = edge
+        except (TypeError, ValueError):
+            raise GraphError(f"edge {edge!r} is not a pair (source, target) of node ids") from None
+        pairs.add((_node_id(u, f"edge {edge!r}"), _node_id(v, f"edge {edge!r}")))
+    return tuple(sorted(pairs))
+
+
 class _OrderError(GraphError):
     """A given execution order that does not fit its graph (so a loader can say where the
     order came from, and other graph errors keep their own message)."""
@@ -330,15 +380,45 @@ def _check_order(order: list, digraph: nx.DiGraph) -> None:
             )
 
 
-def _from_tfremat_dict(data: dict) -> DFGraph:
-    nodes = sorted(data["nodes"], key=lambda node: node["id"])
-    if [node["id"] for node in nodes] != list(range(len(nodes))):
-        raise GraphError("node ids must be exactly 0..n-1")
+def _records(data: dict, key: str, label: str) -> list[dict]:
+    """``data[key]``, a list of JSON objects (nodes or links), or a GraphError saying what is wrong."""
+    records = data.get(key)
+    if not isinstance(records, list):
+        raise GraphError(f"{label}: the document needs a list {key!r}, got {str(records)[:60]}")
+    for position, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise GraphError(f"{label}: {key}[{position}] is not a JSON object: {str(record)[:60]}")
+    return records
+
+
+def _field(record: dict, key: str, where: str):
+    """``record[key]``, or a GraphError naming the record (``where``) and the missing field,
+    rather than a bare KeyError from deep in a loader."""
+    try:
+        return record[key]
+    except KeyError:
+        raise GraphError(f"{where} has no {key!r} field") from None
+
+
+def _numbered(nodes: list[dict], label: str) -> list[dict]:
+    """The nodes sorted by their ``id``, which must be exactly 0..n-1 (the execution order)."""
+    ids = [_field(node, "id", f"{label}: nodes[{position}]") for position, node in enumerate(nodes)]
+    if not all(is_int(i) for i in ids) or sorted(ids) != list(range(len(nodes))):
+        raise GraphError(f"{label}: node ids must be exactly 0..n-1")
+    return sorted(nodes, key=lambda node: node["id"])
+
+
+def _from_tfremat_dict(data: dict, label: str) -> DFGraph:
+    nodes = _numbered(_records(data, "nodes", label), label)
+    where = [f"{label}: node {node['id']}" for node in nodes]
+    edges = data.get("edges")
+    if not isinstance(edges, list):
+        raise GraphError(f"{label}: the document needs a list 'edges' of [source, target] pairs")
     return DFGraph(
-        names=[node["name"] for node in nodes],
-        edges=[tuple(e) for e in data["edges"]],
-        cost=[node["cost"] for node in nodes],
-        output_bytes=[node["output_bytes"] for node in nodes],
+        names=[_field(node, "name", w) for node, w in zip(nodes, where)],
+        edges=edges,
+        cost=[_field(node, "cost", w) for node, w in zip(nodes, where)],
+        output_bytes=[_field(node, "output_bytes", w) for node, w in zip(nodes, where)],
         workspace_bytes=[node.get("workspace_bytes", 0) for node in nodes],
         is_backward=[node.get("backward", False) for node in nodes],
         loss_node=data.get("loss_node"),
@@ -350,20 +430,23 @@ def _from_tfremat_dict(data: dict) -> DFGraph:
 
 def _from_checkmate_dict(data: dict, name: str) -> DFGraph:
     """Checkmate's training graphs: ``X_backward`` is the gradient of ``X``; ``Loss`` is the loss."""
-    nodes = sorted(data["nodes"], key=lambda node: node["id"])
-    names = [node["name"] for node in nodes]
+    nodes = _numbered(_records(data, "nodes", name), name)
+    where = [f"{name}: node {node['id']}" for node in nodes]
+    names = [str(_field(node, "name", w)) for node, w in zip(nodes, where)]
     index = {n: i for i, n in enumerate(names)}
     forward_of = {}
     for i, n in enumerate(names):
         if n.endswith("_backward") and n[: -len("_backward")] in index:
             forward_of[i] = index[n[: -len("_backward")]]
     loss = [i for i, n in enumerate(names) if n == "Loss"]
+    links = _records(data, "links", name)
     return DFGraph(
         names=names,
-        edges=[(link["source"], link["target"]) for link in data["links"]],
-        cost=[node["cost_cpu"] for node in nodes],
-        output_bytes=[node["cost_ram"] for node in nodes],
-        is_backward=[node["backward"] for node in nodes],
+        edges=[(_field(link, "source", f"{name}: links[{p}]"), _field(link, "target", f"{name}: links[{p}]"))
+               for p, link in enumerate(links)],
+        cost=[_field(node, "cost_cpu", w) for node, w in zip(nodes, where)],
+        output_bytes=[_field(node, "cost_ram", w) for node, w in zip(nodes, where)],
+        is_backward=[_field(node, "backward", w) for node, w in zip(nodes, where)],
         loss_node=loss[0] if loss else None,
         forward_of=forward_of,
         name=data.get("graph", {}).get("name", name),
@@ -376,8 +459,12 @@ def _from_moccasin_dict(data: dict, name: str, order: str) -> DFGraph:
     Their documents carry the execution order they were published with (``graph.order``);
     Moccasin's evaluation runs them in it and takes its budgets from the peak in it.
     """
-    ids = [node["name"] for node in data["nodes"]]
-    edges = [(link["0"], link["1"]) for link in data["links"]]
+    nodes = _records(data, "nodes", name)
+    ids = [_field(node, "name", f"{name}: nodes[{p}]") for p, node in enumerate(nodes)]
+    where = [f"{name}: node {i!r}" for i in ids]
+    links = _records(data, "links", name)
+    edges = [(_field(link, "0", f"{name}: links[{p}]"), _field(link, "1", f"{name}: links[{p}]"))
+             for p, link in enumerate(links)]
     stored = data.get("graph", {}).get("order") if order == "file" else None
     try:
         if stored is not None and (
@@ -389,9 +476,10 @@ def _from_moccasin_dict(data: dict, name: str, order: str) -> DFGraph:
             edges,
             order=stored,
             names=[str(i) for i in ids],
-            cost=[node["duration"] for node in data["nodes"]],
-            output_bytes=[node["out_cost"] for node in data["nodes"]],
-            fixed_bytes=sum(node.get("param_cost", 0) for node in data["nodes"]),
+            cost=[_field(node, "duration", w) for node, w in zip(nodes, where)],
+            output_bytes=[_field(node, "out_cost", w) for node, w in zip(nodes, where)],
+            fixed_bytes=sum(_amount(node.get("param_cost", 0), f"{w}: param_cost", whole=True)
+                            for node, w in zip(nodes, where)),
             name=data.get("graph", {}).get("name", name),
         )
     except _OrderError as exc:
@@ -436,7 +524,7 @@ def load_graph(source: str | os.PathLike | dict, order: str = "file") -> DFGraph
         raise GraphError(f"{label}: a graph document is a JSON object, got a JSON {type(data).__name__}")
     kind = graph_format(data)
     if kind == "tfremat":
-        return _from_tfremat_dict(data)
+        return _from_tfremat_dict(data, label)
     if kind == "checkmate":
         return _from_checkmate_dict(data, label)
     if kind == "moccasin":
@@ -451,10 +539,11 @@ def graph_format(data: dict) -> str | None:
     """Which known format a parsed graph document is: "tfremat", "checkmate", "moccasin" or None."""
     if data.get("format") == GRAPH_FORMAT:
         return "tfremat"
-    nodes = data.get("nodes") or []
-    if nodes and "cost_cpu" in nodes[0]:
+    nodes = data.get("nodes")
+    first = nodes[0] if isinstance(nodes, list) and nodes and isinstance(nodes[0], dict) else {}
+    if "cost_cpu" in first:
         return "checkmate"
-    if nodes and "duration" in nodes[0]:
+    if "duration" in first:
         return "moccasin"
     return None
 

@@ -282,17 +282,18 @@ class CheckmateModel(SparseMILP):
         return float(max(rows.max(initial=0.0), cols.max(initial=0.0)))
 
 
-def _memory_scale(graph: DFGraph, capacity_bytes: float) -> tuple[float, bool]:
-    """Bytes per model unit, and whether memory is exact integers in that unit.
+def _memory_scale(graph: DFGraph, capacity_bytes: float) -> tuple[int | float, bool]:
+    """Bytes per model unit, and whether memory is exact integers in that unit (then the
+    unit is an int, the greatest common divisor of the byte counts).
 
     ``capacity_bytes`` is the budget less the fixed bytes.
     """
     sizes = [b for b in (*graph.output_bytes, *graph.workspace_bytes) if b > 0]
     if not sizes or capacity_bytes <= 0:
-        return 1.0, True
+        return 1, True
     unit = reduce(math.gcd, sizes)
     if capacity_bytes / unit <= _MAX_EXACT_UNITS:
-        return float(unit), True
+        return unit, True
     return float(capacity_bytes), False
 
 
@@ -398,9 +399,15 @@ def build_model(
     # In integer units the solver's tolerances (1e-7 on rows, 1e-6 on integrality) stay
     # far below one unit; in units of the budget a solution may sit above it by about
     # 1e-7 of it, which the simulator catches (module docstring).
-    capacity = (budget_bytes - graph.fixed_bytes) / scale
     if exact:
-        capacity = math.floor(capacity + 1e-9)
+        # The whole units that fit, in integer arithmetic: every byte count is a multiple
+        # of the unit, so a budget 1 byte short of a multiple allows one unit less. Float
+        # division with a rounding margin in units does not: with a unit of 2**32 bytes
+        # (a graph of large tensors), 1e-9 units is 4 bytes, and a budget 1 byte below a
+        # unit boundary was rounded up, so the model admitted schedules 1 byte over it.
+        capacity = (math.floor(budget_bytes) - graph.fixed_bytes) // scale
+    else:
+        capacity = (budget_bytes - graph.fixed_bytes) / scale
     # Node costs span many orders of magnitude (up to 2e12 in the FCN8 graph), which
     # stalls the simplex; the objective is in units of the largest node cost.
     cost_scale = max(graph.cost) or 1.0
@@ -494,13 +501,13 @@ def build_model(
             b.row([(u_start + offset, 1.0), (r_index[t, k], work[k] / scale), (peak_column, -1.0)], -inf, 0.0)
         costs = [(r_index[t, i], graph.cost[i] / cost_scale) for t in range(n) for i in range(t + 1) if r_index[t, i] >= 0]
         b.row(costs, -inf, peak_within_cost / cost_scale)
-        cost_scale = scale
+        cost_scale = float(scale)
 
     start, rows, vals = b.csc()
     return CheckmateModel(
         graph=graph,
         budget_bytes=float(budget_bytes),
-        scale=scale,
+        scale=float(scale),
         cost_scale=cost_scale,
         cost=np.asarray(b.cost, dtype=float),
         lower=np.asarray(b.lower, dtype=float),

@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from tfremat.errors import InfeasibleBudgetError
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, is_number
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import SparseBuilder, SparseMILP
 from tfremat.ilp.solvers import DEFAULT_SOLVER, INFEASIBLE, solve_model
@@ -157,16 +157,21 @@ def intervals(
     Args:
         graph: the graph.
         budget: peak bytes allowed.
-        time_limit: seconds for the whole call (every solve of the interval MILP).
+        time_limit: seconds for the whole call (every solve of the interval MILP; a
+            positive number).
         threads: solver threads (None: solver default).
         solver: MILP backend (see :func:`~tfremat.ilp.solvers.solve_model`).
 
     Raises:
+        ArgumentError: ``time_limit`` is not a positive number (checked before any work,
+            rather than reported as a budget it had no time to fit).
         InfeasibleBudgetError: no choice of drops fits the budget (the model is
             infeasible, or the solver found none within ``time_limit``, or the simulated
             schedule still exceeds the budget after a few rounds); carries the smallest
             peak of the schedules simulated (checkpoint all's at least).
     """
+    if not is_number(time_limit) or not time_limit > 0:
+        raise ArgumentError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     began = time.perf_counter()
     base = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "intervals")
     result = simulate(graph, base)

@@ -1,6 +1,7 @@
 """The ``optimal`` (Checkmate MILP) and ``approx_lp`` (LP rounding) strategies.
 
-Both take ``(graph, budget=None, **options)`` and return a :class:`~tfremat.plan.Schedule`
+Both take ``(graph, budget=None, **options)``, the budget in any form the registry parses
+(:mod:`tfremat.plan.registry`), and return a :class:`~tfremat.plan.schedule.Schedule`
 whose ``facts`` carry what the solver proved: ``status`` (``optimal``: proven within the
 requested gap; ``time_limit``: stopped by the time limit, the best schedule so far;
 ``feasible``: a schedule without proof of optimality), ``objective`` (the schedule's
@@ -25,7 +26,6 @@ import time
 
 import numpy as np
 
-from tfremat.budget import parse_budget
 from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverError, is_int
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import CheckmateModel, build_model, memory_lower_bound, r_column_count
@@ -89,14 +89,6 @@ _TOLERANCE_OVERFLOW = 1e-5
 
 def _checkpoint_all(graph: DFGraph, strategy: str) -> Schedule:
     return schedule_from_keep_matrix(graph, checkpoint_all_s(graph), strategy)
-
-
-def _budget_bytes(graph: DFGraph, budget) -> int:
-    """Parses a budget; relative budgets refer to the checkpoint-all peak."""
-    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-        return budget
-    reference = simulate(graph, _checkpoint_all(graph, "checkpoint_all")).peak_bytes
-    return parse_budget(budget, reference_bytes=reference)
 
 
 def best_baseline(
@@ -218,8 +210,8 @@ def solve_optimal(
 
     Args:
         graph: the graph.
-        budget: peak bytes allowed (anything :func:`tfremat.budget.parse_budget` accepts;
-            relative budgets refer to the checkpoint-all peak). None means no memory limit:
+        budget: peak bytes allowed (any form :func:`tfremat.budget.parse_graph_budget`
+            takes: relative budgets refer to the checkpoint-all peak). None means no memory limit:
             the checkpoint-all schedule runs every node once, which is the least cost any
             schedule can have, so it is returned as optimal without a solver.
         solver: ``"highs"`` (default, no license needed) or ``"gurobi"``.
@@ -248,7 +240,7 @@ def solve_optimal(
     if budget is None:
         return _no_budget(graph, "optimal", began)
     time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
-    budget_bytes = _budget_bytes(graph, budget)
+    budget_bytes = budget  # whole bytes: the registry parsed it
     lower_bound = memory_lower_bound(graph)
     if budget_bytes < lower_bound:
         _, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0) if warm_start else (None, None)
@@ -707,7 +699,7 @@ def solve_approx_lp(
         raise ArgumentError(f"num_samples must be an int >= 0, got {num_samples!r}")
     if not allowances or not all(0 < a <= 1 for a in allowances):
         raise ArgumentError(f"allowances must be fractions in (0, 1], got {allowances!r}")
-    budget_bytes = _budget_bytes(graph, budget)
+    budget_bytes = budget  # whole bytes: the registry parsed it
     lower_bound = memory_lower_bound(graph)
     if budget_bytes < lower_bound:
         _, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0)

@@ -1,9 +1,10 @@
 """Baseline rematerialization strategies, as generalized to DAGs by Checkmate.
 
-Every strategy is a function ``(graph, budget=None, **options) -> Schedule``. The chain
-heuristics work on a sequence of *units*: contiguous runs of forward nodes in the
-topological order. Checkmate (Jain et al. 2020, sec. 6.1) generalizes them to DAGs in two
-ways, both available here:
+Every strategy is a function ``(graph, budget=None, **options) -> Schedule``, its budget
+any form the registry parses (bytes, "3.5GiB", "80%" or 0.8 of the checkpoint-all peak;
+see :mod:`tfremat.plan.registry`). The chain heuristics work on a sequence of *units*:
+contiguous runs of forward nodes in the topological order. Checkmate (Jain et al. 2020,
+sec. 6.1) generalizes them to DAGs in two ways, both available here:
 
 * ``*_ap``: checkpoint candidates are the articulation points of the forward graph, so a
   unit is the block of nodes between two of them;
@@ -29,7 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from tfremat.errors import ArgumentError, InfeasibleBudgetError
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, is_int
 from tfremat.graph import DFGraph
 from tfremat.plan.registry import register
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
@@ -220,12 +221,24 @@ def _greedy_checkpoints(graph: DFGraph, candidates: set[int], segment_budget: fl
     return checkpoints
 
 
+def _check_count(value, argument: str) -> None:
+    """Raises ArgumentError unless ``value`` is an int >= 1 (how many candidates a family tries)."""
+    if not is_int(value) or value < 1:
+        raise ArgumentError(f"{argument} must be an int >= 1, got {value!r}")
+
+
 def _chen_greedy(graph: DFGraph, budget: int | None, articulation: bool, num_segment_budgets: int) -> Schedule:
     name = "chen_greedy_ap" if articulation else "chen_greedy"
+    _check_count(num_segment_budgets, "num_segment_budgets")
     candidates = set(_candidates(graph, articulation))
     sizes = [graph.output_bytes[i] for i in graph.forward_nodes if graph.output_bytes[i] > 0]
     if not sizes:
-        return checkpoint_all(graph, budget).with_facts(strategy_note="no forward activations")
+        # Nothing to trade: every segment budget closes a segment at every candidate, and
+        # keeping everything is the family's only member. It is still this strategy's
+        # schedule, under its name, and so is its error.
+        schedule = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), name,
+                                             strategy_note="no forward activations")
+        return cheapest_fitting(graph, [schedule], budget, name)
     low, high = min(sizes), sum(sizes)
     # B = 0 closes a segment at every candidate: the keep-everything end of the family.
     segment_budgets = np.concatenate([[0.0], np.geomspace(low, high, num=num_segment_budgets - 1)])
@@ -241,8 +254,12 @@ def chen_greedy(graph: DFGraph, budget: int | None = None, num_segment_budgets: 
     """Chen et al. 2016 greedy planner, searched over the segment budget B (linearized order).
 
     Args:
-        num_segment_budgets: how many values of B, spaced geometrically between the
-            smallest activation and the sum of all activations, are tried.
+        num_segment_budgets: how many values of B are tried (an int >= 1): B = 0 (a
+            checkpoint at every candidate), then values spaced geometrically between
+            the smallest activation and the sum of all activations.
+
+    Raises:
+        ArgumentError: ``num_segment_budgets`` is not an int >= 1.
     """
     return _chen_greedy(graph, budget, False, num_segment_budgets)
 
@@ -322,6 +339,10 @@ def _revolve_snapshots(units: Sequence[Sequence[int]], slots: int, advance: np.n
 
 def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int | None, max_slot_counts: int) -> Schedule:
     name = "griewank_logn_ap" if articulation else "griewank_logn"
+    # A negative count would index the revolve table from its end (-1: the most slots).
+    if slots is not None and (not is_int(slots) or slots < 0):
+        raise ArgumentError(f"slots must be None or an int >= 0 (free snapshot slots), got {slots!r}")
+    _check_count(max_slot_counts, "max_slot_counts")
     boundaries = _candidates(graph, articulation)
     units = _units_between(graph, boundaries)
     if len(units) <= 1:
@@ -360,8 +381,13 @@ def griewank_logn(graph: DFGraph, budget: int | None = None, slots: int | None =
     cheapest fitting schedule is returned.
 
     Args:
-        slots: force this number of free snapshot slots.
-        max_slot_counts: with a budget, how many slot counts (geometrically spaced) are tried.
+        slots: force this number of free snapshot slots (an int >= 0; more than the
+            chain can use act as that many).
+        max_slot_counts: with a budget, how many slot counts (geometrically spaced) are
+            tried (an int >= 1; no slots and the keep-all count are always among them).
+
+    Raises:
+        ArgumentError: ``slots`` or ``max_slot_counts`` out of range.
     """
     return _griewank(graph, budget, False, slots, max_slot_counts)
 
@@ -439,13 +465,14 @@ def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager",
 
     Args:
         memory_model: "eager" or "classic".
-        num_bounds: how many bounds, spaced geometrically, are swept.
+        num_bounds: how many bounds, spaced geometrically, are swept (an int >= 1).
 
     Raises:
-        ValueError: unknown memory_model.
+        ArgumentError: unknown memory_model, or ``num_bounds`` not an int >= 1.
     """
     if memory_model not in ("eager", "classic"):
         raise ArgumentError(f"memory_model={memory_model!r}; use 'eager' or 'classic'")
+    _check_count(num_bounds, "num_bounds")
     chain = _forward_order(graph)
     sizes = np.array([graph.output_bytes[i] for i in chain], dtype=float)
     if len(chain) == 0 or sizes.sum() == 0:

@@ -70,7 +70,7 @@ class ExecutionPlan:
 def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
     """Emits the statements of ``schedule`` in row-major order of R (Checkmate Alg. 1).
 
-    The schedule is assumed valid (see :func:`tfremat.plan.validate_schedule`).
+    The schedule is assumed valid (see :func:`tfremat.plan.schedule.validate_schedule`).
     """
     n = graph.size
     R, S = schedule.R, schedule.S

@@ -3,14 +3,21 @@
 Strategies register themselves with :func:`register` when their module is imported;
 the modules listed in ``_STRATEGY_MODULES`` are imported on first lookup, so the planning
 core never imports a solver backend it does not use.
+
+Every registered strategy takes the same budgets with the same meaning: bytes, a size
+with a unit ("3.5GiB"), a share of the graph's checkpoint-all peak ("80%" or 0.8), or
+None for no budget. :func:`register` parses them, once, for all of them
+(:func:`tfremat.budget.parse_graph_budget`); the body of a strategy sees whole bytes or None.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
 
+from tfremat.budget import parse_graph_budget
 from tfremat.errors import ArgumentError, TfrematError
 
 __all__ = ["register", "get_strategy", "strategy_names", "option_names", "check_options", "StrategyFn"]
@@ -29,13 +36,31 @@ _loaded = False
 
 
 def register(name: str) -> Callable[[StrategyFn], StrategyFn]:
-    """Decorator registering a strategy under ``name``."""
+    """Decorator registering a strategy under ``name``.
+
+    ``fn(graph, budget, *options)`` gets its budget in whole bytes (or None); what is
+    registered, and returned in its place so that a direct call means the same, is
+    ``fn`` behind :func:`~tfremat.budget.parse_graph_budget`. Parsing here rather than in
+    each strategy is what keeps "80%", 0.8 and a byte count meaning the same to all of
+    them (they once disagreed: 0.8 was 80% to ``optimal`` and 0.8 bytes to the
+    heuristics, which refused "80%"). The wrapper keeps ``fn``'s signature
+    (``inspect.signature`` follows ``__wrapped__``), which :func:`option_names` reads.
+
+    The registered strategy raises :class:`~tfremat.errors.BudgetFormatError` for a
+    budget :func:`~tfremat.budget.parse_budget` refuses (zero or negative bytes among
+    them) before any work.
+    """
 
     def decorate(fn: StrategyFn) -> StrategyFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
+        if name in _REGISTRY and _REGISTRY[name].__wrapped__ is not fn:
             raise TfrematError(f"strategy {name!r} is registered twice")
-        _REGISTRY[name] = fn
-        return fn
+
+        @functools.wraps(fn)
+        def strategy(graph, budget=None, *options, **keyword_options):
+            return fn(graph, parse_graph_budget(graph, budget), *options, **keyword_options)
+
+        _REGISTRY[name] = strategy
+        return strategy
 
     return decorate
 

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from tfremat.errors import InfeasibleBudgetError
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, is_number
 from tfremat.graph import DFGraph
 from tfremat.plan.registry import register
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
@@ -101,12 +101,16 @@ def repair(graph: DFGraph, budget: int | None = None, *, time_limit: float = 60.
     Args:
         graph: the graph.
         budget: peak bytes allowed.
-        time_limit: seconds before giving up.
+        time_limit: seconds before giving up (a positive number; ``math.inf``: never).
 
     Raises:
+        ArgumentError: ``time_limit`` is not a positive number (checked before any work,
+            rather than reported as a budget it had no time to fit).
         InfeasibleBudgetError: no move lowers the stages above the budget any more, or
             ``time_limit`` ran out; carries the smallest peak reached.
     """
+    if not is_number(time_limit) or not time_limit > 0:
+        raise ArgumentError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     began = time.perf_counter()
     schedule = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "repair")
     result = simulate(graph, schedule)
