@@ -265,3 +265,109 @@ def test_measure_names_a_bad_argument_before_any_work():
         options = {"batch_size": 4, **arguments}
         with pytest.raises(ArgumentError, match=name):
             measure_model(model, "100%", cost_model="flops", verbose=0, **options)
+
+
+def _fit_both(build, compile_kwargs, x, y, strategy="chen_sqrtn"):
+    """Trains two copies of a model, with model.fit and tfremat.fit; returns both histories."""
+    plain, remat = build(), build()
+    plain.compile(**compile_kwargs())
+    remat.compile(**compile_kwargs())
+    keras.utils.set_random_seed(1)
+    expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    keras.utils.set_random_seed(1)
+    history = tfremat.fit(remat, "100%", x, y, batch_size=8, epochs=2, shuffle=False, strategy=strategy,
+                          cost_model="flops", verbose=0)
+    return max_weight_difference(plain, remat), expected.history, history.history
+
+
+def _named_inputs_model():
+    keras.utils.set_random_seed(0)
+    zeta, alpha = keras.Input((16,), name="zeta"), keras.Input((4,), name="alpha")
+    hidden = keras.layers.Concatenate()([keras.layers.Dense(8, activation="relu")(zeta), keras.layers.Dense(4)(alpha)])
+    return keras.Model([zeta, alpha], [keras.layers.Dense(2, name="zout")(hidden), keras.layers.Dense(3, name="aout")(hidden)])
+
+
+def _operations_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    summed = keras.layers.Dense(8, activation="relu")(inputs) + keras.layers.Dense(8)(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(keras.ops.relu(summed) * 2.0))
+
+
+def _shared_embedding_model():
+    keras.utils.set_random_seed(0)
+    first, second = keras.Input((6,), dtype="int32"), keras.Input((6,), dtype="int32")
+    embed = keras.layers.Embedding(20, 8)
+    flat = keras.layers.Concatenate()([keras.layers.Flatten()(embed(first)), keras.layers.Flatten()(embed(second))])
+    return keras.Model([first, second], keras.layers.Dense(3, activation="softmax")(flat))
+
+
+def _masked_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Dense(8, activation="relu")(keras.layers.Embedding(20, 8, mask_zero=True)(inputs))
+    return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+def _sgd_with(loss, **kwargs):
+    return lambda: dict(optimizer=keras.optimizers.SGD(0.05), loss=loss, **kwargs)
+
+
+def test_dict_inputs_and_labels_are_matched_by_name_and_per_output_losses_are_recorded():
+    """A dict of inputs or labels whose names are not in sorted order once trained on
+    swapped tensors (tf.nest.flatten sorts keys); the per-output losses Keras records
+    (``zout_loss``) were missing from the history."""
+    rng = np.random.default_rng(0)
+    x = {"zeta": rng.random((16, 16)).astype("float32"), "alpha": 5 * rng.random((16, 4)).astype("float32")}
+    y = {"zout": rng.random((16, 2)).astype("float32"), "aout": 100 + rng.random((16, 3)).astype("float32")}
+    difference, expected, history = _fit_both(_named_inputs_model, _sgd_with({"zout": "mse", "aout": "mae"}), x, y)
+    assert difference == 0.0
+    assert history == expected and "zout_loss" in history
+
+
+@pytest.mark.parametrize("build, loss, integer_inputs", [
+    (_operations_model, "categorical_crossentropy", False),
+    (_shared_embedding_model, "categorical_crossentropy", True),
+    (_masked_model, "mse", True),
+], ids=["keras-operations", "shared-embedding", "masked-string-loss"])
+def test_fit_trains_like_keras_on_operations_shared_embeddings_and_masks(build, loss, integer_inputs):
+    """``x + y`` and ``keras.ops`` in a functional model crashed extraction; an Embedding
+    called twice crashed on adding sparse gradients; a loss given by name ignored the
+    Keras mask (Keras wraps names in a LossFunctionWrapper that applies it)."""
+    rng = np.random.default_rng(0)
+    model = build()
+    if integer_inputs:
+        x = [rng.integers(1, 20, (16, 6)).astype("int32") for _ in model.inputs]
+        for part in x:
+            part[:, 4:] = 0
+    else:
+        x = [rng.random((16, 16)).astype("float32")]
+    x = x[0] if len(x) == 1 else x
+    out_shape = tuple(model.outputs[0].shape[1:])
+    y = (np.eye(3, dtype="float32")[rng.integers(0, 3, 16)] if loss != "mse"
+         else rng.standard_normal((16, *out_shape)).astype("float32"))
+    difference, expected, history = _fit_both(build, _sgd_with(loss), x, y)
+    assert difference == 0.0
+    assert history == expected
+
+
+def test_mixed_float16_applies_the_loss_scale_like_keras():
+    """Under mixed_float16 Keras's LossScaleOptimizer divides the gradients by its loss
+    scale; the step did not multiply the loss by it, so training barely moved."""
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(32, activation="relu")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(3, activation="softmax", dtype="float32")(hidden))
+
+    rng = np.random.default_rng(0)
+    x = rng.random((16, 16)).astype("float32")
+    y = np.eye(3, dtype="float32")[rng.integers(0, 3, 16)]
+    previous = keras.config.dtype_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        difference, expected, history = _fit_both(build, _sgd_with("categorical_crossentropy"), x, y)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    assert difference == 0.0
+    assert history == expected

@@ -333,3 +333,14 @@ def test_schedule_json_round_trip_checks_fingerprint():
     with pytest.raises(ScheduleError) as info:
         Schedule.from_dict(data, other)
     assert info.value.rule == "fingerprint"
+
+
+@pytest.mark.parametrize("entry", [[-1, 0], [0, -2], [99, 0], [0.5, 0]])
+def test_schedule_document_with_an_index_outside_the_graph_is_malformed(entry):
+    """numpy wrapped a negative index around to the last stage or node."""
+    g = random_training_graph(4, 6)
+    data = json.loads(json.dumps(get_strategy("checkpoint_all")(g).to_dict(g)))
+    data["S"].append(entry)
+    with pytest.raises(ScheduleError) as info:
+        Schedule.from_dict(data)
+    assert info.value.rule == "format"

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tfremat.budget import format_bytes, parse_budget
+from tfremat.budget import checkpoint_all_peak, format_bytes, parse_budget
 from tfremat.cache import ScheduleCache
 from tfremat.errors import ArgumentError, BudgetFormatError, InfeasibleBudgetError, TfrematError, is_int
 from tfremat.graph import DFGraph
@@ -121,10 +121,6 @@ class _SolverProgress:
             sys.stderr.write("\n")
 
 
-def _checkpoint_all_peak(graph: DFGraph) -> int:
-    return simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
-
-
 def plan_graph(
     graph: DFGraph,
     budget,
@@ -153,7 +149,7 @@ def plan_graph(
         BudgetFormatError: the budget is unparsable.
         ArgumentError: an option the strategy does not take (raised before anything runs).
     """
-    reference = _checkpoint_all_peak(graph)
+    reference = checkpoint_all_peak(graph)
     budget_bytes = None if budget is None else parse_budget(budget, reference)
     function = get_strategy(strategy)
     store = _cache_of(cache)
@@ -402,12 +398,16 @@ def fit(
     Returns:
         The Keras ``History``.
     """
+    import keras
+
     from tfremat.keras import RematCallback
 
     if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
         raise TfrematError("compile the model first (model.compile(optimizer=..., loss=..., metrics=...)); fit uses its loss, optimizer and metrics")
     remat = RematCallback(budget, strategy=strategy, solver=solver, time_limit=time_limit, cost_model=cost_model,
                           cache=cache, verbose=verbose)
+    if isinstance(callbacks, keras.callbacks.Callback):
+        callbacks = [callbacks]  # model.fit takes one callback as well as a list
     return model.fit(x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,
                      callbacks=[remat, *(callbacks or [])], verbose=verbose, **fit_kwargs)
 
@@ -458,7 +458,7 @@ def max_batch_size(
         if batch not in graphs:
             signature = [tf.TensorSpec((batch, *t.shape[1:]), t.dtype) for t in model.inputs]
             graphs[batch] = extract(model, input_signature=signature, cost_model=cost_model, **training).graph
-            logger.info("batch %d: checkpoint-all peak %s", batch, format_bytes(_checkpoint_all_peak(graphs[batch])))
+            logger.info("batch %d: checkpoint-all peak %s", batch, format_bytes(checkpoint_all_peak(graphs[batch])))
         return graphs[batch]
 
     names, per_strategy = _split_milp_options(strategies, options)

@@ -19,7 +19,9 @@ import keras
 import tensorflow as tf
 
 from tfremat.budget import format_bytes, parse_budget
-from tfremat.errors import CompileError, TfrematError
+from tfremat.errors import ArgumentError, CompileError, TfrematError
+from tfremat.extract.extractor import COST_MODELS, refuse_model_losses
+from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.ilp.strategies import MILP_STRATEGIES
 from tfremat.plan.registry import get_strategy
 
@@ -53,6 +55,15 @@ class RematCallback(keras.callbacks.Callback):
         # A share needs the batch's peak, unknown until then; any reference checks its form.
         parse_budget(budget, reference_bytes=float(2**40))
         get_strategy(strategy)
+        if strategy in MILP_STRATEGIES:
+            check_solver_options(DEFAULT_SOLVER if solver is None else solver, time_limit=time_limit)
+        elif solver is not None or time_limit is not None:
+            raise ArgumentError(
+                f"solver= and time_limit= configure the MILP strategies ({', '.join(MILP_STRATEGIES)}); "
+                f"strategy {strategy!r} takes neither, so leave them out"
+            )
+        if cost_model not in COST_MODELS:
+            raise ArgumentError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
         self.budget = budget
         self.strategy = strategy
         self.solver = solver
@@ -72,8 +83,7 @@ class RematCallback(keras.callbacks.Callback):
         model = self.model
         if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
             raise TfrematError("RematCallback needs a compiled model (model.compile(optimizer=..., loss=...))")
-        if model.losses:
-            raise TfrematError("models with regularization losses (layer.add_loss / kernel_regularizer) are not supported yet")
+        refuse_model_losses(model)
         if model.distribute_strategy.num_replicas_in_sync > 1:
             raise TfrematError("RematCallback runs on one device; use tfremat.static_graph.compile_step(strategy=...) for tf.distribute")
         if getattr(model, "steps_per_execution", 1) != 1:
@@ -132,4 +142,9 @@ class RematCallback(keras.callbacks.Callback):
         model = self.model
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         model._loss_tracker.update_state(loss, sample_weight=batch)
+        if len(model.outputs) > 1 and getattr(model, "_compile_loss", None) is not None:
+            # Keras records each output's own loss (``<output>_loss`` in the history) while
+            # computing the total; the step returns only the total, so the per-output
+            # losses are evaluated once more on its predictions (a reduction, no layer).
+            model._compile_loss(y, y_pred)
         return model.compute_metrics(x, y, y_pred, sample_weight=None)

@@ -103,7 +103,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         def plain_gradients(inputs, labels):
             with tf.GradientTape() as tape:
                 predictions = model(inputs, training=True)
-                value = extraction.side_table.loss_fn(tf.nest.flatten(labels), tf.nest.flatten(predictions))
+                value = extraction.side_table.loss_fn(extraction.side_table.flat_labels(labels), tf.nest.flatten(predictions))
             return tape.gradient(value, model.trainable_variables)
 
         planned = planned_gradients(x, y)

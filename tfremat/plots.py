@@ -8,7 +8,7 @@ Two views answer the two questions a user has when choosing a strategy:
   each strategy across budgets, in the style of Checkmate's Figure 4 (Jain et al. 2020)
   and MONeT's Figure 5 (Shah et al. 2021).
 
-Every number comes from :func:`tfremat.plan.simulate`, so the figures agree with the
+Every number comes from :func:`tfremat.plan.simulator.simulate`, so the figures agree with the
 planner's reports. matplotlib is an optional dependency (``pip install tfremat[plots]``):
 it is imported inside the functions, so ``import tfremat`` never needs it, and figures
 are drawn on the Agg canvas directly, without pyplot, so no global backend is switched

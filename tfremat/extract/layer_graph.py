@@ -20,7 +20,7 @@ import tensorflow as tf
 from tfremat.errors import ExtractionError
 from tfremat.extract.side_table import TensorRef
 
-__all__ = ["LayerCall", "walk_model", "functional_view"]
+__all__ = ["LayerCall", "walk_model", "functional_view", "model_input_names", "model_output_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,33 @@ def functional_view(model) -> object | None:
     if hasattr(model, "_nodes_by_depth") and getattr(model, "_nodes_by_depth", None):
         return model
     return None
+
+
+def model_input_names(model) -> list[str]:
+    """The names a dict of inputs is keyed by, in the order of ``model.inputs``: the keys
+    of a model built on a dict of inputs, else the input tensors' names."""
+    keys = _dict_keys(getattr(model, "_inputs_struct", None))
+    return keys or [getattr(t, "name", None) or f"input_{k}" for k, t in enumerate(model.inputs)]
+
+
+def model_output_names(model) -> list[str]:
+    """The names a dict of labels (or losses) is keyed by, in the order of ``model.outputs``:
+    the keys of a model returning a dict, else ``model.output_names`` (``output_k`` where
+    Keras gives none)."""
+    keys = _dict_keys(getattr(model, "_outputs_struct", None))
+    if keys:
+        return keys
+    names = list(getattr(model, "output_names", None) or [])
+    if len(names) != len(model.outputs):
+        return [f"output_{k}" for k in range(len(model.outputs))]
+    return names
+
+
+def _dict_keys(structure) -> list[str] | None:
+    """The keys of a flat dict of tensors in flattened order (Keras sorts them), else None."""
+    if not isinstance(structure, dict):
+        return None
+    return tf.nest.flatten({key: key for key in structure})
 
 
 def walk_model(model) -> tuple[list[LayerCall], list[TensorRef]]:

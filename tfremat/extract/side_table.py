@@ -29,11 +29,13 @@ Conventions every consumer relies on:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal
 
-__all__ = ["TensorRef", "GradRef", "NodeEntry", "SideTable", "NodeKind"]
+from tfremat.errors import ExtractionError
+
+__all__ = ["TensorRef", "GradRef", "NodeEntry", "SideTable", "NodeKind", "flatten_by_name"]
 
 NodeKind = Literal["forward", "loss", "backward"]
 
@@ -151,6 +153,28 @@ class NodeEntry:
         return tuple(args), kwargs
 
 
+def flatten_by_name(values, names: Sequence[str], what: str) -> list:
+    """Model inputs or labels as one tensor per model input or output, in model order.
+
+    A dict is matched by name, as ``model.fit`` matches it (``tf.nest.flatten`` would
+    order it by sorted key, which pairs the wrong tensors whenever the names are not in
+    sorted order); anything else is flattened as it is.
+
+    Raises:
+        ExtractionError: a dict whose keys are not exactly the names.
+    """
+    import tensorflow as tf  # the side table itself stays importable without TF
+
+    if not isinstance(values, Mapping):
+        return tf.nest.flatten(values)
+    if set(values) != set(names):
+        raise ExtractionError(
+            f"{what} is a dict with keys {sorted(map(str, values))}, but the model's {what} are named "
+            f"{list(names)}; key the dict by those names, or pass a list in that order"
+        )
+    return [values[name] for name in names]
+
+
 @dataclasses.dataclass(frozen=True)
 class SideTable:
     """The framework half of an extraction, indexed by graph node id.
@@ -174,6 +198,8 @@ class SideTable:
             backward node's workspace, so the step must hand them to the optimizer right
             after that node (apply the update or free them); ``"fixed"``: they are
             resident for the whole step (``param_grads`` in the breakdown).
+        input_names, output_names: the model's input and output names, in model order; a
+            dict of inputs or labels is matched by them (:meth:`flat_inputs`).
     """
 
     model: Any
@@ -187,6 +213,16 @@ class SideTable:
     batch_size: int
     fixed_bytes_breakdown: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     weight_grads: str = "transient"
+    input_names: tuple[str, ...] = ()
+    output_names: tuple[str, ...] = ()
+
+    def flat_inputs(self, x) -> list:
+        """A batch of inputs as one tensor per model input, a dict matched by input name."""
+        return flatten_by_name(x, self.input_names, "inputs")
+
+    def flat_labels(self, y) -> list:
+        """Labels as one tensor per model output, a dict matched by output name."""
+        return flatten_by_name(y, self.output_names, "outputs")
 
     def __getitem__(self, node: int) -> NodeEntry:
         return self.entries[node]

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tfremat.errors import ScheduleError
+from tfremat.errors import ScheduleError, is_int
 from tfremat.graph import DFGraph
 
 __all__ = [
@@ -103,10 +103,12 @@ class Schedule:
             n = int(data["num_nodes"])
             R = np.zeros((n, n), dtype=bool)
             S = np.zeros((n, n), dtype=bool)
-            for t, i in data["R"]:
-                R[t, i] = True
-            for t, i in data["S"]:
-                S[t, i] = True
+            for matrix, key in ((R, "R"), (S, "S")):
+                for t, i in data[key]:
+                    # numpy would wrap a negative index around to another stage or node
+                    if not (is_int(t) and is_int(i) and 0 <= t < n and 0 <= i < n):
+                        raise ValueError(f"{key} entry {[t, i]} is not a (stage, node) pair in [0, {n})")
+                    matrix[t, i] = True
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ScheduleError(f"malformed schedule document: {exc!r}", rule="format") from exc
         schedule = cls(R, S, str(data.get("strategy", "unknown")), data.get("facts") or {})

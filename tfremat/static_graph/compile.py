@@ -55,8 +55,19 @@ class CompiledStep:
             self._distributed_step if strategy is not None else self._step, jit_compile=False, autograph=False
         )
 
-    def _replica_step(self, x, y, gradient_scale: float):
-        loss, predictions, weight_grads, report = interpret_plan(self.graph, self.side_table, self.plan, x, y, gradient_scale)
+    def _scaled_loss(self, loss, replicas: int):
+        """The loss to differentiate, as Keras's ``train_step`` forms it: divided by the
+        number of replicas, then multiplied by the optimizer's loss scale (a
+        ``LossScaleOptimizer`` under ``mixed_float16``, whose ``apply_gradients`` divides
+        the gradients by that scale again)."""
+        if replicas > 1:
+            loss = loss * tf.cast(1.0 / replicas, loss.dtype)
+        return self.optimizer.scale_loss(loss)
+
+    def _replica_step(self, x, y, replicas: int):
+        loss, predictions, weight_grads, report = interpret_plan(
+            self.graph, self.side_table, self.plan, x, y, lambda value: self._scaled_loss(value, replicas),
+        )
         self._report = report
         pairs = [(weight_grads[id(v)][1], v) for v in self._variables if id(v) in weight_grads]
         missing = [v.path for v in self._variables if id(v) not in weight_grads]
@@ -78,11 +89,11 @@ class CompiledStep:
         return tf.nest.pack_sequence_as(structure, predictions)
 
     def _step(self, x, y):
-        return self._replica_step(x, y, 1.0)
+        return self._replica_step(x, y, 1)
 
     def _distributed_step(self, x, y):
         replicas = self.strategy.num_replicas_in_sync
-        per_replica = self.strategy.run(self._replica_step, args=(x, y, 1.0 / replicas))
+        per_replica = self.strategy.run(self._replica_step, args=(x, y, replicas))
         if self.return_outputs:
             loss, outputs = per_replica
             return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, loss, axis=None), outputs
@@ -115,7 +126,7 @@ class CompiledStep:
     def ledger_bytes(self) -> np.ndarray:
         """Live bytes at every plan statement as the traced step holds them.
 
-        Equal to :func:`tfremat.plan.simulate`'s ``trace_bytes`` for the same plan: the
+        Equal to :func:`tfremat.plan.simulator.simulate`'s ``trace_bytes`` for the same plan: the
         interpreter frees values exactly at the plan's deallocate statements.
         """
         return np.asarray(self.report.ledger_bytes, dtype=np.int64)
@@ -137,7 +148,7 @@ def compile_step(
 ) -> CompiledStep:
     """Compiles a schedule into one ``tf.function`` training step.
 
-    The step runs the plan of ``schedule`` (:func:`tfremat.plan.build_plan`) statement by
+    The step runs the plan of ``schedule`` (:func:`tfremat.plan.execution.build_plan`) statement by
     statement: forward layer calls recorded on per-node tapes, recomputations where the
     schedule recomputes, per-layer backward passes and the optimizer update. Control
     dependencies keep the statements in plan order, so recomputations run late and are

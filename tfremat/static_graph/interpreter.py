@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -45,7 +46,9 @@ import tensorflow as tf
 from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op
-from tfremat.static_graph.state import StateSnapshot, call_replaying, call_with_snapshot, stateful_random_ops
+from tfremat.static_graph.state import (
+    StateSnapshot, call_replaying, call_with_snapshot, reads_global_seed_generator, stateful_random_ops,
+)
 
 __all__ = ["TraceReport", "interpret_plan"]
 
@@ -89,12 +92,12 @@ class _Instance:
 
 
 class _Interpreter:
-    def __init__(self, graph: DFGraph, side_table: Any, x, y, gradient_scale: float):
+    def __init__(self, graph: DFGraph, side_table: Any, x, y, scale_loss: Callable[[Any], Any]):
         self.graph = graph
         self.table = side_table
-        self.x = tf.nest.flatten(x)
-        self.y = tf.nest.flatten(y)
-        self.gradient_scale = gradient_scale
+        self.x = side_table.flat_inputs(x)
+        self.y = side_table.flat_labels(y)
+        self.scale_loss = scale_loss
         self.resident: dict[int, Any] = {}
         self.instances: dict[int, _Instance] = {}
         self.generation: dict[int, int] = {}
@@ -105,7 +108,9 @@ class _Interpreter:
         # Per loss input: whether the loss's gradient is taken at the output's logits
         # (see ``_loss``); the backward node of that output must take the same target.
         self.loss_reads_logits: list[bool] = []
-        self.weight_grads: dict[int, tuple[Any, Any]] = {}
+        # Per variable: the variable and its gradient contributions, one per backward node
+        # of a layer that owns it (several for a layer called more than once).
+        self.weight_grads: dict[int, tuple[Any, list]] = {}
         self.last_reader: dict[int, list] = {}
         self.report = TraceReport()
 
@@ -165,7 +170,8 @@ class _Interpreter:
         # For a layer that is not recomputed after its backward node, that is the backward
         # node itself, so weight gradients still die right after it.
         gated = {}
-        for key, (variable, grad) in self.weight_grads.items():
+        for key, (variable, parts) in self.weight_grads.items():
+            grad = parts[0] if len(parts) == 1 else _add_gradients(parts)
             with tf.control_dependencies(self.last_reader.get(key, [])):
                 gated[key] = (variable, tf.identity(grad))
         return self.loss, self.predictions, gated
@@ -205,7 +211,15 @@ class _Interpreter:
             else:
                 outputs, self.snapshots[node] = call_with_snapshot(entry.layer, call)
             if purpose != "forward":
-                random_ops = stateful_random_ops(graph.get_operations()[first_op:])
+                traced = graph.get_operations()[first_op:]
+                if reads_global_seed_generator(graph, traced):
+                    raise CompileError(
+                        f"layer {entry.name!r} draws random numbers from Keras's global seed generator (an unseeded "
+                        "keras.random call), so recomputing it would change its output. Pass seed= a "
+                        "keras.random.SeedGenerator kept on the layer (as Keras' own random layers do), or use a "
+                        "budget/strategy that does not recompute it"
+                    )
+                random_ops = stateful_random_ops(traced)
                 if random_ops:
                     raise CompileError(
                         f"layer {entry.name!r} draws random numbers with {', '.join(random_ops)}, whose generator "
@@ -247,7 +261,7 @@ class _Interpreter:
             tape.watch(predictions + logits)
             # SideTable.loss_fn takes lists (one entry per model output) in every case.
             loss = self.table.loss_fn(list(self.y), list(predictions))
-            scaled = loss * self.gradient_scale
+            scaled = self.scale_loss(loss)
         distinct = [l for l, p in zip(logits, predictions) if l is not p]
         gradients = tape.gradient(scaled, distinct + predictions)
         of_logits = iter(gradients[:len(distinct)])
@@ -279,7 +293,7 @@ class _Interpreter:
                 target = _logits(outputs[k]) if reads_logits else outputs[k]
                 sums.setdefault(id(target), (target, []))[1].append(grad)
         targets = [target for target, _ in sums.values()]
-        grads = [parts[0] if len(parts) == 1 else tf.add_n(parts) for _, parts in sums.values()]
+        grads = [parts[0] if len(parts) == 1 else _add_gradients(parts) for _, parts in sums.values()]
         return targets, grads
 
     def _backward(self, node: int, entry) -> list:
@@ -331,13 +345,22 @@ class _Interpreter:
             if g is None:
                 continue  # no loss reaches this layer (an output compiled without loss)
             key = id(variable)
-            if key in self.weight_grads:
-                self.weight_grads[key] = (variable, self.weight_grads[key][1] + g)
-            else:
-                self.weight_grads[key] = (variable, g)
+            self.weight_grads.setdefault(key, (variable, []))[1].append(g)
             produced.append(g)
         self.resident[node] = _Instance(input_grads, instance.tape, [], [])
         return produced
+
+
+def _add_gradients(parts: list):
+    """The sum of gradients for one tensor or variable, as ``tf.GradientTape`` forms it:
+    sparse gradients (``tf.IndexedSlices``, from an ``Embedding`` called twice) are
+    concatenated, which ``+`` and ``tf.add_n`` refuse; a mix is summed densely."""
+    if all(isinstance(p, tf.IndexedSlices) for p in parts):
+        return tf.IndexedSlices(
+            tf.concat([p.values for p in parts], axis=0), tf.concat([p.indices for p in parts], axis=0),
+            parts[0].dense_shape,
+        )
+    return tf.add_n([tf.convert_to_tensor(p) for p in parts])
 
 
 def _logits(tensor):
@@ -345,7 +368,8 @@ def _logits(tensor):
     return getattr(tensor, "_keras_logits", tensor)
 
 
-def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y, gradient_scale: float = 1.0):
+def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
+                   scale_loss: Callable[[Any], Any] | None = None):
     """Emits the operations of one training step following ``plan`` (call while tracing).
 
     Args:
@@ -354,14 +378,16 @@ def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y, g
         plan: the execution plan.
         x: the input batch (structure matching the model inputs).
         y: the labels.
-        gradient_scale: factor applied to the loss before differentiation (``1 /
-            num_replicas`` under a distribution strategy).
+        scale_loss: the loss that is differentiated, as a function of the loss (None: the
+            loss itself); the compiled step divides by the number of replicas under a
+            distribution strategy and applies the optimizer's loss scale (``mixed_float16``),
+            as Keras's own ``train_step`` does. The loss returned stays unscaled.
 
     Returns:
         ``(loss, predictions, weight_grads, report)``: the scalar loss, the model outputs
         (flattened) as the loss node read them, ``{id(variable): (variable, gradient)}``
         and the :class:`TraceReport`.
     """
-    interpreter = _Interpreter(graph, side_table, x, y, gradient_scale)
+    interpreter = _Interpreter(graph, side_table, x, y, scale_loss or (lambda loss: loss))
     loss, predictions, weight_grads = interpreter.run(plan)
     return loss, predictions, weight_grads, interpreter.report

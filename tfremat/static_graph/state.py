@@ -28,8 +28,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
+from keras.src.backend.common import global_state
+from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
 
-__all__ = ["StateSnapshot", "stateful_variables", "call_with_snapshot", "call_replaying", "stateful_random_ops"]
+__all__ = [
+    "StateSnapshot", "stateful_variables", "call_with_snapshot", "call_replaying", "stateful_random_ops",
+    "reads_global_seed_generator", "global_seed_generator", "forget_global_seed_generator",
+]
 
 # Random ops whose state lives outside any Keras variable (TensorFlow's global or
 # op-level generators): a second call draws new numbers and nothing here can replay them.
@@ -114,3 +119,32 @@ def stateful_random_ops(operations) -> list[str]:
     when a recomputation calls the layer again.
     """
     return sorted({op.type for op in operations if op.type in _STATEFUL_RANDOM_OPS})
+
+
+def global_seed_generator():
+    """Keras's global ``SeedGenerator`` (behind unseeded ``keras.random`` calls), or None
+    while nothing has created it. Reading it never creates it: creating it draws its seed
+    from Python's ``random``, which plain training would then see advanced."""
+    return global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+
+
+def forget_global_seed_generator() -> None:
+    """Drops Keras's global seed generator, so the next unseeded call creates it anew (from
+    Python's ``random``, which the caller restores), as if it had never been created."""
+    global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, None)
+
+
+def reads_global_seed_generator(graph, operations) -> bool:
+    """Whether any of ``operations`` (traced in ``graph``, a ``tf.function``'s graph) reads
+    the state of Keras's global seed generator.
+
+    An unseeded ``keras.random`` call in a custom layer advances that state, shared by the
+    whole program: calling the layer again draws other numbers, and replaying the layer's
+    own variables (:func:`call_replaying`) does not restore it.
+    """
+    generator = global_seed_generator()
+    if generator is None:
+        return False
+    handle = generator.state.handle
+    captured = [inner for outer, inner in graph.captures if outer is handle]
+    return any(tensor is inner for op in operations for tensor in op.inputs for inner in captured)
