@@ -12,7 +12,9 @@ tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
 
 import tfremat  # noqa: E402
-from tfremat.errors import InfeasibleBudgetError, TfrematError  # noqa: E402
+from tfremat.errors import (  # noqa: E402
+    ArgumentError, CompileError, ExtractionError, InfeasibleBudgetError, SolverError, TfrematError,
+)
 from tfremat.keras import RematCallback  # noqa: E402
 
 from models import small_convnet  # noqa: E402
@@ -89,6 +91,13 @@ def test_the_callback_refuses_a_bad_budget_or_strategy_at_once():
         RematCallback("abc")
     with pytest.raises(TfrematError, match="unknown strategy 'nope'"):
         RematCallback("50%", strategy="nope")
+    # Options the strategy does not take were dropped in silence; bad ones failed at the first step.
+    with pytest.raises(ArgumentError, match="time_limit"):
+        RematCallback("50%", strategy="checkpoint_all", time_limit=20)
+    with pytest.raises(ArgumentError, match="cost_model"):
+        RematCallback("50%", strategy="checkpoint_all", cost_model="exact")
+    with pytest.raises(SolverError, match="unknown solver 'bogus'"):
+        RematCallback("50%", solver="bogus")
 
 
 def test_fit_needs_a_compiled_model():
@@ -371,3 +380,57 @@ def test_mixed_float16_applies_the_loss_scale_like_keras():
         keras.mixed_precision.set_global_policy(previous)
     assert difference == 0.0
     assert history == expected
+
+
+def test_regularizers_are_refused_naming_the_layer_and_one_callback_is_accepted():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3, kernel_regularizer="l2", name="regularized")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    x, y = np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32")
+    with pytest.raises(ExtractionError, match="regularized"):
+        tfremat.fit(model, "100%", x, y, batch_size=4, strategy="checkpoint_all", cost_model="flops", verbose=0)
+    plain = _operations_model()
+    plain.compile(keras.optimizers.SGD(0.1), "categorical_crossentropy")
+    seen = keras.callbacks.History()
+    tfremat.fit(plain, "100%", np.zeros((8, 16), "float32"), np.eye(3, dtype="float32")[[0, 1] * 4], batch_size=4,
+                strategy="checkpoint_all", cost_model="flops", verbose=0, callbacks=seen)
+    assert len(seen.history["loss"]) == 1
+
+
+class UnseededNoise(keras.layers.Layer):
+    """Draws from Keras's global seed generator (no seed=)."""
+
+    def call(self, inputs):
+        return inputs + keras.random.normal(keras.ops.shape(inputs), stddev=0.5)
+
+
+def _noisy_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((10,))
+    hidden = UnseededNoise()(keras.layers.Dense(16, activation="relu")(inputs))
+    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Dense(16, activation="relu")(hidden))
+    return keras.Model(inputs, keras.layers.Dense(4, activation="softmax")(hidden))
+
+
+def test_unseeded_keras_random_trains_like_keras_and_is_not_recomputed():
+    """Profiling advanced Keras's global seed generator, so even a step that recomputes
+    nothing drew other noise than model.fit; recomputing such a layer cannot replay it."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 10)).astype("float32")
+    y = np.eye(4, dtype="float32")[rng.integers(0, 4, 16)]
+    plain, remat = _noisy_model(), _noisy_model()
+    for model in (plain, remat):
+        model.compile(keras.optimizers.SGD(0.1), "categorical_crossentropy")
+    keras.utils.set_random_seed(1)
+    expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    keras.utils.set_random_seed(1)
+    history = tfremat.fit(remat, "100%", x, y, batch_size=8, epochs=2, shuffle=False, strategy="checkpoint_all",
+                          cost_model="profile", verbose=0)
+    assert max_weight_difference(plain, remat) == 0.0
+    assert history.history == expected.history
+    recomputing = _noisy_model()
+    recomputing.compile(keras.optimizers.SGD(0.1), "categorical_crossentropy")
+    with pytest.raises(CompileError, match="global seed generator"):
+        tfremat.fit(recomputing, "100%", x, y, batch_size=8, strategy="chen_sqrtn", cost_model="flops", verbose=0)
