@@ -65,7 +65,9 @@ from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef,
 from tfremat.graph import DFGraph
 from tfremat.static_graph.state import forget_global_seed_generator, global_seed_generator
 
-__all__ = ["Extraction", "extract", "resolve_loss", "cache_dir", "weight_gradient_lifetime", "refuse_model_losses", "COST_MODELS"]
+__all__ = [
+    "Extraction", "extract", "resolve_loss", "cache_dir", "weight_gradient_lifetime", "refuse_model_losses", "COST_MODELS",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -126,8 +126,8 @@ class CompiledStep:
     def ledger_bytes(self) -> np.ndarray:
         """Live bytes at every plan statement as the traced step holds them.
 
-        Equal to :func:`tfremat.plan.simulator.simulate`'s ``trace_bytes`` for the same plan: the
-        interpreter frees values exactly at the plan's deallocate statements.
+        Equal to :func:`tfremat.plan.simulator.simulate`'s ``trace_bytes`` for the same
+        plan: the interpreter frees values exactly at the plan's deallocate statements.
         """
         return np.asarray(self.report.ledger_bytes, dtype=np.int64)
 
@@ -148,9 +148,9 @@ def compile_step(
 ) -> CompiledStep:
     """Compiles a schedule into one ``tf.function`` training step.
 
-    The step runs the plan of ``schedule`` (:func:`tfremat.plan.execution.build_plan`) statement by
-    statement: forward layer calls recorded on per-node tapes, recomputations where the
-    schedule recomputes, per-layer backward passes and the optimizer update. Control
+    The step runs the plan of ``schedule`` (:func:`tfremat.plan.execution.build_plan`)
+    statement by statement: forward layer calls recorded on per-node tapes, recomputations
+    where the schedule recomputes, per-layer backward passes and the optimizer update. Control
     dependencies keep the statements in plan order, so recomputations run late and are
     not merged with the first computation; stateful layers (batch norm, dropout) are
     recomputed without side effects (see :mod:`tfremat.static_graph.state`).
