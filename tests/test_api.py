@@ -98,6 +98,9 @@ def test_the_callback_refuses_a_bad_budget_or_strategy_at_once():
         RematCallback("50%", strategy="checkpoint_all", cost_model="exact")
     with pytest.raises(SolverError, match="unknown solver 'bogus'"):
         RematCallback("50%", solver="bogus")
+    # A budget changed after the first fit was ignored: the steps were keyed by batch shape.
+    with pytest.raises(AttributeError, match="budget is fixed"):
+        RematCallback("50%").budget = "90%"
 
 
 def test_fit_needs_a_compiled_model():

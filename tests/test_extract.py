@@ -256,3 +256,39 @@ def test_weight_gradients_are_resident_when_the_optimizer_or_a_shared_layer_need
     extraction = extract(model, (x, np.zeros((4, 2), "float32")), loss="mse", optimizer=optimizer(), cost_model="flops")
     assert extraction.side_table.weight_grads == lifetime
     assert (extraction.side_table.fixed_bytes_breakdown["param_grads"] > 0) == (lifetime == "fixed")
+
+
+def _scaling_model(layer_class):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    return keras.Model(inputs, keras.layers.Dense(2)(layer_class()(keras.layers.Dense(8)(inputs))))
+
+
+def test_profile_cache_sees_edits_of_user_code_and_survives_damage():
+    """The cache key held a user layer's class name and config and a loss function's name
+    only: an edited call() or loss reused the old measurements (15x too small in the audit's
+    case). A damaged entry crashed the extraction instead of being measured again."""
+    class Scale(keras.layers.Layer):
+        def call(self, x):
+            return x * 2.0
+
+    first_scale = Scale
+
+    class Scale(keras.layers.Layer):  # noqa: F811 -- the same name, edited
+        def call(self, x):
+            return x * 3.0
+
+    batch = (np.zeros((4, 8), "float32"), np.zeros((4, 2), "float32"))
+    mse = lambda y_true, y_pred: keras.ops.mean((y_true - y_pred) ** 2)  # noqa: E731
+    mae = lambda y_true, y_pred: keras.ops.mean(abs(y_true - y_pred))  # noqa: E731
+    assert not extract(_scaling_model(first_scale), batch, loss=mse, cost_model="flops").cache_hit
+    assert extract(_scaling_model(first_scale), batch, loss=mse, cost_model="flops").cache_hit
+    assert not extract(_scaling_model(Scale), batch, loss=mse, cost_model="flops").cache_hit
+    assert not extract(_scaling_model(Scale), batch, loss=mae, cost_model="flops").cache_hit
+    entries = [os.path.join(os.environ["TFREMAT_CACHE_DIR"], name) for name in os.listdir(os.environ["TFREMAT_CACHE_DIR"])]
+    for garbage in ("{not json", "[]", '{"calls": [], "loss": {}}'):
+        for path in entries:
+            with open(path, "w") as f:
+                f.write(garbage)
+        assert not extract(_scaling_model(Scale), batch, loss=mae, cost_model="flops").cache_hit
+    assert extract(_scaling_model(Scale), batch, loss=mae, cost_model="flops").cache_hit

@@ -344,3 +344,16 @@ def test_schedule_document_with_an_index_outside_the_graph_is_malformed(entry):
     with pytest.raises(ScheduleError) as info:
         Schedule.from_dict(data)
     assert info.value.rule == "format"
+
+
+def test_fingerprint_ignores_names_and_sees_everything_else():
+    """A rebuilt Keras model names its layers anew (dense, then dense_7); its schedule
+    must still be found in the cache."""
+    g = random_training_graph(4, 6)
+    data = g.to_dict()
+    for node in data["nodes"]:
+        node["name"] = f"renamed_{node['id']}"
+    renamed = load_graph(data)
+    assert renamed.names != g.names and renamed.fingerprint == g.fingerprint
+    data["nodes"][0]["cost"] += 1.0
+    assert load_graph(data).fingerprint != g.fingerprint

@@ -297,9 +297,13 @@ class DFGraph:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """A stable hash of everything a schedule depends on (not the name)."""
+        """A stable hash of everything a schedule depends on: not the graph's name nor its
+        nodes' names (Keras numbers auto-named layers anew on every rebuild, ``dense`` then
+        ``dense_7``, and a rebuilt model must find its cached schedule)."""
         payload = self.to_dict()
         payload.pop("name")
+        for node in payload["nodes"]:
+            node.pop("name")
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     def __eq__(self, other) -> bool:

@@ -79,6 +79,18 @@ class RematCallback(keras.callbacks.Callback):
         self._steps_belong_to: tuple = (None, None, None)
         self._original_train_function = None
 
+    # What the compiled steps were planned with; changing one later would leave steps
+    # planned for the old value in use, so they are fixed when the callback is built.
+    _SETTINGS = ("budget", "strategy", "solver", "time_limit", "cost_model", "cache")
+
+    def __setattr__(self, name, value):
+        if name in self._SETTINGS and name in self.__dict__:
+            raise AttributeError(
+                f"RematCallback.{name} is fixed when the callback is built (its steps are planned with it); "
+                f"build a new RematCallback(..., {name}=...) instead"
+            )
+        super().__setattr__(name, value)
+
     def on_train_begin(self, logs=None):
         model = self.model
         if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:

@@ -49,6 +49,7 @@ import logging
 import numbers
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -117,7 +118,8 @@ def _one_loss(loss, where: str) -> Callable:
             ) from None
         name = loss
     elif callable(loss):
-        function, name = loss, getattr(loss, "__name__", None)
+        # TensorFlow name scopes take [A-Za-z0-9_.\\/>-]: a lambda's "<lambda>" is refused.
+        function, name = loss, re.sub(r"[^A-Za-z0-9_.-]", "_", getattr(loss, "__name__", "") or "").strip("_") or "loss"
     else:
         raise ExtractionError(
             f"{where} must be a Keras loss, its name or a callable, got {type(loss).__name__}", layer="loss"
@@ -181,7 +183,8 @@ def resolve_loss(loss, num_outputs: int, output_names: Sequence[str] = (), loss_
 
 
 def _loss_name(loss, loss_weights) -> str:
-    """A stable name of a loss (and its weights) for the profile cache's key."""
+    """A stable name of a loss (and its weights) for the profile cache's key; a callable's
+    name comes with its code's fingerprint, so editing ``def my_loss`` is a new key."""
     def name(item):
         if item is None or isinstance(item, str):
             return repr(item)
@@ -189,7 +192,8 @@ def _loss_name(loss, loss_weights) -> str:
             return "{" + ", ".join(f"{k!r}: {name(v)}" for k, v in sorted(item.items())) + "}"
         if isinstance(item, (list, tuple)):
             return "[" + ", ".join(map(name, item)) + "]"
-        return getattr(item, "name", None) or getattr(item, "__name__", None) or repr(item)
+        named = getattr(item, "name", None) or getattr(item, "__name__", None) or repr(item)
+        return f"{named}#{code_fingerprint(item)}"
 
     named = name(loss)
     return named if loss_weights is None else f"{named} weighted {name(loss_weights)}"
@@ -288,13 +292,63 @@ def _python_state(layer) -> dict:
 
 
 def _layer_signature(layer) -> str:
-    """A description of a layer that is equal for layers that behave identically."""
+    """A description of a layer that is equal for layers that behave identically: its
+    class, the fingerprint of that class's code (a user layer edited between two runs
+    must not reuse the first run's cached measurements) and its config."""
+    kind = f"{type(layer).__module__}.{type(layer).__qualname__}#{code_fingerprint(type(layer))}"
     try:
         config = dict(layer.get_config())
     except NotImplementedError:
-        return f"{type(layer).__module__}.{type(layer).__qualname__}@{id(layer)}"
+        return f"{kind}@{id(layer)}"
     config.pop("name", None)
-    return f"{type(layer).__module__}.{type(layer).__qualname__}:{json.dumps(config, sort_keys=True, default=str)}"
+    return f"{kind}:{json.dumps(config, sort_keys=True, default=str)}"
+
+
+_LIBRARY_MODULES = ("keras", "tensorflow", "tf_keras", "builtins", "abc", "typing")
+
+
+def code_fingerprint(thing) -> str:
+    """A digest of the Python code behind a user-defined class or callable.
+
+    For a class: every function defined in it and in its base classes outside Keras and
+    TensorFlow (whose code the TensorFlow version in the cache key covers); for a function
+    or lambda: its code and default arguments; for another callable object: its class.
+    Code objects are hashed with their bytecode, constants (nested functions included) and
+    names, so any edit of a body changes the digest. "" when there is no user code.
+    """
+    if isinstance(thing, type):
+        functions = [
+            (f"{cls.__qualname__}.{name}", getattr(value, "__func__", value))
+            for cls in thing.__mro__ if not _is_library(cls.__module__)
+            for name, value in sorted(vars(cls).items())
+        ]
+    elif hasattr(thing, "__code__"):
+        functions = [] if _is_library(getattr(thing, "__module__", None)) else [("", thing)]
+    else:
+        return code_fingerprint(type(thing))
+    functions = [(name, function) for name, function in functions if hasattr(function, "__code__")]
+    if not functions:
+        return ""
+    digest = hashlib.sha256()
+    for name, function in functions:
+        digest.update(name.encode())
+        _hash_code(function.__code__, digest)
+        digest.update(repr(getattr(function, "__defaults__", None)).encode())
+    return digest.hexdigest()[:12]
+
+
+def _is_library(module: str | None) -> bool:
+    return (module or "").split(".")[0] in _LIBRARY_MODULES
+
+
+def _hash_code(code, digest) -> None:
+    digest.update(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for constant in code.co_consts:
+        if hasattr(constant, "co_code"):
+            _hash_code(constant, digest)
+        else:
+            digest.update(repr(constant).encode())
 
 
 def _make_caller(call: LayerCall, takes_training: bool) -> Callable[[list], object]:
@@ -329,13 +383,27 @@ def _cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, devic
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def _load_cache(key: str) -> dict | None:
+def _load_cache(key: str, num_calls: int) -> tuple[list[CallAnalysis], CallAnalysis] | None:
+    """The cached measurements of every call and of the loss, or None on a miss.
+
+    A damaged entry (an interrupted write, an edit by hand) is a miss: it is logged,
+    removed and measured again, as the schedule cache does.
+    """
     path = os.path.join(cache_dir(), f"{key}.json")
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        data = json.load(f)
-    return data
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        calls = [CallAnalysis.from_dict(d) for d in data["calls"]]
+        loss = CallAnalysis.from_dict(data["loss"])
+        if len(calls) != num_calls:
+            raise ValueError(f"{len(calls)} calls cached for a model with {num_calls}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        logger.warning("profile cache entry %s is damaged (%s); measuring again", path, err)
+        os.remove(path)
+        return None
+    return calls, loss
 
 
 def _store_cache(key: str, data: dict) -> None:
@@ -423,7 +491,7 @@ def extract(
     loss_fn = resolve_loss(loss, len(output_refs), output_names, loss_weights)
     device = device_name()
     key = _cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device)
-    cached = _load_cache(key) if use_cache else None
+    cached = _load_cache(key, len(calls)) if use_cache else None
 
     # Which calls pass a gradient back: those owning trainable weights or fed by such calls.
     needs_backward = []
@@ -434,8 +502,7 @@ def extract(
     profile_started = time.perf_counter()
     analyses: list[CallAnalysis] = []
     if cached is not None:
-        analyses = [CallAnalysis.from_dict(d) for d in cached["calls"]]
-        loss_analysis = CallAnalysis.from_dict(cached["loss"])
+        analyses, loss_analysis = cached
         logger.info("extract %s: profile cache hit %s", model.name, key)
     else:
         loss_analysis = None
