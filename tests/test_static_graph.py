@@ -437,3 +437,31 @@ def test_mirrored_strategy_on_two_logical_cpus(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MIRRORED_OK 2" in result.stdout
+
+
+@pytest.mark.parametrize("optimizer, strategy", [
+    (lambda: keras.optimizers.SGD(0.01, momentum=0.9), "checkpoint_all"),
+    (lambda: keras.optimizers.Adam(0.001), "chen_sqrtn"),
+])
+def test_optimizer_updates_follow_their_own_gradient(optimizer, strategy):
+    """Keras's TensorFlow optimizer passed all gradients through one all-reduce IdentityN,
+    so every update waited for the last gradient and all weight gradients stayed alive
+    to the end of the backward pass; momentum's gradient-free half ran at the start of
+    the step. On this weight-heavy MLP that measured 1.22x (momentum) and 1.11x (Adam)
+    the predicted peak; each update now waits for its own gradient only (1.04x)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((256,))
+    hidden = inputs
+    for _ in range(5):
+        hidden = keras.layers.Dense(256, activation="relu")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((512, 256)).astype("float32"))
+    y = tf.constant(np.eye(10, dtype="float32")[rng.integers(0, 10, 512)])
+    opt = optimizer()
+    extraction = extract(model, (x, y), optimizer=opt, cost_model="flops")
+    schedule = get_strategy(strategy)(extraction.graph)
+    predicted = simulate(extraction.graph, schedule).peak_bytes
+    step = compile_step(extraction, schedule, optimizer=opt)
+    peak = measure_step_peak(step, x, y, resident=list(model.variables) + list(opt.variables), count="requested")
+    assert peak <= 1.06 * predicted, (peak, predicted)

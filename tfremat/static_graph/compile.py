@@ -75,7 +75,7 @@ class CompiledStep:
             logger.debug("no gradient reaches %d trainable variables: %s", len(missing), ", ".join(missing))
         # Each variable's update waits only for its own (gated) gradient, so weight
         # gradients are freed as the backward pass goes, as the graph's memory model says.
-        self.optimizer.apply_gradients(pairs)
+        _apply_without_barrier(self.optimizer, pairs, distributed=self.strategy is not None)
         if self.return_outputs:
             return loss, self._structure_outputs(predictions)
         return loss
@@ -135,6 +135,43 @@ class CompiledStep:
     def recomputed_layer_calls(self) -> int:
         """Layer calls that recompute a forward node, counted while tracing."""
         return self.report.recomputed_layer_calls
+
+
+def _apply_without_barrier(optimizer, pairs, distributed: bool) -> None:
+    """``optimizer.apply_gradients(pairs)`` with each update waiting for its own gradient only.
+
+    Keras's TensorFlow optimizer all-reduces the gradients also without a distribution
+    strategy (a sum over one replica), and ``ReplicaContext.all_reduce`` passes them all
+    through one ``IdentityN``: every update then waits for the last weight gradient, so all
+    weight gradients stay alive until the backward pass ends. Grappler removes that
+    ``IdentityN`` in some graphs and not in others, so whether the transient memory model
+    held depended on the graph (measured on a 7-layer Dense(512) MLP, batch 1024: Adam at
+    80% peaked 17% above the prediction, 15% over its budget). Without a strategy the
+    reduction is the identity and is skipped here. Each update step is also gated on its
+    gradient: the parts of an update that do not read the gradient (momentum times the
+    velocity) would otherwise run at the start of the step, holding a weight-sized buffer
+    until the gradient arrives (+4 MiB on that MLP with momentum). Under a distribution
+    strategy the all-reduce does need every gradient; the optimizer runs unchanged.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if distributed or tf.distribute.has_strategy() or not hasattr(inner, "_all_reduce_sum_gradients"):
+        optimizer.apply_gradients(pairs)
+        return
+    update_step = inner.update_step
+
+    def gated_update_step(gradient, variable, learning_rate):
+        gate = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+        with tf.control_dependencies([gate]):
+            return update_step(gradient, variable, learning_rate)
+
+    # Instance attributes shadow the two methods while apply_gradients traces.
+    inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+    inner.update_step = gated_update_step
+    try:
+        optimizer.apply_gradients(pairs)
+    finally:
+        del inner._all_reduce_sum_gradients
+        del inner.update_step
 
 
 def compile_step(
