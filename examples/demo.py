@@ -71,6 +71,9 @@ def main() -> int:
         if isinstance(row, tfremat.InfeasibleBudgetError):
             print(f"   {name:<16}{'infeasible':>16}   (smallest peak {format_bytes(row.min_feasible_bytes or 0)})")
             continue
+        if isinstance(row, tfremat.TfrematError):  # a MILP stopped at its time limit without a schedule
+            print(f"   {name:<16}{'no schedule':>16}   ({row})")
+            continue
         schedules[name] = row.schedule
         print(f"   {name:<16}{format_bytes(row.predicted_peak_bytes):>16}{100 * row.overhead:>9.1f}%{row.solve_seconds:>9.2f}")
 

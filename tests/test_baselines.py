@@ -26,6 +26,17 @@ def test_registry_has_every_baseline():
     assert expected <= set(strategy_names())
 
 
+def test_get_strategy_names_its_argument():
+    """An unknown name was a bare TfrematError and a list "unhashable type"; both are
+    ArgumentErrors (TfrematErrors and ValueErrors) that list the names."""
+    with pytest.raises(ArgumentError, match="unknown strategy 'nope'; choose one of: .*eviction") as info:
+        get_strategy("nope")
+    assert isinstance(info.value, ValueError)
+    for bad in (["eviction"], None, 3):
+        with pytest.raises(ArgumentError, match=r"strategy must be one strategy name \(a str\), got .*choose one of"):
+            get_strategy(bad)
+
+
 def test_revolve_matches_griewank_closed_form():
     """Griewank & Walther: with c snapshots (ours: s = c - 1 besides the input) and r repetitions,
     reversing l <= C(c + r, c) steps costs r*l - C(c + r, c - 1) forward steps (unit costs)."""

@@ -227,3 +227,76 @@ def test_integer_like_budgets_are_bytes():
     assert parse_budget(np.uint32(1024)) == 1024
     with pytest.raises(BudgetFormatError):
         parse_budget(True)
+
+
+def test_sizes_that_read_the_same_show_their_bytes():
+    """"budget of 1.50 MiB is infeasible; the smallest peak reached is 1.50 MiB" hid a
+    difference of a few bytes."""
+    from tfremat.cli import _compare_table
+    from tfremat.units import format_bytes_apart
+
+    assert format_bytes_apart(1572864, 1572870, 1024) == [
+        "1.50 MiB (1572864 bytes)", "1.50 MiB (1572870 bytes)", "1.00 KiB"]
+    assert format_bytes_apart(1572864, 1572864, None) == ["1.50 MiB", "1.50 MiB", None]
+    row = {"strategy": "hong", "status": "infeasible", "budget_bytes": 1572864, "min_feasible_bytes": 1572870}
+    assert "1.50 MiB (1572864 bytes)" in _compare_table([row]) and "1.50 MiB (1572870 bytes)" in _compare_table([row])
+
+
+def test_compare_table_says_why_a_strategy_has_no_schedule():
+    from tfremat.cli import _compare_table
+
+    rows = [
+        {"strategy": "optimal", "status": "no schedule", "budget_bytes": 1000, "error": "highs found no schedule "
+         "within time_limit=4s; raise time_limit or the budget"},
+        {"strategy": "eviction", "status": "optimal", "predicted_peak_bytes": 900, "budget_bytes": 1000,
+         "overhead": 0.05, "solve_seconds": 0.1},
+    ]
+    header, stopped, fitting, note = _compare_table(rows).splitlines()
+    assert "no schedule" in stopped and note == f"optimal: {rows[0]['error']}"
+
+
+def test_cli_solve_json_reports_a_milp_without_schedule_and_every_error_as_json(tmp_path):
+    """With --json, a MILP stopped without a schedule printed a plain-text error."""
+    graph_path = tmp_path / "g.json"
+    random_training_graph(3, 10).to_json(graph_path)
+    out = run_cli("solve", f"--graph={graph_path}", "--strategy=optimal", "--budget=60%", "--time_limit=1e-9", "--json")
+    assert out.returncode == 1, out.stderr
+    record = json.loads(out.stdout)
+    assert record["status"] == "no schedule" and "time_limit" in record["error"] and record["peak_bytes"] is None
+    for args, code in (([f"--graph={graph_path}", "--strategy=nope"], 1), (["--strategy=hong"], 2),
+                       ([f"--graph={graph_path}", "--strategy=optimal", "--time_limit=-1"], 1)):
+        out = run_cli("solve", *args, "--json")
+        assert out.returncode == code, out.stderr
+        assert set(json.loads(out.stdout)) == {"error"} and json.loads(out.stdout)["error"] in out.stderr
+    out = run_cli("solve", "--strategy=hong")  # without --json, stderr alone
+    assert out.returncode == 2 and not out.stdout
+
+
+def test_labels_fit_a_sparse_loss_in_measure_and_the_command_line():
+    """measure_model and the command line built one-hot labels for every loss, which
+    sparse_categorical_crossentropy refused with a Keras rank error."""
+    pytest.importorskip("tensorflow")
+    from absl.testing import flagsaver
+
+    from tests.test_cache_api import dense_classifier
+    from tfremat import cli
+    from tfremat.measure import measure_model, synthetic_batch
+
+    model = dense_classifier()
+    x, y = synthetic_batch(model, 6, loss="sparse_categorical_crossentropy", seed=0)
+    assert x.shape == (6, 8) and y.shape == (6,) and y.dtype == np.int32 and 0 <= y.min() and y.max() < 4
+    _, y = synthetic_batch(model, 6, loss="categorical_crossentropy", seed=0)
+    assert y.shape == (6, 4) and np.array_equal(y.sum(axis=1), np.ones(6))
+    _, y = synthetic_batch(model, 6, loss="bce", seed=0)
+    assert set(np.unique(y)) <= {0.0, 1.0}
+    _, y = synthetic_batch(model, 64, loss="mse", seed=0)
+    assert y.shape == (64, 4) and y.min() < 0  # real values, not a distribution
+    x, y = synthetic_batch(model, 10**6, loss="sparse_categorical_crossentropy")  # zeros that take no memory
+    assert x.shape == (10**6, 8) and x.strides == (0, 0) and y.shape == (10**6,)
+
+    record = measure_model(model, "100%", batch_size=4, strategy="checkpoint_all", steps=1,
+                           loss="sparse_categorical_crossentropy", cost_model="flops", verbose=0)
+    assert record["max_grad_rel_error"] < 1e-6
+    with flagsaver.as_parsed(loss="sparse_categorical_crossentropy", cost_model="flops", optimizer="sgd"):
+        extraction = cli._extraction(model, 4)
+    assert [tuple(spec.shape) for spec in extraction.side_table.label_specs] == [(4,)]

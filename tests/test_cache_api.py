@@ -1,12 +1,21 @@
-"""Schedule cache and the graph-level API (no TensorFlow)."""
+"""Schedule cache and the graph-level API (no TensorFlow); at the end, the argument checks
+of the Keras API (skipped without TensorFlow)."""
 
 import json
 
 import numpy as np
+import pytest
 
-from tfremat.api import compare_graph, plan_graph
+from tfremat.api import check_cache_argument, compare_graph, failure_status, plan_graph, summary_row
 from tfremat.cache import ScheduleCache
-from tfremat.errors import InfeasibleBudgetError
+from tfremat.errors import (
+    ArgumentError,
+    InfeasibleBudgetError,
+    SolverError,
+    SolverLicenseError,
+    SolverUnavailableError,
+    TfrematError,
+)
 
 from graph_factories import random_training_graph
 
@@ -144,8 +153,6 @@ def test_plan_graph_names_an_option_the_strategy_does_not_take():
 
 
 def test_compare_graph_checks_its_strategies_and_options_before_running_any():
-    import pytest
-
     g = random_training_graph(3, 10)
     with pytest.raises(ValueError, match=r"write \['eviction'\]"):
         compare_graph(g, "85%", "eviction", cache=False)
@@ -156,5 +163,121 @@ def test_compare_graph_checks_its_strategies_and_options_before_running_any():
     # mip_gap is optimal's alone: approx_lp runs without it.
     results = compare_graph(g, "85%", ["optimal", "approx_lp"], cache=False, verbose=0, mip_gap=0.01, threads=1)
     assert [r.strategy for r in results] == ["optimal", "approx_lp"]
-    with pytest.raises(TypeError, match="cache must be"):
-        plan_graph(g, "85%", "eviction", cache=5)
+    with pytest.raises(ArgumentError, match="unknown strategy 'nope'"):
+        compare_graph(g, "85%", ["eviction", "nope"], cache=False)  # before eviction runs
+
+
+def test_compare_graph_keeps_every_row_when_a_milp_stops_without_a_schedule():
+    """optimal's SolverError (its time limit, no heuristic fitting) ended the whole
+    comparison; it is now optimal's entry, "no schedule" in its row, with the message."""
+    g = random_training_graph(3, 10)
+    names = ["optimal", "eviction", "checkpoint_all"]
+    entries = compare_graph(g, "60%", names, cache=False, verbose=0, time_limit=1e-9)
+    assert len(entries) == 3 and isinstance(entries[0], SolverError)
+    assert [failure_status(e) for e in entries] == ["no schedule", "infeasible", "infeasible"]
+    rows = [summary_row(name, entry, 58) for name, entry in zip(names, entries)]
+    assert [row["strategy"] for row in rows] == names
+    assert rows[0]["status"] == "no schedule" and "time_limit" in rows[0]["error"] and rows[0]["budget_bytes"] == 58
+    assert rows[1]["min_feasible_bytes"] > 58 and "infeasible" in rows[1]["error"]
+    fitting = compare_graph(g, "100%", ["checkpoint_all"], cache=False)
+    assert summary_row("checkpoint_all", fitting[0], None) == fitting[0].summary()
+
+
+def test_an_unusable_solver_is_raised_not_recorded():
+    """A missing or unlicensed solver is the caller's to fix: no row could say anything."""
+    assert failure_status(SolverUnavailableError("no gurobipy")) is None
+    assert failure_status(SolverLicenseError("size-limited license")) is None
+    assert failure_status(ArgumentError("bad")) is None
+
+
+def test_plan_graph_names_bad_arguments():
+    """A list for strategy was "unhashable type", None for graph an AttributeError, and
+    cache=5 a bare TypeError; an unknown strategy is an ArgumentError (and TfrematError)."""
+    g = random_training_graph(3, 10)
+    with pytest.raises(ArgumentError, match=r"graph must be a DFGraph \(.*\), got NoneType"):
+        plan_graph(None, "85%", "eviction")
+    with pytest.raises(ArgumentError, match=r"strategy must be one strategy name \(a str\), got \['eviction'\]"):
+        plan_graph(g, "85%", ["eviction"], cache=False)
+    with pytest.raises(ArgumentError, match="unknown strategy 'nope'") as info:
+        plan_graph(g, "85%", "nope", cache=False)
+    assert isinstance(info.value, TfrematError)
+    for bad in (5, "", 1.0, [str(g)]):
+        with pytest.raises(ArgumentError, match="cache must be True .*False or None .*a directory path"):
+            plan_graph(g, "85%", "eviction", cache=bad)
+    with pytest.raises(ArgumentError, match="graph must be a DFGraph"):
+        compare_graph("g.json", "85%", ["eviction"], cache=False)
+
+
+def test_check_cache_argument_takes_every_documented_form(tmp_path):
+    for good in (True, False, None, str(tmp_path), tmp_path, ScheduleCache(tmp_path)):
+        check_cache_argument(good)
+    with pytest.raises(ArgumentError, match="got 5"):
+        check_cache_argument(5)
+
+
+def test_an_empty_strategy_list_is_refused():
+    """compare_graph([]) ran every strategy while max_batch_size([]) ran none; both refuse
+    it now, and None still means every strategy here."""
+    g = random_training_graph(3, 10)
+    with pytest.raises(ArgumentError, match="strategies is empty"):
+        compare_graph(g, "85%", [], cache=False)
+    with pytest.raises(ArgumentError, match="strategies must be a list"):
+        compare_graph(g, "85%", 5, cache=False)
+
+
+# ----- the Keras API's argument checks (before any extraction) -----
+
+
+def dense_classifier(classes=4, loss="categorical_crossentropy"):
+    """A two-layer Dense classifier on 8 features, compiled: a model extracted in a second."""
+    keras = pytest.importorskip("keras")
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(classes, activation="softmax")(hidden))
+    model.compile(optimizer="sgd", loss=loss)
+    return model
+
+
+def test_plan_names_a_model_or_data_that_cannot_be_planned():
+    """plan(None) said "no loss: compile the model", a list for x raised AttributeError, and
+    labels shorter than the batch reached Keras as a shape error."""
+    import tfremat
+
+    model = dense_classifier()
+    x, y = np.zeros((8, 8), "float32"), np.eye(4, dtype="float32")[np.zeros(8, int)]
+    with pytest.raises(ArgumentError, match="model must be a keras.Model .*got NoneType"):
+        tfremat.plan(None, "100%", x, y, batch_size=4)
+    with pytest.raises(ArgumentError, match="model must be a keras.Model .*got DFGraph; a DFGraph is planned by"):
+        tfremat.compare(random_training_graph(3, 10), "100%", x, y, batch_size=4)
+    with pytest.raises(ArgumentError, match=r"x must be arrays .*np.asarray\(x\)"):
+        tfremat.plan(model, "100%", x.tolist(), y, batch_size=4, verbose=0)
+    with pytest.raises(ArgumentError, match=r"y has 2 samples \(an array of shape \(2, 4\)\), fewer than batch_size=4"):
+        tfremat.plan(model, "100%", x, y[:2], batch_size=4, verbose=0)
+    for call in (tfremat.plan, tfremat.compare):
+        with pytest.raises(ArgumentError, match="cache must be"):
+            call(model, "100%", x, y, batch_size=4, cache=5)
+    with pytest.raises(ArgumentError, match="strategy must be one strategy name"):
+        tfremat.plan(model, "100%", x, y, batch_size=4, strategy=["eviction"])
+    with pytest.raises(ArgumentError, match="strategies is empty"):
+        tfremat.compare(model, "100%", x, y, batch_size=4, strategies=[])
+
+
+def test_fit_refuses_no_budget_and_says_why():
+    """plan reads budget=None as no limit; fit has nothing to do without one."""
+    import tfremat
+
+    x, y = np.zeros((8, 8), "float32"), np.eye(4, dtype="float32")[np.zeros(8, int)]
+    with pytest.raises(ArgumentError, match="budget=None: tfremat.fit needs a budget.*call model.fit"):
+        tfremat.fit(dense_classifier(), None, x, y, batch_size=4)
+    with pytest.raises(ArgumentError, match="model must be a keras.Model"):
+        tfremat.fit(None, "50%", x, y, batch_size=4)
+
+
+def test_tfremat_measure_is_an_attribute_of_the_package(monkeypatch):
+    """``import tfremat; tfremat.measure`` raised AttributeError unless something had
+    imported the submodule before."""
+    pytest.importorskip("tensorflow")
+    import tfremat
+
+    monkeypatch.delattr(tfremat, "measure", raising=False)
+    assert tfremat.measure.measure_model.__module__ == "tfremat.measure"

@@ -233,6 +233,10 @@ def test_graph_command_writes_planning_json(tmp_path):
     assert summary["checkpoint_all_peak_bytes"] > graph.fixed_bytes
     json.dumps(summary)
 
+    # Labels were shaped like the outputs, which a sparse loss refuses with a rank error.
+    sparse = graph_command(unet(), (32, 32, 3), 2, "flops", str(tmp_path / "s.json"), loss="sparse_categorical_crossentropy")
+    assert sparse["nodes"] == graph.size
+
 
 @pytest.mark.parametrize("optimizer, shared, lifetime", [
     (lambda: keras.optimizers.SGD(0.01), False, "transient"),

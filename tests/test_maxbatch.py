@@ -153,3 +153,60 @@ def test_max_batch_error_names_the_overhead_cap_when_it_is_the_cause():
     with pytest.raises(InfeasibleBudgetError, match="max_overhead") as info:
         max_batch_size(lambda b: training_chain(4, b), memory_lower_bound(graph) + 4, max_overhead=0.0, threads=1)
     assert not info.value.proven
+
+
+def test_max_batch_refuses_bounds_that_are_no_ints():
+    """min_batch="1" was a TypeError from a comparison, 1.5 a TensorFlow shape error."""
+    from tfremat.errors import ArgumentError
+
+    chain = lambda b: training_chain(3, b)  # noqa: E731
+    for bounds, name in ((dict(min_batch="1"), "min_batch"), (dict(min_batch=1.5), "min_batch"),
+                         (dict(max_batch="64"), "max_batch"), (dict(min_batch=True), "min_batch"),
+                         (dict(max_batch=0), "max_batch")):
+        with pytest.raises(ArgumentError, match=f"{name} must be an int >= 1, got"):
+            max_batch_size(chain, 100, **bounds)
+    with pytest.raises(ArgumentError, match="need min_batch <= max_batch"):
+        max_batch_size(chain, 100, min_batch=8, max_batch=4)
+
+
+def test_max_batch_reports_each_batch_and_says_when_it_reached_max_batch(caplog):
+    """The search stopped at max_batch with nothing to tell that the answer was the cap."""
+    chain = lambda b: training_chain(4, b)  # noqa: E731
+    seen = []
+    with caplog.at_level("WARNING", logger="tfremat.ilp.maxbatch"):
+        capped = max_batch_size(chain, 10**6, strategy="checkpoint_all", max_batch=6,
+                                batch_progress=lambda batch, fits: seen.append((batch, fits)))
+    assert capped.batch_size == 6 and capped.reached_max_batch
+    assert seen == [(1, True), (2, True), (4, True), (6, True)] and dict(seen) == dict(capped.tried)
+    assert any("batch 6, the max_batch" in r.message and "raise max_batch" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tfremat.ilp.maxbatch"):
+        found = max_batch_size(chain, 16 + 4 * 12, strategy="checkpoint_all", max_batch=64)
+    assert found.batch_size < 64 and not found.reached_max_batch and not caplog.records
+    with caplog.at_level("WARNING", logger="tfremat.ilp.maxbatch"):
+        direct = max_batch_size(chain, 10**6, method="direct", max_batch=8, threads=1)
+    assert direct.batch_size == 8 and direct.reached_max_batch
+    assert any("raise max_batch" in r.message for r in caplog.records)
+
+
+def test_keras_max_batch_size_labels_for_its_loss_shows_progress_and_checks_first(capsys):
+    """A sparse loss got one-hot labels (a Keras rank error); each batch tried is shown; an
+    empty strategy list returned {} where compare_graph ran every strategy."""
+    from tests.test_cache_api import dense_classifier
+    from tfremat.api import max_batch_size as keras_max_batch_size
+    from tfremat.errors import ArgumentError
+
+    model = dense_classifier(loss="sparse_categorical_crossentropy")
+    results = keras_max_batch_size(model, "1MiB", strategies=["checkpoint_all"], max_batch=4, cost_model="flops")
+    assert results["checkpoint_all"].batch_size == 4 and results["checkpoint_all"].reached_max_batch
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("s ", 1)[1] for line in lines if "tfremat max_batch_size checkpoint_all" in line] == [
+        "batch 1 fits", "batch 2 fits", "batch 4 fits"]
+    keras_max_batch_size(model, "1MiB", strategies=["checkpoint_all"], max_batch=2, cost_model="flops", verbose=0)
+    assert "tfremat max_batch_size" not in capsys.readouterr().err
+    for bad, match in ((dict(strategies=[]), "strategies is empty"), (dict(min_batch="1"), "min_batch must be"),
+                       (dict(max_batch=1.5), "max_batch must be")):
+        with pytest.raises(ArgumentError, match=match):
+            keras_max_batch_size(model, "1MiB", **bad)
+    with pytest.raises(ArgumentError, match="model must be a keras.Model"):
+        keras_max_batch_size(None, "1MiB")

@@ -2,7 +2,9 @@
 
 The planning core (graph, schedules, simulator, strategies) imports no TensorFlow; the
 names that need it (``fit``, ``plan``, ``compare``, ``max_batch_size``, ``compile_step``)
-import it on first use; the extraction is ``tfremat.extract.extract``.
+and the submodules ``tfremat.keras`` (the callback) and ``tfremat.measure`` (the planned
+step measured against plain Keras) import it on first use; the extraction is
+``tfremat.extract.extract``.
 
 Example:
     >>> import tfremat
@@ -44,10 +46,14 @@ def plan(model, budget, *args, **kwargs):
     return plan_model(model, budget, *args, **kwargs)
 
 
+# Submodules that import TensorFlow, reachable as attributes (``tfremat.measure``) without
+# importing them here; a plain ``import tfremat`` stays free of TensorFlow.
+_LAZY_SUBMODULES = ("keras", "measure")
+
 
 def __getattr__(name):
-    if name == "keras":
-        return importlib.import_module("tfremat.keras")
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"tfremat.{name}")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'tfremat' has no attribute {name!r}")

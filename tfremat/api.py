@@ -13,12 +13,21 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tfremat.budget import checkpoint_all_peak, format_bytes, parse_budget
-from tfremat.cache import ScheduleCache
-from tfremat.errors import ArgumentError, BudgetFormatError, InfeasibleBudgetError, TfrematError, is_int
+from tfremat.cache import ScheduleCache, default_cache_dir
+from tfremat.errors import (
+    ArgumentError,
+    BudgetFormatError,
+    InfeasibleBudgetError,
+    SolverError,
+    SolverLicenseError,
+    SolverUnavailableError,
+    TfrematError,
+    is_int,
+)
 from tfremat.graph import DFGraph
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.ilp.strategies import MILP_STRATEGIES
@@ -28,7 +37,8 @@ from tfremat.plan.simulator import simulate
 
 __all__ = [
     "PlanResult", "plan_graph", "compare_graph", "plan", "compare", "fit", "max_batch_size", "strategy_options",
-    "DEFAULT_TIME_LIMIT", "keras_optimizer",
+    "DEFAULT_TIME_LIMIT", "keras_optimizer", "check_cache_argument", "check_keras_model", "failure_status",
+    "summary_row",
 ]
 
 logger = logging.getLogger(__name__)
@@ -121,6 +131,21 @@ class _SolverProgress:
             sys.stderr.write("\n")
 
 
+class _BatchProgress:
+    """One stderr line per batch size the search tries, as :class:`_SolverProgress` shows a
+    solve: a search of a large model extracts a graph at every size it tries and can run
+    for many minutes."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.started = time.perf_counter()
+
+    def __call__(self, batch: int, fits: bool) -> None:
+        seconds = time.perf_counter() - self.started
+        sys.stderr.write(f"{self.label}: {seconds:6.1f}s batch {batch} {'fits' if fits else 'does not fit'}\n")
+        sys.stderr.flush()
+
+
 def plan_graph(
     graph: DFGraph,
     budget,
@@ -146,13 +171,17 @@ def plan_graph(
 
     Raises:
         InfeasibleBudgetError: no schedule of the strategy fits.
+        SolverError: a MILP strategy stopped (at its time limit) without a schedule.
         BudgetFormatError: the budget is unparsable.
-        ArgumentError: an option the strategy does not take (raised before anything runs).
+        ArgumentError: ``graph`` is no DFGraph, ``strategy`` no strategy name, ``cache``
+            none of its forms, or an option the strategy does not take (raised before
+            anything runs).
     """
-    reference = checkpoint_all_peak(graph)
-    budget_bytes = None if budget is None else parse_budget(budget, reference)
+    _check_graph(graph)
     function = get_strategy(strategy)
     store = _cache_of(cache)
+    reference = checkpoint_all_peak(graph)
+    budget_bytes = None if budget is None else parse_budget(budget, reference)
     options = strategy_options(strategy, **options)
     check_options(function, options, f"strategy {strategy!r}")
     cache_options = {k: v for k, v in options.items() if k != "progress"}
@@ -186,16 +215,64 @@ def plan_graph(
     )
 
 
+def _check_graph(graph) -> None:
+    """Raises ArgumentError unless ``graph`` is a DFGraph (None failed deep inside the
+    simulator with an AttributeError)."""
+    if not isinstance(graph, DFGraph):
+        raise ArgumentError(f"graph must be a DFGraph (tfremat.load_graph(path), or "
+                            f"tfremat.extract.extract(model).graph), got {type(graph).__name__}; a Keras model is "
+                            "planned by tfremat.plan / tfremat.compare")
+
+
+def check_cache_argument(cache) -> None:
+    """Raises ArgumentError unless ``cache`` is one of the forms the ``cache`` argument of
+    :func:`plan_graph`, :func:`plan`, :func:`fit` and :class:`tfremat.keras.RematCallback`
+    takes: True (the default directory), False or None (no cache), a directory path, or a
+    :class:`ScheduleCache`.
+
+    Shared so that the callback can refuse a bad cache when it is built, rather than at
+    its first training step after the model's extraction.
+    """
+    if cache is True or cache is False or cache is None or isinstance(cache, (ScheduleCache, os.PathLike)):
+        return
+    if isinstance(cache, str) and cache.strip():
+        return
+    raise ArgumentError(f"cache must be True (the default directory, {default_cache_dir()}), False or None (no "
+                        f"cache), a directory path, or a tfremat.cache.ScheduleCache; got {cache!r}")
+
+
 def _cache_of(cache) -> ScheduleCache | None:
+    check_cache_argument(cache)
     if cache is False or cache is None:
         return None
     if cache is True:
         return ScheduleCache()
-    if isinstance(cache, ScheduleCache):
-        return cache
-    if not isinstance(cache, (str, os.PathLike)):
-        raise TypeError(f"cache must be True, False, a directory path or a ScheduleCache, got {cache!r}")
-    return ScheduleCache(cache)
+    return cache if isinstance(cache, ScheduleCache) else ScheduleCache(cache)
+
+
+def failure_status(error: BaseException) -> str | None:
+    """The status a comparison's row gives a strategy that raised ``error``: "infeasible"
+    (no schedule it can produce fits the budget) or "no schedule" (a MILP strategy stopped,
+    at its time limit, with no schedule and no heuristic fitting; nothing is proven). None
+    for every other error, which callers raise: an unavailable or unlicensed solver (the
+    caller's to fix, not an outcome of the strategy at this budget) and argument errors.
+    """
+    if isinstance(error, InfeasibleBudgetError):
+        return "infeasible"
+    if isinstance(error, SolverError) and not isinstance(error, (SolverUnavailableError, SolverLicenseError)):
+        return "no schedule"
+    return None
+
+
+def summary_row(strategy: str, entry: PlanResult | TfrematError, budget_bytes: int | None) -> dict:
+    """One JSON-ready row of a comparison (:func:`compare_graph`'s entries): a plan's
+    :meth:`PlanResult.summary`, or for a strategy that stopped with an error, its
+    :func:`failure_status`, the budget, the smallest peak it reached (when known) and the
+    error's message."""
+    if isinstance(entry, PlanResult):
+        return entry.summary()
+    return {"strategy": strategy, "status": failure_status(entry), "budget_bytes": budget_bytes,
+            "min_feasible_bytes": getattr(entry, "min_feasible_bytes", None), "error": str(entry)}
 
 
 def compare_graph(
@@ -206,24 +283,38 @@ def compare_graph(
     cache: bool | str | ScheduleCache = True,
     verbose: int = 1,
     **milp_options,
-) -> list[PlanResult | InfeasibleBudgetError]:
+) -> list[PlanResult | InfeasibleBudgetError | SolverError]:
     """Plans ``graph`` with every strategy (or the given ones) at one budget.
 
-    Returns one entry per strategy, in order: its :class:`PlanResult`, or the
-    :class:`InfeasibleBudgetError` it raised. ``milp_options`` go to the MILP strategies
-    only, each getting those it takes (``mip_gap`` goes to ``optimal`` alone).
+    Returns one entry per strategy, in order: its :class:`PlanResult`, or the error it
+    stopped with, :class:`InfeasibleBudgetError` (nothing it produces fits) or
+    :class:`SolverError` (a MILP strategy stopped at its time limit without a schedule;
+    :func:`failure_status` tells them apart and :func:`summary_row` makes table rows of
+    them). One strategy's failure leaves the others' entries: a SolverError from
+    ``optimal`` used to end the whole comparison. ``milp_options`` go to the MILP
+    strategies only, each getting those it takes (``mip_gap`` goes to ``optimal`` alone).
+
+    Args:
+        strategies: strategy names; None (the default) for every registered strategy. An
+            empty list is refused, as by :func:`max_batch_size` (it meant every strategy
+            here and none there).
 
     Raises:
-        ArgumentError: ``strategies`` is not a list of names, or an option no MILP
-            strategy in the list takes (checked before any strategy runs).
+        ArgumentError: ``graph`` is no DFGraph, ``strategies`` is empty or not a list of
+            names, or an option no MILP strategy in the list takes (checked before any
+            strategy runs).
+        SolverUnavailableError, SolverLicenseError: the solver asked for cannot run.
     """
-    names, per_strategy = _split_milp_options(strategies or strategy_names(), milp_options)
-    results: list[PlanResult | InfeasibleBudgetError] = []
+    _check_graph(graph)
+    names, per_strategy = _split_milp_options(strategy_names() if strategies is None else strategies, milp_options)
+    results: list[PlanResult | InfeasibleBudgetError | SolverError] = []
     for name in names:
         options = per_strategy.get(name, {})
         try:
             results.append(plan_graph(graph, budget, name, cache=cache, verbose=verbose, **options))
-        except InfeasibleBudgetError as exc:
+        except (InfeasibleBudgetError, SolverError) as exc:
+            if failure_status(exc) is None:
+                raise
             results.append(exc)
     return results
 
@@ -233,13 +324,21 @@ def _split_milp_options(strategies: Sequence[str], options: Mapping[str, Any]) -
     (``mip_gap`` is for ``optimal`` alone), checked before any strategy runs.
 
     Raises:
-        ArgumentError: ``strategies`` is a string, or an option no MILP strategy among them takes.
+        ArgumentError: ``strategies`` is a string, no list, empty, or holds an unknown
+            name, or an option no MILP strategy among them takes.
         SolverError: a solver option out of range.
     """
     if isinstance(strategies, str):
         raise ArgumentError(f"strategies must be a list of strategy names, got the string {strategies!r}; "
                             f"write [{strategies!r}]")
+    if not isinstance(strategies, Iterable):
+        raise ArgumentError(f"strategies must be a list of strategy names, got {strategies!r}")
     names = list(strategies)
+    if not names:
+        raise ArgumentError("strategies is empty; name at least one strategy, e.g. ['optimal'] "
+                            "(tfremat.plan.registry.strategy_names() lists them)")
+    for name in names:
+        get_strategy(name)  # an unknown name is refused before any strategy runs
     per_strategy = {}
     for name in names:
         if name in MILP_STRATEGIES:
@@ -259,8 +358,22 @@ def _split_milp_options(strategies: Sequence[str], options: Mapping[str, Any]) -
 # ----- Keras models -----
 
 
+def check_keras_model(model) -> None:
+    """Raises ArgumentError unless ``model`` is a ``keras.Model`` (None got as far as the
+    loss lookup and was told to compile itself)."""
+    import keras
+
+    if not isinstance(model, keras.Model):
+        hint = "; a DFGraph is planned by tfremat.api.plan_graph / compare_graph" if isinstance(model, DFGraph) else ""
+        raise ArgumentError(f"model must be a keras.Model (Functional or Sequential), got {type(model).__name__}{hint}")
+
+
 def _sample_batch(x, y, batch_size: int | None):
-    """One batch (x, y) from arrays or a ``tf.data.Dataset``, for extraction."""
+    """One batch (x, y) from arrays or a ``tf.data.Dataset``, for extraction.
+
+    Every input and label array is checked, not x's first alone: a label array shorter
+    than the batch reached Keras as a shape error, a Python list as an AttributeError.
+    """
     import tensorflow as tf
 
     if isinstance(x, tf.data.Dataset):
@@ -274,10 +387,22 @@ def _sample_batch(x, y, batch_size: int | None):
         raise TfrematError("batch_size is needed with array inputs: it fixes the shapes the schedule is planned for")
     if not is_int(batch_size) or batch_size < 1:
         raise ArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
-    samples = int(tf.nest.flatten(x)[0].shape[0])
-    if samples < batch_size:
-        raise ArgumentError(f"x has {samples} samples, fewer than batch_size={batch_size}: the schedule is planned "
-                            "for one full batch; pass at least that many samples or a smaller batch_size")
+    for argument, data, holds in (("x", x, "inputs"), ("y", y, "outputs")):
+        for array in tf.nest.flatten(data):
+            shape = getattr(array, "shape", None)
+            if shape is None or len(shape) == 0:
+                raise ArgumentError(
+                    f"{argument} must be arrays with a sample axis (NumPy arrays or tensors, a list or dict of them "
+                    f"for several model {holds}), got a {type(data).__name__} holding a {type(array).__name__}; "
+                    f"convert it with np.asarray({argument}), or pass x as a tf.data.Dataset of (x, y) batches"
+                )
+            samples = int(shape[0])
+            if samples < batch_size:
+                raise ArgumentError(
+                    f"{argument} has {samples} samples (an array of shape {tuple(shape)}), fewer than "
+                    f"batch_size={batch_size}: the schedule is planned for one full batch; pass at least that many "
+                    "samples or a smaller batch_size"
+                )
     take = lambda a: tf.nest.map_structure(lambda t: t[:batch_size], a)  # noqa: E731
     return take(x), take(y)
 
@@ -347,9 +472,18 @@ def plan(
 
     Returns:
         A :class:`PlanResult` whose ``extraction`` holds the graph and side table.
+
+    Raises:
+        ArgumentError: ``model`` is no ``keras.Model``, data that are no arrays, fewer
+            samples in x or y than ``batch_size``, or an argument of :func:`plan_graph`.
     """
     from tfremat.extract.extractor import extract
 
+    # The arguments that need no graph are checked before the extraction, which takes
+    # seconds to minutes.
+    check_keras_model(model)
+    get_strategy(strategy)
+    check_cache_argument(cache)
     training = _loss_and_optimizer(model, loss, optimizer)
     batch = _sample_batch(x, y, batch_size)
     extraction = extract(model, sample_batch=batch, cost_model=cost_model, **training)
@@ -362,6 +496,10 @@ def compare(model, budget, x=None, y=None, *, strategies: Sequence[str] | None =
     """:func:`compare_graph` for a Keras model (extracts once, plans with every strategy)."""
     from tfremat.extract.extractor import extract
 
+    # As plan does, the arguments that need no graph are checked before the extraction.
+    check_keras_model(model)
+    _split_milp_options(strategy_names() if strategies is None else strategies, milp_options)
+    check_cache_argument(cache)
     training = _loss_and_optimizer(model, loss, optimizer)
     batch = _sample_batch(x, y, batch_size)
     extraction = extract(model, sample_batch=batch, cost_model=cost_model, **training)
@@ -395,13 +533,28 @@ def fit(
     strategies get ``time_limit`` seconds per batch shape (60 unless given; ``math.inf``
     solves until proven optimal); the schedule's facts say whether it was proven.
 
+    Args:
+        budget: bytes, a string with a unit ("3.5GiB") or a share of each batch shape's
+            checkpoint-all peak ("50%" or 0.5). Required: unlike :func:`plan`, fit refuses
+            None (no limit), whose schedule keeps every activation, which is the step
+            ``model.fit`` runs already, here after an extraction and profiling that buy
+            nothing; train without a limit with ``model.fit``.
+
     Returns:
         The Keras ``History``.
+
+    Raises:
+        ArgumentError: ``model`` is no ``keras.Model``, or ``budget`` is None.
+        TfrematError: the model is not compiled.
     """
     import keras
 
     from tfremat.keras import RematCallback
 
+    check_keras_model(model)
+    if budget is None:
+        raise ArgumentError("budget=None: tfremat.fit needs a budget (bytes, '3.5GiB' or '50%'); without one every "
+                            "activation is kept, which is model.fit's own step: call model.fit to train without a limit")
     if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
         raise TfrematError("compile the model first (model.compile(optimizer=..., loss=..., metrics=...)); fit uses its loss, optimizer and metrics")
     remat = RematCallback(budget, strategy=strategy, solver=solver, time_limit=time_limit, cost_model=cost_model,
@@ -423,6 +576,7 @@ def max_batch_size(
     min_batch: int = 1,
     max_batch: int = 4096,
     cost_model: str = "profile",
+    verbose: int = 1,
     **options,
 ) -> dict[str, Any]:
     """The largest batch that trains within ``budget``, per strategy.
@@ -436,35 +590,55 @@ def max_batch_size(
     Args:
         model: a Keras model whose inputs have static shapes apart from the batch.
         budget: bytes or a string with a unit; a relative budget is refused (no batch to refer to).
-        strategies: strategy names to search with.
+        strategies: strategy names to search with (an empty list is refused, as by
+            :func:`compare_graph`).
+        loss, optimizer: default to the model's compiled ones; the labels the graphs are
+            extracted with fit the loss (class ids for a sparse one,
+            :func:`tfremat.measure.synthetic_batch`).
+        min_batch, max_batch: the batch sizes searched. When ``max_batch`` itself fits,
+            the result's ``reached_max_batch`` is True and a warning is logged: the
+            largest batch may be larger.
+        verbose: 0 silences the line written to stderr for each batch size tried (also
+            logged at INFO on ``tfremat.ilp.maxbatch``).
         **options: MILP options (``time_limit`` per batch solve, 60 s unless given,
             ``math.inf`` for none; ``solver``, ...), see :func:`strategy_options`.
 
     Returns:
         ``{strategy: tfremat.ilp.MaxBatchResult}``.
-    """
-    import tensorflow as tf
 
+    Raises:
+        ArgumentError: ``model`` is no ``keras.Model``, ``strategies`` is empty or names
+            an unknown strategy, or ``min_batch`` / ``max_batch`` are no ints with
+            1 <= min_batch <= max_batch (all before any extraction).
+        BudgetFormatError: a relative or unparsable budget.
+        InfeasibleBudgetError: even ``min_batch`` does not fit.
+    """
     from tfremat.extract.extractor import extract
     from tfremat.ilp.maxbatch import max_batch_size as search
+    from tfremat.measure import synthetic_batch
 
+    check_keras_model(model)
     if isinstance(budget, float) and budget <= 1 or isinstance(budget, str) and budget.strip().endswith("%"):
         raise BudgetFormatError(f"budget={budget!r}: max_batch_size needs an absolute budget (bytes or '3GiB'), not a share")
     budget_bytes = parse_budget(budget)
+    names, per_strategy = _split_milp_options(strategies, options)
     training = _loss_and_optimizer(model, loss, optimizer)
     graphs: dict[int, DFGraph] = {}
 
     def graph_for_batch(batch: int) -> DFGraph:
         if batch not in graphs:
-            signature = [tf.TensorSpec((batch, *t.shape[1:]), t.dtype) for t in model.inputs]
-            graphs[batch] = extract(model, input_signature=signature, cost_model=cost_model, **training).graph
+            # Zero-cost arrays of the batch's shapes, labels shaped for the loss: extraction
+            # reads nothing else, and a batch of thousands of images would be gigabytes.
+            sample = synthetic_batch(model, batch, loss=training["loss"])
+            graphs[batch] = extract(model, sample_batch=sample, cost_model=cost_model, **training).graph
             logger.info("batch %d: checkpoint-all peak %s", batch, format_bytes(checkpoint_all_peak(graphs[batch])))
         return graphs[batch]
 
-    names, per_strategy = _split_milp_options(strategies, options)
     results = {}
     for name in names:
         results[name] = search(graph_for_batch, budget_bytes, strategy=name, max_overhead=max_overhead,
                                min_batch=min_batch, max_batch=max_batch,
+                               batch_progress=_BatchProgress(f"tfremat max_batch_size {name}") if verbose else None,
                                **(strategy_options(name, **per_strategy[name]) if name in per_strategy else {}))
     return results
+

@@ -12,6 +12,11 @@ Commands:
 
 Usage: ``tfremat COMMAND [--flags]`` (or ``python -m tfremat COMMAND``); ``tfremat COMMAND
 --help`` lists every flag. Commands that need TensorFlow import it only when they run.
+
+Errors are one line on stderr, exit code 2 for a usage error and 1 for the rest; with
+``--json`` the command also prints them as a JSON object with an ``"error"`` field on stdout,
+so that a script reading stdout gets JSON either way (flags that do not parse are reported
+before ``--json`` is read, in text only).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 from absl import app, flags
 
 from tfremat.budget import check_budget
-from tfremat.errors import InfeasibleBudgetError, TfrematError
+from tfremat.errors import InfeasibleBudgetError, SolverError, TfrematError
 
 FLAGS = flags.FLAGS
 
@@ -55,6 +60,7 @@ flags.DEFINE_string("out", None, "Output file (graph JSON for `graph`, PNG prefi
 flags.DEFINE_list("strategies", None, "Comma-separated strategy names (default: all).")
 flags.DEFINE_list("budgets", None, "Comma-separated budgets for `plot` (default: 30%..100% of the checkpoint-all peak).")
 flags.DEFINE_float("max_overhead", None, "maxbatch: allowed extra compute as a fraction (0.3 = 30%); default one extra forward pass.")
+flags.DEFINE_integer("max_batch", None, "maxbatch: the largest batch size searched (default 4096).")
 flags.DEFINE_string("solver", None, "MILP solver: highs (default) or gurobi (needs a licensed gurobipy).")
 flags.DEFINE_integer("steps", 5, "measure: training steps to run (the first traces and is not timed).")
 
@@ -75,7 +81,7 @@ COMMAND_FLAGS = {
     "graph": _MODEL_FLAGS + ["out", "json"],
     "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "schedule_out", "json"],
     "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "json"],
-    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "loss", "optimizer", "budget", "strategies", "max_overhead", "solver", "time_limit", "json"],
+    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "loss", "optimizer", "budget", "strategies", "max_overhead", "max_batch", "solver", "time_limit", "json"],
     "plot": ["graph", "order", "out", "strategies", "budgets", "solver", "time_limit"] + _MODEL_FLAGS,
     "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "steps", "json"],
 }
@@ -98,7 +104,14 @@ def _command_help(command: str) -> str:
 
 def _fail(message: str, code: int = 2) -> None:
     sys.stderr.write(f"tfremat: error: {message}\n")
+    if _json_requested():
+        print(json.dumps({"error": message}))
     raise SystemExit(code)
+
+
+def _json_requested() -> bool:
+    """``--json`` was given to a command that takes it (once the flags are parsed)."""
+    return FLAGS.is_parsed() and "json" in COMMAND_FLAGS.get(FLAGS.command, ()) and FLAGS.json
 
 
 def _require(*names: str) -> None:
@@ -115,8 +128,10 @@ def cmd_strategies() -> None:
 
 
 def cmd_solve() -> None:
+    from tfremat.api import failure_status
     from tfremat.budget import checkpoint_all_peak, parse_budget
     from tfremat.graph import file_node_ids, load_graph
+    from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
     from tfremat.plan.registry import get_strategy
     from tfremat.plan.simulator import simulate
 
@@ -131,17 +146,24 @@ def cmd_solve() -> None:
     reference_peak = checkpoint_all_peak(graph)
     budget = parse_budget(FLAGS.budget, reference_peak, flag="--budget") if FLAGS.budget is not None else None
     options = _milp_options(FLAGS.strategy)
+    if options:
+        # Before solving: a SolverError from a bad value would read as "no schedule" below.
+        check_solver_options(options.get("solver", DEFAULT_SOLVER), time_limit=options["time_limit"])
     started = time.perf_counter()
     record = {"strategy": FLAGS.strategy, "graph": graph.name, "budget_bytes": budget}
     try:
         schedule = strategy(graph, budget, **options)
-    except InfeasibleBudgetError as exc:
+    except (InfeasibleBudgetError, SolverError) as exc:
+        status = failure_status(exc)
+        if status is None:
+            raise
         # Bounds on the peak (bytes), not on the cost: keys of their own, so that no
         # reader takes one for the other.
         record.update(
-            status="infeasible", peak_bytes=None, cost=None, cost_ratio=None, cost_lower_bound=None,
-            peak_lower_bound_bytes=exc.lower_bound_bytes, min_feasible_bytes=exc.min_feasible_bytes, gap=None,
-            seconds=round(time.perf_counter() - started, 4), message=str(exc),
+            status=status, peak_bytes=None, cost=None, cost_ratio=None, cost_lower_bound=None,
+            peak_lower_bound_bytes=getattr(exc, "lower_bound_bytes", None),
+            min_feasible_bytes=getattr(exc, "min_feasible_bytes", None), gap=None,
+            seconds=round(time.perf_counter() - started, 4), error=str(exc),
         )
         _emit(record)
         raise SystemExit(1)
@@ -200,14 +222,13 @@ def _keras_model():
 
 
 def _extraction(model, batch: int):
-    import tensorflow as tf
-
     from tfremat.api import keras_optimizer
     from tfremat.extract.extractor import extract
+    from tfremat.measure import synthetic_batch
 
-    specs = [tf.TensorSpec((batch, *t.shape[1:]), t.dtype) for t in model.inputs]
-    return extract(model, input_signature=specs, loss=FLAGS.loss, cost_model=FLAGS.cost_model,
-                   optimizer=keras_optimizer(FLAGS.optimizer, "--optimizer"))
+    # Labels shaped for --loss (class ids for a sparse loss), as measure makes them.
+    return extract(model, sample_batch=synthetic_batch(model, batch, loss=FLAGS.loss), loss=FLAGS.loss,
+                   cost_model=FLAGS.cost_model, optimizer=keras_optimizer(FLAGS.optimizer, "--optimizer"))
 
 
 def _milp_options(name: str) -> dict:
@@ -220,18 +241,28 @@ def _milp_options(name: str) -> dict:
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:
-    from tfremat.budget import format_bytes
+    from tfremat.units import format_bytes_apart
 
-    def cell(key, value):
-        if value is None:
-            return "-"
-        if key.endswith("_bytes"):
-            return format_bytes(value)
-        if key == "overhead":
-            return f"{100 * value:.1f}%"
-        return str(value)
+    byte_columns = [c for c in columns if c.endswith("_bytes")]
 
-    body = [[cell(c, r.get(c)) for c in columns] for r in rows]
+    def cells(row: dict) -> list[str]:
+        # A row's sizes are read against each other (a peak against the budget): those
+        # that would read the same while they differ show their bytes.
+        sizes = dict(zip(byte_columns, format_bytes_apart(*(row.get(c) for c in byte_columns))))
+        shown = []
+        for key in columns:
+            value = row.get(key)
+            if value is None:
+                shown.append("-")
+            elif key in sizes:
+                shown.append(sizes[key])
+            elif key == "overhead":
+                shown.append(f"{100 * value:.1f}%")
+            else:
+                shown.append(str(value))
+        return shown
+
+    body = [cells(r) for r in rows]
     widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
@@ -243,9 +274,12 @@ _PLAN_COLUMNS = ["strategy", "status", "predicted_peak_bytes", "budget_bytes", "
 
 def _compare_table(rows: list[dict]) -> str:
     """``compare``'s table: the plan columns, and where some strategy does not fit, the
-    smallest peak each of those reached (what budget would do for it)."""
+    smallest peak each of those reached (what budget would do for it); under it, why each
+    strategy with no schedule has none (its time limit, which a column cannot say)."""
     infeasible = any(row.get("status") == "infeasible" for row in rows)
-    return _table(rows, _PLAN_COLUMNS + (["min_feasible_bytes"] if infeasible else []))
+    table = _table(rows, _PLAN_COLUMNS + (["min_feasible_bytes"] if infeasible else []))
+    notes = [f"{row['strategy']}: {row['error']}" for row in rows if row.get("status") == "no schedule"]
+    return "\n".join([table, *notes])
 
 
 def cmd_graph() -> None:
@@ -272,19 +306,28 @@ def cmd_plan() -> None:
 
 
 def cmd_compare() -> None:
-    from tfremat.api import plan_graph
-    from tfremat.plan.registry import strategy_names
+    from tfremat.api import compare_graph, summary_row
+    from tfremat.budget import checkpoint_all_peak, parse_budget
+    from tfremat.ilp.strategies import MILP_STRATEGIES
+    from tfremat.plan.registry import get_strategy, strategy_names
 
     _require("budget")
-    extraction = _extraction(_keras_model(), _batch())
-    rows = []
-    for name in FLAGS.strategies or strategy_names():
-        try:
-            rows.append(plan_graph(extraction.graph, FLAGS.budget, name, **_milp_options(name)).summary())
-        except InfeasibleBudgetError as exc:
-            rows.append({"strategy": name, "status": "infeasible", "budget_bytes": exc.budget_bytes,
-                         "min_feasible_bytes": exc.min_feasible_bytes})
+    names = FLAGS.strategies or strategy_names()
+    for name in names:
+        get_strategy(name)  # before the extraction
+    graph = _extraction(_keras_model(), _batch()).graph
+    budget = parse_budget(FLAGS.budget, checkpoint_all_peak(graph), flag="--budget")
+    # --time_limit and --solver configure the MILP strategies; as solve and plot do,
+    # compare ignores them when none is among --strategies.
+    options = _given_milp_flags() if any(name in MILP_STRATEGIES for name in names) else {}
+    entries = compare_graph(graph, budget, names, **options)
+    rows = [summary_row(name, entry, budget) for name, entry in zip(names, entries)]
     print(json.dumps(rows) if FLAGS.json else _compare_table(rows))
+
+
+def _given_milp_flags() -> dict:
+    """``--time_limit`` and ``--solver`` where given, for the library's defaults elsewhere."""
+    return {k: v for k, v in {"time_limit": FLAGS.time_limit, "solver": FLAGS.solver}.items() if v is not None}
 
 
 def cmd_maxbatch() -> None:
@@ -292,18 +335,25 @@ def cmd_maxbatch() -> None:
 
     _require("budget")
     names = FLAGS.strategies or ["optimal"]
-    options = {k: v for k, v in {"time_limit": FLAGS.time_limit, "solver": FLAGS.solver}.items() if v is not None}
+    bounds = {"max_batch": FLAGS.max_batch} if FLAGS.max_batch is not None else {}
     results = max_batch_size(_keras_model(), FLAGS.budget, strategies=names, max_overhead=FLAGS.max_overhead,
                              loss=FLAGS.loss, optimizer=FLAGS.optimizer,
-                             cost_model=FLAGS.cost_model, **options)
+                             cost_model=FLAGS.cost_model, **bounds, **_given_milp_flags())
     rows = [{"strategy": n, "batch_size": r.batch_size, "cost_ratio": round(r.cost / r.graph.total_cost, 4),
-             "cost_cap_ratio": round(r.cost_cap / r.graph.total_cost, 4)} for n, r in results.items()]
-    print(json.dumps(rows) if FLAGS.json else _table(rows, ["strategy", "batch_size", "cost_ratio", "cost_cap_ratio"]))
+             "cost_cap_ratio": round(r.cost_cap / r.graph.total_cost, 4), "reached_max_batch": r.reached_max_batch}
+            for n, r in results.items()]
+    if FLAGS.json:
+        print(json.dumps(rows))
+        return
+    notes = [f"{row['strategy']}: batch {row['batch_size']} is the largest searched and fits; the largest batch may "
+             "be larger: raise --max_batch" for row in rows if row["reached_max_batch"]]
+    print("\n".join([_table(rows, ["strategy", "batch_size", "cost_ratio", "cost_cap_ratio"]), *notes]))
 
 
 def cmd_plot() -> None:
     from pathlib import Path
 
+    from tfremat.api import failure_status
     from tfremat.budget import checkpoint_all_peak, format_bytes, parse_budget
     from tfremat.graph import load_graph
     from tfremat.plan.registry import get_strategy, strategy_names
@@ -325,8 +375,10 @@ def cmd_plot() -> None:
     for name in names:
         try:
             schedules[name] = get_strategy(name)(graph, middle, **_milp_options(name))
-        except InfeasibleBudgetError:
-            continue
+        except (InfeasibleBudgetError, SolverError) as exc:
+            if failure_status(exc) is None:
+                raise
+            sys.stderr.write(f"tfremat: {name} is left out of memory.png: {str(exc).splitlines()[0]}\n")
     if not schedules:
         _fail(f"no strategy of {', '.join(names)} fits the middle budget {format_bytes(middle)} "
               f"({100 * middle / reference:.0f}% of the checkpoint-all peak), whose memory traces memory.png "

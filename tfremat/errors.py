@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numbers
 
-from tfremat.units import format_bytes
+from tfremat.units import format_bytes_apart
 
 __all__ = [
     "TfrematError",
@@ -103,13 +103,14 @@ class InfeasibleBudgetError(TfrematError):
         self.lower_bound_bytes = lower_bound_bytes
         self.strategy = strategy
         self.proven = proven
-        parts = [f"budget of {format_bytes(budget_bytes)} is infeasible"]
+        budget_text, smallest_text, bound_text = format_bytes_apart(budget_bytes, min_feasible_bytes, lower_bound_bytes)
+        parts = [f"budget of {budget_text} is infeasible"]
         if strategy:
             parts[0] = f"strategy {strategy!r}: " + parts[0]
         if min_feasible_bytes is not None:
-            parts.append(f"the smallest peak reached is {format_bytes(min_feasible_bytes)}")
+            parts.append(f"the smallest peak reached is {smallest_text}")
         if lower_bound_bytes is not None:
-            parts.append(f"no schedule can use less than {format_bytes(lower_bound_bytes)}")
+            parts.append(f"no schedule can use less than {bound_text}")
         message = "; ".join(parts)
         if detail:
             message += f" ({detail})"

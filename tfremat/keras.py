@@ -18,6 +18,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from tfremat.api import check_cache_argument
 from tfremat.budget import format_bytes, parse_budget
 from tfremat.errors import ArgumentError, CompileError, TfrematError
 from tfremat.extract.extractor import COST_MODELS, refuse_model_losses
@@ -64,6 +65,7 @@ class RematCallback(keras.callbacks.Callback):
             )
         if cost_model not in COST_MODELS:
             raise ArgumentError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
+        check_cache_argument(cache)
         self.budget = budget
         self.strategy = strategy
         self.solver = solver

@@ -19,9 +19,10 @@ import tensorflow as tf
 
 from tfremat.errors import ArgumentError, is_int
 from tfremat.extract.analysis import reset_allocator_peak
+from tfremat.extract.layer_graph import model_output_names
 from tfremat.static_graph.memory import default_device, resident_bytes
 
-__all__ = ["measure_model"]
+__all__ = ["measure_model", "synthetic_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +42,95 @@ def _run_and_measure(run, steps: int) -> tuple[int, float]:
     return int(peak), float(statistics.median(seconds))
 
 
-def _random_batch(model, batch_size: int, seed: int):
-    rng = np.random.default_rng(seed)
-    xs = [rng.standard_normal((batch_size, *t.shape[1:])).astype(t.dtype) for t in model.inputs]
+# Losses, by normalized name (lower case, no underscores), whose labels are not a
+# distribution over the output's last axis. Any other loss, a custom one included, gets
+# one-hot labels shaped like the output (what every loss was given before, and values in
+# [0, 1] that any loss reads).
+_BINARY_LOSSES = ("hinge", "squaredhinge")
+_REAL_LOSSES = (
+    "meansquarederror", "meanabsoluteerror", "meanabsolutepercentageerror", "meansquaredlogarithmicerror", "huber",
+    "logcosh", "cosinesimilarity", "poisson",
+)
+
+
+def _label_kind(loss) -> str:
+    """What labels ``loss`` reads: "sparse" (integer class ids, without the class axis),
+    "binary" (0 or 1 per output value), "real" (any real value, a regression) or
+    "categorical" (one-hot along the last axis)."""
+    if isinstance(loss, str):
+        try:
+            loss = keras.losses.get(loss)  # an alias ("mse", "bce") resolves to its function
+        except ValueError:
+            pass  # an unknown name, which extraction refuses naming it
+    # A Keras loss object wraps its function as ``fn``; a function has a name; a custom
+    # Loss subclass has its class name.
+    function = getattr(loss, "fn", loss)
+    name = function if isinstance(function, str) else getattr(function, "__name__", type(function).__name__)
+    name = name.lower().replace("_", "")
+    if "sparse" in name:
+        return "sparse"
+    if "binary" in name or name in _BINARY_LOSSES:
+        return "binary"
+    if name in _REAL_LOSSES:
+        return "real"
+    return "categorical"
+
+
+def _output_losses(model, loss) -> list:
+    """``loss`` as ``model.compile`` takes it (one for all outputs, a list, or a dict by
+    output name) spread over the model's outputs, in order."""
+    if isinstance(loss, dict):
+        return [loss.get(name) for name in model_output_names(model)]
+    if isinstance(loss, (list, tuple)):
+        # A list of the wrong length is extraction's to refuse, with every output labelled.
+        return [*loss, *[None] * (len(model.outputs) - len(loss))]
+    return [loss] * len(model.outputs)
+
+
+def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", seed: int | None = None):
+    """A batch ``(x, y)`` of NumPy arrays for ``model`` whose labels fit ``loss``.
+
+    One place for the labels that :func:`measure_model`, the command line and
+    :func:`tfremat.max_batch_size` make up (they were one-hot for every loss, which a sparse
+    loss refuses with a rank error): integer class ids without the class axis for sparse
+    losses, one-hot for categorical ones, 0/1 for binary cross-entropy and the hinge losses,
+    real values for regression losses (mse, mae, huber, ...), one-hot for any other.
+
+    Args:
+        model: a Keras model with static shapes apart from the batch.
+        batch_size: the batch size.
+        loss: as ``model.compile`` takes it: a name, a Keras loss or function, or a list or
+            dict of them by output (an output without a loss gets one-hot labels).
+        seed: an int for random values (inputs from a standard normal), to run a step
+            on; None for zeros that take no memory (broadcast views), all an extraction
+            reads being shapes and dtypes.
+
+    Returns:
+        ``(x, y)``: an array each, or lists of them for several inputs or outputs.
+    """
+    rng = None if seed is None else np.random.default_rng(seed)
+
+    def array(shape, dtype, draw):
+        if rng is None:
+            return np.broadcast_to(np.zeros((), dtype), shape)
+        return np.asarray(draw(rng, shape), dtype=dtype)
+
+    xs = [array((batch_size, *t.shape[1:]), t.dtype, lambda r, shape: r.standard_normal(shape)) for t in model.inputs]
     ys = []
-    for t in model.outputs:
-        classes = t.shape[-1]
-        labels = rng.integers(0, classes, size=(batch_size, *t.shape[1:-1]))
-        ys.append(np.eye(classes, dtype="float32")[labels])
+    for output, output_loss in zip(model.outputs, _output_losses(model, loss)):
+        shape, classes = (batch_size, *output.shape[1:]), output.shape[-1]
+        kind = _label_kind(output_loss)
+        if kind == "sparse":
+            ys.append(array(shape[:-1], "int32", lambda r, shape: r.integers(0, classes, size=shape)))
+        elif kind == "binary":
+            ys.append(array(shape, "float32", lambda r, shape: r.integers(0, 2, size=shape)))
+        elif kind == "real":
+            ys.append(array(shape, "float32", lambda r, shape: r.standard_normal(shape)))
+        else:
+            ys.append(array(shape, "float32",
+                            lambda r, shape: np.eye(classes)[r.integers(0, classes, size=shape[:-1])]))
     unpack = lambda items: items[0] if len(items) == 1 else items  # noqa: E731
-    return unpack([tf.constant(x) for x in xs]), unpack([tf.constant(y) for y in ys])
+    return unpack(xs), unpack(ys)
 
 
 def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", steps: int = 5,
@@ -61,7 +141,8 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     Args:
         model: a Keras model (its weights are restored afterwards, also when a step raises).
         budget: any budget form of :func:`tfremat.budget.parse_budget`.
-        batch_size: the batch size; the data is random.
+        batch_size: the batch size; the data is random, its labels made for ``loss``
+            (:func:`synthetic_batch`).
         strategy: the strategy name.
         steps: timed steps per variant (after one tracing step).
         loss: loss name or object; optimizer_name: a Keras optimizer name.
@@ -73,19 +154,20 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         peak/plain and time/plain.
 
     Raises:
-        ArgumentError: ``steps`` or ``batch_size`` not an int >= 1, or an unknown
-            ``optimizer_name`` (before anything runs).
+        ArgumentError: ``model`` is no ``keras.Model``, ``steps`` or ``batch_size`` not an
+            int >= 1, or an unknown ``optimizer_name`` (before anything runs).
     """
-    from tfremat.api import keras_optimizer, plan_graph
+    from tfremat.api import check_keras_model, keras_optimizer, plan_graph
     from tfremat.extract.extractor import extract
     from tfremat.plan.execution import build_plan
     from tfremat.static_graph.compile import compile_step
     from tfremat.static_graph.interpreter import interpret_plan
 
+    check_keras_model(model)
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if not is_int(value) or value < 1:
             raise ArgumentError(f"{name}={value!r} must be an int >= 1")
-    x, y = _random_batch(model, batch_size, seed)
+    x, y = tf.nest.map_structure(tf.constant, synthetic_batch(model, batch_size, loss=loss, seed=seed))
     saved = [v.numpy() for v in model.variables]
     try:
         optimizer = keras_optimizer(optimizer_name, "optimizer_name")

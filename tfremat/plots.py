@@ -26,7 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from tfremat.budget import format_bytes
-from tfremat.errors import ArgumentError, InfeasibleBudgetError
+from tfremat.api import failure_status
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import Op
 from tfremat.plan.registry import get_strategy
@@ -246,9 +247,13 @@ def plot_overhead_vs_budget(
             began = time.perf_counter()
             try:
                 result = simulate(graph, solve(graph, budget, **kwargs))
-            except InfeasibleBudgetError as exc:
+            except (InfeasibleBudgetError, SolverError) as exc:
+                # A MILP stopped without a schedule at one budget leaves a gap in its line,
+                # like an infeasible budget; a missing or unlicensed solver is raised.
+                if failure_status(exc) is None:
+                    raise
                 peak, ratio = None, None
-                logger.debug("%s infeasible at %s: %s", name, format_bytes(budget), exc)
+                logger.debug("%s has no schedule at %s: %s", name, format_bytes(budget), exc)
             else:
                 peak = result.peak_bytes
                 ratio = result.cost / graph.total_cost if graph.total_cost > 0 else 1.0

@@ -12,7 +12,6 @@ import os
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from tfremat.errors import ExtractionError
 from tfremat.extract.extractor import extract
@@ -112,8 +111,11 @@ def graph_command(
         model = build_model(model, input_shape)
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
-    specs = [tf.TensorSpec((batch, *t.shape[1:]), t.dtype) for t in model.inputs]
-    extraction = extract(model, input_signature=specs, loss=loss, optimizer=optimizer, cost_model=cost_model)
+    from tfremat.measure import synthetic_batch  # measure imports this package
+
+    # Labels shaped for the loss (class ids for a sparse one), not like the outputs.
+    extraction = extract(model, sample_batch=synthetic_batch(model, batch, loss=loss), loss=loss, optimizer=optimizer,
+                         cost_model=cost_model)
     graph = extraction.graph
     graph.to_json(out)
     peak = simulate(graph, schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")).peak_bytes

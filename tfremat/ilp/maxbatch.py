@@ -33,6 +33,7 @@ from tfremat.errors import (
     SolverError,
     SolverLicenseError,
     SolverUnavailableError,
+    is_int,
     is_number,
 )
 from tfremat.graph import DFGraph
@@ -63,6 +64,9 @@ class MaxBatchResult:
         method: ``"search"`` or ``"direct"``.
         upper_bound: a proven upper bound on the largest batch (``direct`` only; equal
             to ``batch_size`` when the peak MILP was solved to optimality).
+        reached_max_batch: ``batch_size`` is the ``max_batch`` the search was capped at,
+            and fits: the largest batch may be larger (raise ``max_batch``; a warning is
+            logged too). ``upper_bound`` is then that cap, not a bound.
     """
 
     batch_size: int
@@ -73,6 +77,7 @@ class MaxBatchResult:
     tried: Mapping[int, bool]
     method: str = "search"
     upper_bound: int | None = None
+    reached_max_batch: bool = False
 
 
 def one_extra_forward_cap(graph: DFGraph) -> float:
@@ -89,6 +94,7 @@ def max_batch_size(
     min_batch: int = 1,
     max_batch: int = 1 << 16,
     method: str = "search",
+    batch_progress: Callable[[int, bool], object] | None = None,
     **strategy_options,
 ) -> MaxBatchResult:
     """The largest batch whose schedule fits ``budget`` within the compute overhead limit.
@@ -108,6 +114,9 @@ def max_batch_size(
         min_batch: the smallest batch to consider.
         max_batch: the largest batch to consider.
         method: ``"search"`` or ``"direct"``.
+        batch_progress: called as ``batch_progress(batch, fits)`` after each batch size
+            the search evaluates (``direct`` evaluates none), e.g. to show progress;
+            each is also logged at INFO.
         **strategy_options: passed to the strategy (for example ``time_limit``); with
             ``direct``, to :func:`min_peak_within_cost` (``strategy`` must stay
             ``"optimal"``).
@@ -117,13 +126,19 @@ def max_batch_size(
 
     Raises:
         InfeasibleBudgetError: even ``min_batch`` does not fit.
-        ValueError: bad search bounds, overhead or method; with ``direct``, a graph that
-            does not scale linearly with the batch, or a strategy other than ``optimal``.
+        ArgumentError: search bounds that are no ints with 1 <= min_batch <= max_batch,
+            a bad overhead or method; with ``direct``, a graph that does not scale
+            linearly with the batch, or a strategy other than ``optimal``.
         BudgetFormatError: ``budget`` is not an absolute number of bytes.
     """
     budget = parse_budget(budget)
-    if not 1 <= min_batch <= max_batch:
-        raise ArgumentError(f"need 1 <= min_batch <= max_batch, got min_batch={min_batch}, max_batch={max_batch}")
+    # Checked here, before any graph is built: a string compared with an int raised a bare
+    # TypeError, and 1.5 reached TensorFlow as a tensor shape.
+    for name, value in (("min_batch", min_batch), ("max_batch", max_batch)):
+        if not is_int(value) or value < 1:
+            raise ArgumentError(f"{name} must be an int >= 1, got {value!r}")
+    if min_batch > max_batch:
+        raise ArgumentError(f"need min_batch <= max_batch, got min_batch={min_batch}, max_batch={max_batch}")
     if max_overhead is not None and not (is_number(max_overhead) and max_overhead >= 0):
         raise ArgumentError(f"max_overhead must be a number >= 0 (a fraction of the no-remat cost) or None, got "
                             f"{max_overhead!r}")
@@ -177,6 +192,8 @@ def max_batch_size(
                     found[batch] = (schedule, graph, cost, cap)
         tried[batch] = ok
         logger.info("batch %d: %s", batch, "fits" if ok else "does not fit")
+        if batch_progress is not None:
+            batch_progress(batch, ok)
         return ok
 
     if not fits(min_batch):
@@ -203,7 +220,16 @@ def max_batch_size(
         else:
             bad = middle
     schedule, graph, cost, cap = found[good]
-    return MaxBatchResult(good, schedule, graph, cost, cap, MappingProxyType(dict(sorted(tried.items()))))
+    reached = good == max_batch
+    if reached:
+        _warn_capped(max_batch)
+    return MaxBatchResult(good, schedule, graph, cost, cap, MappingProxyType(dict(sorted(tried.items()))),
+                          reached_max_batch=reached)
+
+
+def _warn_capped(max_batch: int) -> None:
+    logger.warning("batch %d, the max_batch the search was capped at, fits: the largest batch may be larger; "
+                   "raise max_batch", max_batch)
 
 
 def _cost_cap(graph: DFGraph, max_overhead: float | None) -> float:
@@ -271,12 +297,14 @@ def _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, options
     schedule = min_peak_within_cost(graph_small, _cost_cap(graph_small, max_overhead), **options)
     facts = schedule.facts
 
-    def largest(peak_bytes: float) -> int:
+    def largest(peak_bytes: float) -> float:
+        """The largest batch within the budget at this peak; unbounded when memory does not grow."""
         per_sample = fixed_per_sample + (peak_bytes - graph_small.fixed_bytes) / small
-        return int(np.floor((budget - fixed_base) / per_sample + 1e-9)) if per_sample > 0 else max_batch
+        return np.floor((budget - fixed_base) / per_sample + 1e-9) if per_sample > 0 else np.inf
 
-    batch = min(largest(facts["peak_bytes"]), max_batch)
-    upper = min(largest(facts["peak_bound_bytes"]), max_batch)
+    uncapped = largest(facts["peak_bytes"])
+    batch = int(min(uncapped, max_batch))
+    upper = int(min(largest(facts["peak_bound_bytes"]), max_batch))
     if batch < min_batch:
         # ``small`` is min_batch: the schedule's peak is the least any schedule within the
         # overhead limit reaches at that batch, up to the solver's gap.
@@ -292,8 +320,11 @@ def _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, options
             "use method='search'"
         )
     tried = {small: True, large: large <= batch, batch: True}
+    reached = bool(uncapped > max_batch)
+    if reached:
+        _warn_capped(max_batch)
     return MaxBatchResult(batch, schedule, graph, cost, cap, MappingProxyType(dict(sorted(tried.items()))),
-                          method="direct", upper_bound=max(upper, batch))
+                          method="direct", upper_bound=max(upper, batch), reached_max_batch=reached)
 
 
 def _check_linear(a: DFGraph, b: DFGraph, batch_a: int, batch_b: int) -> None:

@@ -82,14 +82,21 @@ def strategy_names() -> list[str]:
 def get_strategy(name: str) -> StrategyFn:
     """The strategy function registered as ``name``.
 
+    Callers pass it the user's ``strategy`` argument unchecked, so its errors name that
+    argument (a list given for one name was a bare "unhashable type" ``TypeError``).
+
     Raises:
-        TfrematError: unknown name; the message lists the known ones.
+        ArgumentError: ``name`` is not a string, or no strategy has that name; the
+            message lists the known ones.
     """
     _load()
+    if not isinstance(name, str):
+        raise ArgumentError(f"strategy must be one strategy name (a str), got {name!r}; "
+                            f"choose one of: {', '.join(_REGISTRY)}")
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise TfrematError(f"unknown strategy {name!r}; choose one of: {', '.join(_REGISTRY)}") from None
+        raise ArgumentError(f"unknown strategy {name!r}; choose one of: {', '.join(_REGISTRY)}") from None
 
 
 def option_names(function: Callable) -> list[str] | None:
