@@ -194,6 +194,25 @@ def test_cli_model_commands_reject_bad_flags(saved_model):
     assert out.stderr.strip().splitlines()[-1].startswith("tfremat: error:") and "/nonexistent/g.json" in out.stderr
 
 
+def _train_both(plain, remat, x, y, strategy="chen_sqrtn", cost_model="flops"):
+    """Trains two compiled copies of a model, with model.fit and tfremat.fit from the same
+    seed; returns their largest weight difference and both histories."""
+    keras.utils.set_random_seed(1)
+    expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    keras.utils.set_random_seed(1)
+    history = tfremat.fit(remat, "100%", x, y, batch_size=8, epochs=2, shuffle=False, strategy=strategy,
+                          cost_model=cost_model, verbose=0)
+    return max_weight_difference(plain, remat), expected.history, history.history
+
+
+def _fit_both(build, compile_kwargs, x, y, strategy="chen_sqrtn"):
+    """:func:`_train_both` on two copies of ``build()`` compiled with ``compile_kwargs()``."""
+    plain, remat = build(), build()
+    plain.compile(**compile_kwargs())
+    remat.compile(**compile_kwargs())
+    return _train_both(plain, remat, x, y, strategy)
+
+
 def two_output_model(loss, loss_weights=None):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16,))
@@ -218,14 +237,10 @@ def test_fit_trains_like_keras_for_every_way_to_compile_a_loss(loss, loss_weight
     rng = np.random.default_rng(0)
     x = rng.random((16, 16)).astype("float32")
     y = [rng.random((16, 1)).astype("float32"), np.eye(3, dtype="float32")[rng.integers(0, 3, 16)]]
-    plain, remat = two_output_model(loss, loss_weights), two_output_model(loss, loss_weights)
-    keras.utils.set_random_seed(1)
-    expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    keras.utils.set_random_seed(1)
-    history = tfremat.fit(remat, "100%", x, y, batch_size=8, epochs=2, shuffle=False, strategy="checkpoint_all",
-                          cost_model="flops", verbose=0)
-    assert max_weight_difference(plain, remat) == 0.0
-    assert history.history["loss"] == expected.history["loss"]
+    difference, expected, history = _train_both(two_output_model(loss, loss_weights),
+                                                two_output_model(loss, loss_weights), x, y, "checkpoint_all")
+    assert difference == 0.0
+    assert history["loss"] == expected["loss"]
 
 
 def test_a_callback_reused_on_another_model_trains_that_model():
@@ -277,19 +292,6 @@ def test_measure_names_a_bad_argument_before_any_work():
         options = {"batch_size": 4, **arguments}
         with pytest.raises(ArgumentError, match=name):
             measure_model(model, "100%", cost_model="flops", verbose=0, **options)
-
-
-def _fit_both(build, compile_kwargs, x, y, strategy="chen_sqrtn"):
-    """Trains two copies of a model, with model.fit and tfremat.fit; returns both histories."""
-    plain, remat = build(), build()
-    plain.compile(**compile_kwargs())
-    remat.compile(**compile_kwargs())
-    keras.utils.set_random_seed(1)
-    expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    keras.utils.set_random_seed(1)
-    history = tfremat.fit(remat, "100%", x, y, batch_size=8, epochs=2, shuffle=False, strategy=strategy,
-                          cost_model="flops", verbose=0)
-    return max_weight_difference(plain, remat), expected.history, history.history
 
 
 def _named_inputs_model():
@@ -426,13 +428,9 @@ def test_unseeded_keras_random_trains_like_keras_and_is_not_recomputed():
     plain, remat = _noisy_model(), _noisy_model()
     for model in (plain, remat):
         model.compile(keras.optimizers.SGD(0.1), "categorical_crossentropy")
-    keras.utils.set_random_seed(1)
-    expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    keras.utils.set_random_seed(1)
-    history = tfremat.fit(remat, "100%", x, y, batch_size=8, epochs=2, shuffle=False, strategy="checkpoint_all",
-                          cost_model="profile", verbose=0)
-    assert max_weight_difference(plain, remat) == 0.0
-    assert history.history == expected.history
+    difference, expected, history = _train_both(plain, remat, x, y, "checkpoint_all", cost_model="profile")
+    assert difference == 0.0
+    assert history == expected
     recomputing = _noisy_model()
     recomputing.compile(keras.optimizers.SGD(0.1), "categorical_crossentropy")
     with pytest.raises(CompileError, match="global seed generator"):
