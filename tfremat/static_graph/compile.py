@@ -199,7 +199,9 @@ def compile_step(
         optimizer: a Keras optimizer; default: the extraction's optimizer.
         strategy: a ``tf.distribute`` strategy (e.g. ``MirroredStrategy``) to run the
             step on each replica; the model and optimizer must have been created in its
-            scope. Default: none.
+            scope, and the extraction should count weight gradients as resident
+            (``extract(..., weight_grads="fixed")``: the all-reduce holds every gradient
+            until the updates; a warning says so otherwise). Default: none.
         jit_compile: must be False. XLA ignores control dependencies and merges the
             recomputations back into the first computation, so the schedule would not be
             followed.
@@ -233,6 +235,12 @@ def compile_step(
     optimizer = optimizer if optimizer is not None else side_table.optimizer
     if optimizer is None:
         raise CompileError("no optimizer: pass optimizer= or extract with one")
+    if strategy is not None and strategy.num_replicas_in_sync > 1 and side_table.weight_grads == "transient":
+        logger.warning(
+            "the extraction counts weight gradients as transient, but %d replicas all-reduce every gradient before "
+            "any update, so the step's peak will exceed the prediction; extract with weight_grads='fixed' to plan "
+            "for it", strategy.num_replicas_in_sync,
+        )
     plan = build_plan(graph, schedule)
     logger.info(
         "compiling %s: %d statements, %d recomputations (strategy %s)",
