@@ -31,6 +31,7 @@ ops (``Conv2D``, ``MatMul``, ...), and the element count of every other computin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import statistics
 import time
@@ -221,71 +222,68 @@ def analyze_call(
     record: dict = {}
     grad_positions = [i for i, (s, g) in enumerate(zip(input_specs, needs_grad)) if g and _is_float(s.dtype)]
 
-    def forward_backward(flat_inputs, dys):
-        with tf.GradientTape() as tape:
+    def forward_backward(flat_inputs, seed):
+        """The call and its VJP as the compiled step runs them (the trace the analysis
+        reads, and the run the backward's time and workspace come from).
+
+        The step asks the tape for the input gradients first and for the weight gradients
+        after them (two ``gradient`` calls, see the interpreter), and the memory model
+        counts the forward value (outputs and the tensors the gradient reads) and the
+        upstream gradients as resident while the backward node runs: they are returned
+        here, so they live to the end, and the upstream gradients are made inside (from
+        ``seed``, after the forward) as the step makes them. One ``gradient`` call on
+        caller-owned gradients had let TensorFlow free a residual mid-way and measured a
+        Dense+ReLU layer's transient (``ReluGrad``'s batch-sized output) as 0 bytes: the
+        step peaked one such buffer above the prediction (2 MiB on a Dense(512) MLP at
+        batch 1024).
+        """
+        graph = tf.compat.v1.get_default_graph()
+        with tf.GradientTape(persistent=True) as tape:
             for i in grad_positions:
                 tape.watch(flat_inputs[i])
             outputs = tf.nest.flatten(call_layer(list(flat_inputs)))
-        record["mark"] = len(tf.compat.v1.get_default_graph().get_operations())
-        record["outputs"] = outputs
-        float_outputs = [o for o in outputs if _is_float(o.dtype)]
-        sources = [flat_inputs[i] for i in grad_positions] + list(variables)
-        if not float_outputs or not sources:
-            return []
-        grads = tape.gradient(
-            float_outputs,
-            sources,
-            output_gradients=[dys[i] for i, o in enumerate(outputs) if _is_float(o.dtype)],
-            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        mark = len(graph.get_operations())
+        targets = [o for o in outputs if _is_float(o.dtype)]
+        upstream = [tf.fill(tf.shape(o), tf.cast(seed, o.dtype)) for o in targets]
+        sources = [flat_inputs[i] for i in grad_positions]
+        gradient = functools.partial(tape.gradient, targets, output_gradients=upstream,
+                                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        input_part = gradient(sources) if sources and targets else []
+        with tf.control_dependencies([g for g in input_part if g is not None]):
+            weight_part = gradient(list(variables)) if variables and targets else []
+        operations = graph.get_operations()
+        record.update(
+            forward_ops=operations[:mark], backward_ops=operations[mark:],
+            reads=_backward_reads(operations[:mark], operations[mark:], flat_inputs, outputs),
         )
-        return grads
+        grads = [g for g in (*input_part, *weight_part) if g is not None]
+        return grads + outputs + upstream + list(record["reads"][2])
 
     def forward(flat_inputs):
         return call_layer(list(flat_inputs))
 
-    # The output specs come from a forward-only trace; they size the output gradients.
+    # The output specs come from a forward-only trace.
     forward_fn = tf.function(forward, autograph=False)
     forward_concrete = forward_fn.get_concrete_function(list(input_specs))
     out_tensors = tf.nest.flatten(forward_concrete.structured_outputs)
     output_specs = tuple((tuple(t.shape.as_list()), t.dtype.name) for t in out_tensors)
     output_bytes = sum(tensor_bytes(s, d, "the output", layer_name) for s, d in output_specs)
-    dy_specs = [tf.TensorSpec(s, d) for s, d in output_specs]
+    upstream_bytes = sum(tensor_bytes(s, d, "an output gradient", layer_name) for s, d in output_specs
+                         if _is_float(tf.as_dtype(d)))
 
     fb_fn = tf.function(forward_backward, autograph=False)
-    fb_concrete = fb_fn.get_concrete_function(list(input_specs), dy_specs)
-    graph = fb_concrete.graph
-    operations = graph.get_operations()
-    mark = record["mark"]
-    forward_ops = set(id(op) for op in operations[:mark])
-    placeholders = graph.inputs[: len(input_specs)]
-    input_position = {t.name: i for i, t in enumerate(placeholders)}
-    output_names = {t.name for t in record["outputs"]}
-
-    reads_inputs: set[int] = set()
-    reads_output = False
+    fb_concrete = fb_fn.get_concrete_function(list(input_specs), tf.TensorSpec([], tf.float32))
+    reads_inputs, reads_output, read_tensors = record["reads"]
     residuals: dict[str, int] = {}
     small: dict[str, int] = {}
-    for op in operations[mark:]:
-        if op.type in _SHAPE_ONLY_OPS:
-            continue
-        for t in op.inputs:
-            if id(t.op) not in forward_ops:
-                continue
-            if t.name in input_position:
-                reads_inputs.add(input_position[t.name])
-            elif t.name in output_names:
-                reads_output = True
-            elif t.op.type not in _NOT_RESIDUAL_OPS and t.dtype != tf.resource:
-                shape = t.shape.as_list() if t.shape.rank is not None else [None]
-                size = tensor_bytes(shape, t.dtype, f"residual {t.name}", layer_name)
-                batch_sized = (
-                    len(shape) >= 1
-                    and shape[0] == batch_size
-                    and not (len(shape) == 1 and t.dtype.is_integer)
-                )
-                (residuals if batch_sized else small)[t.name] = size
-    forward_flops = sum(_op_flops(graph, op) for op in operations[:mark])
-    backward_flops = sum(_op_flops(graph, op) for op in operations[mark:])
+    for t in read_tensors:
+        shape = t.shape.as_list() if t.shape.rank is not None else [None]
+        size = tensor_bytes(shape, t.dtype, f"residual {t.name}", layer_name)
+        batch_sized = len(shape) >= 1 and shape[0] == batch_size and not (len(shape) == 1 and t.dtype.is_integer)
+        (residuals if batch_sized else small)[t.name] = size
+    graph = fb_concrete.graph
+    forward_flops = sum(_op_flops(graph, op) for op in record["forward_ops"])
+    backward_flops = sum(_op_flops(graph, op) for op in record["backward_ops"])
     input_grad_bytes = sum(
         tensor_bytes(input_specs[i].shape, input_specs[i].dtype, f"input {i}", layer_name) for i in grad_positions
     )
@@ -303,71 +301,42 @@ def analyze_call(
     if not profile:
         return analysis
     inputs = [_sample(s) for s in input_specs]
-    dys = [tf.ones(s.shape, s.dtype) for s in dy_specs]
     weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
     fwd_seconds, fwd_peak = _time_and_memory(forward_concrete, (inputs,), repeats, warmup)
-    fb_seconds, _ = _time_and_memory(fb_concrete, (inputs, dys), repeats, warmup)
-    step_like, held_bytes = _backward_as_the_step_runs_it(call_layer, layer_name, input_specs, dy_specs, grad_positions,
-                                                          variables)
-    _, step_peak = _time_and_memory(step_like, (inputs, tf.constant(1.0)), 1, warmup)
+    fb_seconds, fb_peak = _time_and_memory(fb_concrete, (inputs, tf.constant(1.0)), repeats, warmup)
+    held = output_bytes + upstream_bytes + analysis.residual_bytes + analysis.small_residual_bytes
     return dataclasses.replace(
         analysis,
         forward_seconds=fwd_seconds,
         backward_seconds=max(fb_seconds - fwd_seconds, 0.05 * fb_seconds),
         forward_workspace=max(0, fwd_peak - output_bytes - analysis.residual_bytes),
-        backward_workspace=max(0, step_peak - held_bytes - input_grad_bytes - weight_grad_bytes),
+        backward_workspace=max(0, fb_peak - held - input_grad_bytes - weight_grad_bytes),
     )
 
 
-def _backward_as_the_step_runs_it(call_layer, layer_name, input_specs, dy_specs, grad_positions, variables):
-    """The layer's forward and backward as the compiled step runs them, for the backward
-    workspace: ``(concrete function of (inputs, seed), bytes it holds to the end)``.
-
-    The memory model counts the forward value (outputs and the residuals the gradient
-    reads) and the upstream gradients as resident while the backward node runs, and the
-    step keeps them so: it asks the tape for the input gradients first and for the weight
-    gradients after them (two ``gradient`` calls, see the interpreter), so the forward
-    tensors stay alive across both. One ``gradient`` call on caller-owned gradients lets
-    TensorFlow free a residual mid-way and measured a Dense+ReLU layer's transient
-    (``ReluGrad``'s batch-sized output) as 0 bytes: the step peaked one such buffer above
-    the prediction (2 MiB on a Dense(512) MLP at batch 1024). Here the forward tensors are
-    returned, so they live to the end and are subtracted with the upstream gradients
-    (made inside the function from ``seed``, as the step makes them), the input and the
-    weight gradients; what remains is the workspace.
-    """
-    held: dict[str, tf.Tensor] = {}
-
-    def run(flat_inputs, seed):
-        dys = [tf.fill(spec.shape, tf.cast(seed, spec.dtype)) for spec in dy_specs]
-        graph = tf.compat.v1.get_default_graph()
-        with tf.GradientTape(persistent=True) as tape:
-            for i in grad_positions:
-                tape.watch(flat_inputs[i])
-            outputs = tf.nest.flatten(call_layer(list(flat_inputs)))
-        forward_ops = {id(op) for op in graph.get_operations()}
-        pairs = [(o, d) for o, d in zip(outputs, dys) if _is_float(o.dtype)]
-        targets, upstream = [o for o, _ in pairs], [d for _, d in pairs]
-        sources = [flat_inputs[i] for i in grad_positions]
-        input_part = tape.gradient(targets, sources, output_gradients=upstream,
-                                   unconnected_gradients=tf.UnconnectedGradients.ZERO) if sources and targets else []
-        with tf.control_dependencies([g for g in input_part if g is not None]):
-            weight_part = tape.gradient(targets, list(variables), output_gradients=upstream,
-                                        unconnected_gradients=tf.UnconnectedGradients.ZERO) if variables and targets else []
-        not_held = {id(t) for t in (*flat_inputs, *dys)}
-        held.update({t.name: t for t in outputs})
-        held.update({d.name: d for d in dys})
-        for op in graph.get_operations():
-            if id(op) in forward_ops or op.type in _SHAPE_ONLY_OPS:
+def _backward_reads(forward_ops, backward_ops, inputs, outputs) -> tuple[set[int], bool, list]:
+    """What the backward ops read of the forward: ``(positions of the inputs read, whether
+    an output is read, the other forward tensors read)``; the last are the residuals the
+    tape keeps (shape-only reads and variable reads are not)."""
+    forward = {id(op) for op in forward_ops}
+    input_position = {t.name: i for i, t in enumerate(inputs)}
+    output_names = {t.name for t in outputs}
+    reads_inputs: set[int] = set()
+    reads_output = False
+    tensors: dict[str, tf.Tensor] = {}
+    for op in backward_ops:
+        if op.type in _SHAPE_ONLY_OPS:
+            continue
+        for t in op.inputs:
+            if id(t.op) not in forward:
                 continue
-            for t in op.inputs:
-                if (id(t.op) in forward_ops and id(t) not in not_held and t.op.type not in _NOT_RESIDUAL_OPS
-                        and t.dtype != tf.resource):
-                    held[t.name] = t
-        return [g for g in (*input_part, *weight_part) if g is not None] + list(held.values())
-
-    concrete = tf.function(run, autograph=False).get_concrete_function(list(input_specs), tf.TensorSpec([], tf.float32))
-    held_bytes = sum(tensor_bytes(t.shape.as_list(), t.dtype, f"held {t.name}", layer_name) for t in held.values())
-    return concrete, held_bytes
+            if t.name in input_position:
+                reads_inputs.add(input_position[t.name])
+            elif t.name in output_names:
+                reads_output = True
+            elif t.op.type not in _NOT_RESIDUAL_OPS and t.dtype != tf.resource:
+                tensors[t.name] = t
+    return reads_inputs, reads_output, list(tensors.values())
 
 
 def analyze_loss(

@@ -73,7 +73,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COST_MODELS = ("profile", "flops")
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
