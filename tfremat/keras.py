@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tfremat.api import check_cache_argument
-from tfremat.budget import format_bytes, parse_budget
+from tfremat.budget import check_budget, format_bytes
 from tfremat.errors import ArgumentError, CompileError, TfrematError
 from tfremat.extract.extractor import COST_MODELS, refuse_model_losses
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
@@ -53,8 +53,7 @@ class RematCallback(keras.callbacks.Callback):
                  cost_model: str = "profile", cache=True, verbose: int = 1):
         super().__init__()
         # Refuse a malformed budget or an unknown strategy here, not at the first step.
-        # A share needs the batch's peak, unknown until then; any reference checks its form.
-        parse_budget(budget, reference_bytes=float(2**40))
+        check_budget(budget)
         get_strategy(strategy)
         if strategy in MILP_STRATEGIES:
             check_solver_options(DEFAULT_SOLVER if solver is None else solver, time_limit=time_limit)

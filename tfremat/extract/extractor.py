@@ -64,7 +64,7 @@ from tfremat.extract.analysis import CallAnalysis, analyze_call, analyze_loss, d
 from tfremat.extract.layer_graph import LayerCall, model_input_names, model_output_names, walk_model
 from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef, flatten_by_name
 from tfremat.graph import DFGraph
-from tfremat.static_graph.state import forget_global_seed_generator, global_seed_generator
+from tfremat.static_graph.state import forget_global_seed_generator, global_seed_generator, stateful_variables
 
 __all__ = [
     "Extraction", "extract", "resolve_loss", "cache_dir", "weight_gradient_lifetime", "refuse_model_losses", "COST_MODELS",
@@ -239,11 +239,6 @@ def _trainable(layer) -> list:
     """A layer's trainable variables; none for a Keras operation that is not a layer
     (``x + y`` or ``keras.ops.relu(x)`` in a functional model)."""
     return list(getattr(layer, "trainable_variables", ()))
-
-
-def _non_trainable(layer) -> list:
-    """A layer's non-trainable variables; none for a Keras operation that is not a layer."""
-    return list(getattr(layer, "non_trainable_variables", ()))
 
 
 def refuse_model_losses(model) -> None:
@@ -585,7 +580,7 @@ def _analyze_with_checks(call, takes_training, specs, grads, batch, cost_model, 
     layer = call.layer
     user_layer = not type(layer).__module__.startswith("keras")
     before = _python_state(layer) if user_layer else None
-    saved = [v.numpy() for v in _non_trainable(layer)]
+    saved = [v.numpy() for v in stateful_variables(layer)]
     # Profiling must leave every random state as it found it: an unseeded keras.random
     # call advances Keras's global seed generator, or creates it with a seed drawn from
     # Python's random, and plain training would then draw other numbers than tfremat's step.
@@ -598,7 +593,7 @@ def _analyze_with_checks(call, takes_training, specs, grads, batch, cost_model, 
             profile=cost_model == "profile", repeats=repeats,
         )
     finally:
-        for variable, value in zip(_non_trainable(layer), saved):
+        for variable, value in zip(stateful_variables(layer), saved):
             variable.assign(value)
         random.setstate(python_random)
         if generator is not None:

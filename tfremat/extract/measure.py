@@ -19,6 +19,8 @@ import tensorflow as tf
 
 from tfremat.errors import ExtractionError
 from tfremat.extract.analysis import device_name
+from tfremat.extract.layer_graph import model_output_names
+from tfremat.extract.side_table import flatten_by_name
 
 __all__ = ["measure_plain_step_peak"]
 
@@ -54,7 +56,7 @@ def measure_plain_step_peak(model, x, y, loss_fn, optimizer, warmup: int = 1) ->
     def step(inputs, labels):
         with tf.GradientTape() as tape:
             preds = model(inputs, training=True)
-            loss = loss_fn(tf.nest.flatten(labels), tf.nest.flatten(preds))
+            loss = loss_fn(flatten_by_name(labels, model_output_names(model), "outputs"), tf.nest.flatten(preds))
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss

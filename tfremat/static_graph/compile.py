@@ -75,7 +75,7 @@ class CompiledStep:
             logger.debug("no gradient reaches %d trainable variables: %s", len(missing), ", ".join(missing))
         # Each variable's update waits only for its own (gated) gradient, so weight
         # gradients are freed as the backward pass goes, as the graph's memory model says.
-        _apply_without_barrier(self.optimizer, pairs, distributed=self.strategy is not None)
+        _apply_without_barrier(self.optimizer, pairs)
         if self.return_outputs:
             return loss, self._structure_outputs(predictions)
         return loss
@@ -137,7 +137,7 @@ class CompiledStep:
         return self.report.recomputed_layer_calls
 
 
-def _apply_without_barrier(optimizer, pairs, distributed: bool) -> None:
+def _apply_without_barrier(optimizer, pairs) -> None:
     """``optimizer.apply_gradients(pairs)`` with each update waiting for its own gradient only.
 
     Keras's TensorFlow optimizer all-reduces the gradients also without a distribution
@@ -154,7 +154,7 @@ def _apply_without_barrier(optimizer, pairs, distributed: bool) -> None:
     strategy the all-reduce does need every gradient; the optimizer runs unchanged.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if distributed or tf.distribute.has_strategy() or not hasattr(inner, "_all_reduce_sum_gradients"):
+    if tf.distribute.has_strategy() or not hasattr(inner, "_all_reduce_sum_gradients"):
         optimizer.apply_gradients(pairs)
         return
     update_step = inner.update_step
