@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from models import unet  # noqa: E402
-from tfremat.errors import InfeasibleBudgetError, SolverError  # noqa: E402
+from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError  # noqa: E402
 from tfremat.extract import TensorRef, extract  # noqa: E402
 from tfremat.extract.layer_graph import walk_model  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
@@ -233,7 +233,7 @@ def choose_schedule(graph, budget, strategy, time_limit=60):
             continue
         try:
             schedule = get_strategy(name)(graph, budget, **({"time_limit": time_limit} if name in MILP else {}))
-        except (InfeasibleBudgetError, SolverError):
+        except (InfeasibleBudgetError, SolverTimeLimitError):
             continue
         if budget is None or simulate(graph, schedule).peak_bytes <= budget:
             found.append(schedule)
@@ -261,7 +261,7 @@ def bench_model(label, build, batch, strategy, repeats):
         name = f"tfremat {int(round(fraction * 100))}%"
         try:
             schedule = choose_schedule(graph, budget, strategy)
-        except (InfeasibleBudgetError, SolverError) as err:
+        except (InfeasibleBudgetError, SolverTimeLimitError) as err:
             rows.append((name, "infeasible", None, None, None, str(err).split(";")[-1].strip()[:80]))
             continue
         for variable, value in zip(variables, initial):

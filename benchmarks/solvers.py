@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfremat.errors import InfeasibleBudgetError, SolverError  # noqa: E402
+from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError  # noqa: E402
 from tfremat.graph import load_graph  # noqa: E402
 from tfremat.ilp.formulation import last_descendants  # noqa: E402
 from tfremat.ilp.strategies import best_baseline, solve_approx_lp, solve_optimal  # noqa: E402
@@ -87,7 +87,7 @@ def run_case(case: dict) -> dict:
     except InfeasibleBudgetError as exc:
         # approx_lp also raises it when no rounding of a feasible LP fits the budget.
         row.update(status="no rounding fits" if "no rounding" in str(exc) else "infeasible", detail=str(exc))
-    except SolverError as exc:
+    except SolverTimeLimitError as exc:
         row.update(status="no schedule", detail=str(exc))
     else:
         facts = schedule.facts

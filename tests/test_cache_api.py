@@ -13,6 +13,7 @@ from tfremat.errors import (
     InfeasibleBudgetError,
     SolverError,
     SolverLicenseError,
+    SolverTimeLimitError,
     SolverUnavailableError,
     TfrematError,
 )
@@ -168,17 +169,22 @@ def test_compare_graph_checks_its_strategies_and_options_before_running_any():
 
 
 def test_compare_graph_keeps_every_row_when_a_milp_stops_without_a_schedule():
-    """optimal's SolverError (its time limit, no heuristic fitting) ended the whole
-    comparison; it is now optimal's entry, "no schedule" in its row, with the message."""
+    """optimal's SolverTimeLimitError (no heuristic fitting) ended the whole comparison;
+    it is now optimal's entry, "no schedule" in its row, with the message and the
+    smallest peak a heuristic reached. An option error is raised, not a row."""
     g = random_training_graph(3, 10)
     names = ["optimal", "eviction", "checkpoint_all"]
     entries = compare_graph(g, "60%", names, cache=False, verbose=0, time_limit=1e-9)
-    assert len(entries) == 3 and isinstance(entries[0], SolverError)
+    assert len(entries) == 3 and isinstance(entries[0], SolverTimeLimitError)
     assert [failure_status(e) for e in entries] == ["no schedule", "infeasible", "infeasible"]
     rows = [summary_row(name, entry, 58) for name, entry in zip(names, entries)]
     assert [row["strategy"] for row in rows] == names
     assert rows[0]["status"] == "no schedule" and "time_limit" in rows[0]["error"] and rows[0]["budget_bytes"] == 58
     assert rows[1]["min_feasible_bytes"] > 58 and "infeasible" in rows[1]["error"]
+    assert rows[0]["min_feasible_bytes"] == entries[0].min_feasible_bytes > 58
+    with pytest.raises(ArgumentError, match="threads must be a positive int"):
+        compare_graph(g, "60%", names, cache=False, verbose=0, threads=0)
+    assert failure_status(SolverError("HiGHS failed")) is None
     fitting = compare_graph(g, "100%", ["checkpoint_all"], cache=False)
     assert summary_row("checkpoint_all", fitting[0], None) == fitting[0].summary()
 

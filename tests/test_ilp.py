@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tfremat.errors import InfeasibleBudgetError, SolverError, SolverLicenseError, SolverUnavailableError
+from tfremat.errors import (
+    ArgumentError,
+    InfeasibleBudgetError,
+    SolverError,
+    SolverLicenseError,
+    SolverTimeLimitError,
+    SolverUnavailableError,
+)
 from tfremat.graph import DFGraph, load_graph
 from tfremat.ilp import build_model, memory_lower_bound, solve_model
 from tfremat.ilp.solvers import SolveResult
@@ -352,9 +359,9 @@ def test_highs_runs_with_another_thread_count_later_in_the_process():
 def test_unknown_solver_and_bad_options():
     graph = training_chain(3)
     budget = memory_lower_bound(graph) + 4
-    with pytest.raises(SolverError, match="highs"):
+    with pytest.raises(ArgumentError, match="highs"):
         solve_optimal(graph, budget, solver="cplex", warm_start=False)
-    with pytest.raises(SolverError, match="time_limit"):
+    with pytest.raises(ArgumentError, match="time_limit"):
         solve_optimal(graph, budget, time_limit=-1, warm_start=False)
 
 
@@ -378,20 +385,23 @@ def test_options_are_checked_before_any_baseline_runs(monkeypatch):
         lambda **o: solve_approx_lp(graph, roomy, **{k: v for k, v in o.items() if k != "mip_gap"}),
         lambda **o: min_peak_within_cost(graph, graph.total_cost, **o),
     ):
-        with pytest.raises(SolverError, match="unknown solver 'cplex'"):
+        with pytest.raises(ArgumentError, match="unknown solver 'cplex'"):
             call(solver="cplex")
-        with pytest.raises(SolverError, match="threads must be a positive int"):
+        with pytest.raises(ArgumentError, match="threads must be a positive int"):
             call(threads=0)
-        with pytest.raises(SolverError, match="time_limit must be a positive number"):
+        with pytest.raises(ArgumentError, match="time_limit must be a positive number"):
             call(time_limit="10")
-        with pytest.raises(SolverError, match="seed must be a non-negative int"):
+        with pytest.raises(ArgumentError, match="seed must be a non-negative int"):
             call(seed="x")
-    with pytest.raises(SolverError, match=r"mip_gap must be a number in \[0, 1\)"):
+    with pytest.raises(ArgumentError, match=r"mip_gap must be a number in \[0, 1\)"):
         solve_optimal(graph, roomy, mip_gap=2.0)
-    with pytest.raises(SolverError, match=r"mip_gap must be a number in \[0, 1\)"):
+    with pytest.raises(ArgumentError, match=r"mip_gap must be a number in \[0, 1\)"):
         solve_optimal(graph, roomy, mip_gap="0.1")
     with pytest.raises(ValueError, match="num_samples must be an int"):
         solve_approx_lp(graph, roomy, num_samples=2.5)
+    for solve in (solve_optimal, solve_approx_lp):  # no budget: nothing to solve, options still checked
+        with pytest.raises(ArgumentError, match="time_limit must be a positive number"):
+            solve(graph, None, time_limit=-1)
     monkeypatch.setitem(sys.modules, "highspy", None)
     with pytest.raises(SolverUnavailableError, match="pip install 'highspy"):
         solve_optimal(graph, roomy)
@@ -574,10 +584,10 @@ def test_dual_bound_of_any_multipliers_is_below_the_optimum(seed):
 def test_stoppable_lp_methods_need_highs_and_lp_method_is_checked():
     graph = random_dag(6, 3)
     model = build_model(graph, checkpoint_all_peak(graph))
-    with pytest.raises(SolverError, match="lp_method"):
+    with pytest.raises(ArgumentError, match="lp_method"):
         solve_model(model, relax=True, lp_method="barrier")
     for method in ("pdlp", "dual_simplex"):
-        with pytest.raises(SolverError, match="needs solver='highs'"):
+        with pytest.raises(ArgumentError, match="needs solver='highs'"):
             solve_model(model, relax=True, solver="gurobi", lp_method=method)
 
 
@@ -634,7 +644,7 @@ def test_model_too_large_for_the_time_limit_returns_the_best_heuristic(monkeypat
     assert simulate(graph, schedule).peak_bytes <= budget
     if schedule.cost(graph) > graph.total_cost:
         assert schedule.facts["status"] == "time_limit"
-    with pytest.raises(SolverError, match="too large"):
+    with pytest.raises(SolverTimeLimitError, match="too large"):
         solve_optimal(graph, budget, threads=1, time_limit=10, warm_start=False)
 
 
@@ -643,7 +653,7 @@ def test_approx_lp_refuses_models_too_large_for_its_time_limit(monkeypatch):
 
     graph = random_training_graph(4, 6)
     monkeypatch.setattr(strategies, "_MAX_R_COLUMNS", 0)
-    with pytest.raises(SolverError, match="too large"):
+    with pytest.raises(SolverTimeLimitError, match="too large"):
         solve_approx_lp(graph, int(0.8 * checkpoint_all_peak(graph)), threads=1, time_limit=5)
 
 

@@ -127,9 +127,9 @@ def test_max_batch_warns_when_a_solver_error_decides_a_batch(caplog):
 
 def test_max_batch_checks_solver_options_before_searching():
     """A bad option is an error, not "batch 1 does not fit"."""
-    from tfremat.errors import SolverError
+    from tfremat.errors import ArgumentError
 
-    with pytest.raises(SolverError, match="unknown solver 'cplex'"):
+    with pytest.raises(ArgumentError, match="unknown solver 'cplex'"):
         max_batch_size(lambda b: training_chain(4, b), 16 + 4 * 12, max_batch=64, solver="cplex")
 
 

@@ -22,10 +22,9 @@ from tfremat.errors import (
     ArgumentError,
     BudgetFormatError,
     InfeasibleBudgetError,
-    SolverError,
-    SolverLicenseError,
-    SolverUnavailableError,
+    SolverTimeLimitError,
     TfrematError,
+    failure_status,
     is_int,
 )
 from tfremat.graph import DFGraph
@@ -171,7 +170,7 @@ def plan_graph(
 
     Raises:
         InfeasibleBudgetError: no schedule of the strategy fits.
-        SolverError: a MILP strategy stopped (at its time limit) without a schedule.
+        SolverTimeLimitError: a MILP strategy stopped at its time limit without a schedule.
         BudgetFormatError: the budget is unparsable.
         ArgumentError: ``graph`` is no DFGraph, ``strategy`` no strategy name, ``cache``
             none of its forms, or an option the strategy does not take (raised before
@@ -250,20 +249,6 @@ def _cache_of(cache) -> ScheduleCache | None:
     return cache if isinstance(cache, ScheduleCache) else ScheduleCache(cache)
 
 
-def failure_status(error: BaseException) -> str | None:
-    """The status a comparison's row gives a strategy that raised ``error``: "infeasible"
-    (no schedule it can produce fits the budget) or "no schedule" (a MILP strategy stopped,
-    at its time limit, with no schedule and no heuristic fitting; nothing is proven). None
-    for every other error, which callers raise: an unavailable or unlicensed solver (the
-    caller's to fix, not an outcome of the strategy at this budget) and argument errors.
-    """
-    if isinstance(error, InfeasibleBudgetError):
-        return "infeasible"
-    if isinstance(error, SolverError) and not isinstance(error, (SolverUnavailableError, SolverLicenseError)):
-        return "no schedule"
-    return None
-
-
 def summary_row(strategy: str, entry: PlanResult | TfrematError, budget_bytes: int | None) -> dict:
     """One JSON-ready row of a comparison (:func:`compare_graph`'s entries): a plan's
     :meth:`PlanResult.summary`, or for a strategy that stopped with an error, its
@@ -283,14 +268,14 @@ def compare_graph(
     cache: bool | str | ScheduleCache = True,
     verbose: int = 1,
     **milp_options,
-) -> list[PlanResult | InfeasibleBudgetError | SolverError]:
+) -> list[PlanResult | InfeasibleBudgetError | SolverTimeLimitError]:
     """Plans ``graph`` with every strategy (or the given ones) at one budget.
 
     Returns one entry per strategy, in order: its :class:`PlanResult`, or the error it
     stopped with, :class:`InfeasibleBudgetError` (nothing it produces fits) or
-    :class:`SolverError` (a MILP strategy stopped at its time limit without a schedule;
-    :func:`failure_status` tells them apart and :func:`summary_row` makes table rows of
-    them). One strategy's failure leaves the others' entries: a SolverError from
+    :class:`SolverTimeLimitError` (a MILP strategy stopped at its time limit without a
+    schedule; :func:`failure_status` tells them apart and :func:`summary_row` makes table
+    rows of them). One strategy's failure leaves the others' entries: a SolverError from
     ``optimal`` used to end the whole comparison. ``milp_options`` go to the MILP
     strategies only, each getting those it takes (``mip_gap`` goes to ``optimal`` alone).
 
@@ -303,18 +288,17 @@ def compare_graph(
         ArgumentError: ``graph`` is no DFGraph, ``strategies`` is empty or not a list of
             names, or an option no MILP strategy in the list takes (checked before any
             strategy runs).
-        SolverUnavailableError, SolverLicenseError: the solver asked for cannot run.
+        SolverError: the solver asked for cannot run (not installed, unlicensed for the
+            model's size) or failed.
     """
     _check_graph(graph)
     names, per_strategy = _split_milp_options(strategy_names() if strategies is None else strategies, milp_options)
-    results: list[PlanResult | InfeasibleBudgetError | SolverError] = []
+    results: list[PlanResult | InfeasibleBudgetError | SolverTimeLimitError] = []
     for name in names:
         options = per_strategy.get(name, {})
         try:
             results.append(plan_graph(graph, budget, name, cache=cache, verbose=verbose, **options))
-        except (InfeasibleBudgetError, SolverError) as exc:
-            if failure_status(exc) is None:
-                raise
+        except (InfeasibleBudgetError, SolverTimeLimitError) as exc:
             results.append(exc)
     return results
 
@@ -326,7 +310,7 @@ def _split_milp_options(strategies: Sequence[str], options: Mapping[str, Any]) -
     Raises:
         ArgumentError: ``strategies`` is a string, no list, empty, or holds an unknown
             name, or an option no MILP strategy among them takes.
-        SolverError: a solver option out of range.
+        SolverUnavailableError: the solver asked for is not installed.
     """
     if isinstance(strategies, str):
         raise ArgumentError(f"strategies must be a list of strategy names, got the string {strategies!r}; "

@@ -29,7 +29,7 @@ import time
 from absl import app, flags
 
 from tfremat.budget import check_budget
-from tfremat.errors import InfeasibleBudgetError, SolverError, TfrematError
+from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError, TfrematError, failure_status
 
 FLAGS = flags.FLAGS
 
@@ -128,10 +128,8 @@ def cmd_strategies() -> None:
 
 
 def cmd_solve() -> None:
-    from tfremat.api import failure_status
     from tfremat.budget import checkpoint_all_peak, parse_budget
     from tfremat.graph import file_node_ids, load_graph
-    from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
     from tfremat.plan.registry import get_strategy
     from tfremat.plan.simulator import simulate
 
@@ -146,21 +144,15 @@ def cmd_solve() -> None:
     reference_peak = checkpoint_all_peak(graph)
     budget = parse_budget(FLAGS.budget, reference_peak, flag="--budget") if FLAGS.budget is not None else None
     options = _milp_options(FLAGS.strategy)
-    if options:
-        # Before solving: a SolverError from a bad value would read as "no schedule" below.
-        check_solver_options(options.get("solver", DEFAULT_SOLVER), time_limit=options["time_limit"])
     started = time.perf_counter()
     record = {"strategy": FLAGS.strategy, "graph": graph.name, "budget_bytes": budget}
     try:
         schedule = strategy(graph, budget, **options)
-    except (InfeasibleBudgetError, SolverError) as exc:
-        status = failure_status(exc)
-        if status is None:
-            raise
+    except (InfeasibleBudgetError, SolverTimeLimitError) as exc:
         # Bounds on the peak (bytes), not on the cost: keys of their own, so that no
         # reader takes one for the other.
         record.update(
-            status=status, peak_bytes=None, cost=None, cost_ratio=None, cost_lower_bound=None,
+            status=failure_status(exc), peak_bytes=None, cost=None, cost_ratio=None, cost_lower_bound=None,
             peak_lower_bound_bytes=getattr(exc, "lower_bound_bytes", None),
             min_feasible_bytes=getattr(exc, "min_feasible_bytes", None), gap=None,
             seconds=round(time.perf_counter() - started, 4), error=str(exc),
@@ -353,7 +345,6 @@ def cmd_maxbatch() -> None:
 def cmd_plot() -> None:
     from pathlib import Path
 
-    from tfremat.api import failure_status
     from tfremat.budget import checkpoint_all_peak, format_bytes, parse_budget
     from tfremat.graph import load_graph
     from tfremat.plan.registry import get_strategy, strategy_names
@@ -375,9 +366,7 @@ def cmd_plot() -> None:
     for name in names:
         try:
             schedules[name] = get_strategy(name)(graph, middle, **_milp_options(name))
-        except (InfeasibleBudgetError, SolverError) as exc:
-            if failure_status(exc) is None:
-                raise
+        except (InfeasibleBudgetError, SolverTimeLimitError) as exc:
             sys.stderr.write(f"tfremat: {name} is left out of memory.png: {str(exc).splitlines()[0]}\n")
     if not schedules:
         _fail(f"no strategy of {', '.join(names)} fits the middle budget {format_bytes(middle)} "

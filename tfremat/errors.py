@@ -20,10 +20,12 @@ __all__ = [
     "InfeasibleBudgetError",
     "BudgetFormatError",
     "SolverError",
+    "SolverTimeLimitError",
     "SolverUnavailableError",
     "SolverLicenseError",
     "ExtractionError",
     "CompileError",
+    "failure_status",
     "is_int",
     "is_number",
 ]
@@ -131,6 +133,26 @@ class SolverError(TfrematError):
     """A MILP/LP solver failed or returned no usable result."""
 
 
+class SolverTimeLimitError(SolverError):
+    """A time-limited MILP/LP strategy stopped without a schedule, and no heuristic fits.
+
+    Nothing is proven about the budget: a larger time limit or budget may find one. The
+    one SolverError that is an outcome of the strategy at this budget rather than a fault
+    (compare :func:`failure_status`).
+
+    Attributes:
+        budget_bytes: the budget asked for.
+        min_feasible_bytes: the smallest peak any heuristic reached, or None.
+        time_limit: the time limit in seconds that ran out.
+    """
+
+    def __init__(self, message: str, budget_bytes: int, min_feasible_bytes: int | None, time_limit: float | None):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes
+        self.time_limit = time_limit
+
+
 class SolverUnavailableError(SolverError, ImportError):
     """The requested solver backend is not installed."""
 
@@ -153,3 +175,17 @@ class ExtractionError(TfrematError, ValueError):
 
 class CompileError(TfrematError, ValueError):
     """A schedule cannot be compiled into a training step."""
+
+
+def failure_status(error: BaseException) -> str | None:
+    """The status a comparison's row gives a strategy that stopped with ``error``:
+    "infeasible" (no schedule it can produce fits the budget) or "no schedule" (a
+    time-limited MILP strategy stopped without one; nothing is proven). None for every
+    other error, which callers raise: argument errors, an unavailable or unlicensed
+    solver, a failing solver and internal errors are faults, not outcomes at a budget.
+    """
+    if isinstance(error, InfeasibleBudgetError):
+        return "infeasible"
+    if isinstance(error, SolverTimeLimitError):
+        return "no schedule"
+    return None

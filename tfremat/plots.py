@@ -26,8 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from tfremat.budget import format_bytes
-from tfremat.api import failure_status
-from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverError
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverTimeLimitError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import Op
 from tfremat.plan.registry import get_strategy
@@ -247,11 +246,9 @@ def plot_overhead_vs_budget(
             began = time.perf_counter()
             try:
                 result = simulate(graph, solve(graph, budget, **kwargs))
-            except (InfeasibleBudgetError, SolverError) as exc:
+            except (InfeasibleBudgetError, SolverTimeLimitError) as exc:
                 # A MILP stopped without a schedule at one budget leaves a gap in its line,
                 # like an infeasible budget; a missing or unlicensed solver is raised.
-                if failure_status(exc) is None:
-                    raise
                 peak, ratio = None, None
                 logger.debug("%s has no schedule at %s: %s", name, format_bytes(budget), exc)
             else:

@@ -30,9 +30,7 @@ from tfremat.budget import parse_budget
 from tfremat.errors import (
     ArgumentError,
     InfeasibleBudgetError,
-    SolverError,
-    SolverLicenseError,
-    SolverUnavailableError,
+    SolverTimeLimitError,
     is_int,
     is_number,
 )
@@ -154,7 +152,8 @@ def max_batch_size(
     solve = get_strategy(strategy)
     check_options(solve, strategy_options, f"strategy {strategy!r}")
     if strategy in MILP_STRATEGIES:
-        # A bad option would otherwise read as "batch 1 does not fit" (SolverError below).
+        # Checked here, not by the first solve: a batch whose memory lower bound exceeds
+        # the budget is refused without solving, so a bad option would go unnoticed.
         check_solver_options(
             strategy_options.get("solver", DEFAULT_SOLVER), time_limit=strategy_options.get("time_limit"),
             mip_gap=strategy_options.get("mip_gap"), threads=strategy_options.get("threads"),
@@ -178,9 +177,7 @@ def max_batch_size(
             except InfeasibleBudgetError as exc:
                 refusal[batch] = "memory" if exc.proven else "schedule"
                 schedule = None
-            except (SolverUnavailableError, SolverLicenseError):
-                raise
-            except SolverError as exc:
+            except SolverTimeLimitError as exc:
                 # Counted as not fitting, though nothing proved it: say so where it shows.
                 logger.warning("batch %d counts as not fitting: %s found no schedule (%s)", batch, strategy, exc)
                 schedule = None

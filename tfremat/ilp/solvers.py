@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tfremat.errors import SolverError, SolverLicenseError, SolverUnavailableError, is_int, is_number
+from tfremat.errors import ArgumentError, SolverError, SolverLicenseError, SolverUnavailableError, is_int, is_number
 from tfremat.ilp.formulation import CheckmateModel, SparseMILP
 
 __all__ = ["SOLVERS", "DEFAULT_SOLVER", "SolveResult", "Progress", "solve_model", "check_solver_options"]
@@ -154,14 +154,16 @@ def solve_model(
     Raises:
         SolverUnavailableError: the backend is not installed.
         SolverLicenseError: the backend's license does not cover the model.
-        SolverError: unknown backend name, or the backend failed.
+        ArgumentError: an unknown backend name, an option out of range, or an
+            ``lp_method`` this model or backend does not take.
+        SolverError: the backend failed.
     """
     if lp_method not in _LP_METHODS:
-        raise SolverError(f"lp_method must be one of {', '.join(_LP_METHODS)}, got {lp_method!r}")
+        raise ArgumentError(f"lp_method must be one of {', '.join(_LP_METHODS)}, got {lp_method!r}")
     if lp_method in _STOPPABLE_LP_METHODS and not isinstance(model, CheckmateModel):
-        raise SolverError(f"lp_method={lp_method!r} bounds only Checkmate's model (CheckmateModel.dual_bound)")
+        raise ArgumentError(f"lp_method={lp_method!r} bounds only Checkmate's model (CheckmateModel.dual_bound)")
     if lp_method in _STOPPABLE_LP_METHODS and solver != "highs":
-        raise SolverError(f"lp_method={lp_method!r} needs solver='highs' (got {solver!r}); use lp_method='simplex'")
+        raise ArgumentError(f"lp_method={lp_method!r} needs solver='highs' (got {solver!r}); use lp_method='simplex'")
     check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
     backend = _solve_highs if solver == "highs" else _solve_gurobi
     unit = model.cost_scale
@@ -203,20 +205,21 @@ def check_solver_options(
         limit", see :func:`tfremat.api.strategy_options`) becomes None.
 
     Raises:
-        SolverError: an unknown solver name or an option out of range (the message names
-            the argument and what it accepts), or ``ortools`` imported with HiGHS asked for.
+        ArgumentError: an unknown solver name or an option out of range (the message
+            names the argument and what it accepts).
+        SolverError: ``ortools`` is imported in this process and HiGHS is asked for.
         SolverUnavailableError: the backend's Python package is not installed.
     """
     if solver not in SOLVERS:
-        raise SolverError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)} (default {DEFAULT_SOLVER!r})")
+        raise ArgumentError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)} (default {DEFAULT_SOLVER!r})")
     if time_limit is not None and not (is_number(time_limit) and time_limit > 0):
-        raise SolverError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
+        raise ArgumentError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
     if mip_gap is not None and not (is_number(mip_gap) and 0 <= mip_gap < 1):
-        raise SolverError(f"mip_gap must be a number in [0, 1) or None, got {mip_gap!r}")
+        raise ArgumentError(f"mip_gap must be a number in [0, 1) or None, got {mip_gap!r}")
     if threads is not None and not (is_int(threads) and threads >= 1):
-        raise SolverError(f"threads must be a positive int or None, got {threads!r}")
+        raise ArgumentError(f"threads must be a positive int or None, got {threads!r}")
     if seed is not None and not (is_int(seed) and seed >= 0):
-        raise SolverError(f"seed must be a non-negative int, got {seed!r}")
+        raise ArgumentError(f"seed must be a non-negative int, got {seed!r}")
     _backend_module(solver)
     return None if time_limit == math.inf else time_limit
 

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverError, is_int
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverError, SolverTimeLimitError, is_int
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import CheckmateModel, build_model, memory_lower_bound, r_column_count
 from tfremat.ilp.solvers import (
@@ -232,14 +232,15 @@ def solve_optimal(
     Raises:
         InfeasibleBudgetError: no schedule fits (proven by the solver, or the budget is
             below :func:`~tfremat.ilp.formulation.memory_lower_bound`).
-        SolverError: the solver stopped without any schedule and no baseline fits, or an
-            option is out of range (raised before anything runs).
+        SolverTimeLimitError: the time limit ran out without any schedule and no
+            baseline fits.
+        ArgumentError: an option is out of range (raised before anything runs).
         SolverUnavailableError, SolverLicenseError: see :func:`~tfremat.ilp.solvers.solve_model`.
     """
     began = time.perf_counter()
+    time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
     if budget is None:
         return _no_budget(graph, "optimal", began)
-    time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
     budget_bytes = budget  # whole bytes: the registry parsed it
     lower_bound = memory_lower_bound(graph)
     if budget_bytes < lower_bound:
@@ -257,12 +258,13 @@ def solve_optimal(
         return _baseline_result(graph, baseline, OPTIMAL, began, budget_bytes)
     if too_large:
         if baseline is None:
-            raise SolverError(
+            raise SolverTimeLimitError(
                 f"no heuristic fits {budget_bytes} bytes{_smallest_peak_note(smallest_peak)} and the MILP of this "
                 f"{graph.size}-node graph ({r_column_count(graph)} R columns) is too large to build within "
                 f"time_limit={time_limit}s; "
                 "raise the budget, or pass time_limit=None (math.inf through tfremat.plan, fit and max_batch_size) "
-                "to build and solve it however long it takes"
+                "to build and solve it however long it takes",
+                budget_bytes, smallest_peak, time_limit,
             )
         logger.warning(
             "optimal: the MILP of this %d-node graph (%d R columns) is too large to build within time_limit=%ss; "
@@ -385,9 +387,10 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
                           f"{result.solver}'s solutions exceed the budget by up to its tolerance "
                           f"({lowered:.0f} bytes) and none fits; a budget that much larger fits", proven=False)
     if incumbent is None:
-        raise SolverError(
+        raise SolverTimeLimitError(
             f"{result.solver} found no schedule within time_limit={time_limit}s and no baseline fits "
-            f"{budget_bytes} bytes{_smallest_peak_note(smallest_peak)}; raise time_limit or the budget"
+            f"{budget_bytes} bytes{_smallest_peak_note(smallest_peak)}; raise time_limit or the budget",
+            budget_bytes, smallest_peak, time_limit,
         )
     cost = incumbent.cost(graph)
     peak = simulate(graph, incumbent).peak_bytes
@@ -456,10 +459,11 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
     if lp.x is not None:
         incumbent = _cheaper_rounding(model, lp.x, incumbent, seed=seed, strategy="optimal", deadline=deadline)
     if incumbent is None:
-        raise SolverError(
+        raise SolverTimeLimitError(
             f"no schedule fits {budget_bytes} bytes{_smallest_peak_note(smallest_peak)}: no baseline does, and the "
             f"LP rounding found none within time_limit={time_limit}s; raise time_limit (the whole MILP runs without "
-            "one) or the budget"
+            "one) or the budget",
+            budget_bytes, smallest_peak, time_limit,
         )
     cost = incumbent.cost(graph)
     gap = max(0.0, (cost - bound) / cost) if cost else 0.0
@@ -687,28 +691,29 @@ def solve_approx_lp(
         InfeasibleBudgetError: the LP relaxation at the full budget is infeasible (so is
             every schedule), or no rounded schedule fits; carries the smallest peak
             reached.
-        SolverError: an option is out of range (raised before anything runs), no LP
-            relaxation was solved within ``time_limit``, or with a
+        ArgumentError: an option is out of range (raised before anything runs).
+        SolverTimeLimitError: no LP relaxation was solved within ``time_limit``, or with a
             ``time_limit`` the model would exceed 250k R columns.
     """
     began = time.perf_counter()
-    if budget is None:
-        return _no_budget(graph, "approx_lp", began)
     time_limit = check_solver_options(solver, time_limit=time_limit, threads=threads, seed=seed)
     if not is_int(num_samples) or num_samples < 0:
         raise ArgumentError(f"num_samples must be an int >= 0, got {num_samples!r}")
     if not allowances or not all(0 < a <= 1 for a in allowances):
         raise ArgumentError(f"allowances must be fractions in (0, 1], got {allowances!r}")
+    if budget is None:
+        return _no_budget(graph, "approx_lp", began)
     budget_bytes = budget  # whole bytes: the registry parsed it
     lower_bound = memory_lower_bound(graph)
     if budget_bytes < lower_bound:
         _, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0)
         raise _infeasible(graph, budget_bytes, smallest_peak, "approx_lp", "some node alone needs more while it runs")
     if time_limit is not None and r_column_count(graph) > _MAX_R_COLUMNS:
-        raise SolverError(
+        raise SolverTimeLimitError(
             f"the LP of this {graph.size}-node graph ({r_column_count(graph)} R columns) is too large to build "
             f"within time_limit={time_limit}s; use strategy 'optimal' (it returns the best heuristic) or "
-            "time_limit=None (math.inf through tfremat.plan, fit and max_batch_size)"
+            "time_limit=None (math.inf through tfremat.plan, fit and max_batch_size)",
+            budget_bytes, None, time_limit,
         )
     rng = np.random.default_rng(seed)
     best, best_cost, smallest_peak = None, None, None
@@ -745,7 +750,8 @@ def solve_approx_lp(
             _report(progress, began, best_cost, lp_bound)
             break
     if best is None and smallest_peak is None:
-        raise SolverError(f"{solver} solved no LP relaxation within time_limit={time_limit}s; raise time_limit")
+        raise SolverTimeLimitError(f"{solver} solved no LP relaxation within time_limit={time_limit}s; raise time_limit",
+                                   budget_bytes, None, time_limit)
     if best is None:
         raise _infeasible(graph, budget_bytes, smallest_peak, "approx_lp", "no rounding of the LP solution fits",
                           proven=False)
