@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfremat.errors import ArgumentError, is_int
 from tfremat.extract.analysis import reset_allocator_peak
+from tfremat.extract.extractor import per_output
 from tfremat.extract.layer_graph import model_output_names
 from tfremat.static_graph.memory import default_device, resident_bytes
 
@@ -76,17 +77,6 @@ def _label_kind(loss) -> str:
     return "categorical"
 
 
-def _output_losses(model, loss) -> list:
-    """``loss`` as ``model.compile`` takes it (one for all outputs, a list, or a dict by
-    output name) spread over the model's outputs, in order."""
-    if isinstance(loss, dict):
-        return [loss.get(name) for name in model_output_names(model)]
-    if isinstance(loss, (list, tuple)):
-        # A list of the wrong length is extraction's to refuse, with every output labelled.
-        return [*loss, *[None] * (len(model.outputs) - len(loss))]
-    return [loss] * len(model.outputs)
-
-
 def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", seed: int | None = None):
     """A batch ``(x, y)`` of NumPy arrays for ``model`` whose labels fit ``loss``.
 
@@ -117,7 +107,7 @@ def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", 
 
     xs = [array((batch_size, *t.shape[1:]), t.dtype, lambda r, shape: r.standard_normal(shape)) for t in model.inputs]
     ys = []
-    for output, output_loss in zip(model.outputs, _output_losses(model, loss)):
+    for output, output_loss in zip(model.outputs, per_output(loss, model_output_names(model), "loss", None)):
         shape, classes = (batch_size, *output.shape[1:]), output.shape[-1]
         kind = _label_kind(output_loss)
         if kind == "sparse":

@@ -67,7 +67,8 @@ from tfremat.graph import DFGraph
 from tfremat.static_graph.state import forget_global_seed_generator, global_seed_generator, stateful_variables
 
 __all__ = [
-    "Extraction", "extract", "resolve_loss", "cache_dir", "weight_gradient_lifetime", "refuse_model_losses", "COST_MODELS",
+    "Extraction", "extract", "resolve_loss", "per_output", "cache_dir", "weight_gradient_lifetime", "refuse_model_losses",
+    "COST_MODELS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -129,9 +130,16 @@ def _one_loss(loss, where: str) -> Callable:
     return LossFunctionWrapper(function, name=name)
 
 
-def _per_output(value, output_names: Sequence[str], what: str, default) -> list:
+def per_output(value, output_names: Sequence[str], what: str, default) -> list:
     """``value`` given as in ``model.compile`` (one for all outputs, a list with one per
-    output, or a dict keyed by output name) as a list with one entry per output."""
+    output, or a dict keyed by output name) as a list with one entry per output: the
+    extraction's losses and weights, and the labels :func:`tfremat.measure.synthetic_batch`
+    makes for them.
+
+    Raises:
+        ExtractionError: a dict names no output, or a list's length is not the number of
+            outputs.
+    """
     count = len(output_names)
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(output_names))
@@ -163,10 +171,10 @@ def resolve_loss(loss, num_outputs: int, output_names: Sequence[str] = (), loss_
     if len(names) != num_outputs:
         raise ExtractionError(f"{len(names)} output names for a model with {num_outputs} outputs", layer="loss")
     losses = [None if item is None else _one_loss(item, "loss")
-              for item in _per_output(loss, names, "loss", None)]
+              for item in per_output(loss, names, "loss", None)]
     if all(item is None for item in losses):
         raise ExtractionError("no loss for any model output", layer="loss")
-    weights = _per_output(1.0 if loss_weights is None else loss_weights, names, "loss_weights", 1.0)
+    weights = per_output(1.0 if loss_weights is None else loss_weights, names, "loss_weights", 1.0)
     if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) for w in weights):
         raise ExtractionError(f"loss_weights must be numbers, got {loss_weights!r}", layer="loss")
     terms = [(k, fn, float(w)) for k, (fn, w) in enumerate(zip(losses, weights)) if fn is not None]
