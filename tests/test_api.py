@@ -435,3 +435,125 @@ def test_unseeded_keras_random_trains_like_keras_and_is_not_recomputed():
     recomputing.compile(keras.optimizers.SGD(0.1), "categorical_crossentropy")
     with pytest.raises(CompileError, match="global seed generator"):
         tfremat.fit(recomputing, "100%", x, y, batch_size=8, strategy="chen_sqrtn", cost_model="flops", verbose=0)
+
+
+def _sequence_classifier(kind):
+    """A small model over (6, 4) sequences in which one tensor reaches a call twice."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 4))
+    hidden = keras.layers.Dense(8)(inputs)
+    if kind == "output_twice":
+        output = keras.layers.Dense(3, activation="softmax")(keras.layers.Flatten()(hidden))
+        return keras.Model(inputs, [output, output])
+    if kind == "self_attention":
+        mixed = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(hidden, hidden)
+    else:
+        mixed = keras.layers.Add()([hidden, hidden])
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(keras.layers.Flatten()(mixed)))
+
+
+@pytest.mark.parametrize("kind", ["self_attention", "add_twice", "output_twice"])
+def test_a_tensor_passed_twice_gets_its_gradient_once(kind):
+    """``mha(h, h)``, ``Add()([h, h])`` and a model listing one output twice hand the tape
+    one tensor in two places; its whole gradient came back at each place and was summed:
+    every upstream weight's gradient was doubled (weights 0.03-0.09 away from Keras)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 6, 4)).astype("float32")
+    y = np.eye(3, dtype="float32")[rng.integers(0, 3, 16)]
+    twice = kind == "output_twice"
+    difference, expected, history = _fit_both(
+        lambda: _sequence_classifier(kind),
+        lambda: {"optimizer": keras.optimizers.SGD(0.1),
+                 "loss": ["categorical_crossentropy"] * 2 if twice else "categorical_crossentropy"},
+        x, [y, y] if twice else y,
+    )
+    assert difference < 1e-6
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
+
+
+class _BlockWithoutTrainingArgument(keras.layers.Layer):
+    """A custom block whose ``call`` takes no ``training``: Keras hands the training flag
+    to its BatchNormalization and Dropout through its call context."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(16)
+        self.norm = keras.layers.BatchNormalization()
+        self.drop = keras.layers.Dropout(0.5, seed=3)
+
+    def call(self, x):
+        return self.drop(self.norm(self.dense(x)))
+
+
+def test_sublayers_of_a_layer_without_training_argument_train():
+    """The step called such a block without ``training=True``: its Dropout and
+    BatchNormalization ran in inference mode (moving statistics never updated, weights
+    0.9 away from Keras after two epochs)."""
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(_BlockWithoutTrainingArgument()(inputs)))
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((32, 8)) * 3 + 2).astype("float32")
+    y = np.eye(3, dtype="float32")[rng.integers(0, 3, 32)]
+    plain, remat = build(), build()
+    for model in (plain, remat):
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="categorical_crossentropy")
+    difference, _, _ = _train_both(plain, remat, x, y, strategy="checkpoint_all")
+    assert difference < 1e-5
+    moving_mean = remat.layers[1].norm.moving_mean.numpy()
+    assert np.abs(moving_mean).max() > 0.01
+    np.testing.assert_allclose(moving_mean, plain.layers[1].norm.moving_mean.numpy(), atol=1e-6)
+
+
+def test_a_model_with_its_own_train_step_or_compute_loss_is_refused():
+    """Both were silently ignored: the step trained on the compiled loss alone."""
+    class PenalizedLoss(keras.Model):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs) + 0.1
+
+    class OwnStep(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    x, y = data(16)
+    for cls, method in ((PenalizedLoss, "compute_loss"), (OwnStep, "train_step")):
+        base = compiled_convnet()
+        model = cls(base.inputs, base.outputs)
+        model.compile(optimizer="sgd", loss="categorical_crossentropy")
+        with pytest.raises(ExtractionError, match=f"overrides {method}"):
+            tfremat.fit(model, "100%", x, y, batch_size=8, epochs=1, cost_model="flops", verbose=0)
+
+
+def test_measure_compares_sparse_gradients_and_refuses_models_without_a_layer_graph():
+    """An Embedding's IndexedSlices gradient crashed measure_model (no .numpy()); a
+    subclassed model reached ``model.inputs`` in measure_model and max_batch_size and
+    failed there with an AttributeError."""
+    from tfremat.measure import measure_model
+
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((12,), dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(ids))
+    model = keras.Model(ids, keras.layers.Dense(4, activation="softmax")(pooled))
+    record = measure_model(model, "100%", batch_size=8, strategy="checkpoint_all", cost_model="flops", steps=1,
+                           verbose=0)
+    assert record["max_grad_rel_error"] == 0.0
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(4, activation="softmax")
+
+        def call(self, x):
+            return self.dense(x)
+
+    subclassed = Subclassed()
+    subclassed(np.zeros((2, 8), "float32"))
+    subclassed.compile(optimizer="sgd", loss="categorical_crossentropy")
+    for call in (lambda: measure_model(subclassed, "100%", batch_size=4, cost_model="flops", verbose=0),
+                 lambda: tfremat.max_batch_size(subclassed, "1MiB", verbose=0)):
+        with pytest.raises(ExtractionError, match="subclassed model without a functional graph"):
+            call()
+    with pytest.raises(ExtractionError, match="Sequential model .* is not built"):
+        measure_model(keras.Sequential([keras.layers.Dense(4)]), "100%", batch_size=4, cost_model="flops", verbose=0)

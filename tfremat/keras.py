@@ -21,7 +21,7 @@ import tensorflow as tf
 from tfremat.api import check_cache_argument
 from tfremat.budget import check_budget, format_bytes
 from tfremat.errors import ArgumentError, CompileError, TfrematError
-from tfremat.extract.extractor import COST_MODELS, refuse_model_losses
+from tfremat.extract.extractor import COST_MODELS, refuse_unmodelled_training
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.ilp.strategies import MILP_STRATEGIES
 from tfremat.plan.registry import get_strategy
@@ -96,7 +96,7 @@ class RematCallback(keras.callbacks.Callback):
         model = self.model
         if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
             raise TfrematError("RematCallback needs a compiled model (model.compile(optimizer=..., loss=...))")
-        refuse_model_losses(model)
+        refuse_unmodelled_training(model)
         if model.distribute_strategy.num_replicas_in_sync > 1:
             raise TfrematError("RematCallback runs on one device; use tfremat.static_graph.compile_step(strategy=...) for tf.distribute")
         if getattr(model, "steps_per_execution", 1) != 1:

@@ -20,7 +20,7 @@ import tensorflow as tf
 from tfremat.errors import ArgumentError, is_int
 from tfremat.extract.analysis import reset_allocator_peak
 from tfremat.extract.extractor import per_output
-from tfremat.extract.layer_graph import model_output_names
+from tfremat.extract.layer_graph import model_output_names, require_functional
 from tfremat.static_graph.memory import default_device, resident_bytes
 
 __all__ = ["measure_model", "synthetic_batch"]
@@ -98,6 +98,7 @@ def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", 
     Returns:
         ``(x, y)``: an array each, or lists of them for several inputs or outputs.
     """
+    require_functional(model)
     rng = None if seed is None else np.random.default_rng(seed)
 
     def array(shape, dtype, draw):
@@ -185,8 +186,10 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         errors = []
         for variable, plain in zip(model.trainable_variables, reference):
             if id(variable) in planned and plain is not None:
-                difference = np.abs(planned[id(variable)].numpy() - plain.numpy()).max()
-                errors.append(float(difference / max(np.abs(plain.numpy()).max(), 1e-30)))
+                # An Embedding's gradients are IndexedSlices, which have no .numpy().
+                planned_grad, plain_grad = (tf.convert_to_tensor(g).numpy() for g in (planned[id(variable)], plain))
+                difference = np.abs(planned_grad - plain_grad).max()
+                errors.append(float(difference / max(np.abs(plain_grad).max(), 1e-30)))
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
 

@@ -61,20 +61,20 @@ import tensorflow as tf
 
 from tfremat.errors import ExtractionError
 from tfremat.extract.analysis import CallAnalysis, analyze_call, analyze_loss, device_name, tensor_bytes
-from tfremat.extract.layer_graph import LayerCall, model_input_names, model_output_names, walk_model
+from tfremat.extract.layer_graph import LayerCall, model_input_names, model_output_names, require_functional, walk_model
 from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef, flatten_by_name
 from tfremat.graph import DFGraph
 from tfremat.static_graph.state import forget_global_seed_generator, global_seed_generator, stateful_variables
 
 __all__ = [
-    "Extraction", "extract", "resolve_loss", "per_output", "cache_dir", "weight_gradient_lifetime", "refuse_model_losses",
+    "Extraction", "extract", "resolve_loss", "per_output", "cache_dir", "weight_gradient_lifetime", "refuse_unmodelled_training",
     "COST_MODELS",
 ]
 
 logger = logging.getLogger(__name__)
 
 COST_MODELS = ("profile", "flops")
-_CACHE_VERSION = 3
+_CACHE_VERSION = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,18 +249,29 @@ def _trainable(layer) -> list:
     return list(getattr(layer, "trainable_variables", ()))
 
 
-def refuse_model_losses(model) -> None:
-    """Refuses a model whose layers add losses to the training loss.
+def refuse_unmodelled_training(model) -> None:
+    """Refuses a model that ``model.fit`` trains on more than its compiled loss.
 
-    Weight regularizers (``kernel_regularizer``, ``bias_regularizer``) and ``add_loss``
-    terms are part of what ``model.fit`` minimizes; the step's graph has one loss node,
-    computed from the outputs and labels, and would silently train without them.
-    (Activity regularizers appear only once a layer is called; the extraction's per-call
-    check refuses those.)
+    The step's graph has one loss node, computed from the outputs and labels with the
+    compiled loss, and would silently train without the rest:
+    - a ``train_step`` or ``compute_loss`` of the model's own class (custom training
+      logic, an added penalty);
+    - weight regularizers (``kernel_regularizer``, ``bias_regularizer``) and ``add_loss``
+      terms. (Activity regularizers appear only once a layer is called; the
+      extraction's per-call check refuses those.)
 
     Raises:
-        ExtractionError: naming the first such layer and listing all of them.
+        ExtractionError: naming the overriding method, or the first layer that adds a
+            loss and listing all of them.
     """
+    for method in ("train_step", "compute_loss"):
+        if getattr(type(model), method) is not getattr(keras.Model, method):
+            raise ExtractionError(
+                f"model {model.name!r} overrides {method}; the rematerialized step trains on the compiled loss "
+                "alone and would silently skip it. Express the loss through model.compile(loss=...), or train "
+                "this model without tfremat",
+                layer=model.name,
+            )
     if not model.losses:
         return
     leaves = [layer for layer in model._flatten_layers(include_self=False) if not layer._layers and layer.losses]
@@ -354,6 +365,16 @@ def _hash_code(code, digest) -> None:
             digest.update(repr(constant).encode())
 
 
+def _takes_training(layer) -> bool:
+    """Whether the step calls ``layer`` with ``training=True``: every Keras layer takes it,
+    as ``model.fit`` gives it. Keras passes it on to the sublayers through its call
+    context even when the layer's own ``call`` has no ``training`` argument, so a custom
+    block's Dropout and BatchNormalization train; without it they ran in inference mode.
+    A plain Keras ``Operation`` (``keras.ops`` in a functional model) takes no such
+    argument."""
+    return isinstance(layer, keras.layers.Layer)
+
+
 def _make_caller(call: LayerCall, takes_training: bool) -> Callable[[list], object]:
     def run(flat_inputs):
         it = iter(flat_inputs)
@@ -365,7 +386,11 @@ def _make_caller(call: LayerCall, takes_training: bool) -> Callable[[list], obje
         kwargs = tf.nest.map_structure(swap, dict(call.call_kwargs))
         if takes_training:
             kwargs["training"] = True
-        return call.layer(*args, **kwargs)
+        # Inside a scope, as in a model's call and in the step: TensorFlow refuses a root
+        # name scope that starts with "_", which Keras names a layer of a class like
+        # ``_Block`` ("__block").
+        with tf.name_scope("profile"):
+            return call.layer(*args, **kwargs)
 
     return run
 
@@ -480,11 +505,8 @@ def extract(
         raise ExtractionError("pass either sample_batch or input_signature, not both")
     if not isinstance(model, keras.Model):
         raise ExtractionError(f"model must be a keras.Model, got {type(model).__name__}")
-    if not model.built:
-        raise ExtractionError(
-            f"model {model.name!r} is not built; call it once or build it with keras.Input", layer=model.name
-        )
-    refuse_model_losses(model)
+    require_functional(model)
+    refuse_unmodelled_training(model)
     optimizer = optimizer if optimizer is not None else keras.optimizers.SGD()
     calls, output_refs = walk_model(model)
     in_specs, label_specs = _input_specs(model, sample_batch, input_signature, batch_size)
@@ -520,7 +542,7 @@ def extract(
         if cached is not None:
             analysis = analyses[call.position]
         else:
-            takes_training = bool(getattr(call.layer, "_call_has_training_arg", False))
+            takes_training = _takes_training(call.layer)
             signature = (
                 _layer_signature(call.layer),
                 tuple((tuple(s.shape), s.dtype.name) for s in specs),
@@ -656,7 +678,7 @@ def _assemble(model, calls, output_refs, needs_backward, analyses, loss_analysis
         a = analyses[call.position]
         i = call.position
         layer = call.layer
-        takes_training = bool(getattr(layer, "_call_has_training_arg", False))
+        takes_training = _takes_training(layer)
         names[i] = call.name
         cost[i] = a.forward_flops if flops else a.forward_seconds
         out_bytes[i] = a.output_bytes + a.residual_bytes

@@ -20,7 +20,9 @@ import tensorflow as tf
 from tfremat.errors import ExtractionError
 from tfremat.extract.side_table import TensorRef
 
-__all__ = ["LayerCall", "walk_model", "functional_view", "model_input_names", "model_output_names"]
+__all__ = [
+    "LayerCall", "walk_model", "functional_view", "require_functional", "model_input_names", "model_output_names",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,31 @@ def functional_view(model) -> object | None:
     if hasattr(model, "_nodes_by_depth") and getattr(model, "_nodes_by_depth", None):
         return model
     return None
+
+
+def require_functional(model):
+    """The model's functional graph (:func:`functional_view`), for every entry point that
+    reads the layer DAG or ``model.inputs`` (a subclassed model has neither, and failed
+    with an AttributeError in ``max_batch_size`` and ``measure_model``).
+
+    Raises:
+        ExtractionError: a Sequential model not built yet (no ``keras.Input``, never
+            called), or a subclassed model; each message says what to do.
+    """
+    graph = functional_view(model)
+    if graph is not None:
+        return graph
+    if isinstance(model, keras.Sequential):
+        raise ExtractionError(
+            f"Sequential model {model.name!r} is not built; start it with a keras.Input or call it once on a batch",
+            layer=model.name,
+        )
+    raise ExtractionError(
+        f"model {model.name!r} is a subclassed model without a functional graph; tfremat needs "
+        "the layer DAG. Rebuild it with the functional API (keras.Input + layer calls) or as a "
+        "keras.Sequential, or wrap the subclassed model as one layer inside a functional model.",
+        layer=model.name,
+    )
 
 
 def model_input_names(model) -> list[str]:
@@ -97,17 +124,10 @@ def walk_model(model) -> tuple[list[LayerCall], list[TensorRef]]:
         model output.
 
     Raises:
-        ExtractionError: the model has no functional graph, or a model output is one of
-            its inputs (nothing to train).
+        ExtractionError: the model has no functional graph (:func:`require_functional`),
+            or a model output is one of its inputs (nothing to train).
     """
-    graph = functional_view(model)
-    if graph is None:
-        raise ExtractionError(
-            f"model {model.name!r} is a subclassed model without a functional graph; tfremat needs "
-            "the layer DAG. Rebuild it with the functional API (keras.Input + layer calls) or as a "
-            "keras.Sequential, or wrap the subclassed model as one layer inside a functional model.",
-            layer=model.name,
-        )
+    graph = require_functional(model)
     calls: list[LayerCall] = []
     names_seen: dict[str, int] = {}
     inputs = [TensorRef("model_input", i) for i in range(len(graph.inputs))]

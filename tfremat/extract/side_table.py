@@ -90,8 +90,9 @@ class NodeEntry:
         inputs: the tensors of the forward call, flattened (``tf.nest.flatten`` of
             ``(call_args, call_kwargs)`` restricted to tensors). For the loss: the model
             outputs.
-        takes_training: pass ``training=True`` to the call (the layer's ``call`` has a
-            ``training`` argument).
+        takes_training: pass ``training=True`` to the call (a Keras layer: Keras hands it
+            on to its sublayers even when the layer's ``call`` has no ``training``
+            argument).
         trainable_variables: the variables whose gradients this node's backward computes.
         num_outputs: how many tensors the forward call returns.
         input_needs_grad: per entry of ``inputs``, whether the backward node must produce

@@ -263,7 +263,7 @@ class _Interpreter:
             loss = self.table.loss_fn(list(self.y), list(predictions))
             scaled = self.scale_loss(loss)
         distinct = [l for l, p in zip(logits, predictions) if l is not p]
-        gradients = tape.gradient(scaled, distinct + predictions)
+        gradients = _gradient_once_per_tensor(tape, scaled, distinct + predictions)
         of_logits = iter(gradients[:len(distinct)])
         at_logits = [next(of_logits) if l is not p else None for l, p in zip(logits, predictions)]
         at_outputs = gradients[len(distinct):]
@@ -329,8 +329,8 @@ class _Interpreter:
             # Input gradients first, weight gradients after them: one gradient call would
             # let TensorFlow run e.g. a convolution's input and filter gradients together,
             # each with its own scratch buffer, which the memory model does not count.
-            input_part = instance.tape.gradient(
-                targets, sources, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            input_part = _gradient_once_per_tensor(
+                instance.tape, targets, sources, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.ZERO,
             ) if sources else []
             with tf.control_dependencies([g for g in input_part if g is not None]):
                 weight_part = instance.tape.gradient(
@@ -349,6 +349,23 @@ class _Interpreter:
             produced.append(g)
         self.resident[node] = _Instance(input_grads, instance.tape, [], [])
         return produced
+
+
+def _gradient_once_per_tensor(tape, targets, sources: list, **options) -> list:
+    """``tape.gradient(targets, sources)`` with the gradient of a tensor that appears in
+    several places of ``sources`` given at its first place only, None at the others.
+
+    The same tensor passed twice (``MultiHeadAttention()(h, h)``, ``Add()([h, h])``, a
+    model output listed twice) is one tensor to the tape, which returns its whole
+    gradient at every place; routing each place's copy back to the tensor's producer
+    counted it twice (training diverged silently from ``model.fit``).
+    """
+    first: dict[int, int] = {}
+    for position, tensor in enumerate(sources):
+        first.setdefault(id(tensor), position)
+    unique = [sources[p] for p in first.values()]
+    gradients = dict(zip(first.values(), tape.gradient(targets, unique, **options)))
+    return [gradients.get(p) for p in range(len(sources))]
 
 
 def _add_gradients(parts: list):
