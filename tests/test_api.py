@@ -508,7 +508,9 @@ def test_sublayers_of_a_layer_without_training_argument_train():
 
 
 def test_a_model_with_its_own_train_step_or_compute_loss_is_refused():
-    """Both were silently ignored: the step trained on the compiled loss alone."""
+    """All three were silently ignored: the step runs the layer graph and the compiled
+    loss alone. A loss with reduction=None (Keras differentiates the per-sample losses'
+    sum; the step took their mean) is refused as well."""
     class PenalizedLoss(keras.Model):
         def compute_loss(self, *args, **kwargs):
             return super().compute_loss(*args, **kwargs) + 0.1
@@ -517,13 +519,73 @@ def test_a_model_with_its_own_train_step_or_compute_loss_is_refused():
         def train_step(self, data):
             return super().train_step(data)
 
+    class OwnCall(keras.Model):
+        def call(self, inputs, training=None):
+            return super().call(inputs, training=training) * 0.5
+
     x, y = data(16)
-    for cls, method in ((PenalizedLoss, "compute_loss"), (OwnStep, "train_step")):
+    for cls, method in ((PenalizedLoss, "compute_loss"), (OwnStep, "train_step"), (OwnCall, "call")):
         base = compiled_convnet()
         model = cls(base.inputs, base.outputs)
         model.compile(optimizer="sgd", loss="categorical_crossentropy")
         with pytest.raises(ExtractionError, match=f"overrides {method}"):
             tfremat.fit(model, "100%", x, y, batch_size=8, epochs=1, cost_model="flops", verbose=0)
+    model = compiled_convnet()
+    model.compile(optimizer="sgd", loss=keras.losses.CategoricalCrossentropy(reduction=None))
+    with pytest.raises(ExtractionError, match="reduction=None"):
+        tfremat.fit(model, "100%", x, y, batch_size=8, epochs=1, cost_model="flops", verbose=0)
+
+
+def _dense_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(8, activation="relu", name="first")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+
+
+def test_a_reused_callback_plans_again_after_model_compile():
+    """Its steps were kept while the model, optimizer and loss were the same objects, so
+    after a recompile with a frozen layer or new loss weights it kept training the frozen
+    layer and the old loss weights."""
+    x, y = data(32)
+    x = x.reshape(32, -1)[:, :8]
+    results = []
+    for callbacks in ([], [RematCallback("100%", strategy="checkpoint_all", cost_model="flops", verbose=0)]):
+        model = _dense_model()
+        optimizer = keras.optimizers.SGD(0.1)
+        model.compile(optimizer=optimizer, loss="categorical_crossentropy")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        model.get_layer("first").trainable = False
+        model.compile(optimizer=optimizer, loss="categorical_crossentropy", loss_weights=0.1)
+        frozen = model.get_layer("first").get_weights()
+        history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        assert all(np.array_equal(a, b) for a, b in zip(frozen, model.get_layer("first").get_weights()))
+        results.append((model, history.history["loss"]))
+    (plain, plain_loss), (remat, remat_loss) = results
+    assert max_weight_difference(plain, remat) < 1e-6
+    np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-6)
+
+
+def test_a_callback_left_on_the_model_by_a_failed_fit_does_not_run_in_a_plain_fit(caplog):
+    """When another callback raised between steps, on_train_end did not run and the model
+    kept the callback's train function: a later plain model.fit trained through tfremat.
+    jit_compile=True and run_eagerly=True, which the step cannot apply, are warned about."""
+    class Failing(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raise RuntimeError("user callback failed")
+
+    x, y = data(32)
+    x = x.reshape(32, -1)[:, :8]
+    model = _dense_model()
+    model.compile(optimizer="sgd", loss="categorical_crossentropy", jit_compile=True)
+    callback = RematCallback("100%", strategy="checkpoint_all", cost_model="flops", verbose=0)
+    with caplog.at_level("WARNING", logger="tfremat.keras"), pytest.raises(RuntimeError, match="user callback"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[callback, Failing()])
+    assert "without XLA" in caplog.text
+    assert list(callback.plans) == [((16, 8), (16, 10))]
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert list(callback.plans) == [((16, 8), (16, 10))]  # no plan for the plain fit's batch of 8
+    assert model.train_function is not callback._train_function
 
 
 def test_measure_compares_sparse_gradients_and_refuses_models_without_a_layer_graph():

@@ -7,8 +7,11 @@ the model's loss tracker and compiled metrics are updated as ``model.fit`` would
 
 Keras restores nothing when ``fit`` raises (``on_train_end`` does not run), so the
 rematerialized step puts the model's own train function back itself when it raises (a
-budget no schedule fits, an interrupt); otherwise a later plain ``model.fit`` would keep
-running it.
+budget no schedule fits, an interrupt), and when it is called by a ``fit`` it is not a
+callback of (one that ended without ``on_train_end``, because another callback raised
+or an interrupt came between steps, left it on the model): Keras announces every batch
+to the callbacks of its own ``fit`` (``on_train_batch_begin``) just before calling the
+train function, so a call without that announcement is a plain ``model.fit``'s.
 """
 
 from __future__ import annotations
@@ -74,11 +77,11 @@ class RematCallback(keras.callbacks.Callback):
         self.verbose = verbose
         self.plans: dict = {}
         self._steps: dict = {}
-        # The (model, optimizer, loss) the compiled steps belong to: a callback reused on
-        # another model, or on the same model compiled anew, must not run stale steps
-        # (they would train the first model's variables).
-        self._steps_belong_to: tuple = (None, None, None)
+        # What the compiled steps belong to (_training_setup): a callback reused on another
+        # model, or on the same model compiled anew, must not run stale steps.
+        self._steps_belong_to: tuple = ()
         self._original_train_function = None
+        self._batch_announced = False
 
     # What the compiled steps were planned with; changing one later would leave steps
     # planned for the old value in use, so they are fixed when the callback is built.
@@ -101,12 +104,21 @@ class RematCallback(keras.callbacks.Callback):
             raise TfrematError("RematCallback runs on one device; use tfremat.static_graph.compile_step(strategy=...) for tf.distribute")
         if getattr(model, "steps_per_execution", 1) != 1:
             raise TfrematError("RematCallback runs one batch per step; compile the model with steps_per_execution=1")
-        owner = (model, model.optimizer, model.loss)
-        if any(a is not b for a, b in zip(self._steps_belong_to, owner)):
-            self._steps, self.plans, self._steps_belong_to = {}, {}, owner
+        if model.jit_compile:
+            logger.warning("the rematerialized step runs without XLA (jit_compile=True, Keras's default on a GPU, is "
+                           "not applied): XLA would merge the recomputations with the values they replace")
+        if model.run_eagerly:
+            logger.warning("the rematerialized step runs as a tf.function (run_eagerly=True is not applied); "
+                           "train with model.fit alone to debug eagerly")
+        setup = _training_setup(model)
+        if len(setup) != len(self._steps_belong_to) or any(a is not b for a, b in zip(setup, self._steps_belong_to)):
+            self._steps, self.plans, self._steps_belong_to = {}, {}, setup
         if model.train_function != self._train_function:  # else left over from a fit stopped between steps
             self._original_train_function = model.train_function
         model.train_function = self._train_function
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch_announced = True
 
     def on_train_end(self, logs=None):
         self._restore()
@@ -137,6 +149,15 @@ class RematCallback(keras.callbacks.Callback):
         return self._steps[key]
 
     def _train_function(self, iterator):
+        if not self._batch_announced:
+            # Left on the model by a fit that ended without on_train_end, and called by a
+            # fit this callback is no part of (module docstring).
+            own = self._original_train_function
+            self._restore()
+            if own is None:
+                own = self.model.make_train_function(force=True)
+            return own(iterator)
+        self._batch_announced = False
         try:
             return self._remat_step(iterator)
         except (StopIteration, tf.errors.OutOfRangeError):
@@ -161,3 +182,12 @@ class RematCallback(keras.callbacks.Callback):
             # losses are evaluated once more on its predictions (a reduction, no layer).
             model._compile_loss(y, y_pred)
         return model.compute_metrics(x, y, y_pred, sample_weight=None)
+
+
+def _training_setup(model) -> tuple:
+    """What a compiled step is specific to, as objects compared by identity: the model,
+    its optimizer and loss, the compiled loss (a new one at every ``model.compile``: new
+    loss weights) and the trainable variables (a layer frozen and the model recompiled).
+    Keyed by the first three alone, a reused callback kept training a frozen layer and
+    the old loss weights after a recompile."""
+    return (model, model.optimizer, model.loss, getattr(model, "_compile_loss", None), *model.trainable_variables)

@@ -126,6 +126,12 @@ def _one_loss(loss, where: str) -> Callable:
             f"{where} must be a Keras loss, its name or a callable, got {type(loss).__name__}", layer="loss"
         )
     if isinstance(function, keras.losses.Loss):
+        if function.reduction in (None, "none"):
+            raise ExtractionError(
+                f"{where} {function.name!r} has reduction=None (one loss per sample, which Keras differentiates "
+                "as their sum); give it reduction='sum' for that, or the default 'sum_over_batch_size'",
+                layer="loss",
+            )
         return function
     return LossFunctionWrapper(function, name=name)
 
@@ -254,8 +260,8 @@ def refuse_unmodelled_training(model) -> None:
 
     The step's graph has one loss node, computed from the outputs and labels with the
     compiled loss, and would silently train without the rest:
-    - a ``train_step`` or ``compute_loss`` of the model's own class (custom training
-      logic, an added penalty);
+    - a ``train_step``, ``compute_loss`` or ``call`` of the model's own class (custom
+      training logic, an added penalty, a forward pass other than the layer graph);
     - weight regularizers (``kernel_regularizer``, ``bias_regularizer``) and ``add_loss``
       terms. (Activity regularizers appear only once a layer is called; the
       extraction's per-call check refuses those.)
@@ -264,12 +270,12 @@ def refuse_unmodelled_training(model) -> None:
         ExtractionError: naming the overriding method, or the first layer that adds a
             loss and listing all of them.
     """
-    for method in ("train_step", "compute_loss"):
-        if getattr(type(model), method) is not getattr(keras.Model, method):
+    for method in ("train_step", "compute_loss", "call"):
+        if not getattr(type(model), method).__module__.startswith("keras."):
             raise ExtractionError(
-                f"model {model.name!r} overrides {method}; the rematerialized step trains on the compiled loss "
-                "alone and would silently skip it. Express the loss through model.compile(loss=...), or train "
-                "this model without tfremat",
+                f"model {model.name!r} overrides {method}; the rematerialized step runs the layer graph with the "
+                "compiled loss alone and would silently skip it. Express the model as layers and the loss "
+                "through model.compile(loss=...), or train this model without tfremat",
                 layer=model.name,
             )
     if not model.losses:

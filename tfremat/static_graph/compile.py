@@ -55,19 +55,19 @@ class CompiledStep:
             self._distributed_step if strategy is not None else self._step, jit_compile=False, autograph=False
         )
 
-    def _scaled_loss(self, loss, replicas: int):
-        """The loss to differentiate, as Keras's ``train_step`` forms it: divided by the
-        number of replicas, then multiplied by the optimizer's loss scale (a
-        ``LossScaleOptimizer`` under ``mixed_float16``, whose ``apply_gradients`` divides
-        the gradients by that scale again)."""
-        if replicas > 1:
-            loss = loss * tf.cast(1.0 / replicas, loss.dtype)
-        return self.optimizer.scale_loss(loss)
-
     def _replica_step(self, x, y, replicas: int):
+        # The loss to differentiate, as Keras's ``train_step`` forms it: multiplied by the
+        # optimizer's loss scale (a ``LossScaleOptimizer`` under ``mixed_float16``, whose
+        # ``apply_gradients`` divides the gradients by it again). Keras losses divide by
+        # the number of replicas themselves in a replica context; dividing again here
+        # halved the gradients on two replicas.
         loss, predictions, weight_grads, report = interpret_plan(
-            self.graph, self.side_table, self.plan, x, y, lambda value: self._scaled_loss(value, replicas),
+            self.graph, self.side_table, self.plan, x, y, self.optimizer.scale_loss,
         )
+        if replicas > 1:
+            # Reported unscaled, as Keras's loss tracker does: the replicas' mean is the
+            # loss of the global batch.
+            loss = loss * tf.cast(replicas, loss.dtype)
         self._report = report
         pairs = [(weight_grads[id(v)][1], v) for v in self._variables if id(v) in weight_grads]
         missing = [v.path for v in self._variables if id(v) not in weight_grads]
