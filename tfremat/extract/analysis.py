@@ -17,15 +17,32 @@ Reads that only take a tensor's shape (``Shape``, ``Size``, ``Rank``) keep nothi
 once shapes are static, variable reads are parameters (already fixed bytes), and constants
 live in the graph: none of them count.
 
+A ``tf.while_loop`` (a Keras RNN with ``unroll=False``) keeps its per-step intermediates for
+the gradient in ``TensorList`` accumulators: ``variant`` tensors of shape ``()`` whose
+static size says nothing about the bytes they hold (four stacked LSTM(64) over 64 steps:
+about 2 MB each, counted as 0 and missing from the forward value, so the planner freed the
+layer's activations long before the tape did, and the step used 1.5-2.5 times its
+prediction). Their bytes are measured instead (:func:`_held_bytes`): the call runs
+forward, with the accumulators the gradient creates, returning only those residuals, and
+the allocator's bytes in use after it are what the tape holds. They count as batch-sized
+residuals, and such a call is recorded on a non-persistent tape and takes its gradients in
+one ``gradient`` call, as the step does
+(:func:`tfremat.static_graph.interpreter.takes_one_gradient_call`).
+
 With ``profile=True`` the same functions are run on the target device: the median of timed
 runs after warm-up gives the cost, and the ``TF_CPU_ALLOCATOR_USE_BFC`` allocator's peak
 (reset before each run) gives the workspace, i.e. the transient bytes beyond the node's
 output, residuals and gradients. Profiling runs the layer with ``training=True``, which
 would move batch-norm statistics and dropout seeds, so the layer's non-trainable variables
-are restored afterwards: extraction leaves the model exactly as it found it.
+are restored afterwards: extraction leaves the model exactly as it found it. The backward
+workspace of a call that runs a while loop comes from the bytes its operations request
+instead (the largest over a few traces, see :func:`_requested_peak` and ``analyze_call``).
 
 The ``flops`` cost model sums TensorFlow's registered per-op flop statistics over the traced
-ops (``Conv2D``, ``MatMul``, ...), and the element count of every other computing op.
+ops (``Conv2D``, ``MatMul``, ...), and the element count of every other computing op. A
+while loop counts its body's ops times the iterations it ran on a sample batch (the length
+of its accumulators; its gradient loop runs as many), and a called function its function's
+ops; a loop nested in a loop's body counts its body once per outer iteration.
 """
 
 from __future__ import annotations
@@ -40,8 +57,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.ops import handle_data_util
 
 from tfremat.errors import ExtractionError
+from tfremat.static_graph.interpreter import takes_one_gradient_call
+from tfremat.static_graph.memory import measure_step_peak, resident_bytes
 
 __all__ = ["CallAnalysis", "analyze_call", "analyze_loss", "tensor_bytes", "device_name"]
 
@@ -49,6 +69,9 @@ logger = logging.getLogger(__name__)
 
 _SHAPE_ONLY_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"})
 _NOT_RESIDUAL_OPS = frozenset({"ReadVariableOp", "Const", "Placeholder", "VarHandleOp"})
+_LOOP_OPS = frozenset({"While", "StatelessWhile"})
+_CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
+_LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (analyze_call)
 _NO_COMPUTE_OPS = frozenset(
     {"Const", "Placeholder", "ReadVariableOp", "Identity", "IdentityN", "NoOp", "Shape", "ShapeN",
      "Size", "Rank", "Reshape", "StopGradient", "VarHandleOp", "AssignVariableOp", "AssignAddVariableOp",
@@ -65,7 +88,10 @@ class CallAnalysis:
         output_bytes: bytes of the outputs.
         reads_inputs: positions of the call's inputs that the gradient reads.
         reads_output: the gradient reads the call's output.
-        residual_bytes: residuals that grow with the batch.
+        residual_bytes: residuals that grow with the batch (``loop_residual_bytes``
+            included).
+        loop_residual_bytes: bytes held by ``variant`` residuals (a while loop's
+            accumulators), measured by running the call.
         small_residual_bytes: residuals that do not.
         input_grad_bytes: bytes of the gradients the backward returns for the inputs.
         forward_flops, backward_flops: analytic counts from the traced ops.
@@ -86,6 +112,7 @@ class CallAnalysis:
     backward_seconds: float = 0.0
     forward_workspace: int = 0
     backward_workspace: int = 0
+    loop_residual_bytes: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -141,9 +168,10 @@ def _op_flops(graph, op) -> float:
 
 
 def _sync(result) -> None:
-    """Waits for a (possibly asynchronous) device result by reading one element back."""
+    """Waits for a (possibly asynchronous) device result by reading one element back
+    (of a numeric tensor: a ``variant`` one, a loop's accumulator, cannot be read)."""
     for t in tf.nest.flatten(result):
-        if t is not None:
+        if t is not None and t.dtype != tf.variant:
             tf.reshape(t, [-1])[:1].numpy()
             return
 
@@ -185,6 +213,32 @@ def _time_and_memory(fn: Callable, args, repeats: int, warmup: int) -> tuple[flo
     return statistics.median(times), max(0, int(peak))
 
 
+def _requested_peak(fn: Callable, args) -> int:
+    """The peak of the bytes ``fn(*args)`` requests from the allocator above what existed
+    before it (:func:`tfremat.static_graph.measure_step_peak` with ``count="requested"``), for
+    calls that run a while loop.
+
+    The allocator's own peak counts whole BFC chunks, and a loop makes hundreds of small
+    per-iteration allocations (an LSTM's per-step weight-gradient partials, up to 32
+    iterations in flight) whose chunks depend on what the process allocated before: the
+    same GRU backward measured 1.1 MB of workspace in one process and 2.4 MB in another,
+    and plans made on the smaller number overran. The requested bytes are what the step's
+    memory is held to. One run after a warm-up: the order in which a loop's iterations
+    run is fixed by its trace (see ``analyze_call``), except that it sometimes settled on
+    a smaller peak after a few runs (3.41 MB requested, then 2.53), never on a larger one.
+    """
+    ready = tf.constant(0.0)
+
+    def run(first, rest):
+        # measure_step_peak reads its result's first tensor back, which must not be a variant.
+        return ready, fn(first, *rest)
+
+    first, *rest = args
+    device = device_name().split("device:")[-1]
+    peak = measure_step_peak(run, first, rest, device=device, warmup=1, count="requested")
+    return max(0, peak - resident_bytes(tf.nest.flatten(args)))  # measure_step_peak adds the arguments
+
+
 def _sample(spec: tf.TensorSpec) -> tf.Tensor:
     """A deterministic tensor for a spec: small random floats, zeros for integers."""
     if _is_float(spec.dtype):
@@ -206,6 +260,10 @@ def analyze_call(
 ) -> CallAnalysis:
     """Traces (and with ``profile`` runs) one layer call and its VJP.
 
+    A call whose backward reads ``variant`` residuals (a while loop's accumulators), or
+    whose forward runs a while loop, is also run once without ``profile``: the bytes those
+    residuals hold and the loops' iteration counts exist only at run time.
+
     Args:
         call_layer: runs the layer on the flattened input tensors (with ``training=True``).
         layer_name: for error messages.
@@ -218,27 +276,40 @@ def analyze_call(
 
     Returns:
         A :class:`CallAnalysis`.
+
+    Raises:
+        ExtractionError: a shape is not static, or a ``variant`` residual cannot be sized
+            (no allocator statistics and no ``TensorList`` element shape).
     """
-    record: dict = {}
+    records: dict[str, dict] = {}
     grad_positions = [i for i, (s, g) in enumerate(zip(input_specs, needs_grad)) if g and _is_float(s.dtype)]
 
-    def forward_backward(flat_inputs, seed):
+    def forward_backward(flat_inputs, seed, fetch: str):
         """The call and its VJP as the compiled step runs them (the trace the analysis
         reads, and the run the backward's time and workspace come from).
 
-        The step asks the tape for the input gradients first and for the weight gradients
-        after them (two ``gradient`` calls, see the interpreter), and the memory model
-        counts the forward value (outputs and the tensors the gradient reads) and the
-        upstream gradients as resident while the backward node runs: they are returned
-        here, so they live to the end, and the upstream gradients are made inside (from
-        ``seed``, after the forward) as the step makes them. One ``gradient`` call on
-        caller-owned gradients had let TensorFlow free a residual mid-way and measured a
-        Dense+ReLU layer's transient (``ReluGrad``'s batch-sized output) as 0 bytes: the
-        step peaked one such buffer above the prediction (2 MiB on a Dense(512) MLP at
-        batch 1024).
+        The step asks a persistent tape for the input gradients first and for the weight
+        gradients after them (two ``gradient`` calls, see the interpreter; a
+        non-persistent tape and one call when the forward runs a while loop,
+        :func:`~tfremat.static_graph.interpreter.takes_one_gradient_call`),
+        and the memory model counts the forward value (outputs and the tensors the
+        gradient reads) and the upstream gradients as resident while the backward node
+        runs: they are returned here, so they live to the end, and the upstream gradients
+        are made inside (from ``seed``, after the forward) as the step makes them. One
+        ``gradient`` call on caller-owned gradients had let TensorFlow free a residual
+        mid-way and measured a Dense+ReLU layer's transient (``ReluGrad``'s batch-sized
+        output) as 0 bytes: the step peaked one such buffer above the prediction (2 MiB on
+        a Dense(512) MLP at batch 1024). A loop's accumulators are the exception: the
+        gradient loop, their only reader, pops them one step at a time, so they need not
+        live to the end; returning them counted a stacked LSTM's backward workspace 1.1
+        MB higher and predicted its step 15% above what it requested.
+
+        With ``fetch="held"`` it returns only the ``variant`` residuals: nothing returned
+        reads the gradient, so its operations do not run, and the bytes still allocated
+        afterwards are those the accumulators hold.
         """
         graph = tf.compat.v1.get_default_graph()
-        with tf.GradientTape(persistent=True) as tape:
+        with tf.GradientTape(persistent=not one_call) as tape:
             for i in grad_positions:
                 tape.watch(flat_inputs[i])
             outputs = tf.nest.flatten(call_layer(list(flat_inputs)))
@@ -248,16 +319,28 @@ def analyze_call(
         sources = [flat_inputs[i] for i in grad_positions]
         gradient = functools.partial(tape.gradient, targets, output_gradients=upstream,
                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        input_part = gradient(sources) if sources and targets else []
-        with tf.control_dependencies([g for g in input_part if g is not None]):
-            weight_part = gradient(list(variables)) if variables and targets else []
+        if not targets:
+            input_part, weight_part = [], []
+        elif one_call:
+            both = gradient(sources + list(variables)) if sources or variables else []
+            input_part, weight_part = both[:len(sources)], both[len(sources):]
+        else:
+            input_part = gradient(sources) if sources else []
+            with tf.control_dependencies([g for g in input_part if g is not None]):
+                weight_part = gradient(list(variables)) if variables else []
         operations = graph.get_operations()
-        record.update(
-            forward_ops=operations[:mark], backward_ops=operations[mark:],
-            reads=_backward_reads(operations[:mark], operations[mark:], flat_inputs, outputs),
-        )
+        reads = _backward_reads(operations[:mark], operations[mark:], flat_inputs, outputs)
+        records[fetch] = {"forward_ops": operations[:mark], "backward_ops": operations[mark:], "reads": reads}
+        if fetch == "held":
+            return [t for t in reads[2] if t.dtype == tf.variant]
         grads = [g for g in (*input_part, *weight_part) if g is not None]
-        return grads + outputs + upstream + list(record["reads"][2])
+        return grads + outputs + upstream + [t for t in reads[2] if t.dtype != tf.variant]
+
+    def step(flat_inputs, seed):
+        return forward_backward(flat_inputs, seed, "step")
+
+    def held(flat_inputs, seed):
+        return forward_backward(flat_inputs, seed, "held")
 
     def forward(flat_inputs):
         return call_layer(list(flat_inputs))
@@ -270,20 +353,34 @@ def analyze_call(
     output_bytes = sum(tensor_bytes(s, d, "the output", layer_name) for s, d in output_specs)
     upstream_bytes = sum(tensor_bytes(s, d, "an output gradient", layer_name) for s, d in output_specs
                          if _is_float(tf.as_dtype(d)))
+    # The interpreter decides on the same forward-only trace (its trial trace).
+    one_call = takes_one_gradient_call(forward_concrete.graph.get_operations())
 
-    fb_fn = tf.function(forward_backward, autograph=False)
-    fb_concrete = fb_fn.get_concrete_function(list(input_specs), tf.TensorSpec([], tf.float32))
+    fb_fn = tf.function(step, autograph=False)
+    seed_spec = tf.TensorSpec([], tf.float32)
+    fb_concrete = fb_fn.get_concrete_function(list(input_specs), seed_spec)
+    record = records["step"]
     reads_inputs, reads_output, read_tensors = record["reads"]
     residuals: dict[str, int] = {}
     small: dict[str, int] = {}
     for t in read_tensors:
+        if t.dtype == tf.variant:
+            continue  # sized below, by running the call
         shape = t.shape.as_list() if t.shape.rank is not None else [None]
         size = tensor_bytes(shape, t.dtype, f"residual {t.name}", layer_name)
         batch_sized = len(shape) >= 1 and shape[0] == batch_size and not (len(shape) == 1 and t.dtype.is_integer)
         (residuals if batch_sized else small)[t.name] = size
+    loop_bytes, iterations = 0, 1
+    held_concrete = None
+    if one_call or any(t.dtype == tf.variant for t in read_tensors):
+        held_concrete = tf.function(held, autograph=False).get_concrete_function(list(input_specs), seed_spec)
+        loop_bytes, iterations = _held_bytes(
+            held_concrete, ([_sample(s) for s in input_specs], tf.constant(1.0)), records["held"], layer_name,
+        )
+        logger.debug("layer %s: loop accumulators hold %d bytes over %d iterations", layer_name, loop_bytes, iterations)
     graph = fb_concrete.graph
-    forward_flops = sum(_op_flops(graph, op) for op in record["forward_ops"])
-    backward_flops = sum(_op_flops(graph, op) for op in record["backward_ops"])
+    forward_flops = _flops(graph, record["forward_ops"], iterations)
+    backward_flops = _flops(graph, record["backward_ops"], iterations)
     input_grad_bytes = sum(
         tensor_bytes(input_specs[i].shape, input_specs[i].dtype, f"input {i}", layer_name) for i in grad_positions
     )
@@ -292,26 +389,127 @@ def analyze_call(
         output_bytes=output_bytes,
         reads_inputs=tuple(sorted(reads_inputs)),
         reads_output=reads_output,
-        residual_bytes=sum(residuals.values()),
+        residual_bytes=sum(residuals.values()) + loop_bytes,
         small_residual_bytes=sum(small.values()),
         input_grad_bytes=input_grad_bytes,
         forward_flops=forward_flops,
         backward_flops=backward_flops,
+        loop_residual_bytes=loop_bytes,
     )
     if not profile:
         return analysis
     inputs = [_sample(s) for s in input_specs]
     weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
-    fwd_seconds, fwd_peak = _time_and_memory(forward_concrete, (inputs,), repeats, warmup)
+    # A loop's forward under the tape also fills the accumulators: time and measure that run.
+    timed_forward = (held_concrete, (inputs, tf.constant(1.0))) if held_concrete is not None else (forward_concrete, (inputs,))
+    fwd_seconds, fwd_peak = _time_and_memory(*timed_forward, repeats, warmup)
     fb_seconds, fb_peak = _time_and_memory(fb_concrete, (inputs, tf.constant(1.0)), repeats, warmup)
-    held = output_bytes + upstream_bytes + analysis.residual_bytes + analysis.small_residual_bytes
+    if held_concrete is not None:
+        # Each trace of a loop's gradient comes out with its operations in another order
+        # (not fixed by Python's hash seed either), and the order decides how many
+        # iterations' temporaries are in flight at once: one LSTM(32) backward peaked at
+        # 0.35, 0.62 or 1.17 MB depending on the trace, the same on every run of one. The
+        # step's trace is another draw, so the workspace is the largest over a few traces.
+        retraced = [tf.function(step, autograph=False).get_concrete_function(list(input_specs), seed_spec)
+                    for _ in range(_LOOP_TRACES - 1)]
+        fb_peak = max(_requested_peak(fn, (inputs, tf.constant(1.0))) for fn in [fb_concrete, *retraced])
+    held_bytes = output_bytes + upstream_bytes + analysis.residual_bytes + analysis.small_residual_bytes
     return dataclasses.replace(
         analysis,
         forward_seconds=fwd_seconds,
         backward_seconds=max(fb_seconds - fwd_seconds, 0.05 * fb_seconds),
         forward_workspace=max(0, fwd_peak - output_bytes - analysis.residual_bytes),
-        backward_workspace=max(0, fb_peak - held - input_grad_bytes - weight_grad_bytes),
+        backward_workspace=max(0, fb_peak - held_bytes - input_grad_bytes - weight_grad_bytes),
     )
+
+
+def _function_graph(graph, name: str):
+    """The graph of the function ``name`` in ``graph``'s library, or None."""
+    function = graph._get_function(name)  # pylint: disable=protected-access
+    return getattr(function, "graph", None)
+
+
+def _flops(graph, ops, iterations: int) -> float:
+    """Flops of ``ops`` (see the module docstring).
+
+    A while loop counts its body ``iterations`` times; a function call (``tf.function``,
+    and the wrapper TensorFlow puts around a loop recorded on a persistent tape) counts
+    the ops of its function. A loop inside a loop's body counts its body once per outer
+    iteration: its own count is not known.
+    """
+    total = 0.0
+    for op in ops:
+        if op.type in _LOOP_OPS:
+            body = _function_graph(graph, op.get_attr("body").name)
+            if body is None:
+                logger.warning("while loop %s: its body is not in the graph's library; its flops are not counted", op.name)
+                continue
+            total += iterations * _flops(body, body.get_operations(), 1)
+        elif op.type in _CALL_OPS:
+            called = _function_graph(graph, op.get_attr("f").name)
+            total += _op_flops(graph, op) if called is None else _flops(called, called.get_operations(), iterations)
+        else:
+            total += _op_flops(graph, op)
+    return total
+
+
+def _held_bytes(held_concrete, args, record: dict, layer: str) -> tuple[int, int]:
+    """Bytes the ``variant`` residuals of a call hold, and its loops' iteration count.
+
+    Runs ``held_concrete`` (the call's forward, returning only those residuals) once to
+    warm up and once measured. The allocator's bytes in use after the measured run, above
+    those before it, are what the returned accumulators keep: the
+    elements they share with tensors that exist anyway (the variables a loop reads on
+    every step) are not counted, as they cost nothing more in the step either. Without
+    allocator statistics each ``TensorList``'s length times its element size (from the
+    handle data) is used instead, which counts shared elements again.
+
+    A loop pushes one element per iteration onto each accumulator, so the longest list is
+    the iteration count (1 when no residual is a ``TensorList``; several loops of
+    different lengths in one call all count the longest).
+
+    Raises:
+        ExtractionError: no allocator statistics and a ``variant`` residual that is not a
+            ``TensorList`` with a static element shape.
+    """
+    variants = [t for t in record["reads"][2] if t.dtype == tf.variant]
+    warm = held_concrete(*args)  # first-run allocations are not the tape's
+    del warm
+    device = device_name().split("device:")[-1]
+    try:
+        before = tf.config.experimental.get_memory_info(device)["current"]
+    except ValueError:
+        before = None
+    result = held_concrete(*args)
+    if before is not None:
+        held = max(0, tf.config.experimental.get_memory_info(device)["current"] - before)
+    else:
+        held = sum(_list_bytes(t, value, layer) for t, value in zip(variants, result))
+    lengths = [int(tf.raw_ops.TensorListLength(input_handle=value).numpy())
+               for t, value in zip(variants, result) if _list_element(t) is not None]
+    return int(held), max(lengths, default=1)
+
+
+def _list_element(tensor):
+    """The element's ``TensorShapeProto`` and dtype of a ``TensorList`` variant tensor, from
+    its handle data; None for another kind of variant."""
+    data = handle_data_util.get_resource_handle_data(tensor)
+    shapes = list(data.shape_and_type) if data is not None and data.is_set else []
+    return (shapes[0].shape, tf.dtypes.as_dtype(shapes[0].dtype)) if len(shapes) == 1 else None
+
+
+def _list_bytes(tensor, value, layer: str) -> int:
+    """Bytes of the ``TensorList`` ``value`` (the run's value of the graph tensor ``tensor``)."""
+    element = _list_element(tensor)
+    if element is None or element[0].unknown_rank or any(d.size < 0 for d in element[0].dim):
+        raise ExtractionError(
+            f"layer {layer!r}: its gradient keeps the variant tensor {tensor.name} (a while loop's accumulator), "
+            "whose size cannot be read without allocator statistics: set TF_CPU_ALLOCATOR_USE_BFC=true before "
+            "TensorFlow is imported (importing tfremat first does it), or unroll the loop (unroll=True)",
+            layer=layer,
+        )
+    size = tensor_bytes([d.size for d in element[0].dim], element[1], tensor.name, layer)
+    return size * int(tf.raw_ops.TensorListLength(input_handle=value).numpy())
 
 
 def _backward_reads(forward_ops, backward_ops, inputs, outputs) -> tuple[set[int], bool, list]:

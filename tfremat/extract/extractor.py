@@ -7,9 +7,11 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
 * **Forward node** value = the layer's output + its batch-sized *residuals*: the internal
   tensors its gradient reads (measured, see :mod:`tfremat.extract.analysis`). The tape keeps
   them from the forward call until the backward node runs, and a recomputation recreates
-  them together with the output, so they live and die with the node. The edge
-  ``forward -> backward`` of a layer exists exactly when its gradient reads its output or a
-  batch-sized residual; otherwise the output is freed after its last forward reader.
+  them together with the output, so they live and die with the node. A while loop's
+  accumulators (a Keras RNN with ``unroll=False``) are such residuals, sized by running the
+  call. The edge ``forward -> backward`` of a layer exists exactly when its gradient reads
+  its output or a batch-sized residual; otherwise the output is freed after its last
+  forward reader.
 * **Loss node** value = the scalar loss + the gradient of the loss with respect to every
   model output (one op computes both, so they are one value).
 * **Backward node** value = the gradients with respect to the layer's inputs that need one.
@@ -74,7 +76,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COST_MODELS = ("profile", "flops")
-_CACHE_VERSION = 4
+_CACHE_VERSION = 5
 
 
 @dataclasses.dataclass(frozen=True)

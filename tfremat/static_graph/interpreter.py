@@ -12,11 +12,14 @@ statement (Checkmate's Algorithm 1 order):
   outputs.
 * **compute of a backward node**: sum the upstream gradient contributions, then
   ``tape.gradient(outputs, inputs + weights, output_gradients=dy)`` on the forward node's
-  latest instance. If that instance was computed from an older copy of an input the
-  gradient reads (the input was freed and recomputed since, the forward node was not), the
-  vector-Jacobian product is rebuilt on the resident input so the old copy is not kept
-  alive; when the gradient reads nothing but inputs (convolutions, dense layers) the
-  rebuilt forward op has no consumer and TensorFlow prunes it, so it costs nothing.
+  latest instance: two calls on a persistent tape (input gradients, then weight
+  gradients), or one call on a non-persistent tape when the layer's forward runs a
+  ``tf.while_loop`` (:func:`takes_one_gradient_call`). If that instance was computed from
+  an older copy of an input the gradient reads (the input was freed and recomputed since,
+  the forward node was not), the vector-Jacobian product is rebuilt on the resident input
+  so the old copy is not kept alive; when the gradient reads nothing but inputs
+  (convolutions, dense layers) the rebuilt forward op has no consumer and TensorFlow
+  prunes it, so it costs nothing.
 * **deallocate**: drop the value from the resident table; nothing created later can read
   it, so TensorFlow frees the tensor once its last (earlier) consumer has run.
 
@@ -42,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.python.framework import func_graph
 
 from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
@@ -50,7 +54,7 @@ from tfremat.static_graph.state import (
     StateSnapshot, call_replaying, call_with_snapshot, reads_global_seed_generator, stateful_random_ops,
 )
 
-__all__ = ["TraceReport", "interpret_plan"]
+__all__ = ["TraceReport", "interpret_plan", "runs_loop", "takes_one_gradient_call"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +85,85 @@ class TraceReport:
     costly_vjp_rebuilds: int = 0
 
 
+_LOOP_OPS = frozenset({"While", "StatelessWhile"})
+
+
+def runs_loop(ops) -> bool:
+    """Whether the traced operations ``ops`` run a ``tf.while_loop`` (a Keras RNN with
+    ``unroll=False``), directly or inside a function they call (``tf.function``, ``tf.cond``
+    branches), looked up in the graph's function library."""
+    seen: set[str] = set()
+
+    def function_names(attrs):
+        for value in attrs.values():
+            if value.HasField("func"):
+                yield value.func.name
+            elif value.HasField("list"):
+                yield from (f.name for f in value.list.func)
+
+    def in_function(graph, name: str) -> bool:
+        if name in seen:
+            return False
+        seen.add(name)
+        function = graph._get_function(name)  # pylint: disable=protected-access
+        if function is None:
+            return False
+        return any(node.op in _LOOP_OPS or any(in_function(graph, f) for f in function_names(node.attr))
+                   for node in function.definition.node_def)
+
+    return any(op.type in _LOOP_OPS or any(in_function(op.graph, f) for f in function_names(op.node_def.attr))
+               for op in ops)
+
+
+def takes_one_gradient_call(forward_ops) -> bool:
+    """Whether a layer call whose forward (traced alone) is ``forward_ops`` is recorded on
+    a non-persistent tape and asked for its input and weight gradients in one
+    ``gradient`` call; otherwise a persistent tape is asked twice.
+
+    Two calls (input gradients, then weight gradients under a control dependency) keep
+    TensorFlow from running e.g. a convolution's input and filter gradients together, each
+    with its own scratch buffer, which the memory model does not count. A
+    ``tf.while_loop`` (a Keras RNN with ``unroll=False``) needs the other way: each call
+    builds a whole backward loop of its own (one LSTM(64) over 64 steps: 11.3 MB and
+    0.038 s for two calls, 6.6 MB and 0.023 s for one), and a persistent tape can be
+    differentiated again, so TensorFlow wraps the loop for higher-order gradients and its
+    backward keeps every iteration's intermediates as well (13.6 MB against 4.7 MB on a
+    non-persistent tape, which plain training uses).
+    :func:`tfremat.extract.analysis.analyze_call` measures the backward with the same rule.
+    """
+    return runs_loop(forward_ops)
+
+
+def _trace_alone(entry, inputs: list) -> list:
+    """The operations of ``entry``'s layer call traced in a scratch graph on placeholders
+    shaped like ``inputs`` (nothing of it runs): what :func:`takes_one_gradient_call`
+    decides on, before the real call is recorded (the extraction decides on its
+    forward-only trace of the call, the same operations). A bare ``FuncGraph`` (it captures
+    the layer's variables as a ``tf.function`` trace does) costs about a third of a
+    ``tf.function`` trace, which also builds the function."""
+    graph = func_graph.FuncGraph("tfremat_trial")
+    with graph.as_default():
+        flat = [tf.compat.v1.placeholder(t.dtype, t.shape) for t in inputs]
+        lookup = dict(zip(entry.inputs, flat))
+        args, kwargs = entry.fill_in(lookup.__getitem__)
+        if entry.takes_training:
+            kwargs["training"] = True
+        with tf.name_scope("trial"):  # a root scope may not start with "_" (a layer "__block")
+            entry.layer(*args, **kwargs)
+    return graph.get_operations()
+
+
 @dataclasses.dataclass
 class _Instance:
-    """One (re)computation of a forward node: outputs, the tape that recorded them, inputs."""
+    """One (re)computation of a forward node: outputs, the tape that recorded them, inputs,
+    and whether its backward takes one gradient call (:func:`takes_one_gradient_call`)."""
 
     outputs: list
     tape: tf.GradientTape
     inputs: list
     input_generations: list
+    one_gradient_call: bool = False
+    differentiated: bool = False
 
 
 class _Interpreter:
@@ -112,6 +187,8 @@ class _Interpreter:
         # of a layer that owns it (several for a layer called more than once).
         self.weight_grads: dict[int, tuple[Any, list]] = {}
         self.last_reader: dict[int, list] = {}
+        # Per forward node: takes_one_gradient_call of its layer call, from a trial trace.
+        self.one_gradient_call: dict[int, bool] = {}
         self.report = TraceReport()
 
     # ----- reading resident values -----
@@ -190,12 +267,22 @@ class _Interpreter:
 
         ``purpose`` is ``"forward"``, ``"recompute"`` or ``"vjp"`` (a rebuilt gradient), for
         the trace report.
+
+        The tape is non-persistent when the call takes one gradient call
+        (:func:`takes_one_gradient_call`, decided once per node on a trial trace, since the
+        tape must exist before the real call is recorded).
+
+        Returns:
+            ``(outputs, tape, one_gradient_call)``.
         """
         lookup = dict(zip(entry.inputs, inputs))
         args, kwargs = entry.fill_in(lookup.__getitem__)
         if entry.takes_training:
             kwargs["training"] = True
-        tape = tf.GradientTape(persistent=True)
+        if node not in self.one_gradient_call:
+            self.one_gradient_call[node] = takes_one_gradient_call(_trace_alone(entry, inputs))
+        one_call = self.one_gradient_call[node]
+        tape = tf.GradientTape(persistent=not one_call)
         with tape:
             for tensor, needs in zip(inputs, entry.input_needs_grad or [False] * len(inputs)):
                 if needs:
@@ -237,14 +324,14 @@ class _Interpreter:
             raise CompileError(
                 f"layer {entry.name!r} returned {len(outputs)} tensors, the extraction recorded {entry.num_outputs}"
             )
-        return outputs, tape
+        return outputs, tape, one_call
 
     def _forward(self, node: int, entry, recompute: bool) -> list:
         inputs = [self._tensor(ref, node) for ref in entry.inputs]
-        outputs, tape = self._call_layer(node, entry, inputs, "recompute" if recompute else "forward")
+        outputs, tape, one_call = self._call_layer(node, entry, inputs, "recompute" if recompute else "forward")
         generation = self.generation.get(node, -1) + 1
         self.generation[node] = generation
-        instance = _Instance(outputs, tape, inputs, [self._input_generation(r) for r in entry.inputs])
+        instance = _Instance(outputs, tape, inputs, [self._input_generation(r) for r in entry.inputs], one_call)
         self.instances[node] = instance
         self.resident[node] = instance
         return list(outputs)
@@ -303,16 +390,17 @@ class _Interpreter:
         instance = self.instances.get(forward)
         if reads_forward:
             instance = self._value(forward, node)
-        stale = instance is None or any(
+        stale = instance is None or (instance.one_gradient_call and instance.differentiated) or any(
             forward_entry.inputs[pos].source == "node"
             and instance.input_generations[pos] != self.generation[forward_entry.inputs[pos].index]
             for pos in entry.reads_inputs
         )
         if stale:
-            # Rebuild the VJP on the resident inputs so no freed copy is read (module doc).
+            # Rebuild the VJP on the resident inputs so no freed copy is read (module doc),
+            # or because a non-persistent tape has given its one gradient already.
             inputs = [self._tensor(ref, node) for ref in forward_entry.inputs]
-            outputs, tape = self._call_layer(forward, forward_entry, inputs, "vjp")
-            instance = _Instance(outputs, tape, inputs, [])
+            outputs, tape, one_call = self._call_layer(forward, forward_entry, inputs, "vjp")
+            instance = _Instance(outputs, tape, inputs, [], one_call)
             if reads_forward:
                 self.report.costly_vjp_rebuilds += 1
                 logger.warning(
@@ -325,6 +413,13 @@ class _Interpreter:
         variables = list(forward_entry.trainable_variables)
         if not targets:
             grads = [None] * (len(sources) + len(variables))
+        elif instance.one_gradient_call:
+            # A while loop's backward is one loop for all gradients (takes_one_gradient_call).
+            instance.differentiated = True
+            grads = _gradient_once_per_tensor(
+                instance.tape, targets, sources + variables, output_gradients=dys,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
         else:
             # Input gradients first, weight gradients after them: one gradient call would
             # let TensorFlow run e.g. a convolution's input and filter gradients together,
