@@ -76,7 +76,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COST_MODELS = ("profile", "flops")
-_CACHE_VERSION = 5
+_CACHE_VERSION = 6
 
 
 @dataclasses.dataclass(frozen=True)
