@@ -619,3 +619,30 @@ def test_measure_compares_sparse_gradients_and_refuses_models_without_a_layer_gr
             call()
     with pytest.raises(ExtractionError, match="Sequential model .* is not built"):
         measure_model(keras.Sequential([keras.layers.Dense(4)]), "100%", batch_size=4, cost_model="flops", verbose=0)
+
+
+class _TrainingOnlyScale(keras.layers.Layer):
+    """A layer with a weight that only inference uses."""
+
+    def build(self, shape):
+        self.train_scale = self.add_weight(shape=(shape[-1],), initializer="ones", name="train_scale")
+        self.infer_scale = self.add_weight(shape=(shape[-1],), initializer="ones", name="infer_scale")
+
+    def call(self, x, training=None):
+        return x * (self.train_scale if training else self.infer_scale)
+
+
+def test_a_weight_the_training_forward_does_not_use_gets_no_gradient():
+    """It crashed the extraction (a zero gradient for a Keras variable); a zero gradient
+    would also let weight decay change it where model.fit leaves it alone."""
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        hidden = _TrainingOnlyScale()(keras.layers.Dense(8, activation="relu")(inputs))
+        return keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+
+    x, y = data(16)
+    x = x.reshape(16, -1)[:, :8]
+    difference, _, _ = _fit_both(build, lambda: {"optimizer": keras.optimizers.AdamW(0.05, weight_decay=0.5),
+                                                 "loss": "categorical_crossentropy"}, x, y)
+    assert difference == 0.0

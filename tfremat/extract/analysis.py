@@ -334,12 +334,14 @@ def analyze_call(
             if not targets:
                 input_part, weight_part = [], []
             elif one_call:
-                both = gradient(sources + list(variables)) if sources or variables else []
+                both = gradient(sources + list(variables), unconnected_gradients=tf.UnconnectedGradients.NONE) \
+                    if sources or variables else []
                 input_part, weight_part = both[:len(sources)], both[len(sources):]
             else:
                 input_part = gradient(sources) if sources else []
                 with tf.control_dependencies([g for g in input_part if g is not None]):
-                    weight_part = gradient(list(variables)) if variables else []
+                    weight_part = gradient(list(variables), unconnected_gradients=tf.UnconnectedGradients.NONE) \
+                        if variables else []
         operations = graph.get_operations()
         reads = _backward_reads(operations[:mark], operations[mark:], flat_inputs, outputs)
         # Input gradients that are one tensor (an Add's gradient is its upstream gradient

@@ -358,7 +358,10 @@ class _Interpreter:
             if g is not None and o is not None:
                 raise CompileError(
                     f"the loss reads model output {k} both through its softmax/sigmoid and through the logits Keras "
-                    "attached to it; the rematerialized step supports one of the two per output"
+                    "attached to it (BinaryFocalCrossentropy on a sigmoid output, or a sum of a cross-entropy and "
+                    "another loss); the rematerialized step supports one of the two per output. Give the output "
+                    "layer no activation and compile losses with from_logits=True (apply the activation inside a "
+                    "custom loss), or use one loss per output"
                 )
         self.loss_reads_logits = [g is not None for g in at_logits]
         grads = [g if reads else o for g, o, reads in zip(at_logits, at_outputs, self.loss_reads_logits)]
@@ -418,8 +421,9 @@ class _Interpreter:
             instance.differentiated = True
             grads = _gradient_once_per_tensor(
                 instance.tape, targets, sources + variables, output_gradients=dys,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                unconnected_gradients=tf.UnconnectedGradients.NONE,
             )
+            grads[:len(sources)] = [tf.zeros_like(s) if g is None else g for s, g in zip(sources, grads)]
         else:
             # Input gradients first, weight gradients after them: one gradient call would
             # let TensorFlow run e.g. a convolution's input and filter gradients together,
@@ -427,9 +431,12 @@ class _Interpreter:
             input_part = _gradient_once_per_tensor(
                 instance.tape, targets, sources, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.ZERO,
             ) if sources else []
+            # A variable the training forward does not use gets no gradient, as in
+            # model.fit (a zero one would let weight decay change it; and a zero for a Keras
+            # variable failed on its string dtype).
             with tf.control_dependencies([g for g in input_part if g is not None]):
                 weight_part = instance.tape.gradient(
-                    targets, variables, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                    targets, variables, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.NONE,
                 ) if variables else []
             grads = list(input_part) + list(weight_part)
         input_grads: list = [None] * len(forward_entry.inputs)
@@ -491,9 +498,9 @@ def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
         x: the input batch (structure matching the model inputs).
         y: the labels.
         scale_loss: the loss that is differentiated, as a function of the loss (None: the
-            loss itself); the compiled step divides by the number of replicas under a
-            distribution strategy and applies the optimizer's loss scale (``mixed_float16``),
-            as Keras's own ``train_step`` does. The loss returned stays unscaled.
+            loss itself); the compiled step applies the optimizer's loss scale
+            (``mixed_float16``), as Keras's own ``train_step`` does (Keras losses divide by
+            the number of replicas themselves under a distribution strategy).
 
     Returns:
         ``(loss, predictions, weight_grads, report)``: the scalar loss, the model outputs
