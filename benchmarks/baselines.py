@@ -1,10 +1,11 @@
 """Baseline strategies on the Checkmate benchmark graphs: peak and cost relative to checkpoint all.
 
-Usage: python benchmarks/baselines.py [--graphs DIR] [--out benchmarks/results/baselines.md]
+Usage: python benchmarks/baselines.py [--graphs DIR] [--only REGEX --out FILE]
 
 For every ``*_train.json`` in the shared graph folder, runs each baseline without a budget
 (its memory-saving default), simulates it, and writes a markdown table of peak bytes and
-compute cost as ratios of checkpoint all, plus the time to simulate one schedule.
+compute cost as ratios of checkpoint all, plus the slowest simulation of one schedule
+(default output ``benchmarks/results/baselines.md``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ import sys
 import time
 from pathlib import Path
 
-from tfremat.graph import load_graph
-from tfremat.plan import simulate
-from tfremat.plan.registry import get_strategy, strategy_names
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's tfremat, not an installed one
 
-DEFAULT_GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
+from provenance import header  # noqa: E402
+from tfremat.budget import checkpoint_all_peak  # noqa: E402
+from tfremat.graph import load_graph  # noqa: E402
+from tfremat.plan import simulate  # noqa: E402
+from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
+
+DEFAULT_GRAPHS = ROOT.parent / "shared" / "graphs"
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "baselines.md"
 BASELINES = [
     "checkpoint_all", "checkpoint_all_ap", "chen_sqrtn", "chen_sqrtn_ap", "chen_greedy",
     "chen_greedy_ap", "griewank_logn", "griewank_logn_ap", "hong",
@@ -36,11 +43,11 @@ def baseline_table(graph_paths: list[Path]) -> str:
     missing = set(BASELINES) - set(strategy_names())
     if missing:
         raise SystemExit(f"strategies missing from the registry: {sorted(missing)}")
-    header = "| graph (nodes) | " + " | ".join(BASELINES) + " | simulate ms |"
-    lines = [header, "|" + " --- |" * (len(BASELINES) + 2)]
+    lines = ["| graph (nodes) | " + " | ".join(BASELINES) + " | simulate ms |", "|" + " --- |" * (len(BASELINES) + 2)]
     for path in graph_paths:
         graph = load_graph(path)
-        reference = simulate(graph, get_strategy("checkpoint_all")(graph))
+        # Checkpoint all computes every node once: its cost is the graph's no-remat cost.
+        reference_peak, reference_cost = checkpoint_all_peak(graph), graph.total_cost
         cells = []
         slowest = 0.0
         for name in BASELINES:
@@ -48,7 +55,7 @@ def baseline_table(graph_paths: list[Path]) -> str:
             started = time.perf_counter()
             result = simulate(graph, schedule)
             slowest = max(slowest, time.perf_counter() - started)
-            cells.append(f"{result.peak_bytes / reference.peak_bytes:.2f} / {result.cost / reference.cost:.2f}")
+            cells.append(f"{result.peak_bytes / reference_peak:.2f} / {result.cost / reference_cost:.2f}")
         lines.append(f"| {graph_label(path)} ({graph.size}) | " + " | ".join(cells) + f" | {slowest * 1000:.1f} |")
     return "\n".join(lines)
 
@@ -56,17 +63,24 @@ def baseline_table(graph_paths: list[Path]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--graphs", type=Path, default=DEFAULT_GRAPHS, help="folder with *_train.json graphs")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "baselines.md")
-    parser.add_argument("--only", default=None, help="substring: benchmark only matching graph files")
+    parser.add_argument("--out", type=Path, default=None, help=f"markdown file to write (default {DEFAULT_OUT}; "
+                        "required with --only, so a partial run does not replace the full table)")
+    parser.add_argument("--only", default=None, help="regular expression a graph file's stem must match in full "
+                        "(e.g. ResNet50_256_224_224_3_train or 'VGG.*')")
     args = parser.parse_args(argv)
-    paths = sorted(p for p in args.graphs.glob("*_train.json") if args.only is None or args.only in p.name)
+    if args.only is not None and args.out is None:
+        parser.error(f"--only benchmarks some graphs only; give --out (the default {DEFAULT_OUT} holds every graph)")
+    args.out = args.out or DEFAULT_OUT
+    paths = sorted(p for p in args.graphs.glob("*_train.json") if args.only is None or re.fullmatch(args.only, p.stem))
     if not paths:
-        sys.stderr.write(f"no *_train.json graphs in {args.graphs}\n")
+        sys.stderr.write(f"no *_train.json graphs{'' if args.only is None else f' matching {args.only!r}'} in {args.graphs}\n")
         return 2
     table = baseline_table(paths)
     text = (
-        "Each cell: peak memory / compute cost, both as a ratio of checkpoint all (no budget: "
-        "each strategy's default).\nProduced by `python benchmarks/baselines.py`.\n\n" + table + "\n"
+        "# Baselines on the Checkmate graphs\n\n" + header(argv) + "\n\n"
+        "Each cell: peak memory / compute cost, both as a ratio of checkpoint all (no budget: each "
+        "strategy's default). Simulate ms: the slowest simulation of one of the row's schedules.\n\n"
+        + table + "\n"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -1,16 +1,21 @@
 """Execution benchmark: compiled schedules against plain Keras, tf.recompute_grad and RematScope.
 
-For a ResNet-style model (residual blocks with batch norm and dropout) and a U-Net at sizes
-a CPU trains in about a second per step, at budgets of 100/80/60/50/40/33% of the
-checkpoint-all peak: the schedule (cheapest fitting baseline, or ``--strategy``), its
-predicted peak, the allocator-measured peak of the compiled step, the prediction error,
-the median step time, and memory and time ratios to plain Keras training
-(``model.train_on_batch``, the step ``model.fit`` runs). In the same run: ``tf.recompute_grad``
-over sqrt(n) segments of the layer sequence and ``keras.RematScope(mode="full")``.
+For a ResNet-style model (residual blocks with batch norm and dropout) and two U-Nets at
+sizes a CPU trains in about a second per step, at budgets of 100/80/60/50/40/33% of the
+checkpoint-all peak (:func:`tfremat.budget.parse_budget` of
+:func:`tfremat.budget.checkpoint_all_peak`): the schedule (the cheapest fitting heuristic,
+:func:`tfremat.ilp.strategies.best_baseline`, or ``--strategy``), its predicted peak, the
+compiled step's peak as the bytes its operations request (what the prediction models) and
+as the BFC allocator's peak (which adds chunk rounding), the prediction error against the
+requested bytes, the median step time, and memory and time ratios to plain Keras training
+(``model.train_on_batch``, the step ``model.fit`` runs). In the same run:
+``tf.recompute_grad`` over sqrt(n) segments of the layer sequence and
+``keras.RematScope(mode="full")``.
 
-Run: ``python benchmarks/execution.py`` (writes ``benchmarks/results/execution.md``).
-Ops run one at a time (``TF_NUM_INTEROP_THREADS=1``), the sequential execution the
-simulator models and the setting the profiles are taken under.
+Run: ``python benchmarks/execution.py`` (writes ``benchmarks/results/execution.md``;
+``--only`` runs some models and then needs ``--out``). Ops run one at a time
+(``TF_NUM_INTEROP_THREADS=1``), the sequential execution the simulator models and the
+setting the profiles are taken under.
 """
 
 import os
@@ -30,21 +35,27 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the test models (unet)
+sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
 
 from models import unet  # noqa: E402
+from provenance import header  # noqa: E402
+from tfremat.budget import checkpoint_all_peak, parse_budget  # noqa: E402
 from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError  # noqa: E402
 from tfremat.extract import TensorRef, extract  # noqa: E402
 from tfremat.extract.layer_graph import walk_model  # noqa: E402
+from tfremat.ilp.formulation import memory_lower_bound  # noqa: E402
+from tfremat.ilp.strategies import MILP_STRATEGIES, best_baseline  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
-from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
+from tfremat.plan.registry import get_strategy  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
 
 logger = logging.getLogger("benchmarks.execution")
 
-BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.33)
-MILP = ("optimal", "approx_lp")
+BUDGETS = ("100%", "80%", "60%", "50%", "40%", "33%")
 MiB = 2**20
+DEFAULT_OUT = os.path.join(HERE, "results", "execution.md")
 
 
 def resnet_style(input_shape=(64, 64, 3), channels=16, blocks=8, classes=10, seed=0):
@@ -222,24 +233,17 @@ def remat_scope_step(build, x, y, loss, repeats, run_eagerly):
     return measure(step, x, y, list(model.variables) + list(optimizer.variables), repeats)
 
 
-def choose_schedule(graph, budget, strategy, time_limit=60):
-    """The named strategy's schedule, or for ``"best"`` the cheapest fitting one among the
-    baselines and the LP-rounding approximation (``approx_lp``, when the ILP extra is there)."""
+def choose_schedule(graph, budget, strategy, time_limit=60, threads=2):
+    """The named strategy's schedule, or for ``"best"`` the cheapest fitting heuristic
+    (:func:`tfremat.ilp.strategies.best_baseline`, what ``optimal`` warm-starts from; the
+    time-limited heuristics get ``time_limit`` seconds in all)."""
     if strategy != "best":
-        return get_strategy(strategy)(graph, budget, **({"time_limit": time_limit} if strategy in MILP else {}))
-    found = []
-    for name in strategy_names():
-        if name == "optimal":
-            continue
-        try:
-            schedule = get_strategy(name)(graph, budget, **({"time_limit": time_limit} if name in MILP else {}))
-        except (InfeasibleBudgetError, SolverTimeLimitError):
-            continue
-        if budget is None or simulate(graph, schedule).peak_bytes <= budget:
-            found.append(schedule)
-    if not found:
-        raise InfeasibleBudgetError(budget, strategy="best")
-    return min(found, key=lambda s: (s.cost(graph), simulate(graph, s).peak_bytes))
+        options = {"time_limit": time_limit, "threads": threads} if strategy in MILP_STRATEGIES else {}
+        return get_strategy(strategy)(graph, budget, **options)
+    schedule, smallest_peak = best_baseline(graph, budget, time_limit, time.perf_counter() + time_limit, threads)
+    if schedule is None:
+        raise InfeasibleBudgetError(budget, smallest_peak, strategy="best")
+    return schedule
 
 
 def bench_model(label, build, batch, strategy, repeats):
@@ -253,16 +257,21 @@ def bench_model(label, build, batch, strategy, repeats):
     optimizer = keras.optimizers.SGD(0.01)
     extraction = extract(model, (x, y), loss=loss, optimizer=optimizer, cost_model="profile")
     graph = extraction.graph
-    reference = simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
+    reference = checkpoint_all_peak(graph)
     variables = list(model.variables) + list(optimizer.variables)
     initial = [v.numpy() for v in variables]
-    for fraction in BUDGETS:
-        budget = None if fraction == 1.0 else int(fraction * reference)
-        name = f"tfremat {int(round(fraction * 100))}%"
+    for share in BUDGETS:
+        # 100% is the checkpoint-all peak itself, not "no budget" (which a heuristic reads
+        # as its own lowest-memory default).
+        budget = parse_budget(share, reference)
+        name = f"tfremat {share}"
         try:
             schedule = choose_schedule(graph, budget, strategy)
         except (InfeasibleBudgetError, SolverTimeLimitError) as err:
-            rows.append((name, "infeasible", None, None, None, str(err).split(";")[-1].strip()[:80]))
+            smallest = "" if err.min_feasible_bytes is None else f"smallest peak reached {err.min_feasible_bytes / MiB:.1f} MiB; "
+            status = "infeasible" if isinstance(err, InfeasibleBudgetError) else "no schedule"
+            rows.append((name, status, None, None, None,
+                         f"{smallest}no schedule peaks below {memory_lower_bound(graph) / MiB:.1f} MiB"))
             continue
         for variable, value in zip(variables, initial):
             variable.assign(value)
@@ -293,8 +302,9 @@ NOTES = [
     "several budgets shows the spread (10-20% between rows is noise).",
     "- Allocator peaks of convolution-heavy steps vary between runs (CPU convolution scratch "
     "buffers), for plain Keras as much as for tfremat; the U-Nets' peaks are dominated by them, "
-    "which is also why budgets below 60-80% of their checkpoint-all peak are infeasible for any "
-    "schedule (one node alone needs more while it runs).",
+    "which is also why no heuristic fits their budgets below 60-80% of the checkpoint-all peak "
+    "(an infeasible row gives the smallest peak any heuristic reached and the proven lower bound, "
+    "what one node needs while it runs with its inputs and scratch).",
     "- A costly VJP rebuild is a backward node whose layer output is kept but one of whose inputs "
     "was recomputed since: the layer is re-run on the resident input, forward work the plan does "
     "not count.",
@@ -304,12 +314,14 @@ NOTES = [
 ]
 
 
-def render(results, strategy, repeats):
+def render(results, strategy, repeats, argv=None):
     lines = [
         "# Execution benchmark",
         "",
-        "Generated by `python benchmarks/execution.py` (CPU, `TF_NUM_INTEROP_THREADS=1`, "
-        f"`TF_CPU_ALLOCATOR_USE_BFC=true`; schedule: `{strategy}`; step time: median of {repeats} steps). "
+        header(argv),
+        "",
+        f"TensorFlow {tf.__version__}, Keras {keras.__version__}, CPU, `TF_NUM_INTEROP_THREADS=1`, "
+        f"`TF_CPU_ALLOCATOR_USE_BFC=true`; schedule: `{strategy}`; step time: median of {repeats} steps. "
         "Peaks are in the graph's convention (step peak above the bytes allocated before it, plus "
         "variables, optimizer slots and the batch): requested = bytes the step's operations request "
         "(what the prediction models), allocator = the BFC allocator's peak (adds chunk rounding that "
@@ -346,11 +358,16 @@ def render(results, strategy, repeats):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="best", help='"best" (cheapest fitting baseline or approx_lp) or a strategy name')
+    parser.add_argument("--strategy", default="best",
+                        help='"best" (the cheapest fitting heuristic, best_baseline) or a strategy name')
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "execution.md"))
+    parser.add_argument("--out", default=None, help=f"markdown file to write (default {DEFAULT_OUT}; required "
+                        "with --only, so a partial run does not replace the full table)")
     parser.add_argument("--only", default=None, help="run only models whose label contains this")
     args = parser.parse_args(argv)
+    if args.only is not None and args.out is None:
+        parser.error(f"--only runs some models only; give --out (the default {DEFAULT_OUT} holds all of them)")
+    args.out = args.out or DEFAULT_OUT
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("tfremat").setLevel(logging.ERROR)
     results = {}
@@ -358,7 +375,9 @@ def main(argv=None):
         if args.only and args.only not in label:
             continue
         results[label] = bench_model(label, build, batch, args.strategy, args.repeats)
-    text = render(results, args.strategy, args.repeats)
+    if not results:
+        parser.error(f"no model label contains --only={args.only!r}; labels: {list(MODELS)}")
+    text = render(results, args.strategy, args.repeats, argv)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text + "\n")

@@ -12,10 +12,18 @@ limit. Per case and strategy the table reports status, cost / no-remat cost, the
 the best proven lower bound (the largest of the MILP's bound, the LP bound and the
 no-remat cost) and seconds.
 
+The "best baseline cost" column is the cheapest heuristic schedule that fits
+(:func:`tfremat.ilp.strategies.best_baseline`, what ``optimal`` warm-starts from), run in
+its own process with the time share, deadline and threads ``optimal`` gives it.
+
 Usage::
 
-    python benchmarks/solvers.py --time-limit 60 --threads 2 \
+    python benchmarks/solvers.py --only '.*_train' --time-limit 60 --threads 2 \
         --out benchmarks/results/solvers.md
+
+``--only`` is a regular expression matched against a graph file's whole stem
+(``random_layered_n100`` selects that graph only, ``'random_layered_n\d+'`` all of them);
+with ``--only`` the output file must be named, so a partial run never replaces a full table.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,11 +41,14 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # this checkout's tfremat, not an installed one
 
+from provenance import header  # noqa: E402
+from tfremat.budget import checkpoint_all_peak, parse_budget  # noqa: E402
 from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError  # noqa: E402
 from tfremat.graph import load_graph  # noqa: E402
-from tfremat.ilp.formulation import last_descendants  # noqa: E402
+from tfremat.ilp import strategies  # noqa: E402
+from tfremat.ilp.formulation import r_column_count  # noqa: E402
 from tfremat.ilp.strategies import best_baseline, solve_approx_lp, solve_optimal  # noqa: E402
 from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
 from tfremat.plan.simulator import simulate  # noqa: E402
@@ -47,25 +59,18 @@ ORDER_HELP = {
     "file": "each file's stored execution order (the random layered graphs' graph.order, as Moccasin evaluates them).",
     "topological": "the random layered graphs renumbered by networkx.topological_sort (not Moccasin's instances).",
 }
-DEFAULT_MAX_COLUMNS = 1_000_000
 DEFAULT_GRAPHS = Path(os.environ.get("TFREMAT_GRAPHS", ROOT.parent / "shared" / "graphs"))
-
-
-def estimated_columns(graph) -> int:
-    """Columns of the MILP (R, S, U and FREE) counted without building it."""
-    last = last_descendants(graph)
-    total = 0
-    for i in range(graph.size):
-        span = int(last[i]) - i
-        total += 2 * (span + 1) + (span if graph.successors[i] else 0)
-        for k in graph.successors[i]:
-            total += max(0, min(int(last[i]), int(last[k])) - k + 1)
-    return total
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "solvers.md"
+# The strategies' own rules for a time-limited call (tfremat.ilp.strategies): above this
+# many R columns the MILP is not built and the heuristics get the whole time limit, else
+# they get this share of it. The baseline column follows them to show what optimal started from.
+LIBRARY_MAX_R_COLUMNS = strategies._MAX_R_COLUMNS
+BASELINE_TIME_SHARE = strategies._FALLBACK_TIME_SHARE
 
 
 def baseline_facts(graph):
     """Checkpoint-all peak, and the smallest peak any baseline reaches."""
-    peak_all = simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
+    peak_all = checkpoint_all_peak(graph)
     smallest = peak_all
     for name in strategy_names():
         if name in ("optimal", "approx_lp"):
@@ -74,9 +79,25 @@ def baseline_facts(graph):
     return peak_all, smallest
 
 
+def baseline_case(graph, case: dict) -> dict:
+    """The cheapest fitting heuristic, found as ``optimal`` finds its warm start: the same
+    share of the time limit (all of it where the MILP is too large to build), the same
+    deadline and threads."""
+    began = time.perf_counter()
+    limit = case["time_limit"]
+    share = limit if r_column_count(graph) > LIBRARY_MAX_R_COLUMNS else BASELINE_TIME_SHARE * limit
+    schedule, _ = best_baseline(graph, case["budget"], share, began + limit, case["threads"])
+    row = {"strategy": "baseline", "seconds": time.perf_counter() - began}
+    if schedule is None:
+        return {**row, "status": "none fits"}
+    return {**row, "status": schedule.strategy, "cost": schedule.cost(graph) / graph.total_cost}
+
+
 def run_case(case: dict) -> dict:
-    """One graph, one budget, one strategy; returns a JSON-ready row."""
+    """One graph, one budget, one strategy (or the baselines); returns a JSON-ready row."""
     graph = load_graph(case["path"], order=case["order"])
+    if case["strategy"] == "baseline":
+        return baseline_case(graph, case)
     began = time.perf_counter()
     row = {"strategy": case["strategy"]}
     try:
@@ -104,7 +125,7 @@ def run_case(case: dict) -> dict:
 def cases_for(path: Path, sweep: int, order: str):
     graph = load_graph(path, order=order)
     peak_all, smallest = baseline_facts(graph)
-    budgets = [("90%", int(0.9 * peak_all)), ("80%", int(0.8 * peak_all))]
+    budgets = [(share, parse_budget(share, peak_all)) for share in ("90%", "80%")]
     low = 1.1 * smallest
     if low < 0.8 * peak_all:
         for b in np.geomspace(low, 0.8 * peak_all, sweep + 1)[:-1]:
@@ -116,16 +137,12 @@ def markdown(rows, args) -> str:
     lines = [
         "# tfremat.ilp solver benchmark",
         "",
-        f"`python benchmarks/solvers.py --time-limit {args.time_limit} --threads {args.threads}"
-        + (f" --only {args.only}" if args.only else "") + (f" --sweep {args.sweep}" if args.sweep != 1 else "")
-        + (f" --order {args.order}" if args.order != "file" else "")
-        + (f" --max-columns {args.max_columns}" if args.max_columns != DEFAULT_MAX_COLUMNS else "")
-        + "` "
-        f"(per-case wall limit {args.case_limit} s; {os.cpu_count()} CPUs; HiGHS; commit {_commit()}).",
+        header(args.argv) + f" Per-case wall limit {args.case_limit} s; {os.cpu_count()} CPUs; HiGHS.",
         "Cost = total cost / no-remat cost. Gap = (cost - best proven bound) / cost, where the bound is the",
         "largest of the MILP's bound, the LP bound and the no-remat cost. 'min' = smallest peak any",
         "baseline reaches (eviction included). 'bound' = that best proven bound / no-remat cost.",
-        "'skipped' = model above --max-columns. Seconds are the whole strategy call.",
+        "'skipped' = model above --max-r-columns R columns. Seconds are the whole strategy call.",
+        "Best baseline cost: the cheapest fitting heuristic (best_baseline, with optimal's time share).",
         f"Node order: {ORDER_HELP[args.order]}",
         "",
         "| graph (nodes) | budget | optimal: status | cost | gap | s | approx_lp: status | cost | gap | s | bound | best baseline cost |",
@@ -142,67 +159,70 @@ def markdown(rows, args) -> str:
                 cells += [status, f"{x['cost']:.4f}", f"{100 * max(0.0, (x['cost'] - bound) / x['cost']):.2f}%", f"{x['seconds']:.1f}"]
             else:
                 cells += [x["status"], "-", "-", f"{x.get('seconds', 0):.1f}"]
-        base = "-" if r["baseline"] is None else f"{r['baseline']:.4f}"
+        known = r["baseline"]
+        base = f"{known['cost']:.4f}" if "cost" in known else "-" if known["status"] == "none fits" else known["status"]
         lines.append(f"| {r['graph']} ({r['nodes']}) | {r['budget_label']} | " + " | ".join(cells) + f" | {bound:.4f} | {base} |")
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
-
-
-def best_baseline_cost(graph, budget):
-    """Cost of the schedule ``optimal`` warm-starts from (repair only when nothing else fits)."""
-    schedule, _ = best_baseline(graph, budget)
-    return None if schedule is None else schedule.cost(graph) / graph.total_cost
+def run_in_child(case: dict, case_limit: float) -> dict:
+    """``run_case(case)`` in a fresh process, killed at ``case_limit`` seconds."""
+    try:
+        done = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True, text=True,
+                              timeout=case_limit)
+    except subprocess.TimeoutExpired:
+        return {"status": "killed at case limit", "seconds": case_limit}
+    if done.returncode != 0:
+        return {"status": f"crashed ({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode})"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--graphs", type=Path, default=DEFAULT_GRAPHS)
-    parser.add_argument("--only", default="", help="substring a graph file name must contain")
+    parser.add_argument("--only", default=None, help="regular expression a graph file's stem must match in full "
+                        "(random_layered_n100 is that graph only; '.*_train' the Checkmate graphs)")
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--case-limit", type=float, default=None, help="hard wall limit per case (default time limit + 90)")
     parser.add_argument("--sweep", type=int, default=1, help="budgets between 1.1x min and 80%%")
     parser.add_argument("--order", choices=sorted(ORDER_HELP), default="file", help="execution order of the random layered graphs")
-    parser.add_argument("--max-columns", type=int, default=DEFAULT_MAX_COLUMNS)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "solvers.md")
+    parser.add_argument("--max-r-columns", type=int, default=None,
+                        help="skip graphs whose MILP has more R columns (tfremat.ilp.formulation.r_column_count; "
+                        f"default none: under a time limit optimal itself builds no model above {LIBRARY_MAX_R_COLUMNS})")
+    parser.add_argument("--out", type=Path, default=None, help=f"markdown file to write (default {DEFAULT_OUT}; "
+                        "required with --only, so a partial run does not replace a full table)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
         print(json.dumps(run_case(json.loads(args.case))))
         return
+    if args.only is not None and args.out is None:
+        parser.error(f"--only benchmarks some graphs only; give --out (the default {DEFAULT_OUT} is a full run's)")
+    args.out = args.out or DEFAULT_OUT
+    args.argv = argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.case_limit = args.case_limit or args.time_limit + 90
     paths = sorted(args.graphs.glob("*_train.json")) + sorted(
         args.graphs.glob("random_layered_n*.json"), key=lambda p: int(p.stem.rsplit("n", 1)[1])
     )
+    paths = [p for p in paths if args.only is None or re.fullmatch(args.only, p.stem)]
+    if not paths:
+        parser.error(f"no graph in {args.graphs} matches --only={args.only!r}")
     rows = []
     for path in paths:
-        if args.only not in path.name:
-            continue
         graph, budgets = cases_for(path, args.sweep, args.order)
-        columns = estimated_columns(graph)
+        columns = r_column_count(graph)
+        skipped = args.max_r_columns is not None and columns > args.max_r_columns
         for label, budget in budgets:
-            row = {"graph": path.stem, "nodes": graph.size, "budget_label": label,
-                   "baseline": best_baseline_cost(graph, budget)}
-            for strategy in ("optimal", "approx_lp"):
-                if columns > args.max_columns:
-                    row[strategy] = {"status": f"skipped ({columns} columns)"}
+            row = {"graph": path.stem, "nodes": graph.size, "budget_label": label}
+            for strategy in ("optimal", "approx_lp", "baseline"):
+                if skipped:
+                    row[strategy] = {"status": f"skipped ({columns} R columns)"}
                     continue
                 case = {"path": str(path), "order": args.order, "budget": budget, "strategy": strategy,
                         "time_limit": args.time_limit, "threads": args.threads}
-                try:
-                    done = subprocess.run(
-                        [sys.executable, __file__, "--case", json.dumps(case)], capture_output=True, text=True,
-                        timeout=args.case_limit,
-                    )
-                    row[strategy] = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
-                        "status": f"crashed ({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode})"}
-                except subprocess.TimeoutExpired:
-                    row[strategy] = {"status": "killed at case limit", "seconds": args.case_limit}
+                row[strategy] = run_in_child(case, args.case_limit)
                 logger.info("%s %s %s: %s", path.stem, label, strategy, row[strategy])
             rows.append(row)
             args.out.parent.mkdir(parents=True, exist_ok=True)

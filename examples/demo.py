@@ -22,10 +22,9 @@ import numpy as np  # noqa: E402
 
 import tfremat  # noqa: E402
 from tfremat.api import compare_graph  # noqa: E402
-from tfremat.budget import format_bytes  # noqa: E402
+from tfremat.budget import checkpoint_all_peak, format_bytes, parse_budget  # noqa: E402
 from tfremat.extract import extract  # noqa: E402
 from tfremat.measure import measure_model  # noqa: E402
-from tfremat.plan.registry import get_strategy  # noqa: E402
 from tfremat.plots import plot_memory_traces, plot_overhead_vs_budget  # noqa: E402
 
 BUDGET = "50%"
@@ -88,9 +87,9 @@ def main() -> int:
 
     print("\n4. plots ...")
     OUT.mkdir(exist_ok=True)
-    reference = tfremat.simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
-    memory = plot_memory_traces(graph, schedules, OUT / "demo_memory.png", budget_bytes=int(0.5 * reference))
-    budgets = [int(f * reference) for f in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)]
+    reference = checkpoint_all_peak(graph)
+    memory = plot_memory_traces(graph, schedules, OUT / "demo_memory.png", budget_bytes=parse_budget(BUDGET, reference))
+    budgets = [parse_budget(f"{percent}%", reference) for percent in range(30, 101, 10)]
     overhead, _ = plot_overhead_vs_budget(graph, [s for s in STRATEGIES if s != "optimal"], budgets, OUT / "demo_overhead.png")
     print(f"   wrote {memory} and {overhead}")
     print(f"\ndone in {time.perf_counter() - started:.0f} s")

@@ -300,3 +300,29 @@ def test_labels_fit_a_sparse_loss_in_measure_and_the_command_line():
     with flagsaver.as_parsed(loss="sparse_categorical_crossentropy", cost_model="flops", optimizer="sgd"):
         extraction = cli._extraction(model, 4)
     assert [tuple(spec.shape) for spec in extraction.side_table.label_specs] == [(4,)]
+
+
+def test_plain_step_peak_reports_requested_bytes_next_to_the_allocator_peak():
+    """measure_plain_step_peak read only the BFC allocator's peak, whose chunk rounding moves
+    by several percent between runs; count="requested" gives the bytes the step's operations
+    request (what the prediction models), through the compiled step's measurement."""
+    pytest.importorskip("tensorflow")
+    from tests.test_cache_api import dense_classifier
+    from tfremat.budget import checkpoint_all_peak
+    from tfremat.errors import ExtractionError
+    from tfremat.extract import extract, measure_plain_step_peak
+    from tfremat.measure import synthetic_batch
+
+    model = dense_classifier()
+    x, y = synthetic_batch(model, 256, seed=0)
+    extraction = extract(model, sample_batch=(x, y), loss="categorical_crossentropy", cost_model="flops")
+    table = extraction.side_table
+    before = [v.numpy() for v in model.variables]
+    requested = measure_plain_step_peak(model, x, y, table.loss_fn, table.optimizer, count="requested")
+    allocator = measure_plain_step_peak(model, x, y, table.loss_fn, table.optimizer)
+    fixed = extraction.graph.fixed_bytes
+    assert requested > fixed and allocator > fixed
+    assert abs(requested / checkpoint_all_peak(extraction.graph) - 1) < 0.1
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))  # weights restored
+    with pytest.raises(ExtractionError, match="count"):
+        measure_plain_step_peak(model, x, y, table.loss_fn, table.optimizer, count="bytes")

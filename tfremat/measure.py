@@ -2,9 +2,10 @@
 
 Peak memory comes from the TensorFlow allocator (on CPU it needs
 ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow is imported; the ``tfremat`` command
-sets it). Both steps are reported in the graph's convention: the allocator peak during a
-step above what was allocated before it, plus the bytes resident before it that the graph
-counts as fixed (weights, optimizer state, the batch).
+sets it), read by :func:`tfremat.static_graph.memory.measure_step_peak` for both steps, in
+the graph's convention: the allocator peak during a step above what was allocated before
+it, plus the bytes resident before it that the graph counts as fixed (weights, optimizer
+state, the batch).
 """
 
 from __future__ import annotations
@@ -21,26 +22,25 @@ from tfremat.errors import ArgumentError, is_int
 from tfremat.extract.analysis import reset_allocator_peak
 from tfremat.extract.extractor import per_output
 from tfremat.extract.layer_graph import model_output_names, require_functional
-from tfremat.static_graph.memory import default_device, resident_bytes
+from tfremat.static_graph.memory import default_device, measure_step_peak
 
 __all__ = ["measure_model", "synthetic_batch"]
 
 logger = logging.getLogger(__name__)
 
 
-def _run_and_measure(run, steps: int) -> tuple[int, float]:
-    """Runs ``run()`` once to trace, then ``steps`` timed times; returns (peak above start, median s)."""
-    device = default_device()
-    run()
-    reset_allocator_peak(device)
-    start = tf.config.experimental.get_memory_info(device)["current"]
+def _peak_and_seconds(step, x, y, resident, steps: int) -> tuple[int, float]:
+    """``step(x, y)``'s peak in the graph's convention (:func:`measure_step_peak`: one
+    tracing run, then a measured one) and the median seconds of ``steps`` more runs."""
+    # reset_allocator_peak says how to enable the allocator's statistics when they are off.
+    reset_allocator_peak(default_device())
+    peak = measure_step_peak(step, x, y, resident=resident)
     seconds = []
     for _ in range(steps):
         began = time.perf_counter()
-        run()
+        tf.nest.flatten(step(x, y))[0].numpy()
         seconds.append(time.perf_counter() - began)
-    peak = tf.config.experimental.get_memory_info(device)["peak"] - start
-    return int(peak), float(statistics.median(seconds))
+    return peak, float(statistics.median(seconds))
 
 
 # Losses, by normalized name (lower case, no underscores), whose labels are not a
@@ -135,7 +135,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         batch_size: the batch size; the data is random, its labels made for ``loss``
             (:func:`synthetic_batch`).
         strategy: the strategy name.
-        steps: timed steps per variant (after one tracing step).
+        steps: timed steps per variant (after a tracing step and a measured one).
         loss: loss name or object; optimizer_name: a Keras optimizer name.
         verbose: 0 silences the solver's progress line.
 
@@ -196,19 +196,19 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         optimizer = keras_optimizer(optimizer_name, "optimizer_name")
         optimizer.build(model.trainable_variables)
         step = compile_step(extraction, result.schedule, optimizer=optimizer)
-        peak, seconds = _run_and_measure(lambda: step(x, y).numpy(), steps)
-        resident = resident_bytes(model.variables) + resident_bytes(optimizer.variables) + resident_bytes(tf.nest.flatten((x, y)))
+        measured, seconds = _peak_and_seconds(step, x, y, list(model.variables) + list(optimizer.variables), steps)
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
 
         plain_model = keras.models.clone_model(model)
         plain_model.set_weights(model.get_weights())
-        plain_model.compile(optimizer=keras_optimizer(optimizer_name, "optimizer_name"), loss=loss)
-        plain_peak, plain_seconds = _run_and_measure(lambda: plain_model.train_on_batch(x, y), steps)
-        plain_resident = resident_bytes(plain_model.variables) + resident_bytes(plain_model.optimizer.variables) + resident_bytes(tf.nest.flatten((x, y)))
-
-        measured = peak + resident
-        plain = plain_peak + plain_resident
+        plain_optimizer = keras_optimizer(optimizer_name, "optimizer_name")
+        plain_model.compile(optimizer=plain_optimizer, loss=loss)
+        plain_optimizer.build(plain_model.trainable_variables)  # its slots count as resident, like the step's
+        plain, plain_seconds = _peak_and_seconds(
+            lambda a, b: tf.constant(plain_model.train_on_batch(a, b)), x, y,
+            list(plain_model.variables) + list(plain_optimizer.variables), steps,
+        )
         return {
             "model": model.name,
             "strategy": strategy,

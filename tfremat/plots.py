@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tfremat.budget import format_bytes
+from tfremat.budget import checkpoint_all_peak, format_bytes
 from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverTimeLimitError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import Op
@@ -222,8 +222,9 @@ def plot_overhead_vs_budget(
         ImportError: matplotlib is not installed.
 
     Example:
-        >>> peak = simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
-        >>> budgets = [int(f * peak) for f in (0.3, 0.5, 0.7, 1.0)]
+        >>> from tfremat.budget import checkpoint_all_peak, parse_budget
+        >>> peak = checkpoint_all_peak(graph)
+        >>> budgets = [parse_budget(share, peak) for share in ("30%", "50%", "70%", "100%")]
         >>> path, rows = plot_overhead_vs_budget(graph, ["chen_sqrtn", "hong"], budgets, "overhead.png")
     """
     strategies = list(strategies)
@@ -236,7 +237,7 @@ def plot_overhead_vs_budget(
         raise ArgumentError("budgets_bytes is empty; pass at least one budget in bytes")
     solvers = {name: get_strategy(name) for name in strategies}
     options = dict(strategy_options or {})
-    reference = simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
+    reference = checkpoint_all_peak(graph)
 
     rows: list[dict] = []
     total = len(strategies) * len(budgets)

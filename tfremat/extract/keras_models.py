@@ -15,7 +15,7 @@ import numpy as np
 
 from tfremat.errors import ExtractionError
 from tfremat.extract.extractor import extract
-from tfremat.plan import checkpoint_all_s, schedule_from_keep_matrix, simulate
+from tfremat.budget import checkpoint_all_peak
 
 __all__ = ["build_model", "graph_command", "application_names"]
 
@@ -118,7 +118,7 @@ def graph_command(
                          cost_model=cost_model)
     graph = extraction.graph
     graph.to_json(out)
-    peak = simulate(graph, schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")).peak_bytes
+    peak = checkpoint_all_peak(graph)
     summary = {
         "model": model.name,
         "nodes": graph.size,

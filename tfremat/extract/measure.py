@@ -1,38 +1,38 @@
-"""Allocator-measured peak memory of a plain ``tf.GradientTape`` training step.
+"""Measured peak memory of a plain ``tf.GradientTape`` training step.
 
 This is the ground truth the checkpoint-all prediction of an extracted graph is held to.
 It needs ``TF_CPU_ALLOCATOR_USE_BFC=true`` in the environment before TensorFlow is imported
 (on CPU; GPUs always use the BFC allocator), otherwise the allocator reports nothing.
 
-The step's peak is reported in the graph's convention: the allocator peak during the step
-above what was allocated before it, plus the bytes that exist before the step and that the
-graph counts as fixed (parameters, optimizer slots, non-trainable variables, the batch).
-Other tensors the process happens to hold are thus not counted.
+The step is measured by :func:`tfremat.static_graph.memory.measure_step_peak`, the code
+that measures a compiled step, so both are in the graph's convention: the peak during the
+step above what was allocated before it, plus the bytes that exist before the step and that
+the graph counts as fixed (parameters, optimizer slots, non-trainable variables, the
+batch). ``count="requested"`` sums the bytes the step's operations request, what the
+simulator predicts; ``count="allocator"`` is the BFC allocator's peak, whose chunk rounding
+depends on what the process allocated before (a few percent between runs).
 """
 
 from __future__ import annotations
 
 import logging
 
-import numpy as np
 import tensorflow as tf
 
-from tfremat.errors import ExtractionError
-from tfremat.extract.analysis import device_name
+from tfremat.errors import CompileError, ExtractionError
 from tfremat.extract.layer_graph import model_output_names
 from tfremat.extract.side_table import flatten_by_name
+from tfremat.static_graph.memory import measure_step_peak
 
 __all__ = ["measure_plain_step_peak"]
 
 logger = logging.getLogger(__name__)
 
 
-def _bytes(tensors) -> int:
-    return sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size for t in tensors)
+def measure_plain_step_peak(model, x, y, loss_fn, optimizer, warmup: int = 1, count: str = "allocator") -> int:
+    """Runs plain training steps and returns the peak of the last one, in bytes.
 
-
-def measure_plain_step_peak(model, x, y, loss_fn, optimizer, warmup: int = 1) -> int:
-    """Runs plain training steps and returns the allocator peak of the last one, in bytes.
+    The model's and the optimizer's variables are restored afterwards.
 
     Args:
         model: the Keras model.
@@ -40,12 +40,17 @@ def measure_plain_step_peak(model, x, y, loss_fn, optimizer, warmup: int = 1) ->
         loss_fn: ``fn(labels_list, preds_list) -> scalar`` (``SideTable.loss_fn``).
         optimizer: a Keras optimizer; it is built first so its slots exist before the step.
         warmup: steps run (and traced) before the measured one.
+        count: ``"allocator"``: the BFC allocator's peak (whole chunks, so it varies with
+            the process's allocation history); ``"requested"``: the peak of the bytes the
+            step's operations request, from the profiler's allocation events (see
+            :func:`tfremat.static_graph.memory.measure_step_peak`).
 
     Returns:
         The peak bytes of one step, including parameters, optimizer state and the batch.
 
     Raises:
-        ExtractionError: the allocator reports no usage (``TF_CPU_ALLOCATOR_USE_BFC`` unset).
+        ExtractionError: the allocator reports no usage (``TF_CPU_ALLOCATOR_USE_BFC``
+            unset), or ``count`` is unknown.
     """
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.nest.map_structure(tf.convert_to_tensor, y)
@@ -61,20 +66,14 @@ def measure_plain_step_peak(model, x, y, loss_fn, optimizer, warmup: int = 1) ->
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    saved = [v.numpy() for v in model.variables] + [v.numpy() for v in optimizer.variables]
-    device = device_name().split("device:")[-1]
-    for _ in range(warmup):
-        step(x, y).numpy()
-    tf.config.experimental.reset_memory_stats(device)
-    start = tf.config.experimental.get_memory_info(device)["current"]
-    step(x, y).numpy()
-    peak = tf.config.experimental.get_memory_info(device)["peak"] - start
-    for variable, value in zip(list(model.variables) + list(optimizer.variables), saved):
-        variable.assign(value)
-    if start == 0 and peak == 0:
-        raise ExtractionError(
-            "the allocator reports no memory use; set TF_CPU_ALLOCATOR_USE_BFC=true before importing TensorFlow"
-        )
-    resident = _bytes(model.variables) + _bytes(optimizer.variables) + _bytes(tf.nest.flatten(x)) + _bytes(tf.nest.flatten(y))
-    logger.info("plain step peak: %d bytes above start, %d resident", peak, resident)
-    return int(peak + resident)
+    variables = list(model.variables) + list(optimizer.variables)
+    saved = [v.numpy() for v in variables]
+    try:
+        peak = measure_step_peak(step, x, y, resident=variables, warmup=warmup, count=count)
+    except CompileError as error:  # the compiled-step measurement's error type; here nothing is compiled
+        raise ExtractionError(str(error)) from error
+    finally:
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
+    logger.info("plain step peak (%s): %d bytes", count, peak)
+    return peak

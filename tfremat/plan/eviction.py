@@ -31,10 +31,11 @@ import bisect
 
 import numpy as np
 
+from tfremat.budget import checkpoint_all_peak
 from tfremat.graph import DFGraph
 from tfremat.plan.baselines import cheapest_fitting
 from tfremat.plan.registry import register
-from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
+from tfremat.plan.schedule import Schedule, schedule_from_keep_matrix
 from tfremat.plan.simulator import simulate
 
 __all__ = ["eviction", "eviction_keep_matrix"]
@@ -166,7 +167,7 @@ def eviction(graph: DFGraph, budget: int | None = None) -> Schedule:
         InfeasibleBudgetError: no schedule tried fits; carries the smallest peak reached.
     """
     if budget is None:
-        reference = simulate(graph, schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "eviction")).peak_bytes
+        reference = checkpoint_all_peak(graph)
     capacity = (reference if budget is None else budget) - graph.fixed_bytes
     return cheapest_fitting(graph, _all_candidates(graph, capacity, budget), budget, "eviction")
 
