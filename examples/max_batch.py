@@ -4,7 +4,7 @@ Checkmate's criterion: the schedule may cost at most one extra forward pass.
 
 The model is deep and narrow (16 convolutions of 16 channels) and the budget 128 MiB, so
 that activations, which rematerialization can drop, decide the batch. On a CPU a
-convolution's backward also asks for a scratch buffer of 35-45 MiB that hardly grows with
+convolution's backward also asks for a scratch buffer (30-45 MiB here) that hardly grows with
 the batch; with a shallow net or a budget near that size the scratch alone would bound
 every strategy alike. For each strategy the script prints the batch, its compute cost,
 and the least any schedule of that batch can peak at (one node with its inputs, output
