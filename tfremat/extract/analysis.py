@@ -92,6 +92,8 @@ class CallAnalysis:
             included).
         loop_residual_bytes: bytes held by ``variant`` residuals (a while loop's
             accumulators), measured by running the call.
+        one_gradient_call: the backward takes one gradient call on a non-persistent
+            tape (the call runs a while loop; the step uses the same rule).
         small_residual_bytes: residuals that do not.
         input_grad_bytes: bytes of the gradients the backward returns for the inputs.
         forward_flops, backward_flops: analytic counts from the traced ops.
@@ -113,6 +115,7 @@ class CallAnalysis:
     forward_workspace: int = 0
     backward_workspace: int = 0
     loop_residual_bytes: int = 0
+    one_gradient_call: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -420,6 +423,7 @@ def analyze_call(
         forward_flops=forward_flops,
         backward_flops=backward_flops,
         loop_residual_bytes=loop_bytes,
+        one_gradient_call=one_call,
     )
     if not profile:
         return analysis

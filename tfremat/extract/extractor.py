@@ -76,7 +76,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COST_MODELS = ("profile", "flops")
-_CACHE_VERSION = 6
+_CACHE_VERSION = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -698,7 +698,7 @@ def _assemble(model, calls, output_refs, needs_backward, analyses, loss_analysis
         needs = tuple(r.source == "node" and needs_backward[r.index] for r in call.inputs)
         common = dict(
             layer=layer, call_args=call.call_args, call_kwargs=MappingProxyType(dict(call.call_kwargs)),
-            inputs=call.inputs, takes_training=takes_training,
+            inputs=call.inputs, takes_training=takes_training, one_gradient_call=a.one_gradient_call,
             trainable_variables=tuple(_trainable(layer)), num_outputs=call.num_outputs,
             input_needs_grad=needs,
         )

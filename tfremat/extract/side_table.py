@@ -93,6 +93,9 @@ class NodeEntry:
         takes_training: pass ``training=True`` to the call (a Keras layer: Keras hands it
             on to its sublayers even when the layer's ``call`` has no ``training``
             argument).
+        one_gradient_call: the backward takes one gradient call on a non-persistent tape
+            (the call runs a while loop: :func:`tfremat.static_graph.interpreter.takes_one_gradient_call`,
+            decided by the extraction on its trace of the call).
         trainable_variables: the variables whose gradients this node's backward computes.
         num_outputs: how many tensors the forward call returns.
         input_needs_grad: per entry of ``inputs``, whether the backward node must produce
@@ -123,6 +126,7 @@ class NodeEntry:
     call_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     inputs: tuple[TensorRef, ...] = ()
     takes_training: bool = False
+    one_gradient_call: bool = False
     trainable_variables: tuple = ()
     num_outputs: int = 1
     input_needs_grad: tuple[bool, ...] = ()

@@ -45,7 +45,6 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.framework import func_graph
 
 from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
@@ -134,25 +133,6 @@ def takes_one_gradient_call(forward_ops) -> bool:
     return runs_loop(forward_ops)
 
 
-def _trace_alone(entry, inputs: list) -> list:
-    """The operations of ``entry``'s layer call traced in a scratch graph on placeholders
-    shaped like ``inputs`` (nothing of it runs): what :func:`takes_one_gradient_call`
-    decides on, before the real call is recorded (the extraction decides on its
-    forward-only trace of the call, the same operations). A bare ``FuncGraph`` (it captures
-    the layer's variables as a ``tf.function`` trace does) costs about a third of a
-    ``tf.function`` trace, which also builds the function."""
-    graph = func_graph.FuncGraph("tfremat_trial")
-    with graph.as_default():
-        flat = [tf.compat.v1.placeholder(t.dtype, t.shape) for t in inputs]
-        lookup = dict(zip(entry.inputs, flat))
-        args, kwargs = entry.fill_in(lookup.__getitem__)
-        if entry.takes_training:
-            kwargs["training"] = True
-        with tf.name_scope("trial"):  # a root scope may not start with "_" (a layer "__block")
-            entry.layer(*args, **kwargs)
-    return graph.get_operations()
-
-
 @dataclasses.dataclass
 class _Instance:
     """One (re)computation of a forward node: outputs, the tape that recorded them, inputs,
@@ -187,8 +167,6 @@ class _Interpreter:
         # of a layer that owns it (several for a layer called more than once).
         self.weight_grads: dict[int, tuple[Any, list]] = {}
         self.last_reader: dict[int, list] = {}
-        # Per forward node: takes_one_gradient_call of its layer call, from a trial trace.
-        self.one_gradient_call: dict[int, bool] = {}
         self.report = TraceReport()
 
     # ----- reading resident values -----
@@ -269,7 +247,7 @@ class _Interpreter:
         the trace report.
 
         The tape is non-persistent when the call takes one gradient call
-        (:func:`takes_one_gradient_call`, decided once per node on a trial trace, since the
+        (:func:`takes_one_gradient_call`, recorded on the node by the extraction, since the
         tape must exist before the real call is recorded).
 
         Returns:
@@ -279,9 +257,7 @@ class _Interpreter:
         args, kwargs = entry.fill_in(lookup.__getitem__)
         if entry.takes_training:
             kwargs["training"] = True
-        if node not in self.one_gradient_call:
-            self.one_gradient_call[node] = takes_one_gradient_call(_trace_alone(entry, inputs))
-        one_call = self.one_gradient_call[node]
+        one_call = entry.one_gradient_call
         tape = tf.GradientTape(persistent=not one_call)
         with tape:
             for tensor, needs in zip(inputs, entry.input_needs_grad or [False] * len(inputs)):
