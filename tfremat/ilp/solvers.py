@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -250,6 +251,35 @@ def _backend_module(solver: str):
     return gurobipy
 
 
+_highs_banner_shown = False
+
+
+def _new_highs(highspy):
+    """A ``highspy.Highs`` object, its banner sent to standard error.
+
+    HiGHS 1.16 writes a banner to the process's standard output (file descriptor 1, from
+    C) when the first ``Highs`` object of a process is created, before any option can
+    silence it; on standard output it corrupted ``tfremat solve --json`` and any program
+    whose output is data. The first construction runs with descriptor 1 pointed at
+    standard error; later ones print nothing.
+    """
+    global _highs_banner_shown
+    if _highs_banner_shown:
+        return highspy.Highs()
+    _highs_banner_shown = True
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no standard output: nowhere for the banner to go wrong
+        return highspy.Highs()
+    try:
+        os.dup2(2, 1)
+        return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def report_progress(progress: ProgressFn | None, report: Progress) -> None:
     """Logs ``report`` at INFO and passes it to ``progress`` (when not None)."""
     logger.info(
@@ -266,7 +296,7 @@ def report_progress(progress: ProgressFn | None, report: Progress) -> None:
 def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progress, presolve,
                  lp_method="simplex") -> SolveResult:
     highspy = _backend_module("highs")
-    h = highspy.Highs()
+    h = _new_highs(highspy)
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", int(seed))
     if time_limit is not None:
