@@ -16,11 +16,16 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   model output (one op computes both, so they are one value).
 * **Backward node** value = the gradients with respect to the layer's inputs that need one.
   Weight gradients (``weight_grads="transient"``, the default) are counted in the backward
-  node's workspace: a training step that applies each variable's update as soon as its
-  gradient exists (plain ``tf.GradientTape`` + ``optimizer.apply_gradients`` in a
-  ``tf.function`` does, since each update only waits for its own gradient) frees them right
-  after the node. Counting all parameter gradients as fixed instead over-predicted the
-  measured checkpoint-all peak by 60-65% on VGG16 and ResNet50. ``weight_grads="fixed"``
+  node's workspace: tfremat's compiled step makes the statement after a layer's backward
+  wait for the layer's optimizer update
+  (:func:`tfremat.static_graph.interpreter.order_updates`), so they die right after the
+  node. Counting all parameter gradients as fixed instead over-predicted the measured
+  checkpoint-all peak by 60-65% on VGG16 and ResNet50. A plain ``tf.GradientTape`` step
+  has no such order, and TensorFlow's executor (one inter-op thread) runs most filter
+  gradients and updates only after the whole input-gradient chain, holding each
+  convolution's input and output gradient until then: at 64x64, batch 2, ResNet50's plain
+  step requested 5.8% and MobileNetV2's 10.9% above the checkpoint-all prediction, which
+  describes the compiled step (``benchmarks/results/extraction.md``). ``weight_grads="fixed"``
   keeps them resident for the whole step. The default, ``"auto"``, chooses ``"fixed"`` when
   the optimizer clips, accumulates or loss-scales gradients, or a layer with weights is
   called twice (its first gradient waits for the second); see

@@ -12,7 +12,7 @@ from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, build_plan
 from tfremat.plan.schedule import Schedule, validate_schedule
-from tfremat.static_graph.interpreter import TraceReport, interpret_plan
+from tfremat.static_graph.interpreter import TraceReport, interpret_plan, order_updates
 
 __all__ = ["CompiledStep", "compile_step"]
 
@@ -73,9 +73,12 @@ class CompiledStep:
         missing = [v.path for v in self._variables if id(v) not in weight_grads]
         if missing:
             logger.debug("no gradient reaches %d trainable variables: %s", len(missing), ", ".join(missing))
-        # Each variable's update waits only for its own (gated) gradient, so weight
-        # gradients are freed as the backward pass goes, as the graph's memory model says.
-        _apply_without_barrier(self.optimizer, pairs)
+        # Each variable's update waits only for its own (gated) gradient, and the statement
+        # after the variable's last use waits for the update, so weight gradients are freed
+        # as the backward pass goes, as the graph's memory model says.
+        update_ops = _apply_without_barrier(self.optimizer, pairs)
+        if update_ops and self.side_table.weight_grads == "transient":
+            order_updates(report, update_ops)
         if self.return_outputs:
             return loss, self._structure_outputs(predictions)
         return loss
@@ -137,7 +140,7 @@ class CompiledStep:
         return self.report.recomputed_layer_calls
 
 
-def _apply_without_barrier(optimizer, pairs) -> None:
+def _apply_without_barrier(optimizer, pairs) -> dict[int, tuple[Any, list]]:
     """``optimizer.apply_gradients(pairs)`` with each update waiting for its own gradient only.
 
     Keras's TensorFlow optimizer all-reduces the gradients also without a distribution
@@ -152,17 +155,32 @@ def _apply_without_barrier(optimizer, pairs) -> None:
     velocity) would otherwise run at the start of the step, holding a weight-sized buffer
     until the gradient arrives (+4 MiB on that MLP with momentum). Under a distribution
     strategy the all-reduce does need every gradient; the optimizer runs unchanged.
+
+    Returns:
+        ``{id(variable): (variable, the operations its update step created)}``, for
+        :func:`~tfremat.static_graph.interpreter.order_updates`; empty when the optimizer
+        ran unchanged.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if tf.distribute.has_strategy() or not hasattr(inner, "_all_reduce_sum_gradients"):
         optimizer.apply_gradients(pairs)
-        return
+        return {}
     update_step = inner.update_step
+    created: dict[int, tuple[Any, list]] = {}
+    # The update step gets the TensorFlow variable behind a Keras variable: keyed back.
+    keras_id = {}
+    for _, variable in pairs:
+        value = getattr(variable, "value", None)
+        keras_id[id(value if isinstance(value, tf.Variable) else variable)] = id(variable)
 
     def gated_update_step(gradient, variable, learning_rate):
         gate = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
         with tf.control_dependencies([gate]):
-            return update_step(gradient, variable, learning_rate)
+            result = update_step(gradient, variable, learning_rate)
+        created[keras_id.get(id(variable), id(variable))] = (variable, graph.get_operations()[first:])
+        return result
 
     # Instance attributes shadow the two methods while apply_gradients traces.
     inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
@@ -172,6 +190,7 @@ def _apply_without_barrier(optimizer, pairs) -> None:
     finally:
         del inner._all_reduce_sum_gradients
         del inner.update_step
+    return created
 
 
 def compile_step(
