@@ -30,8 +30,8 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   the optimizer clips, accumulates or loss-scales gradients, or a layer with weights is
   called twice (its first gradient waits for the second); see
   :func:`weight_gradient_lifetime`.
-* **Workspace** = the allocator peak while the node runs in isolation, minus its value and
-  what it reads (see :mod:`tfremat.extract.analysis`); 0 with ``cost_model="flops"``.
+* **Workspace** = the peak of the bytes the node's operations request while it runs in
+  isolation, minus its value and what it reads (see :mod:`tfremat.extract.analysis`); 0 with ``cost_model="flops"``.
   The simulator runs one node at a time, so workspace is meant for sequential op execution
   (``TF_NUM_INTEROP_THREADS=1``). With several inter-op threads TensorFlow overlaps
   independent ops, e.g. a convolution's input and filter gradients, each with a 32 MiB
@@ -81,7 +81,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COST_MODELS = ("profile", "flops")
-_CACHE_VERSION = 7
+_CACHE_VERSION = 8
+# Weight-sized buffers a weight regularizer's penalty gradient adds next to its variable's
+# gradient in the compiled step (CompiledStep._add_weight_penalties), counted in the
+# backward node's workspace: the upstream broadcast to the variable's shape and the product
+# (an L2 penalty's gradient of a 512x512 kernel plus the sum with the gradient alone:
+# allocator peak 2.0 MiB above the gradient; in a 6 x Dense(512) step, batch 2, 1 MiB above
+# the unregularized step's requested bytes).
+_PENALTY_BUFFERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +269,11 @@ def _trainable(layer) -> list:
     return list(getattr(layer, "trainable_variables", ()))
 
 
+def _regularized(layer) -> list:
+    """A layer's trainable variables that carry a weight regularizer."""
+    return [v for v in _trainable(layer) if getattr(v, "regularizer", None) is not None]
+
+
 def refuse_unmodelled_training(model) -> None:
     """Refuses a model that ``model.fit`` trains on more than its compiled loss.
 
@@ -269,9 +281,12 @@ def refuse_unmodelled_training(model) -> None:
     compiled loss, and would silently train without the rest:
     - a ``train_step``, ``compute_loss`` or ``call`` of the model's own class (custom
       training logic, an added penalty, a forward pass other than the layer graph);
-    - weight regularizers (``kernel_regularizer``, ``bias_regularizer``) and ``add_loss``
-      terms. (Activity regularizers appear only once a layer is called; the
+    - ``add_loss`` terms. (Activity regularizers appear only once a layer is called; the
       extraction's per-call check refuses those.)
+
+    Weight regularizers (``kernel_regularizer``, ``bias_regularizer``, ...) read only
+    their variable: the compiled step adds their penalties and gradients
+    (:class:`tfremat.static_graph.compile.CompiledStep`), so they are not refused.
 
     Raises:
         ExtractionError: naming the overriding method, or the first layer that adds a
@@ -285,14 +300,15 @@ def refuse_unmodelled_training(model) -> None:
                 "through model.compile(loss=...), or train this model without tfremat",
                 layer=model.name,
             )
-    if not model.losses:
+    penalties = sum(1 for v in model.trainable_variables if getattr(v, "regularizer", None) is not None)
+    if len(model.losses) == penalties:
         return
-    leaves = [layer for layer in model._flatten_layers(include_self=False) if not layer._layers and layer.losses]
+    leaves = [layer for layer in model._flatten_layers(include_self=False) if not layer._layers and layer._losses]
     names = [layer.name for layer in leaves] or [model.name]
     raise ExtractionError(
-        f"layers {names} add losses to the model (kernel/bias regularizers or add_loss); the rematerialized "
-        "step trains on the compiled loss alone and would drop them. Remove the regularizers, or add the "
-        "penalty to the loss function",
+        f"layers {names} add losses to the model (add_loss); the rematerialized step trains on the compiled "
+        "loss and the weight regularizers alone and would drop them. Add the term to the loss function, or "
+        "express it as a weight regularizer",
         layer=names[0],
     )
 
@@ -652,7 +668,7 @@ def _analyze_with_checks(call, takes_training, specs, grads, batch, cost_model, 
                 "would repeat that side effect. Keep such state in tf.Variables or outside call().",
                 layer=call.name,
             )
-    if getattr(layer, "losses", None):
+    if len(getattr(layer, "losses", ())) > len(_regularized(layer)):
         raise ExtractionError(
             f"layer {call.name!r} adds losses in call() (activity regularization / add_loss); tfremat's "
             "graph has one loss node and would drop them. Move the term into the loss function.",
@@ -726,6 +742,7 @@ def _assemble(model, calls, output_refs, needs_backward, analyses, loss_analysis
         work[b] = a.backward_workspace
         if weight_grads == "transient":
             work[b] += _variables_bytes(_trainable(layer))
+        work[b] += _PENALTY_BUFFERS * _variables_bytes(_regularized(layer))
         grads = tuple(tuple(g) for g in output_grads[i])
         for contributions in grads:
             for g in contributions:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -49,6 +50,7 @@ class CompiledStep:
         self.return_outputs = return_outputs
         self._report: TraceReport | None = None
         self._variables = list(side_table.model.trainable_variables)
+        self._regularized = [v for v in self._variables if getattr(v, "regularizer", None) is not None]
         # No AutoGraph: the interpreter has no tensor-dependent Python control flow, and
         # AutoGraph would wrap its CompileErrors in StagingError.
         self.function = tf.function(
@@ -64,6 +66,8 @@ class CompiledStep:
         loss, predictions, weight_grads, report = interpret_plan(
             self.graph, self.side_table, self.plan, x, y, self.optimizer.scale_loss,
         )
+        if self._regularized:
+            loss = self._add_weight_penalties(loss, weight_grads)
         if replicas > 1:
             # Reported unscaled, as Keras's loss tracker does: the replicas' mean is the
             # loss of the global batch.
@@ -82,6 +86,39 @@ class CompiledStep:
         if self.return_outputs:
             return loss, self._structure_outputs(predictions)
         return loss
+
+    def _add_weight_penalties(self, loss, weight_grads: dict):
+        """Adds the weight regularizers' penalties (``kernel_regularizer``,
+        ``bias_regularizer``, ...) to the loss and their gradients to ``weight_grads``, as
+        Keras's ``train_step`` does through ``compute_loss``; returns the total loss.
+
+        A penalty reads only its variable, so it is computed with the variable's own
+        gradient (under a control dependency on it) rather than at the start of the step:
+        its weight-sized temporaries then live next to that gradient, where the extraction
+        counts them in the backward node's workspace. The two gradients are summed as the
+        tape sums them (one addition, which does not depend on the order), the penalty
+        gradient seeded through ``optimizer.scale_loss`` like the loss's, and the penalties
+        enter the reported loss through ``keras.ops.sum`` like Keras's total, so training
+        matches ``model.fit`` bit for bit. A regularized variable no layer reads still
+        gets its penalty's gradient, as in Keras.
+        """
+        penalties = [loss]
+        for variable in self._regularized:
+            _, gradient = weight_grads.get(id(variable), (variable, None))
+            gate = [] if gradient is None else [tf.convert_to_tensor(gradient)]
+            with tf.control_dependencies(gate):
+                with tf.GradientTape() as tape:
+                    penalty = variable.regularizer(variable)
+                    scaled = self.optimizer.scale_loss(penalty)
+                # The penalty's value is not on the update's path (d/dx sum(x^2) does not
+                # read x^2); left to run after the update, its read of the variable made
+                # the update copy the variable (one weight-sized buffer each).
+                with tf.control_dependencies([penalty]):
+                    penalty_gradient = tape.gradient(scaled, variable)
+            penalties.append(keras.ops.sum(penalty))
+            total = penalty_gradient if gradient is None else gate[0] + penalty_gradient
+            weight_grads[id(variable)] = (variable, total)
+        return keras.ops.sum(penalties)
 
     def _structure_outputs(self, predictions: list):
         """The flat predictions in the structure ``model(x)`` returns."""
