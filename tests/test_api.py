@@ -243,6 +243,52 @@ def test_fit_trains_like_keras_for_every_way_to_compile_a_loss(loss, loss_weight
     assert history["loss"] == expected["loss"]
 
 
+@pytest.mark.parametrize("weighting", ["sample_weight", "class_weight", "dataset"])
+def test_fit_with_sample_and_class_weights_trains_like_keras(weighting):
+    """Sample weights (an array, Keras's class_weight, or a dataset's third element) were
+    refused; the step passes them to every output's loss as Keras's compiled loss does,
+    and the weighted metrics see them: same weights, losses and metrics as model.fit."""
+    rng = np.random.default_rng(0)
+    x = rng.random((32, 16)).astype("float32")
+    labels = rng.integers(0, 3, 32)
+    y = np.eye(3, dtype="float32")[labels]
+    weights = rng.random(32).astype("float32") * 2
+    if weighting == "sample_weight":
+        data_kwargs = {"x": x, "y": y, "sample_weight": weights, "batch_size": 8}
+    elif weighting == "class_weight":
+        data_kwargs = {"x": x, "y": y, "class_weight": {0: 0.2, 1: 1.0, 2: 3.0}, "batch_size": 8}
+    else:
+        data_kwargs = {"x": tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(8)}
+    models = []
+    for _ in range(2):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(8, activation="relu")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+        model.compile(keras.optimizers.Adam(0.01), "categorical_crossentropy", weighted_metrics=["accuracy"])
+        models.append(model)
+    plain, remat = models
+    keras.utils.set_random_seed(1)
+    expected = plain.fit(**data_kwargs, epochs=2, shuffle=False, verbose=0).history
+    keras.utils.set_random_seed(1)
+    history = tfremat.fit(remat, "100%", **data_kwargs, epochs=2, shuffle=False, strategy="chen_sqrtn",
+                          cost_model="flops", verbose=0).history
+    assert max_weight_difference(plain, remat) == 0.0
+    assert history == expected
+    unweighted = keras.losses.CategoricalCrossentropy()(y, plain(x)).numpy()
+    assert abs(expected["loss"][-1] - unweighted) > 1e-3  # the weights changed the loss
+
+
+def test_sample_weights_per_output_are_refused_naming_the_fix():
+    rng = np.random.default_rng(0)
+    x = rng.random((16, 16)).astype("float32")
+    y = [rng.random((16, 1)).astype("float32"), np.eye(3, dtype="float32")[rng.integers(0, 3, 16)]]
+    model = two_output_model(["mse", "categorical_crossentropy"])
+    with pytest.raises(CompileError, match="one array of sample weights"):
+        tfremat.fit(model, "100%", x, y, sample_weight=[np.ones(16, "float32")] * 2, batch_size=8,
+                    strategy="checkpoint_all", cost_model="flops", verbose=0)
+
+
 def test_a_callback_reused_on_another_model_trains_that_model():
     x, y = data(16)
     first, second = compiled_convnet(seed=0), compiled_convnet(seed=1)

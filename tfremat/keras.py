@@ -169,10 +169,13 @@ class RematCallback(keras.callbacks.Callback):
     def _remat_step(self, iterator):
         data = next(iterator)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if sample_weight is not None:
-            raise CompileError("sample weights are not supported by the rematerialized step; drop sample_weight/class_weight")
+        if tf.nest.is_nested(sample_weight):
+            raise CompileError(
+                "sample weights given per output (a list or dict) are not supported by the rematerialized step; "
+                "pass one array of sample weights, which weights every output's loss"
+            )
         step = self._step_for(x, y)
-        loss, y_pred = step(x, y)
+        loss, y_pred = step(x, y, sample_weight)
         model = self.model
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         model._loss_tracker.update_state(loss, sample_weight=batch)
@@ -180,8 +183,8 @@ class RematCallback(keras.callbacks.Callback):
             # Keras records each output's own loss (``<output>_loss`` in the history) while
             # computing the total; the step returns only the total, so the per-output
             # losses are evaluated once more on its predictions (a reduction, no layer).
-            model._compile_loss(y, y_pred)
-        return model.compute_metrics(x, y, y_pred, sample_weight=None)
+            model._compile_loss(y, y_pred, sample_weight)
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
 def _training_setup(model) -> tuple:

@@ -175,9 +175,12 @@ def per_output(value, output_names: Sequence[str], what: str, default) -> list:
 
 
 def resolve_loss(loss, num_outputs: int, output_names: Sequence[str] = (), loss_weights=None) -> Callable:
-    """Turns a loss as ``model.compile`` takes it into ``fn(labels, preds) -> scalar``.
+    """Turns a loss as ``model.compile`` takes it into ``fn(labels, preds, sample_weight=None)
+    -> scalar``.
 
-    Both arguments of the returned function are lists with one tensor per model output.
+    ``labels`` and ``preds`` are lists with one tensor per model output; ``sample_weight``
+    (one weight per sample, or None) weights every output's loss, as Keras's compiled loss
+    does with one array of sample weights.
     ``loss`` is a Keras loss object, its name or a callable applied to every output, or a
     list (one per output, None for an output without loss) or a dict keyed by output name;
     ``loss_weights`` likewise a number, a list or a dict (None: 1 each). The result is
@@ -199,10 +202,10 @@ def resolve_loss(loss, num_outputs: int, output_names: Sequence[str] = (), loss_
         raise ExtractionError(f"loss_weights must be numbers, got {loss_weights!r}", layer="loss")
     terms = [(k, fn, float(w)) for k, (fn, w) in enumerate(zip(losses, weights)) if fn is not None]
 
-    def loss_fn(labels, preds):
+    def loss_fn(labels, preds, sample_weight=None):
         total = None
         for k, fn, weight in terms:
-            term = tf.reduce_mean(fn(labels[k], preds[k]))
+            term = tf.reduce_mean(fn(labels[k], preds[k], sample_weight))
             term = term if weight == 1.0 else term * weight
             total = term if total is None else total + term
         return total

@@ -191,8 +191,8 @@ class SideTable:
         label_specs: the label signature (per model output).
         outputs: per model output (flattened), the forward node tensor it is.
         loss_node: the loss node id.
-        loss_fn: ``loss_fn(y_true, y_pred) -> scalar`` for a single output, or a callable on
-            the lists of labels and predictions when the model has several outputs (see
+        loss_fn: ``loss_fn(labels, preds, sample_weight=None) -> scalar`` on the lists of
+            labels and predictions, one per model output (see
             :func:`tfremat.extract.resolve_loss`).
         optimizer: the Keras optimizer (built, so its slot variables exist).
         batch_size: the batch size the sizes were measured for.

@@ -23,11 +23,12 @@ logger = logging.getLogger(__name__)
 class CompiledStep:
     """A training step that runs one schedule; build it with :func:`compile_step`.
 
-    Call it as ``step(x, y)``: one forward/backward pass following the plan and one
-    optimizer update; returns the loss (the mean over the global batch under a
-    distribution strategy), or ``(loss, y_pred)`` when compiled with
-    ``return_outputs=True`` (``y_pred`` structured like the model outputs; per replica
-    under a distribution strategy), e.g. for metrics.
+    Call it as ``step(x, y)`` or ``step(x, y, sample_weight)`` (one weight per sample,
+    applied to every output's loss as ``model.fit(sample_weight=...)`` does): one
+    forward/backward pass following the plan and one optimizer update; returns the loss
+    (the mean over the global batch under a distribution strategy), or ``(loss, y_pred)``
+    when compiled with ``return_outputs=True`` (``y_pred`` structured like the model
+    outputs; per replica under a distribution strategy), e.g. for metrics.
 
     Attributes:
         graph: the extracted graph.
@@ -57,14 +58,14 @@ class CompiledStep:
             self._distributed_step if strategy is not None else self._step, jit_compile=False, autograph=False
         )
 
-    def _replica_step(self, x, y, replicas: int):
+    def _replica_step(self, x, y, sample_weight, replicas: int):
         # The loss to differentiate, as Keras's ``train_step`` forms it: multiplied by the
         # optimizer's loss scale (a ``LossScaleOptimizer`` under ``mixed_float16``, whose
         # ``apply_gradients`` divides the gradients by it again). Keras losses divide by
         # the number of replicas themselves in a replica context; dividing again here
         # halved the gradients on two replicas.
         loss, predictions, weight_grads, report = interpret_plan(
-            self.graph, self.side_table, self.plan, x, y, self.optimizer.scale_loss,
+            self.graph, self.side_table, self.plan, x, y, self.optimizer.scale_loss, sample_weight,
         )
         if self._regularized:
             loss = self._add_weight_penalties(loss, weight_grads)
@@ -128,19 +129,21 @@ class CompiledStep:
             return predictions[0] if len(predictions) == 1 else predictions
         return tf.nest.pack_sequence_as(structure, predictions)
 
-    def _step(self, x, y):
-        return self._replica_step(x, y, 1)
+    def _step(self, x, y, sample_weight=None):
+        return self._replica_step(x, y, sample_weight, 1)
 
-    def _distributed_step(self, x, y):
+    def _distributed_step(self, x, y, sample_weight=None):
         replicas = self.strategy.num_replicas_in_sync
-        per_replica = self.strategy.run(self._replica_step, args=(x, y, replicas))
+        per_replica = self.strategy.run(self._replica_step, args=(x, y, sample_weight, replicas))
         if self.return_outputs:
             loss, outputs = per_replica
             return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, loss, axis=None), outputs
         return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, per_replica, axis=None)
 
-    def __call__(self, x, y):
-        return self.function(x, y)
+    def __call__(self, x, y, sample_weight=None):
+        if sample_weight is None:
+            return self.function(x, y)
+        return self.function(x, y, sample_weight)
 
     def trace(self):
         """Traces the step for the extraction's input signature (once), filling the report.

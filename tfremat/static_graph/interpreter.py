@@ -163,12 +163,13 @@ class _Instance:
 
 
 class _Interpreter:
-    def __init__(self, graph: DFGraph, side_table: Any, x, y, scale_loss: Callable[[Any], Any]):
+    def __init__(self, graph: DFGraph, side_table: Any, x, y, scale_loss: Callable[[Any], Any], sample_weight=None):
         self.graph = graph
         self.table = side_table
         self.x = side_table.flat_inputs(x)
         self.y = side_table.flat_labels(y)
         self.scale_loss = scale_loss
+        self.sample_weight = sample_weight
         self.resident: dict[int, Any] = {}
         self.instances: dict[int, _Instance] = {}
         self.generation: dict[int, int] = {}
@@ -347,7 +348,7 @@ class _Interpreter:
         with tf.GradientTape() as tape:
             tape.watch(predictions + logits)
             # SideTable.loss_fn takes lists (one entry per model output) in every case.
-            loss = self.table.loss_fn(list(self.y), list(predictions))
+            loss = self.table.loss_fn(list(self.y), list(predictions), self.sample_weight)
             scaled = self.scale_loss(loss)
         distinct = [l for l, p in zip(logits, predictions) if l is not p]
         gradients = _gradient_once_per_tensor(tape, scaled, distinct + predictions)
@@ -564,7 +565,7 @@ def _logits(tensor):
 
 
 def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
-                   scale_loss: Callable[[Any], Any] | None = None):
+                   scale_loss: Callable[[Any], Any] | None = None, sample_weight=None):
     """Emits the operations of one training step following ``plan`` (call while tracing).
 
     Args:
@@ -577,12 +578,14 @@ def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
             loss itself); the compiled step applies the optimizer's loss scale
             (``mixed_float16``), as Keras's own ``train_step`` does (Keras losses divide by
             the number of replicas themselves under a distribution strategy).
+        sample_weight: one weight per sample, applied to every output's loss as
+            ``model.fit(sample_weight=...)`` applies it (None: unweighted).
 
     Returns:
         ``(loss, predictions, weight_grads, report)``: the scalar loss, the model outputs
         (flattened) as the loss node read them, ``{id(variable): (variable, gradient)}``
         and the :class:`TraceReport`.
     """
-    interpreter = _Interpreter(graph, side_table, x, y, scale_loss or (lambda loss: loss))
+    interpreter = _Interpreter(graph, side_table, x, y, scale_loss or (lambda loss: loss), sample_weight)
     loss, predictions, weight_grads = interpreter.run(plan)
     return loss, predictions, weight_grads, interpreter.report
