@@ -2,11 +2,12 @@
 
 For each model: nodes, edges, the simulator's checkpoint-all peak against a plain
 ``tf.GradientTape`` step measured two ways (:func:`tfremat.extract.measure_plain_step_peak`):
-the bytes its operations request (what the prediction models; the error is against these)
-and the BFC allocator's peak (which adds chunk rounding that moves by several percent
-between runs); the bytes tfremat's compiled checkpoint-all step requests (the step the
-prediction describes and a budget holds); then the extraction seconds with a cold profile cache, the profiling part
-of it, and the seconds of a second (cached) extraction.
+the bytes its operations request (the kind of bytes the prediction counts; the error is
+against these) and the BFC allocator's peak (which adds chunk rounding that moves by
+several percent between runs); the bytes tfremat's compiled checkpoint-all step requests
+(the step the prediction describes and a budget holds); then the extraction seconds with
+a cold profile cache, the profiling part of it, and the seconds of a second (cached)
+extraction.
 
 Run: ``python benchmarks/extraction.py`` (writes ``benchmarks/results/extraction.md``).
 Ops run one at a time (``TF_NUM_INTEROP_THREADS=1``), the sequential execution the simulator
@@ -105,7 +106,7 @@ def main(argv=None):
         "",
         "Checkpoint-all peak predicted by the simulator on the extracted graph vs a plain",
         f"`tf.GradientTape` step (TensorFlow {tf.__version__} CPU, BFC allocator, `TF_NUM_INTEROP_THREADS=1`):",
-        "requested = the bytes the step's operations request (what the prediction models),",
+        "requested = the bytes the step's operations request (the kind of bytes the prediction counts),",
         "allocator = the BFC allocator's peak (adds chunk rounding that moves between runs).",
         "Error = requested / predicted - 1 (negative: the step used less than predicted).",
         "tfremat step = the bytes tfremat's compiled checkpoint-all step requests, and its error against the",
