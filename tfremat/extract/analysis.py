@@ -30,13 +30,14 @@ one ``gradient`` call, as the step does
 (:func:`tfremat.static_graph.interpreter.takes_one_gradient_call`).
 
 With ``profile=True`` the same functions are run on the target device: the median of timed
-runs after warm-up gives the cost, and the ``TF_CPU_ALLOCATOR_USE_BFC`` allocator's peak
-(reset before each run) gives the workspace, i.e. the transient bytes beyond the node's
-output, residuals and gradients. Profiling runs the layer with ``training=True``, which
-would move batch-norm statistics and dropout seeds, so the layer's non-trainable variables
-are restored afterwards: extraction leaves the model exactly as it found it. The backward
-workspace of a call that runs a while loop comes from the bytes its operations request
-instead (the largest over a few traces, see :func:`_requested_peak` and ``analyze_call``).
+runs after warm-up gives the cost, and the peak of the bytes the run's operations request
+from the allocator (the profiler's allocation events, :func:`_requested_peak`; not the BFC
+allocator's own peak, which counts whole chunks) gives the workspace, i.e. the transient
+bytes beyond the node's output, residuals and gradients. Profiling runs the layer with
+``training=True``, which would move batch-norm statistics and dropout seeds, so the layer's
+non-trainable variables are restored afterwards: extraction leaves the model exactly as it
+found it. The backward workspace of a call that runs a while loop is the largest over a few
+traces (see ``analyze_call``).
 
 The ``flops`` cost model sums TensorFlow's registered per-op flop statistics over the traced
 ops (``Conv2D``, ``MatMul``, ...), and the element count of every other computing op. A
@@ -61,7 +62,7 @@ from tensorflow.python.ops import handle_data_util
 
 from tfremat.errors import ExtractionError
 from tfremat.static_graph.interpreter import takes_one_gradient_call
-from tfremat.static_graph.memory import measure_step_peak, resident_bytes
+from tfremat.static_graph.memory import requested_peak
 
 __all__ = ["CallAnalysis", "analyze_call", "analyze_loss", "tensor_bytes", "device_name"]
 
@@ -98,7 +99,7 @@ class CallAnalysis:
         input_grad_bytes: bytes of the gradients the backward returns for the inputs.
         forward_flops, backward_flops: analytic counts from the traced ops.
         forward_seconds, backward_seconds: median timings (0 without profiling).
-        forward_workspace, backward_workspace: transient allocator bytes (0 without profiling).
+        forward_workspace, backward_workspace: transient requested bytes (0 without profiling).
     """
 
     output_specs: tuple
@@ -198,48 +199,47 @@ def reset_allocator_peak(device: str) -> None:
 
 
 def _time_and_memory(fn: Callable, args, repeats: int, warmup: int) -> tuple[float, int]:
-    """Median seconds of ``fn(*args)`` after warm-up, and its allocator peak above the start."""
+    """Median seconds of ``fn(*args)`` after warm-up, and the peak of the bytes it requests
+    above what existed before it (:func:`_requested_peak`)."""
     for _ in range(warmup):
         _sync(fn(*args))
-    device = device_name().split("device:")[-1]
-    reset_allocator_peak(device)
-    start = tf.config.experimental.get_memory_info(device)["current"]
-    result = fn(*args)
-    _sync(result)
-    peak = tf.config.experimental.get_memory_info(device)["peak"] - start
-    del result
+    peak = _requested_peak(fn, args)
     times = []
     for _ in range(repeats):
         begin = time.perf_counter()
         _sync(fn(*args))
         times.append(time.perf_counter() - begin)
-    return statistics.median(times), max(0, int(peak))
+    return statistics.median(times), peak
 
 
 def _requested_peak(fn: Callable, args) -> int:
     """The peak of the bytes ``fn(*args)`` requests from the allocator above what existed
-    before it (:func:`tfremat.static_graph.measure_step_peak` with ``count="requested"``), for
-    calls that run a while loop.
+    before it, from the profiler's allocation events
+    (:func:`tfremat.static_graph.memory.requested_peak`, what
+    ``measure_step_peak(..., count="requested")`` reads of a compiled step).
 
-    The allocator's own peak counts whole BFC chunks, and a loop makes hundreds of small
-    per-iteration allocations (an LSTM's per-step weight-gradient partials, up to 32
-    iterations in flight) whose chunks depend on what the process allocated before: the
-    same GRU backward measured 1.1 MB of workspace in one process and 2.4 MB in another,
-    and plans made on the smaller number overran. The requested bytes are what the step's
-    memory is held to. One run after a warm-up: the order in which a loop's iterations
+    The allocator's own peak counts whole BFC chunks, and BFC hands out a free chunk whole
+    when it is less than twice the request. A convolution's gradient requests a scratch
+    buffer of about 32 MiB on CPU, which the profiling process's earlier allocations had
+    left a 60 MiB chunk for: the backward of a U-Net's 3x3 convolution on 64x64x48 (batch
+    4) peaked at 71.0 MiB by the allocator and 39.8 MiB requested, its workspace was
+    counted 31 MiB too large, and the U-Net's step requested 0.59x its checkpoint-all
+    prediction (47.3 against 79.6 MiB; no budget under 74.3 MiB was accepted). A loop's
+    hundreds of small per-iteration allocations (an LSTM's per-step weight-gradient
+    partials) have the same problem: one GRU backward measured 1.1 MB of workspace in one
+    process and 2.4 MB in another, and plans made on the smaller number overran. The
+    requested bytes are what the step's memory is held to, and do not depend on the
+    process's history. One run after a warm-up: the order in which a loop's iterations
     run is fixed by its trace (see ``analyze_call``), except that it sometimes settled on
     a smaller peak after a few runs (3.41 MB requested, then 2.53), never on a larger one.
+
+    Raises:
+        ExtractionError: the allocator keeps no statistics (:func:`reset_allocator_peak`).
     """
-    ready = tf.constant(0.0)
-
-    def run(first, rest):
-        # measure_step_peak reads its result's first tensor back, which must not be a variant.
-        return ready, fn(first, *rest)
-
-    first, *rest = args
     device = device_name().split("device:")[-1]
-    peak = measure_step_peak(run, first, rest, device=device, warmup=1, count="requested")
-    return max(0, peak - resident_bytes(tf.nest.flatten(args)))  # measure_step_peak adds the arguments
+    reset_allocator_peak(device)  # raises, saying how to turn the statistics on, when they are off
+    _sync(fn(*args))  # first-run allocations (kernel caches) are not the call's
+    return requested_peak(lambda: _sync(fn(*args)), device, allow_empty=True)
 
 
 def _sample(spec: tf.TensorSpec) -> tf.Tensor:

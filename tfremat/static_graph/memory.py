@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tfremat.errors import CompileError
 
-__all__ = ["measure_step_peak", "resident_bytes", "default_device"]
+__all__ = ["measure_step_peak", "requested_peak", "resident_bytes", "default_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def measure_step_peak(step: Callable, x, y, resident: Sequence = (), device: str
     tf.config.experimental.reset_memory_stats(device)
     start = tf.config.experimental.get_memory_info(device)["current"]
     if count == "requested":
-        peak = _requested_peak(run, device)
+        peak = requested_peak(run, device)
     else:
         run()
         peak = tf.config.experimental.get_memory_info(device)["peak"] - start
@@ -102,11 +102,21 @@ def _allocator_matches(name: str, device: str) -> bool:
     return "cpu" in name.lower()
 
 
-def _requested_peak(run: Callable[[], None], device: str) -> int:
+def requested_peak(run: Callable[[], None], device: str, *, allow_empty: bool = False) -> int:
     """Peak of the bytes requested from ``device``'s allocator by allocations made in ``run()``.
 
     Replays the profiler's ``MemoryAllocation``/``MemoryDeallocation`` events in time order;
     frees of tensors allocated before the run are ignored (the peak is above the start).
+
+    Args:
+        run: what to measure (it must finish its device work before it returns).
+        device: the allocator to read ("CPU:0", "GPU:0").
+        allow_empty: a run that allocates nothing has peak 0 (one layer call that only
+            reshapes); otherwise no event means the profiler saw nothing, an error.
+
+    Raises:
+        CompileError: no allocation event and not ``allow_empty``, or the profiler protos
+            are missing from this TensorFlow build.
     """
     try:
         from tensorflow.tsl.profiler.protobuf import xplane_pb2
@@ -146,7 +156,7 @@ def _requested_peak(run: Callable[[], None], device: str) -> int:
                         if _allocator_matches(stats.get("allocator_name", ""), device):
                             events.append((line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation",
                                            stats.get("addr"), stats.get("requested_bytes", 0)))
-    if not events:
+    if not events and not allow_empty:
         raise CompileError(f"the profiler recorded no allocation on {device}")
     events.sort(key=lambda e: (e[0], not e[1]))
     live: dict = {}
