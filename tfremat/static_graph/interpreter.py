@@ -81,9 +81,10 @@ class TraceReport:
             layer's output or residuals, so the rebuild re-runs forward work the plan does
             not count.
         update_points: per trainable variable (``id``), the index into ``statement_ops`` of
-            the first compute statement after the last one that used its layer, which
-            :func:`order_updates` makes wait for the variable's optimizer update; absent
-            when no compute statement follows.
+            the first compute statement after the last one that used its layer that
+            created an operation (other than a placeholder), which :func:`order_updates`
+            makes wait for the variable's optimizer update; absent when no such statement
+            follows.
         statement_ops: the operations each compute statement created, in plan order.
         ordered_updates: variables whose update :func:`order_updates` placed before the
             next statement (the others run whenever TensorFlow gets to them).
@@ -254,8 +255,20 @@ class _Interpreter:
             grad = parts[0] if len(parts) == 1 else _add_gradients(parts)
             with tf.control_dependencies(self.last_reader.get(key, [])):
                 gated[key] = (variable, tf.identity(grad))
+        # A statement that created no operation cannot wait for anything: the backward
+        # node of an ``Add`` (or any layer whose gradient passes the upstream gradient
+        # through unchanged) reuses existing tensors. Pointing an update at it left the
+        # update unordered, so its weight gradient, and the filter-gradient convolution
+        # with the upstream gradient it reads, ran at the end of the backward pass
+        # (EfficientNetB0: the expand convolutions of blocks 3a-7a, whose input is a
+        # residual ``Add``). The next statement that created an operation is the point.
+        next_gateable: list[int | None] = [None] * (len(self.report.statement_ops) + 1)
+        for index in range(len(self.report.statement_ops) - 1, -1, -1):
+            gateable = any(op.type != "Placeholder" for op in self.report.statement_ops[index])
+            next_gateable[index] = index if gateable else next_gateable[index + 1]
         self.report.update_points = {
-            key: index + 1 for key, index in last_statement.items() if index + 1 < len(self.report.statement_ops)
+            key: next_gateable[index + 1] for key, index in last_statement.items()
+            if next_gateable[index + 1] is not None
         }
         return self.loss, self.predictions, gated
 
