@@ -492,7 +492,6 @@ def test_weight_gradients_die_with_their_backward_node():
     assert step.report.ordered_updates == len(step.report.update_points) > 0
 
 
-
 def test_update_after_an_add_is_ordered():
     """The backward node of an ``Add`` creates no operation (its gradient is the upstream
     gradient, passed through), so a convolution reading an ``Add`` had its update point
@@ -527,6 +526,7 @@ def test_update_after_an_add_is_ordered():
     assert step.report.ordered_updates == len(step.report.update_points) > 0
     upstream_gradient = 8 * 32 * 32 * 64 * 4  # one expand convolution's, 2 MiB
     assert requested <= predicted + upstream_gradient // 4, (requested, predicted)
+
 
 def test_a_backward_node_computed_twice_gives_its_weight_gradients_once():
     """A schedule may compute a backward node more than once (``eviction`` and ``optimal``
