@@ -237,7 +237,7 @@ def _backend_module(solver: str):
             import highspy
         except ImportError as exc:
             raise SolverUnavailableError(
-                "solver='highs' needs highspy, which tfremat installs: `pip install 'highspy>=1.15'`"
+                "solver='highs' needs highspy, which tfremat installs: `pip install 'highspy>=1.15,<1.16'`"
             ) from exc
         return highspy
     try:
@@ -261,7 +261,8 @@ def _new_highs(highspy):
     C) when the first ``Highs`` object of a process is created, before any option can
     silence it; on standard output it corrupted ``tfremat solve --json`` and any program
     whose output is data. The first construction runs with descriptor 1 pointed at
-    standard error; later ones print nothing.
+    standard error; later ones print nothing. (setup.py asks for 1.15, whose schedules the
+    README's tables report, but a later ``pip install -U highspy`` brings 1.16 back.)
     """
     global _highs_banner_shown
     if _highs_banner_shown:
