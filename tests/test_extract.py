@@ -301,6 +301,23 @@ def test_profile_cache_sees_edits_of_user_code_and_survives_damage():
     assert extract(_scaling_model(Scale), batch, loss=mae, cost_model="flops").cache_hit
 
 
+def _checkpoint_all_peaks(model, x, y):
+    """Predicted and requested peak bytes of ``model``'s compiled checkpoint-all step (SGD,
+    freshly profiled)."""
+    from tfremat.plan.registry import get_strategy
+    from tfremat.plan.simulator import simulate
+    from tfremat.static_graph import compile_step, measure_step_peak
+
+    optimizer = keras.optimizers.SGD(0.01)
+    extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1, use_cache=False)
+    schedule = get_strategy("checkpoint_all")(extraction.graph)
+    predicted = simulate(extraction.graph, schedule).peak_bytes
+    step = compile_step(extraction, schedule)
+    requested = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables),
+                                  count="requested")
+    return predicted, requested
+
+
 def _stacked_lstm(seq=32, features=8, units=32):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((seq, features))
@@ -340,18 +357,8 @@ def test_while_loop_step_requests_what_the_graph_predicts():
     iteration's intermediates for higher-order gradients). On this small model the
     workspace measured that way also swamped the missing residuals, and the step requested
     0.64x or 1.29x the prediction depending on the process."""
-    from tfremat.plan.registry import get_strategy
-    from tfremat.plan.simulator import simulate
-    from tfremat.static_graph import compile_step, measure_step_peak
-
     model, x, y = _stacked_lstm()
-    optimizer = keras.optimizers.SGD(0.01)
-    extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1, use_cache=False)
-    schedule = get_strategy("checkpoint_all")(extraction.graph)
-    predicted = simulate(extraction.graph, schedule).peak_bytes
-    step = compile_step(extraction, schedule)
-    requested = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables),
-                                  count="requested")
+    predicted, requested = _checkpoint_all_peaks(model, x, y)
     assert requested <= 1.06 * predicted, (requested, predicted)
     assert requested >= 0.85 * predicted, (requested, predicted)
 
@@ -380,10 +387,6 @@ def test_workspace_is_requested_bytes_not_allocator_chunks():
     U-Net's step (64x64, batch 4) requested 0.59x its checkpoint-all prediction (47.3
     against 79.6 MiB; no budget under 74.3 MiB was accepted). The workspace is now the
     peak of the bytes the operations request."""
-    from tfremat.plan.registry import get_strategy
-    from tfremat.plan.simulator import simulate
-    from tfremat.static_graph import compile_step, measure_step_peak
-
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64, 64, 48))
     hidden = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="conv")(inputs)
@@ -394,12 +397,6 @@ def test_workspace_is_requested_bytes_not_allocator_chunks():
     # A free 60 MiB chunk: what earlier allocations of a process leave behind.
     free_chunk = tf.zeros((60 * 2**20 // 4,), "float32") + 1.0
     del free_chunk
-    optimizer = keras.optimizers.SGD(0.01)
-    extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1, use_cache=False)
-    schedule = get_strategy("checkpoint_all")(extraction.graph)
-    predicted = simulate(extraction.graph, schedule).peak_bytes
-    step = compile_step(extraction, schedule)
-    requested = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables),
-                                  count="requested")
+    predicted, requested = _checkpoint_all_peaks(model, x, y)
     assert requested <= 1.05 * predicted, (requested, predicted)
     assert requested >= 0.85 * predicted, (requested, predicted)

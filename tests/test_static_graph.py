@@ -327,6 +327,17 @@ def deep_resnet(input_shape=(48, 48, 3), channels=8, blocks=12, classes=10, seed
 _NOT_VALIDATED_FOR_MEMORY = ("eviction", "repair", "intervals")
 
 
+def _checkpoint_all_peaks(model, x, y, optimizer):
+    """Predicted and requested peak bytes of ``model``'s compiled checkpoint-all step, and the step."""
+    extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1)
+    schedule = get_strategy("checkpoint_all")(extraction.graph)
+    predicted = simulate(extraction.graph, schedule).peak_bytes
+    step = compile_step(extraction, schedule, optimizer=optimizer)
+    requested = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables),
+                                  count="requested")
+    return predicted, requested, step
+
+
 def _cheapest_fitting(graph, budget):
     """The cheapest schedule any Checkmate baseline finds within ``budget`` (LP rounding as fallback)."""
     found = []
@@ -481,12 +492,7 @@ def test_weight_gradients_die_with_their_backward_node():
     x = tf.constant(rng.standard_normal((2, 64)).astype("float32"))
     y = tf.constant(np.eye(10, dtype="float32")[rng.integers(0, 10, 2)])
     optimizer = keras.optimizers.SGD(0.01)
-    extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1)
-    schedule = get_strategy("checkpoint_all")(extraction.graph)
-    predicted = simulate(extraction.graph, schedule).peak_bytes
-    step = compile_step(extraction, schedule, optimizer=optimizer)
-    requested = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables),
-                                  count="requested")
+    predicted, requested, step = _checkpoint_all_peaks(model, x, y, optimizer)
     weight_grads = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
     assert requested <= predicted + 0.1 * weight_grads, (requested, predicted, weight_grads)
     assert step.report.ordered_updates == len(step.report.update_points) > 0
@@ -516,12 +522,7 @@ def test_update_after_an_add_is_ordered():
     model = keras.Model(inputs, outputs)
     x, y = _batch(model, 8)
     optimizer = keras.optimizers.SGD(0.01)
-    extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1)
-    schedule = get_strategy("checkpoint_all")(extraction.graph)
-    predicted = simulate(extraction.graph, schedule).peak_bytes
-    step = compile_step(extraction, schedule, optimizer=optimizer)
-    requested = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables),
-                                  count="requested")
+    predicted, requested, step = _checkpoint_all_peaks(model, x, y, optimizer)
     assert all(id(layer.kernel) in step.report.update_points for layer in expands)
     assert step.report.ordered_updates == len(step.report.update_points) > 0
     upstream_gradient = 8 * 32 * 32 * 64 * 4  # one expand convolution's, 2 MiB
