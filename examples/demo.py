@@ -79,8 +79,9 @@ def main() -> int:
     print("\n3. training 5 steps with the optimal schedule and with plain Keras ...")
     record = measure_model(model, BUDGET, batch_size=BATCH, strategy="optimal", steps=5, cost_model="profile",
                            time_limit=60, verbose=0)
-    print(f"   predicted peak {format_bytes(record['predicted_peak_bytes'])}, measured {format_bytes(record['measured_peak_bytes'])} "
-          f"({record['measured_over_predicted']:.3f}x predicted)")
+    print(f"   predicted peak {format_bytes(record['predicted_peak_bytes'])}, requested by the step "
+          f"{format_bytes(record['requested_peak_bytes'])} ({record['requested_over_predicted']:.3f}x predicted), "
+          f"allocator peak {format_bytes(record['measured_peak_bytes'])} (adds BFC chunk rounding)")
     print(f"   plain Keras peak {format_bytes(record['plain_peak_bytes'])}: tfremat uses {record['peak_over_plain']:.2f}x")
     print(f"   step time {1000 * record['step_seconds']:.1f} ms vs plain {1000 * record['plain_step_seconds']:.1f} ms "
           f"({record['time_over_plain']:.2f}x); max gradient relative error {record['max_grad_rel_error']:.1e}")

@@ -149,11 +149,12 @@ def test_cli_plan_compare_and_measure(saved_model):
     out = run_cli("measure", *common, "--strategy=chen_sqrtn", "--steps=2", "--json", cwd=folder)
     assert out.returncode == 0, out.stderr[-2000:]
     record = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("predicted_peak_bytes", "measured_peak_bytes", "step_seconds", "plain_peak_bytes",
-                "plain_step_seconds", "max_grad_rel_error"):
+    for key in ("predicted_peak_bytes", "measured_peak_bytes", "requested_peak_bytes", "step_seconds",
+                "plain_peak_bytes", "plain_step_seconds", "max_grad_rel_error"):
         assert record[key] is not None, key
     assert record["max_grad_rel_error"] < 1e-4
     assert record["measured_peak_bytes"] <= 1.1 * record["predicted_peak_bytes"] + 4 * 2**20
+    assert record["requested_peak_bytes"] <= 1.02 * record["predicted_peak_bytes"] + 2**20
 
 
 def test_cli_maxbatch_and_plot(saved_model):

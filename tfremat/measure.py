@@ -29,18 +29,21 @@ __all__ = ["measure_model", "synthetic_batch"]
 logger = logging.getLogger(__name__)
 
 
-def _peak_and_seconds(step, x, y, resident, steps: int) -> tuple[int, float]:
+def _peak_and_seconds(step, x, y, resident, steps: int) -> tuple[int, int, float]:
     """``step(x, y)``'s peak in the graph's convention (:func:`measure_step_peak`: one
-    tracing run, then a measured one) and the median seconds of ``steps`` more runs."""
+    tracing run, then a measured one) as the allocator's peak and as the bytes the step's
+    operations request (what the prediction counts; the allocator adds BFC chunk rounding
+    that depends on the process's history), and the median seconds of ``steps`` more runs."""
     # reset_allocator_peak says how to enable the allocator's statistics when they are off.
     reset_allocator_peak(default_device())
     peak = measure_step_peak(step, x, y, resident=resident)
+    requested = measure_step_peak(step, x, y, resident=resident, warmup=0, count="requested")
     seconds = []
     for _ in range(steps):
         began = time.perf_counter()
         tf.nest.flatten(step(x, y))[0].numpy()
         seconds.append(time.perf_counter() - began)
-    return peak, float(statistics.median(seconds))
+    return peak, requested, float(statistics.median(seconds))
 
 
 # Losses, by normalized name (lower case, no underscores), whose labels are not a
@@ -140,9 +143,10 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         verbose: 0 silences the solver's progress line.
 
     Returns:
-        predicted_peak_bytes, measured_peak_bytes, step_seconds, plain_peak_bytes,
-        plain_step_seconds, max_grad_rel_error, and the ratios measured/predicted,
-        peak/plain and time/plain.
+        predicted_peak_bytes, measured_peak_bytes (the allocator's peak),
+        requested_peak_bytes (the bytes the step's operations request, what the prediction
+        counts), step_seconds, plain_peak_bytes, plain_step_seconds, max_grad_rel_error,
+        and the ratios measured/predicted, requested/predicted, peak/plain and time/plain.
 
     Raises:
         ArgumentError: ``model`` is no ``keras.Model``, ``steps`` or ``batch_size`` not an
@@ -196,7 +200,9 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         optimizer = keras_optimizer(optimizer_name, "optimizer_name")
         optimizer.build(model.trainable_variables)
         step = compile_step(extraction, result.schedule, optimizer=optimizer)
-        measured, seconds = _peak_and_seconds(step, x, y, list(model.variables) + list(optimizer.variables), steps)
+        measured, requested, seconds = _peak_and_seconds(
+            step, x, y, list(model.variables) + list(optimizer.variables), steps,
+        )
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
 
@@ -205,7 +211,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         plain_optimizer = keras_optimizer(optimizer_name, "optimizer_name")
         plain_model.compile(optimizer=plain_optimizer, loss=loss)
         plain_optimizer.build(plain_model.trainable_variables)  # its slots count as resident, like the step's
-        plain, plain_seconds = _peak_and_seconds(
+        plain, _, plain_seconds = _peak_and_seconds(
             lambda a, b: tf.constant(plain_model.train_on_batch(a, b)), x, y,
             list(plain_model.variables) + list(plain_optimizer.variables), steps,
         )
@@ -216,11 +222,13 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             "budget_bytes": result.budget_bytes,
             "predicted_peak_bytes": result.predicted_peak_bytes,
             "measured_peak_bytes": measured,
+            "requested_peak_bytes": requested,
             "step_seconds": round(seconds, 5),
             "plain_peak_bytes": plain,
             "plain_step_seconds": round(plain_seconds, 5),
             "max_grad_rel_error": max(errors) if errors else None,
             "measured_over_predicted": round(measured / result.predicted_peak_bytes, 4),
+            "requested_over_predicted": round(requested / result.predicted_peak_bytes, 4),
             "peak_over_plain": round(measured / plain, 4),
             "time_over_plain": round(seconds / plain_seconds, 4),
             "predicted_overhead": round(result.overhead, 4),
