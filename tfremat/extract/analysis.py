@@ -201,9 +201,7 @@ def reset_allocator_peak(device: str) -> None:
 def _time_and_memory(fn: Callable, args, repeats: int, warmup: int) -> tuple[float, int]:
     """Median seconds of ``fn(*args)`` after warm-up, and the peak of the bytes it requests
     above what existed before it (:func:`_requested_peak`)."""
-    for _ in range(warmup):
-        _sync(fn(*args))
-    peak = _requested_peak(fn, args)
+    peak = _requested_peak(fn, args, warmup)
     times = []
     for _ in range(repeats):
         begin = time.perf_counter()
@@ -212,9 +210,10 @@ def _time_and_memory(fn: Callable, args, repeats: int, warmup: int) -> tuple[flo
     return statistics.median(times), peak
 
 
-def _requested_peak(fn: Callable, args) -> int:
+def _requested_peak(fn: Callable, args, warmup: int) -> int:
     """The peak of the bytes ``fn(*args)`` requests from the allocator above what existed
-    before it, from the profiler's allocation events
+    before it, after ``warmup`` unmeasured runs (at least one: first-run allocations such
+    as kernel caches are not the call's), from the profiler's allocation events
     (:func:`tfremat.static_graph.memory.requested_peak`, what
     ``measure_step_peak(..., count="requested")`` reads of a compiled step).
 
@@ -238,7 +237,8 @@ def _requested_peak(fn: Callable, args) -> int:
     """
     device = device_name().split("device:")[-1]
     reset_allocator_peak(device)  # raises, saying how to turn the statistics on, when they are off
-    _sync(fn(*args))  # first-run allocations (kernel caches) are not the call's
+    for _ in range(max(1, warmup)):
+        _sync(fn(*args))
     return requested_peak(lambda: _sync(fn(*args)), device, allow_empty=True)
 
 
@@ -441,10 +441,10 @@ def analyze_call(
         # step's trace is another draw, so the workspace is the largest over a few traces.
         retraced = [tf.function(step, autograph=False).get_concrete_function(list(input_specs), seed_spec)
                     for _ in range(_LOOP_TRACES - 1)]
-        fb_peak = max(_requested_peak(fn, (inputs, tf.constant(1.0))) for fn in [fb_concrete, *retraced])
+        fb_peak = max([fb_peak, *(_requested_peak(fn, (inputs, tf.constant(1.0)), warmup) for fn in retraced)])
     else:
         ungated = tf.function(ungated_step, autograph=False).get_concrete_function(list(input_specs), seed_spec)
-        fb_peak = max(fb_peak, _time_and_memory(ungated, (inputs, tf.constant(1.0)), 1, warmup)[1])
+        fb_peak = max(fb_peak, _requested_peak(ungated, (inputs, tf.constant(1.0)), warmup))
     held_bytes = output_bytes + upstream_bytes + analysis.residual_bytes + analysis.small_residual_bytes
     return dataclasses.replace(
         analysis,

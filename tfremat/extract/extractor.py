@@ -303,8 +303,7 @@ def refuse_unmodelled_training(model) -> None:
                 "through model.compile(loss=...), or train this model without tfremat",
                 layer=model.name,
             )
-    penalties = sum(1 for v in model.trainable_variables if getattr(v, "regularizer", None) is not None)
-    if len(model.losses) == penalties:
+    if len(model.losses) == len(_regularized(model)):
         return
     leaves = [layer for layer in model._flatten_layers(include_self=False) if not layer._layers and layer._losses]
     names = [layer.name for layer in leaves] or [model.name]

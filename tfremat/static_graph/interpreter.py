@@ -185,7 +185,6 @@ class _Interpreter:
         # of a layer that owns it (several for a layer called more than once).
         self.weight_grads: dict[int, tuple[Any, list]] = {}
         self.last_reader: dict[int, list] = {}
-        self.last_compute: dict[int, int] = {}  # node -> index of its last compute statement in the plan
         self.report = TraceReport()
 
     # ----- reading resident values -----
@@ -215,7 +214,7 @@ class _Interpreter:
         tf_graph = tf.compat.v1.get_default_graph()
         last_statement: dict[int, int] = {}
         # A backward node's weight gradients are taken at its last compute only (_backward).
-        self.last_compute = {statement.node: k for k, statement in enumerate(plan) if statement.op is Op.COMPUTE}
+        last_compute = {statement.node: k for k, statement in enumerate(plan) if statement.op is Op.COMPUTE}
         for position, statement in enumerate(plan):
             node = statement.node
             if statement.op is Op.ALLOCATE:
@@ -230,7 +229,7 @@ class _Interpreter:
                 self.report.recompute_statements += statement.recompute
                 first_op = len(tf_graph.get_operations())
                 with tf.control_dependencies(self.token):
-                    produced = self._compute(node, statement.recompute, self.last_compute[node] == position)
+                    produced = self._compute(node, statement.recompute, last_compute[node] == position)
                 self.report.statement_ops.append(tf_graph.get_operations()[first_op:])
                 produced = [t for t in produced if t is not None]
                 if produced:
@@ -542,7 +541,7 @@ def order_updates(report: TraceReport, update_ops: dict[int, tuple[Any, list]]) 
         if any(latest_upstream(op) >= point for op in ops):
             continue
         statement = report.statement_ops[point]
-        if not statement or statement[0].graph is not ops[0].graph:
+        if statement[0].graph is not ops[0].graph:
             continue
         gates.setdefault(point, []).extend(ops)
         ordered += 1
