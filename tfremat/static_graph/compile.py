@@ -15,7 +15,7 @@ from tfremat.plan.execution import ExecutionPlan, build_plan
 from tfremat.plan.schedule import Schedule, validate_schedule
 from tfremat.static_graph.interpreter import TraceReport, interpret_plan, order_updates
 
-__all__ = ["CompiledStep", "compile_step"]
+__all__ = ["CompiledStep", "compile_step", "check_acyclic"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class CompiledStep:
         self.strategy = strategy
         self.return_outputs = return_outputs
         self._report: TraceReport | None = None
+        self._checked_graphs: set[int] = set()
         self._variables = list(side_table.model.trainable_variables)
         self._regularized = [v for v in self._variables if getattr(v, "regularizer", None) is not None]
         # No AutoGraph: the interpreter has no tensor-dependent Python control flow, and
@@ -141,9 +142,24 @@ class CompiledStep:
         return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, per_replica, axis=None)
 
     def __call__(self, x, y, sample_weight=None):
-        if sample_weight is None:
-            return self.function(x, y)
-        return self.function(x, y, sample_weight)
+        args = (x, y) if sample_weight is None else (x, y, sample_weight)
+        if self.strategy is None:
+            concrete = self.function.get_concrete_function(*args)
+            if id(concrete.graph) not in self._checked_graphs:
+                check_acyclic(concrete.graph, self.graph)
+                self._checked_graphs.add(id(concrete.graph))
+        try:
+            return self.function(*args)
+        except tf.errors.InvalidArgumentError as error:
+            if "in a cycle" not in str(error):
+                raise
+            raise CompileError(
+                f"TensorFlow's runtime graph passes closed a cycle in the compiled step of {self.graph.name} "
+                f"(schedule {self.schedule.strategy}), which is acyclic as traced: {error.message}. Its log lines "
+                "'Cycle detected' name the operations (their scopes forward_N / backward_N are graph nodes). "
+                "With oneDNN on (the default on AVX-512 CPUs) TF_ENABLE_ONEDNN_OPTS=0 turns its graph rewrites off; "
+                "please report the model"
+            ) from error
 
     def trace(self):
         """Traces the step for the extraction's input signature (once), filling the report.
@@ -178,6 +194,43 @@ class CompiledStep:
     def recomputed_layer_calls(self) -> int:
         """Layer calls that recompute a forward node, counted while tracing."""
         return self.report.recomputed_layer_calls
+
+
+def check_acyclic(func_graph, graph: DFGraph) -> None:
+    """Raises :class:`CompileError` when the traced step's operations (data and control
+    edges, automatic control dependencies included) form a cycle, naming the plan
+    statements whose operations are on it; TensorFlow would otherwise report only a
+    count of nodes at the first call."""
+    ops = func_graph.get_operations()
+    index = {id(op): k for k, op in enumerate(ops)}
+    successors: list[list[int]] = [[] for _ in ops]
+    pending = [0] * len(ops)
+    for k, op in enumerate(ops):
+        for parent in {id(t.op) for t in op.inputs} | {id(c) for c in op.control_inputs}:
+            if parent in index:
+                successors[index[parent]].append(k)
+                pending[k] += 1
+    ready = [k for k, count in enumerate(pending) if count == 0]
+    while ready:
+        k = ready.pop()
+        for child in successors[k]:
+            pending[child] -= 1
+            if pending[child] == 0:
+                ready.append(child)
+    stuck = [ops[k].name for k, count in enumerate(pending) if count > 0]
+    if not stuck:
+        return
+    statements = sorted({name.split("/")[0] for name in stuck})
+    described = []
+    for scope in statements[:8]:
+        kind, _, number = scope.rpartition("_")
+        node = int(number) if number.isdigit() else None
+        described.append(f"{scope} ({graph.names[node]})" if node is not None and node < graph.size and kind else scope)
+    raise CompileError(
+        f"the compiled step of {graph.name} has a cycle through {len(stuck)} operations of the statements "
+        f"{', '.join(described)}{' ...' if len(statements) > 8 else ''}; this is a bug in tfremat's ordering, please "
+        "report the model and the schedule"
+    )
 
 
 def _apply_without_barrier(optimizer, pairs) -> dict[int, tuple[Any, list]]:

@@ -34,10 +34,19 @@ checkpoint-all step held 88 MiB of weight gradients that the graph counts as tra
 (207.6 MiB requested against 119.8 MiB predicted, 64x64, batch 2).
 
 Every statement is created under a control dependency on the previous compute
-statement's outputs. That total order is what keeps a recomputation late (TensorFlow would
+statement's token. That total order is what keeps a recomputation late (TensorFlow would
 otherwise run it as soon as its inputs exist, raising the peak) and distinct from the
 first computation (common-subexpression elimination does not merge operations with
 different control inputs). Control edges do not extend tensor lifetimes.
+
+A token is an ``IdentityN`` that reads the statement's outputs as data (:func:`_token`),
+not the outputs themselves. Graph passes that merge a producer into its consumer check
+that the producer has no other data consumer but ignore its control edges: with oneDNN on,
+a ``ZeroPadding2D`` statement's ``Pad`` was merged into the next statement's ``Conv2D``,
+whose kernel read waited on the ``Pad``, and the merged operation then waited on itself
+(every recomputing schedule of ResNet50, DenseNet121 and EfficientNetB0 failed with
+"nodes in a cycle"). A data consumer blocks such merges; the token is kept from Grappler's
+dependency optimizer, which would otherwise turn it back into control edges.
 
 Reading a value that the plan does not hold resident raises :class:`CompileError`: the
 interpreter cannot consume a tensor after its deallocate statement.
@@ -233,7 +242,7 @@ class _Interpreter:
                 self.report.statement_ops.append(tf_graph.get_operations()[first_op:])
                 produced = [t for t in produced if t is not None]
                 if produced:
-                    self.token = produced
+                    self.token = [_token(produced)]
                     layer = self.table[self.table[node].forward_node].layer if self.table[node].kind != "loss" else None
                     for variable in getattr(layer, "trainable_variables", ()):
                         self.last_reader[id(variable)] = produced
@@ -583,6 +592,15 @@ def _add_gradients(parts: list):
             parts[0].dense_shape,
         )
     return tf.add_n([tf.convert_to_tensor(p) for p in parts])
+
+
+def _token(tensors):
+    """An operation that reads ``tensors`` as data, for the next statement to wait on
+    (see the module docstring); marked so that Grappler does not remove it."""
+    values = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
+    token = tf.raw_ops.IdentityN(input=values, name="token")[0].op
+    token._set_attr("_grappler_do_not_remove", tf.compat.v1.AttrValue(b=True))  # pylint: disable=protected-access
+    return token
 
 
 def _logits(tensor):
