@@ -84,7 +84,10 @@ def main() -> int:
           f"allocator peak {format_bytes(record['measured_peak_bytes'])} (adds BFC chunk rounding)")
     print(f"   plain Keras peak {format_bytes(record['plain_peak_bytes'])}: tfremat uses {record['peak_over_plain']:.2f}x")
     print(f"   step time {1000 * record['step_seconds']:.1f} ms vs plain {1000 * record['plain_step_seconds']:.1f} ms "
-          f"({record['time_over_plain']:.2f}x); max gradient relative error {record['max_grad_rel_error']:.1e}")
+          f"({record['time_over_plain']:.2f}x)")
+    verdict = "match" if record["gradients_match"] else "DO NOT MATCH"
+    print(f"   gradients {verdict} plain Keras: largest per-variable error {record['grad_error']:.1e}, "
+          f"global {record['grad_global_error']:.1e} (tfremat.numerics)")
 
     print("\n4. plots ...")
     OUT.mkdir(exist_ok=True)

@@ -16,7 +16,9 @@ from tfremat.errors import (  # noqa: E402
     ArgumentError, CompileError, ExtractionError, InfeasibleBudgetError, TfrematError,
 )
 from tfremat.keras import RematCallback  # noqa: E402
+from tfremat.numerics import closeness  # noqa: E402
 
+from cli_output import one_error_line  # noqa: E402
 from models import small_convnet  # noqa: E402
 
 
@@ -42,6 +44,12 @@ def max_weight_difference(a, b):
     return max(float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights()))
 
 
+def weight_closeness(plain, remat):
+    """How close ``remat``'s weights are to ``plain``'s (:mod:`tfremat.numerics`): model.fit
+    and tfremat run different graphs, whose fusions round differently under oneDNN."""
+    return closeness(remat.get_weights(), plain.get_weights())
+
+
 def test_fit_with_recomputation_matches_plain_fit_and_plans_the_last_batch():
     x, y = data()
     plain = compiled_convnet()
@@ -54,7 +62,7 @@ def test_fit_with_recomputation_matches_plain_fit_and_plans_the_last_batch():
     # 40 samples in batches of 16: the last batch of 8 gets its own schedule.
     assert sorted(k[0][0] for k in callback.plans) == [8, 16]
     assert any(p.schedule.recompute_count > 0 for p in callback.plans.values())
-    assert max_weight_difference(plain, remat) < 1e-5
+    assert weight_closeness(plain, remat).equal
     np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
     assert history.history["accuracy"] == plain_history.history["accuracy"]
     # The model's own train function is back after fit.
@@ -150,9 +158,9 @@ def test_cli_plan_compare_and_measure(saved_model):
     assert out.returncode == 0, out.stderr[-2000:]
     record = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("predicted_peak_bytes", "measured_peak_bytes", "requested_peak_bytes", "step_seconds",
-                "plain_peak_bytes", "plain_step_seconds", "max_grad_rel_error"):
+                "plain_peak_bytes", "plain_step_seconds", "grad_error", "grad_global_error"):
         assert record[key] is not None, key
-    assert record["max_grad_rel_error"] < 1e-4
+    assert record["gradients_match"], record
     assert record["measured_peak_bytes"] <= 1.1 * record["predicted_peak_bytes"] + 4 * 2**20
     assert record["requested_peak_bytes"] <= 1.02 * record["predicted_peak_bytes"] + 2**20
 
@@ -174,7 +182,7 @@ def test_cli_maxbatch_and_plot(saved_model):
 def test_cli_model_commands_reject_bad_flags(saved_model):
     folder, path = saved_model
     out = run_cli("plan", f"--model={path}", "--input_shape=32,x,3", "--batch=2", "--budget=50%", cwd=folder)
-    assert out.returncode == 2 and "input_shape" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert out.returncode == 2 and "input_shape" in out.stderr and one_error_line(out.stderr), out.stderr
     out = run_cli("plan", f"--model={path}", "--input_shape=32,32,3", "--batch=2", "--budget=lots", cwd=folder)
     assert out.returncode == 1 and "budget" in out.stderr
     # A saved model has its own input shape: a different one is refused, none is fine.
@@ -197,13 +205,13 @@ def test_cli_model_commands_reject_bad_flags(saved_model):
 
 def _train_both(plain, remat, x, y, strategy="chen_sqrtn", cost_model="flops"):
     """Trains two compiled copies of a model, with model.fit and tfremat.fit from the same
-    seed; returns their largest weight difference and both histories."""
+    seed; returns how close their weights are (:func:`weight_closeness`) and both histories."""
     keras.utils.set_random_seed(1)
     expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     keras.utils.set_random_seed(1)
     history = tfremat.fit(remat, "100%", x, y, batch_size=8, epochs=2, shuffle=False, strategy=strategy,
                           cost_model=cost_model, verbose=0)
-    return max_weight_difference(plain, remat), expected.history, history.history
+    return weight_closeness(plain, remat), expected.history, history.history
 
 
 def _fit_both(build, compile_kwargs, x, y, strategy="chen_sqrtn"):
@@ -240,7 +248,7 @@ def test_fit_trains_like_keras_for_every_way_to_compile_a_loss(loss, loss_weight
     y = [rng.random((16, 1)).astype("float32"), np.eye(3, dtype="float32")[rng.integers(0, 3, 16)]]
     difference, expected, history = _train_both(two_output_model(loss, loss_weights),
                                                 two_output_model(loss, loss_weights), x, y, "checkpoint_all")
-    assert difference == 0.0
+    assert difference.equal, difference
     assert history["loss"] == expected["loss"]
 
 
@@ -274,7 +282,7 @@ def test_fit_with_sample_and_class_weights_trains_like_keras(weighting):
     keras.utils.set_random_seed(1)
     history = tfremat.fit(remat, "100%", **data_kwargs, epochs=2, shuffle=False, strategy="chen_sqrtn",
                           cost_model="flops", verbose=0).history
-    assert max_weight_difference(plain, remat) == 0.0
+    assert weight_closeness(plain, remat).equal
     assert history == expected
     unweighted = keras.losses.CategoricalCrossentropy()(y, plain(x)).numpy()
     assert abs(expected["loss"][-1] - unweighted) > 1e-3  # the weights changed the loss
@@ -382,7 +390,7 @@ def test_dict_inputs_and_labels_are_matched_by_name_and_per_output_losses_are_re
     x = {"zeta": rng.random((16, 16)).astype("float32"), "alpha": 5 * rng.random((16, 4)).astype("float32")}
     y = {"zout": rng.random((16, 2)).astype("float32"), "aout": 100 + rng.random((16, 3)).astype("float32")}
     difference, expected, history = _fit_both(_named_inputs_model, _sgd_with({"zout": "mse", "aout": "mae"}), x, y)
-    assert difference == 0.0
+    assert difference.equal, difference
     assert history == expected and "zout_loss" in history
 
 
@@ -408,7 +416,7 @@ def test_fit_trains_like_keras_on_operations_shared_embeddings_and_masks(build, 
     y = (np.eye(3, dtype="float32")[rng.integers(0, 3, 16)] if loss != "mse"
          else rng.standard_normal((16, *out_shape)).astype("float32"))
     difference, expected, history = _fit_both(build, _sgd_with(loss), x, y)
-    assert difference == 0.0
+    assert difference.equal, difference
     assert history == expected
 
 
@@ -430,7 +438,7 @@ def test_mixed_float16_applies_the_loss_scale_like_keras():
         difference, expected, history = _fit_both(build, _sgd_with("categorical_crossentropy"), x, y)
     finally:
         keras.mixed_precision.set_global_policy(previous)
-    assert difference == 0.0
+    assert difference.equal, difference
     assert history == expected
 
 
@@ -465,7 +473,7 @@ def test_weight_regularizers_train_like_keras(optimizer, strategy, policy):
         difference, expected, history = _train_both(plain, remat, x, y, strategy=strategy)
     finally:
         keras.mixed_precision.set_global_policy(previous)
-    assert difference == 0.0
+    assert difference.equal, difference
     assert history == expected
     assert expected["loss"][0] > keras.losses.CategoricalCrossentropy()(y, plain(x)).numpy()  # penalties counted
 
@@ -555,7 +563,7 @@ def test_unseeded_keras_random_trains_like_keras_and_is_not_recomputed():
     for model in (plain, remat):
         model.compile(keras.optimizers.SGD(0.1), "categorical_crossentropy")
     difference, expected, history = _train_both(plain, remat, x, y, "checkpoint_all", cost_model="profile")
-    assert difference == 0.0
+    assert difference.equal, difference
     assert history == expected
     recomputing = _noisy_model()
     recomputing.compile(keras.optimizers.SGD(0.1), "categorical_crossentropy")
@@ -593,7 +601,7 @@ def test_a_tensor_passed_twice_gets_its_gradient_once(kind):
                  "loss": ["categorical_crossentropy"] * 2 if twice else "categorical_crossentropy"},
         x, [y, y] if twice else y,
     )
-    assert difference < 1e-6
+    assert difference.equal, difference
     np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
 
 
@@ -627,7 +635,7 @@ def test_sublayers_of_a_layer_without_training_argument_train():
     for model in (plain, remat):
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="categorical_crossentropy")
     difference, _, _ = _train_both(plain, remat, x, y, strategy="checkpoint_all")
-    assert difference < 1e-5
+    assert difference.equal, difference
     moving_mean = remat.layers[1].norm.moving_mean.numpy()
     assert np.abs(moving_mean).max() > 0.01
     np.testing.assert_allclose(moving_mean, plain.layers[1].norm.moving_mean.numpy(), atol=1e-6)
@@ -688,7 +696,7 @@ def test_a_reused_callback_plans_again_after_model_compile():
         assert all(np.array_equal(a, b) for a, b in zip(frozen, model.get_layer("first").get_weights()))
         results.append((model, history.history["loss"]))
     (plain, plain_loss), (remat, remat_loss) = results
-    assert max_weight_difference(plain, remat) < 1e-6
+    assert weight_closeness(plain, remat).equal
     np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-6)
 
 
@@ -726,7 +734,7 @@ def test_measure_compares_sparse_gradients_and_refuses_models_without_a_layer_gr
     model = keras.Model(ids, keras.layers.Dense(4, activation="softmax")(pooled))
     record = measure_model(model, "100%", batch_size=8, strategy="checkpoint_all", cost_model="flops", steps=1,
                            verbose=0)
-    assert record["max_grad_rel_error"] == 0.0
+    assert record["gradients_match"], record
 
     class Subclassed(keras.Model):
         def __init__(self):
@@ -771,4 +779,4 @@ def test_a_weight_the_training_forward_does_not_use_gets_no_gradient():
     x = x.reshape(16, -1)[:, :8]
     difference, _, _ = _fit_both(build, lambda: {"optimizer": keras.optimizers.AdamW(0.05, weight_decay=0.5),
                                                  "loss": "categorical_crossentropy"}, x, y)
-    assert difference == 0.0
+    assert difference.equal, difference

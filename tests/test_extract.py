@@ -117,23 +117,30 @@ _MEASURE = r"""
 import json, sys
 sys.path.insert(0, {here!r})
 import numpy as np
+import tensorflow as tf
 import models
-from tfremat.extract import extract, measure_plain_step_peak
+from tfremat.extract import extract
 from tfremat.plan import checkpoint_all_s, schedule_from_keep_matrix, simulate
+from tfremat.static_graph import compile_step, measure_step_peak
 model = getattr(models, {name!r})()
 rng = np.random.default_rng(0)
 x = rng.standard_normal((8, *model.input.shape[1:])).astype("float32")
 y = np.zeros((8, *model.output.shape[1:]), "float32"); y[..., 0] = 1
 ex = extract(model, (x, y), cost_model="profile", repeats=2, use_cache=False)
 g = ex.graph
-pred = simulate(g, schedule_from_keep_matrix(g, checkpoint_all_s(g), "checkpoint_all")).peak_bytes
-meas = measure_plain_step_peak(model, x, y, ex.side_table.loss_fn, ex.side_table.optimizer, count="requested")
+schedule = schedule_from_keep_matrix(g, checkpoint_all_s(g), "checkpoint_all")
+pred = simulate(g, schedule).peak_bytes
+step = compile_step(ex, schedule)
+resident = list(model.variables) + list(ex.side_table.optimizer.variables)
+meas = measure_step_peak(step, tf.constant(x), tf.constant(y), resident, count="requested")
 print(json.dumps({{"predicted": int(pred), "measured": int(meas)}}))
 """
 
 
 @pytest.mark.parametrize("name", ["small_convnet", "unet"])
 def test_checkpoint_all_prediction_matches_measured_peak(name):
+    """The prediction describes tfremat's compiled step (what a budget governs), under
+    whatever kernels this machine's TensorFlow runs (oneDNN on or off)."""
     # A fresh process: the allocator must be BFC and ops must run one at a time
     # (TF_NUM_INTEROP_THREADS=1), the sequential execution the simulator models. The step
     # is measured as the bytes its operations request, what the workspace is measured as
@@ -145,8 +152,10 @@ def test_checkpoint_all_prediction_matches_measured_peak(name):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    error = abs(result["predicted"] - result["measured"]) / result["measured"]
-    assert error < 0.10, result
+    # Never above the prediction (2% for allocations the graph does not model: shapes,
+    # scalars), and not far below it (a conservative prediction wastes the user's budget).
+    assert result["measured"] <= 1.02 * result["predicted"], result
+    assert result["measured"] >= 0.9 * result["predicted"], result
 
 
 @pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2", "vgg16", "unet"])
@@ -400,3 +409,36 @@ def test_workspace_is_requested_bytes_not_allocator_chunks():
     predicted, requested = _checkpoint_all_peaks(model, x, y)
     assert requested <= 1.05 * predicted, (requested, predicted)
     assert requested >= 0.85 * predicted, (requested, predicted)
+
+
+class _NoConfigBlock(keras.layers.Layer):
+    """A residual Dense block whose ``get_config`` raises, as a keras-hub decoder block's did."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.dense = keras.layers.Dense(units)
+
+    def call(self, x):
+        return x + self.dense(x)
+
+    def get_config(self):
+        raise AttributeError("'_NoConfigBlock' object has no attribute '_config'")
+
+
+def test_a_layer_whose_get_config_raises_is_fingerprinted_by_its_state(tmp_path, monkeypatch):
+    """The profile cache's key read ``get_config`` and caught only NotImplementedError:
+    extraction crashed with the layer's AttributeError."""
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path))
+
+    def build(units):
+        keras.utils.set_random_seed(0)
+        x = keras.Input((units,))
+        return keras.Model(x, keras.layers.Dense(3, activation="softmax")(_NoConfigBlock(units)(x)))
+
+    batch = (np.ones((4, 8), "float32"), np.eye(3, dtype="float32")[[0, 1, 2, 0]])
+    first = extract(build(8), batch, cost_model="profile", repeats=1)
+    again = extract(build(8), batch, cost_model="profile", repeats=1)
+    assert not first.cache_hit and again.cache_hit
+    wider = extract(build(16), (np.ones((4, 16), "float32"), batch[1]), cost_model="profile", repeats=1)
+    assert not wider.cache_hit

@@ -22,10 +22,12 @@ import keras  # noqa: E402
 from models import small_convnet, unet  # noqa: E402
 from tfremat.errors import CompileError, InfeasibleBudgetError  # noqa: E402
 from tfremat.extract import extract  # noqa: E402
+from tfremat.numerics import closeness  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
 from tfremat.plan.baselines import schedule_for_checkpoints  # noqa: E402
 from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
+from tfremat.static_graph.compile import check_acyclic  # noqa: E402
 from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -152,8 +154,8 @@ def test_every_strategy_trains_exactly_like_plain_keras(cases, model_name, strat
         return [weight_grads[id(v)][1] for v in case.model.trainable_variables]
 
     got = [g.numpy() for g in compiled_gradients(case.x, case.y)]
-    for variable, g, e in zip(case.model.trainable_variables, got, expected):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-7, err_msg=f"{strategy}: gradient of {variable.path}")
+    gradients = closeness(got, expected)
+    assert gradients.equal, (strategy, case.model.trainable_variables[gradients.worst_tensor].path, gradients)
 
     # Five optimizer steps: same losses, weights, batch-norm statistics and dropout seeds.
     case.reset()
@@ -580,3 +582,67 @@ def test_a_backward_node_computed_twice_gives_its_weight_gradients_once():
     requested = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables),
                                   count="requested")
     assert requested <= predicted + 2**18, (requested, predicted)
+
+
+def _padded_chain(blocks=4, seed=0):
+    """[ZeroPadding2D, Conv2D(valid), ReLU] blocks, the stem of ResNet50 and DenseNet121."""
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+    x = keras.Input((16, 16, 3))
+    h = x
+    for k in range(blocks):
+        h = layers.ZeroPadding2D(1, name=f"pad{k}")(h)
+        h = layers.Conv2D(8, 3, name=f"conv{k}")(h)
+        h = layers.ReLU(name=f"relu{k}")(h)
+    out = layers.Dense(4, activation="softmax", name="head")(layers.GlobalAveragePooling2D()(h))
+    return keras.Model(x, out)
+
+
+@pytest.mark.parametrize("strategy", ["eviction", "chen_sqrtn"])
+def test_recomputed_padding_before_a_convolution_compiles_and_trains(strategy):
+    """Every statement waited on the previous one's outputs through control edges; with
+    oneDNN on, its layout pass merged a recomputed ``Pad`` into the next ``Conv2D``, whose
+    kernel read waited on the ``Pad``: "nodes in a cycle" at the first step, at every
+    recomputing budget (ResNet50, DenseNet121, EfficientNetB0)."""
+    model = _padded_chain()
+    x, y = _batch(model, 4)
+    extraction = extract(model, (x, y), cost_model="flops", use_cache=False)
+    graph, side_table = extraction.graph, extraction.side_table
+    schedule = _schedule(strategy, graph)
+    assert schedule.recompute_count > 0
+    initial = [v.numpy() for v in model.variables]
+
+    @tf.function
+    def plain(inputs, labels):
+        with tf.GradientTape() as tape:
+            loss = side_table.loss_fn([labels], [model(inputs, training=True)])
+        return tape.gradient(loss, model.trainable_variables)
+
+    expected = [g.numpy() for g in plain(x, y)]
+    step = compile_step(extraction, schedule, optimizer=keras.optimizers.SGD(0.0))
+    loss = float(step(x, y))
+    assert np.isfinite(loss)
+    for variable, value in zip(model.variables, initial):
+        variable.assign(value)
+
+    @tf.function(autograph=False)
+    def compiled(inputs, labels):
+        _, _, weight_grads, _ = interpret_plan(graph, side_table, step.plan, inputs, labels)
+        return [weight_grads[id(v)][1] for v in model.trainable_variables]
+
+    gradients = closeness([g.numpy() for g in compiled(x, y)], expected)
+    assert gradients.equal, gradients
+
+
+def test_a_cycle_in_the_traced_step_names_its_statements():
+    func_graph = tf.Graph()
+    with func_graph.as_default():
+        with tf.name_scope("forward_1"):
+            a = tf.constant(1.0)
+            b = tf.identity(a)
+        with tf.name_scope("backward_5"):
+            c = tf.identity(b)
+    a.op._add_control_input(c.op)  # pylint: disable=protected-access
+    extraction = extract(_padded_chain(blocks=1), _batch(_padded_chain(blocks=1), 2), cost_model="flops", use_cache=False)
+    with pytest.raises(CompileError, match=r"cycle through 3 operations of the statements backward_5 \(.*\), forward_1 \(conv0\)"):
+        check_acyclic(func_graph, extraction.graph)

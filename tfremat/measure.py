@@ -22,6 +22,7 @@ from tfremat.errors import ArgumentError, is_int
 from tfremat.extract.analysis import reset_allocator_peak
 from tfremat.extract.extractor import per_output
 from tfremat.extract.layer_graph import model_output_names, require_functional
+from tfremat.numerics import closeness
 from tfremat.static_graph.memory import default_device, measure_step_peak
 
 __all__ = ["measure_model", "synthetic_batch"]
@@ -142,7 +143,9 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     Returns:
         predicted_peak_bytes, measured_peak_bytes (the allocator's peak),
         requested_peak_bytes (the bytes the step's operations request, what the prediction
-        counts), step_seconds, plain_peak_bytes, plain_step_seconds, max_grad_rel_error,
+        counts), step_seconds, plain_peak_bytes, plain_step_seconds, the gradients against
+        plain training's (:mod:`tfremat.numerics`): grad_error (the largest per-variable
+        normwise error), grad_global_error and gradients_match (both within tolerance),
         and the ratios measured/predicted, requested/predicted, peak/plain and time/plain.
 
     Raises:
@@ -184,13 +187,13 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
         reference = plain_gradients(x, y)
-        errors = []
-        for variable, plain in zip(model.trainable_variables, reference):
-            if id(variable) in planned and plain is not None:
-                # An Embedding's gradients are IndexedSlices, which have no .numpy().
-                planned_grad, plain_grad = (tf.convert_to_tensor(g).numpy() for g in (planned[id(variable)], plain))
-                difference = np.abs(planned_grad - plain_grad).max()
-                errors.append(float(difference / max(np.abs(plain_grad).max(), 1e-30)))
+        compared = [
+            # An Embedding's gradients are IndexedSlices, which have no .numpy().
+            (tf.convert_to_tensor(planned[id(variable)]).numpy(), tf.convert_to_tensor(plain).numpy())
+            for variable, plain in zip(model.trainable_variables, reference)
+            if id(variable) in planned and plain is not None
+        ]
+        gradients = closeness([p for p, _ in compared], [e for _, e in compared]) if compared else None
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
 
@@ -226,7 +229,9 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             "step_seconds": round(seconds, 5),
             "plain_peak_bytes": plain,
             "plain_step_seconds": round(plain_seconds, 5),
-            "max_grad_rel_error": max(errors) if errors else None,
+            "grad_error": None if gradients is None else gradients.max_tensor_error,
+            "grad_global_error": None if gradients is None else gradients.global_error,
+            "gradients_match": None if gradients is None else gradients.equal,
             "measured_over_predicted": round(measured / result.predicted_peak_bytes, 4),
             "requested_over_predicted": round(requested / result.predicted_peak_bytes, 4),
             "peak_over_plain": round(measured / plain, 4),

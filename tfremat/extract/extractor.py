@@ -339,14 +339,46 @@ def _python_state(layer) -> dict:
 def _layer_signature(layer) -> str:
     """A description of a layer that is equal for layers that behave identically: its
     class, the fingerprint of that class's code (a user layer edited between two runs
-    must not reuse the first run's cached measurements) and its config."""
+    must not reuse the first run's cached measurements) and its config.
+
+    ``get_config`` may raise anything (Keras raises ``NotImplementedError`` for a layer it
+    cannot serialize; a keras-hub decoder block raised ``AttributeError``); such a layer
+    is described by its state instead (:func:`_layer_state`)."""
     kind = f"{type(layer).__module__}.{type(layer).__qualname__}#{code_fingerprint(type(layer))}"
     try:
         config = dict(layer.get_config())
-    except NotImplementedError:
-        return f"{kind}@{id(layer)}"
+    except Exception as error:  # noqa: BLE001 - any failure of user code means "no config"
+        logger.debug("layer %s: get_config raised %s; fingerprinted by its state", layer.name, type(error).__name__)
+        return f"{kind}~{json.dumps(_layer_state(layer), sort_keys=True, default=str)}"
     config.pop("name", None)
     return f"{kind}:{json.dumps(config, sort_keys=True, default=str)}"
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _layer_state(layer) -> dict:
+    """What distinguishes two instances of one layer class without ``get_config``: its
+    plain attributes (numbers, strings, tuples of them; names left out, they differ
+    between instances that behave alike), the shapes and dtypes of its weights, and the
+    same for every sublayer, in tracking order."""
+
+    def plain(value) -> bool:
+        if isinstance(value, (tuple, list)):
+            return all(plain(v) for v in value)
+        return isinstance(value, _SCALARS)
+
+    def describe(one) -> dict:
+        attributes = {
+            key: value for key, value in vars(one).items()
+            if plain(value) and "name" not in key and "path" not in key
+        }
+        weights = [(list(w.shape), str(w.dtype)) for w in getattr(one, "_trainable_variables", [])
+                   + getattr(one, "_non_trainable_variables", [])]
+        return {"class": type(one).__qualname__, "attributes": attributes, "weights": weights}
+
+    return {"layer": describe(layer), "sublayers": [describe(s) for s in getattr(layer, "_flatten_layers", lambda **_: [])(
+        include_self=False, recursive=True)]}
 
 
 _LIBRARY_MODULES = ("keras", "tensorflow", "tf_keras", "builtins", "abc", "typing")

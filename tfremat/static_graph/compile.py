@@ -50,7 +50,6 @@ class CompiledStep:
         self.strategy = strategy
         self.return_outputs = return_outputs
         self._report: TraceReport | None = None
-        self._checked_graphs: set[int] = set()
         self._variables = list(side_table.model.trainable_variables)
         self._regularized = [v for v in self._variables if getattr(v, "regularizer", None) is not None]
         # No AutoGraph: the interpreter has no tensor-dependent Python control flow, and
@@ -143,16 +142,13 @@ class CompiledStep:
 
     def __call__(self, x, y, sample_weight=None):
         args = (x, y) if sample_weight is None else (x, y, sample_weight)
-        if self.strategy is None:
-            concrete = self.function.get_concrete_function(*args)
-            if id(concrete.graph) not in self._checked_graphs:
-                check_acyclic(concrete.graph, self.graph)
-                self._checked_graphs.add(id(concrete.graph))
         try:
             return self.function(*args)
         except tf.errors.InvalidArgumentError as error:
-            if "in a cycle" not in str(error):
+            if "in a cycle" not in str(error) or self.strategy is not None:
                 raise
+            # Traced already (the call failed at run time): no new trace, no variable creation.
+            check_acyclic(self.function.get_concrete_function(*args).graph, self.graph)
             raise CompileError(
                 f"TensorFlow's runtime graph passes closed a cycle in the compiled step of {self.graph.name} "
                 f"(schedule {self.schedule.strategy}), which is acyclic as traced: {error.message}. Its log lines "
@@ -199,8 +195,8 @@ class CompiledStep:
 def check_acyclic(func_graph, graph: DFGraph) -> None:
     """Raises :class:`CompileError` when the traced step's operations (data and control
     edges, automatic control dependencies included) form a cycle, naming the plan
-    statements whose operations are on it; TensorFlow would otherwise report only a
-    count of nodes at the first call."""
+    statements whose operations are on it; TensorFlow reports only a count of nodes.
+    :meth:`CompiledStep.__call__` runs it when TensorFlow refuses a step for a cycle."""
     ops = func_graph.get_operations()
     index = {id(op): k for k, op in enumerate(ops)}
     successors: list[list[int]] = [[] for _ in ops]
