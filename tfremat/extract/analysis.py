@@ -250,6 +250,36 @@ def _sample(spec: tf.TensorSpec) -> tf.Tensor:
     return tf.zeros(spec.shape, dtype=spec.dtype)
 
 
+def _batch_sized_vectors(step: Callable, input_specs: Sequence[tf.TensorSpec], seed_spec: tf.TensorSpec,
+                         batch_size: int, names: Sequence[str], records: dict, layer_name: str) -> set[str]:
+    """Which of the vectors ``names`` (residuals of shape ``[batch_size]``) grow with the batch.
+
+    A vector as long as the batch may be per sample (a per-sample loss) or per channel
+    (batch norm's statistics when the channels equal the batch: the demo's 32 channels at
+    batch 32 made every batch norm keep its 4 MiB output to its backward, 16.8 MiB above
+    what the step requested). The step is traced again, trace only, with one more sample;
+    the tensors of the two traces are matched by name. A layer that cannot be traced at
+    another batch size keeps every such vector batch-sized, the side that never predicts
+    less than the step holds.
+    """
+    if not names:
+        return set()
+    probe_specs = [
+        tf.TensorSpec([batch_size + 1, *s.shape[1:]], s.dtype) if s.shape.rank and s.shape[0] == batch_size else s
+        for s in input_specs
+    ]
+    try:
+        tf.function(step, autograph=False).get_concrete_function(probe_specs, seed_spec)
+    except Exception as error:  # noqa: BLE001 - any layer code may refuse another batch size
+        logger.debug("layer %s does not trace at batch %d (%s); its %d batch-long vectors count as batch-sized",
+                     layer_name, batch_size + 1, type(error).__name__, len(names))
+        return set(names)
+    finally:
+        probed = records.pop("probe", None)
+    shapes = {t.name: t.shape for t in probed["reads"][2]} if probed else {}
+    return {n for n in names if n not in shapes or shapes[n].rank != 1 or shapes[n][0] == batch_size + 1}
+
+
 def analyze_call(
     call_layer: Callable[[list], object],
     layer_name: str,
@@ -363,6 +393,9 @@ def analyze_call(
     def step(flat_inputs, seed):
         return forward_backward(flat_inputs, seed, "step")
 
+    def probe(flat_inputs, seed):
+        return forward_backward(flat_inputs, seed, "probe")
+
     def held(flat_inputs, seed):
         return forward_backward(flat_inputs, seed, "held")
 
@@ -390,12 +423,14 @@ def analyze_call(
     reads_inputs, reads_output, read_tensors = record["reads"]
     residuals: dict[str, int] = {}
     small: dict[str, int] = {}
+    vectors = [t.name for t in read_tensors if t.shape.rank == 1 and t.shape[0] == batch_size]
+    batch_vectors = _batch_sized_vectors(probe, input_specs, seed_spec, batch_size, vectors, records, layer_name)
     for t in read_tensors:
         if t.dtype == tf.variant:
             continue  # sized below, by running the call
         shape = t.shape.as_list() if t.shape.rank is not None else [None]
         size = tensor_bytes(shape, t.dtype, f"residual {t.name}", layer_name)
-        batch_sized = len(shape) >= 1 and shape[0] == batch_size and not (len(shape) == 1 and t.dtype.is_integer)
+        batch_sized = len(shape) >= 1 and shape[0] == batch_size and (len(shape) > 1 or t.name in batch_vectors)
         (residuals if batch_sized else small)[t.name] = size
     loop_bytes, iterations = 0, 1
     held_concrete = None
