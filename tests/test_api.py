@@ -172,7 +172,7 @@ def test_cli_maxbatch_and_plot(saved_model):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["strategy"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
     assert rows["chen_greedy"]["batch_size"] >= rows["checkpoint_all"]["batch_size"] >= 1
-    out = run_cli("plot", f"--model={path}", "--input_shape=32,32,3", "--batch=4", "--cost_model=flops",
+    out = run_cli("plot", f"--model={path}", "--input_shape=32,32,3", "--batch=16", "--cost_model=flops",
                   "--strategies=checkpoint_all,chen_sqrtn,chen_greedy", "--out=plots", cwd=folder)
     assert out.returncode == 0, out.stderr[-2000:]
     for name in ("memory.png", "overhead.png"):
