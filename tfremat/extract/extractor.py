@@ -81,7 +81,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COST_MODELS = ("profile", "flops")
-_CACHE_VERSION = 10
+_CACHE_VERSION = 11
 # Weight-sized buffers a weight regularizer's penalty gradient adds next to its variable's
 # gradient in the compiled step (CompiledStep._add_weight_penalties), counted in the
 # backward node's workspace: the upstream broadcast to the variable's shape and the product

@@ -94,7 +94,8 @@ class NodeEntry:
             on to its sublayers even when the layer's ``call`` has no ``training``
             argument).
         one_gradient_call: the backward takes one gradient call on a non-persistent tape
-            (the call runs a while loop: :func:`tfremat.static_graph.interpreter.takes_one_gradient_call`,
+            (the call runs a while loop or calls a function:
+            :func:`tfremat.static_graph.interpreter.takes_one_gradient_call`,
             decided by the extraction on its trace of the call).
         trainable_variables: the variables whose gradients this node's backward computes.
         num_outputs: how many tensors the forward call returns.
