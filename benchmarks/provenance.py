@@ -37,6 +37,18 @@ def command(argv: list[str] | None = None) -> str:
     return shlex.join(["python", shown, *(sys.argv[1:] if argv is None else argv)])
 
 
+def kernels() -> str:
+    """Which CPU kernels TensorFlow runs when it is already imported: oneDNN is on by default
+    on x86 CPUs with AVX-512 and changes fusions, workspaces and float rounding, so a
+    results file says which it measured; empty when TensorFlow is not imported."""
+    if "tensorflow" not in sys.modules:
+        return ""
+    from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
+
+    return f" TensorFlow {sys.modules['tensorflow'].__version__}, oneDNN {'on' if _pywrap_util_port.IsMklEnabled() else 'off'}."
+
+
 def header(argv: list[str] | None = None) -> str:
-    """One markdown line: the command and the commit it ran at."""
-    return f"Command: `{command(argv)}` (commit {commit()})."
+    """One markdown line: the command, the commit it ran at and, for the benchmarks that
+    run TensorFlow, its kernels (:func:`kernels`)."""
+    return f"Command: `{command(argv)}` (commit {commit()}).{kernels()}"
