@@ -17,6 +17,7 @@ from tfremat.errors import (  # noqa: E402
 )
 from tfremat.keras import RematCallback  # noqa: E402
 from tfremat.numerics import closeness  # noqa: E402
+from tfremat.plan.simulator import simulate  # noqa: E402
 
 from cli_output import one_error_line  # noqa: E402
 from models import small_convnet  # noqa: E402
@@ -780,3 +781,60 @@ def test_a_weight_the_training_forward_does_not_use_gets_no_gradient():
     difference, _, _ = _fit_both(build, lambda: {"optimizer": keras.optimizers.AdamW(0.05, weight_decay=0.5),
                                                  "loss": "categorical_crossentropy"}, x, y)
     assert difference.equal, difference
+
+
+def test_allocator_check_is_on_for_amounts_of_memory_only():
+    assert RematCallback("4GiB", verbose=0).allocator_check
+    assert RematCallback(2**30, verbose=0).allocator_check
+    assert not RematCallback("50%", verbose=0).allocator_check
+    assert RematCallback("50%", allocator_check=True, verbose=0).allocator_check
+    with pytest.raises(ArgumentError, match="allocator_check"):
+        RematCallback("4GiB", allocator_check="yes")
+
+
+def test_allocator_peak_puts_back_the_state_the_runs_change():
+    import tfremat.keras as remat_keras
+
+    x, y = data(8)
+    model = compiled_convnet()
+    callback = RematCallback("100%", strategy="checkpoint_all", cost_model="flops", verbose=0)
+    callback.set_model(model)
+    step = callback._step_for(tf.constant(x), tf.constant(y))
+    model.optimizer.build(model.trainable_variables)
+    before = [v.numpy() for v in list(model.variables) + list(model.optimizer.variables)]
+    peak = remat_keras.allocator_peak(step, model, tf.constant(x), tf.constant(y))
+    assert peak > 0
+    after = [v.numpy() for v in list(model.variables) + list(model.optimizer.variables)]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_allocator_check_plans_again_under_the_excess(monkeypatch):
+    """The allocator's chunks above the requested bytes are what runs out on a device: a
+    step whose allocator peak exceeds the budget is planned again under the budget less
+    the excess, and refused when nothing fits that."""
+    import tfremat.keras as remat_keras
+
+    x, y = tf.constant(data(8)[0]), tf.constant(data(8)[1])
+    model = compiled_convnet()
+    reference = tfremat.plan(model, None, x, y, batch_size=8, strategy="checkpoint_all", cost_model="flops", verbose=0)
+    budget = reference.checkpoint_all_peak_bytes
+    excess = (budget - reference.graph.fixed_bytes) // 5
+    planned = []
+
+    def chunky_peak(step, *_args, **_kwargs):
+        planned.append(step.schedule)
+        return simulate(step.graph, step.schedule).peak_bytes + excess
+
+    monkeypatch.setattr(remat_keras, "allocator_peak", chunky_peak)
+    callback = RematCallback(budget, strategy="chen_greedy", cost_model="flops", verbose=0)
+    callback.set_model(model)
+    callback._step_for(x, y)
+    (result,) = callback.plans.values()
+    assert len(planned) >= 2 and planned[0].recompute_count < planned[-1].recompute_count
+    assert result.budget_bytes == budget and result.predicted_peak_bytes + excess <= budget
+
+    monkeypatch.setattr(remat_keras, "allocator_peak", lambda step, *_a, **_k: budget + budget)
+    refusing = RematCallback(budget, strategy="chen_greedy", cost_model="flops", verbose=0)
+    refusing.set_model(model)
+    with pytest.raises(InfeasibleBudgetError, match="allocator's peak"):
+        refusing._step_for(x, y)

@@ -505,6 +505,7 @@ def fit(
     time_limit: float | None = None,
     cost_model: str = "profile",
     cache: bool | str | ScheduleCache = True,
+    allocator_check: bool | None = None,
     verbose: int = 1,
     **fit_kwargs,
 ):
@@ -523,6 +524,9 @@ def fit(
             None (no limit), whose schedule keeps every activation, which is the step
             ``model.fit`` runs already, here after an extraction and profiling that buy
             nothing; train without a limit with ``model.fit``.
+        allocator_check: hold the budget for the device allocator's peak, not only for
+            the bytes the step requests; None: for amounts of memory, not for shares
+            (see :class:`tfremat.keras.RematCallback`).
 
     Returns:
         The Keras ``History``.
@@ -542,7 +546,7 @@ def fit(
     if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
         raise TfrematError("compile the model first (model.compile(optimizer=..., loss=..., metrics=...)); fit uses its loss, optimizer and metrics")
     remat = RematCallback(budget, strategy=strategy, solver=solver, time_limit=time_limit, cost_model=cost_model,
-                          cache=cache, verbose=verbose)
+                          cache=cache, allocator_check=allocator_check, verbose=verbose)
     if isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]  # model.fit takes one callback as well as a list
     return model.fit(x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,

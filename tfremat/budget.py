@@ -88,6 +88,12 @@ def check_budget(budget, *, flag: str | None = None) -> None:
     _read(budget, flag)
 
 
+def is_share(budget) -> bool:
+    """Whether ``budget`` (already checked, :func:`check_budget`) is a share of a reference
+    peak ("50%", 0.5) rather than an amount of memory."""
+    return _read(budget, None)[0] is not None
+
+
 def checkpoint_all_peak(graph: DFGraph) -> int:
     """The peak of the schedule that keeps every value (no recomputation): what relative
     budgets ("50%", 0.5) are a share of."""

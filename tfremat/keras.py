@@ -16,14 +16,16 @@ train function, so a call without that announcement is a plain ``model.fit``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 
 import keras
 import tensorflow as tf
 
 from tfremat.api import check_cache_argument
-from tfremat.budget import check_budget, format_bytes
-from tfremat.errors import ArgumentError, CompileError, TfrematError
+from tfremat.budget import check_budget, format_bytes, is_share
+from tfremat.errors import ArgumentError, CompileError, InfeasibleBudgetError, TfrematError
 from tfremat.extract.extractor import COST_MODELS, refuse_unmodelled_training
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.ilp.strategies import MILP_STRATEGIES
@@ -46,6 +48,17 @@ class RematCallback(keras.callbacks.Callback):
             ``tfremat.api.DEFAULT_TIME_LIMIT``; ``math.inf``: until proven optimal).
         cost_model: "profile" or "flops" for the extraction.
         cache: schedule cache (True: default directory; a path; False: off).
+        allocator_check: hold the budget for the device allocator's peak, where
+            out-of-memory happens, not only for the bytes the step's operations request
+            (what the prediction counts; TensorFlow's BFC allocator hands a free chunk out
+            whole when it is less than twice the request, which adds 1-15% on CPU). Each
+            new step is run twice before training (its state put back) and, while the
+            allocator's peak exceeds the budget, planned again under the budget less the
+            excess, up to :data:`ALLOCATOR_ROUNDS` plans, else :class:`InfeasibleBudgetError`.
+            None (default): for a budget that is an amount of memory ("4GiB", bytes), not
+            for a share ("50%"), which is a share of the prediction. Skipped, with a
+            warning, when the allocator keeps no statistics (on CPU, TensorFlow imported
+            before tfremat).
         verbose: 0 silences planning progress.
 
     Attributes:
@@ -53,7 +66,7 @@ class RematCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, budget, strategy: str = "optimal", solver: str | None = None, time_limit: float | None = None,
-                 cost_model: str = "profile", cache=True, verbose: int = 1):
+                 cost_model: str = "profile", cache=True, allocator_check: bool | None = None, verbose: int = 1):
         super().__init__()
         # Refuse a malformed budget or an unknown strategy here, not at the first step.
         check_budget(budget)
@@ -74,6 +87,9 @@ class RematCallback(keras.callbacks.Callback):
         self.time_limit = time_limit
         self.cost_model = cost_model
         self.cache = cache
+        if allocator_check is not None and not isinstance(allocator_check, bool):
+            raise ArgumentError(f"allocator_check must be True, False or None (for amounts of memory), got {allocator_check!r}")
+        self.allocator_check = not is_share(budget) if allocator_check is None else allocator_check
         self.verbose = verbose
         self.plans: dict = {}
         self._steps: dict = {}
@@ -85,7 +101,7 @@ class RematCallback(keras.callbacks.Callback):
 
     # What the compiled steps were planned with; changing one later would leave steps
     # planned for the old value in use, so they are fixed when the callback is built.
-    _SETTINGS = ("budget", "strategy", "solver", "time_limit", "cost_model", "cache")
+    _SETTINGS = ("budget", "strategy", "solver", "time_limit", "cost_model", "cache", "allocator_check")
 
     def __setattr__(self, name, value):
         if name in self._SETTINGS and name in self.__dict__:
@@ -128,7 +144,7 @@ class RematCallback(keras.callbacks.Callback):
             self.model.train_function = self._original_train_function
             self._original_train_function = None
 
-    def _step_for(self, x, y):
+    def _step_for(self, x, y, sample_weight=None):
         from tfremat.api import plan
         from tfremat.static_graph.compile import compile_step
 
@@ -144,9 +160,56 @@ class RematCallback(keras.callbacks.Callback):
                 logger.info("batch shape %s: %s, predicted peak %s (checkpoint all %s), overhead %.1f%%",
                             key, self.strategy, format_bytes(result.predicted_peak_bytes),
                             format_bytes(result.checkpoint_all_peak_bytes), 100 * result.overhead)
+            step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, return_outputs=True)
+            if self.allocator_check and result.budget_bytes is not None:
+                result, step = self._within_allocator(result, step, x, y, sample_weight, options)
             self.plans[key] = result
-            self._steps[key] = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, return_outputs=True)
+            self._steps[key] = step
         return self._steps[key]
+
+    def _within_allocator(self, result, step, x, y, sample_weight, options):
+        """Re-plans until the step's allocator peak is within the budget (``allocator_check``)."""
+        from tfremat.api import plan_graph
+        from tfremat.static_graph.compile import compile_step
+
+        model = self.model
+        budget = result.budget_bytes
+        planning_budget = budget
+        for _ in range(ALLOCATOR_ROUNDS):
+            peak = allocator_peak(step, model, x, y, sample_weight)
+            if peak is None:
+                return result, step
+            if peak <= budget:
+                if planning_budget != budget:
+                    logger.info("planned under %s so that the allocator's peak (%s) stays within the budget %s",
+                                format_bytes(planning_budget), format_bytes(peak), format_bytes(budget))
+                return dataclasses.replace(result, budget_bytes=budget), step
+            planning_budget -= peak - budget
+            logger.info("the allocator's peak %s exceeds the budget %s (prediction %s); planning again under %s",
+                        format_bytes(peak), format_bytes(budget), format_bytes(result.predicted_peak_bytes),
+                        format_bytes(planning_budget))
+            try:
+                if planning_budget <= 0:
+                    raise InfeasibleBudgetError(planning_budget, strategy=self.strategy)
+                replanned = plan_graph(result.extraction.graph, planning_budget, self.strategy, cache=self.cache,
+                                       verbose=self.verbose, **options)
+            except InfeasibleBudgetError as error:
+                raise InfeasibleBudgetError(
+                    budget, error.min_feasible_bytes, error.lower_bound_bytes, self.strategy,
+                    detail=f"the allocator's peak was {format_bytes(peak)}: its chunks add "
+                           f"{format_bytes(peak - result.predicted_peak_bytes)} to the "
+                           f"{format_bytes(result.predicted_peak_bytes)} the step requests, and no schedule "
+                           f"fits {format_bytes(planning_budget)}; allocator_check=False holds the budget for "
+                           "requested bytes only",
+                ) from error
+            result = dataclasses.replace(replanned, extraction=result.extraction)
+            step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, return_outputs=True)
+        raise InfeasibleBudgetError(
+            budget, strategy=self.strategy,
+            detail=f"the allocator's peak stayed above it after {ALLOCATOR_ROUNDS} plans (last {format_bytes(peak)}, "
+                   f"planned under {format_bytes(planning_budget)}); allocator_check=False holds the budget for "
+                   "requested bytes only",
+        )
 
     def _train_function(self, iterator):
         if not self._batch_announced:
@@ -174,7 +237,7 @@ class RematCallback(keras.callbacks.Callback):
                 "sample weights given per output (a list or dict) are not supported by the rematerialized step; "
                 "pass one array of sample weights, which weights every output's loss"
             )
-        step = self._step_for(x, y)
+        step = self._step_for(x, y, sample_weight)
         loss, y_pred = step(x, y, sample_weight)
         model = self.model
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
@@ -185,6 +248,44 @@ class RematCallback(keras.callbacks.Callback):
             # losses are evaluated once more on its predictions (a reduction, no layer).
             model._compile_loss(y, y_pred, sample_weight)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+#: Plans tried by ``allocator_check`` before it gives up.
+ALLOCATOR_ROUNDS = 3
+
+
+def allocator_peak(step, model, x, y, sample_weight=None) -> int | None:
+    """The device allocator's peak over one run of ``step`` (after one untimed run that
+    traces it), in the graph's convention (:func:`tfremat.static_graph.memory.measure_step_peak`),
+    with the state the runs change put back: the model's and the optimizer's variables,
+    Python's ``random`` and Keras's global seed generator (one that the trace created is
+    forgotten, as the extraction does, but the step keeps the state it advanced). None when
+    the allocator keeps no statistics (a warning says so).
+    """
+    from tfremat.static_graph.memory import measure_step_peak
+    from tfremat.static_graph.state import forget_global_seed_generator, global_seed_generator
+
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)  # its slots exist before the runs, as in training
+    variables = list(model.variables) + list(optimizer.variables)
+    saved = [v.numpy() for v in variables]
+    python_random = random.getstate()
+    generator = global_seed_generator()
+    generator_state = None if generator is None else generator.state.numpy()
+    try:
+        return measure_step_peak(lambda a, b: step(a, b, sample_weight), x, y, resident=variables, warmup=1)
+    except CompileError as error:
+        logger.warning("allocator_check skipped: %s", error)
+        return None
+    finally:
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
+        random.setstate(python_random)
+        if generator is not None:
+            generator.state.assign(generator_state)
+        elif global_seed_generator() is not None:
+            forget_global_seed_generator()
 
 
 def _training_setup(model) -> tuple:
