@@ -198,8 +198,8 @@ class RematCallback(keras.callbacks.Callback):
                     budget, error.min_feasible_bytes, error.lower_bound_bytes, self.strategy,
                     detail=f"the allocator's peak was {format_bytes(peak)}: its chunks add "
                            f"{format_bytes(peak - result.predicted_peak_bytes)} to the "
-                           f"{format_bytes(result.predicted_peak_bytes)} the step requests, and no schedule "
-                           f"fits {format_bytes(planning_budget)}; allocator_check=False holds the budget for "
+                           f"{format_bytes(result.predicted_peak_bytes)} predicted, and no schedule "
+                           f"fits {format_bytes(max(planning_budget, 0))}; allocator_check=False holds the budget for "
                            "requested bytes only",
                 ) from error
             result = dataclasses.replace(replanned, extraction=result.extraction)
