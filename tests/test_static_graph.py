@@ -386,7 +386,11 @@ def test_measured_peak_follows_the_prediction_and_the_budget():
         print(f"budget {fraction}: strategy {schedule.strategy}, predicted {predicted}, requested {peak}, "
               f"allocator {allocator_peak}")
         measured.append(peak)
-    assert measured[1] < measured[0] and measured[2] < measured[1] and measured[3] < measured[2], measured
+        if fraction is not None:
+            assert peak <= fraction * reference * 1.10 + MEASURE_SLACK_BYTES, (fraction, peak, reference)
+    # Each step within its budget (above); the cheapest schedule fitting 80% may already fit
+    # 60% (profiled costs vary between runs), so only the ends are compared.
+    assert measured[-1] < measured[0], measured
 
 
 # ----- tf.distribute -----
