@@ -83,6 +83,9 @@ NOISE_FACTOR = 10.0
 # halfway to the checkpoint-all peak, at most RELAX_STEPS times (see ModelCheck.plan).
 MAX_OVERHEAD = 3.0
 RELAX_STEPS = 3
+# Budgets tried after the strategy's own ones when an InfeasibleBudgetError does not say
+# the smallest peak the strategy reached (eviction's does not).
+FALLBACK_FRACTIONS = (0.9, 0.95)
 
 # keras.applications constructors and the smallest square input each accepts (Inception
 # and Xception refuse anything smaller; every other one takes 32x32, NASNet included when
@@ -489,9 +492,10 @@ class ModelCheck:
 
     def plan(self, strategy: str, fractions, options, max_overhead: float = MAX_OVERHEAD) -> dict:
         """The strategy's plan at the first feasible budget of ``fractions`` (shares of the
-        checkpoint-all peak). When none is: at the smallest peak the strategy reported
-        reaching, if that is below the checkpoint-all peak (so that the schedule still
-        recomputes), and while that schedule's overhead exceeds ``max_overhead``, at the
+        checkpoint-all peak). When none is: at the first feasible share of
+        :data:`FALLBACK_FRACTIONS` if the error does not say how low the strategy gets, else
+        at the smallest peak it reported reaching, if that is below the checkpoint-all peak
+        (so that the schedule still recomputes), and while that schedule's overhead exceeds ``max_overhead``, at the
         budget halfway to the checkpoint-all peak (at most :data:`RELAX_STEPS` times; the
         tightest peaks of the large EfficientNets are reached only by ``griewank_logn`` at
         40-55x the compute, plans of 400k statements that take longer to trace than a model's
@@ -512,7 +516,20 @@ class ModelCheck:
             return {"result": result, "fraction": fraction, "at_min": False, "relaxed": 0,
                     "plan_s": time.perf_counter() - started}
         smallest = getattr(failure, "min_feasible_bytes", None)
-        if failure is None or not smallest or int(smallest) >= reference:
+        if failure is not None and smallest is None:
+            # The strategy did not say how low it gets (eviction): the fallback shares.
+            for fraction in FALLBACK_FRACTIONS:
+                started = time.perf_counter()
+                try:
+                    result = plan_graph(self.graph, fraction, strategy, cache=False, verbose=0, **options)
+                except InfeasibleBudgetError as error:
+                    failure = error
+                    continue
+                return {"result": result, "fraction": fraction, "at_min": False, "relaxed": 0,
+                        "plan_s": time.perf_counter() - started}
+        if failure is None:
+            raise ValueError("no budget to try")
+        if not smallest or int(smallest) >= reference:
             raise failure
         budget = int(smallest)
         for relaxed in range(RELAX_STEPS + 1):
@@ -862,7 +879,8 @@ def render(rows: list[dict], args, argv, seconds: float | None) -> str:
         "BFC allocator, `TF_NUM_INTEROP_THREADS=1`, each model in its own subprocess "
         f"(timeout {args.timeout:.0f} s, {args.jobs} at once). Strategies: `checkpoint_all` at 100%; `optimal`",
         "(`time_limit=30`), `eviction` and `chen_sqrtn_ap` at the first feasible budget of 60%, 80%, else at the",
-        "smallest peak the strategy reported reaching (`min`), when that is below the checkpoint-all peak; a `min`",
+        "smallest peak the strategy reported reaching (`min`), when that is below the checkpoint-all peak (at 90%, then",
+        "95%, when the error does not say: eviction's); a `min`",
         f"schedule costing over {MAX_OVERHEAD:g}x a plain step extra is re-planned halfway to the checkpoint-all peak "
         f"(`relaxed`, at most {RELAX_STEPS}x).",
         "",
