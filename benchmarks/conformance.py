@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gc
 import json
 import logging
 import math
@@ -448,6 +449,7 @@ class ModelCheck:
         self.extract_seconds = time.perf_counter() - started
         self.graph = self.extraction.graph
         self.initial = [v.numpy() for v in self.model.variables]
+        self._recorder = None
         self.plain_loss, self.expected = self._plain()
         self.strict_loss = self.expected_strict = None
         self.noise = (0.0, 0.0)
@@ -550,14 +552,22 @@ class ModelCheck:
         one, or with ``strict`` the one with Grappler's rewrites off, the compiled step then
         traced and run with them off too. Exceptions propagate."""
         import numpy as np
+        import tensorflow as tf
 
         from tfremat.static_graph import compile_step
 
         if strict and self.expected_strict is None:
             raise ValueError("strict=True needs a ModelCheck built with strict=True")
         self.reset()
-        optimizer = _recording_sgd(learning_rate=0.01)
-        optimizer.build(self.model.trainable_variables)
+        if self._recorder is None:
+            # One per model: its gradient copies are as large as the model's weights, and
+            # every compiled step keeps its optimizer alive (11 GiB on ConvNeXtXLarge with a
+            # new one per check).
+            self._recorder = _recording_sgd(learning_rate=0.01)
+            self._recorder.build(self.model.trainable_variables)
+        optimizer = self._recorder
+        for variable in optimizer.recorded:
+            variable.assign(tf.zeros_like(variable))
         started = time.perf_counter()
         step = compile_step(self.extraction, schedule, optimizer=optimizer)
         if strict:
@@ -573,6 +583,8 @@ class ModelCheck:
         finite = bool(np.isfinite(loss)) and all(np.all(np.isfinite(v.numpy())) for v in self.model.trainable_variables)
         changed = any(np.any(v.numpy() != value) for v, value in zip(self.model.variables, self.initial))
         self.reset()
+        del step
+        gc.collect()
         return {
             "loss": loss,
             "loss_error": loss_error,
@@ -600,6 +612,8 @@ class ModelCheck:
         x, y = tf.constant(self.x), tf.constant(self.y)
         requested = measure_step_peak(step, x, y, resident=resident, count="requested")
         allocator = measure_step_peak(step, x, y, resident=resident, count="allocator", warmup=0)
+        del step
+        gc.collect()
         self.reset()
         for variable, value in zip(optimizer.variables, saved_optimizer):
             variable.assign(value)
@@ -929,6 +943,9 @@ def render(rows: list[dict], args, argv, seconds: float | None) -> str:
     timing = (f"Wall time {seconds / 60:.1f} min" if seconds is not None else "Written from saved rows") + \
         f" (per-model wall times sum to {total / 60:.1f} min)."
     lines += ["", f"Models ok under every strategy: {all_ok}/{len(rows)}. {timing}", ""]
+    if getattr(args, "notes", None):
+        with open(args.notes) as f:
+            lines += ["## Notes", "", f.read().strip(), ""]
     lines += ["## Models", "",
               "| model | input | params | nodes | extract s | noise | strategy | budget | status | err "
               "| err, rewrites off | predicted MiB | req % | alloc % | recomputes | overhead | plan s | wall s |",
@@ -992,6 +1009,7 @@ def main(argv=None):
     parser.add_argument("--no_strict", action="store_true",
                         help="skip the second check with Grappler's rewrites off (and the noise floor)")
     parser.add_argument("--rows_dir", default=None, help="keep the per-model JSON rows and logs here")
+    parser.add_argument("--notes", default=None, help="a markdown file put under the summary as ## Notes")
     parser.add_argument("--from_rows", default=None,
                         help="run nothing: write the table from the JSON rows a --rows_dir run left in this directory")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
