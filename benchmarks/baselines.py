@@ -20,10 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's tfremat, not an installed one
 
 from provenance import header  # noqa: E402
-from tfremat.budget import checkpoint_all_peak  # noqa: E402
+
 from tfremat.graph import load_graph  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
-from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
+from tfremat.plan.simulator import checkpoint_all_peak  # noqa: E402
+from tfremat.strategies import get_strategy, strategy_names  # noqa: E402
 
 DEFAULT_GRAPHS = ROOT.parent / "shared" / "graphs"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "baselines.md"

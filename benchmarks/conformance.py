@@ -502,9 +502,9 @@ class ModelCheck:
         tightest peaks of the large EfficientNets are reached only by ``griewank_logn`` at
         40-55x the compute, plans of 400k statements that take longer to trace than a model's
         timeout). Else raises the last InfeasibleBudgetError."""
-        from tfremat.api import plan_graph
-        from tfremat.budget import checkpoint_all_peak
         from tfremat.errors import InfeasibleBudgetError
+        from tfremat.plan.simulator import checkpoint_all_peak
+        from tfremat.planner import plan_graph
 
         reference = checkpoint_all_peak(self.graph)
         failure = None

@@ -3,8 +3,8 @@
 For a ResNet-style model (residual blocks with batch norm and dropout) and two U-Nets at
 sizes a CPU trains in about a second per step, at budgets of 100/80/60/50/40/33% of the
 checkpoint-all peak (:func:`tfremat.budget.parse_budget` of
-:func:`tfremat.budget.checkpoint_all_peak`): the schedule (the cheapest fitting heuristic,
-:func:`tfremat.ilp.strategies.best_baseline`, or ``--strategy``), its predicted peak, the
+:func:`tfremat.plan.simulator.checkpoint_all_peak`): the schedule (the cheapest fitting heuristic,
+:func:`tfremat.ilp.portfolio.best_baseline`, or ``--strategy``), its predicted peak, the
 compiled step's peak as the bytes its operations request (what the prediction models) and
 as the BFC allocator's peak (which adds chunk rounding), the prediction error against the
 requested bytes, the median step time, and memory and time ratios to plain Keras training
@@ -41,15 +41,17 @@ sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
 
 from models import unet  # noqa: E402
 from provenance import header  # noqa: E402
-from tfremat.budget import checkpoint_all_peak, parse_budget  # noqa: E402
+
+from tfremat.budget import parse_budget  # noqa: E402
 from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError  # noqa: E402
 from tfremat.extract import TensorRef, extract  # noqa: E402
 from tfremat.extract.layer_graph import walk_model  # noqa: E402
 from tfremat.ilp.formulation import memory_lower_bound  # noqa: E402
-from tfremat.ilp.strategies import MILP_STRATEGIES, best_baseline  # noqa: E402
+from tfremat.ilp.portfolio import best_baseline  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
-from tfremat.plan.registry import get_strategy  # noqa: E402
+from tfremat.plan.simulator import checkpoint_all_peak  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
+from tfremat.strategies import get_strategy  # noqa: E402
 
 logger = logging.getLogger("benchmarks.execution")
 
@@ -235,10 +237,10 @@ def remat_scope_step(build, x, y, loss, repeats, run_eagerly):
 
 def choose_schedule(graph, budget, strategy, time_limit=60, threads=2):
     """The named strategy's schedule, or for ``"best"`` the cheapest fitting heuristic
-    (:func:`tfremat.ilp.strategies.best_baseline`, what ``optimal`` warm-starts from; the
+    (:func:`tfremat.ilp.portfolio.best_baseline`, what ``optimal`` warm-starts from; the
     time-limited heuristics get ``time_limit`` seconds in all)."""
     if strategy != "best":
-        options = {"time_limit": time_limit, "threads": threads} if strategy in MILP_STRATEGIES else {}
+        options = {"time_limit": time_limit, "threads": threads} if get_strategy(strategy).takes_solver_options else {}
         return get_strategy(strategy)(graph, budget, **options)
     schedule, smallest_peak = best_baseline(graph, budget, time_limit, time.perf_counter() + time_limit, threads)
     if schedule is None:

@@ -35,19 +35,21 @@ sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
 
 from models import small_convnet, unet  # noqa: E402
 from provenance import header  # noqa: E402
-from tfremat.budget import checkpoint_all_peak  # noqa: E402
-from tfremat.extract import build_model, extract, measure_plain_step_peak  # noqa: E402
-from tfremat.plan.registry import get_strategy  # noqa: E402
+
+from tfremat.applications import build_application  # noqa: E402
+from tfremat.extract import extract, measure_plain_step_peak  # noqa: E402
+from tfremat.plan.simulator import checkpoint_all_peak  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
+from tfremat.strategies import get_strategy  # noqa: E402
 
 logger = logging.getLogger("benchmarks.extraction")
 
 MODELS = {
     "small_convnet (32x32, batch 8)": (lambda: small_convnet(), 8),
     "unet depth 4 (64x64, batch 2)": (lambda: unet(input_shape=(64, 64, 3), depth=4), 2),
-    "ResNet50 (64x64, batch 2)": (lambda: build_model("resnet50", (64, 64, 3), num_classes=10), 2),
-    "MobileNetV2 (64x64, batch 2)": (lambda: build_model("mobilenet_v2", (64, 64, 3), num_classes=10), 2),
-    "VGG16 (64x64, batch 2)": (lambda: build_model("vgg16", (64, 64, 3), num_classes=10), 2),
+    "ResNet50 (64x64, batch 2)": (lambda: build_application("resnet50", (64, 64, 3), num_classes=10), 2),
+    "MobileNetV2 (64x64, batch 2)": (lambda: build_application("mobilenet_v2", (64, 64, 3), num_classes=10), 2),
+    "VGG16 (64x64, batch 2)": (lambda: build_application("vgg16", (64, 64, 3), num_classes=10), 2),
 }
 
 

@@ -13,7 +13,7 @@ the best proven lower bound (the largest of the MILP's bound, the LP bound and t
 no-remat cost) and seconds.
 
 The "best baseline cost" column is the cheapest heuristic schedule that fits
-(:func:`tfremat.ilp.strategies.best_baseline`, what ``optimal`` warm-starts from), run in
+(:func:`tfremat.ilp.portfolio.best_baseline`, what ``optimal`` warm-starts from), run in
 its own process with the time share, deadline and threads ``optimal`` gives it.
 
 Usage::
@@ -44,14 +44,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's tfremat, not an installed one
 
 from provenance import header  # noqa: E402
-from tfremat.budget import checkpoint_all_peak, parse_budget  # noqa: E402
+
+from tfremat.budget import parse_budget  # noqa: E402
 from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError  # noqa: E402
 from tfremat.graph import load_graph  # noqa: E402
 from tfremat.ilp import strategies  # noqa: E402
 from tfremat.ilp.formulation import r_column_count  # noqa: E402
-from tfremat.ilp.strategies import best_baseline, solve_approx_lp, solve_optimal  # noqa: E402
-from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
-from tfremat.plan.simulator import simulate  # noqa: E402
+from tfremat.ilp.portfolio import FALLBACK_TIME_SHARE, best_baseline  # noqa: E402
+from tfremat.ilp.strategies import solve_approx_lp, solve_optimal  # noqa: E402
+from tfremat.plan.simulator import (
+    checkpoint_all_peak,  # noqa: E402
+    simulate,  # noqa: E402
+)
+from tfremat.strategies import get_strategy, strategy_names  # noqa: E402
 
 logger = logging.getLogger("benchmarks.solvers")
 
@@ -65,7 +70,7 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "solvers.md"
 # many R columns the MILP is not built and the heuristics get the whole time limit, else
 # they get this share of it. The baseline column follows them to show what optimal started from.
 LIBRARY_MAX_R_COLUMNS = strategies._MAX_R_COLUMNS
-BASELINE_TIME_SHARE = strategies._FALLBACK_TIME_SHARE
+BASELINE_TIME_SHARE = FALLBACK_TIME_SHARE
 
 
 def baseline_facts(graph):

@@ -21,10 +21,11 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfremat  # noqa: E402
-from tfremat.api import compare_graph  # noqa: E402
-from tfremat.budget import checkpoint_all_peak, format_bytes, parse_budget  # noqa: E402
+from tfremat.budget import format_bytes, parse_budget  # noqa: E402
 from tfremat.extract import extract  # noqa: E402
 from tfremat.measure import measure_model  # noqa: E402
+from tfremat.plan.simulator import checkpoint_all_peak  # noqa: E402
+from tfremat.planner import compare_graph  # noqa: E402
 from tfremat.plots import plot_memory_traces, plot_overhead_vs_budget  # noqa: E402
 
 BUDGET = "50%"

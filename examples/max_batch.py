@@ -17,9 +17,9 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tfremat  # noqa: E402  (before TensorFlow: it selects the BFC CPU allocator, which reports memory)
 import keras  # noqa: E402
 
+import tfremat  # noqa: E402  (before TensorFlow: it selects the BFC CPU allocator, which reports memory)
 from tfremat.ilp import memory_lower_bound  # noqa: E402
 
 

@@ -22,11 +22,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tfremat  # noqa: E402  (before TensorFlow: it selects the BFC CPU allocator, which reports memory)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
+import tfremat  # noqa: E402  (before TensorFlow: it selects the BFC CPU allocator, which reports memory)
 
 
 def small_resnet(seed: int, blocks: int = 6, channels: int = 64) -> keras.Model:

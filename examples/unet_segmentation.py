@@ -11,10 +11,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tfremat  # noqa: E402  (before TensorFlow: it selects the BFC CPU allocator, which reports memory)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+import tfremat  # noqa: E402  (before TensorFlow: it selects the BFC CPU allocator, which reports memory)
 
 
 def unet(size: int = 64, base: int = 16, depth: int = 3, seed: int = 0) -> keras.Model:
@@ -55,7 +55,7 @@ def main(epochs: int = 3, batch_size: int = 32) -> None:
     x, y = discs(512)
     model = unet()
     model.compile(optimizer="adam", loss="categorical_crossentropy", metrics=["accuracy"])
-    result = tfremat.plan(model, "80%", x, y, batch_size=batch_size, strategy="optimal", time_limit=60)
+    result = tfremat.plan_model(model, "80%", x, y, batch_size=batch_size, strategy="optimal", time_limit=60)
     print(f"checkpoint-all peak {result.checkpoint_all_peak_bytes / 2**20:.1f} MiB -> planned peak "
           f"{result.predicted_peak_bytes / 2**20:.1f} MiB at {100 * result.overhead:.1f}% extra compute")
     history = tfremat.fit(model, "80%", x, y, batch_size=batch_size, epochs=epochs, verbose=2, time_limit=60)

@@ -10,17 +10,20 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
+from cli_output import one_error_line  # noqa: E402
+from models import small_convnet  # noqa: E402
 
 import tfremat  # noqa: E402
 from tfremat.errors import (  # noqa: E402
-    ArgumentError, CompileError, ExtractionError, InfeasibleBudgetError, TfrematError,
+    ArgumentError,
+    CompileError,
+    ExtractionError,
+    InfeasibleBudgetError,
+    TfrematError,
 )
 from tfremat.keras import RematCallback  # noqa: E402
 from tfremat.numerics import closeness  # noqa: E402
 from tfremat.plan.simulator import simulate  # noqa: E402
-
-from cli_output import one_error_line  # noqa: E402
-from models import small_convnet  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -85,11 +88,11 @@ def test_tfremat_fit_equals_the_callback_path_and_accepts_tf_data():
 def test_plan_reports_prediction_and_infeasible_budget_reports_smallest_peak():
     x, y = data(8)
     model = compiled_convnet()
-    result = tfremat.plan(model, "100%", x, y, batch_size=8, strategy="hong", cost_model="flops", verbose=0)
+    result = tfremat.plan_model(model, "100%", x, y, batch_size=8, strategy="hong", cost_model="flops", verbose=0)
     assert result.predicted_peak_bytes <= result.budget_bytes == result.checkpoint_all_peak_bytes
     assert result.overhead >= 0
     with pytest.raises(InfeasibleBudgetError) as info:
-        tfremat.plan(model, "1MB", x, y, batch_size=8, strategy="chen_greedy", cost_model="flops", verbose=0)
+        tfremat.plan_model(model, "1MB", x, y, batch_size=8, strategy="chen_greedy", cost_model="flops", verbose=0)
     assert info.value.min_feasible_bytes > 10**6
 
 
@@ -322,20 +325,20 @@ def test_a_failed_fit_gives_the_model_its_own_train_step_back():
 
 def test_plan_takes_an_optimizer_name():
     x, y = data(8)
-    result = tfremat.plan(compiled_convnet(), "100%", x, y, batch_size=8, optimizer="adam", strategy="chen_sqrtn",
+    result = tfremat.plan_model(compiled_convnet(), "100%", x, y, batch_size=8, optimizer="adam", strategy="chen_sqrtn",
                           cost_model="flops", verbose=0)
     assert result.extraction.side_table.optimizer.__class__.__name__ == "Adam"
     with pytest.raises(TfrematError, match="optimizer='nope'"):
-        tfremat.plan(compiled_convnet(), "100%", x, y, batch_size=8, optimizer="nope", cost_model="flops", verbose=0)
+        tfremat.plan_model(compiled_convnet(), "100%", x, y, batch_size=8, optimizer="nope", cost_model="flops", verbose=0)
 
 
 def test_plan_refuses_a_batch_size_its_data_cannot_fill():
     x, y = data(8)
     for bad in (0, -1, 8.0, "8"):
         with pytest.raises(ValueError, match="batch_size must be a positive int"):
-            tfremat.plan(compiled_convnet(), "100%", x, y, batch_size=bad, cost_model="flops", verbose=0)
+            tfremat.plan_model(compiled_convnet(), "100%", x, y, batch_size=bad, cost_model="flops", verbose=0)
     with pytest.raises(ValueError, match="fewer than batch_size=16"):
-        tfremat.plan(compiled_convnet(), "100%", x, y, batch_size=16, cost_model="flops", verbose=0)
+        tfremat.plan_model(compiled_convnet(), "100%", x, y, batch_size=16, cost_model="flops", verbose=0)
 
 
 def test_measure_names_a_bad_argument_before_any_work():
@@ -485,9 +488,9 @@ def test_weight_regularizers_are_counted_and_the_step_stays_under_its_prediction
     path, once ran after the update, whose write then copied every regularized variable
     (requested bytes 11.2 MiB against 9.2 predicted on this MLP; now 7.2)."""
     from tfremat.extract import extract
-    from tfremat.plan.registry import get_strategy
     from tfremat.plan.simulator import simulate
     from tfremat.static_graph import compile_step, measure_step_peak
+    from tfremat.strategies import get_strategy
 
     def build(regularizer):
         keras.utils.set_random_seed(0)
@@ -816,7 +819,7 @@ def test_allocator_check_plans_again_under_the_excess(monkeypatch):
 
     x, y = tf.constant(data(8)[0]), tf.constant(data(8)[1])
     model = compiled_convnet()
-    reference = tfremat.plan(model, None, x, y, batch_size=8, strategy="checkpoint_all", cost_model="flops", verbose=0)
+    reference = tfremat.plan_model(model, None, x, y, batch_size=8, strategy="checkpoint_all", cost_model="flops", verbose=0)
     budget = reference.checkpoint_all_peak_bytes
     excess = (budget - reference.graph.fixed_bytes) // 5
     planned = []

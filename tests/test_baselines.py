@@ -7,15 +7,15 @@ import math
 import networkx as nx
 import numpy as np
 import pytest
+from graph_factories import SHARED_GRAPHS, random_training_graph, training_graph
 
-from tfremat.budget import checkpoint_all_peak, parse_budget
+from tfremat.budget import parse_budget
 from tfremat.errors import ArgumentError, BudgetFormatError, InfeasibleBudgetError
 from tfremat.graph import load_graph
 from tfremat.plan import simulate, validate_schedule
 from tfremat.plan.baselines import _hong_subset, revolve_advances
-from tfremat.plan.registry import get_strategy, strategy_names
-
-from graph_factories import SHARED_GRAPHS, random_training_graph, training_graph
+from tfremat.plan.simulator import checkpoint_all_peak
+from tfremat.strategies import get_strategy, strategy_names
 
 HEURISTICS = [n for n in strategy_names() if n not in ("optimal", "approx_lp")]
 

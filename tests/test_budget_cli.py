@@ -6,12 +6,11 @@ import sys
 
 import numpy as np
 import pytest
+from cli_output import one_error_line
+from graph_factories import random_training_graph
 
 from tfremat.budget import parse_budget
 from tfremat.errors import BudgetFormatError
-
-from cli_output import one_error_line
-from graph_factories import random_training_graph
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -309,10 +308,10 @@ def test_plain_step_peak_reports_requested_bytes_next_to_the_allocator_peak():
     request (what the prediction models), through the compiled step's measurement."""
     pytest.importorskip("tensorflow")
     from tests.test_cache_api import dense_classifier
-    from tfremat.budget import checkpoint_all_peak
     from tfremat.errors import ExtractionError
     from tfremat.extract import extract, measure_plain_step_peak
-    from tfremat.measure import synthetic_batch
+    from tfremat.plan.simulator import checkpoint_all_peak
+    from tfremat.planner import synthetic_batch
 
     model = dense_classifier()
     x, y = synthetic_batch(model, 256, seed=0)

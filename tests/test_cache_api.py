@@ -5,8 +5,8 @@ import json
 
 import numpy as np
 import pytest
+from graph_factories import random_training_graph
 
-from tfremat.api import check_cache_argument, compare_graph, failure_status, plan_graph, summary_row
 from tfremat.cache import ScheduleCache
 from tfremat.errors import (
     ArgumentError,
@@ -16,9 +16,9 @@ from tfremat.errors import (
     SolverTimeLimitError,
     SolverUnavailableError,
     TfrematError,
+    failure_status,
 )
-
-from graph_factories import random_training_graph
+from tfremat.planner import check_cache_argument, compare_graph, plan_graph, summary_row
 
 
 def test_cache_miss_then_hit(tmp_path):
@@ -102,34 +102,35 @@ def test_milp_strategies_get_a_default_time_limit_from_the_api(monkeypatch):
     """plan_graph (and so plan, fit, compare and the command line) gives the MILP
     strategies 60 s unless told otherwise; math.inf asks for no limit; the heuristics get
     only what the caller passed."""
+    import dataclasses
     import math
 
-    import tfremat.api as api
-    from tfremat.plan.registry import get_strategy
+    import tfremat.planner as planner
+    from tfremat.strategies import get_strategy
 
     seen = {}
 
     def recording(name):
         real = get_strategy(name)
 
-        def strategy(graph, budget=None, **options):
+        def function(graph, budget=None, **options):
             seen[name] = options
-            return real(graph, budget, **options)
+            return real.function(graph, budget, **options)
 
-        return strategy
+        return dataclasses.replace(real, function=function)
 
-    monkeypatch.setattr(api, "get_strategy", recording)
+    monkeypatch.setattr(planner, "get_strategy", recording)
     g = random_training_graph(4, 8)
-    api.plan_graph(g, "90%", "optimal", cache=False, verbose=0)
-    assert seen["optimal"]["time_limit"] == api.DEFAULT_TIME_LIMIT == 60.0
-    api.plan_graph(g, "90%", "optimal", cache=False, verbose=0, time_limit=5, solver=None)
+    planner.plan_graph(g, "90%", "optimal", cache=False, verbose=0)
+    assert seen["optimal"]["time_limit"] == planner.DEFAULT_TIME_LIMIT == 60.0
+    planner.plan_graph(g, "90%", "optimal", cache=False, verbose=0, time_limit=5, solver=None)
     assert seen["optimal"] == {"time_limit": 5}
-    result = api.plan_graph(g, "90%", "approx_lp", cache=False, verbose=0, time_limit=math.inf)
+    result = planner.plan_graph(g, "90%", "approx_lp", cache=False, verbose=0, time_limit=math.inf)
     assert seen["approx_lp"] == {"time_limit": math.inf} and result.schedule.facts["status"] in ("optimal", "feasible")
-    api.plan_graph(g, "90%", "chen_greedy", cache=False, verbose=0)
+    planner.plan_graph(g, "90%", "chen_greedy", cache=False, verbose=0)
     assert seen["chen_greedy"] == {}
     # The command line applies it before plan_graph does: twice must not undo math.inf.
-    twice = api.strategy_options("optimal", **api.strategy_options("optimal", time_limit=math.inf))
+    twice = planner.strategy_options("optimal", **planner.strategy_options("optimal", time_limit=math.inf))
     assert twice == {"time_limit": math.inf}
 
 
@@ -252,18 +253,18 @@ def test_plan_names_a_model_or_data_that_cannot_be_planned():
     model = dense_classifier()
     x, y = np.zeros((8, 8), "float32"), np.eye(4, dtype="float32")[np.zeros(8, int)]
     with pytest.raises(ArgumentError, match="model must be a keras.Model .*got NoneType"):
-        tfremat.plan(None, "100%", x, y, batch_size=4)
+        tfremat.plan_model(None, "100%", x, y, batch_size=4)
     with pytest.raises(ArgumentError, match="model must be a keras.Model .*got DFGraph; a DFGraph is planned by"):
         tfremat.compare(random_training_graph(3, 10), "100%", x, y, batch_size=4)
     with pytest.raises(ArgumentError, match=r"x must be arrays .*np.asarray\(x\)"):
-        tfremat.plan(model, "100%", x.tolist(), y, batch_size=4, verbose=0)
+        tfremat.plan_model(model, "100%", x.tolist(), y, batch_size=4, verbose=0)
     with pytest.raises(ArgumentError, match=r"y has 2 samples \(an array of shape \(2, 4\)\), fewer than batch_size=4"):
-        tfremat.plan(model, "100%", x, y[:2], batch_size=4, verbose=0)
-    for call in (tfremat.plan, tfremat.compare):
+        tfremat.plan_model(model, "100%", x, y[:2], batch_size=4, verbose=0)
+    for call in (tfremat.plan_model, tfremat.compare):
         with pytest.raises(ArgumentError, match="cache must be"):
             call(model, "100%", x, y, batch_size=4, cache=5)
     with pytest.raises(ArgumentError, match="strategy must be one strategy name"):
-        tfremat.plan(model, "100%", x, y, batch_size=4, strategy=["eviction"])
+        tfremat.plan_model(model, "100%", x, y, batch_size=4, strategy=["eviction"])
     with pytest.raises(ArgumentError, match="strategies is empty"):
         tfremat.compare(model, "100%", x, y, batch_size=4, strategies=[])
 

@@ -11,10 +11,11 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
-
 from models import small_convnet, unet  # noqa: E402
+
+from tfremat.applications import build_application, graph_command  # noqa: E402
 from tfremat.errors import ExtractionError  # noqa: E402
-from tfremat.extract import GradRef, build_model, extract, graph_command  # noqa: E402
+from tfremat.extract import GradRef, extract  # noqa: E402
 from tfremat.graph import load_graph  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -163,7 +164,7 @@ def test_checkpoint_all_prediction_matches_measured_peak(name):
 
 @pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2", "vgg16", "unet"])
 def test_large_models_extract_under_30_seconds(name, tmp_path):
-    model = unet(input_shape=(64, 64, 3), depth=4) if name == "unet" else build_model(name, (64, 64, 3), num_classes=10)
+    model = unet(input_shape=(64, 64, 3), depth=4) if name == "unet" else build_application(name, (64, 64, 3), num_classes=10)
     spec = [tf.TensorSpec((2, *model.input.shape[1:]), "float32")]
     started = time.perf_counter()
     extraction = extract(model, input_signature=spec, cost_model="profile", repeats=2)
@@ -234,7 +235,7 @@ def test_errors_name_the_layer_and_the_fix():
     assert info.value.layer == "counter"
 
     with pytest.raises(ExtractionError, match="Keras Applications name"):
-        build_model("resnet_9000", (32, 32, 3))
+        build_application("resnet_9000", (32, 32, 3))
     model = small_convnet()
     with pytest.raises(ExtractionError, match="cost_model"):
         extract(model, _batch(model), cost_model="guess")
@@ -316,9 +317,9 @@ def test_profile_cache_sees_edits_of_user_code_and_survives_damage():
 def _checkpoint_all_peaks(model, x, y):
     """Predicted and requested peak bytes of ``model``'s compiled checkpoint-all step (SGD,
     freshly profiled)."""
-    from tfremat.plan.registry import get_strategy
     from tfremat.plan.simulator import simulate
     from tfremat.static_graph import compile_step, measure_step_peak
+    from tfremat.strategies import get_strategy
 
     optimizer = keras.optimizers.SGD(0.01)
     extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1, use_cache=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from graph_factories import random_training_graph
 
 from tfremat.errors import (
     ArgumentError,
@@ -25,11 +26,14 @@ from tfremat.ilp import build_model, memory_lower_bound, solve_model
 from tfremat.ilp.solvers import SolveResult
 from tfremat.ilp.strategies import solve_approx_lp, solve_optimal
 from tfremat.plan.execution import Op
-from tfremat.plan.registry import get_strategy, strategy_names
-from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix, validate_schedule
+from tfremat.plan.schedule import (
+    Schedule,
+    checkpoint_all_s,
+    schedule_from_keep_matrix,
+    validate_schedule,
+)
 from tfremat.plan.simulator import simulate
-
-from graph_factories import random_training_graph
+from tfremat.strategies import get_strategy, strategy_names
 
 GRAPHS = Path(os.environ.get("TFREMAT_GRAPHS", Path(__file__).resolve().parents[2] / "shared" / "graphs"))
 BASELINES = [name for name in strategy_names() if name not in ("optimal", "approx_lp")]
@@ -306,7 +310,7 @@ def test_budget_below_lower_bound_raises_with_facts():
         with pytest.raises(InfeasibleBudgetError) as info:
             strategy(graph, bound - 1, threads=1)
         assert info.value.lower_bound_bytes == bound and info.value.proven
-        assert info.value.strategy == strategy.__name__.replace("solve_", "")
+        assert info.value.strategy == strategy.name
         assert info.value.min_feasible_bytes is not None and info.value.min_feasible_bytes >= bound
         assert str(info.value).endswith("Raise the budget.")
 
@@ -376,7 +380,7 @@ def test_missing_gurobipy_names_the_install_and_the_default(monkeypatch):
 def test_options_are_checked_before_any_baseline_runs(monkeypatch):
     """At a budget where checkpoint all fits (a baseline is optimal, no solver runs), a bad
     option or a missing backend still raises, from every strategy that takes them."""
-    from tfremat.ilp.maxbatch import min_peak_within_cost
+    from tfremat.maxbatch import min_peak_within_cost
 
     graph = training_chain(3)
     roomy = checkpoint_all_peak(graph)

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from graph_factories import SHARED_GRAPHS
+from test_ilp import checkpoint_all_peak, random_dag
 
 from tfremat.errors import InfeasibleBudgetError
 from tfremat.graph import load_graph
 from tfremat.ilp.intervals import build_interval_model, intervals
+from tfremat.ilp.portfolio import best_baseline
 from tfremat.ilp.solvers import solve_model
-from tfremat.ilp.strategies import best_baseline, solve_optimal
-from tfremat.plan.schedule import checkpoint_all_s, schedule_from_keep_matrix, validate_schedule
+from tfremat.ilp.strategies import solve_optimal
+from tfremat.plan.schedule import (
+    checkpoint_all_s,
+    schedule_from_keep_matrix,
+    validate_schedule,
+)
 from tfremat.plan.simulator import simulate, stage_peaks
-
-from graph_factories import SHARED_GRAPHS
-from test_ilp import checkpoint_all_peak, random_dag
 
 
 def test_model_memory_is_an_upper_bound_on_the_simulated_memory():

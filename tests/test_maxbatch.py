@@ -1,20 +1,18 @@
-"""Tests of batch-size maximization (tfremat.ilp.maxbatch)."""
+"""Tests of batch-size maximization (tfremat.maxbatch)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tfremat.errors import BudgetFormatError, InfeasibleBudgetError
-from tfremat.ilp import max_batch_size
-from tfremat.ilp.maxbatch import one_extra_forward_cap
-from tfremat.plan.simulator import simulate
-
 from tests.test_ilp import training_chain
+from tfremat.errors import BudgetFormatError, InfeasibleBudgetError
+from tfremat.maxbatch import max_batch_size, one_extra_forward_cap
+from tfremat.plan.simulator import simulate
 
 
 def fits_by_scan(batch, budget, strategy, cap_of):
     graph = training_chain(4, batch)
-    from tfremat.plan.registry import get_strategy
+    from tfremat.strategies import get_strategy
 
     try:
         schedule = get_strategy(strategy)(graph, budget, threads=1)
@@ -74,7 +72,7 @@ def test_direct_formulation_matches_the_search(max_overhead, extra):
 @pytest.mark.parametrize("seed", range(3))
 def test_min_peak_within_cost_equals_brute_force(seed):
     from tests.test_ilp import brute_force_frontier, random_dag
-    from tfremat.ilp.maxbatch import min_peak_within_cost
+    from tfremat.maxbatch import min_peak_within_cost
 
     graph = random_dag(5, 40 + seed)
     points = brute_force_frontier(graph)
@@ -116,7 +114,7 @@ def test_max_batch_takes_a_budget_with_a_unit_but_not_a_share():
 
 def test_max_batch_warns_when_a_solver_error_decides_a_batch(caplog):
     """A batch whose solve stops without a schedule counts as not fitting, and says so."""
-    with caplog.at_level("WARNING", logger="tfremat.ilp.maxbatch"), pytest.raises(InfeasibleBudgetError):
+    with caplog.at_level("WARNING", logger="tfremat.maxbatch"), pytest.raises(InfeasibleBudgetError):
         max_batch_size(
             lambda b: training_chain(4, b), 16 + 4 * 12, max_batch=64, strategy="approx_lp", threads=1,
             time_limit=1e-9,
@@ -173,17 +171,17 @@ def test_max_batch_reports_each_batch_and_says_when_it_reached_max_batch(caplog)
     """The search stopped at max_batch with nothing to tell that the answer was the cap."""
     chain = lambda b: training_chain(4, b)  # noqa: E731
     seen = []
-    with caplog.at_level("WARNING", logger="tfremat.ilp.maxbatch"):
+    with caplog.at_level("WARNING", logger="tfremat.maxbatch"):
         capped = max_batch_size(chain, 10**6, strategy="checkpoint_all", max_batch=6,
                                 batch_progress=lambda batch, fits: seen.append((batch, fits)))
     assert capped.batch_size == 6 and capped.reached_max_batch
     assert seen == [(1, True), (2, True), (4, True), (6, True)] and dict(seen) == dict(capped.tried)
     assert any("batch 6, the max_batch" in r.message and "raise max_batch" in r.message for r in caplog.records)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="tfremat.ilp.maxbatch"):
+    with caplog.at_level("WARNING", logger="tfremat.maxbatch"):
         found = max_batch_size(chain, 16 + 4 * 12, strategy="checkpoint_all", max_batch=64)
     assert found.batch_size < 64 and not found.reached_max_batch and not caplog.records
-    with caplog.at_level("WARNING", logger="tfremat.ilp.maxbatch"):
+    with caplog.at_level("WARNING", logger="tfremat.maxbatch"):
         direct = max_batch_size(chain, 10**6, method="direct", max_batch=8, threads=1)
     assert direct.batch_size == 8 and direct.reached_max_batch
     assert any("raise max_batch" in r.message for r in caplog.records)

@@ -4,7 +4,9 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from graph_factories import random_training_graph, training_graph
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tfremat.errors import GraphError, ScheduleError
 from tfremat.graph import DFGraph, load_graph
@@ -18,9 +20,7 @@ from tfremat.plan import (
     solve_r_given_s,
     validate_schedule,
 )
-from tfremat.plan.registry import get_strategy
-
-from graph_factories import random_training_graph, training_graph
+from tfremat.strategies import get_strategy
 
 
 def chain4():
@@ -101,7 +101,7 @@ def test_unused_cached_value_is_freed_at_stage_start():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_every_strategy_valid_on_random_training_graphs(seed):
-    from tfremat.plan.registry import strategy_names
+    from tfremat.strategies import strategy_names
 
     g = random_training_graph(seed, num_forward=8 + seed)
     full = simulate(g, get_strategy("checkpoint_all")(g))

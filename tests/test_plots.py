@@ -4,12 +4,12 @@ import subprocess
 import sys
 
 import pytest
-
 from graph_factories import random_training_graph
-from tfremat.errors import TfrematError
-from tfremat.plan.registry import get_strategy
+
 from tfremat import plots
+from tfremat.errors import TfrematError
 from tfremat.plan.simulator import simulate
+from tfremat.strategies import get_strategy
 
 pytest.importorskip("matplotlib")
 

@@ -18,17 +18,17 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
-
 from models import small_convnet, unet  # noqa: E402
+
 from tfremat.errors import CompileError, InfeasibleBudgetError  # noqa: E402
 from tfremat.extract import extract  # noqa: E402
 from tfremat.numerics import closeness  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
 from tfremat.plan.baselines import schedule_for_checkpoints  # noqa: E402
-from tfremat.plan.registry import get_strategy, strategy_names  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
 from tfremat.static_graph.compile import check_acyclic  # noqa: E402
 from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
+from tfremat.strategies import get_strategy, strategy_names  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -406,7 +406,7 @@ _MIRRORED = textwrap.dedent(
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     from models import small_convnet
     from tfremat.extract import extract
-    from tfremat.plan.registry import get_strategy
+    from tfremat.strategies import get_strategy
     from tfremat.static_graph import compile_step
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

@@ -1,7 +1,7 @@
 """tfremat: optimal rematerialization for TensorFlow/Keras training.
 
 The planning core (graph, schedules, simulator, strategies) imports no TensorFlow; the
-names that need it (``fit``, ``plan``, ``compare``, ``max_batch_size``, ``compile_step``)
+names that need it (``fit``, ``plan_model``, ``compare``, ``max_batch_size``, ``compile_step``)
 and the submodules ``tfremat.keras`` (the callback) and ``tfremat.measure`` (the planned
 step measured against plain Keras) import it on first use; the extraction is
 ``tfremat.extract.extract``.
@@ -26,24 +26,14 @@ from tfremat.plan.simulator import simulate
 __version__ = "0.1.0"
 
 _LAZY = {
+    "plan_model": "tfremat.planner",
     "fit": "tfremat.api",
     "compare": "tfremat.api",
     "max_batch_size": "tfremat.api",
     "compile_step": "tfremat.static_graph.compile",
 }
 
-__all__ = ["DFGraph", "load_graph", "Schedule", "simulate", "TfrematError", "InfeasibleBudgetError", "plan", *_LAZY, "__version__"]
-
-
-def plan(model, budget, *args, **kwargs):
-    """Plans a Keras model's training step under ``budget``; see :func:`tfremat.api.plan`.
-
-    Defined here rather than loaded lazily: importing the ``tfremat.plan`` subpackage
-    binds its name on this package, and this definition, made after, takes it back.
-    """
-    from tfremat.api import plan as plan_model
-
-    return plan_model(model, budget, *args, **kwargs)
+__all__ = ["DFGraph", "load_graph", "Schedule", "simulate", "TfrematError", "InfeasibleBudgetError", *_LAZY, "__version__"]
 
 
 # Submodules that import TensorFlow, reachable as attributes (``tfremat.measure``) without

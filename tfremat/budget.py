@@ -11,8 +11,8 @@ read so that the floor does not lose a byte to binary rounding either:
   product is 56.99999999999999) and 1/3 of 300 is 100. A product further from an
   integer than a float's rounding can explain is floored as it is.
 
-Every registered strategy reads its budget through :func:`parse_graph_budget`, so a
-budget means the same to all of them.
+Every registered strategy reads its budget through
+:func:`tfremat.plan.registry.parse_graph_budget`, so a budget means the same to all of them.
 """
 
 from __future__ import annotations
@@ -22,12 +22,9 @@ import re
 from fractions import Fraction
 
 from tfremat.errors import BudgetFormatError, is_int, is_number
-from tfremat.graph import DFGraph
-from tfremat.plan.schedule import checkpoint_all_s, schedule_from_keep_matrix
-from tfremat.plan.simulator import simulate
 from tfremat.units import format_bytes
 
-__all__ = ["parse_budget", "check_budget", "parse_graph_budget", "checkpoint_all_peak", "format_bytes"]
+__all__ = ["parse_budget", "check_budget", "is_share", "format_bytes"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -92,28 +89,6 @@ def is_share(budget) -> bool:
     """Whether ``budget`` (already checked, :func:`check_budget`) is a share of a reference
     peak ("50%", 0.5) rather than an amount of memory."""
     return _read(budget, None)[0] is not None
-
-
-def checkpoint_all_peak(graph: DFGraph) -> int:
-    """The peak of the schedule that keeps every value (no recomputation): what relative
-    budgets ("50%", 0.5) are a share of."""
-    return simulate(graph, schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")).peak_bytes
-
-
-def parse_graph_budget(graph: DFGraph, budget) -> int | None:
-    """``budget`` in bytes for ``graph`` (None stays None: no budget), relative budgets
-    being shares of its :func:`checkpoint_all_peak`, which is simulated only for them.
-
-    The registry (:func:`tfremat.plan.registry.register`) applies it to every strategy's
-    budget argument, so every strategy takes the same forms with the same meaning.
-
-    Raises:
-        BudgetFormatError: see :func:`parse_budget`.
-    """
-    if budget is None:
-        return None
-    share, _ = _read(budget, None)
-    return parse_budget(budget, checkpoint_all_peak(graph) if share is not None else None)
 
 
 def _read(budget, flag: str | None) -> tuple[Fraction | float | None, int]:

@@ -29,7 +29,12 @@ import time
 from absl import app, flags
 
 from tfremat.budget import check_budget
-from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError, TfrematError, failure_status
+from tfremat.errors import (
+    InfeasibleBudgetError,
+    SolverTimeLimitError,
+    TfrematError,
+    failure_status,
+)
 
 FLAGS = flags.FLAGS
 
@@ -121,17 +126,17 @@ def _require(*names: str) -> None:
 
 
 def cmd_strategies() -> None:
-    from tfremat.plan.registry import strategy_names
+    from tfremat.strategies import strategy_names
 
     names = strategy_names()
     print(json.dumps(names) if FLAGS.json else "\n".join(names))
 
 
 def cmd_solve() -> None:
-    from tfremat.budget import checkpoint_all_peak, parse_budget
+    from tfremat.budget import parse_budget
     from tfremat.graph import file_node_ids, load_graph
-    from tfremat.plan.registry import get_strategy
-    from tfremat.plan.simulator import simulate
+    from tfremat.plan.simulator import checkpoint_all_peak, simulate
+    from tfremat.strategies import get_strategy
 
     _require("graph", "strategy")
     try:
@@ -207,16 +212,15 @@ def _batch() -> int:
 
 
 def _keras_model():
-    from tfremat.extract.keras_models import build_model
+    from tfremat.applications import build_application
 
     _require("model")
-    return build_model(FLAGS.model, _input_shape(), num_classes=FLAGS.num_classes)
+    return build_application(FLAGS.model, _input_shape(), num_classes=FLAGS.num_classes)
 
 
 def _extraction(model, batch: int):
-    from tfremat.api import keras_optimizer
     from tfremat.extract.extractor import extract
-    from tfremat.measure import synthetic_batch
+    from tfremat.planner import keras_optimizer, synthetic_batch
 
     # Labels shaped for --loss (class ids for a sparse loss), as measure makes them.
     return extract(model, sample_batch=synthetic_batch(model, batch, loss=FLAGS.loss), loss=FLAGS.loss,
@@ -224,10 +228,10 @@ def _extraction(model, batch: int):
 
 
 def _milp_options(name: str) -> dict:
-    from tfremat.api import strategy_options
-    from tfremat.ilp.strategies import MILP_STRATEGIES
+    from tfremat.planner import strategy_options
+    from tfremat.strategies import get_strategy
 
-    if name not in MILP_STRATEGIES:
+    if not get_strategy(name).takes_solver_options:
         return {}
     return strategy_options(name, time_limit=FLAGS.time_limit, solver=FLAGS.solver)
 
@@ -275,7 +279,7 @@ def _compare_table(rows: list[dict]) -> str:
 
 
 def cmd_graph() -> None:
-    from tfremat.extract.keras_models import graph_command
+    from tfremat.applications import graph_command
 
     _require("model", "out")
     summary = graph_command(FLAGS.model, _input_shape(), _batch(), FLAGS.cost_model, FLAGS.out, loss=FLAGS.loss,
@@ -284,7 +288,7 @@ def cmd_graph() -> None:
 
 
 def cmd_plan() -> None:
-    from tfremat.api import plan_graph
+    from tfremat.planner import plan_graph
 
     _require("budget")
     strategy = FLAGS.strategy or "optimal"
@@ -298,10 +302,10 @@ def cmd_plan() -> None:
 
 
 def cmd_compare() -> None:
-    from tfremat.api import compare_graph, summary_row
-    from tfremat.budget import checkpoint_all_peak, parse_budget
-    from tfremat.ilp.strategies import MILP_STRATEGIES
-    from tfremat.plan.registry import get_strategy, strategy_names
+    from tfremat.budget import parse_budget
+    from tfremat.plan.simulator import checkpoint_all_peak
+    from tfremat.planner import compare_graph, summary_row
+    from tfremat.strategies import get_strategy, strategy_names
 
     _require("budget")
     names = FLAGS.strategies or strategy_names()
@@ -311,7 +315,7 @@ def cmd_compare() -> None:
     budget = parse_budget(FLAGS.budget, checkpoint_all_peak(graph), flag="--budget")
     # --time_limit and --solver configure the MILP strategies; as solve and plot do,
     # compare ignores them when none is among --strategies.
-    options = _given_milp_flags() if any(name in MILP_STRATEGIES for name in names) else {}
+    options = _given_milp_flags() if any(get_strategy(name).takes_solver_options for name in names) else {}
     entries = compare_graph(graph, budget, names, **options)
     rows = [summary_row(name, entry, budget) for name, entry in zip(names, entries)]
     print(json.dumps(rows) if FLAGS.json else _compare_table(rows))
@@ -345,10 +349,11 @@ def cmd_maxbatch() -> None:
 def cmd_plot() -> None:
     from pathlib import Path
 
-    from tfremat.budget import checkpoint_all_peak, format_bytes, parse_budget
+    from tfremat.budget import format_bytes, parse_budget
     from tfremat.graph import load_graph
-    from tfremat.plan.registry import get_strategy, strategy_names
+    from tfremat.plan.simulator import checkpoint_all_peak
     from tfremat.plots import plot_memory_traces, plot_overhead_vs_budget
+    from tfremat.strategies import get_strategy, strategy_names
 
     _require("out")
     if FLAGS.graph:

@@ -23,13 +23,17 @@ import random
 import keras
 import tensorflow as tf
 
-from tfremat.api import check_cache_argument
 from tfremat.budget import check_budget, format_bytes, is_share
-from tfremat.errors import ArgumentError, CompileError, InfeasibleBudgetError, TfrematError
+from tfremat.errors import (
+    ArgumentError,
+    CompileError,
+    InfeasibleBudgetError,
+    TfrematError,
+)
 from tfremat.extract.extractor import COST_MODELS, refuse_unmodelled_training
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
-from tfremat.ilp.strategies import MILP_STRATEGIES
-from tfremat.plan.registry import get_strategy
+from tfremat.planner import check_cache_argument, plan_graph, plan_model
+from tfremat.strategies import get_strategy, solver_strategy_names
 
 __all__ = ["RematCallback"]
 
@@ -45,7 +49,7 @@ class RematCallback(keras.callbacks.Callback):
         strategy: the strategy name (default "optimal", the MILP).
         solver: MILP solver name ("highs" default, "gurobi" when licensed).
         time_limit: MILP time limit in seconds per batch shape (None: 60 s,
-            ``tfremat.api.DEFAULT_TIME_LIMIT``; ``math.inf``: until proven optimal).
+            ``tfremat.planner.DEFAULT_TIME_LIMIT``; ``math.inf``: until proven optimal).
         cost_model: "profile" or "flops" for the extraction.
         cache: schedule cache (True: default directory; a path; False: off).
         allocator_check: hold the budget for the device allocator's peak, where
@@ -71,11 +75,11 @@ class RematCallback(keras.callbacks.Callback):
         # Refuse a malformed budget or an unknown strategy here, not at the first step.
         check_budget(budget)
         get_strategy(strategy)
-        if strategy in MILP_STRATEGIES:
+        if get_strategy(strategy).takes_solver_options:
             check_solver_options(DEFAULT_SOLVER if solver is None else solver, time_limit=time_limit)
         elif solver is not None or time_limit is not None:
             raise ArgumentError(
-                f"solver= and time_limit= configure the MILP strategies ({', '.join(MILP_STRATEGIES)}); "
+                f"solver= and time_limit= configure the MILP strategies ({', '.join(solver_strategy_names())}); "
                 f"strategy {strategy!r} takes neither, so leave them out"
             )
         if cost_model not in COST_MODELS:
@@ -145,15 +149,15 @@ class RematCallback(keras.callbacks.Callback):
             self._original_train_function = None
 
     def _step_for(self, x, y, sample_weight=None):
-        from tfremat.api import plan
         from tfremat.static_graph.compile import compile_step
 
         key = tuple(tuple(t.shape) for t in tf.nest.flatten((x, y)))
         if key not in self._steps:
             model = self.model
-            options = {"solver": self.solver, "time_limit": self.time_limit} if self.strategy in MILP_STRATEGIES else {}
+            options = ({"solver": self.solver, "time_limit": self.time_limit}
+                       if get_strategy(self.strategy).takes_solver_options else {})
             # The model's own loss, loss weights and optimizer (plan's defaults).
-            result = plan(model, self.budget, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]),
+            result = plan_model(model, self.budget, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]),
                           strategy=self.strategy, cost_model=self.cost_model,
                           cache=self.cache, verbose=self.verbose, **options)
             if self.verbose:
@@ -169,7 +173,6 @@ class RematCallback(keras.callbacks.Callback):
 
     def _within_allocator(self, result, step, x, y, sample_weight, options):
         """Re-plans until the step's allocator peak is within the budget (``allocator_check``)."""
-        from tfremat.api import plan_graph
         from tfremat.static_graph.compile import compile_step
 
         model = self.model
@@ -256,14 +259,17 @@ ALLOCATOR_ROUNDS = 3
 
 def allocator_peak(step, model, x, y, sample_weight=None) -> int | None:
     """The device allocator's peak over one run of ``step`` (after one untimed run that
-    traces it), in the graph's convention (:func:`tfremat.static_graph.memory.measure_step_peak`),
+    traces it), in the graph's convention (:func:`tfremat.runtime.memory.measure_step_peak`),
     with the state the runs change put back: the model's and the optimizer's variables,
     Python's ``random`` and Keras's global seed generator (one that the trace created is
     forgotten, as the extraction does, but the step keeps the state it advanced). None when
     the allocator keeps no statistics (a warning says so).
     """
-    from tfremat.static_graph.memory import measure_step_peak
-    from tfremat.static_graph.state import forget_global_seed_generator, global_seed_generator
+    from tfremat.runtime.memory import measure_step_peak
+    from tfremat.runtime.state import (
+        forget_global_seed_generator,
+        global_seed_generator,
+    )
 
     optimizer = model.optimizer
     if not optimizer.built:

@@ -2,7 +2,7 @@
 
 Peak memory comes from the TensorFlow allocator (on CPU it needs
 ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow is imported; the ``tfremat`` command
-sets it), read by :func:`tfremat.static_graph.memory.measure_step_peak` for both steps, in
+sets it), read by :func:`tfremat.runtime.memory.measure_step_peak` for both steps, in
 the graph's convention: the allocator peak during a step above what was allocated before
 it, plus the bytes resident before it that the graph counts as fixed (weights, optimizer
 state, the batch).
@@ -15,17 +15,23 @@ import statistics
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import ArgumentError, is_int
-from tfremat.extract.analysis import reset_allocator_peak
-from tfremat.extract.extractor import per_output
-from tfremat.extract.layer_graph import model_output_names, require_functional
 from tfremat.numerics import closeness
-from tfremat.static_graph.memory import default_device, measure_step_peak
+from tfremat.planner import (
+    check_keras_model,
+    keras_optimizer,
+    plan_graph,
+    synthetic_batch,
+)
+from tfremat.runtime.memory import (
+    default_device,
+    measure_step_peak,
+    reset_allocator_peak,
+)
 
-__all__ = ["measure_model", "synthetic_batch"]
+__all__ = ["measure_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,87 +48,6 @@ def _peak_and_seconds(step, x, y, resident, steps: int) -> tuple[int, float]:
         tf.nest.flatten(step(x, y))[0].numpy()
         seconds.append(time.perf_counter() - began)
     return peak, float(statistics.median(seconds))
-
-
-# Losses, by normalized name (lower case, no underscores), whose labels are not a
-# distribution over the output's last axis. Any other loss, a custom one included, gets
-# one-hot labels shaped like the output (what every loss was given before, and values in
-# [0, 1] that any loss reads).
-_BINARY_LOSSES = ("hinge", "squaredhinge")
-_REAL_LOSSES = (
-    "meansquarederror", "meanabsoluteerror", "meanabsolutepercentageerror", "meansquaredlogarithmicerror", "huber",
-    "logcosh", "cosinesimilarity", "poisson",
-)
-
-
-def _label_kind(loss) -> str:
-    """What labels ``loss`` reads: "sparse" (integer class ids, without the class axis),
-    "binary" (0 or 1 per output value), "real" (any real value, a regression) or
-    "categorical" (one-hot along the last axis)."""
-    if isinstance(loss, str):
-        try:
-            loss = keras.losses.get(loss)  # an alias ("mse", "bce") resolves to its function
-        except ValueError:
-            pass  # an unknown name, which extraction refuses naming it
-    # A Keras loss object wraps its function as ``fn``; a function has a name; a custom
-    # Loss subclass has its class name.
-    function = getattr(loss, "fn", loss)
-    name = function if isinstance(function, str) else getattr(function, "__name__", type(function).__name__)
-    name = name.lower().replace("_", "")
-    if "sparse" in name:
-        return "sparse"
-    if "binary" in name or name in _BINARY_LOSSES:
-        return "binary"
-    if name in _REAL_LOSSES:
-        return "real"
-    return "categorical"
-
-
-def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", seed: int | None = None):
-    """A batch ``(x, y)`` of NumPy arrays for ``model`` whose labels fit ``loss``.
-
-    One place for the labels that :func:`measure_model`, the command line and
-    :func:`tfremat.max_batch_size` make up (they were one-hot for every loss, which a sparse
-    loss refuses with a rank error): integer class ids without the class axis for sparse
-    losses, one-hot for categorical ones, 0/1 for binary cross-entropy and the hinge losses,
-    real values for regression losses (mse, mae, huber, ...), one-hot for any other.
-
-    Args:
-        model: a Keras model with static shapes apart from the batch.
-        batch_size: the batch size.
-        loss: as ``model.compile`` takes it: a name, a Keras loss or function, or a list or
-            dict of them by output (an output without a loss gets one-hot labels).
-        seed: an int for random values (inputs from a standard normal), to run a step
-            on; None for zeros that take no memory (broadcast views), all an extraction
-            reads being shapes and dtypes.
-
-    Returns:
-        ``(x, y)``: an array each, or lists of them for several inputs or outputs.
-    """
-    require_functional(model)
-    rng = None if seed is None else np.random.default_rng(seed)
-
-    def array(shape, dtype, draw):
-        if rng is None:
-            return np.broadcast_to(np.zeros((), dtype), shape)
-        return np.asarray(draw(rng, shape), dtype=dtype)
-
-    xs = [array((batch_size, *t.shape[1:]), t.dtype, lambda r, shape: r.standard_normal(shape)) for t in model.inputs]
-    ys = []
-    for output, output_loss in zip(model.outputs, per_output(loss, model_output_names(model), "loss", None)):
-        shape, classes = (batch_size, *output.shape[1:]), output.shape[-1]
-        kind = _label_kind(output_loss)
-        if kind == "sparse":
-            ys.append(array(shape[:-1], "int32", lambda r, shape: r.integers(0, classes, size=shape)))
-        elif kind == "binary":
-            ys.append(array(shape, "float32", lambda r, shape: r.integers(0, 2, size=shape)))
-        elif kind == "real":
-            ys.append(array(shape, "float32", lambda r, shape: r.standard_normal(shape)))
-        else:
-            ys.append(array(shape, "float32",
-                            lambda r, shape: np.eye(classes)[r.integers(0, classes, size=shape[:-1])]))
-    unpack = lambda items: items[0] if len(items) == 1 else items  # noqa: E731
-    return unpack(xs), unpack(ys)
 
 
 def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", steps: int = 5,
@@ -152,7 +77,6 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         ArgumentError: ``model`` is no ``keras.Model``, ``steps`` or ``batch_size`` not an
             int >= 1, or an unknown ``optimizer_name`` (before anything runs).
     """
-    from tfremat.api import check_keras_model, keras_optimizer, plan_graph
     from tfremat.extract.extractor import extract
     from tfremat.plan.execution import build_plan
     from tfremat.static_graph.compile import compile_step

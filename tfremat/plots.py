@@ -25,13 +25,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tfremat.budget import checkpoint_all_peak, format_bytes
+from tfremat.budget import format_bytes
 from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverTimeLimitError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import Op
-from tfremat.plan.registry import get_strategy
 from tfremat.plan.schedule import Schedule
-from tfremat.plan.simulator import simulate
+from tfremat.plan.simulator import checkpoint_all_peak, simulate
+from tfremat.strategies import get_strategy
 
 __all__ = ["plot_memory_traces", "plot_overhead_vs_budget"]
 
@@ -202,7 +202,7 @@ def plot_overhead_vs_budget(
 
     Args:
         graph: the graph to plan.
-        strategies: registered strategy names (see ``tfremat.plan.registry.strategy_names``).
+        strategies: registered strategy names (see ``tfremat.strategies.strategy_names``).
         budgets_bytes: memory budgets in bytes.
         path: where to save the figure; the format follows the suffix.
         strategy_options: keyword options for the solver strategies ("optimal",
@@ -222,7 +222,8 @@ def plot_overhead_vs_budget(
         ImportError: matplotlib is not installed.
 
     Example:
-        >>> from tfremat.budget import checkpoint_all_peak, parse_budget
+        >>> from tfremat.budget import parse_budget
+        >>> from tfremat.plan.simulator import checkpoint_all_peak
         >>> peak = checkpoint_all_peak(graph)
         >>> budgets = [parse_budget(share, peak) for share in ("30%", "50%", "70%", "100%")]
         >>> path, rows = plot_overhead_vs_budget(graph, ["chen_sqrtn", "hong"], budgets, "overhead.png")

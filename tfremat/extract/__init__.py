@@ -6,8 +6,7 @@ each node.
 """
 
 from tfremat.extract.extractor import Extraction, cache_dir, extract, resolve_loss
-from tfremat.extract.keras_models import build_model, graph_command
-from tfremat.extract.measure import measure_plain_step_peak
+from tfremat.extract.plain_step import measure_plain_step_peak
 from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef
 
 __all__ = [
@@ -15,8 +14,6 @@ __all__ = [
     "Extraction",
     "resolve_loss",
     "cache_dir",
-    "build_model",
-    "graph_command",
     "measure_plain_step_peak",
     "GradRef",
     "NodeEntry",

@@ -27,7 +27,7 @@ forward, with the accumulators the gradient creates, returning only those residu
 the allocator's bytes in use after it are what the tape holds. They count as batch-sized
 residuals, and such a call is recorded on a non-persistent tape and takes its gradients in
 one ``gradient`` call, as the step does
-(:func:`tfremat.static_graph.interpreter.takes_one_gradient_call`).
+(:func:`tfremat.runtime.tape.takes_one_gradient_call`).
 
 With ``profile=True`` the same functions are run on the target device: the median of timed
 runs after warm-up gives the cost, and the peak of the bytes the run's operations request
@@ -57,14 +57,18 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import ops as tf_ops
-from tensorflow.python.ops import handle_data_util
 
 from tfremat.errors import ExtractionError
-from tfremat.static_graph.interpreter import takes_one_gradient_call
-from tfremat.static_graph.memory import requested_peak
+from tfremat.runtime.internals import node_flops, resource_handle_data
+from tfremat.runtime.memory import (
+    default_device,
+    requested_peak,
+    reset_allocator_peak,
+    synchronize,
+)
+from tfremat.runtime.tape import takes_one_gradient_call
 
-__all__ = ["CallAnalysis", "analyze_call", "analyze_loss", "tensor_bytes", "device_name"]
+__all__ = ["CallAnalysis", "analyze_call", "analyze_loss", "tensor_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +133,6 @@ class CallAnalysis:
         return cls(**data)
 
 
-def device_name() -> str:
-    """The device extraction measures on: the first GPU if any, else the CPU."""
-    gpus = tf.config.list_logical_devices("GPU")
-    return gpus[0].name if gpus else tf.config.list_logical_devices("CPU")[0].name
-
-
 def tensor_bytes(shape: Sequence[int | None], dtype, what: str, layer: str) -> int:
     """Bytes of a tensor with a fully static shape.
 
@@ -158,44 +156,14 @@ def _is_float(dtype) -> bool:
 def _op_flops(graph, op) -> float:
     if op.type in _NO_COMPUTE_OPS:
         return 0.0
-    try:
-        stats = tf_ops.get_stats_for_node_def(graph, op.node_def, "flops")
-        if stats.value:
-            return float(stats.value)
-    except (ValueError, TypeError):
-        pass
+    registered = node_flops(graph, op.node_def)
+    if registered is not None:
+        return registered
     total = 0.0
     for out in op.outputs:
         if out.shape.rank is not None and out.shape.is_fully_defined():
             total += float(np.prod(out.shape.as_list(), dtype=np.int64))
     return total
-
-
-def _sync(result) -> None:
-    """Waits for a (possibly asynchronous) device result by reading one element back
-    (of a numeric tensor: a ``variant`` one, a loop's accumulator, cannot be read)."""
-    for t in tf.nest.flatten(result):
-        if t is not None and t.dtype != tf.variant:
-            tf.reshape(t, [-1])[:1].numpy()
-            return
-
-
-def reset_allocator_peak(device: str) -> None:
-    """Resets the allocator's peak counter on ``device`` ("CPU:0", "GPU:0").
-
-    Raises:
-        ExtractionError: the allocator keeps no statistics: on CPU TensorFlow only counts
-            with the BFC allocator, chosen by ``TF_CPU_ALLOCATOR_USE_BFC=true`` before it is
-            imported (``import tfremat`` before TensorFlow sets it).
-    """
-    try:
-        tf.config.experimental.reset_memory_stats(device)
-    except ValueError:
-        raise ExtractionError(
-            f"TensorFlow's allocator keeps no memory statistics on {device}, so workspace and peaks cannot "
-            "be measured: set TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow is imported (importing tfremat "
-            "first does it), or extract with cost_model='flops' (no workspace measurement)"
-        ) from None
 
 
 def _time_and_memory(fn: Callable, args, repeats: int, warmup: int) -> tuple[float, int]:
@@ -205,7 +173,7 @@ def _time_and_memory(fn: Callable, args, repeats: int, warmup: int) -> tuple[flo
     times = []
     for _ in range(repeats):
         begin = time.perf_counter()
-        _sync(fn(*args))
+        synchronize(fn(*args))
         times.append(time.perf_counter() - begin)
     return statistics.median(times), peak
 
@@ -214,7 +182,7 @@ def _requested_peak(fn: Callable, args, warmup: int) -> int:
     """The peak of the bytes ``fn(*args)`` requests from the allocator above what existed
     before it, after ``warmup`` unmeasured runs (at least one: first-run allocations such
     as kernel caches are not the call's), from the profiler's allocation events
-    (:func:`tfremat.static_graph.memory.requested_peak`, what
+    (:func:`tfremat.runtime.memory.requested_peak`, what
     ``measure_step_peak(..., count="requested")`` reads of a compiled step).
 
     The allocator's own peak counts whole BFC chunks, and BFC hands out a free chunk whole
@@ -235,11 +203,11 @@ def _requested_peak(fn: Callable, args, warmup: int) -> int:
     Raises:
         ExtractionError: the allocator keeps no statistics (:func:`reset_allocator_peak`).
     """
-    device = device_name().split("device:")[-1]
+    device = default_device()
     reset_allocator_peak(device)  # raises, saying how to turn the statistics on, when they are off
     for _ in range(max(1, warmup)):
-        _sync(fn(*args))
-    return requested_peak(lambda: _sync(fn(*args)), device, allow_empty=True)
+        synchronize(fn(*args))
+    return requested_peak(lambda: synchronize(fn(*args)), device, allow_empty=True)
 
 
 def _sample(spec: tf.TensorSpec) -> tf.Tensor:
@@ -324,7 +292,7 @@ def analyze_call(
         The step asks a persistent tape for the input gradients first and for the weight
         gradients after them (two ``gradient`` calls, see the interpreter; a
         non-persistent tape and one call when the forward runs a while loop,
-        :func:`~tfremat.static_graph.interpreter.takes_one_gradient_call`),
+        :func:`~tfremat.runtime.tape.takes_one_gradient_call`),
         and the memory model counts the forward value (outputs and the tensors the
         gradient reads) and the upstream gradients as resident while the backward node
         runs: they are returned here, so they live to the end, and the upstream gradients
@@ -542,7 +510,7 @@ def _held_bytes(held_concrete, args, record: dict, layer: str) -> tuple[int, int
     variants = [t for t in record["reads"][2] if t.dtype == tf.variant]
     warm = held_concrete(*args)  # first-run allocations are not the tape's
     del warm
-    device = device_name().split("device:")[-1]
+    device = default_device()
     try:
         before = tf.config.experimental.get_memory_info(device)["current"]
     except ValueError:
@@ -560,7 +528,7 @@ def _held_bytes(held_concrete, args, record: dict, layer: str) -> tuple[int, int
 def _list_element(tensor):
     """The element's ``TensorShapeProto`` and dtype of a ``TensorList`` variant tensor, from
     its handle data; None for another kind of variant."""
-    data = handle_data_util.get_resource_handle_data(tensor)
+    data = resource_handle_data(tensor)
     shapes = list(data.shape_and_type) if data is not None and data.is_set else []
     return (shapes[0].shape, tf.dtypes.as_dtype(shapes[0].dtype)) if len(shapes) == 1 else None
 

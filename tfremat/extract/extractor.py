@@ -62,16 +62,38 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 import keras
-from keras.src.losses.losses import LossFunctionWrapper
 import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import ExtractionError
-from tfremat.extract.analysis import CallAnalysis, analyze_call, analyze_loss, device_name, tensor_bytes
-from tfremat.extract.layer_graph import LayerCall, model_input_names, model_output_names, require_functional, walk_model
-from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef, flatten_by_name
+from tfremat.extract.analysis import (
+    CallAnalysis,
+    analyze_call,
+    analyze_loss,
+    tensor_bytes,
+)
+from tfremat.extract.layer_graph import (
+    LayerCall,
+    model_input_names,
+    model_output_names,
+    require_functional,
+    walk_model,
+)
+from tfremat.extract.side_table import (
+    GradRef,
+    NodeEntry,
+    SideTable,
+    TensorRef,
+    flatten_by_name,
+)
 from tfremat.graph import DFGraph
-from tfremat.static_graph.state import forget_global_seed_generator, global_seed_generator, stateful_variables
+from tfremat.runtime.internals import LossFunctionWrapper
+from tfremat.runtime.memory import default_device
+from tfremat.runtime.state import (
+    forget_global_seed_generator,
+    global_seed_generator,
+    stateful_variables,
+)
 
 __all__ = [
     "Extraction", "extract", "resolve_loss", "per_output", "cache_dir", "weight_gradient_lifetime", "refuse_unmodelled_training",
@@ -577,7 +599,7 @@ def extract(
     loss_name = _loss_name(loss, loss_weights)
     output_names = model_output_names(model)
     loss_fn = resolve_loss(loss, len(output_refs), output_names, loss_weights)
-    device = device_name()
+    device = default_device()
     key = _cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device)
     cached = _load_cache(key, len(calls)) if use_cache else None
 

@@ -95,7 +95,7 @@ class NodeEntry:
             argument).
         one_gradient_call: the backward takes one gradient call on a non-persistent tape
             (the call runs a while loop or calls a function:
-            :func:`tfremat.static_graph.interpreter.takes_one_gradient_call`,
+            :func:`tfremat.runtime.tape.takes_one_gradient_call`,
             decided by the extraction on its trace of the call).
         trainable_variables: the variables whose gradients this node's backward computes.
         num_outputs: how many tensors the forward call returns.

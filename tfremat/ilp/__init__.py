@@ -1,26 +1,29 @@
 """Optimal and LP-approximate rematerialization: Checkmate's MILP (Jain et al., MLSys 2020).
 
 * :func:`solve_optimal` (strategy ``"optimal"``): the MILP, warm-started from the best
-  baseline, on HiGHS by default or Gurobi when asked.
+  heuristic (:func:`best_baseline`), on HiGHS by default or Gurobi when asked.
 * :func:`solve_approx_lp` (strategy ``"approx_lp"``): the LP relaxation with two-phase
   rounding, a feasible schedule plus a lower bound.
-* :func:`max_batch_size`: the largest batch whose schedule fits a budget at bounded
-  extra compute.
 
-Nothing here imports TensorFlow.
+Batch-size maximization over these is :func:`tfremat.maxbatch.max_batch_size`. Nothing
+here imports TensorFlow.
 """
 
 from tfremat.ilp.formulation import CheckmateModel, build_model, memory_lower_bound
-from tfremat.ilp.maxbatch import MaxBatchResult, max_batch_size
-from tfremat.ilp.solvers import DEFAULT_SOLVER, SOLVERS, Progress, SolveResult, solve_model
-from tfremat.ilp.strategies import best_baseline, solve_approx_lp, solve_optimal
+from tfremat.ilp.portfolio import best_baseline
+from tfremat.ilp.solvers import (
+    DEFAULT_SOLVER,
+    SOLVERS,
+    Progress,
+    SolveResult,
+    solve_model,
+)
+from tfremat.ilp.strategies import solve_approx_lp, solve_optimal
 
 __all__ = [
     "CheckmateModel",
     "build_model",
     "memory_lower_bound",
-    "MaxBatchResult",
-    "max_batch_size",
     "DEFAULT_SOLVER",
     "SOLVERS",
     "Progress",

@@ -45,7 +45,7 @@ from tfremat.errors import ArgumentError, InfeasibleBudgetError, is_number
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import SparseBuilder, SparseMILP
 from tfremat.ilp.solvers import DEFAULT_SOLVER, INFEASIBLE, solve_model
-from tfremat.plan.registry import register
+from tfremat.plan.registry import as_strategy
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import simulate, stage_peaks
 
@@ -145,7 +145,7 @@ def build_interval_model(graph: DFGraph, excess_bytes: np.ndarray) -> IntervalMo
     )
 
 
-@register("intervals")
+@as_strategy("intervals")
 def intervals(
     graph: DFGraph, budget: int | None = None, *, time_limit: float = 60.0, threads: int | None = None,
     solver: str = DEFAULT_SOLVER,

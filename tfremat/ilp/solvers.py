@@ -23,7 +23,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tfremat.errors import ArgumentError, SolverError, SolverLicenseError, SolverUnavailableError, is_int, is_number
+from tfremat.errors import (
+    ArgumentError,
+    SolverError,
+    SolverLicenseError,
+    SolverUnavailableError,
+    is_int,
+    is_number,
+)
 from tfremat.ilp.formulation import CheckmateModel, SparseMILP
 
 __all__ = ["SOLVERS", "DEFAULT_SOLVER", "SolveResult", "Progress", "solve_model", "check_solver_options"]
@@ -203,7 +210,7 @@ def check_solver_options(
 
     Returns:
         ``time_limit`` as the strategies use it: ``math.inf`` (the high-level API's "no
-        limit", see :func:`tfremat.api.strategy_options`) becomes None.
+        limit", see :func:`tfremat.planner.strategy_options`) becomes None.
 
     Raises:
         ArgumentError: an unknown solver name or an option out of range (the message
@@ -292,6 +299,13 @@ def report_progress(progress: ProgressFn | None, report: Progress) -> None:
     )
     if progress is not None:
         progress(report)
+
+
+def report_incumbent(progress: ProgressFn | None, began: float, incumbent: float | None, bound: float) -> None:
+    """Reports a strategy's own incumbent and bound (``began``: its ``time.perf_counter()``
+    start) in the backends' form, the gap computed here as for a solver's reports."""
+    gap = None if not incumbent else max(0.0, (incumbent - bound) / incumbent)
+    report_progress(progress, Progress(time.perf_counter() - began, incumbent, bound, gap))
 
 
 def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progress, presolve,

@@ -20,44 +20,45 @@ schedule fits). A proven-infeasible budget raises
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import time
 
 import numpy as np
 
-from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverError, SolverTimeLimitError, is_int
+from tfremat.errors import (
+    ArgumentError,
+    InfeasibleBudgetError,
+    SolverError,
+    SolverTimeLimitError,
+    is_int,
+)
 from tfremat.graph import DFGraph
-from tfremat.ilp.formulation import CheckmateModel, build_model, memory_lower_bound, r_column_count
+from tfremat.ilp.formulation import (
+    CheckmateModel,
+    build_model,
+    memory_lower_bound,
+    r_column_count,
+)
+from tfremat.ilp.portfolio import FALLBACK_TIME_SHARE, best_baseline
 from tfremat.ilp.solvers import (
     DEFAULT_SOLVER,
     FEASIBLE,
     INFEASIBLE,
     OPTIMAL,
     TIME_LIMIT,
-    Progress,
     ProgressFn,
     check_solver_options,
-    report_progress,
+    report_incumbent,
     solve_model,
 )
-from tfremat.plan.registry import get_strategy, register, strategy_names
+from tfremat.plan.registry import as_strategy
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import simulate, stage_peaks
 
-__all__ = ["solve_optimal", "solve_approx_lp", "best_baseline", "MILP_STRATEGIES"]
+__all__ = ["solve_optimal", "solve_approx_lp"]
 
 logger = logging.getLogger(__name__)
 
-# The strategies that take solver options (solver, time_limit, mip_gap, ...).
-MILP_STRATEGIES = ("optimal", "approx_lp")
-_FALLBACK_STRATEGIES = ("repair",)
-# Seconds repair gets when another heuristic already fits: enough for the 250-node random
-# graph at 80% (networkx order; 1.5 s; 1.072x where intervals gives 1.083x), far less
-# than the minutes it spends, and loses, on the 500- and 1000-node graphs.
-_COMPETING_SECONDS = 6.0
-# Share of time_limit that repair may use when no other heuristic fits.
-_FALLBACK_TIME_SHARE = 0.5
 # Least time given to the solver when the baselines and the model build used up time_limit.
 _MIN_SOLVE_SECONDS = 1.0
 # Seconds kept after the MILP for simulating its solution (0.3 s on the 250-node graph).
@@ -91,62 +92,6 @@ def _checkpoint_all(graph: DFGraph, strategy: str) -> Schedule:
     return schedule_from_keep_matrix(graph, checkpoint_all_s(graph), strategy)
 
 
-def best_baseline(
-    graph: DFGraph,
-    budget_bytes: int,
-    fallback_seconds: float = 60.0,
-    fallback_deadline: float | None = None,
-    threads: int | None = None,
-    progress: ProgressFn | None = None,
-) -> tuple[Schedule | None, int | None]:
-    """The cheapest registered baseline schedule that fits, and the smallest peak any reached.
-
-    Every registered strategy other than the solver-based ones runs at the budget; one
-    that raises :class:`InfeasibleBudgetError` contributes the smallest peak it reached.
-    Heuristics that take a ``time_limit`` (``intervals``, a small MILP, also takes
-    ``threads``) get at most ``fallback_seconds`` (0: they do not run). ``repair``, slow
-    on large graphs and beaten by ``eviction`` on training graphs, runs last: for at most
-    ``fallback_seconds`` when nothing else fits, for at most 6 s otherwise. Neither runs past ``fallback_deadline`` (a
-    ``time.perf_counter()`` time) when one is given. Each new cheapest schedule is
-    reported to ``progress`` (incumbent and the no-remat bound; logged at INFO too), so
-    minutes of heuristics on a large graph are not silent. Returns ``(None,
-    smallest_peak)`` when none fits.
-    """
-    began = time.perf_counter()
-    best, best_cost, smallest_peak = None, None, None
-    names = [name for name in strategy_names() if name not in MILP_STRATEGIES and name not in _FALLBACK_STRATEGIES]
-    for name in (*names, *_FALLBACK_STRATEGIES):
-        if best is not None and best_cost <= graph.total_cost:
-            break  # nothing recomputed: no schedule is cheaper
-        strategy = get_strategy(name)
-        accepts = inspect.signature(strategy).parameters
-        options = {"threads": threads} if "threads" in accepts else {}
-        if "time_limit" in accepts:
-            seconds = fallback_seconds
-            if name in _FALLBACK_STRATEGIES and best is not None:
-                seconds = min(seconds, _COMPETING_SECONDS)
-            if fallback_deadline is not None:
-                seconds = min(seconds, fallback_deadline - time.perf_counter())
-            if seconds <= 0:
-                continue
-            options["time_limit"] = seconds
-        try:
-            schedule = strategy(graph, budget_bytes, **options)
-        except InfeasibleBudgetError as exc:
-            if exc.min_feasible_bytes is not None:
-                smallest_peak = min(smallest_peak or exc.min_feasible_bytes, exc.min_feasible_bytes)
-            continue
-        peak = simulate(graph, schedule).peak_bytes
-        smallest_peak = min(smallest_peak or peak, peak)
-        if peak > budget_bytes:
-            continue
-        cost = schedule.cost(graph)
-        if best is None or cost < best_cost:
-            best, best_cost = schedule, cost
-            _report(progress, began, cost, graph.total_cost)
-    return best, smallest_peak
-
-
 def _infeasible(graph, budget_bytes, smallest_peak, strategy, detail, proven=True,
                 lower_bound_bytes=None) -> InfeasibleBudgetError:
     """The infeasible-budget error; ``lower_bound_bytes`` defaults to
@@ -171,7 +116,7 @@ def _no_budget(graph: DFGraph, strategy: str, began: float) -> Schedule:
     )
 
 
-@register("optimal")
+@as_strategy("optimal", takes_solver_options=True)
 def solve_optimal(
     graph: DFGraph,
     budget=None,
@@ -248,7 +193,7 @@ def solve_optimal(
         raise _infeasible(graph, budget_bytes, smallest_peak, "optimal", "some node alone needs more while it runs")
     # Without a model to solve, the fallback heuristic may use the whole time limit.
     too_large = time_limit is not None and r_column_count(graph) > _MAX_R_COLUMNS
-    fallback_seconds = 60.0 if time_limit is None else time_limit if too_large else _FALLBACK_TIME_SHARE * time_limit
+    fallback_seconds = 60.0 if time_limit is None else time_limit if too_large else FALLBACK_TIME_SHARE * time_limit
     deadline = None if time_limit is None else began + time_limit
     baseline, smallest_peak = (None, None)
     if warm_start:
@@ -262,14 +207,14 @@ def solve_optimal(
                 f"no heuristic fits {budget_bytes} bytes{_smallest_peak_note(smallest_peak)} and the MILP of this "
                 f"{graph.size}-node graph ({r_column_count(graph)} R columns) is too large to build within "
                 f"time_limit={time_limit}s; "
-                "raise the budget, or pass time_limit=None (math.inf through tfremat.plan, fit and max_batch_size) "
+                "raise the budget, or pass time_limit=None (math.inf through tfremat.plan_model, fit and max_batch_size) "
                 "to build and solve it however long it takes",
                 budget_bytes, smallest_peak, time_limit,
             )
         logger.warning(
             "optimal: the MILP of this %d-node graph (%d R columns) is too large to build within time_limit=%ss; "
             "returning the best heuristic (%s), bounded only by the no-remat cost; time_limit=None (math.inf "
-            "through tfremat.plan, fit and max_batch_size) builds and solves it however long it takes",
+            "through tfremat.plan_model, fit and max_batch_size) builds and solves it however long it takes",
             graph.size, r_column_count(graph), time_limit, baseline.strategy,
         )
         return _baseline_result(graph, baseline, TIME_LIMIT, began, budget_bytes)
@@ -286,11 +231,11 @@ def solve_optimal(
         )
     if lp is not None:
         lp_bound = max(graph.total_cost, lp.best_bound or 0.0)
-        _report(progress, began, baseline.cost(graph) if baseline is not None else None, lp_bound)
+        report_incumbent(progress, began, baseline.cost(graph) if baseline is not None else None, lp_bound)
         if baseline is not None:
             baseline = _rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver,
                              threads=threads, seed=seed)
-            _report(progress, began, baseline.cost(graph), lp_bound)
+            report_incumbent(progress, began, baseline.cost(graph), lp_bound)
     return _solve_with_stage_rows(
         graph, model, baseline, smallest_peak, lp.best_bound if lp is not None else None, began=began, solver=solver,
         time_limit=time_limit, mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed,
@@ -446,7 +391,7 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
     budget_bytes = int(model.budget_bytes)
     deadline = began + time_limit
     lp_seconds = max(deadline - time.perf_counter() - _ROUNDING_RESERVE_SECONDS, _MIN_SOLVE_SECONDS)
-    _report(progress, began, baseline.cost(graph) if baseline is not None else None, graph.total_cost)
+    report_incumbent(progress, began, baseline.cost(graph) if baseline is not None else None, graph.total_cost)
     lp = solve_model(
         model, solver=solver, relax=True, time_limit=lp_seconds, threads=threads, seed=seed,
         lp_method=_lp_method(model, solver),
@@ -467,19 +412,13 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
         )
     cost = incumbent.cost(graph)
     gap = max(0.0, (cost - bound) / cost) if cost else 0.0
-    _report(progress, began, cost, bound)
+    report_incumbent(progress, began, cost, bound)
     return Schedule(incumbent.R, incumbent.S, "optimal").with_facts(
         status=OPTIMAL if gap <= mip_gap else TIME_LIMIT, objective=cost, best_bound=min(bound, cost), gap=gap,
         seconds=time.perf_counter() - began, solve_seconds=lp.seconds, num_vars=model.num_vars,
         num_constraints=model.num_constraints, solver=lp.solver, warm_start=incumbent.strategy,
         peak_bytes=simulate(graph, incumbent).peak_bytes, budget_bytes=budget_bytes, exact_stages=0,
     )
-
-
-def _report(progress: ProgressFn | None, began: float, incumbent: float | None, bound: float) -> None:
-    """A progress report in the solver backends' form (logged there; ``progress`` may be None)."""
-    gap = None if not incumbent else max(0.0, (incumbent - bound) / incumbent)
-    report_progress(progress, Progress(time.perf_counter() - began, incumbent, bound, gap))
 
 
 def _lp_method(model: CheckmateModel, solver: str) -> str:
@@ -641,7 +580,7 @@ def _round_candidates(model: CheckmateModel, x: np.ndarray, num_samples: int, rn
             yield S
 
 
-@register("approx_lp")
+@as_strategy("approx_lp", takes_solver_options=True)
 def solve_approx_lp(
     graph: DFGraph,
     budget=None,
@@ -712,7 +651,7 @@ def solve_approx_lp(
         raise SolverTimeLimitError(
             f"the LP of this {graph.size}-node graph ({r_column_count(graph)} R columns) is too large to build "
             f"within time_limit={time_limit}s; use strategy 'optimal' (it returns the best heuristic) or "
-            "time_limit=None (math.inf through tfremat.plan, fit and max_batch_size)",
+            "time_limit=None (math.inf through tfremat.plan_model, fit and max_batch_size)",
             budget_bytes, None, time_limit,
         )
     rng = np.random.default_rng(seed)
@@ -740,14 +679,14 @@ def solve_approx_lp(
                 raise _infeasible(graph, budget_bytes, heuristic_peak, "approx_lp", "the LP relaxation is infeasible",
                                   lower_bound_bytes=budget_bytes + 1)
             lp_bound = max(lp_bound, result.best_bound or 0.0)
-            _report(progress, began, None, lp_bound)
+            report_incumbent(progress, began, None, lp_bound)
         if result.x is None:
             continue
         best, peak = _cheapest_rounding(model, result.x, budget_bytes, num_samples, rng, "approx_lp", deadline)
         smallest_peak = peak if smallest_peak is None else min(smallest_peak, peak)
         if best is not None:
             best_cost = best.cost(graph)
-            _report(progress, began, best_cost, lp_bound)
+            report_incumbent(progress, began, best_cost, lp_bound)
             break
     if best is None and smallest_peak is None:
         raise SolverTimeLimitError(f"{solver} solved no LP relaxation within time_limit={time_limit}s; raise time_limit",

@@ -32,7 +32,7 @@ import numpy as np
 
 from tfremat.errors import ArgumentError, InfeasibleBudgetError, is_int
 from tfremat.graph import DFGraph
-from tfremat.plan.registry import register
+from tfremat.plan.registry import as_strategy
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import simulate
 
@@ -164,14 +164,14 @@ def cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int
 # ----- checkpoint all -----
 
 
-@register("checkpoint_all")
+@as_strategy("checkpoint_all")
 def checkpoint_all(graph: DFGraph, budget: int | None = None) -> Schedule:
     """Keep every value until its last reader: what frameworks do by default (no recomputation)."""
     schedule = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")
     return cheapest_fitting(graph, [schedule], budget, "checkpoint_all")
 
 
-@register("checkpoint_all_ap")
+@as_strategy("checkpoint_all_ap")
 def checkpoint_all_ap(graph: DFGraph, budget: int | None = None) -> Schedule:
     """Keep only the forward articulation points; recompute each block between them once.
 
@@ -198,13 +198,13 @@ def _chen_sqrtn(graph: DFGraph, budget: int | None, articulation: bool) -> Sched
     return cheapest_fitting(graph, [schedule_for_checkpoints(graph, checkpoints, name)], budget, name)
 
 
-@register("chen_sqrtn")
+@as_strategy("chen_sqrtn")
 def chen_sqrtn(graph: DFGraph, budget: int | None = None) -> Schedule:
     """Chen et al. 2016: checkpoint every ceil(sqrt(k))-th of the k forward nodes (linearized)."""
     return _chen_sqrtn(graph, budget, articulation=False)
 
 
-@register("chen_sqrtn_ap")
+@as_strategy("chen_sqrtn_ap")
 def chen_sqrtn_ap(graph: DFGraph, budget: int | None = None) -> Schedule:
     """Chen et al. 2016 sqrt(n) over the forward articulation points."""
     return _chen_sqrtn(graph, budget, articulation=True)
@@ -249,7 +249,7 @@ def _chen_greedy(graph: DFGraph, budget: int | None, articulation: bool, num_seg
     return cheapest_fitting(graph, schedules, budget, name)
 
 
-@register("chen_greedy")
+@as_strategy("chen_greedy")
 def chen_greedy(graph: DFGraph, budget: int | None = None, num_segment_budgets: int = 48) -> Schedule:
     """Chen et al. 2016 greedy planner, searched over the segment budget B (linearized order).
 
@@ -264,7 +264,7 @@ def chen_greedy(graph: DFGraph, budget: int | None = None, num_segment_budgets: 
     return _chen_greedy(graph, budget, False, num_segment_budgets)
 
 
-@register("chen_greedy_ap")
+@as_strategy("chen_greedy_ap")
 def chen_greedy_ap(graph: DFGraph, budget: int | None = None, num_segment_budgets: int = 48) -> Schedule:
     """Chen's greedy planner with checkpoints restricted to forward articulation points."""
     return _chen_greedy(graph, budget, True, num_segment_budgets)
@@ -372,7 +372,7 @@ def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int
     return cheapest_fitting(graph, candidates(), budget, name)
 
 
-@register("griewank_logn")
+@as_strategy("griewank_logn")
 def griewank_logn(graph: DFGraph, budget: int | None = None, slots: int | None = None, max_slot_counts: int = 32) -> Schedule:
     """Griewank & Walther's revolve over the linearized forward order.
 
@@ -392,7 +392,7 @@ def griewank_logn(graph: DFGraph, budget: int | None = None, slots: int | None =
     return _griewank(graph, budget, False, slots, max_slot_counts)
 
 
-@register("griewank_logn_ap")
+@as_strategy("griewank_logn_ap")
 def griewank_logn_ap(graph: DFGraph, budget: int | None = None, slots: int | None = None, max_slot_counts: int = 32) -> Schedule:
     """Revolve over the blocks between forward articulation points."""
     return _griewank(graph, budget, True, slots, max_slot_counts)
@@ -448,7 +448,7 @@ def _hong_subset(sizes: np.ndarray, bound: float, model: str, gradient_buffer: f
     return sorted(chosen)
 
 
-@register("hong")
+@as_strategy("hong")
 def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager", num_bounds: int = 32) -> Schedule:
     """Hong et al.: memory-optimal checkpoint subsets of the linearized forward chain.
 

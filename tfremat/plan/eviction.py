@@ -31,12 +31,11 @@ import bisect
 
 import numpy as np
 
-from tfremat.budget import checkpoint_all_peak
 from tfremat.graph import DFGraph
 from tfremat.plan.baselines import cheapest_fitting
-from tfremat.plan.registry import register
+from tfremat.plan.registry import as_strategy
 from tfremat.plan.schedule import Schedule, schedule_from_keep_matrix
-from tfremat.plan.simulator import simulate
+from tfremat.plan.simulator import checkpoint_all_peak, simulate
 
 __all__ = ["eviction", "eviction_keep_matrix"]
 
@@ -157,7 +156,7 @@ def eviction_keep_matrix(
     return S
 
 
-@register("eviction")
+@as_strategy("eviction")
 def eviction(graph: DFGraph, budget: int | None = None) -> Schedule:
     """The cheapest eviction schedule that fits ``budget`` (see the module docstring).
 

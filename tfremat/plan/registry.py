@@ -1,108 +1,83 @@
-"""The strategy registry: user-facing names mapped to ``(graph, budget=None, **options) -> Schedule``.
+"""Strategies as values: a name, the function ``(graph, budget=None, **options) -> Schedule``
+and the traits callers ask about.
 
-Strategies register themselves with :func:`register` when their module is imported;
-the modules listed in ``_STRATEGY_MODULES`` are imported on first lookup, so the planning
-core never imports a solver backend it does not use.
+A strategy module marks each strategy with :func:`as_strategy`; :mod:`tfremat.strategies`
+lists every one of them by import, so nothing is found by a name string and importing a
+module has no registration side effect.
 
-Every registered strategy takes the same budgets with the same meaning: bytes, a size
-with a unit ("3.5GiB"), a share of the graph's checkpoint-all peak ("80%" or 0.8), or
-None for no budget. :func:`register` parses them, once, for all of them
-(:func:`tfremat.budget.parse_graph_budget`); the body of a strategy sees whole bytes or None.
+Every strategy takes the same budgets with the same meaning: bytes, a size with a unit
+("3.5GiB"), a share of the graph's checkpoint-all peak ("80%" or 0.8), or None for no
+budget. :class:`Strategy` parses them, once, for all of them (:func:`parse_graph_budget`);
+the body of a strategy sees whole bytes or None.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 
-from tfremat.budget import parse_graph_budget
-from tfremat.errors import ArgumentError, TfrematError
+from tfremat.budget import is_share, parse_budget
+from tfremat.errors import ArgumentError
+from tfremat.graph import DFGraph
+from tfremat.plan.simulator import checkpoint_all_peak
 
-__all__ = ["register", "get_strategy", "strategy_names", "option_names", "check_options", "StrategyFn"]
-
-StrategyFn = Callable[..., "object"]
-
-_STRATEGY_MODULES = (
-    "tfremat.plan.baselines",
-    "tfremat.plan.eviction",
-    "tfremat.plan.repair",
-    "tfremat.ilp.intervals",
-    "tfremat.ilp.strategies",
-)
-_REGISTRY: dict[str, StrategyFn] = {}
-_loaded = False
+__all__ = ["Strategy", "as_strategy", "option_names", "check_options", "parse_graph_budget"]
 
 
-def register(name: str) -> Callable[[StrategyFn], StrategyFn]:
-    """Decorator registering a strategy under ``name``.
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A planning strategy: call it as ``strategy(graph, budget=None, **options)``.
 
-    ``fn(graph, budget, *options)`` gets its budget in whole bytes (or None); what is
-    registered, and returned in its place so that a direct call means the same, is
-    ``fn`` behind :func:`~tfremat.budget.parse_graph_budget`. Parsing here rather than in
-    each strategy is what keeps "80%", 0.8 and a byte count meaning the same to all of
-    them (they once disagreed: 0.8 was 80% to ``optimal`` and 0.8 bytes to the
-    heuristics, which refused "80%"). The wrapper keeps ``fn``'s signature
-    (``inspect.signature`` follows ``__wrapped__``), which :func:`option_names` reads.
-
-    The registered strategy raises :class:`~tfremat.errors.BudgetFormatError` for a
-    budget :func:`~tfremat.budget.parse_budget` refuses (zero or negative bytes among
-    them) before any work.
+    Attributes:
+        name: the name users pass (``strategy="optimal"``, ``--strategy optimal``).
+        function: the body, ``function(graph, budget_bytes_or_None, **options)``.
+        takes_solver_options: it runs a MILP/LP solver and takes the solver options
+            (``solver``, ``time_limit``, ``threads``, ...); the heuristic portfolio that
+            warm-starts those solvers leaves these out.
+        runs_last: a heuristic that the portfolio runs after the others, with less time
+            when another already fits (it is slow and rarely the best).
     """
 
-    def decorate(fn: StrategyFn) -> StrategyFn:
-        if name in _REGISTRY and _REGISTRY[name].__wrapped__ is not fn:
-            raise TfrematError(f"strategy {name!r} is registered twice")
+    name: str
+    function: Callable
+    takes_solver_options: bool = False
+    runs_last: bool = False
 
-        @functools.wraps(fn)
-        def strategy(graph, budget=None, *options, **keyword_options):
-            return fn(graph, parse_graph_budget(graph, budget), *options, **keyword_options)
+    def __call__(self, graph: DFGraph, budget=None, *options, **keyword_options):
+        """The schedule for ``graph`` under ``budget`` (any form :func:`parse_graph_budget`
+        reads).
 
-        _REGISTRY[name] = strategy
-        return strategy
+        Raises:
+            BudgetFormatError: a budget :func:`~tfremat.budget.parse_budget` refuses (zero or
+                negative bytes among them), before any work.
+        """
+        return self.function(graph, parse_graph_budget(graph, budget), *options, **keyword_options)
+
+    @property
+    def options(self) -> list[str] | None:
+        """The options it takes (:func:`option_names`)."""
+        return option_names(self.function)
+
+
+def as_strategy(name: str, *, takes_solver_options: bool = False, runs_last: bool = False) -> Callable[[Callable], Strategy]:
+    """Decorator making ``fn(graph, budget_bytes_or_None, **options)`` the :class:`Strategy`
+    ``name``; the module-level name then refers to the strategy, so a direct call parses its
+    budget as every caller's does (0.8 was once 80% to ``optimal`` and 0.8 bytes to the
+    heuristics)."""
+
+    def decorate(fn: Callable) -> Strategy:
+        return Strategy(name, fn, takes_solver_options=takes_solver_options, runs_last=runs_last)
 
     return decorate
-
-
-def _load() -> None:
-    global _loaded
-    if not _loaded:
-        for module in _STRATEGY_MODULES:
-            importlib.import_module(module)
-        _loaded = True
-
-
-def strategy_names() -> list[str]:
-    """Every registered strategy name, in registration order."""
-    _load()
-    return list(_REGISTRY)
-
-
-def get_strategy(name: str) -> StrategyFn:
-    """The strategy function registered as ``name``.
-
-    Callers pass it the user's ``strategy`` argument unchecked, so its errors name that
-    argument (a list given for one name was a bare "unhashable type" ``TypeError``).
-
-    Raises:
-        ArgumentError: ``name`` is not a string, or no strategy has that name; the
-            message lists the known ones.
-    """
-    _load()
-    if not isinstance(name, str):
-        raise ArgumentError(f"strategy must be one strategy name (a str), got {name!r}; "
-                            f"choose one of: {', '.join(_REGISTRY)}")
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ArgumentError(f"unknown strategy {name!r}; choose one of: {', '.join(_REGISTRY)}") from None
 
 
 def option_names(function: Callable) -> list[str] | None:
     """The options ``function`` takes: a strategy (or another solver function) whose first
     two parameters are the graph and the budget (or a cost cap), its options the keyword
     parameters after them. None when it takes any keyword (``**options``)."""
+    if isinstance(function, Strategy):
+        function = function.function
     parameters = list(inspect.signature(function).parameters.values())
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
@@ -126,3 +101,17 @@ def check_options(function: Callable, options: Mapping[str, object], what: str) 
             f"{what} takes no option {', '.join(map(repr, unknown))}; "
             f"its options are: {', '.join(accepted) if accepted else 'none'}"
         )
+
+
+def parse_graph_budget(graph: DFGraph, budget) -> int | None:
+    """``budget`` in bytes for ``graph`` (None stays None: no budget), relative budgets
+    being shares of its :func:`checkpoint_all_peak`, which is simulated only for them.
+
+    :class:`Strategy` applies it to every strategy's budget argument, so every strategy takes the same forms with the same meaning.
+
+    Raises:
+        BudgetFormatError: see :func:`parse_budget`.
+    """
+    if budget is None:
+        return None
+    return parse_budget(budget, checkpoint_all_peak(graph) if is_share(budget) else None)

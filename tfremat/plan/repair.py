@@ -26,7 +26,7 @@ import numpy as np
 
 from tfremat.errors import ArgumentError, InfeasibleBudgetError, is_number
 from tfremat.graph import DFGraph
-from tfremat.plan.registry import register
+from tfremat.plan.registry import as_strategy
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import SimulationResult, simulate, stage_peaks
 
@@ -92,7 +92,7 @@ def _apply(S: np.ndarray, value: int, drop_from: int, reader_stage: int, kept_in
     return S
 
 
-@register("repair")
+@as_strategy("repair", runs_last=True)
 def repair(graph: DFGraph, budget: int | None = None, *, time_limit: float = 60.0) -> Schedule:
     """Checkpoint all, repaired stage by stage until it fits ``budget`` (module docstring).
 

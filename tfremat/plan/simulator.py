@@ -23,9 +23,9 @@ import numpy as np
 
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op, build_plan
-from tfremat.plan.schedule import Schedule
+from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 
-__all__ = ["SimulationResult", "simulate", "stage_peaks"]
+__all__ = ["SimulationResult", "simulate", "stage_peaks", "checkpoint_all_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,3 +98,9 @@ def stage_peaks(result: SimulationResult, num_stages: int) -> np.ndarray:
     peaks = np.zeros(num_stages)
     np.maximum.at(peaks, stages, result.trace_bytes)
     return peaks
+
+
+def checkpoint_all_peak(graph: DFGraph) -> int:
+    """The peak of the schedule that keeps every value (no recomputation): what relative
+    budgets ("50%", 0.5) are a share of."""
+    return simulate(graph, schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")).peak_bytes

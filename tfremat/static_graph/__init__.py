@@ -8,8 +8,8 @@ batch norm and dropout, and the optimizer update. :func:`measure_step_peak` read
 allocator peak of one step.
 """
 
+from tfremat.runtime.memory import measure_step_peak
 from tfremat.static_graph.compile import CompiledStep, compile_step
 from tfremat.static_graph.interpreter import TraceReport
-from tfremat.static_graph.memory import measure_step_peak
 
 __all__ = ["compile_step", "CompiledStep", "TraceReport", "measure_step_peak"]

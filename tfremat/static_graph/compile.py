@@ -298,7 +298,7 @@ def compile_step(
     where the schedule recomputes, per-layer backward passes and the optimizer update. Control
     dependencies keep the statements in plan order, so recomputations run late and are
     not merged with the first computation; stateful layers (batch norm, dropout) are
-    recomputed without side effects (see :mod:`tfremat.static_graph.state`).
+    recomputed without side effects (see :mod:`tfremat.runtime.state`).
 
     Args:
         extraction: the result of :func:`tfremat.extract.extract`: ``.graph`` (a

@@ -14,7 +14,7 @@ statement (Checkmate's Algorithm 1 order):
   ``tape.gradient(outputs, inputs + weights, output_gradients=dy)`` on the forward node's
   latest instance: two calls on a persistent tape (input gradients, then weight
   gradients), or one call on a non-persistent tape when the layer's forward runs a
-  ``tf.while_loop`` (:func:`takes_one_gradient_call`). If that instance was computed from
+  ``tf.while_loop`` (:func:`~tfremat.runtime.tape.takes_one_gradient_call`). If that instance was computed from
   an older copy of an input the gradient reads (the input was freed and recomputed since,
   the forward node was not), the vector-Jacobian product is rebuilt on the resident input
   so the old copy is not kept alive; when the gradient reads nothing but inputs
@@ -64,11 +64,15 @@ import tensorflow as tf
 from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op
-from tfremat.static_graph.state import (
-    StateSnapshot, call_replaying, call_with_snapshot, reads_global_seed_generator, stateful_random_ops,
+from tfremat.runtime.state import (
+    StateSnapshot,
+    call_replaying,
+    call_with_snapshot,
+    reads_global_seed_generator,
+    stateful_random_ops,
 )
 
-__all__ = ["TraceReport", "interpret_plan", "order_updates", "runs_loop", "takes_one_gradient_call"]
+__all__ = ["TraceReport", "interpret_plan", "order_updates"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,68 +114,10 @@ class TraceReport:
     ordered_updates: int = 0
 
 
-_LOOP_OPS = frozenset({"While", "StatelessWhile"})
-
-
-def runs_loop(ops) -> bool:
-    """Whether the traced operations ``ops`` run a ``tf.while_loop`` (a Keras RNN with
-    ``unroll=False``), directly or inside a function they call (``tf.function``, ``tf.cond``
-    branches), looked up in the graph's function library."""
-    seen: set[str] = set()
-
-    def function_names(attrs):
-        for value in attrs.values():
-            if value.HasField("func"):
-                yield value.func.name
-            elif value.HasField("list"):
-                yield from (f.name for f in value.list.func)
-
-    def in_function(graph, name: str) -> bool:
-        if name in seen:
-            return False
-        seen.add(name)
-        function = graph._get_function(name)  # pylint: disable=protected-access
-        if function is None:
-            return False
-        return any(node.op in _LOOP_OPS or any(in_function(graph, f) for f in function_names(node.attr))
-                   for node in function.definition.node_def)
-
-    return any(op.type in _LOOP_OPS or any(in_function(op.graph, f) for f in function_names(op.node_def.attr))
-               for op in ops)
-
-
-_CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
-
-
-def takes_one_gradient_call(forward_ops) -> bool:
-    """Whether a layer call whose forward (traced alone) is ``forward_ops`` is recorded on
-    a non-persistent tape and asked for its input and weight gradients in one
-    ``gradient`` call; otherwise a persistent tape is asked twice.
-
-    A forward that calls a function (Keras runs a grouped ``Conv2D`` on TensorFlow as a
-    nested ``tf.function``) takes one call too: the gradient of a function call is one call
-    of its backward function, which computes every gradient of the function whichever were
-    asked for, so two calls ran the whole backward twice (a ConvMixer-style net with
-    grouped convolutions stepped 1.50x slower than plain Keras; 0.93x in one call).
-
-    Two calls (input gradients, then weight gradients under a control dependency) keep
-    TensorFlow from running e.g. a convolution's input and filter gradients together, each
-    with its own scratch buffer, which the memory model does not count. A
-    ``tf.while_loop`` (a Keras RNN with ``unroll=False``) needs the other way: each call
-    builds a whole backward loop of its own (one LSTM(64) over 64 steps: 11.3 MB and
-    0.038 s for two calls, 6.6 MB and 0.023 s for one), and a persistent tape can be
-    differentiated again, so TensorFlow wraps the loop for higher-order gradients and its
-    backward keeps every iteration's intermediates as well (13.6 MB against 4.7 MB on a
-    non-persistent tape, which plain training uses).
-    :func:`tfremat.extract.analysis.analyze_call` measures the backward with the same rule.
-    """
-    return runs_loop(forward_ops) or any(op.type in _CALL_OPS for op in forward_ops)
-
-
 @dataclasses.dataclass
 class _Instance:
     """One (re)computation of a forward node: outputs, the tape that recorded them, inputs,
-    and whether its backward takes one gradient call (:func:`takes_one_gradient_call`)."""
+    and whether its backward takes one gradient call (:func:`~tfremat.runtime.tape.takes_one_gradient_call`)."""
 
     outputs: list
     tape: tf.GradientTape
@@ -305,7 +251,7 @@ class _Interpreter:
         the trace report.
 
         The tape is non-persistent when the call takes one gradient call
-        (:func:`takes_one_gradient_call`, recorded on the node by the extraction, since the
+        (:func:`~tfremat.runtime.tape.takes_one_gradient_call`, recorded on the node by the extraction, since the
         tape must exist before the real call is recorded).
 
         Returns:

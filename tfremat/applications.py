@@ -1,6 +1,6 @@
 """Models by name or file for the command line, and the ``tfremat graph`` command's work.
 
-``build_model`` accepts any Keras Applications constructor (``resnet50``, ``mobilenet_v2``,
+``build_application`` accepts any Keras Applications constructor (``resnet50``, ``mobilenet_v2``,
 ``vgg16``, ...; case and underscores are ignored, weights are never downloaded) or the path
 of a saved ``.keras`` model.
 """
@@ -15,9 +15,9 @@ import numpy as np
 
 from tfremat.errors import ExtractionError
 from tfremat.extract.extractor import extract
-from tfremat.budget import checkpoint_all_peak
+from tfremat.plan.simulator import checkpoint_all_peak
 
-__all__ = ["build_model", "graph_command", "application_names"]
+__all__ = ["build_application", "graph_command", "application_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def application_names() -> dict[str, str]:
     return names
 
 
-def build_model(name_or_file: str, input_shape: tuple[int, ...] | None, num_classes: int = 1000):
+def build_application(name_or_file: str, input_shape: tuple[int, ...] | None, num_classes: int = 1000):
     """Builds a model from a Keras Applications name or loads a ``.keras`` file.
 
     Args:
@@ -95,7 +95,7 @@ def graph_command(
     """Extracts a model's graph and writes it as the planning core's JSON.
 
     Args:
-        model: a Keras model, or a name/file for :func:`build_model`.
+        model: a Keras model, or a name/file for :func:`build_application`.
         input_shape: ``(H, W, C)``, used when ``model`` is a name.
         batch: batch size.
         cost_model: ``"profile"`` or ``"flops"``.
@@ -108,10 +108,10 @@ def graph_command(
         seconds, output path.
     """
     if isinstance(model, str):
-        model = build_model(model, input_shape)
+        model = build_application(model, input_shape)
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
-    from tfremat.measure import synthetic_batch  # measure imports this package
+    from tfremat.planner import synthetic_batch  # measure imports this package
 
     # Labels shaped for the loss (class ids for a sparse one), not like the outputs.
     extraction = extract(model, sample_batch=synthetic_batch(model, batch, loss=loss), loss=loss, optimizer=optimizer,

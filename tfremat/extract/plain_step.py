@@ -4,7 +4,7 @@ This is the ground truth the checkpoint-all prediction of an extracted graph is 
 It needs ``TF_CPU_ALLOCATOR_USE_BFC=true`` in the environment before TensorFlow is imported
 (on CPU; GPUs always use the BFC allocator), otherwise the allocator reports nothing.
 
-The step is measured by :func:`tfremat.static_graph.memory.measure_step_peak`, the code
+The step is measured by :func:`tfremat.runtime.memory.measure_step_peak`, the code
 that measures a compiled step, so both are in the graph's convention: the peak during the
 step above what was allocated before it, plus the bytes that exist before the step and that
 the graph counts as fixed (parameters, optimizer slots, non-trainable variables, the
@@ -22,7 +22,7 @@ import tensorflow as tf
 from tfremat.errors import CompileError, ExtractionError
 from tfremat.extract.layer_graph import model_output_names
 from tfremat.extract.side_table import flatten_by_name
-from tfremat.static_graph.memory import measure_step_peak
+from tfremat.runtime.memory import measure_step_peak
 
 __all__ = ["measure_plain_step_peak"]
 
@@ -43,7 +43,7 @@ def measure_plain_step_peak(model, x, y, loss_fn, optimizer, warmup: int = 1, co
         count: ``"allocator"``: the BFC allocator's peak (whole chunks, so it varies with
             the process's allocation history); ``"requested"``: the peak of the bytes the
             step's operations request, from the profiler's allocation events (see
-            :func:`tfremat.static_graph.memory.measure_step_peak`).
+            :func:`tfremat.runtime.memory.measure_step_peak`).
 
     Returns:
         The peak bytes of one step, including parameters, optimizer state and the batch.

@@ -28,8 +28,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
-from keras.src.backend.common import global_state
-from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
+from tfremat.runtime.internals import (
+    GLOBAL_SEED_GENERATOR,
+    keras_global_attribute,
+    set_keras_global_attribute,
+)
 
 __all__ = [
     "StateSnapshot", "stateful_variables", "call_with_snapshot", "call_replaying", "stateful_random_ops",
@@ -125,13 +129,13 @@ def global_seed_generator():
     """Keras's global ``SeedGenerator`` (behind unseeded ``keras.random`` calls), or None
     while nothing has created it. Reading it never creates it: creating it draws its seed
     from Python's ``random``, which plain training would then see advanced."""
-    return global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    return keras_global_attribute(GLOBAL_SEED_GENERATOR)
 
 
 def forget_global_seed_generator() -> None:
     """Drops Keras's global seed generator, so the next unseeded call creates it anew (from
     Python's ``random``, which the caller restores), as if it had never been created."""
-    global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, None)
+    set_keras_global_attribute(GLOBAL_SEED_GENERATOR, None)
 
 
 def reads_global_seed_generator(graph, operations) -> bool:

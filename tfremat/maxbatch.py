@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-
-import time
 
 import numpy as np
 
@@ -36,11 +35,16 @@ from tfremat.errors import (
 )
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import build_model, memory_lower_bound
-from tfremat.ilp.solvers import DEFAULT_SOLVER, ProgressFn, check_solver_options, solve_model
-from tfremat.ilp.strategies import MILP_STRATEGIES
-from tfremat.plan.registry import check_options, get_strategy
+from tfremat.ilp.solvers import (
+    DEFAULT_SOLVER,
+    ProgressFn,
+    check_solver_options,
+    solve_model,
+)
+from tfremat.plan.registry import check_options
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import simulate
+from tfremat.strategies import get_strategy
 
 __all__ = ["MaxBatchResult", "max_batch_size", "min_peak_within_cost", "one_extra_forward_cap"]
 
@@ -151,7 +155,7 @@ def max_batch_size(
         raise ArgumentError(f"method must be 'search' or 'direct', got {method!r}")
     solve = get_strategy(strategy)
     check_options(solve, strategy_options, f"strategy {strategy!r}")
-    if strategy in MILP_STRATEGIES:
+    if get_strategy(strategy).takes_solver_options:
         # Checked here, not by the first solve: a batch whose memory lower bound exceeds
         # the budget is refused without solving, so a bad option would go unnoticed.
         check_solver_options(

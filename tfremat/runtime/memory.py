@@ -4,7 +4,7 @@ On CPU the numbers exist only with ``TF_CPU_ALLOCATOR_USE_BFC=true`` set before 
 imported. The peak reported is the allocator's peak during the step above what was allocated
 when it started, plus the bytes that exist before the step and that the graph counts as
 fixed (variables, optimizer slots, the batch): the same convention as
-:func:`tfremat.extract.measure_plain_step_peak`, so a compiled step, a plain step and the
+:func:`tfremat.extract.plain_step.measure_plain_step_peak`, so a compiled step, a plain step and the
 simulator's prediction compare directly. Tensors the process holds for other reasons are
 not counted.
 
@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfremat.errors import CompileError
+from tfremat.errors import CompileError, ExtractionError
 
-__all__ = ["measure_step_peak", "requested_peak", "resident_bytes", "default_device"]
+__all__ = ["measure_step_peak", "requested_peak", "reset_allocator_peak", "resident_bytes", "default_device", "synchronize"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,33 @@ logger = logging.getLogger(__name__)
 def default_device() -> str:
     """``GPU:0`` when TensorFlow sees a GPU, else ``CPU:0``."""
     return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def synchronize(result) -> None:
+    """Waits for a (possibly asynchronous) device result by reading one element back
+    (of a numeric tensor: a ``variant`` one, a loop's accumulator, cannot be read)."""
+    for t in tf.nest.flatten(result):
+        if t is not None and t.dtype != tf.variant:
+            tf.reshape(t, [-1])[:1].numpy()
+            return
+
+
+def reset_allocator_peak(device: str) -> None:
+    """Resets the allocator's peak counter on ``device`` ("CPU:0", "GPU:0").
+
+    Raises:
+        ExtractionError: the allocator keeps no statistics: on CPU TensorFlow only counts
+            with the BFC allocator, chosen by ``TF_CPU_ALLOCATOR_USE_BFC=true`` before it is
+            imported (``import tfremat`` before TensorFlow sets it).
+    """
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError:
+        raise ExtractionError(
+            f"TensorFlow's allocator keeps no memory statistics on {device}, so workspace and peaks cannot "
+            "be measured: set TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow is imported (importing tfremat "
+            "first does it), or extract with cost_model='flops' (no workspace measurement)"
+        ) from None
 
 
 def resident_bytes(tensors: Sequence) -> int:

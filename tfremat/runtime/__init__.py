@@ -1,0 +1,12 @@
+"""The TensorFlow runtime helpers that extraction and the compiled step share.
+
+* :mod:`~tfremat.runtime.memory`: allocator peaks (requested bytes and BFC chunks), the
+  device measured on, synchronization;
+* :mod:`~tfremat.runtime.state`: snapshots and replay of batch-norm statistics and seeds, so
+  a recomputation has no side effects;
+* :mod:`~tfremat.runtime.tape`: how a layer call is recorded on a gradient tape;
+* :mod:`~tfremat.runtime.internals`: every private TensorFlow/Keras import.
+
+It sits below :mod:`tfremat.extract` and :mod:`tfremat.static_graph` and above the
+TensorFlow-free core; it imports neither of them.
+"""

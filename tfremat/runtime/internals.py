@@ -1,0 +1,42 @@
+"""Every private TensorFlow and Keras name tfremat uses, imported in one place.
+
+None of these is public API; when an upgrade moves one, the import fails here, by name,
+instead of deep inside extraction or a compiled step.
+
+* ``LossFunctionWrapper``: the wrapper Keras puts around a loss given by name or as a plain
+  function (``model.compile`` uses it; keras exports no equivalent).
+* ``node_flops``: TensorFlow's registered FLOP count of a graph node.
+* ``resource_handle_data``: the shapes and dtypes a resource handle (a ``TensorList``,
+  a variable) carries.
+* ``keras_global_attribute`` / ``set_keras_global_attribute`` and
+  ``GLOBAL_SEED_GENERATOR``: Keras's global state, where the seed generator of unseeded
+  ``keras.random`` calls lives.
+"""
+
+from keras.src.backend.common.global_state import (
+    get_global_attribute as keras_global_attribute,
+)
+from keras.src.backend.common.global_state import (
+    set_global_attribute as set_keras_global_attribute,
+)
+from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+from tensorflow.python.framework.ops import get_stats_for_node_def
+from tensorflow.python.ops.handle_data_util import (
+    get_resource_handle_data as resource_handle_data,
+)
+
+__all__ = [
+    "LossFunctionWrapper", "node_flops", "resource_handle_data", "keras_global_attribute",
+    "set_keras_global_attribute", "GLOBAL_SEED_GENERATOR",
+]
+
+
+def node_flops(graph, node_def) -> float | None:
+    """TensorFlow's FLOP count of ``node_def`` in ``graph``; None when none is registered
+    or it cannot be computed (unknown shapes)."""
+    try:
+        stats = get_stats_for_node_def(graph, node_def, "flops")
+    except (ValueError, TypeError):
+        return None
+    return float(stats.value) if stats.value else None
