@@ -243,6 +243,31 @@ def test_recomputed_layers_are_separate_ops_in_the_traced_graph(cases):
     assert int(schedule.R[:, relus].sum()) > len(relus), "chen_sqrtn should recompute a ReLU here"
 
 
+def test_the_ledger_counts_the_traced_tensors_not_the_graph(cases):
+    """The ledger sizes each value from the tensors the step holds, so a graph that claims
+    other bytes for a value (here one ReLU output said to be twice its size) disagrees with
+    it from that value's allocation on, while the simulator follows the graph."""
+    import dataclasses
+
+    from tfremat.graph import DFGraph
+
+    case = cases["small_convnet"]
+    graph = case.extraction.graph
+    relu = next(i for i in graph.forward_nodes if graph.names[i].startswith("relu"))
+    doubled = list(graph.output_bytes)
+    doubled[relu] *= 2
+    wrong = DFGraph(graph.names, graph.edges, graph.cost, doubled, graph.workspace_bytes, graph.is_backward,
+                    graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, graph.name)
+    schedule = get_strategy("checkpoint_all")(graph)
+    case.reset()
+    right = compile_step(case.extraction, schedule, optimizer=case.optimizer()).ledger_bytes
+    case.reset()
+    misled = compile_step(dataclasses.replace(case.extraction, graph=wrong), schedule, optimizer=case.optimizer())
+    np.testing.assert_array_equal(misled.ledger_bytes, right)
+    predicted = simulate(wrong, schedule).trace_bytes
+    assert np.all(predicted >= right) and np.any(predicted - right == graph.output_bytes[relu])
+
+
 def test_jit_compile_is_refused(cases):
     case = cases["small_convnet"]
     schedule = get_strategy("checkpoint_all")(case.extraction.graph)

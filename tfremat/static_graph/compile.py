@@ -179,11 +179,9 @@ class CompiledStep:
 
     @property
     def ledger_bytes(self) -> np.ndarray:
-        """Live bytes at every plan statement as the traced step holds them.
-
-        Equal to :func:`tfremat.plan.simulator.simulate`'s ``trace_bytes`` for the same
-        plan: the interpreter frees values exactly at the plan's deallocate statements.
-        """
+        """Live bytes at every plan statement, from the tensors the traced step holds
+        (:attr:`TraceReport.ledger_bytes`); :func:`tfremat.plan.simulator.simulate`'s
+        ``trace_bytes`` for the same plan is what they should be."""
         return np.asarray(self.report.ledger_bytes, dtype=np.int64)
 
     @property

@@ -64,6 +64,7 @@ import tensorflow as tf
 from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op
+from tfremat.runtime.memory import resident_bytes
 from tfremat.runtime.state import (
     StateSnapshot,
     call_replaying,
@@ -82,9 +83,10 @@ class TraceReport:
     """What one trace of the step emitted.
 
     Attributes:
-        ledger_bytes: live bytes at every plan statement, from the interpreter's resident
-            table (fixed bytes + resident values + the running node's workspace), in the
-            simulator's convention.
+        ledger_bytes: live bytes at every plan statement, counted from the tensors the traced
+            step holds (fixed bytes + the static sizes of each resident value's tensors and
+            a forward node's residuals + the running node's workspace), in the simulator's
+            convention; equal to its trace when the compiled step holds what the graph says.
         layer_calls: forward layer calls traced, recomputations included.
         recomputed_layer_calls: forward layer calls made by recompute statements.
         recompute_statements: compute statements (any node kind) that re-run a node.
@@ -172,9 +174,8 @@ class _Interpreter:
     # ----- statements -----
 
     def run(self, plan: ExecutionPlan):
-        out_bytes = self.graph.output_bytes
-        live = self.graph.fixed_bytes
         allocated: set[int] = set()
+        held_bytes: dict[int, int] = {}  # compute statement position -> bytes its value holds
         tf_graph = tf.compat.v1.get_default_graph()
         last_statement: dict[int, int] = {}
         # A backward node's weight gradients are taken at its last compute only (_backward).
@@ -183,19 +184,17 @@ class _Interpreter:
             node = statement.node
             if statement.op is Op.ALLOCATE:
                 allocated.add(node)
-                live += out_bytes[node]
-                self.report.ledger_bytes.append(live)
             elif statement.op is Op.COMPUTE:
                 if node not in allocated:
                     raise CompileError(f"plan computes node {node} without allocating it first")
                 allocated.discard(node)
-                self.report.ledger_bytes.append(live + self.graph.workspace_bytes[node])
                 self.report.recompute_statements += statement.recompute
                 first_op = len(tf_graph.get_operations())
                 with tf.control_dependencies(self.token):
                     produced = self._compute(node, statement.recompute, last_compute[node] == position)
                 self.report.statement_ops.append(tf_graph.get_operations()[first_op:])
                 produced = [t for t in produced if t is not None]
+                held_bytes[position] = self._held_bytes(node)
                 if produced:
                     self.token = [_token(produced)]
                     layer = self.table[self.table[node].forward_node].layer if self.table[node].kind != "loss" else None
@@ -206,8 +205,6 @@ class _Interpreter:
                 if node not in self.resident:
                     raise CompileError(f"plan frees node {node} ({self.graph.names[node]}), which is not resident")
                 del self.resident[node]
-                live -= out_bytes[node]
-                self.report.ledger_bytes.append(live)
         # Automatic control dependencies did not reliably keep an optimizer update behind
         # every read of its variable in this step (training drifted after a few steps);
         # gate each gradient on the last statement that used the variable's layer instead.
@@ -233,7 +230,47 @@ class _Interpreter:
             key: next_gateable[index + 1] for key, index in last_statement.items()
             if next_gateable[index + 1] is not None
         }
+        self.report.ledger_bytes = self._ledger(plan, held_bytes)
         return self.loss, self.predictions, gated
+
+    def _held_bytes(self, node: int) -> int:
+        """Bytes of the value ``node``'s compute just made resident: its distinct tensors
+        (an ``Add``'s gradient hands one tensor to both inputs), the loss itself for the loss
+        node, and a forward node's residuals, which its tape keeps for the gradient (measured
+        by the extraction; the tape's internals are not visible here)."""
+        entry = self.table[node]
+        tensors = [t for t in self.resident[node].outputs if t is not None]
+        if entry.kind == "loss":
+            tensors.append(self.loss)
+        distinct = list({id(t): t for t in tensors}.values())
+        return resident_bytes(distinct) + (entry.residual_bytes if entry.kind == "forward" else 0)
+
+    def _ledger(self, plan: ExecutionPlan, held_bytes: dict[int, int]) -> list[int]:
+        """Live bytes at every statement from the tensors the step holds: the graph's fixed
+        bytes, plus for each allocated value the static size of the tensors its compute
+        statement produced (and a forward node's residuals), plus the running node's
+        workspace. A value is counted from its allocate statement, with the tensors of the
+        compute that follows it, to its deallocate statement."""
+        upcoming: dict[int, int] = {}
+        allocate_bytes: dict[int, int] = {}
+        for position in range(len(plan) - 1, -1, -1):
+            statement = plan.statements[position]
+            if statement.op is Op.COMPUTE:
+                upcoming[statement.node] = held_bytes[position]
+            elif statement.op is Op.ALLOCATE:
+                allocate_bytes[position] = upcoming[statement.node]
+        live, holding, ledger = self.graph.fixed_bytes, {}, []
+        for position, statement in enumerate(plan):
+            if statement.op is Op.ALLOCATE:
+                holding[statement.node] = allocate_bytes[position]
+                live += holding[statement.node]
+                ledger.append(live)
+            elif statement.op is Op.COMPUTE:
+                ledger.append(live + self.graph.workspace_bytes[statement.node])
+            else:
+                live -= holding.pop(statement.node)
+                ledger.append(live)
+        return ledger
 
     def _compute(self, node: int, recompute: bool, last: bool) -> list:
         entry = self.table[node]
