@@ -30,7 +30,8 @@ from tfremat.errors import (
     InfeasibleBudgetError,
     TfrematError,
 )
-from tfremat.extract.extractor import COST_MODELS, refuse_unmodelled_training
+from tfremat.extract.checks import refuse_unmodelled_training
+from tfremat.extract.extractor import COST_MODELS
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.planner import check_cache_argument, plan_graph, plan_model
 from tfremat.strategies import get_strategy, solver_strategy_names
@@ -55,7 +56,7 @@ class RematCallback(keras.callbacks.Callback):
         allocator_check: hold the budget for the device allocator's peak, where
             out-of-memory happens, not only for the bytes the step's operations request
             (what the prediction counts; TensorFlow's BFC allocator hands a free chunk out
-            whole when it is less than twice the request, which adds 1-15% on CPU). Each
+            whole when it is less than twice the request; docs/memory-model.md). Each
             new step is run twice before training (its state put back) and, while the
             allocator's peak exceeds the budget, planned again under the budget less the
             excess, up to :data:`ALLOCATOR_ROUNDS` plans, else :class:`InfeasibleBudgetError`.

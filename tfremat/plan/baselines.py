@@ -294,7 +294,7 @@ def revolve_advances(num_steps: int, max_slots: int) -> tuple[np.ndarray, np.nda
     lengths = np.arange(L + 1)
     cost[:, 0] = lengths * (lengths - 1) / 2
     for length in range(2, L + 1):
-        # Every slot count at once (a loop per slot count took 23 s for 1000 steps). With
+        # Every slot count at once (a Python loop per slot count is far slower). With
         # s >= length - 1 slots the recurrence no longer depends on s (by induction on
         # length), so those columns repeat the column s = length - 1.
         top = min(s_max, length - 1)
@@ -418,8 +418,8 @@ def _hong_subset(sizes: np.ndarray, bound: float, model: str, gradient_buffer: f
     once, separately, as in Chen's model). ``eager``: a framework that frees eagerly
     holds, while reversing a segment, the checkpoints before it plus the segment plus
     the output-gradient buffer, so ``prefix checkpoints + segment + buffer <= bound``.
-    Dynamic programming over the last checkpoint, O(n^2) per bound (vectorized over the
-    previous checkpoint: 1000 nodes took 28 s as a Python loop).
+    Dynamic programming over the last checkpoint, O(n^2) per bound, vectorized over the
+    previous checkpoint.
     """
     n = len(sizes)
     seg = _segment_sums(sizes)

@@ -11,11 +11,10 @@ than its inputs), or from whatever the recomputation needs. Of the candidate mov
 ranked by estimated bytes saved per cost, the few best are simulated, and the one that
 removes the most bytes above the budget per unit of added cost is applied.
 
-Measured (2-core machine, `python benchmarks/solvers.py`): the 250-node random graph,
-networkx order, at 90% / 80% of its checkpoint-all peak costs 1.024x / 1.072x the no-remat cost; the
-1000-node one 1.013x at 90% in under 30 s. On the training graphs eviction is far better
-and faster, so ``optimal`` gives repair its time only when no other heuristic fits, and
-a few seconds otherwise.
+It is made for graphs eviction handles badly (the random layered graphs of
+benchmarks/solvers.py); on training graphs eviction is far better and faster, so the
+portfolio (:mod:`tfremat.ilp.portfolio`) gives repair its time only when no other
+heuristic fits, and a few seconds otherwise.
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ from tfremat.plan.simulator import SimulationResult, simulate, stage_peaks
 __all__ = ["repair"]
 
 # Candidate moves simulated per step, and the number of worst stages searched for them.
-# 6 rather than 12: the 1000-node random graph (networkx order) at 80% costs 1.293x in
-# 45 s instead of 1.311x in 77 s (the best-ranked moves are the ones that matter; more time per step
-# leaves fewer steps).
+# Few moves: the best-ranked ones are the ones that matter, and more time per step leaves
+# fewer steps (12 moves gave costlier schedules, slower, on the 1000-node random graph).
 _SIMULATED_MOVES = 6
 _SEARCHED_STAGES = 4
 

@@ -9,11 +9,10 @@ simulator's prediction compare directly. Tensors the process holds for other rea
 not counted.
 
 The allocator's peak (``count="allocator"``, what ``get_memory_info`` reports) counts whole
-BFC chunks, and BFC hands out a free chunk whole when it is less than twice the request:
-a 28.5 MB convolution-gradient scratch buffer that finds a 50-55 MB free chunk counts as
-50-55 MB. Which free chunks exist depends on everything the process allocated before, so the
-same step measures differently in different processes (deep_resnet at 80%: 100-105 MB or
-123-129 MB with identical requests). ``count="requested"`` sums the bytes the step's
+BFC chunks, and BFC hands out a free chunk whole when it is less than twice the request,
+so a scratch buffer can count as nearly twice its size. Which free chunks exist depends on
+everything the process allocated before, so the same step measures differently in
+different processes (docs/memory-model.md). ``count="requested"`` sums the bytes the step's
 operations asked for instead, from the profiler's allocation events: the quantity the
 simulator predicts, independent of the allocator's history.
 """

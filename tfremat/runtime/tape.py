@@ -50,17 +50,16 @@ def takes_one_gradient_call(forward_ops) -> bool:
     nested ``tf.function``) takes one call too: the gradient of a function call is one call
     of its backward function, which computes every gradient of the function whichever were
     asked for, so two calls ran the whole backward twice (a ConvMixer-style net with
-    grouped convolutions stepped 1.50x slower than plain Keras; 0.93x in one call).
+    grouped convolutions: benchmarks/conformance.py).
 
     Two calls (input gradients, then weight gradients under a control dependency) keep
     TensorFlow from running e.g. a convolution's input and filter gradients together, each
     with its own scratch buffer, which the memory model does not count. A
     ``tf.while_loop`` (a Keras RNN with ``unroll=False``) needs the other way: each call
-    builds a whole backward loop of its own (one LSTM(64) over 64 steps: 11.3 MB and
-    0.038 s for two calls, 6.6 MB and 0.023 s for one), and a persistent tape can be
-    differentiated again, so TensorFlow wraps the loop for higher-order gradients and its
-    backward keeps every iteration's intermediates as well (13.6 MB against 4.7 MB on a
-    non-persistent tape, which plain training uses).
+    builds a whole backward loop of its own, and a persistent tape can be differentiated
+    again, so TensorFlow wraps the loop for higher-order gradients and its backward keeps
+    every iteration's intermediates as well; plain training uses a non-persistent tape
+    (docs/compiled-step.md, "Evidence").
     :func:`tfremat.extract.analysis.analyze_call` measures the backward with the same rule.
     """
     return runs_loop(forward_ops) or any(op.type in _CALL_OPS for op in forward_ops)

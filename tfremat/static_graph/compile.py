@@ -235,12 +235,11 @@ def _apply_without_barrier(optimizer, pairs) -> dict[int, tuple[Any, list]]:
     through one ``IdentityN``: every update then waits for the last weight gradient, so all
     weight gradients stay alive until the backward pass ends. Grappler removes that
     ``IdentityN`` in some graphs and not in others, so whether the transient memory model
-    held depended on the graph (measured on a 7-layer Dense(512) MLP, batch 1024: Adam at
-    80% peaked 17% above the prediction, 15% over its budget). Without a strategy the
+    held depended on the graph (docs/compiled-step.md, "Evidence"). Without a strategy the
     reduction is the identity and is skipped here. Each update step is also gated on its
     gradient: the parts of an update that do not read the gradient (momentum times the
     velocity) would otherwise run at the start of the step, holding a weight-sized buffer
-    until the gradient arrives (+4 MiB on that MLP with momentum). Under a distribution
+    until the gradient arrives. Under a distribution
     strategy the all-reduce does need every gradient; the optimizer runs unchanged.
 
     Returns:

@@ -29,9 +29,8 @@ same step (automatic control dependencies alone let training drift after a few s
 The other way round, the statement after that one waits for the update
 (:func:`order_updates`): TensorFlow's executor runs a ready operation that no statement
 waits for only when nothing else is ready, so the updates (and with them the end of every
-weight gradient) were all deferred to the end of the backward pass, and ResNet50's
-checkpoint-all step held 88 MiB of weight gradients that the graph counts as transient
-(207.6 MiB requested against 119.8 MiB predicted, 64x64, batch 2).
+weight gradient) were all deferred to the end of the backward pass, holding weight
+gradients that the graph counts as transient (docs/compiled-step.md, "Evidence").
 
 Every statement is created under a control dependency on the previous compute
 statement's token. That total order is what keeps a recomputation late (TensorFlow would
@@ -407,13 +406,11 @@ class _Interpreter:
         """Input gradients of ``entry``'s layer call, and at the node's last compute
         statement (``last``) its weight gradients too.
 
-        A schedule may compute a backward node more than once (the tightest budgets of
-        ``eviction`` and ``optimal`` on MobileNetV2: 131 of them). Each computation added its
-        weight gradients to the variable's sum, so those layers trained on a multiple of
-        their gradient; and the first computation's weight gradients lived until the
-        variable's update after the last one, bytes the graph (which counts them in the
-        node's workspace only) does not hold: the step requested 44.0 MiB against a 35.7 MiB
-        budget and prediction. Taking them at the last computation only keeps both right.
+        A schedule may compute a backward node more than once (at the tightest budgets of
+        ``eviction`` and ``optimal``). Adding every computation's weight gradients trains on
+        a multiple of the gradient, and keeping the first computation's until the update
+        holds bytes the graph (which counts them in the node's workspace only) does not
+        have. Taking them at the last computation only keeps both right.
         """
         forward = entry.forward_node
         forward_entry = self.table[forward]
