@@ -11,7 +11,7 @@ extraction.
 
 Run: ``python benchmarks/extraction.py`` (writes ``benchmarks/results/extraction.md``).
 Ops run one at a time (``TF_NUM_INTEROP_THREADS=1``), the sequential execution the simulator
-models; see ``tfremat.extract.extractor`` for what overlapping ops do to the peak.
+models; see ``tfremat.extract.assembly`` for what overlapping ops do to the peak.
 """
 
 import os

@@ -48,10 +48,10 @@ from provenance import header  # noqa: E402
 from tfremat.budget import parse_budget  # noqa: E402
 from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError  # noqa: E402
 from tfremat.graph import load_graph  # noqa: E402
-from tfremat.ilp import strategies  # noqa: E402
+from tfremat.ilp.approx_lp import solve_approx_lp  # noqa: E402
 from tfremat.ilp.formulation import r_column_count  # noqa: E402
+from tfremat.ilp.milp import MAX_R_COLUMNS, solve_optimal  # noqa: E402
 from tfremat.ilp.portfolio import FALLBACK_TIME_SHARE, best_baseline  # noqa: E402
-from tfremat.ilp.strategies import solve_approx_lp, solve_optimal  # noqa: E402
 from tfremat.plan.simulator import (
     checkpoint_all_peak,  # noqa: E402
     simulate,  # noqa: E402
@@ -66,10 +66,10 @@ ORDER_HELP = {
 }
 DEFAULT_GRAPHS = Path(os.environ.get("TFREMAT_GRAPHS", ROOT.parent / "shared" / "graphs"))
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "solvers.md"
-# The strategies' own rules for a time-limited call (tfremat.ilp.strategies): above this
+# The strategies' own rules for a time-limited call (tfremat.ilp.milp): above this
 # many R columns the MILP is not built and the heuristics get the whole time limit, else
 # they get this share of it. The baseline column follows them to show what optimal started from.
-LIBRARY_MAX_R_COLUMNS = strategies._MAX_R_COLUMNS
+LIBRARY_MAX_R_COLUMNS = MAX_R_COLUMNS
 BASELINE_TIME_SHARE = FALLBACK_TIME_SHARE
 
 
@@ -118,10 +118,10 @@ def run_case(case: dict) -> dict:
     else:
         facts = schedule.facts
         row.update(
-            status=facts["status"], cost=schedule.cost(graph) / graph.total_cost,
-            bound=(facts["best_bound"] or graph.total_cost) / graph.total_cost,
+            status=facts.status.value, cost=schedule.cost(graph) / graph.total_cost,
+            bound=(facts.best_bound or graph.total_cost) / graph.total_cost,
             peak_ok=simulate(graph, schedule).peak_bytes <= case["budget"],
-            num_vars=facts.get("num_vars"), warm_start=facts.get("warm_start"),
+            num_vars=facts.num_vars, warm_start=facts.warm_start,
         )
     row["seconds"] = time.perf_counter() - began
     return row

@@ -332,6 +332,23 @@ def test_plan_takes_an_optimizer_name():
         tfremat.plan_model(compiled_convnet(), "100%", x, y, batch_size=8, optimizer="nope", cost_model="flops", verbose=0)
 
 
+def test_missing_labels_and_unbatched_datasets_are_refused_by_name():
+    """fit without labels ended in an AttributeError inside the callback, and an unbatched
+    dataset in a Keras shape error about its first sample axis taken for the batch."""
+    import tensorflow as tf
+
+    x, y = data(16)
+    model = compiled_convnet()
+    with pytest.raises(ArgumentError, match="y=None"):
+        tfremat.fit(model, "60%", x, None, batch_size=8, verbose=0)
+    with pytest.raises(ArgumentError, match="no labels"):
+        model.fit(x, None, batch_size=8, verbose=0, callbacks=[RematCallback("60%", cost_model="flops", verbose=0)])
+    with pytest.raises(ArgumentError, match=r"single samples .*dataset\.batch"):
+        tfremat.plan_model(model, "100%", tf.data.Dataset.from_tensor_slices((x, y)), cost_model="flops", verbose=0)
+    batched = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    assert tfremat.plan_model(model, "100%", batched, cost_model="flops", verbose=0).schedule is not None
+
+
 def test_plan_refuses_a_batch_size_its_data_cannot_fill():
     x, y = data(8)
     for bad in (0, -1, 8.0, "8"):

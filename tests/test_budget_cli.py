@@ -326,3 +326,98 @@ def test_plain_step_peak_reports_requested_bytes_next_to_the_allocator_peak():
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))  # weights restored
     with pytest.raises(ExtractionError, match="count"):
         measure_plain_step_peak(model, x, y, table.loss_fn, table.optimizer, count="bytes")
+
+
+def test_cli_refuses_another_commands_flag_and_an_unwritable_output_before_any_work(tmp_path):
+    """``solve --budgets 50%`` solved without a budget (--budgets is plot's flag), and an
+    output in a missing directory failed only after the work."""
+    graph_path = tmp_path / "g.json"
+    random_training_graph(2, 8).to_json(graph_path)
+    out = run_cli("solve", f"--graph={graph_path}", "--strategy=hong", "--budgets=50%")
+    assert out.returncode == 2 and one_error_line(out.stderr), out.stderr
+    assert "--budgets is not a flag of `tfremat solve`" in out.stderr and "--budget," in out.stderr
+    missing = tmp_path / "missing" / "s.json"
+    out = run_cli("solve", f"--graph={graph_path}", "--strategy=hong", "--budget=90%", f"--schedule_out={missing}")
+    assert out.returncode == 1 and one_error_line(out.stderr), out.stderr
+    assert "--schedule_out" in out.stderr and "does not exist" in out.stderr and not missing.parent.exists()
+    # A model command fails on its output path before extracting the model (seconds, not minutes).
+    out = run_cli("graph", "--model=resnet50", "--input_shape=32,32,3", "--batch=2", f"--out={missing}")
+    assert out.returncode == 1 and "--out" in out.stderr and "does not exist" in out.stderr, out.stderr
+    out = run_cli("solve", f"--graph={graph_path}", "--strategy=hong", "--budget=90%", f"--schedule_out={tmp_path}")
+    assert out.returncode == 1 and "is a directory" in out.stderr, out.stderr
+
+
+def _with_fixed_bytes(graph, fixed_bytes):
+    from tfremat.graph import DFGraph
+
+    return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes,
+                   graph.is_backward, graph.loss_node, dict(graph.forward_of), fixed_bytes, graph.name)
+
+
+def test_budget_forms_shares_of_activations_and_min():
+    from tfremat.budget import budget_kind, check_budget, is_share
+
+    assert [budget_kind(b) for b in ("50%", 0.5, "50% of activations", "50% activations", " MIN ", "3GiB", 10)] == \
+        ["share", "share", "activations", "activations", "min", "bytes", "bytes"]
+    assert parse_budget("50% of activations", 1000, fixed_bytes=600) == 800
+    assert parse_budget("100% of activations", 1000, fixed_bytes=600) == 1000
+    for bad in ("0.5 of activations", "3GiB of activations"):
+        with pytest.raises(BudgetFormatError, match="a share of activations is a percentage"):
+            check_budget(bad)
+    with pytest.raises(BudgetFormatError, match="no graph is known"):
+        parse_budget("50% of activations", 1000)
+    with pytest.raises(BudgetFormatError, match="least memory a schedule reaches, which the planner finds"):
+        parse_budget("min", 1000)
+    check_budget("min")
+    assert is_share("min") and is_share("50% of activations") and not is_share("3GiB")
+
+
+def test_an_infeasible_budget_is_told_in_the_form_it_was_given():
+    """A share's error gave bytes only, and blamed "some node" when the fixed memory
+    (weights, gradients, optimizer state, the batch) was already over the budget."""
+    import math
+
+    from tfremat.errors import InfeasibleBudgetError
+    from tfremat.plan.simulator import checkpoint_all_peak
+    from tfremat.strategies import get_strategy
+
+    graph = random_training_graph(4, 8)
+    activations = checkpoint_all_peak(graph)
+    graph = _with_fixed_bytes(graph, 3 * activations)
+    reference = checkpoint_all_peak(graph)
+    chen = get_strategy("chen_sqrtn")
+    with pytest.raises(InfeasibleBudgetError) as info:
+        chen(graph, "80%")
+    message = str(info.value)
+    smallest = info.value.min_feasible_bytes
+    assert "budget of '80%' (" in message and f"found is {math.ceil(100 * smallest / reference)}% (" in message
+    assert "fixed (weights, gradients, optimizer state, the batch) and" in message
+    assert "the fixed memory alone" not in message  # 80% of the peak is above the fixed 75%
+    with pytest.raises(InfeasibleBudgetError) as info:
+        chen(graph, "50%")
+    assert "the fixed memory alone (weights, gradients, optimizer state, the batch)" in str(info.value)
+    assert "some node" not in str(info.value) and "smaller batch" in str(info.value)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        chen(graph, "10% of activations")
+    assert "% of activations (" in str(info.value).split("found is", 1)[1]
+    with pytest.raises(InfeasibleBudgetError) as info:
+        chen(graph, int(0.8 * reference))
+    assert "%" not in str(info.value) and "fixed (weights" in str(info.value)
+
+
+def test_min_budget_plans_at_the_least_peak_a_heuristic_reaches(tmp_path):
+    from tfremat.plan.simulator import checkpoint_all_peak
+    from tfremat.planner import plan_graph
+    from tfremat.strategies import least_peak
+
+    graph = random_training_graph(4, 8)
+    least = least_peak(graph)
+    assert least < checkpoint_all_peak(graph)
+    result = plan_graph(graph, "min", "eviction", cache=False, verbose=0)
+    assert result.budget_bytes == least and result.predicted_peak_bytes <= least
+    graph_path = tmp_path / "g.json"
+    graph.to_json(graph_path)
+    for budget in ("min", "60% of activations"):
+        out = run_cli("solve", f"--graph={graph_path}", "--strategy=eviction", f"--budget={budget}", "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["peak_bytes"] <= json.loads(out.stdout)["budget_bytes"]

@@ -126,7 +126,7 @@ def test_milp_strategies_get_a_default_time_limit_from_the_api(monkeypatch):
     planner.plan_graph(g, "90%", "optimal", cache=False, verbose=0, time_limit=5, solver=None)
     assert seen["optimal"] == {"time_limit": 5}
     result = planner.plan_graph(g, "90%", "approx_lp", cache=False, verbose=0, time_limit=math.inf)
-    assert seen["approx_lp"] == {"time_limit": math.inf} and result.schedule.facts["status"] in ("optimal", "feasible")
+    assert seen["approx_lp"] == {"time_limit": math.inf} and result.schedule.facts.status in ("optimal", "feasible")
     planner.plan_graph(g, "90%", "chen_greedy", cache=False, verbose=0)
     assert seen["chen_greedy"] == {}
     # The command line applies it before plan_graph does: twice must not undo math.inf.

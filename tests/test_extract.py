@@ -265,8 +265,8 @@ def test_graph_command_writes_planning_json(tmp_path):
     (lambda: keras.optimizers.SGD(0.01), True, "fixed"),
 ])
 def test_weight_gradients_are_resident_when_the_optimizer_or_a_shared_layer_needs_them(optimizer, shared, lifetime):
-    """With clipping, accumulation or a loss scale the step measured 8-10% over a budget
-    the transient model planned (tfremat.extract.extractor.weight_gradient_lifetime)."""
+    """With clipping, accumulation or a loss scale a step planned on transient weight
+    gradients overruns its budget (tfremat.extract.assembly.weight_gradient_lifetime)."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
     dense = keras.layers.Dense(8, activation="relu")

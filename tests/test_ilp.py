@@ -22,9 +22,10 @@ from tfremat.errors import (
     SolverUnavailableError,
 )
 from tfremat.graph import DFGraph, load_graph
-from tfremat.ilp import build_model, memory_lower_bound, solve_model
+from tfremat.ilp import build_milp, memory_lower_bound, solve_model
+from tfremat.ilp.approx_lp import solve_approx_lp
+from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.solvers import SolveResult
-from tfremat.ilp.strategies import solve_approx_lp, solve_optimal
 from tfremat.plan.execution import Op
 from tfremat.plan.schedule import (
     Schedule,
@@ -132,18 +133,18 @@ def test_budget_exactly_at_a_peak_in_budget_units(seed):
     graph = with_coprime_bytes(random_dag(5, seed))
     points = brute_force_frontier(graph)
     for budget in sorted({p for p, _ in points}):
-        assert build_model(graph, budget).scale == budget - graph.fixed_bytes, "expected units of the budget"
+        assert build_milp(graph, budget).scale == budget - graph.fixed_bytes, "expected units of the budget"
         best = min(c for p, c in points if p <= budget)
         for warm_start in (False, True):
             schedule = solve_optimal(graph, budget, threads=1, warm_start=warm_start, mip_gap=0.0)
             assert schedule.cost(graph) == pytest.approx(best)
             assert peak(graph, schedule) <= budget
-            assert schedule.facts["best_bound"] <= best * (1 + 1e-9)
+            assert schedule.facts.best_bound <= best * (1 + 1e-9)
         on_budget = next(
             schedule for schedule in (schedule_from_keep_matrix(graph, S, "x") for S in _keep_matrices(graph.size))
             if peak(graph, schedule) == budget
         )
-        assert build_model(graph, budget).encode(on_budget) is not None, "a warm start at the budget is refused"
+        assert build_milp(graph, budget).encode(on_budget) is not None, "a warm start at the budget is refused"
 
 
 def test_solution_over_the_budget_by_the_solver_tolerance_is_solved_again(monkeypatch, caplog):
@@ -151,7 +152,7 @@ def test_solution_over_the_budget_by_the_solver_tolerance_is_solved_again(monkey
     tolerance in units of the budget) is not returned: the model's budget is lowered and
     solved again, and the lowered model's bound and "optimal" are not taken (here a fake
     one far above the true optimum, which would make the result look proven)."""
-    import tfremat.ilp.strategies as strategies
+    import tfremat.ilp.milp as milp
 
     graph = with_coprime_bytes(random_dag(5, 1))
     points = brute_force_frontier(graph)
@@ -162,7 +163,7 @@ def test_solution_over_the_budget_by_the_solver_tolerance_is_solved_again(monkey
         schedule for schedule in (schedule_from_keep_matrix(graph, S, "x") for S in _keep_matrices(graph.size))
         if peak(graph, schedule) == budget + 1
     )
-    real_solve = strategies.solve_model
+    real_solve = milp.solve_model
     budgets = []
 
     def solve_returning_the_overflow_first(model, **options):
@@ -175,14 +176,14 @@ def test_solution_over_the_budget_by_the_solver_tolerance_is_solved_again(monkey
             return dataclasses.replace(result, status="optimal", best_bound=10 * best)
         return result
 
-    monkeypatch.setattr(strategies, "solve_model", solve_returning_the_overflow_first)
-    with caplog.at_level("INFO", logger="tfremat.ilp.strategies"):
+    monkeypatch.setattr(milp, "solve_model", solve_returning_the_overflow_first)
+    with caplog.at_level("INFO", logger="tfremat.ilp.milp"):
         schedule = solve_optimal(graph, budget, threads=1, warm_start=False, mip_gap=0.0)
     assert any("within the solver's tolerance" in record.message for record in caplog.records)
     assert budgets[-1] < budget, "the last model was not built for a lowered budget"
     assert peak(graph, schedule) <= budget
     assert schedule.cost(graph) == pytest.approx(best)
-    assert schedule.facts["status"] != "optimal" and schedule.facts["gap"] > 0, "a lowered model's bound was used"
+    assert schedule.facts.status != "optimal" and schedule.facts.gap > 0, "a lowered model's bound was used"
 
 
 def test_brute_force_six_nodes_training_chain():
@@ -223,8 +224,8 @@ def test_milp_never_worse_than_baselines_and_lp_bounds_hold(graph, budget):
     validate_schedule(graph, optimal)
     cost = optimal.cost(graph)
     assert peak(graph, optimal) <= budget
-    assert optimal.facts["status"] == "optimal"
-    assert optimal.facts["objective"] == pytest.approx(cost)
+    assert optimal.facts.status == "optimal"
+    assert optimal.facts.objective == pytest.approx(cost)
     assert cost >= graph.total_cost - 1e-9
     for name in BASELINES:
         try:
@@ -233,7 +234,7 @@ def test_milp_never_worse_than_baselines_and_lp_bounds_hold(graph, budget):
             continue
         if peak(graph, baseline) <= budget:
             assert cost <= baseline.cost(graph) + 1e-9, name
-    lp = solve_model(build_model(graph, budget, exact_stages=()), relax=True, threads=1)
+    lp = solve_model(build_milp(graph, budget, exact_stages=()), relax=True, threads=1)
     assert lp.best_bound <= cost * (1 + 1e-9)
     try:
         approx = solve_approx_lp(graph, budget, threads=1)
@@ -242,7 +243,7 @@ def test_milp_never_worse_than_baselines_and_lp_bounds_hold(graph, budget):
         return
     validate_schedule(graph, approx)
     assert peak(graph, approx) <= budget
-    assert approx.facts["best_bound"] <= cost + 1e-6
+    assert approx.facts.best_bound <= cost + 1e-6
     assert cost <= approx.cost(graph) + 1e-9
 
 
@@ -254,7 +255,7 @@ def test_milp_memory_agrees_with_simulator(seed, coprime):
         graph = with_coprime_bytes(graph)
     low, high = memory_lower_bound(graph), checkpoint_all_peak(graph)
     budget = (low + high) // 2
-    model = build_model(graph, budget)
+    model = build_milp(graph, budget)
     result = solve_model(model, threads=1)
     if result.x is None:
         pytest.skip("budget infeasible for this graph")
@@ -281,11 +282,11 @@ def test_warm_start_is_accepted_and_never_beaten_by_time_limit():
     fitting = [s for s in (_try(name, graph, budget) for name in BASELINES) if s is not None and peak(graph, s) <= budget]
     baseline = min(fitting, key=lambda s: s.cost(graph))
     assert baseline.cost(graph) > graph.total_cost
-    assert build_model(graph, budget).encode(baseline) is not None
+    assert build_milp(graph, budget).encode(baseline) is not None
     schedule = solve_optimal(graph, budget, threads=1, time_limit=0.01)
     assert schedule.cost(graph) <= baseline.cost(graph)
     assert peak(graph, schedule) <= budget
-    assert schedule.facts["warm_start"] == baseline.strategy
+    assert schedule.facts.warm_start == baseline.strategy
 
 
 def _try(name, graph, budget):
@@ -299,7 +300,7 @@ def test_no_budget_returns_checkpoint_all_as_optimal():
     graph = random_dag(9, 3)
     schedule = get_strategy("optimal")(graph)
     assert schedule.cost(graph) == graph.total_cost
-    assert schedule.facts["status"] == "optimal"
+    assert schedule.facts.status == "optimal"
     assert get_strategy("approx_lp")(graph).cost(graph) == graph.total_cost
 
 
@@ -327,7 +328,7 @@ def test_progress_reports_share_the_call_clock():
     silent = solve_optimal(graph, budget, threads=1, seed=3, progress=None)
     assert len(reports) >= 2
     seconds = [r.seconds for r in reports]
-    assert seconds == sorted(seconds) and seconds[-1] <= with_reports.facts["seconds"]
+    assert seconds == sorted(seconds) and seconds[-1] <= with_reports.facts.seconds
     assert silent.cost(graph) == pytest.approx(with_reports.cost(graph))
     assert np.array_equal(silent.R, with_reports.R) and np.array_equal(silent.S, with_reports.S)
 
@@ -338,24 +339,24 @@ def test_facts_report_the_solve():
     reports = []
     schedule = solve_optimal(graph, budget, threads=1, warm_start=False, progress=reports.append)
     facts = schedule.facts
-    assert facts["status"] == "optimal" and facts["gap"] == pytest.approx(0.0, abs=1e-4)
-    assert facts["best_bound"] <= facts["objective"] == pytest.approx(schedule.cost(graph))
-    assert facts["num_vars"] > 0 and facts["num_constraints"] > 0 and facts["seconds"] >= facts["solve_seconds"]
-    assert facts["solver"] == "highs" and facts["peak_bytes"] <= budget
-    assert reports and reports[-1].incumbent == pytest.approx(facts["objective"])
+    assert facts.status == "optimal" and facts.gap == pytest.approx(0.0, abs=1e-4)
+    assert facts.best_bound <= facts.objective == pytest.approx(schedule.cost(graph))
+    assert facts.num_vars > 0 and facts.num_constraints > 0 and facts.seconds >= facts.solve_seconds
+    assert facts.solver == "highs" and facts.peak_bytes <= budget
+    assert reports and reports[-1].incumbent == pytest.approx(facts.objective)
 
 
 def test_relative_budget_refers_to_checkpoint_all_peak():
     graph = training_chain(8)
     schedule = solve_optimal(graph, "80%", threads=1)
-    assert schedule.facts["budget_bytes"] == int(0.8 * checkpoint_all_peak(graph))
+    assert schedule.facts.budget_bytes == int(0.8 * checkpoint_all_peak(graph))
 
 
 def test_highs_runs_with_another_thread_count_later_in_the_process():
     """HiGHS fixes its task scheduler's size on the first run; a later run with another
     ``threads`` used to stop at once without a solution."""
     graph = random_dag(10, 1)
-    model = build_model(graph, int(0.8 * checkpoint_all_peak(graph)))
+    model = build_milp(graph, int(0.8 * checkpoint_all_peak(graph)))
     statuses = {solve_model(model, threads=threads).status for threads in (None, 2, 1, None)}
     assert len(statuses) == 1 and statuses != {"no_solution"}
 
@@ -417,7 +418,7 @@ def test_options_are_checked_before_any_baseline_runs(monkeypatch):
 def test_gurobi_size_limited_license_error():
     gurobipy = pytest.importorskip("gurobipy", reason="gurobipy is not installed")
     graph = random_dag(40, 5)
-    model = build_model(graph, checkpoint_all_peak(graph))
+    model = build_milp(graph, checkpoint_all_peak(graph))
     assert model.num_vars > 2000
     try:
         solve_model(model, solver="gurobi", threads=1, time_limit=5)
@@ -439,7 +440,7 @@ def test_gurobi_agrees_with_highs_on_a_small_model():
         pytest.skip(f"no usable Gurobi license: {exc}")
     highs = solve_optimal(graph, budget, threads=1, warm_start=False)
     assert gurobi.cost(graph) == pytest.approx(highs.cost(graph))
-    assert gurobi.facts["solver"] == "gurobi"
+    assert gurobi.facts.solver == "gurobi"
 
 
 def test_gurobi_reports_the_bound_periodically(monkeypatch):
@@ -450,7 +451,7 @@ def test_gurobi_reports_the_bound_periodically(monkeypatch):
 
     monkeypatch.setattr(solvers, "_GUROBI_REPORT_SECONDS", 0.0)
     graph = random_dag(9, 4)
-    model = build_model(graph, (memory_lower_bound(graph) + checkpoint_all_peak(graph)) // 2)
+    model = build_milp(graph, (memory_lower_bound(graph) + checkpoint_all_peak(graph)) // 2)
     reports = []
     try:
         result = solve_model(model, solver="gurobi", threads=1, progress=reports.append)
@@ -492,8 +493,8 @@ def test_approx_lp_bound_holds_for_the_full_budget_only():
     checked = 0
     for graph, budget, schedule in _approx_lp_at_a_reduced_allowance(12):
         optimum = solve_optimal(graph, budget, threads=1).cost(graph)
-        assert schedule.facts["best_bound"] <= optimum + 1e-6
-        assert schedule.facts["status"] != "optimal" or schedule.cost(graph) == pytest.approx(optimum)
+        assert schedule.facts.best_bound <= optimum + 1e-6
+        assert schedule.facts.status != "optimal" or schedule.cost(graph) == pytest.approx(optimum)
         checked += 1
     assert checked >= 4
 
@@ -521,12 +522,12 @@ def test_approx_lp_reports_progress():
     schedule = solve_approx_lp(graph, budget, threads=1, progress=reports.append)
     assert reports and reports[0].incumbent is None
     assert reports[-1].incumbent == pytest.approx(schedule.cost(graph))
-    assert all(r.bound == pytest.approx(schedule.facts["best_bound"]) for r in reports)
+    assert all(r.bound == pytest.approx(schedule.facts.best_bound) for r in reports)
 
 
 def test_quiet_solves_report_nothing():
     graph = random_dag(12, 7)
-    model = build_model(graph, (memory_lower_bound(graph) + checkpoint_all_peak(graph)) // 2)
+    model = build_milp(graph, (memory_lower_bound(graph) + checkpoint_all_peak(graph)) // 2)
     loud, quiet = [], []
     solve_model(model, threads=1, progress=loud.append)
     solve_model(model, threads=1, progress=quiet.append, quiet=True)
@@ -545,7 +546,7 @@ def test_vgg16_at_90_percent_matches_checkmate():
     graph = load_graph(GRAPHS / "VGG16_256_224_224_3_train.json")
     budget = int(0.9 * checkpoint_all_peak(graph))
     schedule = solve_optimal(graph, budget, threads=1, time_limit=60)
-    assert schedule.facts["status"] == "optimal"
+    assert schedule.facts.status == "optimal"
     assert schedule.cost(graph) / graph.total_cost == pytest.approx(1.0197, abs=1e-3)
     assert peak(graph, schedule) <= budget
 
@@ -554,7 +555,7 @@ def test_highs_refuses_to_run_next_to_ortools(monkeypatch):
     monkeypatch.setitem(sys.modules, "ortools", object())
     graph = training_chain(3)
     with pytest.raises(SolverError, match="ortools"):
-        solve_model(build_model(graph, memory_lower_bound(graph) + 4))
+        solve_model(build_milp(graph, memory_lower_bound(graph) + 4))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -568,7 +569,7 @@ def test_dual_bound_of_any_multipliers_is_below_the_optimum(seed):
         optimum = solve_optimal(graph, budget, threads=1, mip_gap=0.0).cost(graph)
     except InfeasibleBudgetError:
         pytest.skip("budget infeasible for this graph")
-    model = build_model(graph, budget)
+    model = build_milp(graph, budget)
     rng = np.random.default_rng(seed)
     for y in (np.zeros(model.num_constraints), rng.normal(size=model.num_constraints)):
         assert model.dual_bound(y) <= optimum + 1e-6
@@ -587,7 +588,7 @@ def test_dual_bound_of_any_multipliers_is_below_the_optimum(seed):
 
 def test_stoppable_lp_methods_need_highs_and_lp_method_is_checked():
     graph = random_dag(6, 3)
-    model = build_model(graph, checkpoint_all_peak(graph))
+    model = build_milp(graph, checkpoint_all_peak(graph))
     with pytest.raises(ArgumentError, match="lp_method"):
         solve_model(model, relax=True, lp_method="barrier")
     for method in ("pdlp", "dual_simplex"):
@@ -599,7 +600,7 @@ def test_stoppable_lp_methods_need_highs_and_lp_method_is_checked():
 def test_large_model_path_returns_a_fitting_schedule_with_an_honest_bound(monkeypatch, seed):
     """The path for models too large to solve whole, forced on small graphs: the schedule
     fits, and its bound is below the proven optimum."""
-    import tfremat.ilp.strategies as strategies
+    import tfremat.ilp.milp as milp
 
     graph = random_training_graph(10 + seed, 6)
     budget = int(0.45 * memory_lower_bound(graph) + 0.55 * checkpoint_all_peak(graph))
@@ -607,16 +608,16 @@ def test_large_model_path_returns_a_fitting_schedule_with_an_honest_bound(monkey
         optimum = solve_optimal(graph, budget, threads=1, mip_gap=0.0).cost(graph)
     except InfeasibleBudgetError:
         pytest.skip("budget infeasible for this graph")
-    monkeypatch.setattr(strategies, "_FULL_MILP_COLUMNS", 0)
-    monkeypatch.setattr(strategies, "_ROUNDING_RESERVE_SECONDS", 0.0)
+    monkeypatch.setattr(milp, "_FULL_MILP_COLUMNS", 0)
+    monkeypatch.setattr(milp, "ROUNDING_RESERVE_SECONDS", 0.0)
     schedule = solve_optimal(graph, budget, threads=1, time_limit=5, mip_gap=0.0)
     validate_schedule(graph, schedule)
     facts = schedule.facts
     assert simulate(graph, schedule).peak_bytes <= budget
-    assert facts["best_bound"] <= optimum + 1e-6 <= schedule.cost(graph) + 2e-6
-    assert facts["gap"] == pytest.approx((schedule.cost(graph) - facts["best_bound"]) / schedule.cost(graph))
-    assert facts["status"] in ("optimal", "time_limit")
-    if facts["status"] == "optimal":
+    assert facts.best_bound <= optimum + 1e-6 <= schedule.cost(graph) + 2e-6
+    assert facts.gap == pytest.approx((schedule.cost(graph) - facts.best_bound) / schedule.cost(graph))
+    assert facts.status in ("optimal", "time_limit")
+    if facts.status == "optimal":
         assert schedule.cost(graph) == pytest.approx(optimum)
 
 
@@ -624,39 +625,39 @@ def test_baseline_within_mip_gap_of_the_no_remat_cost_is_returned_at_once():
     graph = random_training_graph(7, 8)
     budget = int(0.9 * checkpoint_all_peak(graph))
     schedule = solve_optimal(graph, budget, threads=1, mip_gap=0.9)
-    assert schedule.facts["status"] == "optimal"
-    assert schedule.facts["num_vars"] == 0
-    assert schedule.facts["gap"] <= 0.9
+    assert schedule.facts.status == "optimal"
+    assert schedule.facts.num_vars == 0
+    assert schedule.facts.gap <= 0.9
     assert simulate(graph, schedule).peak_bytes <= budget
 
 
 def test_model_too_large_for_the_time_limit_returns_the_best_heuristic(monkeypatch, caplog):
-    import tfremat.ilp.strategies as strategies
+    import tfremat.ilp.milp as milp
 
     graph = random_training_graph(3, 8)
     budget = int(0.8 * checkpoint_all_peak(graph))
-    monkeypatch.setattr(strategies, "_MAX_R_COLUMNS", 0)
+    monkeypatch.setattr(milp, "MAX_R_COLUMNS", 0)
     reports = []
-    with caplog.at_level("WARNING", logger="tfremat.ilp.strategies"):
+    with caplog.at_level("WARNING", logger="tfremat.ilp.milp"):
         schedule = solve_optimal(graph, budget, threads=1, time_limit=10, progress=reports.append)
     assert any("too large" in r.message and "time_limit=None" in r.message for r in caplog.records), "not said"
-    assert schedule.facts["num_vars"] == 0 and schedule.facts["solver"] is None
+    assert schedule.facts.num_vars == 0 and schedule.facts.solver is None
     # The heuristics' improvements were reported although no solver ran.
     assert reports and reports[-1].incumbent == pytest.approx(schedule.cost(graph))
     assert all(r.bound == pytest.approx(graph.total_cost) for r in reports)
-    assert schedule.facts["best_bound"] == pytest.approx(min(graph.total_cost, schedule.cost(graph)))
+    assert schedule.facts.best_bound == pytest.approx(min(graph.total_cost, schedule.cost(graph)))
     assert simulate(graph, schedule).peak_bytes <= budget
     if schedule.cost(graph) > graph.total_cost:
-        assert schedule.facts["status"] == "time_limit"
+        assert schedule.facts.status == "time_limit"
     with pytest.raises(SolverTimeLimitError, match="too large"):
         solve_optimal(graph, budget, threads=1, time_limit=10, warm_start=False)
 
 
 def test_approx_lp_refuses_models_too_large_for_its_time_limit(monkeypatch):
-    import tfremat.ilp.strategies as strategies
+    import tfremat.ilp.approx_lp as approx_lp
 
     graph = random_training_graph(4, 6)
-    monkeypatch.setattr(strategies, "_MAX_R_COLUMNS", 0)
+    monkeypatch.setattr(approx_lp, "MAX_R_COLUMNS", 0)
     with pytest.raises(SolverTimeLimitError, match="too large"):
         solve_approx_lp(graph, int(0.8 * checkpoint_all_peak(graph)), threads=1, time_limit=5)
 
@@ -676,12 +677,12 @@ def test_stage_end_relaxation_bounds_the_exact_model_and_optimal_closes_it():
     exact model's optimum, on cases where the relaxation alone overflows."""
     exact_rounds = 0
     for graph, budget in _stage_relaxation_cases():
-        exact = solve_model(build_model(graph, budget), threads=1, mip_gap=0.0)
+        exact = solve_model(build_milp(graph, budget), threads=1, mip_gap=0.0)
         if exact.status == "infeasible":
             continue
-        relaxed = build_model(graph, budget, exact_stages=())
-        assert relaxed.num_vars < build_model(graph, budget).num_vars
-        assert relaxed.encode(build_model(graph, budget).schedule(exact.x, "exact")) is not None
+        relaxed = build_milp(graph, budget, exact_stages=())
+        assert relaxed.num_vars < build_milp(graph, budget).num_vars
+        assert relaxed.encode(build_milp(graph, budget).schedule(exact.x, "exact")) is not None
         lp = solve_model(relaxed, relax=True, threads=1)
         milp = solve_model(relaxed, threads=1, mip_gap=0.0)
         assert lp.objective <= milp.objective + 1e-6 <= exact.objective + 2e-6
@@ -689,16 +690,16 @@ def test_stage_end_relaxation_bounds_the_exact_model_and_optimal_closes_it():
         assert pdlp.best_bound is None or pdlp.best_bound <= exact.objective + 1e-6
         optimal = solve_optimal(graph, budget, threads=1, mip_gap=0.0)
         assert optimal.cost(graph) == pytest.approx(exact.objective)
-        assert optimal.facts["status"] == "optimal"
+        assert optimal.facts.status == "optimal"
         assert peak(graph, optimal) <= budget
-        exact_rounds += optimal.facts["exact_stages"] > 0
+        exact_rounds += optimal.facts.exact_stages > 0
     assert exact_rounds > 0, "no case needed a stage accounted exactly; the loop went untested"
 
 
 def test_rins_returns_a_fitting_schedule_no_costlier_than_its_start():
     """RINS from a deliberately poor start (Griewank's family) on random training graphs: the
     result fits the budget and never costs more; on some graph it is strictly cheaper."""
-    from tfremat.ilp.strategies import _rins
+    from tfremat.ilp.rins import rins
 
     improved = 0
     for seed in range(6):
@@ -708,9 +709,9 @@ def test_rins_returns_a_fitting_schedule_no_costlier_than_its_start():
             start = get_strategy("griewank_logn")(graph, budget)
         except InfeasibleBudgetError:
             continue
-        model = build_model(graph, budget, exact_stages=())
+        model = build_milp(graph, budget, exact_stages=())
         lp = solve_model(model, relax=True, threads=1)
-        result = _rins(model, start, lp.x, began=0.0, time_limit=None, solver="highs", threads=1, seed=0)
+        result = rins(model, start, lp.x, began=0.0, time_limit=None, solver="highs", threads=1, seed=0)
         assert peak(graph, result) <= budget
         assert result.cost(graph) <= start.cost(graph) + 1e-9
         improved += result.cost(graph) < start.cost(graph) - 1e-9
@@ -721,7 +722,7 @@ def test_rins_accounts_overflowing_stages_exactly_and_solves_again(caplog):
     """The neighbourhood's optimum in the stage-end relaxation can overflow the budget
     inside a stage (found by search over small random training graphs); RINS then makes
     those stages exact and solves the same neighbourhood again instead of giving up."""
-    from tfremat.ilp.strategies import _rins
+    from tfremat.ilp.rins import rins
 
     repaired = 0
     for seed, n, fraction, strategy in ((11, 6, 0.7, "griewank_logn"), (39, 6, 0.7, "griewank_logn"),
@@ -730,11 +731,11 @@ def test_rins_accounts_overflowing_stages_exactly_and_solves_again(caplog):
         lower = memory_lower_bound(graph)
         budget = int(lower + fraction * (checkpoint_all_peak(graph) - lower))
         start = get_strategy(strategy)(graph, budget)
-        model = build_model(graph, budget, exact_stages=())
+        model = build_milp(graph, budget, exact_stages=())
         lp = solve_model(model, relax=True, threads=1)
         caplog.clear()
-        with caplog.at_level("INFO", logger="tfremat.ilp.strategies"):
-            result = _rins(model, start, lp.x, began=0.0, time_limit=None, solver="highs", threads=1, seed=0)
+        with caplog.at_level("INFO", logger="tfremat.ilp.rins"):
+            result = rins(model, start, lp.x, began=0.0, time_limit=None, solver="highs", threads=1, seed=0)
         assert peak(graph, result) <= budget
         assert result.cost(graph) <= start.cost(graph) + 1e-9
         rounds = [r.getMessage() for r in caplog.records if "RINS" in r.getMessage()]
@@ -750,7 +751,7 @@ def test_milp_without_presolve_reaches_the_same_optimum(seed):
     """``optimal`` solves its MILP without presolve (HiGHS's presolve ignores the time limit
     on large models); the optimum must not depend on it."""
     graph = random_training_graph(20 + seed, 5)
-    model = build_model(graph, int(0.5 * (memory_lower_bound(graph) + checkpoint_all_peak(graph))), exact_stages=())
+    model = build_milp(graph, int(0.5 * (memory_lower_bound(graph) + checkpoint_all_peak(graph))), exact_stages=())
     with_presolve = solve_model(model, threads=1, mip_gap=0.0)
     without = solve_model(model, threads=1, mip_gap=0.0, presolve=False)
     assert without.status == with_presolve.status
@@ -780,12 +781,12 @@ def test_a_budget_one_byte_below_a_large_unit_boundary_is_proven_infeasible():
     smallest = 56  # units: the least peak of any schedule of the unscaled graph
     with pytest.raises(InfeasibleBudgetError):
         solve_optimal(small, smallest - 1, time_limit=5, threads=1)
-    assert solve_optimal(small, smallest, time_limit=5, threads=1).facts["status"] == "optimal"
+    assert solve_optimal(small, smallest, time_limit=5, threads=1).facts.status == "optimal"
 
-    model = build_model(graph, smallest * unit - 1)
+    model = build_milp(graph, smallest * unit - 1)
     assert model.scale == unit and model.capacity == smallest - 1 - small.fixed_bytes
     with pytest.raises(InfeasibleBudgetError) as info:
         solve_optimal(graph, smallest * unit - 1, time_limit=5, threads=1)
     assert info.value.proven and info.value.lower_bound_bytes == smallest * unit
     schedule = solve_optimal(graph, smallest * unit, time_limit=5, threads=1)
-    assert schedule.facts["status"] == "optimal" and peak(graph, schedule) == smallest * unit
+    assert schedule.facts.status == "optimal" and peak(graph, schedule) == smallest * unit

@@ -10,9 +10,9 @@ from test_ilp import checkpoint_all_peak, random_dag
 from tfremat.errors import InfeasibleBudgetError
 from tfremat.graph import load_graph
 from tfremat.ilp.intervals import build_interval_model, intervals
+from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.portfolio import best_baseline
 from tfremat.ilp.solvers import solve_model
-from tfremat.ilp.strategies import solve_optimal
 from tfremat.plan.schedule import (
     checkpoint_all_s,
     schedule_from_keep_matrix,

@@ -79,9 +79,9 @@ def test_min_peak_within_cost_equals_brute_force(seed):
     for cap in sorted({c for _, c in points})[:4]:
         best = min(p for p, c in points if c <= cap)
         schedule = min_peak_within_cost(graph, cap, threads=1, mip_gap=0.0)
-        assert schedule.facts["peak_bytes"] == best == simulate(graph, schedule).peak_bytes
+        assert schedule.facts.peak_bytes == best == simulate(graph, schedule).peak_bytes
         assert schedule.cost(graph) <= cap + 1e-9
-        assert schedule.facts["peak_bound_bytes"] <= best
+        assert schedule.facts.peak_bound_bytes <= best
     with pytest.raises(ValueError, match="no-remat cost"):
         min_peak_within_cost(graph, 0.5 * graph.total_cost)
 

@@ -180,6 +180,15 @@ def test_order_violation_and_dangling_edge_and_bad_cost():
         DFGraph(names="ab", edges=[(0, 1)], cost=[1, 1], output_bytes=[1, -3])
 
 
+def test_byte_counts_beyond_any_device_are_refused_by_field():
+    """A byte count like 1e30 ended in an OverflowError inside the simulator."""
+    with pytest.raises(GraphError, match=r"node 1 \(b\): output_bytes is 1e\+30 bytes, more than any device"):
+        DFGraph("ab", [(0, 1)], [1, 1], [1, 1e30])
+    with pytest.raises(GraphError, match="fixed_bytes is .* more than any device"):
+        DFGraph("ab", [(0, 1)], [1, 1], [1, 1], fixed_bytes=2**60)
+    assert DFGraph("ab", [(0, 1)], [1, 1], [1, 2**48]).output_bytes[1] == 2**48
+
+
 def test_sizes_and_costs_are_checked_before_they_are_converted():
     """int() of infinity raised OverflowError and of NaN a bare ValueError before the
     finiteness check ran, and 2.7 bytes became 2 without a word."""

@@ -18,6 +18,7 @@ from tfremat.plan.simulator import checkpoint_all_peak
 from tfremat.planner import (
     BatchProgress,
     PlanResult,
+    check_batch_ranks,
     check_cache_argument,
     check_keras_model,
     compare_graph,
@@ -46,6 +47,7 @@ def compare(model, budget, x=None, y=None, *, strategies: Sequence[str] | None =
     check_cache_argument(cache)
     training = loss_and_optimizer(model, loss, optimizer)
     batch = sample_batch(x, y, batch_size)
+    check_batch_ranks(model, batch[0])
     extraction = extract(model, sample_batch=batch, cost_model=cost_model, **training)
     return compare_graph(extraction.graph, budget, strategies, cache=cache, verbose=verbose, **milp_options)
 
@@ -103,6 +105,9 @@ def fit(
     if budget is None:
         raise ArgumentError("budget=None: tfremat.fit needs a budget (bytes, '3.5GiB' or '50%'); without one every "
                             "activation is kept, which is model.fit's own step: call model.fit to train without a limit")
+    if y is None and x is not None and all(hasattr(a, "shape") for a in _flat(x)):
+        raise ArgumentError("y=None: tfremat.fit trains on labelled batches; pass y with the arrays x, or x as a "
+                            "tf.data.Dataset yielding (x, y) batches")
     if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
         raise TfrematError("compile the model first (model.compile(optimizer=..., loss=..., metrics=...)); fit uses its loss, optimizer and metrics")
     remat = RematCallback(budget, strategy=strategy, solver=solver, time_limit=time_limit, cost_model=cost_model,
@@ -111,6 +116,13 @@ def fit(
         callbacks = [callbacks]  # model.fit takes one callback as well as a list
     return model.fit(x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,
                      callbacks=[remat, *(callbacks or [])], verbose=verbose, **fit_kwargs)
+
+
+def _flat(data) -> list:
+    """The arrays of ``x`` as Keras takes it: one array, or a list, tuple or dict of them."""
+    if isinstance(data, dict):
+        return list(data.values())
+    return list(data) if isinstance(data, (list, tuple)) else [data]
 
 
 def max_batch_size(

@@ -24,7 +24,7 @@ from fractions import Fraction
 from tfremat.errors import BudgetFormatError, is_int, is_number
 from tfremat.units import format_bytes
 
-__all__ = ["parse_budget", "check_budget", "is_share", "format_bytes"]
+__all__ = ["parse_budget", "check_budget", "is_share", "budget_kind", "format_bytes", "MIN_BUDGET"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -33,25 +33,39 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
-_ACCEPTED = 'bytes as an int (12_000_000_000), a string with a unit ("3.5GiB", "800MB"), or a share of the checkpoint-all peak ("50%" or 0.5)'
+_ACCEPTED = ('bytes as an int (12_000_000_000), a string with a unit ("3.5GiB", "800MB"), a share of the '
+             'checkpoint-all peak ("50%" or 0.5), a share of its activation memory ("50% of activations"), or '
+             '"min" (the least memory a schedule reaches)')
+# The budget that asks for the least memory any schedule reaches.
+MIN_BUDGET = "min"
+# "50% of activations" (or "50% activations"): a share of the memory planning can move.
+_ACTIVATIONS = re.compile(r"^\s*(\S+?)\s*(?:of\s+)?activations\s*$", re.IGNORECASE)
 # The rounding a float share may carry, relative to the product (module docstring): one
 # part in 2**52, twice the half unit in the last place of a float.
 _FLOAT_SLACK = Fraction(1, 2**52)
 # A command line passes strings only: no ints with underscores, no float shares.
 _ACCEPTED_ON_COMMAND_LINE = (
-    "bytes (12000000000), a size with a unit (3.5GiB, 800MB), or a share of the checkpoint-all peak (50%)"
+    "bytes (12000000000), a size with a unit (3.5GiB, 800MB), a share of the checkpoint-all peak (50%), a share "
+    "of its activation memory ('50% of activations'), or min (the least memory a schedule reaches)"
 )
 
 
-def parse_budget(budget, reference_bytes: float | None = None, *, flag: str | None = None) -> int:
+def parse_budget(budget, reference_bytes: float | None = None, *, fixed_bytes: int | None = None,
+                 flag: str | None = None) -> int:
     """Turns a user budget into bytes.
 
     Args:
         budget: an int number of bytes; a float in (0, 1] or a string ending in ``%``,
-            meaning that share of ``reference_bytes``; or a string with a unit
+            meaning that share of ``reference_bytes``; a share followed by "of activations"
+            ("50% of activations"), meaning ``fixed_bytes`` plus that share of the rest of
+            ``reference_bytes`` (the memory planning can move); or a string with a unit
             (B, KB, MB, GB, TB in powers of 10; KiB, MiB, GiB, TiB or K, M, G, T in powers of 2).
-            Read exactly and floored to whole bytes (see the module docstring).
+            Read exactly and floored to whole bytes (see the module docstring). ``"min"``
+            is refused here: it takes a search over schedules, which the planner runs
+            (:func:`tfremat.planner.plan_graph`).
         reference_bytes: the peak a relative budget refers to (the checkpoint-all peak).
+        fixed_bytes: the memory no schedule moves (weights, gradients, optimizer state, the
+            batch), for a share of activations.
         flag: the command-line flag the budget came from (``"--budget"``), when it came
             from one: messages then name the flag and suggest only forms a command line
             can express.
@@ -60,6 +74,20 @@ def parse_budget(budget, reference_bytes: float | None = None, *, flag: str | No
         BudgetFormatError: the budget is unparsable, less than one byte, or relative
             without a reference; the message names the accepted forms.
     """
+    kind = budget_kind(budget, flag=flag)
+    if kind == MIN_BUDGET:
+        raise BudgetFormatError(
+            f"{_shown(budget, flag)} asks for the least memory a schedule reaches, which the planner finds "
+            "(tfremat.plan_model, fit, compare, the command line); a strategy called directly takes "
+            f"{_accepted(None).rsplit(', or', 1)[0]}"
+        )
+    if kind == "activations":
+        if reference_bytes is None or fixed_bytes is None:
+            raise BudgetFormatError(f"{_shown(budget, flag)} is a share of activation memory, but no graph is "
+                                    "known here to say how much that is; give bytes instead")
+        moving = parse_budget(_ACTIVATIONS.match(budget).group(1), max(int(reference_bytes) - fixed_bytes, 0),
+                              flag=flag) if reference_bytes > fixed_bytes else 0
+        return fixed_bytes + moving
     share, value = _read(budget, flag)
     if share is not None:
         if reference_bytes is None:
@@ -82,13 +110,32 @@ def check_budget(budget, *, flag: str | None = None) -> None:
     accepts (and, unless relative, is at least a byte). Needs no reference peak, so a
     command line can refuse a malformed ``--budget`` before it spends minutes extracting
     the model a share would refer to."""
-    _read(budget, flag)
+    budget_kind(budget, flag=flag)
+
+
+def budget_kind(budget, *, flag: str | None = None) -> str:
+    """``"bytes"`` (an amount of memory), ``"share"`` (of the checkpoint-all peak),
+    ``"activations"`` (a share of the activation memory) or ``"min"``.
+
+    Raises:
+        BudgetFormatError: ``budget`` has none of these forms.
+    """
+    if isinstance(budget, str) and budget.strip().lower() == MIN_BUDGET:
+        return MIN_BUDGET
+    if isinstance(budget, str):
+        match = _ACTIVATIONS.match(budget)
+        if match:
+            if not match.group(1).endswith("%") or _read(match.group(1), flag)[0] is None:
+                raise BudgetFormatError(f"{_shown(budget, flag)}: a share of activations is a percentage, "
+                                        "e.g. '50% of activations'")
+            return "activations"
+    return "bytes" if _read(budget, flag)[0] is None else "share"
 
 
 def is_share(budget) -> bool:
-    """Whether ``budget`` (already checked, :func:`check_budget`) is a share of a reference
-    peak ("50%", 0.5) rather than an amount of memory."""
-    return _read(budget, None)[0] is not None
+    """Whether ``budget`` (already checked, :func:`check_budget`) is relative to the model's
+    memory ("50%", 0.5, "50% of activations", "min") rather than an amount of memory."""
+    return budget_kind(budget) != "bytes"
 
 
 def _read(budget, flag: str | None) -> tuple[Fraction | float | None, int]:

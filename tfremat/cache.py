@@ -1,8 +1,10 @@
 """On-disk cache of solved schedules, so the same model and budget are not solved twice.
 
-Entries are JSON files keyed by a hash of the graph's fingerprint, the budget, the
-strategy name and its options. An entry is trusted only after it parses as a JSON object,
-names the same key, validates against the graph
+Entries are JSON files keyed by a hash of the schedule document's format
+(:data:`~tfremat.plan.schedule.SCHEDULE_FORMAT`), the graph's fingerprint, the budget, the
+strategy name and its options: a new format gives every entry a new key, so entries
+written by another version are never read. An entry is trusted only after it parses as a
+JSON object, names the same key, validates against the graph
 (:func:`tfremat.plan.schedule.validate_schedule`) and simulates within the budget;
 anything else is logged, discarded and re-solved.
 """
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from tfremat.errors import ScheduleError
 from tfremat.graph import DFGraph
-from tfremat.plan.schedule import Schedule
+from tfremat.plan.schedule import SCHEDULE_FORMAT, Schedule
 from tfremat.plan.simulator import simulate
 
 __all__ = ["ScheduleCache", "default_cache_dir"]
@@ -43,9 +45,10 @@ class ScheduleCache:
 
     @staticmethod
     def key(graph: DFGraph, budget_bytes: int | None, strategy: str, options: dict | None = None) -> str:
-        """The cache key: graph fingerprint, budget, strategy and its options."""
+        """The cache key: schedule format, graph fingerprint, budget, strategy and its options."""
         payload = json.dumps(
-            {"graph": graph.fingerprint, "budget": budget_bytes, "strategy": strategy, "options": options or {}},
+            {"format": SCHEDULE_FORMAT, "graph": graph.fingerprint, "budget": budget_bytes, "strategy": strategy,
+             "options": options or {}},
             sort_keys=True, default=str,
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:24]

@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from absl import app, flags
 
@@ -133,9 +134,10 @@ def cmd_strategies() -> None:
 
 
 def cmd_solve() -> None:
-    from tfremat.budget import parse_budget
     from tfremat.graph import file_node_ids, load_graph
+    from tfremat.plan.registry import parse_graph_budget
     from tfremat.plan.simulator import checkpoint_all_peak, simulate
+    from tfremat.planner import resolve_min_budget
     from tfremat.strategies import get_strategy
 
     _require("graph", "strategy")
@@ -147,12 +149,13 @@ def cmd_solve() -> None:
     graph = load_graph(document, order=FLAGS.order)
     strategy = get_strategy(FLAGS.strategy)
     reference_peak = checkpoint_all_peak(graph)
-    budget = parse_budget(FLAGS.budget, reference_peak, flag="--budget") if FLAGS.budget is not None else None
+    given = resolve_min_budget(graph, FLAGS.budget)
+    budget = parse_graph_budget(graph, given)
     options = _milp_options(FLAGS.strategy)
     started = time.perf_counter()
     record = {"strategy": FLAGS.strategy, "graph": graph.name, "budget_bytes": budget}
     try:
-        schedule = strategy(graph, budget, **options)
+        schedule = strategy(graph, given, **options)
     except (InfeasibleBudgetError, SolverTimeLimitError) as exc:
         # Bounds on the peak (bytes), not on the cost: keys of their own, so that no
         # reader takes one for the other.
@@ -166,15 +169,16 @@ def cmd_solve() -> None:
         raise SystemExit(1)
     seconds = time.perf_counter() - started
     result = simulate(graph, schedule)
+    facts = schedule.facts  # None for a heuristic: nothing proven, status "feasible"
     record.update(
-        status=schedule.facts.get("status", "feasible"),
+        status=facts.status if facts is not None else "feasible",
         peak_bytes=result.peak_bytes,
         checkpoint_all_peak_bytes=reference_peak,
         cost=result.cost,
         cost_ratio=result.cost / graph.total_cost if graph.total_cost else 1.0,
         recomputations=result.recompute_count,
-        cost_lower_bound=schedule.facts.get("best_bound"),
-        gap=schedule.facts.get("gap"),
+        cost_lower_bound=facts.best_bound if facts is not None else None,
+        gap=facts.gap if facts is not None else None,
         seconds=round(seconds, 4),
     )
     if FLAGS.schedule_out:
@@ -302,9 +306,8 @@ def cmd_plan() -> None:
 
 
 def cmd_compare() -> None:
-    from tfremat.budget import parse_budget
-    from tfremat.plan.simulator import checkpoint_all_peak
-    from tfremat.planner import compare_graph, summary_row
+    from tfremat.plan.registry import parse_graph_budget
+    from tfremat.planner import compare_graph, resolve_min_budget, summary_row
     from tfremat.strategies import get_strategy, strategy_names
 
     _require("budget")
@@ -312,11 +315,12 @@ def cmd_compare() -> None:
     for name in names:
         get_strategy(name)  # before the extraction
     graph = _extraction(_keras_model(), _batch()).graph
-    budget = parse_budget(FLAGS.budget, checkpoint_all_peak(graph), flag="--budget")
+    given = resolve_min_budget(graph, FLAGS.budget)
+    budget = parse_graph_budget(graph, given)
     # --time_limit and --solver configure the MILP strategies; as solve and plot do,
     # compare ignores them when none is among --strategies.
     options = _given_milp_flags() if any(get_strategy(name).takes_solver_options for name in names) else {}
-    entries = compare_graph(graph, budget, names, **options)
+    entries = compare_graph(graph, given, names, **options)
     rows = [summary_row(name, entry, budget) for name, entry in zip(names, entries)]
     print(json.dumps(rows) if FLAGS.json else _compare_table(rows))
 
@@ -347,8 +351,6 @@ def cmd_maxbatch() -> None:
 
 
 def cmd_plot() -> None:
-    from pathlib import Path
-
     from tfremat.budget import format_bytes, parse_budget
     from tfremat.graph import load_graph
     from tfremat.plan.simulator import checkpoint_all_peak
@@ -423,6 +425,41 @@ def _parse(argv: list[str]) -> list[str]:
 flags.DEFINE_string("command", None, "Set from the first argument; not a user flag.")
 
 
+def _refuse_flags_of_other_commands(command: str) -> None:
+    """Fails naming a flag given on the command line that ``command`` does not read (absl
+    parses every command's flags, so ``solve --budgets 50%`` solved without a budget)."""
+    ours = {name for names in COMMAND_FLAGS.values() for name in names}
+    stray = sorted(name for name in ours if FLAGS[name].present and name not in COMMAND_FLAGS[command])
+    if stray:
+        _fail(f"--{stray[0]} is not a flag of `tfremat {command}`; its flags: "
+              f"{', '.join('--' + name for name in COMMAND_FLAGS[command])}")
+
+
+def _check_output_paths(command: str) -> None:
+    """Fails, naming the flag, when an output cannot be written, before any work (a solve
+    of minutes was lost to a missing directory). A file needs an existing, writable
+    directory; ``plot --out`` is a folder, created later, so its nearest existing ancestor
+    must be writable. Exit status 1, as when the write itself fails."""
+    outputs = []
+    if "schedule_out" in COMMAND_FLAGS[command] and FLAGS.schedule_out:
+        outputs.append(("--schedule_out", Path(FLAGS.schedule_out), "file"))
+    elif command == "plan":
+        outputs.append(("the schedule file (set --schedule_out)", Path.cwd() / "schedule.json", "file"))
+    if "out" in COMMAND_FLAGS[command] and FLAGS.out:
+        outputs.append(("--out", Path(FLAGS.out), "folder" if command == "plot" else "file"))
+    for flag, path, kind in outputs:
+        if kind == "file" and path.is_dir():
+            _fail(f"{flag}={path} is a directory; give a file path", code=1)
+        directory = path if kind == "folder" else path.parent
+        existing = directory
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if kind == "file" and existing != directory:
+            _fail(f"{flag}={path}: the directory {directory} does not exist; create it first", code=1)
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            _fail(f"{flag}={path}: {existing} is not a writable directory", code=1)
+
+
 def main(argv: list[str]) -> None:
     # The allocator only counts CPU memory with BFC, which must be chosen before TF loads.
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
@@ -436,6 +473,8 @@ def main(argv: list[str]) -> None:
             # Before any work (extracting a model takes minutes), and in the command line's
             # terms: the library's messages suggest forms only Python can pass.
             check_budget(FLAGS.budget, flag="--budget")
+        _refuse_flags_of_other_commands(argv[1])
+        _check_output_paths(argv[1])
         _HANDLERS[argv[1]]()
     except (TfrematError, ValueError, OSError) as exc:
         # The library's errors, values it refuses (they name the argument) and files it

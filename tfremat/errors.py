@@ -9,8 +9,9 @@ in its message. Nothing in tfremat returns a ``feasible=False`` flag instead of 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 
-from tfremat.units import format_bytes_apart
+from tfremat.units import format_bytes, format_bytes_apart
 
 __all__ = [
     "TfrematError",
@@ -89,6 +90,13 @@ class InfeasibleBudgetError(TfrematError):
         strategy: the strategy name.
         proven: no schedule at all fits (a lower bound or a solver proved it), as
             opposed to this strategy not finding one; the advice differs.
+        detail: what the strategy said about why.
+        fixed_bytes: the memory no schedule moves (weights, gradients, optimizer state, the
+            batch), when the graph is known; the message then splits the smallest feasible
+            budget into it and the activations planning moves, and says when fixed memory
+            alone is over the budget.
+        shown: how a byte count is written in the message: in the form the user gave the
+            budget ("93% (22.80 MiB)" for a share), bytes otherwise.
     """
 
     def __init__(
@@ -99,30 +107,69 @@ class InfeasibleBudgetError(TfrematError):
         strategy: str | None = None,
         detail: str = "",
         proven: bool = False,
+        *,
+        fixed_bytes: int | None = None,
+        shown: Callable[[float], str] | None = None,
+        budget_text: str | None = None,
     ):
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
         self.lower_bound_bytes = lower_bound_bytes
         self.strategy = strategy
         self.proven = proven
-        budget_text, smallest_text, bound_text = format_bytes_apart(budget_bytes, min_feasible_bytes, lower_bound_bytes)
+        self.detail = detail
+        self.fixed_bytes = fixed_bytes
+        self.shown = shown
+        self.budget_text = budget_text
+        super().__init__(self._message())
+
+    def in_terms(self, *, fixed_bytes: int, shown: Callable[[float], str] | None,
+                 budget_text: str | None = None) -> "InfeasibleBudgetError":
+        """The same error told in the user's terms (see the attributes); ``budget_text`` is
+        the budget as the user wrote it."""
+        return InfeasibleBudgetError(
+            self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes, self.strategy, self.detail,
+            self.proven, fixed_bytes=fixed_bytes, shown=shown, budget_text=budget_text,
+        )
+
+    def _message(self) -> str:
+        if self.shown is None:
+            budget_text, smallest_text, bound_text = format_bytes_apart(
+                self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes)
+        else:
+            budget_text, smallest_text, bound_text = (
+                None if n is None else self.shown(n)
+                for n in (self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes))
+        if self.budget_text is not None:
+            budget_text = f"{self.budget_text} ({format_bytes(self.budget_bytes)})"
+        fixed_over = self.fixed_bytes is not None and self.fixed_bytes >= self.budget_bytes
         parts = [f"budget of {budget_text} is infeasible"]
-        if strategy:
-            parts[0] = f"strategy {strategy!r}: " + parts[0]
-        if min_feasible_bytes is not None:
-            parts.append(f"the smallest peak reached is {smallest_text}")
-        if lower_bound_bytes is not None:
+        if self.strategy:
+            parts[0] = f"strategy {self.strategy!r}: " + parts[0]
+        if fixed_over:
+            parts.append(f"the fixed memory alone (weights, gradients, optimizer state, the batch) is "
+                         f"{format_bytes(self.fixed_bytes)}, which no schedule moves")
+        if self.min_feasible_bytes is not None:
+            text = f"the smallest feasible budget found is {smallest_text}"
+            if self.fixed_bytes is not None:
+                moving = max(self.min_feasible_bytes - self.fixed_bytes, 0)
+                what = "" if fixed_over else " (weights, gradients, optimizer state, the batch)"
+                text += f": {format_bytes(self.fixed_bytes)} fixed{what} and {format_bytes(moving)} of activations"
+            parts.append(text)
+        if self.lower_bound_bytes is not None:
             parts.append(f"no schedule can use less than {bound_text}")
         message = "; ".join(parts)
-        if detail:
-            message += f" ({detail})"
-        if proven:
+        if self.detail and not fixed_over:
+            message += f" ({self.detail})"
+        if fixed_over:
+            advice = "Raise the budget above the fixed memory, or shrink it: a smaller batch, model or optimizer state."
+        elif self.proven:
             advice = "Raise the budget."
-        elif strategy == "optimal":
+        elif self.strategy == "optimal":
             advice = "Raise the budget or the time limit."
         else:
             advice = "Raise the budget or try strategy='optimal'."
-        super().__init__(f"{message}. {advice}")
+        return f"{message}. {advice}"
 
 
 class BudgetFormatError(TfrematError, ValueError):

@@ -319,6 +319,11 @@ class DFGraph:
         )
 
 
+# The largest byte count a graph may hold: beyond any device, and small enough that the
+# simulator's int64 sums over tens of thousands of values cannot overflow.
+_MAX_BYTES = 2**48
+
+
 def _amount(value, what: str, whole: bool, node: int | None = None) -> int | float:
     """``value`` as a cost (float) or a byte count (int, ``whole``), checked before it is
     converted: int() of infinity raises OverflowError and of NaN a bare ValueError, and of
@@ -331,6 +336,9 @@ def _amount(value, what: str, whole: bool, node: int | None = None) -> int | flo
         return float(value)
     if not (is_int(value) or float(value).is_integer()):
         raise GraphError(f"{what} must be a whole number of bytes, got {value!r}", node=node)
+    if value > _MAX_BYTES:
+        raise GraphError(f"{what} is {value!r} bytes, more than any device holds (2**48, 256 TiB): check the "
+                         "unit the graph file was written in", node=node)
     return int(value)
 
 

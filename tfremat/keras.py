@@ -241,6 +241,11 @@ class RematCallback(keras.callbacks.Callback):
                 "sample weights given per output (a list or dict) are not supported by the rematerialized step; "
                 "pass one array of sample weights, which weights every output's loss"
             )
+        if y is None:
+            raise ArgumentError(
+                "the batch has no labels (y is None): tfremat trains on (x, y) batches; pass y to model.fit, or x "
+                "as a tf.data.Dataset yielding (x, y)"
+            )
         step = self._step_for(x, y, sample_weight)
         loss, y_pred = step(x, y, sample_weight)
         model = self.model

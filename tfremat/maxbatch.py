@@ -34,7 +34,7 @@ from tfremat.errors import (
     is_number,
 )
 from tfremat.graph import DFGraph
-from tfremat.ilp.formulation import build_model, memory_lower_bound
+from tfremat.ilp.formulation import build_milp, memory_lower_bound
 from tfremat.ilp.solvers import (
     DEFAULT_SOLVER,
     ProgressFn,
@@ -42,7 +42,12 @@ from tfremat.ilp.solvers import (
     solve_model,
 )
 from tfremat.plan.registry import check_options
-from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
+from tfremat.plan.schedule import (
+    Schedule,
+    SolverFacts,
+    checkpoint_all_s,
+    schedule_from_keep_matrix,
+)
 from tfremat.plan.simulator import simulate
 from tfremat.strategies import get_strategy
 
@@ -255,8 +260,9 @@ def min_peak_within_cost(
     is), so a time limit still returns a schedule.
 
     Returns:
-        The schedule; ``facts`` hold ``status``, ``peak_bytes``, ``peak_bound_bytes`` (a
-        proven lower bound on the smallest peak), ``cost`` and ``seconds``.
+        The schedule; its :class:`~tfremat.plan.schedule.SolverFacts` hold ``status`` (the
+        solver's), ``objective`` (its compute cost), ``peak_bytes``, ``peak_bound_bytes``
+        (a proven lower bound on the smallest peak), ``cost_cap`` and ``seconds``.
 
     Raises:
         ValueError: ``max_cost`` is below the cost of running every node once.
@@ -267,7 +273,7 @@ def min_peak_within_cost(
         raise ArgumentError(f"max_cost={max_cost} is below the no-remat cost {graph.total_cost}: no schedule is that cheap")
     keep_all = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "min_peak")
     reference = simulate(graph, keep_all).peak_bytes
-    model = build_model(graph, reference, peak_within_cost=max_cost)
+    model = build_milp(graph, reference, peak_within_cost=max_cost)
     result = solve_model(
         model, solver=solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed,
         start=model.encode(keep_all), progress=progress, started=began,
@@ -281,10 +287,10 @@ def min_peak_within_cost(
     bound = memory_lower_bound(graph)
     if result.best_bound is not None:
         bound = max(bound, int(np.ceil(graph.fixed_bytes + result.best_bound - 1e-6 * model.scale)))
-    return best.with_facts(
-        status=result.status, peak_bytes=best_peak, peak_bound_bytes=min(bound, best_peak), cost=best.cost(graph),
+    return best.with_facts(SolverFacts(
+        status=result.status, objective=best.cost(graph), peak_bytes=best_peak, peak_bound_bytes=min(bound, best_peak),
         cost_cap=max_cost, seconds=time.perf_counter() - began, solver=result.solver,
-    )
+    ))
 
 
 def _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, options) -> MaxBatchResult:
@@ -303,14 +309,14 @@ def _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, options
         per_sample = fixed_per_sample + (peak_bytes - graph_small.fixed_bytes) / small
         return np.floor((budget - fixed_base) / per_sample + 1e-9) if per_sample > 0 else np.inf
 
-    uncapped = largest(facts["peak_bytes"])
+    uncapped = largest(facts.peak_bytes)
     batch = int(min(uncapped, max_batch))
-    upper = int(min(largest(facts["peak_bound_bytes"]), max_batch))
+    upper = int(min(largest(facts.peak_bound_bytes), max_batch))
     if batch < min_batch:
         # ``small`` is min_batch: the schedule's peak is the least any schedule within the
         # overhead limit reaches at that batch, up to the solver's gap.
         raise InfeasibleBudgetError(
-            budget, min_feasible_bytes=facts["peak_bytes"], strategy="optimal",
+            budget, min_feasible_bytes=facts.peak_bytes, strategy="optimal",
             detail=f"batch size {min_batch} does not fit within the overhead limit (direct formulation)",
         )
     graph = graph_for_batch(batch)

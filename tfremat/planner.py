@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tfremat.budget import parse_budget
+from tfremat.budget import MIN_BUDGET, budget_kind, format_bytes
 from tfremat.cache import ScheduleCache, default_cache_dir
 from tfremat.errors import (
     ArgumentError,
@@ -31,15 +31,20 @@ from tfremat.errors import (
 )
 from tfremat.graph import DFGraph
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
-from tfremat.plan.registry import check_options, option_names
-from tfremat.plan.schedule import Schedule
+from tfremat.plan.registry import check_options, option_names, parse_graph_budget
+from tfremat.plan.schedule import Schedule, SolverFacts
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
-from tfremat.strategies import get_strategy, solver_strategy_names, strategy_names
+from tfremat.strategies import (
+    get_strategy,
+    least_peak,
+    solver_strategy_names,
+    strategy_names,
+)
 
 __all__ = [
     "PlanResult", "plan_graph", "compare_graph", "plan_model", "strategy_options", "DEFAULT_TIME_LIMIT",
     "keras_optimizer", "check_cache_argument", "check_keras_model", "split_solver_options", "summary_row",
-    "sample_batch", "loss_and_optimizer", "synthetic_batch", "BatchProgress",
+    "sample_batch", "check_batch_ranks", "loss_and_optimizer", "synthetic_batch", "BatchProgress",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,21 +96,21 @@ class PlanResult:
     extraction: Any = None
 
     @property
-    def facts(self) -> Mapping:
-        """Solver facts: status, objective, best bound, gap, ... (empty for heuristics)."""
+    def facts(self) -> SolverFacts | None:
+        """What the solver proved (status, objective, best bound, gap, ...); None for heuristics."""
         return self.schedule.facts
 
     def summary(self) -> dict:
         """A JSON-ready one-line summary."""
         return {
             "strategy": self.strategy,
-            "status": self.facts.get("status", "feasible"),
+            "status": self.facts.status if self.facts is not None else "feasible",
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "checkpoint_all_peak_bytes": self.checkpoint_all_peak_bytes,
             "overhead": round(self.overhead, 6),
             "recomputations": self.schedule.recompute_count,
-            "gap": self.facts.get("gap"),
+            "gap": self.facts.gap if self.facts is not None else None,
             "solve_seconds": round(self.solve_seconds, 3),
             "from_cache": self.from_cache,
         }
@@ -161,7 +166,9 @@ def plan_graph(
     Args:
         graph: the graph.
         budget: bytes, a string with a unit ("3.5GiB"), a share of the checkpoint-all peak
-            ("50%" or 0.5), or None for no limit.
+            ("50%" or 0.5), a share of the activation memory above the fixed memory ("50% of
+            activations"), "min" (the least peak any heuristic reaches, :func:`least_peak`),
+            or None for no limit.
         strategy: a registered strategy name (``tfremat.strategies.strategy_names()``).
         cache: True for the default schedule cache, a directory, a :class:`ScheduleCache`,
             or False to always solve.
@@ -182,7 +189,8 @@ def plan_graph(
     function = get_strategy(strategy)
     store = _cache_of(cache)
     reference = checkpoint_all_peak(graph)
-    budget_bytes = None if budget is None else parse_budget(budget, reference)
+    budget = resolve_min_budget(graph, budget)
+    budget_bytes = parse_graph_budget(graph, budget)
     options = strategy_options(strategy, **options)
     check_options(function, options, f"strategy {strategy!r}")
     cache_options = {k: v for k, v in options.items() if k != "progress"}
@@ -195,7 +203,7 @@ def plan_graph(
             progress = _SolverProgress(f"tfremat {strategy}")
             options["progress"] = progress
         try:
-            schedule = function(graph, budget_bytes, **options)
+            schedule = function(graph, budget, **options)
         finally:
             if progress is not None:
                 progress.close()
@@ -214,6 +222,15 @@ def plan_graph(
         solve_seconds=seconds,
         from_cache=from_cache,
     )
+
+
+def resolve_min_budget(graph: DFGraph, budget):
+    """``budget``, with ``"min"`` replaced by the bytes of :func:`least_peak` (logged)."""
+    if budget is None or budget_kind(budget) != MIN_BUDGET:
+        return budget
+    least = least_peak(graph)
+    logger.info("budget 'min': %s, the least peak a heuristic reaches on %s", format_bytes(least), graph.name)
+    return least
 
 
 def _check_graph(graph) -> None:
@@ -295,6 +312,7 @@ def compare_graph(
     """
     _check_graph(graph)
     names, per_strategy = split_solver_options(strategy_names() if strategies is None else strategies, milp_options)
+    budget = resolve_min_budget(graph, budget)  # once for every strategy
     results: list[PlanResult | InfeasibleBudgetError | SolverTimeLimitError] = []
     for name in names:
         options = per_strategy.get(name, {})
@@ -365,10 +383,11 @@ def sample_batch(x, y, batch_size: int | None):
     if isinstance(x, tf.data.Dataset):
         element = next(iter(x.take(1)))
         if not isinstance(element, (tuple, list)) or len(element) < 2:
-            raise TfrematError("a tf.data.Dataset must yield (x, y) batches")
+            raise ArgumentError("x: a tf.data.Dataset must yield (x, y) batches")
         return element[0], element[1]
     if x is None or y is None:
-        raise TfrematError("pass x and y (arrays) or x as a tf.data.Dataset yielding (x, y) batches")
+        raise ArgumentError(f"{'x' if x is None else 'y'}=None: pass x and y (arrays), or x as a tf.data.Dataset "
+                            "yielding (x, y) batches")
     if batch_size is None:
         raise TfrematError("batch_size is needed with array inputs: it fixes the shapes the schedule is planned for")
     if not is_int(batch_size) or batch_size < 1:
@@ -391,6 +410,20 @@ def sample_batch(x, y, batch_size: int | None):
                 )
     take = lambda a: tf.nest.map_structure(lambda t: t[:batch_size], a)  # noqa: E731
     return take(x), take(y)
+
+
+def check_batch_ranks(model, x) -> None:
+    """Raises ArgumentError when the batch ``x`` (from :func:`sample_batch`) lacks the batch
+    axis of ``model``'s inputs: an unbatched ``tf.data.Dataset`` yields single samples, whose
+    first axis would otherwise be taken for the batch."""
+    import tensorflow as tf
+
+    for tensor, spec in zip(tf.nest.flatten(x), model.inputs):
+        if len(tensor.shape) == len(spec.shape) - 1:
+            raise ArgumentError(
+                f"x holds single samples of shape {tuple(tensor.shape)} where the model takes batches of shape "
+                f"{tuple(spec.shape)}: batch the dataset (dataset.batch(batch_size)) before passing it"
+            )
 
 
 def loss_and_optimizer(model, loss, optimizer) -> dict:
@@ -472,6 +505,7 @@ def plan_model(
     check_cache_argument(cache)
     training = loss_and_optimizer(model, loss, optimizer)
     batch = sample_batch(x, y, batch_size)
+    check_batch_ranks(model, batch[0])
     extraction = extract(model, sample_batch=batch, cost_model=cost_model, **training)
     result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **options)
     return dataclasses.replace(result, extraction=extraction)
@@ -536,8 +570,8 @@ def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", 
     """
     import numpy as np
 
-    from tfremat.extract.extractor import per_output
     from tfremat.extract.layer_graph import model_output_names, require_functional
+    from tfremat.extract.losses import per_output
 
     require_functional(model)
     rng = None if seed is None else np.random.default_rng(seed)

@@ -8,11 +8,14 @@ strategies after them. Nothing here imports TensorFlow.
 from __future__ import annotations
 
 from tfremat.errors import ArgumentError
-from tfremat.ilp.portfolio import HEURISTICS
-from tfremat.ilp.strategies import solve_approx_lp, solve_optimal
+from tfremat.graph import DFGraph
+from tfremat.ilp.approx_lp import solve_approx_lp
+from tfremat.ilp.formulation import memory_lower_bound
+from tfremat.ilp.milp import solve_optimal
+from tfremat.ilp.portfolio import HEURISTICS, best_baseline
 from tfremat.plan.registry import Strategy
 
-__all__ = ["STRATEGIES", "get_strategy", "strategy_names", "solver_strategy_names"]
+__all__ = ["STRATEGIES", "get_strategy", "strategy_names", "solver_strategy_names", "least_peak"]
 
 STRATEGIES: tuple[Strategy, ...] = (*HEURISTICS, solve_optimal, solve_approx_lp)
 _BY_NAME = {s.name: s for s in STRATEGIES}
@@ -45,3 +48,16 @@ def get_strategy(name: str) -> Strategy:
 def solver_strategy_names() -> list[str]:
     """The strategies that take solver options (``solver``, ``time_limit``, ...)."""
     return [s.name for s in STRATEGIES if s.takes_solver_options]
+
+
+def least_peak(graph: DFGraph) -> int:
+    """The least peak a heuristic reaches on ``graph``: what the budget ``"min"`` means.
+
+    The portfolio runs at the proven lower bound (:func:`memory_lower_bound`); a schedule
+    that fits there is as low as any can be, and otherwise each heuristic reports the
+    smallest peak it reached. The slow heuristics that take a time limit do not run. Not
+    proven minimal: the MILP may find lower (ask ``optimal`` for a byte budget below it).
+    """
+    bound = memory_lower_bound(graph)
+    schedule, smallest_peak = best_baseline(graph, bound, fallback_seconds=0.0)
+    return bound if schedule is not None else smallest_peak

@@ -5,8 +5,10 @@ that strategies plan over and the :class:`SideTable` the compiled training step 
 each node.
 """
 
-from tfremat.extract.extractor import Extraction, cache_dir, extract, resolve_loss
+from tfremat.extract.extractor import Extraction, extract
+from tfremat.extract.losses import resolve_loss
 from tfremat.extract.plain_step import measure_plain_step_peak
+from tfremat.extract.profile_cache import cache_dir
 from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef
 
 __all__ = [

@@ -10,7 +10,7 @@ backward runs, so it is classified by identity, not by layer type:
 * the call's output (a ReLU's gradient reads its output),
 * anything else is an internal *residual* (Dense's pre-activation, dropout's scaled mask,
   batch norm's per-channel statistics). Residuals whose leading dimension is the batch
-  grow with the batch and are counted with the node (see :mod:`tfremat.extract.extractor`);
+  grow with the batch and are counted with the node (see :mod:`tfremat.extract.assembly`);
   the others (per-channel statistics, weight casts) are small and counted as fixed bytes.
 
 Reads that only take a tensor's shape (``Shape``, ``Size``, ``Rank``) keep nothing alive
@@ -19,10 +19,10 @@ live in the graph: none of them count.
 
 A ``tf.while_loop`` (a Keras RNN with ``unroll=False``) keeps its per-step intermediates for
 the gradient in ``TensorList`` accumulators: ``variant`` tensors of shape ``()`` whose
-static size says nothing about the bytes they hold (four stacked LSTM(64) over 64 steps:
-about 2 MB each, counted as 0 and missing from the forward value, so the planner freed the
-layer's activations long before the tape did, and the step used 1.5-2.5 times its
-prediction). Their bytes are measured instead (:func:`_held_bytes`): the call runs
+static size says nothing about the bytes they hold (by static size they would count as 0,
+and the planner would free the layer's activations long before the tape does, so the step
+would use several times its prediction). Their bytes are measured instead
+(:func:`_held_bytes`): the call runs
 forward, with the accumulators the gradient creates, returning only those residuals, and
 the allocator's bytes in use after it are what the tape holds. They count as batch-sized
 residuals, and such a call is recorded on a non-persistent tape and takes its gradients in
@@ -37,7 +37,7 @@ bytes beyond the node's output, residuals and gradients. Profiling runs the laye
 ``training=True``, which would move batch-norm statistics and dropout seeds, so the layer's
 non-trainable variables are restored afterwards: extraction leaves the model exactly as it
 found it. The backward workspace of a call that runs a while loop is the largest over a few
-traces (see ``analyze_call``).
+traces (see :func:`_other_orders_peak`).
 
 The ``flops`` cost model sums TensorFlow's registered per-op flop statistics over the traced
 ops (``Conv2D``, ``MatMul``, ...), and the element count of every other computing op. A
@@ -76,7 +76,8 @@ _SHAPE_ONLY_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradie
 _NOT_RESIDUAL_OPS = frozenset({"ReadVariableOp", "Const", "Placeholder", "VarHandleOp"})
 _LOOP_OPS = frozenset({"While", "StatelessWhile"})
 _CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
-_LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (analyze_call)
+_LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (_other_orders_peak)
+_SEED_SPEC = tf.TensorSpec([], tf.float32)  # the scalar the upstream gradients are filled with
 _NO_COMPUTE_OPS = frozenset(
     {"Const", "Placeholder", "ReadVariableOp", "Identity", "IdentityN", "NoOp", "Shape", "ShapeN",
      "Size", "Rank", "Reshape", "StopGradient", "VarHandleOp", "AssignVariableOp", "AssignAddVariableOp",
@@ -185,20 +186,14 @@ def _requested_peak(fn: Callable, args, warmup: int) -> int:
     (:func:`tfremat.runtime.memory.requested_peak`, what
     ``measure_step_peak(..., count="requested")`` reads of a compiled step).
 
-    The allocator's own peak counts whole BFC chunks, and BFC hands out a free chunk whole
-    when it is less than twice the request. A convolution's gradient requests a scratch
-    buffer of about 32 MiB on CPU, which the profiling process's earlier allocations had
-    left a 60 MiB chunk for: the backward of a U-Net's 3x3 convolution on 64x64x48 (batch
-    4) peaked at 71.0 MiB by the allocator and 39.8 MiB requested, its workspace was
-    counted 31 MiB too large, and the U-Net's step requested 0.59x its checkpoint-all
-    prediction (47.3 against 79.6 MiB; no budget under 74.3 MiB was accepted). A loop's
-    hundreds of small per-iteration allocations (an LSTM's per-step weight-gradient
-    partials) have the same problem: one GRU backward measured 1.1 MB of workspace in one
-    process and 2.4 MB in another, and plans made on the smaller number overran. The
-    requested bytes are what the step's memory is held to, and do not depend on the
-    process's history. One run after a warm-up: the order in which a loop's iterations
-    run is fixed by its trace (see ``analyze_call``), except that it sometimes settled on
-    a smaller peak after a few runs (3.41 MB requested, then 2.53), never on a larger one.
+    Requested bytes, not the allocator's own peak: BFC counts whole chunks and hands out a
+    free chunk whole when it is less than twice the request, so its peak depends on what
+    the process allocated before (a convolution gradient's scratch buffer, tens of MiB on
+    CPU, may land in a chunk twice its size; a loop's many small per-iteration
+    allocations likewise). The requested bytes are what the step's memory is held to and
+    do not depend on the process's history. One measured run after the warm-up: the
+    order in which a loop's iterations run is fixed by its trace
+    (:func:`_other_orders_peak`); further runs settle on the same peak or a smaller one.
 
     Raises:
         ExtractionError: the allocator keeps no statistics (:func:`reset_allocator_peak`).
@@ -218,34 +213,137 @@ def _sample(spec: tf.TensorSpec) -> tf.Tensor:
     return tf.zeros(spec.shape, dtype=spec.dtype)
 
 
-def _batch_sized_vectors(step: Callable, input_specs: Sequence[tf.TensorSpec], seed_spec: tf.TensorSpec,
-                         batch_size: int, names: Sequence[str], records: dict, layer_name: str) -> set[str]:
+def _batch_sized_vectors(tracer: _CallTracer, batch_size: int, names: Sequence[str], layer_name: str) -> set[str]:
     """Which of the vectors ``names`` (residuals of shape ``[batch_size]``) grow with the batch.
 
     A vector as long as the batch may be per sample (a per-sample loss) or per channel
-    (batch norm's statistics when the channels equal the batch: the demo's 32 channels at
-    batch 32 made every batch norm keep its 4 MiB output to its backward, 16.8 MiB above
-    what the step requested). The step is traced again, trace only, with one more sample;
-    the tensors of the two traces are matched by name. A layer that cannot be traced at
-    another batch size keeps every such vector batch-sized, the side that never predicts
-    less than the step holds.
+    (batch norm's statistics when the channel count equals the batch size; counted as
+    batch-sized they would keep each batch norm's output alive to its backward in the
+    graph, which the step does not). The step is traced again, trace only, with one more
+    sample; the tensors of the two traces are matched by name. A layer that cannot be
+    traced at another batch size keeps every such vector batch-sized, the side that never
+    predicts less than the step holds.
     """
     if not names:
         return set()
     probe_specs = [
         tf.TensorSpec([batch_size + 1, *s.shape[1:]], s.dtype) if s.shape.rank and s.shape[0] == batch_size else s
-        for s in input_specs
+        for s in tracer.input_specs
     ]
     try:
-        tf.function(step, autograph=False).get_concrete_function(probe_specs, seed_spec)
+        tracer.trace("probe", probe_specs)
     except Exception as error:  # noqa: BLE001 - any layer code may refuse another batch size
         logger.debug("layer %s does not trace at batch %d (%s); its %d batch-long vectors count as batch-sized",
                      layer_name, batch_size + 1, type(error).__name__, len(names))
         return set(names)
     finally:
-        probed = records.pop("probe", None)
+        probed = tracer.records.pop("probe", None)
     shapes = {t.name: t.shape for t in probed["reads"][2]} if probed else {}
     return {n for n in names if n not in shapes or shapes[n].rank != 1 or shapes[n][0] == batch_size + 1}
+
+
+class _CallTracer:
+    """Traces one layer call together with its VJP, as the compiled step runs them.
+
+    Every trace records what it saw in ``records[fetch]``: the forward and backward
+    operations, what the backward reads of the forward (:func:`_backward_reads`) and the
+    input positions whose gradients are distinct tensors. ``fetch`` names the trace and
+    picks what it returns (see :meth:`forward_backward`): ``"step"`` (the trace the
+    analysis reads and the run the backward is measured on), ``"probe"`` (the step at
+    another batch size, :func:`_batch_sized_vectors`), ``"held"`` (the forward returning
+    only a loop's accumulators, :func:`_held_bytes`) and ``"ungated"`` (the step without
+    the order the compiled step imposes).
+    """
+
+    def __init__(self, call_layer: Callable[[list], object], input_specs: Sequence[tf.TensorSpec],
+                 needs_grad: Sequence[bool], variables: Sequence[tf.Variable], one_call: bool):
+        self.call_layer = call_layer
+        self.input_specs = list(input_specs)
+        self.grad_positions = [i for i, (s, g) in enumerate(zip(input_specs, needs_grad)) if g and _is_float(s.dtype)]
+        self.variables = variables
+        self.one_call = one_call
+        self.records: dict[str, dict] = {}
+
+    def trace(self, fetch: str, specs: Sequence[tf.TensorSpec] | None = None, gated: bool = True):
+        """A fresh concrete function of :meth:`forward_backward` (a new ``tf.function``
+        each time, so each call traces again) on ``specs`` (default: the call's inputs)."""
+
+        def run(flat_inputs, seed):
+            return self.forward_backward(flat_inputs, seed, fetch, gated)
+
+        specs = self.input_specs if specs is None else specs
+        return tf.function(run, autograph=False).get_concrete_function(list(specs), _SEED_SPEC)
+
+    def forward_backward(self, flat_inputs, seed, fetch: str, gated: bool = True):
+        """The call and its VJP as the compiled step runs them (the trace the analysis
+        reads, and the run the backward's time and workspace come from).
+
+        The step asks a persistent tape for the input gradients first and for the weight
+        gradients after them (two ``gradient`` calls, see the interpreter; a
+        non-persistent tape and one call when the forward runs a while loop,
+        :func:`~tfremat.runtime.tape.takes_one_gradient_call`), and the memory model
+        counts the forward value (outputs and the tensors the gradient reads) and the
+        upstream gradients as resident while the backward node runs: they are returned
+        here, so they live to the end, and the upstream gradients are made inside (from
+        ``seed``, after the forward) as the step makes them. With one ``gradient`` call
+        on caller-owned gradients TensorFlow frees a residual mid-way, and a transient
+        such as ``ReluGrad``'s batch-sized output would measure as 0 bytes. A loop's
+        accumulators are the exception: the gradient loop, their only reader, pops them
+        one step at a time, so they are not returned (returning them would over-count the
+        backward's workspace).
+
+        With ``fetch="held"`` it returns only the ``variant`` residuals: nothing returned
+        reads the gradient, so its operations do not run, and the bytes still allocated
+        afterwards are those the accumulators hold.
+
+        ``gated``: the backward starts once the forward value and the upstream gradients
+        exist, as in the step (each statement waits for the previous one), so what the
+        workspace subtracts as held is live at the backward's peak. Ungated, TensorFlow
+        may run a convolution's output after its gradient (nothing in the gradient reads
+        it) and the workspace comes out one output short. The ungated order is measured
+        too (``profile``): the order of the gradient's own ops follows what is ready when,
+        and batch norm's gradient can hold one more batch-sized buffer that way, as in
+        some of the step's backward statements.
+        """
+        one_call, variables = self.one_call, self.variables
+        graph = tf.compat.v1.get_default_graph()
+        with tf.GradientTape(persistent=not one_call) as tape:
+            for i in self.grad_positions:
+                tape.watch(flat_inputs[i])
+            outputs = tf.nest.flatten(self.call_layer(list(flat_inputs)))
+        mark = len(graph.get_operations())
+        targets = [o for o in outputs if _is_float(o.dtype)]
+        with tf.control_dependencies(outputs if gated else []):
+            upstream = [tf.fill(tf.shape(o), tf.cast(seed, o.dtype)) for o in targets]
+        sources = [flat_inputs[i] for i in self.grad_positions]
+        gradient = functools.partial(tape.gradient, targets, output_gradients=upstream,
+                                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        with tf.control_dependencies(outputs + upstream if gated else []):
+            if not targets:
+                input_part, weight_part = [], []
+            elif one_call:
+                both = gradient(sources + list(variables), unconnected_gradients=tf.UnconnectedGradients.NONE) \
+                    if sources or variables else []
+                input_part, weight_part = both[:len(sources)], both[len(sources):]
+            else:
+                input_part = gradient(sources) if sources else []
+                with tf.control_dependencies([g for g in input_part if g is not None]):
+                    weight_part = gradient(list(variables), unconnected_gradients=tf.UnconnectedGradients.NONE) \
+                        if variables else []
+        operations = graph.get_operations()
+        reads = _backward_reads(operations[:mark], operations[mark:], flat_inputs, outputs)
+        # Input gradients that are one tensor (an Add's gradient is its upstream gradient
+        # for every input) are one buffer in the step: their positions, counted once.
+        distinct: dict = {}
+        for position, g in zip(self.grad_positions, input_part):
+            if g is not None:
+                distinct.setdefault(g.ref(), position)
+        self.records[fetch] = {"forward_ops": operations[:mark], "backward_ops": operations[mark:], "reads": reads,
+                               "grad_positions": sorted(distinct.values())}
+        if fetch == "held":
+            return [t for t in reads[2] if t.dtype == tf.variant]
+        grads = [g for g in (*input_part, *weight_part) if g is not None]
+        return grads + outputs + upstream + [t for t in reads[2] if t.dtype != tf.variant]
 
 
 def analyze_call(
@@ -282,139 +380,15 @@ def analyze_call(
         ExtractionError: a shape is not static, or a ``variant`` residual cannot be sized
             (no allocator statistics and no ``TensorList`` element shape).
     """
-    records: dict[str, dict] = {}
-    grad_positions = [i for i, (s, g) in enumerate(zip(input_specs, needs_grad)) if g and _is_float(s.dtype)]
-
-    def forward_backward(flat_inputs, seed, fetch: str, gated: bool = True):
-        """The call and its VJP as the compiled step runs them (the trace the analysis
-        reads, and the run the backward's time and workspace come from).
-
-        The step asks a persistent tape for the input gradients first and for the weight
-        gradients after them (two ``gradient`` calls, see the interpreter; a
-        non-persistent tape and one call when the forward runs a while loop,
-        :func:`~tfremat.runtime.tape.takes_one_gradient_call`),
-        and the memory model counts the forward value (outputs and the tensors the
-        gradient reads) and the upstream gradients as resident while the backward node
-        runs: they are returned here, so they live to the end, and the upstream gradients
-        are made inside (from ``seed``, after the forward) as the step makes them. One
-        ``gradient`` call on caller-owned gradients had let TensorFlow free a residual
-        mid-way and measured a Dense+ReLU layer's transient (``ReluGrad``'s batch-sized
-        output) as 0 bytes: the step peaked one such buffer above the prediction (2 MiB on
-        a Dense(512) MLP at batch 1024). A loop's accumulators are the exception: the
-        gradient loop, their only reader, pops them one step at a time, so they need not
-        live to the end; returning them counted a stacked LSTM's backward workspace 1.1
-        MB higher and predicted its step 15% above what it requested.
-
-        With ``fetch="held"`` it returns only the ``variant`` residuals: nothing returned
-        reads the gradient, so its operations do not run, and the bytes still allocated
-        afterwards are those the accumulators hold.
-
-        ``gated``: the backward starts once the forward value and the upstream gradients
-        exist, as in the step (each statement waits for the previous one), so what the
-        workspace subtracts as held is live at the backward's peak. Ungated, TensorFlow
-        ran a convolution's output after its gradient (nothing in the gradient reads it)
-        and the workspace came out one output short (19 MiB against the 27 MiB its filter
-        gradient requests in the step). The ungated order is measured too (``profile``):
-        the order of the gradient's own ops follows what is ready when, and batch norm's
-        gradient held one more batch-sized buffer that way, as in some of the step's
-        backward statements.
-        """
-        graph = tf.compat.v1.get_default_graph()
-        with tf.GradientTape(persistent=not one_call) as tape:
-            for i in grad_positions:
-                tape.watch(flat_inputs[i])
-            outputs = tf.nest.flatten(call_layer(list(flat_inputs)))
-        mark = len(graph.get_operations())
-        targets = [o for o in outputs if _is_float(o.dtype)]
-        with tf.control_dependencies(outputs if gated else []):
-            upstream = [tf.fill(tf.shape(o), tf.cast(seed, o.dtype)) for o in targets]
-        sources = [flat_inputs[i] for i in grad_positions]
-        gradient = functools.partial(tape.gradient, targets, output_gradients=upstream,
-                                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        with tf.control_dependencies(outputs + upstream if gated else []):
-            if not targets:
-                input_part, weight_part = [], []
-            elif one_call:
-                both = gradient(sources + list(variables), unconnected_gradients=tf.UnconnectedGradients.NONE) \
-                    if sources or variables else []
-                input_part, weight_part = both[:len(sources)], both[len(sources):]
-            else:
-                input_part = gradient(sources) if sources else []
-                with tf.control_dependencies([g for g in input_part if g is not None]):
-                    weight_part = gradient(list(variables), unconnected_gradients=tf.UnconnectedGradients.NONE) \
-                        if variables else []
-        operations = graph.get_operations()
-        reads = _backward_reads(operations[:mark], operations[mark:], flat_inputs, outputs)
-        # Input gradients that are one tensor (an Add's gradient is its upstream gradient
-        # for every input) are one buffer in the step: their positions, counted once.
-        distinct: dict = {}
-        for position, g in zip(grad_positions, input_part):
-            if g is not None:
-                distinct.setdefault(g.ref(), position)
-        records[fetch] = {"forward_ops": operations[:mark], "backward_ops": operations[mark:], "reads": reads,
-                          "grad_positions": sorted(distinct.values())}
-        if fetch == "held":
-            return [t for t in reads[2] if t.dtype == tf.variant]
-        grads = [g for g in (*input_part, *weight_part) if g is not None]
-        return grads + outputs + upstream + [t for t in reads[2] if t.dtype != tf.variant]
-
-    def step(flat_inputs, seed):
-        return forward_backward(flat_inputs, seed, "step")
-
-    def probe(flat_inputs, seed):
-        return forward_backward(flat_inputs, seed, "probe")
-
-    def held(flat_inputs, seed):
-        return forward_backward(flat_inputs, seed, "held")
-
-    def ungated_step(flat_inputs, seed):
-        return forward_backward(flat_inputs, seed, "ungated", gated=False)
-
-    def forward(flat_inputs):
-        return call_layer(list(flat_inputs))
-
-    # The output specs come from a forward-only trace.
-    forward_fn = tf.function(forward, autograph=False)
-    forward_concrete = forward_fn.get_concrete_function(list(input_specs))
-    out_tensors = tf.nest.flatten(forward_concrete.structured_outputs)
-    output_specs = tuple((tuple(t.shape.as_list()), t.dtype.name) for t in out_tensors)
+    forward_concrete, output_specs, one_call = _trace_forward(call_layer, input_specs)
     output_bytes = sum(tensor_bytes(s, d, "the output", layer_name) for s, d in output_specs)
-    upstream_bytes = sum(tensor_bytes(s, d, "an output gradient", layer_name) for s, d in output_specs
-                         if _is_float(tf.as_dtype(d)))
-    # The interpreter decides on the same forward-only trace (its trial trace).
-    one_call = takes_one_gradient_call(forward_concrete.graph.get_operations())
-
-    fb_fn = tf.function(step, autograph=False)
-    seed_spec = tf.TensorSpec([], tf.float32)
-    fb_concrete = fb_fn.get_concrete_function(list(input_specs), seed_spec)
-    record = records["step"]
+    tracer = _CallTracer(call_layer, input_specs, needs_grad, variables, one_call)
+    fb_concrete = tracer.trace("step")
+    record = tracer.records["step"]
     reads_inputs, reads_output, read_tensors = record["reads"]
-    residuals: dict[str, int] = {}
-    small: dict[str, int] = {}
-    vectors = [t.name for t in read_tensors if t.shape.rank == 1 and t.shape[0] == batch_size]
-    batch_vectors = _batch_sized_vectors(probe, input_specs, seed_spec, batch_size, vectors, records, layer_name)
-    for t in read_tensors:
-        if t.dtype == tf.variant:
-            continue  # sized below, by running the call
-        shape = t.shape.as_list() if t.shape.rank is not None else [None]
-        size = tensor_bytes(shape, t.dtype, f"residual {t.name}", layer_name)
-        batch_sized = len(shape) >= 1 and shape[0] == batch_size and (len(shape) > 1 or t.name in batch_vectors)
-        (residuals if batch_sized else small)[t.name] = size
-    loop_bytes, iterations = 0, 1
-    held_concrete = None
-    if one_call or any(t.dtype == tf.variant for t in read_tensors):
-        held_concrete = tf.function(held, autograph=False).get_concrete_function(list(input_specs), seed_spec)
-        loop_bytes, iterations = _held_bytes(
-            held_concrete, ([_sample(s) for s in input_specs], tf.constant(1.0)), records["held"], layer_name,
-        )
-        logger.debug("layer %s: loop accumulators hold %d bytes over %d iterations", layer_name, loop_bytes, iterations)
+    residuals, small = _sized_residuals(tracer, read_tensors, batch_size, layer_name)
+    held_concrete, loop_bytes, iterations = _loop_residuals(tracer, read_tensors, layer_name)
     graph = fb_concrete.graph
-    forward_flops = _flops(graph, record["forward_ops"], iterations)
-    backward_flops = _flops(graph, record["backward_ops"], iterations)
-    input_grad_bytes = sum(
-        tensor_bytes(input_specs[i].shape, input_specs[i].dtype, f"input {i}", layer_name)
-        for i in record["grad_positions"]
-    )
     analysis = CallAnalysis(
         output_specs=output_specs,
         output_bytes=output_bytes,
@@ -422,40 +396,117 @@ def analyze_call(
         reads_output=reads_output,
         residual_bytes=sum(residuals.values()) + loop_bytes,
         small_residual_bytes=sum(small.values()),
-        input_grad_bytes=input_grad_bytes,
-        forward_flops=forward_flops,
-        backward_flops=backward_flops,
+        input_grad_bytes=sum(
+            tensor_bytes(input_specs[i].shape, input_specs[i].dtype, f"input {i}", layer_name)
+            for i in record["grad_positions"]
+        ),
+        forward_flops=_flops(graph, record["forward_ops"], iterations),
+        backward_flops=_flops(graph, record["backward_ops"], iterations),
         loop_residual_bytes=loop_bytes,
         one_gradient_call=one_call,
     )
     if not profile:
         return analysis
-    inputs = [_sample(s) for s in input_specs]
-    weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
-    # A loop's forward under the tape also fills the accumulators: time and measure that run.
+    upstream_bytes = sum(tensor_bytes(s, d, "an output gradient", layer_name) for s, d in output_specs
+                         if _is_float(tf.as_dtype(d)))
+    return _profile_call(analysis, tracer, forward_concrete, fb_concrete, held_concrete, upstream_bytes,
+                         repeats, warmup)
+
+
+def _trace_forward(call_layer: Callable[[list], object], input_specs: Sequence[tf.TensorSpec]):
+    """``(concrete function, output specs, one_gradient_call)`` of a forward-only trace.
+
+    The output specs come from it, and whether the backward takes one gradient call: the
+    interpreter decides on the same forward-only trace (its trial trace).
+    """
+
+    def forward(flat_inputs):
+        return call_layer(list(flat_inputs))
+
+    concrete = tf.function(forward, autograph=False).get_concrete_function(list(input_specs))
+    out_tensors = tf.nest.flatten(concrete.structured_outputs)
+    output_specs = tuple((tuple(t.shape.as_list()), t.dtype.name) for t in out_tensors)
+    return concrete, output_specs, takes_one_gradient_call(concrete.graph.get_operations())
+
+
+def _sized_residuals(tracer: _CallTracer, read_tensors, batch_size: int,
+                     layer_name: str) -> tuple[dict[str, int], dict[str, int]]:
+    """The static-size residuals by name, split into those that grow with the batch (the
+    node's value) and the others (fixed bytes); ``variant`` residuals are left to
+    :func:`_loop_residuals`."""
+    residuals: dict[str, int] = {}
+    small: dict[str, int] = {}
+    vectors = [t.name for t in read_tensors if t.shape.rank == 1 and t.shape[0] == batch_size]
+    batch_vectors = _batch_sized_vectors(tracer, batch_size, vectors, layer_name)
+    for t in read_tensors:
+        if t.dtype == tf.variant:
+            continue  # sized by running the call (_loop_residuals)
+        shape = t.shape.as_list() if t.shape.rank is not None else [None]
+        size = tensor_bytes(shape, t.dtype, f"residual {t.name}", layer_name)
+        batch_sized = len(shape) >= 1 and shape[0] == batch_size and (len(shape) > 1 or t.name in batch_vectors)
+        (residuals if batch_sized else small)[t.name] = size
+    return residuals, small
+
+
+def _loop_residuals(tracer: _CallTracer, read_tensors, layer_name: str):
+    """``(held concrete function or None, bytes the loop's accumulators hold, iterations)``.
+
+    Only for a call that runs a while loop or whose gradient reads ``variant`` tensors:
+    their bytes and the iteration count exist only at run time, so the ``"held"`` trace is
+    run once (:func:`_held_bytes`). Otherwise ``(None, 0, 1)``.
+    """
+    if not (tracer.one_call or any(t.dtype == tf.variant for t in read_tensors)):
+        return None, 0, 1
+    held_concrete = tracer.trace("held")
+    loop_bytes, iterations = _held_bytes(
+        held_concrete, ([_sample(s) for s in tracer.input_specs], tf.constant(1.0)), tracer.records["held"], layer_name,
+    )
+    logger.debug("layer %s: loop accumulators hold %d bytes over %d iterations", layer_name, loop_bytes, iterations)
+    return held_concrete, loop_bytes, iterations
+
+
+def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete, fb_concrete, held_concrete,
+                  upstream_bytes: int, repeats: int, warmup: int) -> CallAnalysis:
+    """``analysis`` with the median seconds and the workspaces measured on the device.
+
+    The forward is timed alone, or for a loop with the tape filling its accumulators (the
+    ``"held"`` trace); the backward's seconds are the step's minus the forward's. Each
+    workspace is the requested peak minus what the node holds anyway: for the forward its
+    value; for the backward the forward value, the upstream gradients, the small
+    residuals, the input gradients and the weight gradients.
+    """
+    inputs = [_sample(s) for s in tracer.input_specs]
+    weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in tracer.variables)
     timed_forward = (held_concrete, (inputs, tf.constant(1.0))) if held_concrete is not None else (forward_concrete, (inputs,))
     fwd_seconds, fwd_peak = _time_and_memory(*timed_forward, repeats, warmup)
     fb_seconds, fb_peak = _time_and_memory(fb_concrete, (inputs, tf.constant(1.0)), repeats, warmup)
-    if held_concrete is not None:
-        # Each trace of a loop's gradient comes out with its operations in another order
-        # (not fixed by Python's hash seed either), and the order decides how many
-        # iterations' temporaries are in flight at once: one LSTM(32) backward peaked at
-        # 0.35, 0.62 or 1.17 MB depending on the trace, the same on every run of one. The
-        # step's trace is another draw, so the workspace is the largest over a few traces.
-        retraced = [tf.function(step, autograph=False).get_concrete_function(list(input_specs), seed_spec)
-                    for _ in range(_LOOP_TRACES - 1)]
-        fb_peak = max([fb_peak, *(_requested_peak(fn, (inputs, tf.constant(1.0)), warmup) for fn in retraced)])
-    else:
-        ungated = tf.function(ungated_step, autograph=False).get_concrete_function(list(input_specs), seed_spec)
-        fb_peak = max(fb_peak, _requested_peak(ungated, (inputs, tf.constant(1.0)), warmup))
-    held_bytes = output_bytes + upstream_bytes + analysis.residual_bytes + analysis.small_residual_bytes
+    fb_peak = max(fb_peak, _other_orders_peak(tracer, held_concrete is not None, inputs, warmup))
+    held_bytes = analysis.output_bytes + upstream_bytes + analysis.residual_bytes + analysis.small_residual_bytes
     return dataclasses.replace(
         analysis,
         forward_seconds=fwd_seconds,
         backward_seconds=max(fb_seconds - fwd_seconds, 0.05 * fb_seconds),
-        forward_workspace=max(0, fwd_peak - output_bytes - analysis.residual_bytes),
-        backward_workspace=max(0, fb_peak - held_bytes - input_grad_bytes - weight_grad_bytes),
+        forward_workspace=max(0, fwd_peak - analysis.output_bytes - analysis.residual_bytes),
+        backward_workspace=max(0, fb_peak - held_bytes - analysis.input_grad_bytes - weight_grad_bytes),
     )
+
+
+def _other_orders_peak(tracer: _CallTracer, loop: bool, inputs, warmup: int) -> int:
+    """The largest requested peak of the backward in the orders the step may run it in,
+    besides the ``"step"`` trace already measured.
+
+    A loop's gradient comes out of each trace with its operations in another order (not
+    fixed by Python's hash seed either), and the order decides how many iterations'
+    temporaries are in flight at once: the peak differs between traces (several-fold on a
+    small LSTM) and is the same on every run of one. The step's trace is another draw, so
+    the largest over :data:`_LOOP_TRACES` traces counts. Without a loop, the ungated order
+    (:meth:`_CallTracer.forward_backward`).
+    """
+    args = (inputs, tf.constant(1.0))
+    if loop:
+        retraced = [tracer.trace("step") for _ in range(_LOOP_TRACES - 1)]
+        return max(_requested_peak(fn, args, warmup) for fn in retraced)
+    return _requested_peak(tracer.trace("ungated", gated=False), args, warmup)
 
 
 def _function_graph(graph, name: str):

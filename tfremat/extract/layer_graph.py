@@ -22,6 +22,7 @@ from tfremat.extract.side_table import TensorRef
 
 __all__ = [
     "LayerCall", "walk_model", "functional_view", "require_functional", "model_input_names", "model_output_names",
+    "trainable_variables", "regularized_variables", "takes_training",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ def functional_view(model) -> object | None:
 
 def require_functional(model):
     """The model's functional graph (:func:`functional_view`), for every entry point that
-    reads the layer DAG or ``model.inputs`` (a subclassed model has neither, and failed
-    with an AttributeError in ``max_batch_size`` and ``measure_model``).
+    reads the layer DAG or ``model.inputs`` (a subclassed model has neither; without this
+    check it fails later with an ``AttributeError``).
 
     Raises:
         ExtractionError: a Sequential model not built yet (no ``keras.Input``, never
@@ -84,6 +85,27 @@ def require_functional(model):
         "keras.Sequential, or wrap the subclassed model as one layer inside a functional model.",
         layer=model.name,
     )
+
+
+def trainable_variables(layer) -> list:
+    """A layer's trainable variables; none for a Keras operation that is not a layer
+    (``x + y`` or ``keras.ops.relu(x)`` in a functional model)."""
+    return list(getattr(layer, "trainable_variables", ()))
+
+
+def regularized_variables(layer) -> list:
+    """A layer's trainable variables that carry a weight regularizer."""
+    return [v for v in trainable_variables(layer) if getattr(v, "regularizer", None) is not None]
+
+
+def takes_training(layer) -> bool:
+    """Whether the step calls ``layer`` with ``training=True``: every Keras layer takes it,
+    as ``model.fit`` gives it. Keras passes it on to the sublayers through its call
+    context even when the layer's own ``call`` has no ``training`` argument, so a custom
+    block's Dropout and BatchNormalization train as in ``model.fit`` (not in inference
+    mode). A plain Keras ``Operation`` (``keras.ops`` in a functional model) takes no such
+    argument."""
+    return isinstance(layer, keras.layers.Layer)
 
 
 def model_input_names(model) -> list[str]:

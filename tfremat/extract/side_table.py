@@ -110,7 +110,7 @@ class NodeEntry:
             gradients of the model outputs (loss), or of the input gradients (backward).
         residual_bytes: forward nodes only: bytes of the internal tensors the gradient
             reads that grow with the batch; they are part of the node's graph value (see
-            :mod:`tfremat.extract.extractor`).
+            :mod:`tfremat.extract.assembly`).
         small_residual_bytes: forward nodes only: internal residuals that do not grow with
             the batch (per-channel statistics, cast weights), counted in fixed bytes.
         workspace_bytes: transient bytes while the node runs, as put in the graph.

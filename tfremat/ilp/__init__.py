@@ -9,7 +9,9 @@ Batch-size maximization over these is :func:`tfremat.maxbatch.max_batch_size`. N
 here imports TensorFlow.
 """
 
-from tfremat.ilp.formulation import CheckmateModel, build_model, memory_lower_bound
+from tfremat.ilp.approx_lp import solve_approx_lp
+from tfremat.ilp.formulation import CheckmateModel, build_milp, memory_lower_bound
+from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.portfolio import best_baseline
 from tfremat.ilp.solvers import (
     DEFAULT_SOLVER,
@@ -18,11 +20,10 @@ from tfremat.ilp.solvers import (
     SolveResult,
     solve_model,
 )
-from tfremat.ilp.strategies import solve_approx_lp, solve_optimal
 
 __all__ = [
     "CheckmateModel",
-    "build_model",
+    "build_milp",
     "memory_lower_bound",
     "DEFAULT_SOLVER",
     "SOLVERS",

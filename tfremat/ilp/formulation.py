@@ -46,18 +46,15 @@ every other stage t gets one memory row, exact at the moment node t runs (the st
 last: every value kept into stage t+1 is resident then, with t's inputs, output and
 workspace), plus the keep-source rows its ``FREE`` equality implied. Moments earlier in
 the stage are unbounded there, so the model is a relaxation, a third to a half the size
-of the exact one. Its LP is as tight as the exact LP on the benchmark graphs (the 250-node
-random graph, networkx order, at 90% / 80%: 1.00606 / 1.0264 of the no-remat cost in
-4-6 s, where the exact LP took 32-45 s; ResNet50 at 1.1x its smallest feasible budget: 1.0441 in 21 s, 87-170 s
-exact), and its solutions usually fit: ``optimal`` accounts exactly only the stages where
-one overflows.
+of the exact one. Its LP is as tight as the exact LP on the benchmark graphs and several
+times faster (docs/solver.md), and its solutions usually fit: ``optimal`` accounts exactly
+only the stages where one overflows.
 
 Memory is measured in units of ``scale`` bytes. When every byte count is a multiple of a
 common unit and the budget is at most 1000 such units, that unit is used and the budget
-row is exact in integers. Otherwise the budget is one unit: the dual simplex is far
-faster with memory in units of the budget than in units of a tensor (measured on the
-MobileNet graph at 80%: LP in 8.6 s with the budget as unit, 26 s with 1/1000 of it, over
-90 s with 1/10000 of the largest tensor; ResNet50 at 80%: 87 s instead of over 150 s).
+row is exact in integers. Otherwise the budget is one unit: the dual simplex is several
+times faster with memory in units of the budget than in units of a tensor (measured on
+the MobileNet and ResNet50 graphs at 80%).
 The budget row is not shrunk to absorb the solver's tolerances: a margin would cut off
 every schedule whose peak lies within it, so a schedule exactly at the budget (a budget
 taken from a measured peak) was neither found nor accepted as a warm start, and the bound
@@ -77,8 +74,17 @@ import numpy as np
 from tfremat.errors import ArgumentError
 from tfremat.graph import DFGraph
 from tfremat.plan.schedule import Schedule, prune_s, validate_schedule
+from tfremat.plan.simulator import SimulationResult, stage_peaks
 
-__all__ = ["SparseMILP", "CheckmateModel", "build_model", "memory_lower_bound", "last_descendants", "r_column_count"]
+__all__ = [
+    "SparseMILP",
+    "CheckmateModel",
+    "build_milp",
+    "overflowing_stages",
+    "memory_lower_bound",
+    "last_descendants",
+    "r_column_count",
+]
 
 _MAX_EXACT_UNITS = 1e3
 
@@ -99,11 +105,17 @@ def last_descendants(graph: DFGraph) -> np.ndarray:
 
 
 def r_column_count(graph: DFGraph) -> int:
-    """Number of R columns :func:`build_model` creates (the whole model has about 4.5-6
+    """Number of R columns :func:`build_milp` creates (the whole model has about 4.5-6
     times as many columns: 287k for ResNet50's 62k, 4.1M for the 1000-node random graph's
     500k), known before building it."""
     last = last_descendants(graph)
     return int((last - np.arange(graph.size) + 1).sum())
+
+
+def overflowing_stages(graph: DFGraph, outcome: SimulationResult, budget_bytes: int) -> set[int]:
+    """The stages of a simulated schedule whose memory exceeds the budget: those a
+    stage-end relaxation must account exactly (``exact_stages``) to exclude it."""
+    return set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes)))
 
 
 def memory_lower_bound(graph: DFGraph) -> int:
@@ -337,14 +349,152 @@ class SparseBuilder:
         return start, rows[order], vals[order]
 
 
+def _units(graph: DFGraph, budget_bytes: float) -> tuple[int | float, float, float]:
+    """``(scale, capacity, cost_scale)``: bytes per memory unit, the budget less the fixed
+    bytes in those units, and graph cost per objective unit."""
+    scale, exact = _memory_scale(graph, budget_bytes - graph.fixed_bytes)
+    # In integer units the solver's tolerances (1e-7 on rows, 1e-6 on integrality) stay
+    # far below one unit; in units of the budget a solution may sit above it by about
+    # 1e-7 of it, which the simulator catches (module docstring).
+    if exact:
+        # The whole units that fit, in integer arithmetic: every byte count is a multiple
+        # of the unit, so a budget 1 byte short of a multiple allows one unit less. (Float
+        # division with a rounding margin admitted schedules 1 byte over a budget just
+        # below a unit boundary when the unit was 2**32 bytes.)
+        capacity = (math.floor(budget_bytes) - graph.fixed_bytes) // scale
+    else:
+        capacity = (budget_bytes - graph.fixed_bytes) / scale
+    # Node costs span many orders of magnitude (up to 2e12 in the FCN8 graph), which
+    # stalls the simplex; the objective is in units of the largest node cost.
+    cost_scale = max(graph.cost) or 1.0
+    return scale, capacity, cost_scale
+
+
+def _schedule_columns(b: SparseBuilder, graph: DFGraph, cost_scale: float, minimize_peak: bool):
+    """The binary columns ``R[t, i]`` and ``S[t, i]`` (Checkmate sec. 4.2) with the
+    objective, total compute cost ``sum_t sum_i C_i R[t, i]`` (sec. 4.3; zero when the
+    model minimizes the peak), and the frontier-advancing constraint ``R[t, t] = 1``
+    (sec. 4.3) as a column bound.
+
+    Only columns an optimal schedule can use are built (sec. 4.6 and the module doc):
+    lower triangular, nothing after ``last_descendant[i]``, no keep of a value without
+    readers. Returns ``(r_index, s_index)``, -1 where a column is not built.
+    """
+    n = graph.size
+    last = last_descendants(graph)
+    r_index = np.full((n, n), -1, dtype=np.int64)
+    s_index = np.full((n, n), -1, dtype=np.int64)
+    for t in range(n):
+        for i in range(t + 1):
+            if t <= last[i]:
+                fixed = 1.0 if i == t else 0.0
+                objective = 0.0 if minimize_peak else graph.cost[i] / cost_scale
+                r_index[t, i] = b.column(objective, fixed, 1.0, True)
+        for i in range(t):
+            if graph.successors[i] and t <= last[i]:
+                s_index[t, i] = b.column(0.0, 0.0, 1.0, True)
+    return r_index, s_index
+
+
+def _dependency_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index) -> None:
+    """Stage t's dependency constraints ``R[t, k] <= R[t, i] + S[t, i]`` for every edge
+    ``(i, k)`` (Checkmate sec. 4.3, "dependencies must be resident"): an input of a node
+    computed in the stage is kept into it or computed earlier in it."""
+    for k in range(t + 1):
+        rk = r_index[t, k]
+        if rk < 0:
+            continue
+        for i in graph.predecessors[k]:
+            terms = [(rk, 1.0), (r_index[t, i], -1.0)]
+            if s_index[t, i] >= 0:
+                terms.append((s_index[t, i], -1.0))
+            b.row(terms, -math.inf, 0.0)
+
+
+def _keep_or_recompute_rows(b: SparseBuilder, t: int, r_index, s_index) -> None:
+    """``S[t, i] + R[t, i] <= 1``: a value kept into stage t is not recomputed in it. Not
+    one of Checkmate's constraints; valid for some optimal schedule (recomputing a kept
+    value adds cost and no memory saving), and it makes ``FREE`` exact (module doc)."""
+    for i in range(t):
+        if s_index[t, i] >= 0:
+            b.row([(s_index[t, i], 1.0), (r_index[t, i], 1.0)], -math.inf, 1.0)
+
+
+def _free_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, s_col, free_keys: list,
+               frees_after: dict) -> None:
+    """Stage t's ``FREE[t, i, k]`` columns (free value i right after node k runs) and the
+    rows that make them Checkmate's deallocation indicator (sec. 4.4, eqs. (4)-(6c)).
+
+    Instead of the big-M cast-to-boolean rows (6a)-(6c), per resident value i:
+    ``sum_k FREE[t, i, k] + S[t+1, i] = R[t, i] + S[t, i]`` (one fate: kept into the
+    next stage or freed after exactly one reader; implies the keep-source constraint
+    ``S[t+1, i] <= R[t, i] + S[t, i]`` of sec. 4.3), ``FREE[t, i, k] <= R[t, k]``, and
+    for every reader j, ``sum_{k < j} FREE[t, i, k] + R[t, j] <= 1`` (no free before a
+    later reader). Appends ``(t, i, k)`` to ``free_keys`` and ``(column, i)`` to
+    ``frees_after[(t, k)]``.
+    """
+    for i in range(t):
+        if r_index[t, i] < 0:
+            continue
+        keep_next = s_col(t + 1, i)
+        outcomes = [(keep_next, 1.0)] if keep_next >= 0 else []
+        earlier_frees = []
+        for k in graph.successors[i]:
+            if k > t or r_index[t, k] < 0:
+                continue
+            if earlier_frees:
+                b.row([*earlier_frees, (r_index[t, k], 1.0)], -math.inf, 1.0)
+            col = b.column(0.0, 0.0, 1.0, False)
+            free_keys.append((t, i, k))
+            outcomes.append((col, 1.0))
+            earlier_frees.append((col, 1.0))
+            frees_after.setdefault((t, k), []).append((col, i))
+            if k < t:
+                b.row([(col, 1.0), (r_index[t, k], -1.0)], -math.inf, 0.0)
+        resident = [(r_index[t, i], -1.0)]
+        if s_index[t, i] >= 0:
+            resident.append((s_index[t, i], -1.0))
+        b.row([*outcomes, *resident], 0.0, 0.0)
+
+
+def _memory_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, frees_after: dict, u_keys: list,
+                 scale: float, capacity: float) -> None:
+    """Stage t's memory accounting ``U[t, k]`` (Checkmate sec. 4.4) and the budget.
+
+    ``U[t, k]`` is the memory while node k runs, without its workspace: eq. (1) starts
+    the stage with every kept value (plus the first node's output), eq. (2) adds node k's
+    output and subtracts what was freed after the previous node (eq. (3)'s
+    ``mem_freed``). The budget ``U[t, k] <= M_budget`` (sec. 4.5) is the column's upper
+    bound, and with k's workspace a row of its own. Appends ``(t, k)`` to ``u_keys``.
+    """
+    out, work = graph.output_bytes, graph.workspace_bytes
+    active = [k for k in range(t + 1) if r_index[t, k] >= 0]
+    previous, k_prev = None, -1
+    for k in active:
+        u = b.column(0.0, 0.0, capacity, False)
+        u_keys.append((t, k))
+        terms = [(u, 1.0), (r_index[t, k], -out[k] / scale)]
+        if previous is None:
+            terms += [(s_index[t, i], -out[i] / scale) for i in range(t) if s_index[t, i] >= 0 and out[i]]
+            b.row(terms, 0.0, 0.0)
+        else:
+            terms.append((previous, -1.0))
+            terms += [(col, out[i] / scale) for col, i in frees_after.get((t, k_prev), ()) if out[i]]
+            b.row(terms, 0.0, 0.0)
+        if work[k]:
+            b.row([(u, 1.0), (r_index[t, k], work[k] / scale)], -math.inf, capacity)
+        previous, k_prev = u, k
+
+
 def _stage_end_row(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_col, scale: float, capacity: float) -> None:
-    """The rows of stage t when its memory is not accounted exactly.
+    """The rows of stage t when its memory is not accounted exactly (the stage-end
+    relaxation; module doc).
 
     The memory row is exact at the moment node t runs, the stage's last: every value
     kept into stage t+1 is resident then (kept since the stage began, or computed earlier
     in it), as are t's inputs, t's output and t's workspace. Earlier moments of the stage
-    are not bounded. Without the stage's ``FREE`` equality, the keep-source rows
-    ``S[t+1, i] <= R[t, i] + S[t, i]`` are built instead.
+    are not bounded. Without the stage's ``FREE`` equality, Checkmate's keep-source
+    constraint ``S[t+1, i] <= R[t, i] + S[t, i]`` (sec. 4.3) is built instead.
     """
     out, pred = graph.output_bytes, graph.predecessors
     inputs = set(pred[t])
@@ -363,7 +513,21 @@ def _stage_end_row(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_col, sca
     b.row(terms, -math.inf, capacity - running / scale)
 
 
-def build_model(
+def _peak_rows(b: SparseBuilder, graph: DFGraph, r_index, u_keys, u_start: int, scale: float, capacity: float,
+               cost_scale: float, max_cost: float) -> int:
+    """The batch-size variant (Checkmate's batch-size maximization, arXiv text sec. 5.3):
+    a ``peak`` column, the objective, above every ``U[t, k] + workspace``, and the cost
+    constraint (7), total compute cost at most ``max_cost``. Returns the peak's column."""
+    n, work = graph.size, graph.workspace_bytes
+    peak_column = b.column(1.0, 0.0, capacity, False)
+    for offset, (t, k) in enumerate(u_keys):
+        b.row([(u_start + offset, 1.0), (r_index[t, k], work[k] / scale), (peak_column, -1.0)], -math.inf, 0.0)
+    costs = [(r_index[t, i], graph.cost[i] / cost_scale) for t in range(n) for i in range(t + 1) if r_index[t, i] >= 0]
+    b.row(costs, -math.inf, max_cost / cost_scale)
+    return peak_column
+
+
+def build_milp(
     graph: DFGraph,
     budget_bytes: float,
     *,
@@ -372,13 +536,16 @@ def build_model(
 ) -> CheckmateModel:
     """Builds Checkmate's MILP for ``graph`` under ``budget_bytes`` (see the module doc).
 
+    Columns are numbered R and S first (alike whatever stages are exact), then ``FREE``,
+    then ``U``, then the peak.
+
     Args:
         graph: the graph.
         budget_bytes: peak memory allowed, fixed bytes included.
         peak_within_cost: when given, the model minimizes the peak instead (a column
             ``peak`` above every ``U + workspace``) subject to a total compute cost of
             at most this value; ``budget_bytes`` stays an upper bound on memory.
-            Checkmate's batch-size maximization (sec. 6.3) solves this model.
+            Checkmate's batch-size maximization solves this model.
         exact_stages: the stages whose memory is accounted exactly (``FREE`` and ``U``);
             None means all (the exact model). Every other stage gets only its
             stage-end row (see the module doc), which makes the model a relaxation:
@@ -392,115 +559,35 @@ def build_model(
     if peak_within_cost is not None and exact_stages is not None:
         raise ArgumentError("peak_within_cost needs every stage accounted exactly; leave exact_stages=None")
     n = graph.size
-    inf = math.inf
-    pred, succ = graph.predecessors, graph.successors
-    out, work = graph.output_bytes, graph.workspace_bytes
-    scale, exact = _memory_scale(graph, budget_bytes - graph.fixed_bytes)
-    # In integer units the solver's tolerances (1e-7 on rows, 1e-6 on integrality) stay
-    # far below one unit; in units of the budget a solution may sit above it by about
-    # 1e-7 of it, which the simulator catches (module docstring).
-    if exact:
-        # The whole units that fit, in integer arithmetic: every byte count is a multiple
-        # of the unit, so a budget 1 byte short of a multiple allows one unit less. Float
-        # division with a rounding margin in units does not: with a unit of 2**32 bytes
-        # (a graph of large tensors), 1e-9 units is 4 bytes, and a budget 1 byte below a
-        # unit boundary was rounded up, so the model admitted schedules 1 byte over it.
-        capacity = (math.floor(budget_bytes) - graph.fixed_bytes) // scale
-    else:
-        capacity = (budget_bytes - graph.fixed_bytes) / scale
-    # Node costs span many orders of magnitude (up to 2e12 in the FCN8 graph), which
-    # stalls the simplex; the objective is in units of the largest node cost.
-    cost_scale = max(graph.cost) or 1.0
-    last = last_descendants(graph)
+    scale, capacity, cost_scale = _units(graph, budget_bytes)
     b = SparseBuilder()
-
-    r_index = np.full((n, n), -1, dtype=np.int64)
-    s_index = np.full((n, n), -1, dtype=np.int64)
-    for t in range(n):
-        for i in range(t + 1):
-            if t <= last[i]:
-                fixed = 1.0 if i == t else 0.0
-                objective = 0.0 if peak_within_cost is not None else graph.cost[i] / cost_scale
-                r_index[t, i] = b.column(objective, fixed, 1.0, True)
-        for i in range(t):
-            if succ[i] and t <= last[i]:
-                s_index[t, i] = b.column(0.0, 0.0, 1.0, True)
+    r_index, s_index = _schedule_columns(b, graph, cost_scale, minimize_peak=peak_within_cost is not None)
 
     def s_col(t: int, i: int) -> int:
         return s_index[t, i] if t < n else -1
 
     for t in range(n):
-        for k in range(t + 1):
-            rk = r_index[t, k]
-            if rk < 0:
-                continue
-            for i in pred[k]:
-                terms = [(rk, 1.0), (r_index[t, i], -1.0)]
-                if s_index[t, i] >= 0:
-                    terms.append((s_index[t, i], -1.0))
-                b.row(terms, -inf, 0.0)
-        for i in range(t):
-            if s_index[t, i] >= 0:
-                b.row([(s_index[t, i], 1.0), (r_index[t, i], 1.0)], -inf, 1.0)
+        _dependency_rows(b, graph, t, r_index, s_index)
+        _keep_or_recompute_rows(b, t, r_index, s_index)
 
     exact_stage = np.ones(n, dtype=bool) if exact_stages is None else np.isin(np.arange(n), list(exact_stages))
     free_start = len(b.cost)
-    free_keys = []
+    free_keys: list = []
     frees_after: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for t in range(n):
-        if not exact_stage[t]:
+        if exact_stage[t]:
+            _free_rows(b, graph, t, r_index, s_index, s_col, free_keys, frees_after)
+        else:
             _stage_end_row(b, graph, t, r_index, s_col, scale, capacity)
-            continue
-        for i in range(t):
-            if r_index[t, i] < 0:
-                continue
-            keep_next = s_col(t + 1, i)
-            outcomes = [(keep_next, 1.0)] if keep_next >= 0 else []
-            earlier_frees = []
-            for k in succ[i]:
-                if k > t or r_index[t, k] < 0:
-                    continue
-                if earlier_frees:
-                    b.row([*earlier_frees, (r_index[t, k], 1.0)], -inf, 1.0)
-                col = b.column(0.0, 0.0, 1.0, False)
-                free_keys.append((t, i, k))
-                outcomes.append((col, 1.0))
-                earlier_frees.append((col, 1.0))
-                frees_after.setdefault((t, k), []).append((col, i))
-                if k < t:
-                    b.row([(col, 1.0), (r_index[t, k], -1.0)], -inf, 0.0)
-            resident = [(r_index[t, i], -1.0)]
-            if s_index[t, i] >= 0:
-                resident.append((s_index[t, i], -1.0))
-            b.row([*outcomes, *resident], 0.0, 0.0)
 
     u_start = len(b.cost)
-    u_keys = []
+    u_keys: list = []
     for t in map(int, np.flatnonzero(exact_stage)):
-        active = [k for k in range(t + 1) if r_index[t, k] >= 0]
-        previous, k_prev = None, -1
-        for k in active:
-            u = b.column(0.0, 0.0, capacity, False)
-            u_keys.append((t, k))
-            terms = [(u, 1.0), (r_index[t, k], -out[k] / scale)]
-            if previous is None:
-                terms += [(s_index[t, i], -out[i] / scale) for i in range(t) if s_index[t, i] >= 0 and out[i]]
-                b.row(terms, 0.0, 0.0)
-            else:
-                terms.append((previous, -1.0))
-                terms += [(col, out[i] / scale) for col, i in frees_after.get((t, k_prev), ()) if out[i]]
-                b.row(terms, 0.0, 0.0)
-            if work[k]:
-                b.row([(u, 1.0), (r_index[t, k], work[k] / scale)], -inf, capacity)
-            previous, k_prev = u, k
+        _memory_rows(b, graph, t, r_index, s_index, frees_after, u_keys, scale, capacity)
 
     peak_column = -1
     if peak_within_cost is not None:
-        peak_column = b.column(1.0, 0.0, capacity, False)
-        for offset, (t, k) in enumerate(u_keys):
-            b.row([(u_start + offset, 1.0), (r_index[t, k], work[k] / scale), (peak_column, -1.0)], -inf, 0.0)
-        costs = [(r_index[t, i], graph.cost[i] / cost_scale) for t in range(n) for i in range(t + 1) if r_index[t, i] >= 0]
-        b.row(costs, -inf, peak_within_cost / cost_scale)
+        peak_column = _peak_rows(b, graph, r_index, u_keys, u_start, scale, capacity, cost_scale, peak_within_cost)
         cost_scale = float(scale)
 
     start, rows, vals = b.csc()

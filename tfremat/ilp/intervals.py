@@ -14,9 +14,9 @@ recomputed in the same stage c, but not be dropped across it.
 The MILP chooses the drops of least total cost whose savings cover every stage's excess
 over the budget in the checkpoint-all schedule. Its columns are one or two binaries per
 interval, a "still absent" column per dropped stage and the kept-input columns; its rows
-are one coverage row per stage plus the chain and conflict rows: about 430k columns for
-the 1000-node random graph (Checkmate's MILP has 4.1M), solved to optimality in 20-35 s
-on 2 threads.
+are one coverage row per stage plus the chain and conflict rows: about a tenth of
+Checkmate's MILP (430k columns against 4.1M on the 1000-node random graph), solved to
+optimality in well under a minute there.
 
 The memory it counts is conservative (a drop lowers every moment of the stages it spans
 by exactly the value's bytes; a recomputation happens while the value would have been
@@ -24,13 +24,11 @@ resident anyway), except for a recomputed node's workspace; the schedule is simu
 and, where a stage still exceeds the budget, that stage's requirement is raised by the
 excess and the model solved again.
 
-Measured (2-core machine, ``python benchmarks/solvers.py``; cost / no-remat cost; the
-random graphs in networkx order): the 1000-node random graph at 80% / 90% of its
-checkpoint-all peak 1.0456 / 1.0106 in 34 / 21 s (``repair``: 1.293 / 1.014); the 500-node one 1.0805 / 1.0170 in 13 / 8 s
-(``repair``: 1.223 / 1.021); ResNet50 at 80% 1.0039 in 0.7 s. Chains of recomputation
-(a value and its dropped inputs recomputed together at a later reader) are outside the
-model, so it finds nothing at the tight budgets of training graphs (ResNet50 at 1.1x its
-smallest feasible budget), where ``eviction`` and the Checkmate baselines work.
+It serves the large random graphs at moderate budgets, where it beats ``repair``
+(``benchmarks/solvers.py``, results in benchmarks/results/solvers_n1000.md and
+solvers_random.md). Chains of recomputation (a value and its dropped inputs recomputed
+together at a later reader) are outside the model, so it finds nothing at the tight
+budgets of training graphs, where ``eviction`` and the Checkmate baselines work.
 """
 
 from __future__ import annotations
@@ -44,9 +42,14 @@ import numpy as np
 from tfremat.errors import ArgumentError, InfeasibleBudgetError, is_number
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import SparseBuilder, SparseMILP
-from tfremat.ilp.solvers import DEFAULT_SOLVER, INFEASIBLE, solve_model
+from tfremat.ilp.solvers import DEFAULT_SOLVER, solve_model
 from tfremat.plan.registry import as_strategy
-from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
+from tfremat.plan.schedule import (
+    Schedule,
+    SolveStatus,
+    checkpoint_all_s,
+    schedule_from_keep_matrix,
+)
 from tfremat.plan.simulator import simulate, stage_peaks
 
 __all__ = ["intervals", "IntervalModel", "build_interval_model"]
@@ -176,7 +179,7 @@ def intervals(
     base = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "intervals")
     result = simulate(graph, base)
     if budget is None or result.peak_bytes <= budget:
-        return base.with_facts(peak_bytes=result.peak_bytes, cost=result.cost)
+        return base
     excess = stage_peaks(result, graph.size) - budget
     smallest_peak = result.peak_bytes
     for _ in range(_ROUNDS):
@@ -186,13 +189,13 @@ def intervals(
             break
         solved = solve_model(model, solver=solver, time_limit=remaining, threads=threads, quiet=True)
         if solved.x is None:
-            detail = "no drops between reads cover the excess" if solved.status == INFEASIBLE else (
+            detail = "no drops between reads cover the excess" if solved.status == SolveStatus.INFEASIBLE else (
                 f"the solver found no schedule within time_limit={time_limit}s")
             raise InfeasibleBudgetError(budget, smallest_peak, strategy="intervals", detail=detail)
         schedule = schedule_from_keep_matrix(graph, model.keep_matrix(solved.x), "intervals")
         outcome = simulate(graph, schedule)
         if outcome.peak_bytes <= budget:
-            return schedule.with_facts(peak_bytes=outcome.peak_bytes, cost=outcome.cost)
+            return schedule
         smallest_peak = min(smallest_peak, outcome.peak_bytes)
         excess += np.maximum(stage_peaks(outcome, graph.size) - budget, 0)
     raise InfeasibleBudgetError(budget, smallest_peak, strategy="intervals",

@@ -32,6 +32,7 @@ from tfremat.errors import (
     is_number,
 )
 from tfremat.ilp.formulation import CheckmateModel, SparseMILP
+from tfremat.plan.schedule import SolveStatus
 
 __all__ = ["SOLVERS", "DEFAULT_SOLVER", "SolveResult", "Progress", "solve_model", "check_solver_options"]
 
@@ -39,9 +40,6 @@ logger = logging.getLogger(__name__)
 
 SOLVERS = ("highs", "gurobi")
 DEFAULT_SOLVER = "highs"
-
-# Status names shared by every backend (and by Schedule.facts["status"]).
-OPTIMAL, FEASIBLE, TIME_LIMIT, INFEASIBLE, NO_SOLUTION = "optimal", "feasible", "time_limit", "infeasible", "no_solution"
 
 _LP_METHODS = ("simplex", "dual_simplex", "pdlp")
 # The LP methods whose stopped runs still give a proven bound (from their row duals).
@@ -94,12 +92,15 @@ class SolveResult:
     """
 
     x: np.ndarray | None
-    status: str
+    status: SolveStatus
     objective: float | None
     best_bound: float | None
     gap: float | None
     seconds: float
     solver: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "status", SolveStatus(self.status))
 
 
 def _relative_gap(objective: float | None, bound: float | None) -> float | None:
@@ -143,14 +144,11 @@ def solve_model(
             :meth:`~tfremat.ilp.formulation.CheckmateModel.dual_bound`; its ``x`` is the
             current basic point, feasible only at the optimum) or ``"pdlp"`` (HiGHS's
             first-order method, without presolve, bounded the same way; its ``x`` is an
-            approximate LP solution). On the 500-node random graph's relaxed model
-            (networkx order) at 90% / 80% of its checkpoint-all peak (2 threads), the dual
-            simplex solves the LP in 42 s / bounds it at 1.0107x the no-remat cost in 55 s,
-            where PDLP's bounds after 57 s were 1.0006x / 1.0072x.
+            approximate LP solution). The dual simplex gave tighter bounds than PDLP in
+            the same time on the large random graphs (docs/solver.md).
         presolve: let the solver presolve the model. Off, the MILP of a large relaxation
-            reaches its root bound sooner: HiGHS presolves ResNet50's relaxed model
-            (125k columns) for 9-11 s, removing 4% of its columns, and does not stop
-            for the time limit there (a 5 s limit returned after 10.4 s).
+            reaches its root bound sooner: HiGHS's presolve of ResNet50's relaxed model
+            takes about 10 s, removes few columns, and ignores the time limit.
         started: the ``time.perf_counter()`` time that progress reports count seconds
             from (a strategy passes its own start, so its heuristics' reports and the
             solver's share one clock); None: the solve's start.
@@ -394,15 +392,15 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
     else:
         bound = info.mip_dual_bound if abs(info.mip_dual_bound) < inf else None
     if status == highspy.HighsModelStatus.kOptimal:
-        name = OPTIMAL
+        name = SolveStatus.OPTIMAL
     elif status == highspy.HighsModelStatus.kInfeasible:
-        name = INFEASIBLE
+        name = SolveStatus.INFEASIBLE
     elif not has_solution:
-        name = NO_SOLUTION
+        name = SolveStatus.NO_SOLUTION
     elif status == highspy.HighsModelStatus.kTimeLimit:
-        name = TIME_LIMIT
+        name = SolveStatus.TIME_LIMIT
     else:
-        name = FEASIBLE
+        name = SolveStatus.FEASIBLE
     if status in (highspy.HighsModelStatus.kModelError, highspy.HighsModelStatus.kSolveError):
         raise SolverError(f"HiGHS failed: {h.modelStatusToString(status)}")
     return SolveResult(x, name, objective, bound, _relative_gap(objective, bound), seconds, "highs")
@@ -490,13 +488,13 @@ def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progr
     else:
         bound = m.ObjBound if has_solution or m.Status == GRB.OPTIMAL else None
     if m.Status == GRB.OPTIMAL:
-        name = OPTIMAL
+        name = SolveStatus.OPTIMAL
     elif m.Status in (GRB.INFEASIBLE, GRB.INF_OR_UNBD):
-        name = INFEASIBLE
+        name = SolveStatus.INFEASIBLE
     elif not has_solution:
-        name = NO_SOLUTION
+        name = SolveStatus.NO_SOLUTION
     elif m.Status == GRB.TIME_LIMIT:
-        name = TIME_LIMIT
+        name = SolveStatus.TIME_LIMIT
     else:
-        name = FEASIBLE
+        name = SolveStatus.FEASIBLE
     return SolveResult(x, name, objective, bound, _relative_gap(objective, bound), seconds, "gurobi")

@@ -122,13 +122,13 @@ def keep_matrix(
     return S
 
 
-def schedule_for_checkpoints(graph: DFGraph, checkpoints: Iterable[int], strategy: str, **facts) -> Schedule:
+def schedule_for_checkpoints(graph: DFGraph, checkpoints: Iterable[int], strategy: str) -> Schedule:
     """The schedule that keeps ``checkpoints`` (forward nodes) as :func:`keep_matrix` describes."""
     checkpoints = sorted(set(checkpoints))
     kept = set(checkpoints)
     units = [[i for i in u if i not in kept] for u in _units_between(graph, checkpoints)]
     S = keep_matrix(graph, checkpoints, units)
-    return schedule_from_keep_matrix(graph, S, strategy, checkpoints=checkpoints, **facts)
+    return schedule_from_keep_matrix(graph, S, strategy)
 
 
 def _candidates(graph: DFGraph, articulation: bool) -> list[int]:
@@ -154,7 +154,7 @@ def cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int
             continue
         key = (result.cost, result.peak_bytes) if budget is not None else (result.peak_bytes, result.cost)
         if best_key is None or key < best_key:
-            best, best_key = schedule.with_facts(peak_bytes=result.peak_bytes, cost=result.cost), key
+            best, best_key = schedule, key
     if best is None:
         raise InfeasibleBudgetError(budget, min_feasible_bytes=smallest_peak, strategy=strategy)
     logger.debug("%s: chose a schedule of %d candidates", strategy, len(seen))
@@ -236,14 +236,13 @@ def _chen_greedy(graph: DFGraph, budget: int | None, articulation: bool, num_seg
         # Nothing to trade: every segment budget closes a segment at every candidate, and
         # keeping everything is the family's only member. It is still this strategy's
         # schedule, under its name, and so is its error.
-        schedule = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), name,
-                                             strategy_note="no forward activations")
+        schedule = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), name)
         return cheapest_fitting(graph, [schedule], budget, name)
     low, high = min(sizes), sum(sizes)
     # B = 0 closes a segment at every candidate: the keep-everything end of the family.
     segment_budgets = np.concatenate([[0.0], np.geomspace(low, high, num=num_segment_budgets - 1)])
     schedules = (
-        schedule_for_checkpoints(graph, _greedy_checkpoints(graph, candidates, b), name, segment_budget=float(b))
+        schedule_for_checkpoints(graph, _greedy_checkpoints(graph, candidates, b), name)
         for b in segment_budgets
     )
     return cheapest_fitting(graph, schedules, budget, name)
@@ -346,7 +345,7 @@ def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int
     boundaries = _candidates(graph, articulation)
     units = _units_between(graph, boundaries)
     if len(units) <= 1:
-        return cheapest_fitting(graph, [schedule_for_checkpoints(graph, [], name, slots=0)], budget, name)
+        return cheapest_fitting(graph, [schedule_for_checkpoints(graph, [], name)], budget, name)
     forward_phase_end = _forward_phase_end(graph)
     entry_stage = []
     for unit in units:
@@ -367,7 +366,7 @@ def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int
         for s in slot_counts:
             static, dynamic = _revolve_snapshots(units, s, advance, entry_stage)
             S = keep_matrix(graph, static, units, dynamic)
-            yield schedule_from_keep_matrix(graph, S, name, slots=s)
+            yield schedule_from_keep_matrix(graph, S, name)
 
     return cheapest_fitting(graph, candidates(), budget, name)
 
@@ -485,10 +484,10 @@ def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager",
     def candidates():
         # The DP minimizes memory, never cost; keeping every forward value is the family's
         # cheap end, so a generous budget gets the no-recomputation schedule.
-        yield schedule_for_checkpoints(graph, chain, "hong", bound=None, memory_model=memory_model)
+        yield schedule_for_checkpoints(graph, chain, "hong")
         for bound in bounds:
             positions = _hong_subset(sizes, bound, memory_model, gradient_buffer)
             if positions is not None:
-                yield schedule_for_checkpoints(graph, [chain[p] for p in positions], "hong", bound=float(bound), memory_model=memory_model)
+                yield schedule_for_checkpoints(graph, [chain[p] for p in positions], "hong")
 
     return cheapest_fitting(graph, candidates(), budget, "hong")

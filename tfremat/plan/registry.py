@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Mapping
 
-from tfremat.budget import is_share, parse_budget
-from tfremat.errors import ArgumentError
+from tfremat.budget import budget_kind, format_bytes, is_share, parse_budget
+from tfremat.errors import ArgumentError, InfeasibleBudgetError
 from tfremat.graph import DFGraph
 from tfremat.plan.simulator import checkpoint_all_peak
 
-__all__ = ["Strategy", "as_strategy", "option_names", "check_options", "parse_graph_budget"]
+__all__ = ["Strategy", "as_strategy", "option_names", "check_options", "parse_graph_budget", "in_user_terms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,11 @@ class Strategy:
             BudgetFormatError: a budget :func:`~tfremat.budget.parse_budget` refuses (zero or
                 negative bytes among them), before any work.
         """
-        return self.function(graph, parse_graph_budget(graph, budget), *options, **keyword_options)
+        budget_bytes = parse_graph_budget(graph, budget)
+        try:
+            return self.function(graph, budget_bytes, *options, **keyword_options)
+        except InfeasibleBudgetError as error:
+            raise in_user_terms(error, graph, budget) from None
 
     @property
     def options(self) -> list[str] | None:
@@ -114,4 +119,26 @@ def parse_graph_budget(graph: DFGraph, budget) -> int | None:
     """
     if budget is None:
         return None
-    return parse_budget(budget, checkpoint_all_peak(graph) if is_share(budget) else None)
+    if not is_share(budget):
+        return parse_budget(budget)
+    return parse_budget(budget, checkpoint_all_peak(graph), fixed_bytes=graph.fixed_bytes)
+
+
+def in_user_terms(error: InfeasibleBudgetError, graph: DFGraph, budget) -> InfeasibleBudgetError:
+    """``error`` told in the form ``budget`` was given: a share as a share of the same peak
+    (the smallest feasible one rounded up to a whole percent, so that it fits), a share of
+    activations likewise, bytes as bytes; with the smallest feasible budget split into the
+    graph's fixed memory and its activations."""
+    kind = budget_kind(budget)
+    if kind == "bytes" or budget is None:
+        return error.in_terms(fixed_bytes=graph.fixed_bytes, shown=None)
+    reference = checkpoint_all_peak(graph)
+    if kind == "activations":
+        moving = max(reference - graph.fixed_bytes, 1)
+
+        def shown(n):
+            return f"{math.ceil(100 * max(n - graph.fixed_bytes, 0) / moving)}% of activations ({format_bytes(n)})"
+    else:
+        def shown(n):
+            return f"{math.ceil(100 * n / reference)}% ({format_bytes(n)})"
+    return error.in_terms(fixed_bytes=graph.fixed_bytes, shown=shown, budget_text=repr(budget))

@@ -139,4 +139,4 @@ def repair(graph: DFGraph, budget: int | None = None, *, time_limit: float = 60.
                                         detail="no single move lowers the stages above the budget")
         _, schedule, result = best
         smallest_peak = min(smallest_peak, result.peak_bytes)
-    return schedule.with_facts(peak_bytes=result.peak_bytes, cost=result.cost)
+    return schedule

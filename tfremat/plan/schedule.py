@@ -11,9 +11,8 @@ nodes run in increasing id order.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
-from types import MappingProxyType
-from typing import Any
 
 import numpy as np
 
@@ -21,13 +20,117 @@ from tfremat.errors import ScheduleError, is_int
 from tfremat.graph import DFGraph
 
 __all__ = [
+    "SCHEDULE_FORMAT",
     "Schedule",
+    "SolveStatus",
+    "SolverFacts",
+    "relative_gap",
     "solve_r_given_s",
     "prune_s",
     "schedule_from_keep_matrix",
     "checkpoint_all_s",
     "validate_schedule",
 ]
+
+
+# Bumped when the document's layout or the meaning of a key changes.
+SCHEDULE_FORMAT = "tfremat.schedule/2"
+
+
+class SolveStatus(str, enum.Enum):
+    """What a solver proved about a schedule (or a backend about a solve).
+
+    A ``str`` enum: members compare, hash and print as their values (``"optimal"``, ...),
+    so JSON output and comparisons with plain strings keep working.
+    """
+
+    OPTIMAL = "optimal"  # proven optimal within the requested gap
+    FEASIBLE = "feasible"  # a schedule without proof of optimality
+    TIME_LIMIT = "time_limit"  # stopped by the time limit: the best schedule so far
+    INFEASIBLE = "infeasible"  # proven infeasible (a backend status; strategies raise instead)
+    NO_SOLUTION = "no_solution"  # stopped without any solution (a backend status)
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def relative_gap(objective: float | None, bound: float | None) -> float | None:
+    """``(objective - bound) / objective``, at least 0 (0 when the objective is 0); None
+    without both. The gap every strategy reports in :attr:`SolverFacts.gap`."""
+    if objective is None or bound is None:
+        return None
+    return max(0.0, (objective - bound) / objective) if objective else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverFacts:
+    """What a solver strategy (``optimal``, ``approx_lp``, ``min_peak``) proved about its schedule.
+
+    Heuristic schedules carry no facts (``Schedule.facts is None``): nothing is proven
+    about them beyond fitting their budget. Fields a strategy does not know are None.
+
+    Attributes:
+        status: :class:`SolveStatus` (``optimal``, ``time_limit`` or ``feasible`` for a
+            returned schedule; ``min_peak`` reports its backend's status).
+        objective: the schedule's total compute cost.
+        best_bound: a proven lower bound on the optimal compute cost.
+        seconds: wall time of the whole call.
+        solve_seconds: the part of it spent in the solver.
+        num_vars, num_constraints: size of the (last) model solved; 0 when none was.
+        solver: the backend (``highs``, ``gurobi``), None when no solver ran.
+        warm_start: the strategy of the schedule the MILP started from.
+        peak_bytes: the schedule's simulated peak.
+        budget_bytes: the budget it was solved for (None: no budget).
+        exact_stages: stages the stage-end relaxation accounted exactly (``optimal``).
+        peak_bound_bytes: a proven lower bound on the peak of any schedule within
+            ``cost_cap`` (``min_peak``).
+        cost_cap: the compute cost the schedule had to stay within (``min_peak``).
+    """
+
+    status: SolveStatus
+    objective: float | None = None
+    best_bound: float | None = None
+    seconds: float | None = None
+    solve_seconds: float | None = None
+    num_vars: int | None = None
+    num_constraints: int | None = None
+    solver: str | None = None
+    warm_start: str | None = None
+    peak_bytes: int | None = None
+    budget_bytes: int | None = None
+    exact_stages: int | None = None
+    peak_bound_bytes: int | None = None
+    cost_cap: float | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "status", SolveStatus(self.status))
+
+    @property
+    def gap(self) -> float | None:
+        """Relative gap between ``objective`` and ``best_bound`` (:func:`relative_gap`)."""
+        return relative_gap(self.objective, self.best_bound)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: every field, plus ``gap``."""
+        data = {field.name: _json_value(getattr(self, field.name)) for field in dataclasses.fields(self)}
+        data["status"] = self.status.value
+        data["gap"] = self.gap
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "SolverFacts":
+        """Inverse of :meth:`to_dict` (``gap`` is recomputed; unknown keys are refused).
+
+        Raises:
+            ValueError: a key is unknown or the status is not a :class:`SolveStatus`.
+        """
+        names = {field.name for field in dataclasses.fields(cls)}
+        unknown = set(data) - names - {"gap"}
+        if unknown:
+            raise ValueError(f"unknown solver facts {sorted(unknown)}")
+        return cls(**{key: value for key, value in data.items() if key in names})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,13 +141,13 @@ class Schedule:
         R: bool array (T, n); ``R[t, i]``: node i is computed in stage t.
         S: bool array (T, n); ``S[t, i]``: value i is kept from stage t-1 into stage t.
         strategy: name of the strategy that produced it.
-        facts: solver facts (status, objective, bound, gap, seconds, ...), read-only.
+        facts: what a solver proved (:class:`SolverFacts`); None for heuristics.
     """
 
     R: np.ndarray
     S: np.ndarray
     strategy: str = "unknown"
-    facts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    facts: SolverFacts | None = None
 
     def __post_init__(self):
         R = np.array(self.R, dtype=bool)
@@ -53,7 +156,8 @@ class Schedule:
         S.setflags(write=False)
         object.__setattr__(self, "R", R)
         object.__setattr__(self, "S", S)
-        object.__setattr__(self, "facts", MappingProxyType(dict(self.facts)))
+        if self.facts is not None and not isinstance(self.facts, SolverFacts):
+            raise TypeError(f"facts must be SolverFacts or None, got {type(self.facts).__name__}")
 
     @property
     def num_stages(self) -> int:
@@ -68,9 +172,9 @@ class Schedule:
         """Total compute cost: every evaluation of every node."""
         return float(self.R.sum(axis=0) @ np.asarray(graph.cost, dtype=float))
 
-    def with_facts(self, **facts) -> "Schedule":
-        """A copy with extra solver facts merged in."""
-        return Schedule(self.R, self.S, self.strategy, {**self.facts, **facts})
+    def with_facts(self, facts: SolverFacts | None, strategy: str | None = None) -> "Schedule":
+        """A copy carrying ``facts`` (and renamed to ``strategy`` when given)."""
+        return Schedule(self.R, self.S, self.strategy if strategy is None else strategy, facts)
 
     def to_dict(self, graph: DFGraph | None = None, node_ids: list | None = None) -> dict:
         """JSON-ready form: R and S as lists of ``[t, i]`` pairs over execution positions.
@@ -82,9 +186,9 @@ class Schedule:
         """
         n = self.R.shape[1]
         return {
-            "format": "tfremat.schedule/1",
+            "format": SCHEDULE_FORMAT,
             "strategy": self.strategy,
-            "facts": {key: _json_value(value) for key, value in self.facts.items()},
+            "facts": self.facts.to_dict() if self.facts is not None else None,
             "num_nodes": n,
             "order": list(node_ids) if node_ids is not None else list(range(n)),
             "graph_fingerprint": graph.fingerprint if graph is not None else None,
@@ -100,6 +204,9 @@ class Schedule:
             ScheduleError: the document is malformed, made for another graph, or invalid.
         """
         try:
+            if data.get("format") != SCHEDULE_FORMAT:
+                # Another version's document (its facts may mean other things): refused.
+                raise ValueError(f"format {data.get('format')!r} is not {SCHEDULE_FORMAT!r}")
             n = int(data["num_nodes"])
             R = np.zeros((n, n), dtype=bool)
             S = np.zeros((n, n), dtype=bool)
@@ -109,9 +216,10 @@ class Schedule:
                     if not (is_int(t) and is_int(i) and 0 <= t < n and 0 <= i < n):
                         raise ValueError(f"{key} entry {[t, i]} is not a (stage, node) pair in [0, {n})")
                     matrix[t, i] = True
+            facts = SolverFacts.from_dict(data["facts"]) if data.get("facts") is not None else None
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ScheduleError(f"malformed schedule document: {exc!r}", rule="format") from exc
-        schedule = cls(R, S, str(data.get("strategy", "unknown")), data.get("facts") or {})
+        schedule = cls(R, S, str(data.get("strategy", "unknown")), facts)
         if graph is not None:
             if data.get("graph_fingerprint") not in (None, graph.fingerprint):
                 raise ScheduleError(
@@ -239,7 +347,7 @@ def prune_s(graph: DFGraph, R: np.ndarray, S: np.ndarray) -> np.ndarray:
     return pruned
 
 
-def schedule_from_keep_matrix(graph: DFGraph, S: np.ndarray, strategy: str, **facts) -> Schedule:
+def schedule_from_keep_matrix(graph: DFGraph, S: np.ndarray, strategy: str) -> Schedule:
     """Completes a keep matrix with :func:`solve_r_given_s` and prunes unused keeps.
 
     Recomputation happens in the stage before a value must be kept, so pruning an unread
@@ -250,7 +358,7 @@ def schedule_from_keep_matrix(graph: DFGraph, S: np.ndarray, strategy: str, **fa
         R = solve_r_given_s(graph, S)
         pruned = prune_s(graph, R, S)
         if np.array_equal(pruned, S):
-            return Schedule(R, S, strategy, facts)
+            return Schedule(R, S, strategy)
         S = pruned
 
 

@@ -1,0 +1,268 @@
+"""Measured layer calls -> the :class:`~tfremat.graph.DFGraph` and the :class:`SideTable`.
+
+Memory model (what the graph's numbers mean, so that the planner's simulator describes a
+training step that records each forward call on a tape and asks it for the gradient later,
+which is what plain ``tf.GradientTape`` training and tfremat's compiled step both do):
+
+* **Forward node** value = the layer's output + its batch-sized *residuals*: the internal
+  tensors its gradient reads (measured, see :mod:`tfremat.extract.analysis`). The tape keeps
+  them from the forward call until the backward node runs, and a recomputation recreates
+  them together with the output, so they live and die with the node. A while loop's
+  accumulators (a Keras RNN with ``unroll=False``) are such residuals, sized by running the
+  call. The edge ``forward -> backward`` of a layer exists exactly when its gradient reads
+  its output or a batch-sized residual; otherwise the output is freed after its last
+  forward reader.
+* **Loss node** value = the scalar loss + the gradient of the loss with respect to every
+  model output (one op computes both, so they are one value).
+* **Backward node** value = the gradients with respect to the layer's inputs that need one.
+  Weight gradients (``weight_grads="transient"``) are counted in the backward node's
+  workspace: tfremat's compiled step makes the statement after a layer's backward wait for
+  the layer's optimizer update (:func:`tfremat.static_graph.interpreter.order_updates`), so
+  they die right after the node; counting all of them as fixed would over-predict the
+  compiled step on models with many parameters (VGG16, ResNet50). A plain
+  ``tf.GradientTape`` step has no such order: TensorFlow's executor runs most filter
+  gradients and updates after the whole input-gradient chain and holds each convolution's
+  input and output gradient until then, so it requests more than the checkpoint-all
+  prediction, which describes the compiled step (``benchmarks/extraction.py`` ->
+  ``benchmarks/results/extraction.md``, the plain "requested" column against the "tfremat
+  step" column). ``weight_grads="fixed"`` keeps them resident for the whole step;
+  :func:`weight_gradient_lifetime` chooses between the two for ``"auto"``.
+* **Workspace** = the peak of the bytes the node's operations request while it runs in
+  isolation, minus its value and what it reads (see :mod:`tfremat.extract.analysis`); 0
+  with ``cost_model="flops"``. The simulator runs one node at a time, so workspace is meant
+  for sequential op execution (``TF_NUM_INTEROP_THREADS=1``). With several inter-op
+  threads TensorFlow overlaps independent ops, e.g. a convolution's input and filter
+  gradients, each with its own scratch buffer on CPU, which no sequential model predicts.
+  Profile and train with the same setting; the profile cache key includes it.
+* **Fixed bytes** = parameters (+ parameter gradients with ``weight_grads="fixed"``) +
+  optimizer slot variables + non-trainable variables (batch-norm statistics, dropout
+  seeds) + the input batch + the labels + the residuals that do not grow with the batch
+  (per-channel statistics). Each part is in ``SideTable.fixed_bytes_breakdown``.
+
+Node order: forward calls in Keras execution order, the loss, then the backward nodes in
+reverse forward order (the order plain backpropagation runs them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from types import MappingProxyType
+
+import numpy as np
+import tensorflow as tf
+
+from tfremat.extract.analysis import CallAnalysis, tensor_bytes
+from tfremat.extract.layer_graph import (
+    LayerCall,
+    model_input_names,
+    model_output_names,
+    regularized_variables,
+    takes_training,
+    trainable_variables,
+)
+from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef
+from tfremat.graph import DFGraph
+
+__all__ = ["assemble", "backward_flags", "weight_gradient_lifetime"]
+
+logger = logging.getLogger(__name__)
+
+# Weight-sized buffers a weight regularizer's penalty gradient adds next to its variable's
+# gradient in the compiled step (CompiledStep._add_weight_penalties), counted in the
+# backward node's workspace: the upstream broadcast to the variable's shape and the product.
+_PENALTY_BUFFERS = 2
+
+
+def backward_flags(calls: Sequence[LayerCall]) -> list[bool]:
+    """Per call, whether it passes a gradient back: it owns trainable weights or is fed by
+    such a call. The others get no backward node."""
+    needs_backward: list[bool] = []
+    for call in calls:
+        upstream = any(r.source == "node" and needs_backward[r.index] for r in call.inputs)
+        needs_backward.append(bool(trainable_variables(call.layer)) or upstream)
+    return needs_backward
+
+
+def weight_gradient_lifetime(optimizer, layers: Sequence) -> str:
+    """How long weight gradients live in a training step with ``optimizer``: ``"transient"``
+    or ``"fixed"`` (see the module docstring).
+
+    A plain update consumes each gradient as soon as it exists. Gradient clipping of any
+    kind, gradient accumulation and the loss scale of ``mixed_float16`` (a
+    ``LossScaleOptimizer`` checks all gradients for overflow first) keep them longer; so
+    does a layer with weights called more than once, whose first gradient waits for the
+    others. With those, a schedule planned on transient gradients overruns its budget
+    (``tests/test_extract.py::test_weight_gradients_are_resident_when_the_optimizer_or_a_shared_layer_needs_them``).
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    reasons = [name for name in ("clipnorm", "global_clipnorm", "clipvalue", "gradient_accumulation_steps")
+               if getattr(inner, name, None)]
+    if inner is not optimizer:
+        reasons.append("loss scaling")
+    owners = [id(layer) for layer in layers if trainable_variables(layer)]
+    if len(owners) != len(set(owners)):
+        reasons.append("a layer with weights called more than once")
+    if reasons:
+        logger.info("weight gradients are counted as resident for the whole step (%s)", ", ".join(reasons))
+        return "fixed"
+    return "transient"
+
+
+@dataclasses.dataclass
+class _Nodes:
+    """The graph's per-node numbers and the side table's entries while they are filled in."""
+
+    names: list[str]
+    cost: list[float]
+    out_bytes: list[int]
+    work: list[int]
+    is_bwd: list[bool]
+    entries: list[NodeEntry | None]
+    edges: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    forward_of: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, n: int) -> "_Nodes":
+        return cls(names=[""] * n, cost=[0.0] * n, out_bytes=[0] * n, work=[0] * n, is_bwd=[False] * n,
+                   entries=[None] * n)
+
+
+def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef], needs_backward: Sequence[bool],
+             analyses: Sequence[CallAnalysis], loss_analysis: CallAnalysis, in_specs, label_specs,
+             loss_fn, optimizer, batch: int, cost_model: str, weight_grads: str) -> tuple[DFGraph, SideTable]:
+    """Numbers the nodes, wires the edges and builds the graph and the side table."""
+    loss_node = len(calls)
+    backward_calls = [c.position for c in reversed(calls) if needs_backward[c.position]]
+    backward_id = {p: loss_node + 1 + k for k, p in enumerate(backward_calls)}
+    nodes = _Nodes.empty(loss_node + 1 + len(backward_calls))
+    output_grads = _output_gradients(calls, output_refs, needs_backward, loss_node, backward_id)
+    flops = cost_model == "flops"
+    small_total = 0
+    for call in calls:
+        small_total += analyses[call.position].small_residual_bytes if needs_backward[call.position] else 0
+        _add_call(nodes, call, analyses[call.position], backward_id.get(call.position), output_grads[call.position],
+                  needs_backward, flops, weight_grads)
+    _add_loss(nodes, loss_node, output_refs, loss_analysis, flops)
+    breakdown = _fixed_bytes(model, optimizer, in_specs, label_specs, small_total, weight_grads)
+    graph = DFGraph(
+        names=nodes.names, edges=nodes.edges, cost=nodes.cost, output_bytes=nodes.out_bytes,
+        workspace_bytes=nodes.work, is_backward=nodes.is_bwd, loss_node=loss_node, forward_of=nodes.forward_of,
+        fixed_bytes=sum(breakdown.values()), name=model.name,
+    )
+    table = SideTable(
+        model=model, entries=tuple(nodes.entries), input_specs=tuple(in_specs), label_specs=tuple(label_specs),
+        outputs=tuple(output_refs), loss_node=loss_node, loss_fn=loss_fn, optimizer=optimizer, batch_size=batch,
+        fixed_bytes_breakdown=MappingProxyType(breakdown), weight_grads=weight_grads,
+        input_names=tuple(model_input_names(model)), output_names=tuple(model_output_names(model)),
+    )
+    return graph, table
+
+
+def _output_gradients(calls, output_refs, needs_backward, loss_node: int,
+                      backward_id: dict[int, int]) -> dict[int, list[list[GradRef]]]:
+    """Per call and flattened output, where the contributions to its upstream gradient come
+    from: the loss node for a model output, the backward node of each consumer that passes
+    a gradient back."""
+    output_grads: dict[int, list[list[GradRef]]] = {c.position: [[] for _ in range(c.num_outputs)] for c in calls}
+    for k, ref in enumerate(output_refs):
+        output_grads[ref.index][ref.output_index].append(GradRef(loss_node, k))
+    for call in calls:
+        if not needs_backward[call.position]:
+            continue
+        for pos, ref in enumerate(call.inputs):
+            if ref.source == "node" and needs_backward[ref.index]:
+                output_grads[ref.index][ref.output_index].append(GradRef(backward_id[call.position], pos))
+    return output_grads
+
+
+def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, output_grads: list[list[GradRef]],
+              needs_backward: Sequence[bool], flops: bool, weight_grads: str) -> None:
+    """Fills in the forward node of ``call`` and, when ``b`` is not None, its backward node
+    ``b``: names, costs, values, workspaces, edges and side-table entries."""
+    i = call.position
+    layer = call.layer
+    nodes.names[i] = call.name
+    nodes.cost[i] = a.forward_flops if flops else a.forward_seconds
+    nodes.out_bytes[i] = a.output_bytes + a.residual_bytes
+    nodes.work[i] = a.forward_workspace
+    for ref in call.inputs:
+        if ref.source == "node":
+            nodes.edges.add((ref.index, i))
+    needs = tuple(r.source == "node" and needs_backward[r.index] for r in call.inputs)
+    common = dict(
+        layer=layer, call_args=call.call_args, call_kwargs=MappingProxyType(dict(call.call_kwargs)),
+        inputs=call.inputs, takes_training=takes_training(layer), one_gradient_call=a.one_gradient_call,
+        trainable_variables=tuple(trainable_variables(layer)), num_outputs=call.num_outputs,
+        input_needs_grad=needs,
+    )
+    nodes.entries[i] = NodeEntry(
+        node=i, kind="forward", name=call.name, forward_node=i, backward_node=b,
+        output_bytes=a.output_bytes, residual_bytes=a.residual_bytes if b is not None else 0,
+        small_residual_bytes=a.small_residual_bytes if b is not None else 0,
+        workspace_bytes=a.forward_workspace, cost=nodes.cost[i], **common,
+    )
+    if b is None:
+        # Nothing differentiates this call, so the tape keeps none of its residuals.
+        nodes.out_bytes[i] = a.output_bytes
+        return
+    nodes.names[b] = f"{call.name}_backward"
+    nodes.is_bwd[b] = True
+    nodes.forward_of[b] = i
+    nodes.cost[b] = a.backward_flops if flops else a.backward_seconds
+    nodes.out_bytes[b] = a.input_grad_bytes
+    nodes.work[b] = a.backward_workspace
+    if weight_grads == "transient":
+        nodes.work[b] += _variables_bytes(trainable_variables(layer))
+    nodes.work[b] += _PENALTY_BUFFERS * _variables_bytes(regularized_variables(layer))
+    grads = tuple(tuple(g) for g in output_grads)
+    for contributions in grads:
+        for g in contributions:
+            nodes.edges.add((g.node, b))
+    for pos in a.reads_inputs:
+        ref = call.inputs[pos]
+        if ref.source == "node":
+            nodes.edges.add((ref.index, b))
+    if a.reads_output or a.residual_bytes:
+        nodes.edges.add((i, b))
+    nodes.entries[b] = NodeEntry(
+        node=b, kind="backward", name=nodes.names[b], forward_node=i, output_grads=grads,
+        reads_inputs=a.reads_inputs, reads_output=a.reads_output, output_bytes=a.input_grad_bytes,
+        workspace_bytes=nodes.work[b], cost=nodes.cost[b], **common,
+    )
+
+
+def _add_loss(nodes: _Nodes, loss_node: int, output_refs: Sequence[TensorRef], loss_analysis: CallAnalysis,
+              flops: bool) -> None:
+    """Fills in the loss node, which reads every model output."""
+    nodes.names[loss_node] = "loss"
+    nodes.is_bwd[loss_node] = True
+    nodes.cost[loss_node] = loss_analysis.forward_flops if flops else loss_analysis.forward_seconds
+    nodes.out_bytes[loss_node] = loss_analysis.output_bytes
+    nodes.work[loss_node] = loss_analysis.forward_workspace
+    for ref in output_refs:
+        nodes.edges.add((ref.index, loss_node))
+    nodes.entries[loss_node] = NodeEntry(
+        node=loss_node, kind="loss", name="loss", inputs=tuple(output_refs),
+        reads_inputs=tuple(range(len(output_refs))), output_bytes=loss_analysis.output_bytes,
+        workspace_bytes=loss_analysis.forward_workspace, cost=nodes.cost[loss_node],
+    )
+
+
+def _fixed_bytes(model, optimizer, in_specs, label_specs, small_residuals: int, weight_grads: str) -> dict[str, int]:
+    """The parts of the fixed bytes (module docstring), as ``SideTable.fixed_bytes_breakdown``."""
+    trainable = _variables_bytes(model.trainable_variables)
+    return {
+        "params": trainable,
+        "param_grads": trainable if weight_grads == "fixed" else 0,
+        "optimizer_slots": _variables_bytes(optimizer.variables),
+        "non_trainable": _variables_bytes(model.non_trainable_variables),
+        "inputs": sum(tensor_bytes(s.shape, s.dtype, "the input batch", "input") for s in in_specs),
+        "labels": sum(tensor_bytes(s.shape, s.dtype, "the labels", "labels") for s in label_specs),
+        "small_residuals": small_residuals,
+    }
+
+
+def _variables_bytes(variables) -> int:
+    return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)

@@ -1,0 +1,164 @@
+"""Refusals: what the extracted graph cannot model is refused, naming the layer.
+
+The compiled step trains on one loss node and may run a layer's call more than once
+(a recomputation), so a model must not train on anything but its compiled loss and weight
+regularizers (:func:`refuse_unmodelled_training`), and a layer call must be a pure function
+of its inputs: no state carried across batches (:func:`check_layer`), no Python attribute
+changed and no loss added when called (:func:`analyze_checked`, which watches the profiling
+call for those and leaves the layer's variables and every random state as it found them).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from tfremat.errors import ExtractionError
+from tfremat.extract.analysis import CallAnalysis, analyze_call
+from tfremat.extract.layer_graph import (
+    LayerCall,
+    regularized_variables,
+    trainable_variables,
+)
+from tfremat.extract.side_table import TensorRef
+from tfremat.runtime.state import (
+    forget_global_seed_generator,
+    global_seed_generator,
+    stateful_variables,
+)
+
+__all__ = ["refuse_unmodelled_training", "check_layer", "analyze_checked"]
+
+
+def refuse_unmodelled_training(model) -> None:
+    """Refuses a model that ``model.fit`` trains on more than its compiled loss.
+
+    The step's graph has one loss node, computed from the outputs and labels with the
+    compiled loss, and would silently train without the rest:
+    - a ``train_step``, ``compute_loss`` or ``call`` of the model's own class (custom
+      training logic, an added penalty, a forward pass other than the layer graph);
+    - ``add_loss`` terms. (Activity regularizers appear only once a layer is called; the
+      extraction's per-call check refuses those.)
+
+    Weight regularizers (``kernel_regularizer``, ``bias_regularizer``, ...) read only
+    their variable: the compiled step adds their penalties and gradients
+    (:class:`tfremat.static_graph.compile.CompiledStep`), so they are not refused.
+
+    Raises:
+        ExtractionError: naming the overriding method, or the first layer that adds a
+            loss and listing all of them.
+    """
+    for method in ("train_step", "compute_loss", "call"):
+        if not getattr(type(model), method).__module__.startswith("keras."):
+            raise ExtractionError(
+                f"model {model.name!r} overrides {method}; the rematerialized step runs the layer graph with the "
+                "compiled loss alone and would silently skip it. Express the model as layers and the loss "
+                "through model.compile(loss=...), or train this model without tfremat",
+                layer=model.name,
+            )
+    if len(model.losses) == len(regularized_variables(model)):
+        return
+    leaves = [layer for layer in model._flatten_layers(include_self=False) if not layer._layers and layer._losses]
+    names = [layer.name for layer in leaves] or [model.name]
+    raise ExtractionError(
+        f"layers {names} add losses to the model (add_loss); the rematerialized step trains on the compiled "
+        "loss and the weight regularizers alone and would drop them. Add the term to the loss function, or "
+        "express it as a weight regularizer",
+        layer=names[0],
+    )
+
+
+def check_layer(layer, name: str) -> None:
+    """Refuses layers whose recomputation would not be a pure function of its inputs."""
+    if getattr(layer, "stateful", False):
+        raise ExtractionError(
+            f"layer {name!r} is stateful (state carried across batches); recomputing it would advance its "
+            "state twice. Use stateful=False, or keep the layer outside the rematerialized model.",
+            layer=name,
+        )
+
+
+def analyze_checked(call: LayerCall, takes_training: bool, specs, grads, batch, cost_model, repeats) -> CallAnalysis:
+    """Analyzes one call (:func:`~tfremat.extract.analysis.analyze_call`), refusing Python
+    side effects and added losses, and restoring non-trainable state and random state.
+
+    Profiling must leave every random state as it found it: an unseeded ``keras.random``
+    call advances Keras's global seed generator, or creates it with a seed drawn from
+    Python's ``random``, and plain training would then draw other numbers than tfremat's
+    step.
+
+    Raises:
+        ExtractionError: the call changed a plain Python attribute of a user layer, or the
+            layer added losses (activity regularization, ``add_loss``) in ``call``.
+    """
+    layer = call.layer
+    user_layer = not type(layer).__module__.startswith("keras")
+    before = _python_state(layer) if user_layer else None
+    saved = [v.numpy() for v in stateful_variables(layer)]
+    python_random = random.getstate()
+    generator = global_seed_generator()
+    generator_state = None if generator is None else generator.state.numpy()
+    try:
+        analysis = analyze_call(
+            _make_caller(call, takes_training), call.name, specs, grads, list(trainable_variables(layer)), batch,
+            profile=cost_model == "profile", repeats=repeats,
+        )
+    finally:
+        for variable, value in zip(stateful_variables(layer), saved):
+            variable.assign(value)
+        random.setstate(python_random)
+        if generator is not None:
+            generator.state.assign(generator_state)
+        elif global_seed_generator() is not None:
+            forget_global_seed_generator()
+    if user_layer:
+        after = _python_state(layer)
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        if changed:
+            raise ExtractionError(
+                f"layer {call.name!r} changes its Python attributes {changed} when called; a recomputation "
+                "would repeat that side effect. Keep such state in tf.Variables or outside call().",
+                layer=call.name,
+            )
+    if len(getattr(layer, "losses", ())) > len(regularized_variables(layer)):
+        raise ExtractionError(
+            f"layer {call.name!r} adds losses in call() (activity regularization / add_loss); tfremat's "
+            "graph has one loss node and would drop them. Move the term into the loss function.",
+            layer=call.name,
+        )
+    return analysis
+
+
+def _python_state(layer) -> dict:
+    """A snapshot of a user layer's plain Python attributes, to catch side effects in ``call``."""
+    state = {}
+    for key, value in vars(layer).items():
+        if isinstance(value, (bool, int, float, str, type(None))):
+            state[key] = value
+        elif isinstance(value, (list, dict, set)) and not key.startswith("_"):
+            state[key] = len(value)
+    return state
+
+
+def _make_caller(call: LayerCall, takes_training: bool) -> Callable[[list], object]:
+    """``run(flat_inputs)``: the layer call with its tensor arguments replaced by
+    ``flat_inputs`` in order (and ``training=True`` when the layer takes it)."""
+    def run(flat_inputs):
+        it = iter(flat_inputs)
+
+        def swap(value):
+            return next(it) if isinstance(value, TensorRef) else value
+
+        args = tf.nest.map_structure(swap, call.call_args)
+        kwargs = tf.nest.map_structure(swap, dict(call.call_kwargs))
+        if takes_training:
+            kwargs["training"] = True
+        # Inside a scope, as in a model's call and in the step: TensorFlow refuses a root
+        # name scope that starts with "_", which Keras names a layer of a class like
+        # ``_Block`` ("__block").
+        with tf.name_scope("profile"):
+            return call.layer(*args, **kwargs)
+
+    return run

@@ -1,0 +1,171 @@
+"""The on-disk profile cache: per-call measurements keyed by everything that changes them.
+
+An entry is ``<cache_dir>/<key>.json`` holding ``{"calls": [CallAnalysis dict, ...],
+"loss": CallAnalysis dict}``. The key hashes the cache version, the TensorFlow version, the
+device, the inter-op thread setting, the cost model, the loss, the input and label specs,
+the dtype policy and every call's layer signature and wiring. A layer's signature includes
+a fingerprint of its class's code (:func:`code_fingerprint`), so editing a user layer or
+loss between two runs does not reuse the first run's numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+import keras
+import tensorflow as tf
+
+from tfremat.extract.analysis import CallAnalysis
+
+__all__ = ["cache_dir", "code_fingerprint", "layer_signature", "cache_key", "load_cache", "store_cache"]
+
+logger = logging.getLogger(__name__)
+
+_CACHE_VERSION = 11
+_SCALARS = (bool, int, float, str, type(None))
+_LIBRARY_MODULES = ("keras", "tensorflow", "tf_keras", "builtins", "abc", "typing")
+
+
+def cache_dir() -> str:
+    """Where profiles are cached: ``$TFREMAT_CACHE_DIR``, else ``~/.cache/tfremat``."""
+    return os.environ.get("TFREMAT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tfremat")
+
+
+def layer_signature(layer) -> str:
+    """A description of a layer that is equal for layers that behave identically: its
+    class, the fingerprint of that class's code (a user layer edited between two runs
+    must not reuse the first run's cached measurements) and its config.
+
+    ``get_config`` may raise anything (Keras raises ``NotImplementedError`` for a layer it
+    cannot serialize, a keras-hub decoder block ``AttributeError``); such a layer is
+    described by its state instead (:func:`_layer_state`)."""
+    kind = f"{type(layer).__module__}.{type(layer).__qualname__}#{code_fingerprint(type(layer))}"
+    try:
+        config = dict(layer.get_config())
+    except Exception as error:  # noqa: BLE001 - any failure of user code means "no config"
+        logger.debug("layer %s: get_config raised %s; fingerprinted by its state", layer.name, type(error).__name__)
+        return f"{kind}~{json.dumps(_layer_state(layer), sort_keys=True, default=str)}"
+    config.pop("name", None)
+    return f"{kind}:{json.dumps(config, sort_keys=True, default=str)}"
+
+
+def _layer_state(layer) -> dict:
+    """What distinguishes two instances of one layer class without ``get_config``: its
+    plain attributes (numbers, strings, tuples of them; names left out, they differ
+    between instances that behave alike), the shapes and dtypes of its weights, and the
+    same for every sublayer, in tracking order."""
+
+    def plain(value) -> bool:
+        if isinstance(value, (tuple, list)):
+            return all(plain(v) for v in value)
+        return isinstance(value, _SCALARS)
+
+    def describe(one) -> dict:
+        attributes = {
+            key: value for key, value in vars(one).items()
+            if plain(value) and "name" not in key and "path" not in key
+        }
+        weights = [(list(w.shape), str(w.dtype)) for w in getattr(one, "_trainable_variables", [])
+                   + getattr(one, "_non_trainable_variables", [])]
+        return {"class": type(one).__qualname__, "attributes": attributes, "weights": weights}
+
+    return {"layer": describe(layer), "sublayers": [describe(s) for s in getattr(layer, "_flatten_layers", lambda **_: [])(
+        include_self=False, recursive=True)]}
+
+
+def code_fingerprint(thing) -> str:
+    """A digest of the Python code behind a user-defined class or callable.
+
+    For a class: every function defined in it and in its base classes outside Keras and
+    TensorFlow (whose code the TensorFlow version in the cache key covers); for a function
+    or lambda: its code and default arguments; for another callable object: its class.
+    Code objects are hashed with their bytecode, constants (nested functions included) and
+    names, so any edit of a body changes the digest. "" when there is no user code.
+    """
+    if isinstance(thing, type):
+        functions = [
+            (f"{cls.__qualname__}.{name}", getattr(value, "__func__", value))
+            for cls in thing.__mro__ if not _is_library(cls.__module__)
+            for name, value in sorted(vars(cls).items())
+        ]
+    elif hasattr(thing, "__code__"):
+        functions = [] if _is_library(getattr(thing, "__module__", None)) else [("", thing)]
+    else:
+        return code_fingerprint(type(thing))
+    functions = [(name, function) for name, function in functions if hasattr(function, "__code__")]
+    if not functions:
+        return ""
+    digest = hashlib.sha256()
+    for name, function in functions:
+        digest.update(name.encode())
+        _hash_code(function.__code__, digest)
+        digest.update(repr(getattr(function, "__defaults__", None)).encode())
+    return digest.hexdigest()[:12]
+
+
+def _is_library(module: str | None) -> bool:
+    return (module or "").split(".")[0] in _LIBRARY_MODULES
+
+
+def _hash_code(code, digest) -> None:
+    digest.update(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for constant in code.co_consts:
+        if hasattr(constant, "co_code"):
+            _hash_code(constant, digest)
+        else:
+            digest.update(repr(constant).encode())
+
+
+def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device) -> str:
+    """The entry's name: a digest of everything the measurements depend on (module docstring)."""
+    payload = {
+        "version": _CACHE_VERSION,
+        "tf": tf.__version__,
+        "device": device,
+        "inter_op_threads": (tf.config.threading.get_inter_op_parallelism_threads(), os.environ.get("TF_NUM_INTEROP_THREADS")),
+        "cost_model": cost_model,
+        "loss": loss_name,
+        "inputs": [(list(s.shape), s.dtype.name) for s in in_specs],
+        "labels": [(list(s.shape), s.dtype.name) for s in label_specs],
+        "policy": keras.config.dtype_policy().name,
+        "calls": [(layer_signature(c.layer), [(r.source, r.index, r.output_index) for r in c.inputs]) for c in calls],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def load_cache(key: str, num_calls: int) -> tuple[list[CallAnalysis], CallAnalysis] | None:
+    """The cached measurements of every call and of the loss, or None on a miss.
+
+    A damaged entry (an interrupted write, an edit by hand) is a miss: it is logged,
+    removed and measured again, as the schedule cache does.
+    """
+    path = os.path.join(cache_dir(), f"{key}.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        calls = [CallAnalysis.from_dict(d) for d in data["calls"]]
+        loss = CallAnalysis.from_dict(data["loss"])
+        if len(calls) != num_calls:
+            raise ValueError(f"{len(calls)} calls cached for a model with {num_calls}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        logger.warning("profile cache entry %s is damaged (%s); measuring again", path, err)
+        os.remove(path)
+        return None
+    return calls, loss
+
+
+def store_cache(key: str, calls: list[CallAnalysis], loss: CallAnalysis) -> None:
+    """Writes an entry atomically (a temporary file, then a rename)."""
+    data = {"calls": [a.to_dict() for a in calls], "loss": loss.to_dict()}
+    directory = cache_dir()
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f"{key}.json.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, os.path.join(directory, f"{key}.json"))
