@@ -24,6 +24,7 @@ from tfremat.errors import (
 from tfremat.graph import DFGraph, load_graph
 from tfremat.ilp import build_milp, memory_lower_bound, solve_model
 from tfremat.ilp.approx_lp import solve_approx_lp
+from tfremat.ilp.formulation import heaviest_node
 from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.solvers import SolveResult
 from tfremat.plan.execution import Op
@@ -314,6 +315,9 @@ def test_budget_below_lower_bound_raises_with_facts():
         assert info.value.strategy == strategy.name
         assert info.value.min_feasible_bytes is not None and info.value.min_feasible_bytes >= bound
         assert str(info.value).endswith("Raise the budget.")
+        # The node that sets the bound is named, not "some node".
+        node = heaviest_node(graph)
+        assert f"node {node} ({graph.names[node]}) needs" in str(info.value)
 
 
 def test_progress_reports_share_the_call_clock():

@@ -9,7 +9,12 @@ import numpy as np
 from tfremat.errors import ArgumentError, SolverTimeLimitError, is_int
 from tfremat.graph import DFGraph
 from tfremat.ilp.deadlines import seconds_left
-from tfremat.ilp.formulation import build_milp, memory_lower_bound, r_column_count
+from tfremat.ilp.formulation import (
+    build_milp,
+    lower_bound_reason,
+    memory_lower_bound,
+    r_column_count,
+)
 from tfremat.ilp.milp import (
     MAX_R_COLUMNS,
     ROUNDING_RESERVE_SECONDS,
@@ -101,7 +106,7 @@ def solve_approx_lp(
     if budget_bytes < lower_bound:
         _, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0)
         raise infeasible_error(graph, budget_bytes, smallest_peak, "approx_lp",
-                               "some node alone needs more while it runs")
+                               lower_bound_reason(graph))
     if time_limit is not None and r_column_count(graph) > MAX_R_COLUMNS:
         raise SolverTimeLimitError(
             f"the LP of this {graph.size}-node graph ({r_column_count(graph)} R columns) is too large to build "

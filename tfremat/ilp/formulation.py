@@ -75,6 +75,7 @@ from tfremat.errors import ArgumentError
 from tfremat.graph import DFGraph
 from tfremat.plan.schedule import Schedule, prune_s, validate_schedule
 from tfremat.plan.simulator import SimulationResult, stage_peaks
+from tfremat.units import format_bytes
 
 __all__ = [
     "SparseMILP",
@@ -118,17 +119,32 @@ def overflowing_stages(graph: DFGraph, outcome: SimulationResult, budget_bytes: 
     return set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes)))
 
 
+def _running_bytes(graph: DFGraph, node: int) -> int:
+    """Bytes resident while ``node`` runs, beyond the fixed bytes: its inputs, its output and
+    its workspace."""
+    return graph.output_bytes[node] + graph.workspace_bytes[node] + sum(
+        graph.output_bytes[i] for i in graph.predecessors[node])
+
+
 def memory_lower_bound(graph: DFGraph) -> int:
     """A proven lower bound on the peak of any schedule, in bytes.
 
     Every node runs at least once, and while it runs its inputs, its output and its
     workspace are resident together with the fixed bytes.
     """
-    need = max(
-        graph.output_bytes[k] + graph.workspace_bytes[k] + sum(graph.output_bytes[i] for i in graph.predecessors[k])
-        for k in range(graph.size)
-    )
-    return graph.fixed_bytes + need
+    return graph.fixed_bytes + _running_bytes(graph, heaviest_node(graph))
+
+
+def heaviest_node(graph: DFGraph) -> int:
+    """The node that sets :func:`memory_lower_bound`."""
+    return max(range(graph.size), key=lambda k: _running_bytes(graph, k))
+
+
+def lower_bound_reason(graph: DFGraph) -> str:
+    """Why no schedule goes below :func:`memory_lower_bound`, naming the node, for errors."""
+    node = heaviest_node(graph)
+    return (f"node {node} ({graph.names[node]}) needs {format_bytes(_running_bytes(graph, node))} while it runs: "
+            "its inputs, its output and its workspace")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -28,6 +28,7 @@ from tfremat.ilp.deadlines import MIN_SOLVE_SECONDS, seconds_left
 from tfremat.ilp.formulation import (
     CheckmateModel,
     build_milp,
+    lower_bound_reason,
     memory_lower_bound,
     overflowing_stages,
     r_column_count,
@@ -189,7 +190,7 @@ def solve_optimal(
     lower_bound = memory_lower_bound(graph)
     if budget_bytes < lower_bound:
         _, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0) if warm_start else (None, None)
-        raise infeasible_error(graph, budget_bytes, smallest_peak, "optimal", "some node alone needs more while it runs")
+        raise infeasible_error(graph, budget_bytes, smallest_peak, "optimal", lower_bound_reason(graph))
     # Without a model to solve, the fallback heuristic may use the whole time limit.
     too_large = time_limit is not None and r_column_count(graph) > MAX_R_COLUMNS
     fallback_seconds = 60.0 if time_limit is None else time_limit if too_large else FALLBACK_TIME_SHARE * time_limit
