@@ -364,10 +364,96 @@ def test_measure_names_a_bad_argument_before_any_work():
 
     model = compiled_convnet()
     for arguments, name in (({"steps": "2"}, "steps"), ({"steps": 1.5}, "steps"), ({"batch_size": 0}, "batch_size"),
-                            ({"optimizer_name": "nope"}, "optimizer_name")):
+                            ({"optimizer": "nope"}, "optimizer=.nope.")):
         options = {"batch_size": 4, **arguments}
         with pytest.raises(ArgumentError, match=name):
             measure_model(model, "100%", cost_model="flops", verbose=0, **options)
+
+
+_PATCHES_MODULE = """
+import keras
+
+
+@keras.saving.register_keras_serializable(package="tfremat_test")
+class Patches(keras.layers.Layer):
+    \"\"\"Splits images into flattened patches, as the Keras examples' ViT does.\"\"\"
+
+    def __init__(self, patch_size, **kwargs):
+        super().__init__(**kwargs)
+        self.patch_size = patch_size
+
+    def call(self, images):
+        size = self.patch_size
+        height, width, channels = images.shape[1:]
+        patches = keras.ops.reshape(images, (-1, height // size, size, width // size, size, channels))
+        patches = keras.ops.transpose(patches, (0, 1, 3, 2, 4, 5))
+        return keras.ops.reshape(patches, (-1, (height // size) * (width // size), size * size * channels))
+
+    def get_config(self):
+        return {**super().get_config(), "patch_size": self.patch_size}
+"""
+
+
+def _patches_model(module):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 16, 3))
+    tokens = keras.layers.Dense(8, activation="relu")(module.Patches(4)(inputs))
+    outputs = keras.layers.Dense(5, activation="softmax")(keras.layers.GlobalAveragePooling1D()(tokens))
+    return keras.Model(inputs, outputs)
+
+
+def test_measure_trains_the_model_as_compiled_and_needs_no_clone(tmp_path):
+    """measure_model ran categorical cross-entropy and SGD whatever the model was compiled
+    with, and built its plain reference with keras.models.clone_model, which fails on a
+    custom layer whose constructor takes arguments it does not serialize."""
+    import importlib.util
+
+    from tfremat.measure import measure_model
+
+    source = tmp_path / "patches_layers.py"
+    # A config that forgets the constructor's argument, as user layers often do.
+    source.write_text(_PATCHES_MODULE.replace('{**super().get_config(), "patch_size": self.patch_size}',
+                                              "super().get_config()"))
+    spec = importlib.util.spec_from_file_location("patches_unserializable", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = _patches_model(module)
+    with pytest.raises(TypeError):
+        keras.models.clone_model(model)  # what measure_model used to do
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    before = [v.numpy() for v in model.variables]
+    record = measure_model(model, "100%", batch_size=4, strategy="checkpoint_all", cost_model="flops", steps=1,
+                           verbose=0)
+    assert record["optimizer"] == "Adam" and record["loss"] == "mse" and record["gradients_match"], record
+    assert all(np.array_equal(v.numpy(), b) for v, b in zip(model.variables, before))
+    record = measure_model(model, "100%", batch_size=4, strategy="checkpoint_all", cost_model="flops", steps=1,
+                           loss="categorical_crossentropy", optimizer="sgd", verbose=0)
+    assert record["optimizer"] == "SGD" and record["loss"] == "categorical_crossentropy"
+    with pytest.raises(TfrematError, match="no loss"):
+        measure_model(_patches_model(module), "100%", batch_size=4, cost_model="flops", verbose=0)
+
+
+def test_cli_loads_a_saved_model_with_custom_layers_through_custom_objects(tmp_path):
+    """A saved Keras-examples model with a custom layer did not load on the command line."""
+    import importlib.util
+
+    source = tmp_path / "my_layers.py"
+    source.write_text(_PATCHES_MODULE)
+    spec = importlib.util.spec_from_file_location("my_layers", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = _patches_model(module)
+    model.compile(optimizer="adam", loss="categorical_crossentropy")
+    path = tmp_path / "vit_like.keras"
+    model.save(path)
+    args = ["plan", f"--model={path}", "--batch=2", "--budget=100%", "--strategy=checkpoint_all",
+            "--cost_model=flops", "--json"]
+    out = run_cli(*args, cwd=tmp_path / "..")
+    assert out.returncode == 1 and "--custom_objects" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    out = run_cli(*args, f"--custom_objects={source}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_cli(*args, f"--custom_objects={tmp_path / 'missing.py'}", cwd=tmp_path)
+    assert out.returncode == 1 and "missing.py" in out.stderr and "does not exist" in out.stderr, out.stderr
 
 
 def _named_inputs_model():
@@ -754,7 +840,7 @@ def test_measure_compares_sparse_gradients_and_refuses_models_without_a_layer_gr
     pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(ids))
     model = keras.Model(ids, keras.layers.Dense(4, activation="softmax")(pooled))
     record = measure_model(model, "100%", batch_size=8, strategy="checkpoint_all", cost_model="flops", steps=1,
-                           verbose=0)
+                           loss="categorical_crossentropy", optimizer="sgd", verbose=0)
     assert record["gradients_match"], record
 
     class Subclassed(keras.Model):
@@ -773,7 +859,8 @@ def test_measure_compares_sparse_gradients_and_refuses_models_without_a_layer_gr
         with pytest.raises(ExtractionError, match="subclassed model without a functional graph"):
             call()
     with pytest.raises(ExtractionError, match="Sequential model .* is not built"):
-        measure_model(keras.Sequential([keras.layers.Dense(4)]), "100%", batch_size=4, cost_model="flops", verbose=0)
+        measure_model(keras.Sequential([keras.layers.Dense(4)]), "100%", batch_size=4, cost_model="flops",
+                      loss="mse", optimizer="sgd", verbose=0)
 
 
 class _TrainingOnlyScale(keras.layers.Layer):

@@ -289,3 +289,75 @@ def test_repair_fits_the_250_node_random_graph_where_eviction_fails():
     schedule = get_strategy("repair")(g, budget=budget)
     assert simulate(g, schedule).peak_bytes <= budget
     assert schedule.cost(g) <= 1.05 * g.total_cost
+
+
+# ----- deadlines (issue 21) -----
+
+
+def test_portfolio_skips_heuristics_after_its_deadline(monkeypatch):
+    """Issue 21: the heuristics seeding `optimal` took no deadline (minutes on a 5000-node
+    chain). best_baseline starts none once its deadline has passed, and none whose
+    predictable cost (the longest step seen) exceeds the time left."""
+    import time
+
+    from tfremat.ilp import portfolio
+    from tfremat.plan.baselines import cheapest_fitting, schedule_for_checkpoints
+    from tfremat.plan.registry import as_strategy
+
+    graph = training_graph([(0, 1), (1, 2)], [4, 4, 4])
+    calls = []
+
+    def slow(name, seconds):
+        @as_strategy(name)
+        def run(graph, budget=None):
+            calls.append(name)
+
+            def candidates():
+                time.sleep(seconds)
+                yield schedule_for_checkpoints(graph, graph.forward_nodes, name)
+
+            return cheapest_fitting(graph, candidates(), budget, name)
+
+        return run
+
+    monkeypatch.setattr(portfolio, "HEURISTICS", (slow("first", 0.3), slow("second", 0.0), slow("third", 0.0)))
+    budget = checkpoint_all_peak(graph)
+    graph_total = graph.total_cost
+    monkeypatch.setattr(type(graph), "total_cost", property(lambda self: graph_total / 2))  # none is "optimal"
+    best, _ = portfolio.best_baseline(graph, budget, deadline=time.perf_counter() + 0.2)
+    assert calls == ["first"] and best is not None and best.strategy == "first"
+    calls.clear()
+    best, _ = portfolio.best_baseline(graph, budget, deadline=time.perf_counter() - 1)
+    assert calls == [] and best is None
+    calls.clear()
+    # No deadline: all run.
+    portfolio.best_baseline(graph, budget)
+    assert calls == ["first", "second", "third"]
+
+
+def test_heuristics_stop_at_the_deadline_with_their_best_so_far():
+    """chen_greedy's 48 candidates take half a minute on a 5000-node chain; under a
+    deadline it returns the best candidate so far, or says the time ran out."""
+    import time
+
+    from tfremat.plan.baselines import heuristic_deadline
+
+    graph = random_training_graph(3, 60)
+    with heuristic_deadline(time.perf_counter() - 1):
+        for name in ("chen_greedy", "griewank_logn", "hong", "eviction", "repair"):
+            with pytest.raises(InfeasibleBudgetError, match="time limit ran out"):
+                get_strategy(name)(graph, checkpoint_all_peak(graph) // 2)
+    free = get_strategy("chen_greedy")(graph, checkpoint_all_peak(graph))
+    with heuristic_deadline(time.perf_counter() + 60) as scope:
+        assert get_strategy("chen_greedy")(graph, checkpoint_all_peak(graph)).cost(graph) == free.cost(graph)
+        assert scope.step > 0  # the longest candidate is recorded for the portfolio's predictions
+
+
+def test_griewank_revolve_table_stops_at_the_deadline():
+    """revolve_advances is O(L^2 s): 89 s for a 5000-node chain; it stops at the deadline."""
+    import time
+
+    from tfremat.plan.baselines import _OutOfTime, heuristic_deadline
+
+    with heuristic_deadline(time.perf_counter() - 1), pytest.raises(_OutOfTime):
+        revolve_advances(200, 199)

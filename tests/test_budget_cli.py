@@ -295,7 +295,7 @@ def test_labels_fit_a_sparse_loss_in_measure_and_the_command_line():
     assert x.shape == (10**6, 8) and x.strides == (0, 0) and y.shape == (10**6,)
 
     record = measure_model(model, "100%", batch_size=4, strategy="checkpoint_all", steps=1,
-                           loss="sparse_categorical_crossentropy", cost_model="flops", verbose=0)
+                           loss="sparse_categorical_crossentropy", optimizer="sgd", cost_model="flops", verbose=0)
     assert record["gradients_match"], record
     with flagsaver.as_parsed(loss="sparse_categorical_crossentropy", cost_model="flops", optimizer="sgd"):
         extraction = cli._extraction(model, 4)

@@ -2,6 +2,7 @@
 of the Keras API (skipped without TensorFlow)."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -79,13 +80,17 @@ def test_stale_entry_that_breaks_the_schedule_rules_is_resolved(tmp_path):
 
 
 def test_entry_over_budget_is_resolved(tmp_path):
+    """A miss, left in place (a reader never deletes: another process may have just
+    written a good entry), and overwritten by the next store."""
     g = random_training_graph(3, 10)
     full = plan_graph(g, None, "checkpoint_all", cache=False)
     cache = ScheduleCache(tmp_path)
     budget = int(full.predicted_peak_bytes * 0.85)
     cache.store(g, budget, "chen_greedy", full.schedule)  # a schedule that does not fit that budget
     assert cache.load(g, budget, "chen_greedy") is None
-    assert not list(tmp_path.glob("*.json"))
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert not plan_graph(g, budget, "chen_greedy", cache=cache).from_cache
+    assert plan_graph(g, budget, "chen_greedy", cache=cache).from_cache
 
 
 def test_compare_graph_reports_infeasible_strategies_with_smallest_peak():
@@ -232,6 +237,198 @@ def test_an_empty_strategy_list_is_refused():
         compare_graph(g, "85%", 5, cache=False)
 
 
+# ----- safe caches (issue 21): unwritable directories, concurrent writers, lying entries -----
+
+
+def _under_a_file(tmp_path):
+    """A cache directory that can be neither created nor written, even by root (these tests
+    run as root, where a chmod'ed read-only directory is still writable): its parent is a
+    regular file."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a directory")
+    return blocker / "cache"
+
+
+def _warnings(caplog, text):
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and text in r.getMessage()]
+
+
+def test_unwritable_schedule_cache_directory_is_one_warning_not_an_error(tmp_path, caplog):
+    """store raised NotADirectoryError (PermissionError for a read-only directory) and
+    planning failed; now every plan succeeds, without a cache, and the directory is
+    warned about once. (Simulated with a directory under a regular file: tests run as root.)"""
+    caplog.set_level(logging.DEBUG, logger="tfremat")
+    g = random_training_graph(3, 10)
+    directory = _under_a_file(tmp_path)
+    for budget in ("85%", "90%", "85%"):
+        result = plan_graph(g, budget, "chen_greedy", cache=directory)
+        assert not result.from_cache and result.predicted_peak_bytes <= result.budget_bytes
+    assert len(_warnings(caplog, "cannot be written")) == 1
+    assert ScheduleCache(directory).store(g, None, "chen_greedy", result.schedule) is None
+
+
+def test_a_denied_write_or_read_is_a_warning_and_a_miss(tmp_path, caplog, monkeypatch):
+    """PermissionError from the rename of a store and from reading an entry (simulated by
+    patching os.replace and the cache module's open, as root ignores file modes): both are
+    warned about once per directory; a read that fails is a miss; no temporary file is
+    left behind."""
+    import tfremat.cache as cache_module
+
+    caplog.set_level(logging.DEBUG, logger="tfremat")
+    g = random_training_graph(3, 10)
+    assert not plan_graph(g, "85%", "chen_greedy", cache=tmp_path).from_cache
+    assert plan_graph(g, "85%", "chen_greedy", cache=tmp_path).from_cache
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(args[0]))
+
+    monkeypatch.setattr(cache_module.os, "replace", denied)
+    for budget in ("90%", "95%"):
+        assert not plan_graph(g, budget, "chen_greedy", cache=tmp_path).from_cache
+    assert len(_warnings(caplog, "cannot be written")) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [_only_entry(tmp_path).name]  # no temporary left
+
+    monkeypatch.setattr(cache_module, "open", denied, raising=False)
+    for _ in range(2):
+        assert not plan_graph(g, "85%", "chen_greedy", cache=tmp_path).from_cache
+    assert len(_warnings(caplog, "cannot be read")) == 1
+
+
+_HAMMER = r"""
+import json, sys
+from tfremat.cache import ScheduleCache
+from tfremat.graph import load_graph
+from tfremat.plan.schedule import Schedule
+
+graph = load_graph(sys.argv[1])
+cache = ScheduleCache(sys.argv[2])
+schedules = [Schedule.from_dict(d, graph) for d in json.load(open(sys.argv[3]))]
+misses = 0
+for i in range(int(sys.argv[4])):
+    cache.store(graph, None, "hammer", schedules[i % len(schedules)])
+    misses += cache.load(graph, None, "hammer") is None
+print(misses)
+"""
+
+
+def test_processes_writing_one_key_neither_crash_nor_lose_the_entry(tmp_path):
+    """Writers shared one fixed <key>.tmp: one renamed the other's half-written file
+    (FileNotFoundError for the other, a corrupt entry that readers then deleted). With a
+    unique temporary name per write and readers that never delete, every load after a
+    store is a hit. Four processes store and load one key 300 times each, alternating
+    schedules of different lengths."""
+    import subprocess
+    import sys
+
+    from tfremat.strategies import get_strategy
+
+    g = random_training_graph(7, 40)
+    graph_file = tmp_path / "graph.json"
+    g.to_json(graph_file)
+    documents = [get_strategy(name)(g).to_dict(g) for name in ("checkpoint_all", "chen_sqrtn", "griewank_logn")]
+    assert len({len(json.dumps(d)) for d in documents}) == 3
+    schedules_file = tmp_path / "schedules.json"
+    schedules_file.write_text(json.dumps(documents))
+    directory = tmp_path / "cache"
+    processes = [
+        subprocess.Popen([sys.executable, "-c", _HAMMER, str(graph_file), str(directory), str(schedules_file), "300"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    outcomes = [p.communicate(timeout=300) for p in processes]
+    for process, (out, err) in zip(processes, outcomes):
+        assert process.returncode == 0, err[-2000:]
+        assert out.strip() == "0", err[-2000:]  # no load missed: no entry was corrupt or deleted
+    assert ScheduleCache(directory).load(g, None, "hammer") is not None
+    assert [p.name for p in directory.iterdir()] == [ScheduleCache(directory).path(ScheduleCache.key(g, None, "hammer")).name]
+
+
+def _planned_entry(tmp_path, strategy="optimal", budget="85%"):
+    g = random_training_graph(3, 10)
+    assert not plan_graph(g, budget, strategy, cache=tmp_path, verbose=0, threads=1).from_cache
+    return g, _only_entry(tmp_path)
+
+
+@pytest.mark.parametrize("strategy, budget", [("optimal", "85%"), ("approx_lp", "85%"), ("optimal", None)])
+def test_entries_with_solver_facts_are_trusted(tmp_path, strategy, budget):
+    """The checks of the facts refuse no entry a strategy writes."""
+    g, _ = _planned_entry(tmp_path, strategy, budget)
+    again = plan_graph(g, budget, strategy, cache=tmp_path, verbose=0, threads=1)
+    assert again.from_cache and again.schedule.facts is not None
+
+
+def _set(**values):
+    return lambda document: document.update(values)
+
+
+def _set_facts(**values):
+    return lambda document: document["facts"].update(values)
+
+
+def _exact_facts(document):
+    facts = document["facts"]
+    facts.update(objective=facts["objective"] + 1, best_bound=facts["objective"] + 1, gap=0.0)
+
+
+LIES = {
+    "ten million nodes": _set(num_nodes=10_000_000),
+    "num_nodes as text": lambda d: d.update(num_nodes=str(d["num_nodes"])),
+    "one node more than the graph": lambda d: d.update(num_nodes=d["num_nodes"] + 1),
+    "another graph's fingerprint": _set(graph_fingerprint="0" * 16),
+    "no fingerprint": _set(graph_fingerprint=None),
+    "a stage out of range": lambda d: d["R"].append([d["num_nodes"], 0]),
+    "R as text": _set(R="[[0, 0]]"),
+    "a short order": _set(order=[0]),
+    "strategy not a name": _set(strategy=["optimal"]),
+    "facts as a list": _set(facts=[1]),
+    "an unknown fact": _set_facts(proof="trust me"),
+    "unknown status": _set_facts(status="unknown"),
+    "status as a number": _set_facts(status=3),
+    "negative gap": _set_facts(gap=-3),
+    "gap above 1": _set_facts(gap=7.0),
+    "gap that is not the objective's": _set_facts(gap=0.5),
+    "objective below the bound": lambda d: d["facts"].update(best_bound=2 * d["facts"]["objective"], gap=0.0),
+    "objective that is not the cost": _exact_facts,
+    "peak that is not the simulated one": lambda d: d["facts"].update(peak_bytes=d["facts"]["peak_bytes"] - 1),
+    "another budget": lambda d: d["facts"].update(budget_bytes=d["facts"]["budget_bytes"] + 1),
+    "negative seconds": _set_facts(seconds=-1.0),
+    "num_vars as a float": _set_facts(num_vars=1.5),
+    "solver as a number": _set_facts(solver=7),
+}
+
+
+@pytest.mark.parametrize("lie", LIES, ids=list(LIES))
+def test_an_entry_whose_document_or_facts_lie_is_a_logged_miss_then_overwritten(tmp_path, caplog, lie):
+    """num_nodes=10000000 made from_dict allocate 2 x 10^14 bytes (MemoryError on every
+    later run); facts with a negative gap, an unknown status or a bound above the
+    objective were shown as proven. Each is now a miss, logged, left in place (readers
+    never delete) and overwritten by the next plan's store."""
+    g, entry = _planned_entry(tmp_path)
+    document = json.loads(entry.read_text())
+    LIES[lie](document["schedule"])
+    entry.write_text(json.dumps(document))
+    caplog.set_level(logging.WARNING, logger="tfremat")
+    again = plan_graph(g, "85%", "optimal", cache=tmp_path, verbose=0, threads=1)
+    assert not again.from_cache
+    assert _warnings(caplog, "not trusted"), lie
+    assert again.schedule.facts.gap is not None and 0 <= again.schedule.facts.gap <= 1
+    assert plan_graph(g, "85%", "optimal", cache=tmp_path, verbose=0, threads=1).from_cache
+
+
+def test_schedule_document_size_is_checked_before_allocating():
+    """Without a graph, num_nodes is bounded by the pairs listed in R (every stage computes
+    its own node): 10^7 nodes with ten pairs is refused at once, not allocated."""
+    from tfremat.errors import ScheduleError
+    from tfremat.plan.schedule import Schedule
+    from tfremat.strategies import get_strategy
+
+    g = random_training_graph(3, 10)
+    document = get_strategy("checkpoint_all")(g).to_dict(g)
+    for graph in (None, g):
+        with pytest.raises(ScheduleError, match="num_nodes 10000000|10000000 nodes"):
+            Schedule.from_dict({**document, "num_nodes": 10_000_000}, graph)
+
+
 # ----- the Keras API's argument checks (before any extraction) -----
 
 
@@ -288,3 +485,160 @@ def test_tfremat_measure_is_an_attribute_of_the_package(monkeypatch):
 
     monkeypatch.delattr(tfremat, "measure", raising=False)
     assert tfremat.measure.measure_model.__module__ == "tfremat.measure"
+
+
+# ----- safe caches with TensorFlow: the profile cache, cache=False, --nocache -----
+
+
+def _dense_data():
+    return np.zeros((8, 8), "float32"), np.eye(4, dtype="float32")[np.arange(8) % 4]
+
+
+def test_unwritable_cache_directory_plans_and_trains_with_one_warning_per_directory(tmp_path, monkeypatch, caplog):
+    """$TFREMAT_CACHE_DIR that cannot be written made plan_model and fit fail (the profile
+    cache's makedirs, then the schedule cache's store). Now both run, and each directory
+    (the profile cache's and the schedule cache's) is warned about once. Simulated with a
+    path under a regular file: tests run as root, where a read-only mode stops no write."""
+    import tfremat
+
+    directory = _under_a_file(tmp_path)
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(directory))
+    caplog.set_level(logging.DEBUG, logger="tfremat")
+    x, y = _dense_data()
+    for _ in range(2):
+        result = tfremat.plan_model(dense_classifier(), "100%", x, y, batch_size=4, strategy="chen_greedy",
+                                    cost_model="flops", verbose=0)
+        assert not result.from_cache and not result.extraction.cache_hit
+    history = tfremat.fit(dense_classifier(), "100%", x, y, batch_size=4, strategy="chen_greedy",
+                          cost_model="flops", verbose=0)
+    assert len(history.history["loss"]) == 1
+    written = _warnings(caplog, "cannot be written")
+    assert sorted(r.getMessage().split()[2] for r in written) == sorted([str(directory), str(directory / "schedules")])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r not in written
+                and "cache" in r.getMessage()]
+
+
+def test_unreadable_profile_cache_is_a_miss(tmp_path, monkeypatch, caplog):
+    """A PermissionError reading the profile cache's entry (simulated by patching the cache
+    module's open, as root reads any file) is one warning and a miss, not an error."""
+    import tfremat.cache as cache_module
+    from tfremat.extract import extract
+
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path))
+    caplog.set_level(logging.DEBUG, logger="tfremat")
+    batch = _dense_data()
+    assert not extract(dense_classifier(), batch, cost_model="flops").cache_hit
+    assert extract(dense_classifier(), batch, cost_model="flops").cache_hit
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(args[0]))
+
+    monkeypatch.setattr(cache_module, "open", denied, raising=False)
+    for _ in range(2):
+        assert not extract(dense_classifier(), batch, cost_model="flops").cache_hit
+    assert len(_warnings(caplog, "cannot be read")) == 1
+
+
+def test_cache_false_turns_the_profile_cache_off_too(tmp_path, monkeypatch):
+    """cache=False turned off the schedule cache only: extraction still read and wrote its
+    profile cache. Now plan_model, compare and fit (through RematCallback) read nothing
+    from the cache directory and write nothing to it."""
+    import tfremat
+
+    directory = tmp_path / "cache"
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(directory))
+    x, y = _dense_data()
+    common = {"batch_size": 4, "cost_model": "flops", "verbose": 0}
+    result = tfremat.plan_model(dense_classifier(), "100%", x, y, strategy="chen_greedy", cache=False, **common)
+    tfremat.compare(dense_classifier(), "100%", x, y, strategies=["chen_greedy"], cache=False, **common)
+    tfremat.fit(dense_classifier(), "100%", x, y, batch_size=4, strategy="chen_greedy", cost_model="flops",
+                cache=False, verbose=0)
+    assert not result.extraction.cache_hit and not directory.exists()
+    # With entries there, cache=False still profiles and solves anew.
+    tfremat.plan_model(dense_classifier(), "100%", x, y, strategy="chen_greedy", **common)
+    entries = sorted(p for p in directory.rglob("*") if p.is_file())
+    assert len(entries) == 2
+    again = tfremat.plan_model(dense_classifier(), "100%", x, y, strategy="chen_greedy", cache=False, **common)
+    assert not again.extraction.cache_hit and not again.from_cache
+    assert tfremat.plan_model(dense_classifier(), "100%", x, y, strategy="chen_greedy", **common).extraction.cache_hit
+    assert sorted(p for p in directory.rglob("*") if p.is_file()) == entries
+
+
+_PROFILE_HAMMER = r"""
+import json, sys
+from tfremat.extract.analysis import CallAnalysis
+from tfremat.extract.profile_cache import load_cache, store_cache
+
+key, data = sys.argv[1], json.load(open(sys.argv[2]))
+calls = [CallAnalysis.from_dict(d) for d in data["calls"]]
+loss = CallAnalysis.from_dict(data["loss"])
+misses = 0
+for i in range(int(sys.argv[3])):
+    store_cache(key, calls, loss)
+    misses += load_cache(key, len(calls)) is None
+print(misses)
+"""
+
+
+def test_processes_writing_one_profile_entry_neither_crash_nor_lose_it(tmp_path, monkeypatch):
+    """The profile cache writes through the same unique temporary file and rename, and
+    its readers never delete: three processes storing and loading one key all hit."""
+    import os
+    import subprocess
+    import sys
+
+    from tfremat.extract import extract
+
+    directory = tmp_path / "cache"
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(directory))
+    extract(dense_classifier(), _dense_data(), cost_model="flops")
+    (entry,) = directory.glob("*.json")
+    copy = tmp_path / "entry.json"
+    copy.write_text(entry.read_text())
+    processes = [
+        subprocess.Popen([sys.executable, "-c", _PROFILE_HAMMER, entry.stem, str(copy), "200"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "TFREMAT_CACHE_DIR": str(directory), "TF_CPP_MIN_LOG_LEVEL": "3"})
+        for _ in range(3)
+    ]
+    outcomes = [p.communicate(timeout=300) for p in processes]
+    for process, (out, err) in zip(processes, outcomes):
+        assert process.returncode == 0, err[-2000:]
+        assert out.strip().splitlines()[-1] == "0", err[-2000:]
+    assert [p.name for p in directory.iterdir()] == [entry.name]
+    assert extract(dense_classifier(), _dense_data(), cost_model="flops").cache_hit
+
+
+def test_command_line_nocache_reads_and_writes_no_cache(tmp_path):
+    """The command line could not turn the caches off. --nocache (absl's negation of
+    --cache, default on) is a flag of every command that plans; solve, which has no cache,
+    refuses it."""
+    import os
+    import subprocess
+    import sys
+
+    keras = pytest.importorskip("keras")
+    model_file = tmp_path / "dense.keras"
+    dense_classifier().save(model_file)
+    directory = tmp_path / "cache"
+    env = {**os.environ, "TFREMAT_CACHE_DIR": str(directory), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    del keras
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "tfremat.cli", *args], capture_output=True, text=True,
+                              timeout=300, env=env, cwd=tmp_path)
+
+    plan = ["plan", f"--model={model_file}", "--batch=4", "--budget=100%", "--strategy=chen_greedy",
+            "--cost_model=flops", f"--schedule_out={tmp_path / 's.json'}", "--json"]
+    done = run(*plan, "--nocache")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not json.loads(done.stdout.splitlines()[-1])["from_cache"] and not directory.exists()
+    done = run(*plan)
+    assert done.returncode == 0 and directory.exists(), done.stderr[-2000:]
+    assert json.loads(run(*plan).stdout.splitlines()[-1])["from_cache"]
+    refused = run("solve", "--graph=g.json", "--strategy=chen_greedy", "--nocache")
+    assert refused.returncode == 2 and "--cache is not a flag of `tfremat solve`" in refused.stderr
+    from tfremat.cli import COMMAND_FLAGS
+
+    assert [c for c, names in COMMAND_FLAGS.items() if "cache" in names] == ["graph", "plan", "compare", "maxbatch",
+                                                                              "plot", "measure"]

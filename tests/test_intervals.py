@@ -96,3 +96,18 @@ def test_repair_competes_with_intervals_when_both_fit():
     best, _ = best_baseline(graph, budget, fallback_seconds=30.0, threads=2)
     assert best.strategy == "repair"
     assert best.cost(graph) < intervals(graph, budget, threads=2).cost(graph)
+
+
+def test_intervals_refuses_a_model_too_large_for_its_time_limit():
+    """Issue 21: on a 2500-layer chain the interval model has 6M columns and took 51 s
+    before failing; it is refused at once when predictably too large for time_limit."""
+    import time
+
+    from test_ilp import training_chain
+
+    graph = training_chain(600)
+    budget = checkpoint_all_peak(graph) // 2
+    began = time.perf_counter()
+    with pytest.raises(InfeasibleBudgetError, match="too large to build and solve within time_limit"):
+        intervals(graph, budget, time_limit=2)
+    assert time.perf_counter() - began < 10

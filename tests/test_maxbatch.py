@@ -208,3 +208,66 @@ def test_keras_max_batch_size_labels_for_its_loss_shows_progress_and_checks_firs
             keras_max_batch_size(model, "1MiB", **bad)
     with pytest.raises(ArgumentError, match="model must be a keras.Model"):
         keras_max_batch_size(None, "1MiB")
+
+
+def _irregular_chain(layers: int, batch: int):
+    """A training chain whose sizes are affine in the batch plus a workspace that is not
+    (a CPU convolution's scratch buffer grows in steps), so a line through two batches
+    mispredicts some others."""
+    from tfremat.graph import DFGraph
+
+    chain = training_chain(layers, batch)
+    workspace = [0] * chain.size
+    workspace[chain.size - 1] = 8 * (batch // 5)
+    return DFGraph(chain.names, chain.edges, chain.cost, [4 * batch + 2] * chain.size, workspace, chain.is_backward,
+                   chain.loss_node, dict(chain.forward_of), 16 + 3 * batch, chain.name)
+
+
+@pytest.mark.parametrize("budget", [64, 150, 333, 900])
+@pytest.mark.parametrize("factory", [training_chain, _irregular_chain])
+def test_the_scaled_search_finds_the_searchs_answer_from_few_graphs(factory, budget):
+    """Extraction is what makes a search slow: ``scaled`` builds few graphs and, since only
+    built graphs decide, answers as ``search`` does."""
+    built = {"search": [], "scaled": []}
+    results = {}
+    for method in ("search", "scaled"):
+        def graph_for_batch(batch, method=method):
+            built[method].append(batch)
+            return factory(4, batch)
+
+        try:
+            results[method] = max_batch_size(graph_for_batch, budget, method=method, max_batch=512,
+                                             strategy="chen_greedy").batch_size
+        except InfeasibleBudgetError:
+            results[method] = None
+    assert results["scaled"] == results["search"]
+    if results["search"] is not None and results["search"] > 8:
+        assert len(set(built["scaled"])) <= 6 < len(set(built["search"])), built
+
+
+def test_affine_graphs_pass_through_both_graphs_and_refuse_other_structures():
+    from tfremat.errors import ArgumentError
+    from tfremat.maxbatch import affine_graphs
+
+    at = affine_graphs(training_chain(4, 2), 2, training_chain(4, 6), 6)
+    for batch in (2, 6, 40):
+        assert at(batch).output_bytes == training_chain(4, batch).output_bytes
+        assert at(batch).fixed_bytes == training_chain(4, batch).fixed_bytes
+    with pytest.raises(ArgumentError, match="differ in nodes or edges"):
+        affine_graphs(training_chain(4, 2), 2, training_chain(5, 6), 6)
+
+
+def test_the_scaled_search_skips_a_batch_whose_graph_differs():
+    """At batch 1 a batch-norm gradient can read its forward output (an edge other batches
+    lack): the line is drawn through graphs that agree, never through that one."""
+    from tfremat.graph import DFGraph
+
+    def graph_for_batch(batch):
+        chain = training_chain(4, batch)
+        extra = [(0, chain.size - 2)] if batch == 1 else []
+        return DFGraph(chain.names, [*chain.edges, *extra], chain.cost, chain.output_bytes, chain.workspace_bytes,
+                       chain.is_backward, chain.loss_node, dict(chain.forward_of), chain.fixed_bytes, chain.name)
+
+    search = max_batch_size(graph_for_batch, 900, method="search", max_batch=512, strategy="chen_greedy")
+    scaled = max_batch_size(graph_for_batch, 900, method="scaled", max_batch=512, strategy="chen_greedy")
+    assert scaled.batch_size == search.batch_size and len(scaled.tried) < len(search.tried)

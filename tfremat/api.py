@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from tfremat.budget import format_bytes, parse_budget
+from tfremat.budget import budget_kind, format_bytes, parse_budget
 from tfremat.cache import ScheduleCache
 from tfremat.errors import ArgumentError, BudgetFormatError, TfrematError
 from tfremat.graph import DFGraph
@@ -48,7 +48,9 @@ def compare(model, budget, x=None, y=None, *, strategies: Sequence[str] | None =
     training = loss_and_optimizer(model, loss, optimizer)
     batch = sample_batch(x, y, batch_size)
     check_batch_ranks(model, batch[0])
-    extraction = extract(model, sample_batch=batch, cost_model=cost_model, **training)
+    # cache=False (or None) turns the profile cache off as well as the schedule cache.
+    extraction = extract(model, sample_batch=batch, cost_model=cost_model,
+                         use_cache=cache is not False and cache is not None, **training)
     return compare_graph(extraction.graph, budget, strategies, cache=cache, verbose=verbose, **milp_options)
 
 
@@ -135,17 +137,22 @@ def max_batch_size(
     optimizer=None,
     min_batch: int = 1,
     max_batch: int = 4096,
+    method: str = "scaled",
     cost_model: str = "profile",
+    cache=True,
     verbose: int = 1,
     **options,
 ) -> dict[str, Any]:
     """The largest batch that trains within ``budget``, per strategy.
 
     Checkmate's criterion by default: the schedule may cost at most one extra forward
-    pass; ``max_overhead`` (e.g. 0.3 for 30%) sets another cap. The graph is extracted at
-    each batch size tried; the default "profile" cost model measures each node's workspace
-    (on CPU a convolution's gradient can need tens of MiB of scratch), which "flops" leaves
-    at zero, so keep "profile" when the answer must fit.
+    pass; ``max_overhead`` (e.g. 0.3 for 30%) sets another cap. By default
+    (``method="scaled"``) the graph is extracted at the smallest batch and twice it, the
+    search runs on graphs scaled from those, and the answer is checked by extracting the
+    batches on either side of it (:func:`tfremat.maxbatch.max_batch_size`); ``"search"``
+    extracts every batch size tried. The default "profile" cost model measures each node's
+    workspace (on CPU a convolution's gradient can need tens of MiB of scratch), which
+    "flops" leaves at zero, so keep "profile" when the answer must fit.
 
     Args:
         model: a Keras model whose inputs have static shapes apart from the batch.
@@ -158,6 +165,10 @@ def max_batch_size(
         min_batch, max_batch: the batch sizes searched. When ``max_batch`` itself fits,
             the result's ``reached_max_batch`` is True and a warning is logged: the
             largest batch may be larger.
+        method: ``"scaled"`` (default) or ``"search"``; only extracted graphs decide
+            either way.
+        cache: False (or None) turns the profile cache off (the search uses no schedule
+            cache); True or a directory leaves it on.
         verbose: 0 silences the line written to stderr for each batch size tried (also
             logged at INFO on ``tfremat.maxbatch``).
         **options: MILP options (``time_limit`` per batch solve, 60 s unless given,
@@ -177,8 +188,10 @@ def max_batch_size(
     from tfremat.maxbatch import max_batch_size as search
 
     check_keras_model(model)
-    if isinstance(budget, float) and budget <= 1 or isinstance(budget, str) and budget.strip().endswith("%"):
-        raise BudgetFormatError(f"budget={budget!r}: max_batch_size needs an absolute budget (bytes or '3GiB'), not a share")
+    check_cache_argument(cache)
+    if budget_kind(budget) != "bytes":
+        raise BudgetFormatError(f"budget={budget!r}: max_batch_size needs an absolute budget (bytes or '3GiB'); a "
+                                "share or 'min' refers to one batch's peak, and the batch is what is searched")
     budget_bytes = parse_budget(budget)
     names, per_strategy = split_solver_options(strategies, options)
     training = loss_and_optimizer(model, loss, optimizer)
@@ -189,14 +202,15 @@ def max_batch_size(
             # Zero-cost arrays of the batch's shapes, labels shaped for the loss: extraction
             # reads nothing else, and a batch of thousands of images would be gigabytes.
             sample = synthetic_batch(model, batch, loss=training["loss"])
-            graphs[batch] = extract(model, sample_batch=sample, cost_model=cost_model, **training).graph
+            graphs[batch] = extract(model, sample_batch=sample, cost_model=cost_model,
+                                    use_cache=cache is not False and cache is not None, **training).graph
             logger.info("batch %d: checkpoint-all peak %s", batch, format_bytes(checkpoint_all_peak(graphs[batch])))
         return graphs[batch]
 
     results = {}
     for name in names:
         results[name] = search(graph_for_batch, budget_bytes, strategy=name, max_overhead=max_overhead,
-                               min_batch=min_batch, max_batch=max_batch,
+                               min_batch=min_batch, max_batch=max_batch, method=method,
                                batch_progress=BatchProgress(f"tfremat max_batch_size {name}") if verbose else None,
                                **(strategy_options(name, **per_strategy[name]) if name in per_strategy else {}))
     return results

@@ -7,6 +7,9 @@ of a saved ``.keras`` model.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import inspect
 import logging
 import os
 
@@ -36,26 +39,73 @@ def application_names() -> dict[str, str]:
     return names
 
 
-def build_application(name_or_file: str, input_shape: tuple[int, ...] | None, num_classes: int = 1000):
+def load_custom_objects(source: str) -> dict:
+    """The custom objects a saved model needs, from a Python file or an importable module.
+
+    Importing it registers what it decorates with ``keras.saving.register_keras_serializable``;
+    its ``custom_objects`` dict, when it defines one, is returned, else every public class
+    and function it defines, by name (what ``keras.models.load_model(custom_objects=...)``
+    takes).
+
+    Raises:
+        ExtractionError: the file does not exist or the module does not import.
+    """
+    try:
+        if source.endswith(".py"):
+            if not os.path.exists(source):
+                raise ExtractionError(f"custom objects file {source!r} does not exist")
+            spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(source))[0], source)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(source)
+    except ExtractionError:
+        raise
+    except Exception as error:  # whatever the user's module raises while importing
+        raise ExtractionError(f"custom objects {source!r} do not import: {type(error).__name__}: {error}") from error
+    if isinstance(getattr(module, "custom_objects", None), dict):
+        return dict(module.custom_objects)
+    return {
+        name: value for name, value in vars(module).items()
+        if not name.startswith("_") and (inspect.isclass(value) or inspect.isfunction(value))
+        and value.__module__ == module.__name__
+    }
+
+
+def build_application(name_or_file: str, input_shape: tuple[int, ...] | None, num_classes: int = 1000,
+                      custom_objects: dict | None = None):
     """Builds a model from a Keras Applications name or loads a ``.keras`` file.
+
+    A file is loaded with its compile configuration (its loss and optimizer, which the
+    command line uses unless ``--loss`` / ``--optimizer`` are given).
 
     Args:
         name_or_file: e.g. ``"resnet50"``, ``"MobileNetV2"``, or ``"path/model.keras"``.
         input_shape: ``(H, W, C)``, needed for an Applications model; a file's model
             carries its own shapes, which must then equal it (None: not checked).
         num_classes: classes of an Applications model's head.
+        custom_objects: for a file, the custom layers, losses and functions it needs
+            (:func:`load_custom_objects`).
 
     Returns:
         A built Keras model.
 
     Raises:
-        ExtractionError: unknown name, missing file, a missing input shape, or an input
-            shape the model refuses or (for a file) does not have.
+        ExtractionError: unknown name, missing file, a file that does not load (a custom
+            layer without its custom objects), a missing input shape, or an input shape the
+            model refuses or (for a file) does not have.
     """
     if name_or_file.endswith(".keras") or os.path.sep in name_or_file:
         if not os.path.exists(name_or_file):
             raise ExtractionError(f"model file {name_or_file!r} does not exist")
-        model = keras.models.load_model(name_or_file, compile=False)
+        try:
+            model = keras.models.load_model(name_or_file, custom_objects=custom_objects)
+        except Exception as error:  # Keras raises TypeError/ValueError/... for what it cannot rebuild
+            raise ExtractionError(
+                f"model file {name_or_file!r} does not load: {type(error).__name__}: {str(error).splitlines()[0]}. "
+                "If it has custom layers, losses or functions, pass the module defining them "
+                "(--custom_objects=my_layers.py; in Python, custom_objects= to keras.models.load_model)"
+            ) from error
         if input_shape is not None:
             saved = [tuple(tensor.shape[1:]) for tensor in model.inputs]
             if saved != [tuple(input_shape)]:
@@ -91,6 +141,7 @@ def graph_command(
     out: str,
     loss="categorical_crossentropy",
     optimizer=None,
+    use_cache: bool = True,
 ) -> dict:
     """Extracts a model's graph and writes it as the planning core's JSON.
 
@@ -102,6 +153,7 @@ def graph_command(
         out: path of the JSON file to write.
         loss: loss name, object or callable (default categorical cross-entropy).
         optimizer: a Keras optimizer or its name (default SGD).
+        use_cache: read and write the profile cache (``--nocache`` turns it off).
 
     Returns:
         A JSON-able summary: model, nodes, edges, fixed bytes, checkpoint-all peak,
@@ -115,7 +167,7 @@ def graph_command(
 
     # Labels shaped for the loss (class ids for a sparse one), not like the outputs.
     extraction = extract(model, sample_batch=synthetic_batch(model, batch, loss=loss), loss=loss, optimizer=optimizer,
-                         cost_model=cost_model)
+                         cost_model=cost_model, use_cache=use_cache)
     graph = extraction.graph
     graph.to_json(out)
     peak = checkpoint_all_peak(graph)

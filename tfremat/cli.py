@@ -60,14 +60,18 @@ flags.DEFINE_string("input_shape", None, "Input shape without the batch, e.g. 12
 flags.DEFINE_integer("batch", None, "Batch size.")
 flags.DEFINE_integer("num_classes", 10, "Classes of the head of a Keras Applications model.")
 flags.DEFINE_enum("cost_model", "profile", ["profile", "flops"], "Per-node cost: timed on this device, or an analytic FLOP count.")
-flags.DEFINE_string("loss", "categorical_crossentropy", "Loss name.")
-flags.DEFINE_string("optimizer", "sgd", "Optimizer name.")
+flags.DEFINE_string("loss", None, "Loss name (default: a saved model's compiled loss, else categorical_crossentropy).")
+flags.DEFINE_string("optimizer", None, "Optimizer name (default: a saved model's compiled optimizer, else sgd).")
+flags.DEFINE_string("custom_objects", None, "A Python file or module defining a saved model's custom layers, losses "
+                    "and functions (its custom_objects dict, else its public classes and functions).")
 flags.DEFINE_string("out", None, "Output file (graph JSON for `graph`, PNG prefix folder for `plot`).")
 flags.DEFINE_list("strategies", None, "Comma-separated strategy names (default: all).")
 flags.DEFINE_list("budgets", None, "Comma-separated budgets for `plot` (default: 30%..100% of the checkpoint-all peak).")
 flags.DEFINE_float("max_overhead", None, "maxbatch: allowed extra compute as a fraction (0.3 = 30%); default one extra forward pass.")
 flags.DEFINE_integer("max_batch", None, "maxbatch: the largest batch size searched (default 4096).")
 flags.DEFINE_string("solver", None, "MILP solver: highs (default) or gurobi (needs a licensed gurobipy).")
+flags.DEFINE_bool("cache", True, "Read and write the on-disk schedule and profile caches ($TFREMAT_CACHE_DIR, else "
+                  "~/.cache/tfremat); --nocache profiles and solves anew without reading or writing them.")
 flags.DEFINE_integer("steps", 5, "measure: training steps to run (the first traces and is not timed).")
 
 COMMANDS = {
@@ -80,16 +84,16 @@ COMMANDS = {
     "plot": "memory over the step per strategy, and overhead against budget (PNG)",
     "measure": "compile and run the planned step: measured vs predicted peak and time, vs plain Keras",
 }
-_MODEL_FLAGS = ["model", "input_shape", "batch", "num_classes", "cost_model", "loss", "optimizer"]
+_MODEL_FLAGS = ["model", "input_shape", "batch", "num_classes", "cost_model", "loss", "optimizer", "custom_objects"]
 COMMAND_FLAGS = {
     "strategies": ["json"],
     "solve": ["graph", "order", "strategy", "budget", "solver", "time_limit", "schedule_out", "json"],
-    "graph": _MODEL_FLAGS + ["out", "json"],
-    "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "schedule_out", "json"],
-    "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "json"],
-    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "loss", "optimizer", "budget", "strategies", "max_overhead", "max_batch", "solver", "time_limit", "json"],
-    "plot": ["graph", "order", "out", "strategies", "budgets", "solver", "time_limit"] + _MODEL_FLAGS,
-    "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "steps", "json"],
+    "graph": _MODEL_FLAGS + ["out", "cache", "json"],
+    "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "schedule_out", "cache", "json"],
+    "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "cache", "json"],
+    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "loss", "optimizer", "custom_objects", "budget", "strategies", "max_overhead", "max_batch", "solver", "time_limit", "cache", "json"],
+    "plot": ["graph", "order", "out", "strategies", "budgets", "solver", "time_limit", "cache"] + _MODEL_FLAGS,
+    "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "steps", "cache", "json"],
 }
 
 
@@ -216,19 +220,33 @@ def _batch() -> int:
 
 
 def _keras_model():
-    from tfremat.applications import build_application
+    from tfremat.applications import build_application, load_custom_objects
 
     _require("model")
-    return build_application(FLAGS.model, _input_shape(), num_classes=FLAGS.num_classes)
+    custom_objects = load_custom_objects(FLAGS.custom_objects) if FLAGS.custom_objects else None
+    return build_application(FLAGS.model, _input_shape(), num_classes=FLAGS.num_classes, custom_objects=custom_objects)
 
 
-def _extraction(model, batch: int):
+def _training(model) -> dict:
+    """The loss (and loss weights) and optimizer to plan ``model`` with: --loss and
+    --optimizer, else what a saved model was compiled with, else categorical cross-entropy
+    and SGD (an Applications model is not compiled)."""
+    from tfremat.planner import keras_optimizer, loss_and_optimizer
+
+    loss = FLAGS.loss or (None if getattr(model, "loss", None) is not None else "categorical_crossentropy")
+    optimizer = (keras_optimizer(FLAGS.optimizer, "--optimizer") if FLAGS.optimizer
+                 else None if getattr(model, "optimizer", None) is not None else keras_optimizer("sgd", "--optimizer"))
+    return loss_and_optimizer(model, loss, optimizer)
+
+
+def _extraction(model, batch: int, use_cache: bool = True):
     from tfremat.extract.extractor import extract
-    from tfremat.planner import keras_optimizer, synthetic_batch
+    from tfremat.planner import synthetic_batch
 
-    # Labels shaped for --loss (class ids for a sparse loss), as measure makes them.
-    return extract(model, sample_batch=synthetic_batch(model, batch, loss=FLAGS.loss), loss=FLAGS.loss,
-                   cost_model=FLAGS.cost_model, optimizer=keras_optimizer(FLAGS.optimizer, "--optimizer"))
+    training = _training(model)
+    # Labels shaped for the loss (class ids for a sparse loss), as measure makes them.
+    return extract(model, sample_batch=synthetic_batch(model, batch, loss=training["loss"]),
+                   cost_model=FLAGS.cost_model, use_cache=use_cache, **training)
 
 
 def _milp_options(name: str) -> dict:
@@ -286,8 +304,10 @@ def cmd_graph() -> None:
     from tfremat.applications import graph_command
 
     _require("model", "out")
-    summary = graph_command(FLAGS.model, _input_shape(), _batch(), FLAGS.cost_model, FLAGS.out, loss=FLAGS.loss,
-                            optimizer=FLAGS.optimizer)
+    model = _keras_model()
+    training = _training(model)
+    summary = graph_command(model, _input_shape(), _batch(), FLAGS.cost_model, FLAGS.out, loss=training["loss"],
+                            optimizer=training["optimizer"], use_cache=FLAGS.cache)
     _emit(summary)
 
 
@@ -296,8 +316,8 @@ def cmd_plan() -> None:
 
     _require("budget")
     strategy = FLAGS.strategy or "optimal"
-    extraction = _extraction(_keras_model(), _batch())
-    result = plan_graph(extraction.graph, FLAGS.budget, strategy, **_milp_options(strategy))
+    extraction = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache)
+    result = plan_graph(extraction.graph, FLAGS.budget, strategy, cache=FLAGS.cache, **_milp_options(strategy))
     out = FLAGS.schedule_out or f"{FLAGS.model.replace('/', '_').removesuffix('.keras')}_{strategy}_schedule.json"
     with open(out, "w") as f:
         json.dump(result.schedule.to_dict(extraction.graph, list(extraction.graph.names)), f)
@@ -314,13 +334,13 @@ def cmd_compare() -> None:
     names = FLAGS.strategies or strategy_names()
     for name in names:
         get_strategy(name)  # before the extraction
-    graph = _extraction(_keras_model(), _batch()).graph
+    graph = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache).graph
     given = resolve_min_budget(graph, FLAGS.budget)
     budget = parse_graph_budget(graph, given)
     # --time_limit and --solver configure the MILP strategies; as solve and plot do,
     # compare ignores them when none is among --strategies.
     options = _given_milp_flags() if any(get_strategy(name).takes_solver_options for name in names) else {}
-    entries = compare_graph(graph, given, names, **options)
+    entries = compare_graph(graph, given, names, cache=FLAGS.cache, **options)
     rows = [summary_row(name, entry, budget) for name, entry in zip(names, entries)]
     print(json.dumps(rows) if FLAGS.json else _compare_table(rows))
 
@@ -336,9 +356,11 @@ def cmd_maxbatch() -> None:
     _require("budget")
     names = FLAGS.strategies or ["optimal"]
     bounds = {"max_batch": FLAGS.max_batch} if FLAGS.max_batch is not None else {}
-    results = max_batch_size(_keras_model(), FLAGS.budget, strategies=names, max_overhead=FLAGS.max_overhead,
-                             loss=FLAGS.loss, optimizer=FLAGS.optimizer,
-                             cost_model=FLAGS.cost_model, **bounds, **_given_milp_flags())
+    model = _keras_model()
+    training = _training(model)
+    results = max_batch_size(model, FLAGS.budget, strategies=names, max_overhead=FLAGS.max_overhead,
+                             loss=training["loss"], optimizer=training["optimizer"],
+                             cost_model=FLAGS.cost_model, cache=FLAGS.cache, **bounds, **_given_milp_flags())
     rows = [{"strategy": n, "batch_size": r.batch_size, "cost_ratio": round(r.cost / r.graph.total_cost, 4),
              "cost_cap_ratio": round(r.cost_cap / r.graph.total_cost, 4), "reached_max_batch": r.reached_max_batch}
             for n, r in results.items()]
@@ -361,7 +383,7 @@ def cmd_plot() -> None:
     if FLAGS.graph:
         graph = load_graph(FLAGS.graph, order=FLAGS.order)
     else:
-        graph = _extraction(_keras_model(), _batch()).graph
+        graph = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache).graph
     reference = checkpoint_all_peak(graph)
     budgets = [parse_budget(b, reference, flag="--budgets")
                for b in (FLAGS.budgets or ["30%", "40%", "50%", "60%", "70%", "80%", "90%", "100%"])]
@@ -390,8 +412,11 @@ def cmd_measure() -> None:
 
     _require("budget")
     strategy = FLAGS.strategy or "optimal"
-    record = measure_model(_keras_model(), FLAGS.budget, batch_size=_batch(), strategy=strategy, steps=FLAGS.steps,
-                           loss=FLAGS.loss, optimizer_name=FLAGS.optimizer, cost_model=FLAGS.cost_model,
+    model = _keras_model()
+    training = _training(model)
+    record = measure_model(model, FLAGS.budget, batch_size=_batch(), strategy=strategy, steps=FLAGS.steps,
+                           loss=None if FLAGS.loss is None and model.loss is not None else training["loss"],
+                           optimizer=training["optimizer"], cost_model=FLAGS.cost_model, cache=FLAGS.cache,
                            **_milp_options(strategy))
     _emit(record)
 
@@ -460,6 +485,28 @@ def _check_output_paths(command: str) -> None:
             _fail(f"{flag}={path}: {existing} is not a writable directory", code=1)
 
 
+# Exit status on Ctrl-C (SIGINT), as shells report a process it ended: 128 + 2.
+_INTERRUPTED_EXIT = 130
+# Set by the SIGINT handler: the command is being interrupted.
+_interrupted = False
+
+
+def _catch_sigint() -> None:
+    """Ctrl-C raises KeyboardInterrupt as usual (the solvers stop within a second or two
+    and the MILP strategies return their best schedule so far, status "interrupted") and
+    is remembered, so that a command that still printed or wrote a schedule exits 130."""
+    import signal
+    import threading
+
+    def on_sigint(signum, frame):
+        global _interrupted
+        _interrupted = True
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_sigint)
+
+
 def main(argv: list[str]) -> None:
     # The allocator only counts CPU memory with BFC, which must be chosen before TF loads.
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
@@ -468,6 +515,7 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     FLAGS.command = argv[1]
+    _catch_sigint()
     try:
         if FLAGS.budget is not None and "budget" in COMMAND_FLAGS[argv[1]]:
             # Before any work (extracting a model takes minutes), and in the command line's
@@ -476,10 +524,18 @@ def main(argv: list[str]) -> None:
         _refuse_flags_of_other_commands(argv[1])
         _check_output_paths(argv[1])
         _HANDLERS[argv[1]]()
+    except KeyboardInterrupt as exc:
+        # Ctrl-C with nothing to show: one line (a JSON error under --json), exit 130.
+        _fail(f"interrupted (Ctrl-C){': ' + str(exc).splitlines()[0] if str(exc) else ''}", code=_INTERRUPTED_EXIT)
     except (TfrematError, ValueError, OSError) as exc:
         # The library's errors, values it refuses (they name the argument) and files it
         # cannot read or write: one line each, not a traceback.
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, code=1)
+    if _interrupted:
+        # The strategy stopped early and returned its best schedule, printed or written above.
+        sys.stderr.write("tfremat: interrupted (Ctrl-C): the schedule shown is the best found before it "
+                         "(status \"interrupted\")\n")
+        raise SystemExit(_INTERRUPTED_EXIT)
 
 
 def run() -> None:

@@ -52,7 +52,8 @@ class RematCallback(keras.callbacks.Callback):
         time_limit: MILP time limit in seconds per batch shape (None: 60 s,
             ``tfremat.planner.DEFAULT_TIME_LIMIT``; ``math.inf``: until proven optimal).
         cost_model: "profile" or "flops" for the extraction.
-        cache: schedule cache (True: default directory; a path; False: off).
+        cache: schedule cache (True: default directory; a path; False: off, and the
+            profile cache with it).
         allocator_check: hold the budget for the device allocator's peak, where
             out-of-memory happens, not only for the bytes the step's operations request
             (what the prediction counts; TensorFlow's BFC allocator hands a free chunk out

@@ -51,7 +51,7 @@ from tfremat.plan.schedule import (
 from tfremat.plan.simulator import simulate
 from tfremat.strategies import get_strategy
 
-__all__ = ["MaxBatchResult", "max_batch_size", "min_peak_within_cost", "one_extra_forward_cap"]
+__all__ = ["MaxBatchResult", "max_batch_size", "min_peak_within_cost", "one_extra_forward_cap", "affine_graphs"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,9 @@ class MaxBatchResult:
         graph: its graph.
         cost: the schedule's total cost.
         cost_cap: the largest cost allowed at that batch.
-        tried: every batch size evaluated, mapped to whether it fit (``search``), or the
-            batches whose graphs were built (``direct``).
-        method: ``"search"`` or ``"direct"``.
+        tried: every batch size evaluated on its built graph, mapped to whether it fit
+            (``search``, ``scaled``), or the batches whose graphs were built (``direct``).
+        method: ``"search"``, ``"scaled"`` or ``"direct"``.
         upper_bound: a proven upper bound on the largest batch (``direct`` only; equal
             to ``batch_size`` when the peak MILP was solved to optimality).
         reached_max_batch: ``batch_size`` is the ``max_batch`` the search was capped at,
@@ -120,7 +120,9 @@ def max_batch_size(
             None uses Checkmate's criterion, one extra forward pass.
         min_batch: the smallest batch to consider.
         max_batch: the largest batch to consider.
-        method: ``"search"`` or ``"direct"``.
+        method: ``"search"``, ``"scaled"`` (the search on graphs scaled from two built ones,
+            checked on built graphs around the answer: few calls of ``graph_for_batch``,
+            see :func:`_scaled`) or ``"direct"``.
         batch_progress: called as ``batch_progress(batch, fits)`` after each batch size
             the search evaluates (``direct`` evaluates none), e.g. to show progress;
             each is also logged at INFO.
@@ -156,8 +158,8 @@ def max_batch_size(
             raise ArgumentError("method='direct' extrapolates from two batch sizes; it needs max_batch > min_batch")
         check_options(min_peak_within_cost, strategy_options, "method='direct' (min_peak_within_cost)")
         return _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, strategy_options)
-    if method != "search":
-        raise ArgumentError(f"method must be 'search' or 'direct', got {method!r}")
+    if method not in ("search", "scaled"):
+        raise ArgumentError(f"method must be 'search', 'scaled' or 'direct', got {method!r}")
     solve = get_strategy(strategy)
     check_options(solve, strategy_options, f"strategy {strategy!r}")
     if get_strategy(strategy).takes_solver_options:
@@ -168,53 +170,94 @@ def max_batch_size(
             mip_gap=strategy_options.get("mip_gap"), threads=strategy_options.get("threads"),
             seed=strategy_options.get("seed"),
         )
-    tried: dict[int, bool] = {}
-    found: dict[int, tuple[Schedule, DFGraph, float, float]] = {}
-    # Why the smallest batch was refused: "memory" (proven: no schedule fits), "schedule"
-    # (the strategy found none), or "overhead" (its schedule costs more than the cap).
-    refusal: dict[int, str] = {}
+    evaluate = _Evaluator(budget, solve, strategy, max_overhead, strategy_options)
 
     def fits(batch: int) -> bool:
-        graph = graph_for_batch(batch)
-        cap = one_extra_forward_cap(graph) if max_overhead is None else (1 + max_overhead) * graph.total_cost
-        ok = False
-        refusal[batch] = "memory"
-        if memory_lower_bound(graph) <= budget:
-            refusal[batch] = "schedule"
-            try:
-                schedule = solve(graph, budget, **strategy_options)
-            except InfeasibleBudgetError as exc:
-                refusal[batch] = "memory" if exc.proven else "schedule"
-                schedule = None
-            except SolverTimeLimitError as exc:
-                # Counted as not fitting, though nothing proved it: say so where it shows.
-                logger.warning("batch %d counts as not fitting: %s found no schedule (%s)", batch, strategy, exc)
-                schedule = None
-            if schedule is not None:
-                cost = schedule.cost(graph)
-                ok = cost <= cap * (1 + 1e-12)
-                refusal[batch] = "overhead"
-                if ok:
-                    found[batch] = (schedule, graph, cost, cap)
-        tried[batch] = ok
-        logger.info("batch %d: %s", batch, "fits" if ok else "does not fit")
+        ok = evaluate(batch, graph_for_batch(batch))
         if batch_progress is not None:
             batch_progress(batch, ok)
         return ok
 
+    if method == "scaled":
+        return _scaled(graph_for_batch, evaluate, min_batch, max_batch, batch_progress)
     if not fits(min_batch):
+        raise evaluate.refused(min_batch, graph_for_batch(min_batch))
+    good = _largest(fits, min_batch, max_batch)
+    return evaluate.result(good, max_batch, method="search")
+
+
+class _Evaluator:
+    """Whether a batch's graph fits: the strategy's cheapest schedule within the budget,
+    costing at most the overhead cap. Remembers each batch's outcome, the schedule of those
+    that fit, and why the others did not."""
+
+    def __init__(self, budget: int, solve, strategy: str, max_overhead: float | None, options: Mapping):
+        self.budget, self.solve, self.strategy = budget, solve, strategy
+        self.max_overhead, self.options = max_overhead, options
+        self.tried: dict[int, bool] = {}
+        self.found: dict[int, tuple[Schedule, DFGraph, float, float]] = {}
+        # Why a batch was refused: "memory" (proven: no schedule fits), "schedule" (the
+        # strategy found none), or "overhead" (its schedule costs more than the cap).
+        self.refusal: dict[int, str] = {}
+
+    def __call__(self, batch: int, graph: DFGraph, record: bool = True, time_limit: float | None = None) -> bool:
+        """Whether ``graph`` (at ``batch``) fits; ``record=False`` for an estimate, which is
+        not remembered; ``time_limit`` caps a solver strategy's own limit."""
+        cap = _cost_cap(graph, self.max_overhead)
+        ok, refusal, found = False, "memory", None
+        if memory_lower_bound(graph) <= self.budget:
+            refusal = "schedule"
+            try:
+                options = dict(self.options)
+                if time_limit is not None and self.solve.takes_solver_options:
+                    given = options.get("time_limit")
+                    options["time_limit"] = time_limit if given is None else min(given, time_limit)
+                schedule = self.solve(graph, self.budget, **options)
+            except InfeasibleBudgetError as exc:
+                refusal = "memory" if exc.proven else "schedule"
+                schedule = None
+            except SolverTimeLimitError as exc:
+                # Counted as not fitting, though nothing proved it: say so where it shows.
+                logger.warning("batch %d counts as not fitting: %s found no schedule (%s)", batch, self.strategy, exc)
+                schedule = None
+            if schedule is not None:
+                cost = schedule.cost(graph)
+                ok = cost <= cap * (1 + 1e-12)
+                refusal = "overhead"
+                found = (schedule, graph, cost, cap)
+        if record:
+            self.tried[batch], self.refusal[batch] = ok, refusal
+            if ok:
+                self.found[batch] = found
+            logger.info("batch %d: %s", batch, "fits" if ok else "does not fit")
+        return ok
+
+    def refused(self, batch: int, graph: DFGraph) -> InfeasibleBudgetError:
+        """The error for a smallest batch that does not fit."""
         detail = {
-            "memory": f"no schedule of batch size {min_batch} fits",
-            "schedule": f"{strategy} found no schedule of batch size {min_batch} that fits",
-            "overhead": f"batch size {min_batch}'s schedule costs more than the overhead limit (raise max_overhead)",
-        }[refusal[min_batch]]
-        raise InfeasibleBudgetError(
-            budget, strategy=strategy, lower_bound_bytes=memory_lower_bound(graph_for_batch(min_batch)),
-            proven=refusal[min_batch] == "memory", detail=detail,
-        )
-    good, bad = min_batch, None
-    while bad is None and good < max_batch:
-        candidate = min(2 * good, max_batch)
+            "memory": f"no schedule of batch size {batch} fits",
+            "schedule": f"{self.strategy} found no schedule of batch size {batch} that fits",
+            "overhead": f"batch size {batch}'s schedule costs more than the overhead limit (raise max_overhead)",
+        }[self.refusal[batch]]
+        return InfeasibleBudgetError(self.budget, strategy=self.strategy, lower_bound_bytes=memory_lower_bound(graph),
+                                     proven=self.refusal[batch] == "memory", detail=detail)
+
+    def result(self, batch: int, max_batch: int, method: str) -> MaxBatchResult:
+        schedule, graph, cost, cap = self.found[batch]
+        reached = batch == max_batch
+        if reached:
+            _warn_capped(max_batch)
+        return MaxBatchResult(batch, schedule, graph, cost, cap, MappingProxyType(dict(sorted(self.tried.items()))),
+                              method=method, reached_max_batch=reached)
+
+
+def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The largest batch in [low, high] that ``fits``, given that ``low`` does: doubling
+    from ``low`` until a size does not fit, then bisecting (feasibility is taken to be
+    monotone in the batch)."""
+    good, bad = low, None
+    while bad is None and good < high:
+        candidate = min(2 * good, high)
         if fits(candidate):
             good = candidate
         else:
@@ -225,12 +268,130 @@ def max_batch_size(
             good = middle
         else:
             bad = middle
-    schedule, graph, cost, cap = found[good]
-    reached = good == max_batch
-    if reached:
-        _warn_capped(max_batch)
-    return MaxBatchResult(good, schedule, graph, cost, cap, MappingProxyType(dict(sorted(tried.items()))),
-                          reached_max_batch=reached)
+    return good
+
+
+# A solver strategy's time limit on a scaled graph: an estimate only guides which batches
+# are extracted, and each of the several estimates a search makes would otherwise take as
+# long as a real solve.
+_ESTIMATE_SECONDS = 10.0
+# Rounds of estimate-then-extract before the scaled search falls back to bisecting on
+# extracted graphs between what is known to fit and what is known not to.
+_SCALED_ROUNDS = 4
+
+
+def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: int, batch_progress) -> MaxBatchResult:
+    """``method="scaled"``: the search on graphs scaled from two extracted ones, checked by
+    extracting the graphs on either side of the answer.
+
+    Extraction (profiling every layer) is what makes a search slow, and a graph's sizes
+    and costs are nearly affine in the batch; so graphs are extracted at ``min_batch`` and
+    twice it, the search runs on their affine extension (:func:`affine_graphs`), and the
+    answer ``B`` is checked by extracting ``B`` (it must fit) and ``B + 1`` (it must not).
+    Where a check disagrees, the line is refitted through the farthest extracted batch and
+    the search repeats in what is left open; after a few rounds, the plain search on
+    extracted graphs settles it. A solver strategy gets at most ``_ESTIMATE_SECONDS`` per
+    estimate. Only extracted graphs decide: the result is the same as
+    ``method="search"`` wherever feasibility is monotone in the batch.
+    """
+    extracted: dict[int, DFGraph] = {}
+
+    def exact(batch: int) -> bool:
+        if batch in extracted:
+            return evaluate.tried[batch]
+        extracted[batch] = graph_for_batch(batch)
+        ok = evaluate(batch, extracted[batch])
+        if batch_progress is not None:
+            batch_progress(batch, ok)
+        return ok
+
+    if not exact(min_batch):
+        raise evaluate.refused(min_batch, extracted[min_batch])
+    low, high = min_batch, max_batch + 1  # low fits; high does not (max_batch + 1: not searched)
+    second = min(2 * min_batch, max_batch)
+    if second > low:
+        if exact(second):
+            low = second
+        else:
+            high = second
+    for _ in range(_SCALED_ROUNDS):
+        if high - low <= 1:
+            return evaluate.result(low, max_batch, method="scaled")
+        pair = _anchors(extracted)
+        if pair is None:
+            # No two extracted graphs share their structure (batch 1 can differ: a batch-norm
+            # gradient that reads its output at batch 1 only): extract the next doubling.
+            candidate = 2 * max(extracted)
+            if candidate >= high:
+                break
+            if exact(candidate):
+                low = candidate
+            else:
+                high = candidate
+            continue
+        near, far = pair
+        scaled = affine_graphs(extracted[near], near, extracted[far], far)
+        estimate = _largest(lambda b: evaluate(b, scaled(b), record=False, time_limit=_ESTIMATE_SECONDS),
+                            low, high - 1)
+        logger.info("batch %d fits on graphs scaled from batches %d and %d", estimate, near, far)
+        if estimate > low:
+            if not exact(estimate):
+                high = estimate
+                continue
+            low = estimate
+        if low + 1 < high:
+            if exact(low + 1):
+                low += 1
+            else:
+                high = low + 1
+    low = _largest(exact, low, high - 1)
+    return evaluate.result(low, max_batch, method="scaled")
+
+
+def _same_structure(a: DFGraph, b: DFGraph) -> bool:
+    return (a.names, a.edges, a.is_backward) == (b.names, b.edges, b.is_backward)
+
+
+def _anchors(extracted: Mapping[int, DFGraph]) -> tuple[int, int] | None:
+    """The two extracted batches farthest apart whose graphs share nodes and edges (the
+    line through them is the best estimate), or None."""
+    batches = sorted(extracted)
+    pairs = [(near, far) for far in batches for near in batches
+             if near < far and _same_structure(extracted[near], extracted[far])]
+    return max(pairs, key=lambda pair: pair[1] - pair[0]) if pairs else None
+
+
+def affine_graphs(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int) -> Callable[[int], DFGraph]:
+    """The graph at any batch, each node's output and workspace bytes and cost, and the
+    fixed bytes, on the line through their values in ``graph_a`` (at ``batch_a``) and
+    ``graph_b`` (at ``batch_b``), rounded to whole bytes and never below zero.
+
+    Raises:
+        ArgumentError: the two graphs differ in nodes or edges (a model whose structure
+            depends on the batch cannot be scaled).
+    """
+    if not _same_structure(graph_a, graph_b):
+        raise ArgumentError(f"graphs at batch {batch_a} and {batch_b} differ in nodes or edges; they cannot be "
+                            "scaled to other batch sizes (use method='search')")
+    if batch_a == batch_b:
+        raise ArgumentError("affine_graphs needs two different batch sizes")
+
+    def line(a, b, batch, whole: bool):
+        a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+        value = np.maximum(a + (b - a) * (batch - batch_a) / (batch_b - batch_a), 0.0)
+        return np.rint(value).astype(np.int64).tolist() if whole else value.tolist()
+
+    def at(batch: int) -> DFGraph:
+        return DFGraph(
+            graph_a.names, graph_a.edges, line(graph_a.cost, graph_b.cost, batch, whole=False),
+            line(graph_a.output_bytes, graph_b.output_bytes, batch, whole=True),
+            line(graph_a.workspace_bytes, graph_b.workspace_bytes, batch, whole=True),
+            graph_a.is_backward, graph_a.loss_node, dict(graph_a.forward_of),
+            int(line([graph_a.fixed_bytes], [graph_b.fixed_bytes], batch, whole=True)[0]),
+            name=f"{graph_a.name} (batch {batch}, scaled)",
+        )
+
+    return at
 
 
 def _warn_capped(max_batch: int) -> None:

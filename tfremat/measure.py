@@ -14,14 +14,14 @@ import logging
 import statistics
 import time
 
-import keras
 import tensorflow as tf
 
 from tfremat.errors import ArgumentError, is_int
+from tfremat.extract.plain_step import plain_train_step
 from tfremat.numerics import closeness
 from tfremat.planner import (
     check_keras_model,
-    keras_optimizer,
+    loss_and_optimizer,
     plan_graph,
     synthetic_batch,
 )
@@ -50,22 +50,46 @@ def _peak_and_seconds(step, x, y, resident, steps: int) -> tuple[int, float]:
     return peak, float(statistics.median(seconds))
 
 
-def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", steps: int = 5,
-                  loss="categorical_crossentropy", optimizer_name: str = "sgd", cost_model: str = "profile",
-                  seed: int = 0, verbose: int = 1, **strategy_options) -> dict:
-    """Plans, compiles and runs ``model``'s step under ``budget``, and a plain Keras step.
+def _fresh(optimizer):
+    """A new optimizer configured as ``optimizer`` (no slots, no step count): each measured
+    step gets its own, as a training run starts with one."""
+    return type(optimizer).from_config(optimizer.get_config())
+
+
+def _name_of(loss) -> str:
+    """A loss as a report names it: its name, a Keras loss's ``name``, a function's name."""
+    if isinstance(loss, str):
+        return loss
+    if isinstance(loss, (list, tuple, dict)):
+        return repr(loss)
+    return getattr(loss, "name", None) or getattr(loss, "__name__", type(loss).__name__)
+
+
+def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", steps: int = 5, loss=None,
+                  optimizer=None, cost_model: str = "profile", seed: int = 0, verbose: int = 1,
+                  cache=True, **strategy_options) -> dict:
+    """Plans, compiles and runs ``model``'s step under ``budget``, and a plain training step.
+
+    The model is measured as it trains: with its compiled loss (and loss weights) and a
+    fresh copy of its compiled optimizer, unless ``loss`` / ``optimizer`` are given. The
+    plain step runs on the model itself (a ``tf.GradientTape`` step with the same loss and
+    another fresh optimizer copy), so custom layers need no cloning.
 
     Args:
         model: a Keras model (its weights are restored afterwards, also when a step raises).
-        budget: any budget form of :func:`tfremat.budget.parse_budget`.
-        batch_size: the batch size; the data is random, its labels made for ``loss``
-            (:func:`synthetic_batch`).
+        budget: any budget form of :func:`tfremat.planner.plan_graph`.
+        batch_size: the batch size; the data is random, its labels made for the loss
+            (:func:`tfremat.planner.synthetic_batch`).
         strategy: the strategy name.
         steps: timed steps per variant (after a tracing step and a measured one).
-        loss: loss name or object; optimizer_name: a Keras optimizer name.
+        loss: a loss name or object; default the compiled one.
+        optimizer: a Keras optimizer or its name; default the compiled one.
         verbose: 0 silences the solver's progress line.
+        cache: the schedule cache, as for :func:`tfremat.planner.plan_graph`; False (or
+            None) also turns off the profile cache.
 
     Returns:
+        the loss and optimizer (class) measured with,
         predicted_peak_bytes, measured_peak_bytes (the allocator's peak),
         requested_peak_bytes (the bytes the step's operations request, what the prediction
         counts), step_seconds, plain_peak_bytes, plain_step_seconds, the gradients against
@@ -75,7 +99,8 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
 
     Raises:
         ArgumentError: ``model`` is no ``keras.Model``, ``steps`` or ``batch_size`` not an
-            int >= 1, or an unknown ``optimizer_name`` (before anything runs).
+            int >= 1, an unknown optimizer name, or no loss or optimizer (an uncompiled
+            model without ``loss=`` / ``optimizer=``), before anything runs.
     """
     from tfremat.extract.extractor import extract
     from tfremat.plan.execution import build_plan
@@ -86,13 +111,17 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if not is_int(value) or value < 1:
             raise ArgumentError(f"{name}={value!r} must be an int >= 1")
-    x, y = tf.nest.map_structure(tf.constant, synthetic_batch(model, batch_size, loss=loss, seed=seed))
+    training = loss_and_optimizer(model, loss, optimizer)
+    if training["optimizer"] is None:
+        raise ArgumentError("no optimizer: compile the model or pass optimizer= (a Keras optimizer or its name)")
+    x, y = tf.nest.map_structure(tf.constant, synthetic_batch(model, batch_size, loss=training["loss"], seed=seed))
     saved = [v.numpy() for v in model.variables]
     try:
-        optimizer = keras_optimizer(optimizer_name, "optimizer_name")
-        extraction = extract(model, sample_batch=(x, y), loss=loss, optimizer=optimizer, cost_model=cost_model)
+        extraction = extract(model, sample_batch=(x, y), cost_model=cost_model,
+                             use_cache=cache is not False and cache is not None,
+                             **{**training, "optimizer": _fresh(training["optimizer"])})
         graph = extraction.graph
-        result = plan_graph(graph, budget, strategy, verbose=verbose, **strategy_options)
+        result = plan_graph(graph, budget, strategy, cache=cache, verbose=verbose, **strategy_options)
         plan = build_plan(graph, result.schedule)
 
         @tf.function
@@ -121,10 +150,10 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
 
-        optimizer = keras_optimizer(optimizer_name, "optimizer_name")
-        optimizer.build(model.trainable_variables)
-        step = compile_step(extraction, result.schedule, optimizer=optimizer)
-        resident = list(model.variables) + list(optimizer.variables)
+        step_optimizer = _fresh(training["optimizer"])
+        step_optimizer.build(model.trainable_variables)
+        step = compile_step(extraction, result.schedule, optimizer=step_optimizer)
+        resident = list(model.variables) + list(step_optimizer.variables)
         measured, seconds = _peak_and_seconds(step, x, y, resident, steps)
         # What the prediction counts; the allocator's peak adds BFC chunk rounding that
         # depends on what the process allocated before (the demo: 47.70 MiB requested,
@@ -133,17 +162,14 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
 
-        plain_model = keras.models.clone_model(model)
-        plain_model.set_weights(model.get_weights())
-        plain_optimizer = keras_optimizer(optimizer_name, "optimizer_name")
-        plain_model.compile(optimizer=plain_optimizer, loss=loss)
-        plain_optimizer.build(plain_model.trainable_variables)  # its slots count as resident, like the step's
+        plain_optimizer = _fresh(training["optimizer"])
+        plain_step = plain_train_step(model, extraction.side_table.loss_fn, plain_optimizer)
         plain, plain_seconds = _peak_and_seconds(
-            lambda a, b: tf.constant(plain_model.train_on_batch(a, b)), x, y,
-            list(plain_model.variables) + list(plain_optimizer.variables), steps,
-        )
+            plain_step, x, y, list(model.variables) + list(plain_optimizer.variables), steps)
         return {
             "model": model.name,
+            "loss": _name_of(training["loss"]),
+            "optimizer": type(training["optimizer"]).__name__,
             "strategy": strategy,
             "batch_size": batch_size,
             "budget_bytes": result.budget_bytes,

@@ -207,7 +207,7 @@ def plan_graph(
         finally:
             if progress is not None:
                 progress.close()
-        if store:
+        if store and (schedule.facts is None or schedule.facts.status != "interrupted"):  # Ctrl-C: not final
             store.store(graph, budget_bytes, strategy, schedule, cache_options)
     seconds = 0.0 if from_cache else time.perf_counter() - started
     result = simulate(graph, schedule)
@@ -487,6 +487,8 @@ def plan_model(
         loss, optimizer: default to the model's compiled ones.
         strategy: the strategy name.
         cost_model: "profile" (timed on this device) or "flops".
+        cache: the schedule cache, as for :func:`plan_graph`; False (or None) also turns
+            off the extraction's profile cache (nothing read from or written to disk).
         **options: strategy options (``time_limit``, ``solver``, ...).
 
     Returns:
@@ -506,7 +508,9 @@ def plan_model(
     training = loss_and_optimizer(model, loss, optimizer)
     batch = sample_batch(x, y, batch_size)
     check_batch_ranks(model, batch[0])
-    extraction = extract(model, sample_batch=batch, cost_model=cost_model, **training)
+    # cache=False (or None) turns the profile cache off as well as the schedule cache.
+    extraction = extract(model, sample_batch=batch, cost_model=cost_model,
+                         use_cache=cache is not False and cache is not None, **training)
     result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **options)
     return dataclasses.replace(result, extraction=extraction)
 

@@ -24,9 +24,28 @@ from tfremat.extract.layer_graph import model_output_names
 from tfremat.extract.side_table import flatten_by_name
 from tfremat.runtime.memory import measure_step_peak
 
-__all__ = ["measure_plain_step_peak"]
+__all__ = ["measure_plain_step_peak", "plain_train_step"]
 
 logger = logging.getLogger(__name__)
+
+
+def plain_train_step(model, loss_fn, optimizer):
+    """A plain training step ``step(x, y) -> loss`` as a ``tf.function``: the model's forward
+    on a gradient tape, ``loss_fn`` on its outputs, the optimizer's update (built first, so
+    its slots exist before the step, as they do before a compiled one)."""
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(inputs, labels):
+        with tf.GradientTape() as tape:
+            preds = model(inputs, training=True)
+            loss = loss_fn(flatten_by_name(labels, model_output_names(model), "outputs"), tf.nest.flatten(preds))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
 
 
 def measure_plain_step_peak(model, x, y, loss_fn, optimizer, warmup: int = 1, count: str = "allocator") -> int:
@@ -54,18 +73,7 @@ def measure_plain_step_peak(model, x, y, loss_fn, optimizer, warmup: int = 1, co
     """
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.nest.map_structure(tf.convert_to_tensor, y)
-    if not optimizer.built:
-        optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(inputs, labels):
-        with tf.GradientTape() as tape:
-            preds = model(inputs, training=True)
-            loss = loss_fn(flatten_by_name(labels, model_output_names(model), "outputs"), tf.nest.flatten(preds))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    step = plain_train_step(model, loss_fn, optimizer)
     variables = list(model.variables) + list(optimizer.variables)
     saved = [v.numpy() for v in variables]
     try:

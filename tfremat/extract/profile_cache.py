@@ -18,6 +18,7 @@ import os
 import keras
 import tensorflow as tf
 
+from tfremat.cache import read_entry, warn_once, write_atomically
 from tfremat.extract.analysis import CallAnalysis
 
 __all__ = ["cache_dir", "code_fingerprint", "layer_signature", "cache_key", "load_cache", "store_cache"]
@@ -140,32 +141,35 @@ def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device
 def load_cache(key: str, num_calls: int) -> tuple[list[CallAnalysis], CallAnalysis] | None:
     """The cached measurements of every call and of the loss, or None on a miss.
 
-    A damaged entry (an interrupted write, an edit by hand) is a miss: it is logged,
-    removed and measured again, as the schedule cache does.
+    A damaged entry (an edit by hand, another version's) is a miss: it is logged and
+    measured again, and the next store overwrites it; it is never removed here (another
+    process may have just written a good one). An unreadable directory is a miss, logged
+    once (:func:`tfremat.cache.read_entry`).
     """
     path = os.path.join(cache_dir(), f"{key}.json")
-    if not os.path.exists(path):
+    text = read_entry(path)
+    if text is None:
         return None
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = json.loads(text)
         calls = [CallAnalysis.from_dict(d) for d in data["calls"]]
         loss = CallAnalysis.from_dict(data["loss"])
         if len(calls) != num_calls:
             raise ValueError(f"{len(calls)} calls cached for a model with {num_calls}")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        logger.warning("profile cache entry %s is damaged (%s); measuring again", path, err)
-        os.remove(path)
+    except Exception as err:  # noqa: BLE001 - whatever an entry holds, it is a miss, never the user's error
+        logger.warning("profile cache entry %s is damaged (%s: %s); measuring again", path, type(err).__name__,
+                       str(err)[:300])
         return None
     return calls, loss
 
 
 def store_cache(key: str, calls: list[CallAnalysis], loss: CallAnalysis) -> None:
-    """Writes an entry atomically (a temporary file, then a rename)."""
+    """Writes an entry atomically (:func:`tfremat.cache.write_atomically`: a temporary file
+    with a unique name, then a rename). A directory that cannot be written is logged once
+    and skipped: extraction goes on without caching."""
     data = {"calls": [a.to_dict() for a in calls], "loss": loss.to_dict()}
     directory = cache_dir()
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f"{key}.json.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, os.path.join(directory, f"{key}.json"))
+    try:
+        write_atomically(os.path.join(directory, f"{key}.json"), json.dumps(data))
+    except OSError as error:
+        warn_once(directory, "written", error)

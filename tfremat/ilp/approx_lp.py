@@ -15,12 +15,14 @@ from tfremat.ilp.formulation import (
     memory_lower_bound,
     r_column_count,
 )
+from tfremat.ilp.interrupts import Incumbent
 from tfremat.ilp.milp import (
     MAX_R_COLUMNS,
     ROUNDING_RESERVE_SECONDS,
     infeasible_error,
     lp_method,
     no_budget_schedule,
+    portfolio_deadline,
 )
 from tfremat.ilp.portfolio import best_baseline
 from tfremat.ilp.rounding import cheapest_rounding
@@ -92,6 +94,8 @@ def solve_approx_lp(
         ArgumentError: an option is out of range (raised before anything runs).
         SolverTimeLimitError: no LP relaxation was solved within ``time_limit``, or with a
             ``time_limit`` the model would exceed 250k R columns.
+        SolveInterrupted: Ctrl-C stopped it before a rounding fitted (a ``KeyboardInterrupt``;
+            after one, that schedule is returned with status ``interrupted``).
     """
     began = time.perf_counter()
     time_limit = check_solver_options(solver, time_limit=time_limit, threads=threads, seed=seed)
@@ -101,10 +105,22 @@ def solve_approx_lp(
         raise ArgumentError(f"allowances must be fractions in (0, 1], got {allowances!r}")
     if budget is None:
         return no_budget_schedule(graph, "approx_lp", began)
-    budget_bytes = budget  # whole bytes: the registry parsed it
+    incumbent = Incumbent(graph, budget)
+    try:
+        return _solve_approx_lp(graph, budget, incumbent, began=began, solver=solver, time_limit=time_limit,
+                                threads=threads, seed=seed, num_samples=num_samples, allowances=allowances,
+                                progress=progress)
+    except KeyboardInterrupt as interrupt:
+        return incumbent.result("approx_lp", began, interrupt)
+
+
+def _solve_approx_lp(graph, budget_bytes, incumbent, *, began, solver, time_limit, threads, seed, num_samples,
+                     allowances, progress) -> Schedule:
+    """:func:`solve_approx_lp` with a budget, keeping ``incumbent`` up to date for Ctrl-C."""
     lower_bound = memory_lower_bound(graph)
+    heuristics_until = portfolio_deadline(began, time_limit)
     if budget_bytes < lower_bound:
-        _, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0)
+        _, smallest_peak = best_baseline(graph, budget_bytes, 0.0, heuristics_until)
         raise infeasible_error(graph, budget_bytes, smallest_peak, "approx_lp",
                                lower_bound_reason(graph))
     if time_limit is not None and r_column_count(graph) > MAX_R_COLUMNS:
@@ -132,16 +148,19 @@ def solve_approx_lp(
             num_vars, num_constraints = model.num_vars, model.num_constraints
         if allowance == 1.0:
             if result.status == SolveStatus.INFEASIBLE:
-                _, heuristic_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0)
+                _, heuristic_peak = best_baseline(graph, budget_bytes, 0.0, portfolio_deadline(began, time_limit))
                 raise infeasible_error(graph, budget_bytes, heuristic_peak, "approx_lp",
                                        "the LP relaxation is infeasible", lower_bound_bytes=budget_bytes + 1)
             lp_bound = max(lp_bound, result.best_bound or 0.0)
+            incumbent.raise_bound(lp_bound)
+            incumbent.num_vars, incumbent.num_constraints, incumbent.solver = num_vars, num_constraints, solver
             report_incumbent(progress, began, None, lp_bound)
         if result.x is None:
             continue
         best, peak = cheapest_rounding(model, result.x, budget_bytes, num_samples, rng, "approx_lp", deadline)
         smallest_peak = peak if smallest_peak is None else min(smallest_peak, peak)
         if best is not None:
+            incumbent.offer(best)
             best_cost = best.cost(graph)
             report_incumbent(progress, began, best_cost, lp_bound)
             break

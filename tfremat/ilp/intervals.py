@@ -56,6 +56,11 @@ __all__ = ["intervals", "IntervalModel", "build_interval_model"]
 
 # Rounds of "raise the requirement of the stages still over the budget and solve again".
 _ROUNDS = 3
+# Columns build_interval_model makes per second (about 500k measured, halved for a loaded
+# machine), and the share of time_limit the build may predictably take: a chain of 2500
+# layers has 6M columns, which neither build nor solve within a minute.
+_COLUMNS_PER_SECOND = 250_000
+_BUILD_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -148,6 +153,18 @@ def build_interval_model(graph: DFGraph, excess_bytes: np.ndarray) -> IntervalMo
     )
 
 
+def absent_column_count(graph: DFGraph) -> int:
+    """The number of "still absent" columns of :func:`build_interval_model` (most of its
+    columns), counted without building it."""
+    out, succ = graph.output_bytes, graph.successors
+    count = 0
+    for v in range(graph.size):
+        if succ[v] and out[v] != 0:
+            reads = [v, *sorted(set(succ[v]))]
+            count += sum(end - a - 1 for a, end in zip(reads, reads[1:]) if end >= a + 2)
+    return count
+
+
 @as_strategy("intervals")
 def intervals(
     graph: DFGraph, budget: int | None = None, *, time_limit: float = 60.0, threads: int | None = None,
@@ -170,8 +187,9 @@ def intervals(
             rather than reported as a budget it had no time to fit).
         InfeasibleBudgetError: no choice of drops fits the budget (the model is
             infeasible, or the solver found none within ``time_limit``, or the simulated
-            schedule still exceeds the budget after a few rounds); carries the smallest
-            peak of the schedules simulated (checkpoint all's at least).
+            schedule still exceeds the budget after a few rounds), or the model is
+            predictably too large to build within a quarter of ``time_limit``; carries
+            the smallest peak of the schedules simulated (checkpoint all's at least).
     """
     if not is_number(time_limit) or not time_limit > 0:
         raise ArgumentError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
@@ -182,6 +200,11 @@ def intervals(
         return base
     excess = stage_peaks(result, graph.size) - budget
     smallest_peak = result.peak_bytes
+    columns = absent_column_count(graph)
+    if columns > _COLUMNS_PER_SECOND * _BUILD_SHARE * time_limit:
+        raise InfeasibleBudgetError(budget, smallest_peak, strategy="intervals",
+                                    detail=f"its model (over {columns} columns) is too large to build and solve within "
+                                    f"time_limit={time_limit:.3g}s")
     for _ in range(_ROUNDS):
         model = build_interval_model(graph, excess)
         remaining = time_limit - (time.perf_counter() - began)

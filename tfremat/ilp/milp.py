@@ -33,6 +33,7 @@ from tfremat.ilp.formulation import (
     overflowing_stages,
     r_column_count,
 )
+from tfremat.ilp.interrupts import Incumbent
 from tfremat.ilp.portfolio import FALLBACK_TIME_SHARE, best_baseline
 from tfremat.ilp.rins import relaxed_lp_start, rins
 from tfremat.ilp.rounding import cheaper_rounding
@@ -43,6 +44,7 @@ from tfremat.ilp.solvers import (
     report_incumbent,
     solve_model,
 )
+from tfremat.plan.baselines import known_peak
 from tfremat.plan.registry import as_strategy
 from tfremat.plan.schedule import (
     Schedule,
@@ -72,6 +74,8 @@ _FULL_MILP_COLUMNS = 150_000
 _PRESOLVE_MAX_COLUMNS = 20_000
 # Seconds kept after the MILP for simulating its solution.
 _FINISH_SECONDS = 0.5
+# Seconds kept after the heuristics for returning the best of them.
+PORTFOLIO_RESERVE_SECONDS = 0.5
 # Seconds kept from an LP under a time limit for rounding its solution.
 ROUNDING_RESERVE_SECONDS = 3.0
 # The gap at which a schedule counts as optimal when mip_gap is None (HiGHS's MILP default).
@@ -174,11 +178,17 @@ def solve_optimal(
     Returns:
         The schedule, with :class:`~tfremat.plan.schedule.SolverFacts`.
 
+    Interrupted by Ctrl-C (SIGINT, ``KeyboardInterrupt``) it stops within a second or two,
+    the solver included, and returns the cheapest schedule found so far with status
+    ``interrupted`` (:mod:`tfremat.ilp.interrupts`).
+
     Raises:
         InfeasibleBudgetError: no schedule fits (proven by the solver, or the budget is
             below :func:`~tfremat.ilp.formulation.memory_lower_bound`).
         SolverTimeLimitError: the time limit ran out without any schedule and no
             baseline fits.
+        SolveInterrupted: Ctrl-C stopped it before any schedule was found (a
+            ``KeyboardInterrupt``).
         ArgumentError: an option is out of range (raised before anything runs).
         SolverUnavailableError, SolverLicenseError: see :func:`~tfremat.ilp.solvers.solve_model`.
     """
@@ -186,18 +196,39 @@ def solve_optimal(
     time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
     if budget is None:
         return no_budget_schedule(graph, "optimal", began)
-    budget_bytes = budget  # whole bytes: the registry parsed it
+    incumbent = Incumbent(graph, budget)
+    try:
+        return _solve_optimal(graph, budget, incumbent, began=began, solver=solver, time_limit=time_limit,
+                              mip_gap=mip_gap, threads=threads, seed=seed, warm_start=warm_start, progress=progress)
+    except KeyboardInterrupt as interrupt:
+        return incumbent.result("optimal", began, interrupt)
+
+
+def portfolio_deadline(began: float, time_limit: float | None) -> float | None:
+    """When a MILP strategy's heuristics must stop (a ``time.perf_counter()`` time): a
+    little before its time limit, yet at least :data:`MIN_SOLVE_SECONDS` after ``began``
+    (as a solver, they get that much however short the limit)."""
+    if time_limit is None:
+        return None
+    return began + max(time_limit - min(PORTFOLIO_RESERVE_SECONDS, 0.1 * time_limit), MIN_SOLVE_SECONDS)
+
+
+def _solve_optimal(graph, budget_bytes, incumbent, *, began, solver, time_limit, mip_gap, threads, seed, warm_start,
+                   progress) -> Schedule:
+    """:func:`solve_optimal` with a budget, keeping ``incumbent`` up to date for Ctrl-C."""
     lower_bound = memory_lower_bound(graph)
+    heuristics_until = portfolio_deadline(began, time_limit)
     if budget_bytes < lower_bound:
-        _, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds=0.0) if warm_start else (None, None)
+        _, smallest_peak = (best_baseline(graph, budget_bytes, 0.0, heuristics_until) if warm_start
+                            else (None, None))
         raise infeasible_error(graph, budget_bytes, smallest_peak, "optimal", lower_bound_reason(graph))
     # Without a model to solve, the fallback heuristic may use the whole time limit.
     too_large = time_limit is not None and r_column_count(graph) > MAX_R_COLUMNS
     fallback_seconds = 60.0 if time_limit is None else time_limit if too_large else FALLBACK_TIME_SHARE * time_limit
-    deadline = None if time_limit is None else began + time_limit
     baseline, smallest_peak = (None, None)
     if warm_start:
-        baseline, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds, deadline, threads, progress)
+        baseline, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds, heuristics_until, threads,
+                                                progress, offer=incumbent.offer)
     # The no-remat cost bounds every schedule's cost from below.
     if baseline is not None and baseline.cost(graph) * (1 - (mip_gap or 0.0)) <= graph.total_cost:
         return _baseline_result(graph, baseline, SolveStatus.OPTIMAL, began, budget_bytes)
@@ -219,32 +250,37 @@ def solve_optimal(
         )
         return _baseline_result(graph, baseline, SolveStatus.TIME_LIMIT, began, budget_bytes)
     model = build_milp(graph, budget_bytes, exact_stages=())
+    incumbent.num_vars, incumbent.num_constraints, incumbent.solver = model.num_vars, model.num_constraints, solver
     if time_limit is not None and model.num_vars > _FULL_MILP_COLUMNS:
         return _solve_large(
             graph, model, baseline, smallest_peak, began=began, solver=solver, time_limit=time_limit,
             mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed, progress=progress,
+            incumbent=incumbent,
         )
     lp = None
     if warm_start:
         baseline, lp = relaxed_lp_start(
             model, baseline, began=began, time_limit=time_limit, solver=solver, threads=threads, seed=seed,
         )
+    incumbent.offer(baseline)
     if lp is not None:
         lp_bound = max(graph.total_cost, lp.best_bound or 0.0)
+        incumbent.raise_bound(lp_bound)
         report_incumbent(progress, began, baseline.cost(graph) if baseline is not None else None, lp_bound)
         if baseline is not None:
             baseline = rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver,
                             threads=threads, seed=seed)
+            incumbent.offer(baseline)
             report_incumbent(progress, began, baseline.cost(graph), lp_bound)
     return _solve_with_stage_rows(
         graph, model, baseline, smallest_peak, lp.best_bound if lp is not None else None, began=began, solver=solver,
         time_limit=time_limit, mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed,
-        progress=progress,
+        progress=progress, tracker=incumbent,
     )
 
 
 def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, began, solver, time_limit, mip_gap,
-                           threads, seed, progress):
+                           threads, seed, progress, tracker):
     """``optimal`` by the stage-end relaxation, made exact where its solutions overflow.
 
     ``model`` starts with every stage relaxed to its stage-end row. Each round solves it
@@ -290,11 +326,13 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
                                    f"{result.solver} proved no schedule fits", lower_bound_bytes=budget_bytes + 1)
         if result.best_bound is not None and not lowered:
             bound = max(bound, result.best_bound)
+            tracker.raise_bound(bound)
         if result.x is None:
             break
         candidate = model.schedule(result.x, "optimal")
         outcome = simulate(graph, candidate)
         if outcome.peak_bytes <= budget_bytes:
+            tracker.offer(candidate, outcome.peak_bytes)
             if incumbent is None or candidate.cost(graph) <= incumbent.cost(graph):
                 incumbent = candidate
                 proven = result.status == SolveStatus.OPTIMAL and not lowered
@@ -313,6 +351,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
         else:
             raise SolverError("internal error: a schedule overflows the budget in stages the MILP accounts exactly")
         model = build_milp(graph, budget_bytes - lowered, exact_stages=exact_stages)
+        tracker.num_vars, tracker.num_constraints = model.num_vars, model.num_constraints
     if incumbent is None and lowered:
         raise infeasible_error(graph, budget_bytes, smallest_peak, "optimal",
                                f"{result.solver}'s solutions exceed the budget by up to its tolerance "
@@ -345,11 +384,12 @@ def _baseline_result(graph, baseline, status, began, budget_bytes) -> Schedule:
     return baseline.with_facts(SolverFacts(
         status=status, objective=cost, best_bound=min(graph.total_cost, cost), seconds=time.perf_counter() - began,
         solve_seconds=0.0, num_vars=0, num_constraints=0, solver=None, warm_start=baseline.strategy,
-        peak_bytes=simulate(graph, baseline).peak_bytes, budget_bytes=budget_bytes, exact_stages=0,
+        peak_bytes=known_peak(graph, baseline), budget_bytes=budget_bytes, exact_stages=0,
     ), strategy="optimal")
 
 
-def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_limit, mip_gap, threads, seed, progress):
+def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_limit, mip_gap, threads, seed, progress,
+                 incumbent):
     """``optimal`` on models too large for the whole MILP within ``time_limit``.
 
     The time goes to the LP relaxation: HiGHS's dual simplex without presolve, whose row
@@ -370,7 +410,8 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
         raise infeasible_error(graph, budget_bytes, smallest_peak, "optimal",
                                f"{lp.solver} proved the LP relaxation infeasible", lower_bound_bytes=budget_bytes + 1)
     bound = max(graph.total_cost, lp.best_bound or 0.0)
-    incumbent = baseline
+    tracker, incumbent = incumbent, baseline
+    tracker.raise_bound(bound)
     if lp.x is not None:
         incumbent = cheaper_rounding(model, lp.x, incumbent, seed=seed, strategy="optimal", deadline=deadline)
     if incumbent is None:

@@ -7,19 +7,23 @@ any heuristic reached, for the infeasible-budget error).
 from __future__ import annotations
 
 import inspect
+import logging
 import time
+from collections.abc import Callable
 
 from tfremat.errors import InfeasibleBudgetError
 from tfremat.graph import DFGraph
 from tfremat.ilp.intervals import intervals
 from tfremat.ilp.solvers import ProgressFn, report_incumbent
 from tfremat.plan import baselines
+from tfremat.plan.baselines import heuristic_deadline, known_peak
 from tfremat.plan.eviction import eviction
 from tfremat.plan.repair import repair
 from tfremat.plan.schedule import Schedule
-from tfremat.plan.simulator import simulate
 
 __all__ = ["HEURISTICS", "best_baseline", "FALLBACK_TIME_SHARE"]
+
+logger = logging.getLogger(__name__)
 
 # Every heuristic strategy, in the order users see them listed.
 HEURISTICS = (
@@ -39,9 +43,11 @@ def best_baseline(
     graph: DFGraph,
     budget_bytes: int,
     fallback_seconds: float = 60.0,
-    fallback_deadline: float | None = None,
+    deadline: float | None = None,
     threads: int | None = None,
     progress: ProgressFn | None = None,
+    *,
+    offer: Callable[[Schedule, int], None] | None = None,
 ) -> tuple[Schedule | None, int | None]:
     """The cheapest heuristic schedule that fits, and the smallest peak any reached.
 
@@ -50,40 +56,58 @@ def best_baseline(
     Heuristics that take a ``time_limit`` (``intervals``, a small MILP, also takes
     ``threads``) get at most ``fallback_seconds`` (0: they do not run). ``repair``, slow
     on large graphs and beaten by ``eviction`` on training graphs, runs last: for at most
-    ``fallback_seconds`` when nothing else fits, for at most 6 s otherwise. Neither runs past ``fallback_deadline`` (a
-    ``time.perf_counter()`` time) when one is given. Each new cheapest schedule is
-    reported to ``progress`` (incumbent and the no-remat bound; logged at INFO too), so
-    minutes of heuristics on a large graph are not silent. Returns ``(None,
-    smallest_peak)`` when none fits.
+    ``fallback_seconds`` when nothing else fits, for at most 6 s otherwise.
+
+    With a ``deadline`` (a ``time.perf_counter()`` time) every heuristic stops by it
+    (:func:`~tfremat.plan.baselines.heuristic_deadline`): none starts once the time left is
+    less than the longest step any took (one candidate schedule built and simulated:
+    seconds on a 10,000-node graph), and each stops trying candidates the same way, so
+    the call overruns the deadline by less than one such step. Heuristics skipped or cut
+    short are logged at INFO.
+
+    Each new cheapest schedule is reported to ``progress`` (incumbent and the no-remat
+    bound; logged at INFO too), so minutes of heuristics on a large graph are not silent,
+    and passed to ``offer`` with its simulated peak. Returns ``(None, smallest_peak)``
+    when none fits.
     """
     began = time.perf_counter()
     best, best_cost, smallest_peak = None, None, None
-    for strategy in sorted(HEURISTICS, key=lambda s: s.runs_last):
-        if best is not None and best_cost <= graph.total_cost:
-            break  # nothing recomputed: no schedule is cheaper
-        accepts = inspect.signature(strategy.function).parameters
-        options = {"threads": threads} if "threads" in accepts else {}
-        if "time_limit" in accepts:
-            seconds = fallback_seconds
-            if strategy.runs_last and best is not None:
-                seconds = min(seconds, _COMPETING_SECONDS)
-            if fallback_deadline is not None:
-                seconds = min(seconds, fallback_deadline - time.perf_counter())
-            if seconds <= 0:
+    skipped = []
+    with heuristic_deadline(deadline) as scope:
+        for strategy in sorted(HEURISTICS, key=lambda s: s.runs_last):
+            if best is not None and best_cost <= graph.total_cost:
+                break  # nothing recomputed: no schedule is cheaper
+            if scope is not None and scope.no_time_for_a_step():
+                skipped.append(strategy.name)
                 continue
-            options["time_limit"] = seconds
-        try:
-            schedule = strategy(graph, budget_bytes, **options)
-        except InfeasibleBudgetError as exc:
-            if exc.min_feasible_bytes is not None:
-                smallest_peak = min(smallest_peak or exc.min_feasible_bytes, exc.min_feasible_bytes)
-            continue
-        peak = simulate(graph, schedule).peak_bytes
-        smallest_peak = min(smallest_peak or peak, peak)
-        if peak > budget_bytes:
-            continue
-        cost = schedule.cost(graph)
-        if best is None or cost < best_cost:
-            best, best_cost = schedule, cost
-            report_incumbent(progress, began, cost, graph.total_cost)
+            accepts = inspect.signature(strategy.function).parameters
+            options = {"threads": threads} if "threads" in accepts else {}
+            if "time_limit" in accepts:
+                seconds = fallback_seconds
+                if strategy.runs_last and best is not None:
+                    seconds = min(seconds, _COMPETING_SECONDS)
+                if scope is not None:
+                    seconds = min(seconds, scope.left())
+                if seconds <= 0:
+                    continue
+                options["time_limit"] = seconds
+            try:
+                schedule = strategy(graph, budget_bytes, **options)
+            except InfeasibleBudgetError as exc:
+                if exc.min_feasible_bytes is not None:
+                    smallest_peak = min(smallest_peak or exc.min_feasible_bytes, exc.min_feasible_bytes)
+                continue
+            peak = known_peak(graph, schedule)
+            smallest_peak = min(smallest_peak or peak, peak)
+            if peak > budget_bytes:
+                continue
+            cost = schedule.cost(graph)
+            if best is None or cost < best_cost:
+                best, best_cost = schedule, cost
+                report_incumbent(progress, began, cost, graph.total_cost)
+                if offer is not None:
+                    offer(schedule, peak)
+    if skipped:
+        logger.info("heuristics: the deadline left no time for %s (after %.1fs)", ", ".join(skipped),
+                    time.perf_counter() - began)
     return best, smallest_peak

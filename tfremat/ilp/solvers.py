@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -32,6 +33,7 @@ from tfremat.errors import (
     is_number,
 )
 from tfremat.ilp.formulation import CheckmateModel, SparseMILP
+from tfremat.ilp.interrupts import SolveInterrupted
 from tfremat.plan.schedule import SolveStatus
 
 __all__ = ["SOLVERS", "DEFAULT_SOLVER", "SolveResult", "Progress", "solve_model", "check_solver_options"]
@@ -50,9 +52,14 @@ _GUROBI_SIZE_LIMIT_ERRNO = 10010
 _GUROBI_NO_LICENSE_ERRNOS = (10009, 10010)
 # Seconds between Gurobi's periodic progress reports (HiGHS logs every 5 s by default).
 _GUROBI_REPORT_SECONDS = 5.0
+# Seconds HiGHS gets to stop after Ctrl-C (it checks between simplex iterations and MIP
+# nodes, far more often) before the solve is left behind in its thread.
+_INTERRUPT_GRACE_SECONDS = 2.0
 # The thread count HiGHS's process-wide scheduler was last started with ("unset" before
 # the first run).
 _highs_scheduler_threads: int | None | str = "unset"
+# A HiGHS solve that Ctrl-C left running in its thread (see _run_highs).
+_abandoned_solve: threading.Thread | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +170,10 @@ def solve_model(
         ArgumentError: an unknown backend name, an option out of range, or an
             ``lp_method`` this model or backend does not take.
         SolverError: the backend failed.
+        SolveInterrupted: Ctrl-C (SIGINT) stopped the solve, within a second or two: HiGHS
+            runs in its own thread while the calling (main) thread waits, so the signal
+            is seen at once and the solve cancelled; the exception carries the solver's
+            best solution (``x``, None without one) and the ``model``.
     """
     if lp_method not in _LP_METHODS:
         raise ArgumentError(f"lp_method must be one of {', '.join(_LP_METHODS)}, got {lp_method!r}")
@@ -353,6 +364,7 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
         raise SolverError("HiGHS rejected the model")
 
     began = time.perf_counter()
+    found: list[np.ndarray] = []
     if not relax:
         def on_event(event) -> None:
             data = event.data_out
@@ -360,7 +372,14 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
             bound = data.mip_dual_bound if abs(data.mip_dual_bound) < inf else None
             progress(Progress(data.running_time, incumbent, bound, _relative_gap(incumbent, bound)))
 
-        h.cbMipImprovingSolution.subscribe(on_event)
+        def on_solution(event) -> None:
+            # Kept for Ctrl-C during the root LP, when HiGHS cannot be stopped (_run_highs).
+            solution = np.array(event.data_out.mip_solution, dtype=float)
+            if len(solution) == model.num_vars:
+                found[:] = [solution]
+            on_event(event)
+
+        h.cbMipImprovingSolution.subscribe(on_solution)
         h.cbMipLogging.subscribe(on_event)
         if start is not None:
             solution = highspy.HighsSolution()
@@ -368,12 +387,17 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
             solution.value_valid = True
             h.setSolution(solution)
     global _highs_scheduler_threads
+    _wait_for_abandoned_solve()
     if threads != _highs_scheduler_threads:
         # HiGHS sizes a process-wide task scheduler on its first run and refuses (without a
         # solution) a later run asking for another thread count unless it is reset.
         highspy.Highs.resetGlobalScheduler(True)
         _highs_scheduler_threads = threads
-    if h.run() == highspy.HighsStatus.kError:
+    run_status, interrupted = _run_highs(h, found)
+    if interrupted and run_status is None:
+        raise SolveInterrupted(f"HiGHS was interrupted (Ctrl-C) after {time.perf_counter() - began:.1f}s",
+                               x=found[-1] if found else None, model=model, solver="highs")
+    if run_status == highspy.HighsStatus.kError:
         raise SolverError(f"HiGHS could not run the model: {h.modelStatusToString(h.getModelStatus())}")
     seconds = time.perf_counter() - began
 
@@ -401,9 +425,84 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
         name = SolveStatus.TIME_LIMIT
     else:
         name = SolveStatus.FEASIBLE
+    if interrupted or status == highspy.HighsModelStatus.kInterrupt:
+        # A stopped dual simplex's point is not feasible; a MIP's incumbent is.
+        raise SolveInterrupted(f"HiGHS was interrupted (Ctrl-C) after {seconds:.1f}s",
+                               x=x if info.primal_solution_status == 2 else None, model=model, solver="highs")
     if status in (highspy.HighsModelStatus.kModelError, highspy.HighsModelStatus.kSolveError):
         raise SolverError(f"HiGHS failed: {h.modelStatusToString(status)}")
     return SolveResult(x, name, objective, bound, _relative_gap(objective, bound), seconds, "highs")
+
+
+def _run_highs(h, found: list):
+    """``h.run()``, stoppable by Ctrl-C within a second or two: ``(run status, interrupted)``.
+
+    In the main thread (where Python runs signal handlers) HiGHS runs in a thread of its
+    own while this one waits in short steps, so a KeyboardInterrupt arrives at once, not
+    when HiGHS next calls back into Python. The solve is then cancelled through HiGHS's
+    interrupt callbacks, and waited for up to ``_INTERRUPT_GRACE_SECONDS`` (a second
+    Ctrl-C: not at all). HiGHS 1.15 checks them between simplex iterations of an LP and
+    between the steps of a MIP, but not inside a MIP's root LP, which can take minutes:
+    then the status is None and the solve is left to stop in its thread at its next
+    check (the next solve waits for it: ``_wait_for_abandoned_solve``), and ``found``
+    holds the solutions HiGHS reported. Elsewhere ``h.run()`` runs in place (no signal
+    reaches that thread).
+    """
+    global _abandoned_solve
+    if threading.current_thread() is not threading.main_thread():
+        return h.run(), False
+    stop = threading.Event()
+
+    def check_interrupt(event) -> None:
+        if stop.is_set():
+            event.interrupt()
+
+    for callback in (h.cbSimplexInterrupt, h.cbIpmInterrupt, h.cbMipInterrupt):
+        callback.subscribe(check_interrupt)
+    outcome: dict = {}
+
+    def solve() -> None:
+        try:
+            outcome["status"] = h.run()
+            # HiGHS's scheduler threads belong to the thread that ran first; left alive past
+            # it they abort the process at exit ("terminate called without an active
+            # exception"). highspy's own threaded solve resets it the same way.
+            type(h).resetGlobalScheduler(False)
+        except BaseException as exc:  # re-raised in the calling thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=solve, name="tfremat-highs", daemon=True)
+    thread.start()
+    interrupted = False
+    try:
+        while thread.is_alive():
+            thread.join(0.1)
+    except KeyboardInterrupt:
+        interrupted = True
+        stop.set()
+        stop_by = time.perf_counter() + _INTERRUPT_GRACE_SECONDS
+        try:
+            while thread.is_alive() and time.perf_counter() < stop_by:
+                thread.join(0.05)
+        except KeyboardInterrupt:
+            pass
+    if thread.is_alive():
+        logger.warning("HiGHS did not stop within %ss of Ctrl-C (it does not check for interrupts inside a MIP's "
+                       "root LP); it stops in the background at its next check", _INTERRUPT_GRACE_SECONDS)
+        _abandoned_solve = thread
+        return None, True
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("status"), interrupted
+
+
+def _wait_for_abandoned_solve() -> None:
+    """Waits for a solve that Ctrl-C left running (HiGHS's scheduler is process-wide)."""
+    global _abandoned_solve
+    if _abandoned_solve is not None and _abandoned_solve.is_alive():
+        logger.warning("waiting for the HiGHS solve interrupted earlier to stop")
+        _abandoned_solve.join()
+    _abandoned_solve = None
 
 
 def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progress, presolve) -> SolveResult:
@@ -448,11 +547,24 @@ def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progr
                 variables[c].Start = float(value)
         began = time.perf_counter()
         last_report = -math.inf
+        interrupted = False
 
         def on_event(solver_model, where) -> None:
+            # Ctrl-C while Gurobi runs reaches Python here (signals are handled between
+            # bytecodes): terminate() stops the solve, keeping its best solution.
+            nonlocal interrupted
+            try:
+                report(solver_model, where)
+            except KeyboardInterrupt:
+                interrupted = True
+                solver_model.terminate()
+
+        def report(solver_model, where) -> None:
             # Every new incumbent, and the bound at least every _GUROBI_REPORT_SECONDS (as
             # HiGHS's logging callback does), so a long search is not silent.
             nonlocal last_report
+            if relax:
+                return
             now = time.perf_counter()
             if where == GRB.Callback.MIPSOL:
                 incumbent = solver_model.cbGet(GRB.Callback.MIPSOL_OBJBST)
@@ -467,7 +579,10 @@ def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progr
             bound = bound if abs(bound) < GRB.INFINITY else None
             progress(Progress(now - began, incumbent, bound, _relative_gap(incumbent, bound)))
 
-        m.optimize(None if relax else on_event)
+        try:
+            m.optimize(on_event)
+        except KeyboardInterrupt:
+            interrupted = True
         seconds = time.perf_counter() - began
     except gp.GurobiError as exc:
         if exc.errno == _GUROBI_SIZE_LIMIT_ERRNO:
@@ -482,6 +597,9 @@ def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progr
 
     has_solution = m.SolCount > 0
     x = np.array([variables[c].X for c in range(model.num_vars)]) if has_solution else None
+    if interrupted or m.Status == GRB.INTERRUPTED:
+        raise SolveInterrupted(f"Gurobi was interrupted (Ctrl-C) after {seconds:.1f}s",
+                               x=None if relax else x, model=model, solver="gurobi")
     objective = m.ObjVal if has_solution else None
     if relax:
         bound = objective if m.Status == GRB.OPTIMAL else None

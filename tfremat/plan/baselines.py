@@ -24,8 +24,14 @@ fits, or raises :class:`InfeasibleBudgetError` with the smallest peak it reached
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import hashlib
 import logging
 import math
+import time
+import weakref
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -37,6 +43,11 @@ from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep
 from tfremat.plan.simulator import simulate
 
 __all__ = [
+    "HeuristicDeadline",
+    "heuristic_deadline",
+    "current_deadline",
+    "time_is_up",
+    "known_peak",
     "keep_matrix",
     "schedule_for_checkpoints",
     "checkpoint_all",
@@ -52,6 +63,101 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+# ----- deadlines -----
+
+
+@dataclasses.dataclass
+class HeuristicDeadline:
+    """A ``time.perf_counter()`` time the heuristics stop at (:func:`heuristic_deadline`).
+
+    Attributes:
+        at: the deadline.
+        step: the longest single step seen under it (one candidate built and simulated,
+            or one eviction run): a heuristic does not start a step it predictably cannot
+            finish before ``at``.
+    """
+
+    at: float
+    step: float = 0.0
+
+    def left(self) -> float:
+        return self.at - time.perf_counter()
+
+    def record(self, seconds: float) -> None:
+        self.step = max(self.step, seconds)
+
+    def no_time_for_a_step(self) -> bool:
+        """The deadline has passed, or the time left is less than the longest step seen."""
+        return self.left() <= self.step
+
+
+_DEADLINE: contextvars.ContextVar[HeuristicDeadline | None] = contextvars.ContextVar("tfremat_heuristic_deadline",
+                                                                                     default=None)
+
+
+@contextlib.contextmanager
+def heuristic_deadline(at: float | None):
+    """Within the block, the heuristics (every family of this module, ``eviction`` and
+    ``repair``) stop at ``at`` (a ``time.perf_counter()`` time; None: no deadline, or the
+    enclosing block's): they try no further candidate once the time left is less than
+    the longest candidate took, and return the cheapest that fits so far, or raise
+    :class:`InfeasibleBudgetError` saying the time ran out. A nested block's deadline is
+    the earlier of the two. Yields the :class:`HeuristicDeadline` (None without one).
+    """
+    outer = _DEADLINE.get()
+    if at is None:
+        yield outer
+        return
+    scope = HeuristicDeadline(min(at, outer.at) if outer is not None else at, outer.step if outer is not None else 0.0)
+    token = _DEADLINE.set(scope)
+    try:
+        yield scope
+    finally:
+        _DEADLINE.reset(token)
+        if outer is not None:
+            outer.record(scope.step)
+
+
+def current_deadline() -> HeuristicDeadline | None:
+    """The deadline of the innermost :func:`heuristic_deadline` block, or None."""
+    return _DEADLINE.get()
+
+
+def time_is_up(allow_step: bool = True) -> bool:
+    """Whether a heuristic should stop: past the current deadline, or (``allow_step``)
+    with less time left than the longest step seen. False without a deadline."""
+    scope = _DEADLINE.get()
+    if scope is None:
+        return False
+    return scope.no_time_for_a_step() if allow_step else scope.left() <= 0
+
+
+def out_of_time_error(budget, smallest_peak, strategy: str) -> InfeasibleBudgetError:
+    """The error of a heuristic stopped by the deadline before any candidate fitted."""
+    return InfeasibleBudgetError(budget, min_feasible_bytes=smallest_peak, strategy=strategy,
+                                 detail="the time limit ran out")
+
+
+class _OutOfTime(Exception):
+    """A heuristic's inner loop passed the current deadline."""
+
+
+# Peaks cheapest_fitting simulated, so that a caller (the portfolio) does not simulate a
+# returned schedule again: on a 10,000-node graph a simulation takes seconds.
+_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def known_peak(graph: DFGraph, schedule: Schedule) -> int:
+    """``simulate(graph, schedule).peak_bytes``, remembered for schedules the heuristics
+    returned."""
+    known = _PEAKS.get(schedule)
+    if known is not None and known[0] is graph:
+        return known[1]
+    peak = simulate(graph, schedule).peak_bytes
+    _PEAKS[schedule] = (graph, peak)
+    return peak
 
 
 # ----- turning checkpoints into schedules -----
@@ -139,24 +245,47 @@ def cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int
     """The cheapest candidate whose simulated peak fits ``budget`` (or the lowest-peak one).
 
     Without a budget the family's lowest-peak member is returned (ties: cheapest),
-    which is what these heuristics were designed to find.
+    which is what these heuristics were designed to find. Under a
+    :func:`heuristic_deadline`, no further candidate is built once the time left is less
+    than the longest one took; the best so far is returned, or InfeasibleBudgetError
+    saying the time ran out.
     """
     best, best_key, smallest_peak = None, None, None
     seen = set()
-    for schedule in candidates:
-        signature = schedule.S.tobytes()
+    stopped = False
+    iterator = iter(candidates)
+    while True:
+        scope = _DEADLINE.get()
+        if scope is not None and scope.no_time_for_a_step():
+            stopped = True
+            break
+        started = time.perf_counter()
+        schedule = next(iterator, None)
+        if schedule is None:
+            break
+        # A digest, not the bytes: 48 keep matrices of a 10,000-node graph are 4.8 GB.
+        signature = hashlib.blake2b(np.packbits(schedule.S).tobytes(), digest_size=16).digest()
         if signature in seen:
             continue
         seen.add(signature)
         result = simulate(graph, schedule)
+        if scope is not None:
+            scope.record(time.perf_counter() - started)
         smallest_peak = result.peak_bytes if smallest_peak is None else min(smallest_peak, result.peak_bytes)
         if budget is not None and result.peak_bytes > budget:
             continue
         key = (result.cost, result.peak_bytes) if budget is not None else (result.peak_bytes, result.cost)
         if best_key is None or key < best_key:
             best, best_key = schedule, key
+            _PEAKS[schedule] = (graph, result.peak_bytes)
+    scope = _DEADLINE.get()
+    stopped = stopped or (scope is not None and scope.left() <= 0)
     if best is None:
+        if stopped:
+            raise out_of_time_error(budget, smallest_peak, strategy)
         raise InfeasibleBudgetError(budget, min_feasible_bytes=smallest_peak, strategy=strategy)
+    if stopped:
+        logger.info("%s: the time limit ran out after %d candidates", strategy, len(seen))
     logger.debug("%s: chose a schedule of %d candidates", strategy, len(seen))
     return best
 
@@ -286,6 +415,9 @@ def revolve_advances(num_steps: int, max_slots: int) -> tuple[np.ndarray, np.nda
 
     Returns:
         ``(cost, advance)``, both of shape ``(num_steps + 1, max_slots + 1)``.
+
+    It takes O(num_steps^2 max_slots) time (minutes for 2500 steps); under a
+    :func:`heuristic_deadline` it stops at the deadline.
     """
     L, s_max = num_steps, max_slots
     cost = np.zeros((L + 1, s_max + 1))
@@ -293,6 +425,8 @@ def revolve_advances(num_steps: int, max_slots: int) -> tuple[np.ndarray, np.nda
     lengths = np.arange(L + 1)
     cost[:, 0] = lengths * (lengths - 1) / 2
     for length in range(2, L + 1):
+        if length % 64 == 0 and time_is_up(allow_step=False):
+            raise _OutOfTime
         # Every slot count at once (a Python loop per slot count is far slower). With
         # s >= length - 1 slots the recurrence no longer depends on s (by induction on
         # length), so those columns repeat the column s = length - 1.
@@ -352,7 +486,10 @@ def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int
         readers = [k for i in unit for k in graph.successors[i] if k > forward_phase_end]
         entry_stage.append(min(readers) if readers else None)
     max_slots = len(units) - 1
-    _, advance = revolve_advances(len(units), max_slots)
+    try:
+        _, advance = revolve_advances(len(units), max_slots)
+    except _OutOfTime:
+        raise out_of_time_error(budget, None, name) from None
     if slots is not None:
         slot_counts = [min(slots, max_slots)]
     elif budget is None:
@@ -400,16 +537,6 @@ def griewank_logn_ap(graph: DFGraph, budget: int | None = None, slots: int | Non
 # ----- Hong et al.: optimal checkpoint subsets for chains -----
 
 
-def _segment_sums(sizes: np.ndarray) -> np.ndarray:
-    """``seg[i, j]``: bytes of chain positions strictly between i and j (i < j), with -1 and n as ends."""
-    prefix = np.concatenate([[0], np.cumsum(sizes)])
-    n = len(sizes)
-    ends = np.arange(-1, n + 1)
-    i = ends[:, None]
-    j = ends[None, :]
-    return prefix[np.clip(j, 0, n)] - prefix[np.clip(i + 1, 0, n)]
-
-
 def _hong_subset(sizes: np.ndarray, bound: float, model: str, gradient_buffer: float) -> list[int] | None:
     """The checkpoint subset of least checkpoint memory whose modeled peak is <= ``bound``.
 
@@ -421,7 +548,10 @@ def _hong_subset(sizes: np.ndarray, bound: float, model: str, gradient_buffer: f
     previous checkpoint.
     """
     n = len(sizes)
-    seg = _segment_sums(sizes)
+    # Bytes of chain positions strictly between i and j are prefix[j] - prefix[i + 1]
+    # (with -1 and n as the ends); a column at a time, not an (n + 2)^2 matrix (800 MB for
+    # a 10,000-node chain, once per bound).
+    chain_prefix = np.concatenate([[0.0], np.cumsum(sizes, dtype=float)])
     # best[j]: least checkpoint bytes of a valid prefix whose last checkpoint is j (index j+1
     # in seg); prefix[0] is the virtual start (position -1, no bytes), prefix[i + 1] is best[i].
     best = np.full(n + 1, np.inf)
@@ -430,7 +560,7 @@ def _hong_subset(sizes: np.ndarray, bound: float, model: str, gradient_buffer: f
     for j in range(n + 1):
         size_j = sizes[j] if j < n else 0.0
         previous = prefix[: j + 1]
-        needed = seg[: j + 1, j + 1] + (previous + gradient_buffer if model == "eager" else 0.0)
+        needed = chain_prefix[min(j, n)] - chain_prefix[: j + 1] + (previous + gradient_buffer if model == "eager" else 0.0)
         feasible = np.isfinite(previous) & (needed <= bound)
         if feasible.any():
             # The first option of least prefix bytes, as the earliest-first scan found it.

@@ -31,7 +31,7 @@ import bisect
 import numpy as np
 
 from tfremat.graph import DFGraph
-from tfremat.plan.baselines import cheapest_fitting
+from tfremat.plan.baselines import cheapest_fitting, time_is_up
 from tfremat.plan.registry import as_strategy
 from tfremat.plan.schedule import Schedule, schedule_from_keep_matrix
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
@@ -135,7 +135,8 @@ def eviction_keep_matrix(
 ) -> np.ndarray | None:
     """The keep matrix of an eviction run under ``limit_bytes`` (besides the fixed bytes),
     or None when the run thrashes: its compute cost passes ``_THRASHING`` times the
-    cost of running every node once.
+    cost of running every node once (or it passes the deadline of a
+    :func:`~tfremat.plan.baselines.heuristic_deadline` block).
 
     A value's worth is ``recompute cost / (bytes ** a * (stages to next reader + 1) ** b)``
     with ``(a, b) = exponents``.
@@ -144,6 +145,8 @@ def eviction_keep_matrix(
     run = _EvictionRun(graph, limit_bytes, exponents)
     S = np.zeros((n, n), dtype=bool)
     for t in range(n):
+        if t % 128 == 127 and time_is_up(allow_step=False):
+            return None  # past the deadline of tfremat.plan.baselines.heuristic_deadline
         run.now = t
         run.materialize(t)
         if run.cost > _THRASHING * graph.total_cost:

@@ -25,6 +25,7 @@ import numpy as np
 
 from tfremat.errors import ArgumentError, InfeasibleBudgetError, is_number
 from tfremat.graph import DFGraph
+from tfremat.plan.baselines import time_is_up
 from tfremat.plan.registry import as_strategy
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 from tfremat.plan.simulator import SimulationResult, simulate, stage_peaks
@@ -99,7 +100,9 @@ def repair(graph: DFGraph, budget: int | None = None, *, time_limit: float = 60.
     Args:
         graph: the graph.
         budget: peak bytes allowed.
-        time_limit: seconds before giving up (a positive number; ``math.inf``: never).
+        time_limit: seconds before giving up (a positive number; ``math.inf``: never); it
+            also stops at the deadline of a :func:`~tfremat.plan.baselines.heuristic_deadline`
+            block.
 
     Raises:
         ArgumentError: ``time_limit`` is not a positive number (checked before any work,
@@ -114,9 +117,10 @@ def repair(graph: DFGraph, budget: int | None = None, *, time_limit: float = 60.
     result = simulate(graph, schedule)
     smallest_peak = result.peak_bytes
     while budget is not None and result.peak_bytes > budget:
-        if time.perf_counter() - began > time_limit:
+        if time.perf_counter() - began > time_limit or time_is_up(allow_step=False):
             raise InfeasibleBudgetError(budget, min_feasible_bytes=smallest_peak, strategy="repair",
-                                        detail=f"time_limit={time_limit}s ran out")
+                                        detail=f"time_limit={time_limit}s ran out" if time.perf_counter() - began
+                                        > time_limit else "the time limit ran out")
         peaks = stage_peaks(result, graph.size)
         excess = float(np.maximum(peaks - budget, 0).sum())
         read = _read_matrix(graph, schedule.R)
@@ -126,6 +130,8 @@ def repair(graph: DFGraph, budget: int | None = None, *, time_limit: float = 60.
                 break
             ranked = sorted(_moves(graph, schedule, int(stage), read), key=lambda move: -move[0])
             for _, *move in ranked[:_SIMULATED_MOVES]:
+                if time_is_up(allow_step=False):
+                    break
                 candidate = schedule_from_keep_matrix(graph, _apply(schedule.S, *move), "repair")
                 outcome = simulate(graph, candidate)
                 removed = excess - _excess(graph, outcome, budget)
@@ -134,6 +140,9 @@ def repair(graph: DFGraph, budget: int | None = None, *, time_limit: float = 60.
                 added = max(outcome.cost - result.cost, 1e-9 * graph.total_cost)
                 if best is None or removed / added > best[0]:
                     best = (removed / added, candidate, outcome)
+        if best is None and time_is_up(allow_step=False):
+            raise InfeasibleBudgetError(budget, min_feasible_bytes=smallest_peak, strategy="repair",
+                                        detail="the time limit ran out")
         if best is None:
             raise InfeasibleBudgetError(budget, min_feasible_bytes=smallest_peak, strategy="repair",
                                         detail="no single move lowers the stages above the budget")

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 
 import numpy as np
 
-from tfremat.errors import ScheduleError, is_int
+from tfremat.errors import ScheduleError, is_int, is_number
 from tfremat.graph import DFGraph
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "schedule_from_keep_matrix",
     "checkpoint_all_s",
     "validate_schedule",
+    "check_facts_document",
 ]
 
 
@@ -49,6 +51,7 @@ class SolveStatus(str, enum.Enum):
     TIME_LIMIT = "time_limit"  # stopped by the time limit: the best schedule so far
     INFEASIBLE = "infeasible"  # proven infeasible (a backend status; strategies raise instead)
     NO_SOLUTION = "no_solution"  # stopped without any solution (a backend status)
+    INTERRUPTED = "interrupted"  # stopped by Ctrl-C (SIGINT): the best schedule found before it
 
     __hash__ = str.__hash__
 
@@ -200,34 +203,119 @@ class Schedule:
     def from_dict(cls, data: Mapping, graph: DFGraph | None = None) -> "Schedule":
         """Inverse of :meth:`to_dict`; checks the fingerprint and validity against ``graph``.
 
+        The document is checked before anything is built from it: ``num_nodes`` is an int
+        and, with ``graph``, the graph's size (with ``graph``, the fingerprint too), else at
+        most the pairs listed in R (a schedule computes every node once on its diagonal),
+        so a damaged document cannot make it allocate more than its own size implies;
+        every (stage, node) pair is in range; ``order`` lists ``num_nodes`` ids; the facts
+        are typed and consistent (:func:`check_facts_document`).
+
         Raises:
             ScheduleError: the document is malformed, made for another graph, or invalid.
         """
+        if not isinstance(data, Mapping):
+            raise ScheduleError(f"malformed schedule document: a {type(data).__name__}, not a JSON object", rule="format")
+        if graph is not None and data.get("graph_fingerprint") not in (None, graph.fingerprint):
+            raise ScheduleError(
+                f"schedule was made for graph {data.get('graph_fingerprint')}, not {graph.fingerprint}",
+                rule="fingerprint",
+            )
         try:
             if data.get("format") != SCHEDULE_FORMAT:
                 # Another version's document (its facts may mean other things): refused.
                 raise ValueError(f"format {data.get('format')!r} is not {SCHEDULE_FORMAT!r}")
-            n = int(data["num_nodes"])
+            n = data["num_nodes"]
+            if not is_int(n) or n < 0:
+                raise ValueError(f"num_nodes {n!r} is not a count of nodes")
+            n = int(n)
+            pairs = {key: data[key] for key in ("R", "S")}
+            for key, listed in pairs.items():
+                if not isinstance(listed, list):
+                    raise ValueError(f"{key} is a {type(listed).__name__}, not a list of [stage, node] pairs")
+            if graph is not None and n != graph.size:
+                raise ScheduleError(f"the document has {n} nodes, the graph {graph.size}", rule="shape")
+            if n > len(pairs["R"]):
+                raise ValueError(f"num_nodes {n} exceeds the {len(pairs['R'])} pairs of R (every stage computes its node)")
+            order = data.get("order")
+            if order is not None and (not isinstance(order, list) or len(order) != n):
+                raise ValueError(f"order must list {n} node ids")
             R = np.zeros((n, n), dtype=bool)
             S = np.zeros((n, n), dtype=bool)
             for matrix, key in ((R, "R"), (S, "S")):
-                for t, i in data[key]:
+                for pair in pairs[key]:
                     # numpy would wrap a negative index around to another stage or node
-                    if not (is_int(t) and is_int(i) and 0 <= t < n and 0 <= i < n):
-                        raise ValueError(f"{key} entry {[t, i]} is not a (stage, node) pair in [0, {n})")
-                    matrix[t, i] = True
-            facts = SolverFacts.from_dict(data["facts"]) if data.get("facts") is not None else None
+                    if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(is_int(v) and 0 <= v < n for v in pair)):
+                        raise ValueError(f"{key} entry {pair!r:.60} is not a (stage, node) pair in [0, {n})")
+                    matrix[pair[0], pair[1]] = True
+            facts_data = data.get("facts")
+            facts = None
+            if facts_data is not None:
+                check_facts_document(facts_data)
+                facts = SolverFacts.from_dict(facts_data)
+            strategy = data.get("strategy", "unknown")
+            if not isinstance(strategy, str):
+                raise ValueError(f"strategy {strategy!r:.60} is not a name")
+        except ScheduleError:
+            raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ScheduleError(f"malformed schedule document: {exc!r}", rule="format") from exc
-        schedule = cls(R, S, str(data.get("strategy", "unknown")), facts)
+        schedule = cls(R, S, strategy, facts)
         if graph is not None:
-            if data.get("graph_fingerprint") not in (None, graph.fingerprint):
-                raise ScheduleError(
-                    f"schedule was made for graph {data.get('graph_fingerprint')}, not {graph.fingerprint}",
-                    rule="fingerprint",
-                )
             validate_schedule(graph, schedule)
         return schedule
+
+
+# What each fact holds besides ``status`` and ``gap``: a non-negative finite number, a
+# non-negative int, or a name (each may be None, unknown).
+_FACT_KINDS = {
+    "objective": "number", "best_bound": "number", "seconds": "number", "solve_seconds": "number",
+    "cost_cap": "number", "num_vars": "count", "num_constraints": "count", "exact_stages": "count",
+    "peak_bytes": "count", "budget_bytes": "count", "peak_bound_bytes": "count", "solver": "name",
+    "warm_start": "name",
+}
+
+
+def check_facts_document(data) -> None:
+    """Checks a facts document (:meth:`SolverFacts.to_dict`) before it is believed: an
+    object of known fields, ``status`` a :class:`SolveStatus`, each other field of its
+    kind (:data:`_FACT_KINDS`), ``best_bound`` at most ``objective`` (within 1e-6
+    relative, a solver's tolerance) and ``gap``, when stated, in [0, 1] and equal to the
+    gap of the objective and the bound.
+
+    Raises:
+        ValueError: naming the first fact that is wrong.
+    """
+    if not isinstance(data, Mapping):
+        raise ValueError(f"facts are a {type(data).__name__}, not an object")
+    names = {field.name for field in dataclasses.fields(SolverFacts)}
+    unknown = set(data) - names - {"gap"}
+    if unknown:
+        raise ValueError(f"unknown solver facts {sorted(unknown)}")
+    status = data.get("status")
+    if not isinstance(status, str) or status not in {member.value for member in SolveStatus}:
+        raise ValueError(f"status {status!r:.60} is not one of {', '.join(m.value for m in SolveStatus)}")
+    for name, kind in _FACT_KINDS.items():
+        value = data.get(name)
+        if value is None:
+            continue
+        if kind == "name":
+            good = isinstance(value, str)
+        elif kind == "count":
+            good = is_int(value) and value >= 0
+        else:
+            good = is_number(value) and math.isfinite(value) and value >= 0
+        if not good:
+            raise ValueError(f"{name} {value!r:.60} is not a {'non-negative ' if kind != 'name' else ''}{kind}")
+    objective, bound = data.get("objective"), data.get("best_bound")
+    if objective is not None and bound is not None and bound > objective + 1e-6 * max(1.0, abs(objective)):
+        raise ValueError(f"best_bound {bound} exceeds the objective {objective}")
+    if "gap" in data:
+        gap, expected = data["gap"], relative_gap(objective, bound)
+        if expected is None:
+            if gap is not None:
+                raise ValueError(f"gap {gap!r:.60} without an objective and a bound")
+        elif not (is_number(gap) and 0 <= gap <= 1 and math.isclose(gap, expected, rel_tol=1e-9, abs_tol=1e-12)):
+            raise ValueError(f"gap {gap!r:.60} is not in [0, 1] or not the objective's gap to the bound ({expected})")
 
 
 def _json_value(value):
