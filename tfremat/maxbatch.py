@@ -217,8 +217,10 @@ class _Evaluator:
                 refusal = "memory" if exc.proven else "schedule"
                 schedule = None
             except SolverTimeLimitError as exc:
-                # Counted as not fitting, though nothing proved it: say so where it shows.
-                logger.warning("batch %d counts as not fitting: %s found no schedule (%s)", batch, self.strategy, exc)
+                # Counted as not fitting, though nothing proved it: say so where it shows (an
+                # estimate only guides the search, so it is not shown).
+                logger.log(logging.WARNING if record else logging.DEBUG,
+                           "batch %d counts as not fitting: %s found no schedule (%s)", batch, self.strategy, exc)
                 schedule = None
             if schedule is not None:
                 cost = schedule.cost(graph)
@@ -275,8 +277,8 @@ def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
 # are extracted, and each of the several estimates a search makes would otherwise take as
 # long as a real solve.
 _ESTIMATE_SECONDS = 10.0
-# Rounds of estimate-then-extract before the scaled search falls back to bisecting on
-# extracted graphs between what is known to fit and what is known not to.
+# Estimates the scaled search makes (each refitted through the previous, too optimistic
+# one) before it gallops from what is known to fit.
 _SCALED_ROUNDS = 4
 
 
@@ -287,11 +289,12 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
     Extraction (profiling every layer) is what makes a search slow, and a graph's sizes
     and costs are nearly affine in the batch; so graphs are extracted at ``min_batch`` and
     twice it, the search runs on their affine extension (:func:`affine_graphs`), and the
-    answer ``B`` is checked by extracting ``B`` (it must fit) and ``B + 1`` (it must not).
-    Where a check disagrees, the line is refitted through the farthest extracted batch and
-    the search repeats in what is left open; after a few rounds, the plain search on
-    extracted graphs settles it. A solver strategy gets at most ``_ESTIMATE_SECONDS`` per
-    estimate. Only extracted graphs decide: the result is the same as
+    answer ``B`` is checked by extracting it: when it does not fit, the line is refitted
+    through it and the search repeats below it; from the largest extracted batch that fits,
+    extracted batches above it are tried in doubling steps and the gap bisected
+    (:func:`_gallop`), so an estimate a few batches off costs a few extractions. A solver
+    strategy gets at most ``_ESTIMATE_SECONDS`` per estimate, where it often finds only a
+    heuristic's schedule: estimates tend to be low, and the gallop corrects them. Only extracted graphs decide: the result is the same as
     ``method="search"`` wherever feasibility is monotone in the batch.
     """
     extracted: dict[int, DFGraph] = {}
@@ -316,7 +319,7 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
             high = second
     for _ in range(_SCALED_ROUNDS):
         if high - low <= 1:
-            return evaluate.result(low, max_batch, method="scaled")
+            break
         pair = _anchors(extracted)
         if pair is None:
             # No two extracted graphs share their structure (batch 1 can differ: a batch-norm
@@ -334,18 +337,34 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
         estimate = _largest(lambda b: evaluate(b, scaled(b), record=False, time_limit=_ESTIMATE_SECONDS),
                             low, high - 1)
         logger.info("batch %d fits on graphs scaled from batches %d and %d", estimate, near, far)
-        if estimate > low:
-            if not exact(estimate):
-                high = estimate
-                continue
+        if estimate == low:
+            break
+        if exact(estimate):
             low = estimate
-        if low + 1 < high:
-            if exact(low + 1):
-                low += 1
-            else:
-                high = low + 1
-    low = _largest(exact, low, high - 1)
+            break
+        high = estimate  # too optimistic: estimate again, through this batch too
+    low = _gallop(exact, low, high)
     return evaluate.result(low, max_batch, method="scaled")
+
+
+def _gallop(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The largest batch below ``high`` that ``fits``, given that ``low`` does, searched
+    upwards from ``low`` in doubling steps (1, 2, 4, ...) and then bisected: few checks when
+    the answer is near ``low``."""
+    step = 1
+    while low + step < high:
+        if not fits(low + step):
+            high = low + step
+            break
+        low += step
+        step *= 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def _same_structure(a: DFGraph, b: DFGraph) -> bool:
