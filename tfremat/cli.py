@@ -526,7 +526,11 @@ def main(argv: list[str]) -> None:
         _HANDLERS[argv[1]]()
     except KeyboardInterrupt as exc:
         # Ctrl-C with nothing to show: one line (a JSON error under --json), exit 130.
-        _fail(f"interrupted (Ctrl-C){': ' + str(exc).splitlines()[0] if str(exc) else ''}", code=_INTERRUPTED_EXIT)
+        try:
+            _fail(f"interrupted (Ctrl-C){': ' + str(exc).splitlines()[0] if str(exc) else ''}",
+                  code=_INTERRUPTED_EXIT)
+        except SystemExit:
+            _exit_at_once(_INTERRUPTED_EXIT)
     except (TfrematError, ValueError, OSError) as exc:
         # The library's errors, values it refuses (they name the argument) and files it
         # cannot read or write: one line each, not a traceback.
@@ -535,7 +539,20 @@ def main(argv: list[str]) -> None:
         # The strategy stopped early and returned its best schedule, printed or written above.
         sys.stderr.write("tfremat: interrupted (Ctrl-C): the schedule shown is the best found before it "
                          "(status \"interrupted\")\n")
-        raise SystemExit(_INTERRUPTED_EXIT)
+        _exit_at_once(_INTERRUPTED_EXIT)
+
+
+def _exit_at_once(code: int) -> None:
+    """Flushes the output and exits without the interpreter's teardown: a solve that Ctrl-C
+    cut short can leave HiGHS's worker threads running, and destroying them at exit aborts
+    the process ("terminate called without an active exception", exit -6 instead of 130;
+    seen in a clean clone's test run)."""
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def run() -> None:
