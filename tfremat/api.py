@@ -161,7 +161,7 @@ def max_batch_size(
             :func:`compare_graph`).
         loss, optimizer: default to the model's compiled ones; the labels the graphs are
             extracted with fit the loss (class ids for a sparse one,
-            :func:`tfremat.measure.synthetic_batch`).
+            :func:`tfremat.planner.synthetic_batch`).
         min_batch, max_batch: the batch sizes searched. When ``max_batch`` itself fits,
             the result's ``reached_max_batch`` is True and a warning is logged: the
             largest batch may be larger.
@@ -175,7 +175,7 @@ def max_batch_size(
             ``math.inf`` for none; ``solver``, ...), see :func:`strategy_options`.
 
     Returns:
-        ``{strategy: tfremat.ilp.MaxBatchResult}``.
+        ``{strategy: tfremat.maxbatch.MaxBatchResult}``.
 
     Raises:
         ArgumentError: ``model`` is no ``keras.Model``, ``strategies`` is empty or names
