@@ -65,6 +65,46 @@ def _name_of(loss) -> str:
     return getattr(loss, "name", None) or getattr(loss, "__name__", type(loss).__name__)
 
 
+def _compare_gradients(model, extraction, schedule, x, y, saved):
+    """The planned step's gradients against a plain tape's on ``(x, y)``, as
+    :func:`tfremat.numerics.closeness` (None when no variable gets a gradient); the model's
+    variables are put back to ``saved`` after each."""
+    from tfremat.plan.execution import build_plan
+    from tfremat.static_graph.interpreter import interpret_plan
+
+    graph, table = extraction.graph, extraction.side_table
+    plan = build_plan(graph, schedule)
+
+    @tf.function
+    def planned_gradients(inputs, labels):
+        _, _, grads, _ = interpret_plan(graph, table, plan, inputs, labels)
+        return {key: grad for key, (_, grad) in grads.items()}
+
+    @tf.function
+    def plain_gradients(inputs, labels):
+        with tf.GradientTape() as tape:
+            predictions = model(inputs, training=True)
+            value = table.loss_fn(table.flat_labels(labels), tf.nest.flatten(predictions))
+        return tape.gradient(value, model.trainable_variables)
+
+    planned = planned_gradients(x, y)
+    _restore(model, saved)
+    reference = plain_gradients(x, y)
+    _restore(model, saved)
+    compared = [
+        # An Embedding's gradients are IndexedSlices, which have no .numpy().
+        (tf.convert_to_tensor(planned[id(variable)]).numpy(), tf.convert_to_tensor(plain).numpy())
+        for variable, plain in zip(model.trainable_variables, reference)
+        if id(variable) in planned and plain is not None
+    ]
+    return closeness([p for p, _ in compared], [e for _, e in compared]) if compared else None
+
+
+def _restore(model, saved) -> None:
+    for variable, value in zip(model.variables, saved):
+        variable.assign(value)
+
+
 def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", steps: int = 5, loss=None,
                   optimizer=None, cost_model: str = "profile", seed: int = 0, verbose: int = 1,
                   cache=True, **strategy_options) -> dict:
@@ -103,9 +143,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             model without ``loss=`` / ``optimizer=``), before anything runs.
     """
     from tfremat.extract.extractor import extract
-    from tfremat.plan.execution import build_plan
     from tfremat.static_graph.compile import compile_step
-    from tfremat.static_graph.interpreter import interpret_plan
 
     check_keras_model(model)
     for name, value in (("steps", steps), ("batch_size", batch_size)):
@@ -120,35 +158,8 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         extraction = extract(model, sample_batch=(x, y), cost_model=cost_model,
                              use_cache=cache is not False and cache is not None,
                              **{**training, "optimizer": _fresh(training["optimizer"])})
-        graph = extraction.graph
-        result = plan_graph(graph, budget, strategy, cache=cache, verbose=verbose, **strategy_options)
-        plan = build_plan(graph, result.schedule)
-
-        @tf.function
-        def planned_gradients(inputs, labels):
-            _, _, grads, _ = interpret_plan(graph, extraction.side_table, plan, inputs, labels)
-            return {key: grad for key, (_, grad) in grads.items()}
-
-        @tf.function
-        def plain_gradients(inputs, labels):
-            with tf.GradientTape() as tape:
-                predictions = model(inputs, training=True)
-                value = extraction.side_table.loss_fn(extraction.side_table.flat_labels(labels), tf.nest.flatten(predictions))
-            return tape.gradient(value, model.trainable_variables)
-
-        planned = planned_gradients(x, y)
-        for variable, value in zip(model.variables, saved):
-            variable.assign(value)
-        reference = plain_gradients(x, y)
-        compared = [
-            # An Embedding's gradients are IndexedSlices, which have no .numpy().
-            (tf.convert_to_tensor(planned[id(variable)]).numpy(), tf.convert_to_tensor(plain).numpy())
-            for variable, plain in zip(model.trainable_variables, reference)
-            if id(variable) in planned and plain is not None
-        ]
-        gradients = closeness([p for p, _ in compared], [e for _, e in compared]) if compared else None
-        for variable, value in zip(model.variables, saved):
-            variable.assign(value)
+        result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **strategy_options)
+        gradients = _compare_gradients(model, extraction, result.schedule, x, y, saved)
 
         step_optimizer = _fresh(training["optimizer"])
         step_optimizer.build(model.trainable_variables)
@@ -159,8 +170,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         # depends on what the process allocated before (the demo: 47.70 MiB requested,
         # exactly the prediction, 52.70 MiB allocator).
         requested = measure_step_peak(step, x, y, resident=resident, warmup=0, count="requested")
-        for variable, value in zip(model.variables, saved):
-            variable.assign(value)
+        _restore(model, saved)
 
         plain_optimizer = _fresh(training["optimizer"])
         plain_step = plain_train_step(model, extraction.side_table.loss_fn, plain_optimizer)
@@ -191,5 +201,4 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         }
     finally:
         # Also when planning or a run raises: the docstring promises the weights back.
-        for variable, value in zip(model.variables, saved):
-            variable.assign(value)
+        _restore(model, saved)

@@ -317,6 +317,30 @@ def report_incumbent(progress: ProgressFn | None, began: float, incumbent: float
     report_progress(progress, Progress(time.perf_counter() - began, incumbent, bound, gap))
 
 
+def _highs_lp(highspy, model, relax: bool):
+    """``model`` as a HiGHS LP (column-wise matrix, infinite bounds as HiGHS's infinity),
+    with integrality unless ``relax``."""
+    inf = highspy.kHighsInf
+    lp = highspy.HighsLp()
+    lp.num_col_ = model.num_vars
+    lp.num_row_ = model.num_constraints
+    lp.col_cost_ = model.cost
+    lp.col_lower_ = model.lower
+    lp.col_upper_ = np.where(np.isinf(model.upper), inf, model.upper)
+    lp.row_lower_ = np.where(np.isinf(model.row_lower), -inf, model.row_lower)
+    lp.row_upper_ = np.where(np.isinf(model.row_upper), inf, model.row_upper)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.num_col_ = model.num_vars
+    lp.a_matrix_.num_row_ = model.num_constraints
+    lp.a_matrix_.start_ = model.col_start
+    lp.a_matrix_.index_ = model.row_index
+    lp.a_matrix_.value_ = model.value
+    if not relax:
+        kinds = (highspy.HighsVarType.kContinuous, highspy.HighsVarType.kInteger)
+        lp.integrality_ = [kinds[int(flag)] for flag in model.integer]
+    return lp
+
+
 def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progress, presolve,
                  lp_method="simplex") -> SolveResult:
     highspy = _backend_module("highs")
@@ -343,24 +367,7 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
             h.setOptionValue("simplex_strategy", _HIGHS_DUAL_SIMPLEX)
 
     inf = highspy.kHighsInf
-    lp = highspy.HighsLp()
-    lp.num_col_ = model.num_vars
-    lp.num_row_ = model.num_constraints
-    lp.col_cost_ = model.cost
-    lp.col_lower_ = model.lower
-    lp.col_upper_ = np.where(np.isinf(model.upper), inf, model.upper)
-    lp.row_lower_ = np.where(np.isinf(model.row_lower), -inf, model.row_lower)
-    lp.row_upper_ = np.where(np.isinf(model.row_upper), inf, model.row_upper)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.num_col_ = model.num_vars
-    lp.a_matrix_.num_row_ = model.num_constraints
-    lp.a_matrix_.start_ = model.col_start
-    lp.a_matrix_.index_ = model.row_index
-    lp.a_matrix_.value_ = model.value
-    if not relax:
-        kinds = (highspy.HighsVarType.kContinuous, highspy.HighsVarType.kInteger)
-        lp.integrality_ = [kinds[int(flag)] for flag in model.integer]
-    if h.passModel(lp) == highspy.HighsStatus.kError:
+    if h.passModel(_highs_lp(highspy, model, relax)) == highspy.HighsStatus.kError:
         raise SolverError("HiGHS rejected the model")
 
     began = time.perf_counter()
