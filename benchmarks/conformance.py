@@ -508,19 +508,11 @@ class ModelCheck:
 
         reference = checkpoint_all_peak(self.graph)
         failure = None
-        for fraction in fractions:
-            started = time.perf_counter()
-            try:
-                result = plan_graph(self.graph, fraction, strategy, cache=False, verbose=0, **options)
-            except InfeasibleBudgetError as error:
-                failure = error
-                continue
-            return {"result": result, "fraction": fraction, "at_min": False, "relaxed": 0,
-                    "plan_s": time.perf_counter() - started}
-        smallest = getattr(failure, "min_feasible_bytes", None)
-        if failure is not None and smallest is None:
-            # The strategy did not say how low it gets (eviction): the fallback shares.
-            for fraction in FALLBACK_FRACTIONS:
+
+        def first_fitting(shares):
+            """The plan at the first of ``shares`` that fits, else None (``failure`` says why)."""
+            nonlocal failure
+            for fraction in shares:
                 started = time.perf_counter()
                 try:
                     result = plan_graph(self.graph, fraction, strategy, cache=False, verbose=0, **options)
@@ -529,6 +521,17 @@ class ModelCheck:
                     continue
                 return {"result": result, "fraction": fraction, "at_min": False, "relaxed": 0,
                         "plan_s": time.perf_counter() - started}
+            return None
+
+        planned = first_fitting(fractions)
+        if planned is not None:
+            return planned
+        smallest = getattr(failure, "min_feasible_bytes", None)
+        if failure is not None and smallest is None:
+            # The strategy did not say how low it gets (eviction): the fallback shares.
+            planned = first_fitting(FALLBACK_FRACTIONS)
+            if planned is not None:
+                return planned
         if failure is None:
             raise ValueError("no budget to try")
         if not smallest or int(smallest) >= reference:

@@ -29,13 +29,14 @@ CORE_ORDER = (
     ("tfremat.ilp",),
     ("tfremat.strategies",),
     ("tfremat.maxbatch", "tfremat.cache"),
+    ("tfremat.planner",),
 )
 ROOMS = (
     ("core", tuple(prefix for level in CORE_ORDER for prefix in level)),
     ("runtime", ("tfremat.runtime",)),
     ("extract", ("tfremat.extract",)),
     ("static_graph", ("tfremat.static_graph",)),
-    ("user", ("tfremat.planner", "tfremat.api", "tfremat.keras", "tfremat.measure", "tfremat.plots",
+    ("user", ("tfremat.model_planning", "tfremat.api", "tfremat.keras", "tfremat.measure", "tfremat.plots",
               "tfremat.applications")),
     ("cli", ("tfremat.cli", "tfremat.__main__")),
 )

@@ -310,8 +310,8 @@ def test_plain_step_peak_reports_requested_bytes_next_to_the_allocator_peak():
     from tests.test_cache_api import dense_classifier
     from tfremat.errors import ExtractionError
     from tfremat.extract import extract, measure_plain_step_peak
+    from tfremat.model_planning import synthetic_batch
     from tfremat.plan.simulator import checkpoint_all_peak
-    from tfremat.planner import synthetic_batch
 
     model = dense_classifier()
     x, y = synthetic_batch(model, 256, seed=0)

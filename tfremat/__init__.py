@@ -26,7 +26,7 @@ from tfremat.plan.simulator import simulate
 __version__ = "0.1.0"
 
 _LAZY = {
-    "plan_model": "tfremat.planner",
+    "plan_model": "tfremat.model_planning",
     "fit": "tfremat.api",
     "compare": "tfremat.api",
     "max_batch_size": "tfremat.api",

@@ -14,20 +14,21 @@ from tfremat.budget import budget_kind, format_bytes, parse_budget
 from tfremat.cache import ScheduleCache
 from tfremat.errors import ArgumentError, BudgetFormatError, TfrematError
 from tfremat.graph import DFGraph
+from tfremat.model_planning import (
+    check_keras_model,
+    extract_model,
+    loss_and_optimizer,
+    plan_model,
+    synthetic_batch,
+)
 from tfremat.plan.simulator import checkpoint_all_peak
 from tfremat.planner import (
     BatchProgress,
     PlanResult,
-    check_batch_ranks,
     check_cache_argument,
-    check_keras_model,
     compare_graph,
-    loss_and_optimizer,
-    plan_model,
-    sample_batch,
     split_solver_options,
     strategy_options,
-    synthetic_batch,
 )
 from tfremat.strategies import strategy_names
 
@@ -39,18 +40,11 @@ logger = logging.getLogger(__name__)
 def compare(model, budget, x=None, y=None, *, strategies: Sequence[str] | None = None, batch_size=None,
             loss=None, optimizer=None, cost_model: str = "profile", cache=True, verbose: int = 1, **milp_options):
     """:func:`compare_graph` for a Keras model (extracts once, plans with every strategy)."""
-    from tfremat.extract.extractor import extract
-
-    # As plan does, the arguments that need no graph are checked before the extraction.
+    # As plan_model does, the arguments that need no graph are checked before the extraction.
     check_keras_model(model)
     split_solver_options(strategy_names() if strategies is None else strategies, milp_options)
-    check_cache_argument(cache)
-    training = loss_and_optimizer(model, loss, optimizer)
-    batch = sample_batch(x, y, batch_size)
-    check_batch_ranks(model, batch[0])
-    # cache=False (or None) turns the profile cache off as well as the schedule cache.
-    extraction = extract(model, sample_batch=batch, cost_model=cost_model,
-                         use_cache=cache is not False and cache is not None, **training)
+    extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
+                               cost_model=cost_model, cache=cache)
     return compare_graph(extraction.graph, budget, strategies, cache=cache, verbose=verbose, **milp_options)
 
 
@@ -161,7 +155,7 @@ def max_batch_size(
             :func:`compare_graph`).
         loss, optimizer: default to the model's compiled ones; the labels the graphs are
             extracted with fit the loss (class ids for a sparse one,
-            :func:`tfremat.planner.synthetic_batch`).
+            :func:`tfremat.model_planning.synthetic_batch`).
         min_batch, max_batch: the batch sizes searched. When ``max_batch`` itself fits,
             the result's ``reached_max_batch`` is True and a warning is logged: the
             largest batch may be larger.

@@ -163,7 +163,7 @@ def graph_command(
         model = build_application(model, input_shape)
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
-    from tfremat.planner import synthetic_batch  # measure imports this package
+    from tfremat.model_planning import synthetic_batch  # measure imports this package
 
     # Labels shaped for the loss (class ids for a sparse one), not like the outputs.
     extraction = extract(model, sample_batch=synthetic_batch(model, batch, loss=loss), loss=loss, optimizer=optimizer,

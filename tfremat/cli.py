@@ -139,7 +139,7 @@ def cmd_strategies() -> None:
 
 def cmd_solve() -> None:
     from tfremat.graph import file_node_ids, load_graph
-    from tfremat.plan.registry import parse_graph_budget
+    from tfremat.plan.registry import in_user_terms, parse_graph_budget
     from tfremat.plan.simulator import checkpoint_all_peak, simulate
     from tfremat.planner import resolve_min_budget
     from tfremat.strategies import get_strategy
@@ -154,12 +154,15 @@ def cmd_solve() -> None:
     strategy = get_strategy(FLAGS.strategy)
     reference_peak = checkpoint_all_peak(graph)
     given = resolve_min_budget(graph, FLAGS.budget)
-    budget = parse_graph_budget(graph, given)
+    budget = parse_graph_budget(graph, given, reference_peak)
     options = _milp_options(FLAGS.strategy)
     started = time.perf_counter()
     record = {"strategy": FLAGS.strategy, "graph": graph.name, "budget_bytes": budget}
     try:
-        schedule = strategy(graph, given, **options)
+        try:
+            schedule = strategy(graph, budget, **options)
+        except InfeasibleBudgetError as error:
+            raise in_user_terms(error, graph, given, reference_peak) from None
     except (InfeasibleBudgetError, SolverTimeLimitError) as exc:
         # Bounds on the peak (bytes), not on the cost: keys of their own, so that no
         # reader takes one for the other.
@@ -231,7 +234,7 @@ def _training(model) -> dict:
     """The loss (and loss weights) and optimizer to plan ``model`` with: --loss and
     --optimizer, else what a saved model was compiled with, else categorical cross-entropy
     and SGD (an Applications model is not compiled)."""
-    from tfremat.planner import keras_optimizer, loss_and_optimizer
+    from tfremat.model_planning import keras_optimizer, loss_and_optimizer
 
     loss = FLAGS.loss or (None if getattr(model, "loss", None) is not None else "categorical_crossentropy")
     optimizer = (keras_optimizer(FLAGS.optimizer, "--optimizer") if FLAGS.optimizer
@@ -241,7 +244,7 @@ def _training(model) -> dict:
 
 def _extraction(model, batch: int, use_cache: bool = True):
     from tfremat.extract.extractor import extract
-    from tfremat.planner import synthetic_batch
+    from tfremat.model_planning import synthetic_batch
 
     training = _training(model)
     # Labels shaped for the loss (class ids for a sparse loss), as measure makes them.

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 
 import keras
 import tensorflow as tf
@@ -33,7 +32,8 @@ from tfremat.errors import (
 from tfremat.extract.checks import refuse_unmodelled_training
 from tfremat.extract.extractor import COST_MODELS
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
-from tfremat.planner import check_cache_argument, plan_graph, plan_model
+from tfremat.model_planning import plan_model
+from tfremat.planner import check_cache_argument, plan_graph
 from tfremat.strategies import get_strategy, solver_strategy_names
 
 __all__ = ["RematCallback"]
@@ -273,32 +273,18 @@ def allocator_peak(step, model, x, y, sample_weight=None) -> int | None:
     the allocator keeps no statistics (a warning says so).
     """
     from tfremat.runtime.memory import measure_step_peak
-    from tfremat.runtime.state import (
-        forget_global_seed_generator,
-        global_seed_generator,
-    )
+    from tfremat.runtime.state import state_restored
 
     optimizer = model.optimizer
     if not optimizer.built:
         optimizer.build(model.trainable_variables)  # its slots exist before the runs, as in training
     variables = list(model.variables) + list(optimizer.variables)
-    saved = [v.numpy() for v in variables]
-    python_random = random.getstate()
-    generator = global_seed_generator()
-    generator_state = None if generator is None else generator.state.numpy()
-    try:
-        return measure_step_peak(lambda a, b: step(a, b, sample_weight), x, y, resident=variables, warmup=1)
-    except CompileError as error:
-        logger.warning("allocator_check skipped: %s", error)
-        return None
-    finally:
-        for variable, value in zip(variables, saved):
-            variable.assign(value)
-        random.setstate(python_random)
-        if generator is not None:
-            generator.state.assign(generator_state)
-        elif global_seed_generator() is not None:
-            forget_global_seed_generator()
+    with state_restored(variables):
+        try:
+            return measure_step_peak(lambda a, b: step(a, b, sample_weight), x, y, resident=variables, warmup=1)
+        except CompileError as error:
+            logger.warning("allocator_check skipped: %s", error)
+            return None
 
 
 def _training_setup(model) -> tuple:

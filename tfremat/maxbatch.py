@@ -264,7 +264,12 @@ def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
             good = candidate
         else:
             bad = candidate
-    while bad is not None and bad - good > 1:
+    return good if bad is None else _bisect(fits, good, bad)
+
+
+def _bisect(fits: Callable[[int], bool], good: int, bad: int) -> int:
+    """The largest batch that ``fits`` between ``good`` (fits) and ``bad`` (does not)."""
+    while bad - good > 1:
         middle = (good + bad) // 2
         if fits(middle):
             good = middle
@@ -358,13 +363,7 @@ def _gallop(fits: Callable[[int], bool], low: int, high: int) -> int:
             break
         low += step
         step *= 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
-    return low
+    return _bisect(fits, low, high)
 
 
 def _same_structure(a: DFGraph, b: DFGraph) -> bool:

@@ -18,13 +18,13 @@ import tensorflow as tf
 
 from tfremat.errors import ArgumentError, is_int
 from tfremat.extract.plain_step import plain_train_step
-from tfremat.numerics import closeness
-from tfremat.planner import (
+from tfremat.model_planning import (
     check_keras_model,
     loss_and_optimizer,
-    plan_graph,
     synthetic_batch,
 )
+from tfremat.numerics import closeness
+from tfremat.planner import plan_graph
 from tfremat.runtime.memory import (
     default_device,
     measure_step_peak,
@@ -119,7 +119,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         model: a Keras model (its weights are restored afterwards, also when a step raises).
         budget: any budget form of :func:`tfremat.planner.plan_graph`.
         batch_size: the batch size; the data is random, its labels made for the loss
-            (:func:`tfremat.planner.synthetic_batch`).
+            (:func:`tfremat.model_planning.synthetic_batch`).
         strategy: the strategy name.
         steps: timed steps per variant (after a tracing step and a measured one).
         loss: a loss name or object; default the compiled one.

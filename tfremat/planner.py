@@ -1,11 +1,9 @@
-"""Planning, shared by every user-facing entry point: a graph or a Keras model, a budget, a
-strategy -> a :class:`PlanResult`.
+"""Planning a graph, shared by every user-facing entry point: a graph, a budget, a strategy
+-> a :class:`PlanResult`.
 
 ``plan_graph`` / ``compare_graph`` work on a :class:`~tfremat.graph.DFGraph` and import no
-TensorFlow; ``plan_model`` extracts a Keras model's graph first (:mod:`tfremat.extract`). The
-checks of user arguments that :func:`tfremat.fit`, :class:`tfremat.keras.RematCallback`,
-:func:`tfremat.measure.measure_model` and the command line share live here too, as does
-:func:`synthetic_batch`, the made-up batch they extract and measure with.
+TensorFlow (a Keras model's graph comes from :mod:`tfremat.model_planning`); the option
+and cache checks the entry points share live here too.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import logging
 import os
 import sys
 import time
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -27,11 +24,15 @@ from tfremat.errors import (
     SolverTimeLimitError,
     TfrematError,
     failure_status,
-    is_int,
 )
 from tfremat.graph import DFGraph
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
-from tfremat.plan.registry import check_options, option_names, parse_graph_budget
+from tfremat.plan.registry import (
+    check_options,
+    in_user_terms,
+    option_names,
+    parse_graph_budget,
+)
 from tfremat.plan.schedule import Schedule, SolverFacts
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
 from tfremat.strategies import (
@@ -42,9 +43,8 @@ from tfremat.strategies import (
 )
 
 __all__ = [
-    "PlanResult", "plan_graph", "compare_graph", "plan_model", "strategy_options", "DEFAULT_TIME_LIMIT",
-    "keras_optimizer", "check_cache_argument", "check_keras_model", "split_solver_options", "summary_row",
-    "sample_batch", "check_batch_ranks", "loss_and_optimizer", "synthetic_batch", "BatchProgress",
+    "PlanResult", "plan_graph", "compare_graph", "strategy_options", "DEFAULT_TIME_LIMIT", "check_cache_argument",
+    "split_solver_options", "summary_row", "resolve_min_budget", "BatchProgress",
 ]
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def plan_graph(
     store = _cache_of(cache)
     reference = checkpoint_all_peak(graph)
     budget = resolve_min_budget(graph, budget)
-    budget_bytes = parse_graph_budget(graph, budget)
+    budget_bytes = parse_graph_budget(graph, budget, reference)
     options = strategy_options(strategy, **options)
     check_options(function, options, f"strategy {strategy!r}")
     cache_options = {k: v for k, v in options.items() if k != "progress"}
@@ -203,7 +203,11 @@ def plan_graph(
             progress = _SolverProgress(f"tfremat {strategy}")
             options["progress"] = progress
         try:
-            schedule = function(graph, budget, **options)
+            # Bytes, parsed once above (a share would simulate the checkpoint-all peak again);
+            # a refusal is told in the form the budget was given.
+            schedule = function(graph, budget_bytes, **options)
+        except InfeasibleBudgetError as error:
+            raise in_user_terms(error, graph, budget, reference) from None
         finally:
             if progress is not None:
                 progress.close()
@@ -357,247 +361,3 @@ def split_solver_options(strategies: Sequence[str], options: Mapping[str, Any]) 
         check_solver_options(chosen.get("solver", DEFAULT_SOLVER), time_limit=chosen.get("time_limit"),
                              mip_gap=chosen.get("mip_gap"), threads=chosen.get("threads"), seed=chosen.get("seed"))
     return names, per_strategy
-
-
-# ----- Keras models -----
-
-
-def check_keras_model(model) -> None:
-    """Raises ArgumentError unless ``model`` is a ``keras.Model`` (None got as far as the
-    loss lookup and was told to compile itself)."""
-    import keras
-
-    if not isinstance(model, keras.Model):
-        hint = "; a DFGraph is planned by tfremat.planner.plan_graph / compare_graph" if isinstance(model, DFGraph) else ""
-        raise ArgumentError(f"model must be a keras.Model (Functional or Sequential), got {type(model).__name__}{hint}")
-
-
-def sample_batch(x, y, batch_size: int | None):
-    """One batch (x, y) from arrays or a ``tf.data.Dataset``, for extraction.
-
-    Every input and label array is checked, not x's first alone: a label array shorter
-    than the batch reached Keras as a shape error, a Python list as an AttributeError.
-    """
-    import tensorflow as tf
-
-    if isinstance(x, tf.data.Dataset):
-        element = next(iter(x.take(1)))
-        if not isinstance(element, (tuple, list)) or len(element) < 2:
-            raise ArgumentError("x: a tf.data.Dataset must yield (x, y) batches")
-        return element[0], element[1]
-    if x is None or y is None:
-        raise ArgumentError(f"{'x' if x is None else 'y'}=None: pass x and y (arrays), or x as a tf.data.Dataset "
-                            "yielding (x, y) batches")
-    if batch_size is None:
-        raise TfrematError("batch_size is needed with array inputs: it fixes the shapes the schedule is planned for")
-    if not is_int(batch_size) or batch_size < 1:
-        raise ArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
-    for argument, data, holds in (("x", x, "inputs"), ("y", y, "outputs")):
-        for array in tf.nest.flatten(data):
-            shape = getattr(array, "shape", None)
-            if shape is None or len(shape) == 0:
-                raise ArgumentError(
-                    f"{argument} must be arrays with a sample axis (NumPy arrays or tensors, a list or dict of them "
-                    f"for several model {holds}), got a {type(data).__name__} holding a {type(array).__name__}; "
-                    f"convert it with np.asarray({argument}), or pass x as a tf.data.Dataset of (x, y) batches"
-                )
-            samples = int(shape[0])
-            if samples < batch_size:
-                raise ArgumentError(
-                    f"{argument} has {samples} samples (an array of shape {tuple(shape)}), fewer than "
-                    f"batch_size={batch_size}: the schedule is planned for one full batch; pass at least that many "
-                    "samples or a smaller batch_size"
-                )
-    take = lambda a: tf.nest.map_structure(lambda t: t[:batch_size], a)  # noqa: E731
-    return take(x), take(y)
-
-
-def check_batch_ranks(model, x) -> None:
-    """Raises ArgumentError when the batch ``x`` (from :func:`sample_batch`) lacks the batch
-    axis of ``model``'s inputs: an unbatched ``tf.data.Dataset`` yields single samples, whose
-    first axis would otherwise be taken for the batch."""
-    import tensorflow as tf
-
-    for tensor, spec in zip(tf.nest.flatten(x), model.inputs):
-        if len(tensor.shape) == len(spec.shape) - 1:
-            raise ArgumentError(
-                f"x holds single samples of shape {tuple(tensor.shape)} where the model takes batches of shape "
-                f"{tuple(spec.shape)}: batch the dataset (dataset.batch(batch_size)) before passing it"
-            )
-
-
-def loss_and_optimizer(model, loss, optimizer) -> dict:
-    """``extract``'s loss, loss_weights and optimizer arguments: those given, else the
-    compiled model's (its ``loss_weights`` come with its loss only); an optimizer name
-    becomes a new Keras optimizer, as ``model.compile`` makes one."""
-    loss_weights = None
-    if loss is None:
-        loss = getattr(model, "loss", None)
-        if loss is not None and getattr(model, "compiled", False):
-            # get_compile_config serializes the whole config, and warns of a lambda loss
-            # while doing so; only the weights are read here.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                loss_weights = (model.get_compile_config() or {}).get("loss_weights")
-    if loss is None:
-        raise TfrematError("no loss: compile the model or pass loss=")
-    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-    if isinstance(optimizer, str):
-        optimizer = keras_optimizer(optimizer, "optimizer")
-    return {"loss": loss, "loss_weights": loss_weights, "optimizer": optimizer}
-
-
-def keras_optimizer(name: str, argument: str):
-    """A new Keras optimizer from its name, as ``model.compile`` makes one.
-
-    Raises:
-        ArgumentError: not a Keras optimizer name; the message names ``argument``.
-    """
-    import keras
-
-    try:
-        return keras.optimizers.get(name)
-    except ValueError as err:
-        raise ArgumentError(f"{argument}={name!r} is not a Keras optimizer name ({err}); pass a keras.optimizers "
-                            "object or a name such as 'sgd' or 'adam'") from None
-
-
-def plan_model(
-    model,
-    budget,
-    x=None,
-    y=None,
-    *,
-    batch_size: int | None = None,
-    loss=None,
-    optimizer=None,
-    strategy: str = "optimal",
-    cost_model: str = "profile",
-    cache: bool | str | ScheduleCache = True,
-    verbose: int = 1,
-    **options,
-) -> PlanResult:
-    """Extracts ``model``'s training graph and chooses a schedule, without training.
-
-    Args:
-        model: a built Keras Functional or Sequential model.
-        budget: see :func:`plan_graph`; relative budgets refer to this batch's checkpoint-all peak.
-        x, y: data (arrays with ``batch_size``, or a ``tf.data.Dataset`` of batches) whose
-            first batch fixes the shapes.
-        loss, optimizer: default to the model's compiled ones.
-        strategy: the strategy name.
-        cost_model: "profile" (timed on this device) or "flops".
-        cache: the schedule cache, as for :func:`plan_graph`; False (or None) also turns
-            off the extraction's profile cache (nothing read from or written to disk).
-        **options: strategy options (``time_limit``, ``solver``, ...).
-
-    Returns:
-        A :class:`PlanResult` whose ``extraction`` holds the graph and side table.
-
-    Raises:
-        ArgumentError: ``model`` is no ``keras.Model``, data that are no arrays, fewer
-            samples in x or y than ``batch_size``, or an argument of :func:`plan_graph`.
-    """
-    from tfremat.extract.extractor import extract
-
-    # The arguments that need no graph are checked before the extraction, which takes
-    # seconds to minutes.
-    check_keras_model(model)
-    get_strategy(strategy)
-    check_cache_argument(cache)
-    training = loss_and_optimizer(model, loss, optimizer)
-    batch = sample_batch(x, y, batch_size)
-    check_batch_ranks(model, batch[0])
-    # cache=False (or None) turns the profile cache off as well as the schedule cache.
-    extraction = extract(model, sample_batch=batch, cost_model=cost_model,
-                         use_cache=cache is not False and cache is not None, **training)
-    result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **options)
-    return dataclasses.replace(result, extraction=extraction)
-
-
-# Losses, by normalized name (lower case, no underscores), whose labels are not a
-# distribution over the output's last axis. Any other loss, a custom one included, gets
-# one-hot labels shaped like the output (what every loss was given before, and values in
-# [0, 1] that any loss reads).
-_BINARY_LOSSES = ("hinge", "squaredhinge")
-_REAL_LOSSES = (
-    "meansquarederror", "meanabsoluteerror", "meanabsolutepercentageerror", "meansquaredlogarithmicerror", "huber",
-    "logcosh", "cosinesimilarity", "poisson",
-)
-
-
-def _label_kind(loss) -> str:
-    """What labels ``loss`` reads: "sparse" (integer class ids, without the class axis),
-    "binary" (0 or 1 per output value), "real" (any real value, a regression) or
-    "categorical" (one-hot along the last axis)."""
-    import keras
-
-    if isinstance(loss, str):
-        try:
-            loss = keras.losses.get(loss)  # an alias ("mse", "bce") resolves to its function
-        except ValueError:
-            pass  # an unknown name, which extraction refuses naming it
-    # A Keras loss object wraps its function as ``fn``; a function has a name; a custom
-    # Loss subclass has its class name.
-    function = getattr(loss, "fn", loss)
-    name = function if isinstance(function, str) else getattr(function, "__name__", type(function).__name__)
-    name = name.lower().replace("_", "")
-    if "sparse" in name:
-        return "sparse"
-    if "binary" in name or name in _BINARY_LOSSES:
-        return "binary"
-    if name in _REAL_LOSSES:
-        return "real"
-    return "categorical"
-
-
-def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", seed: int | None = None):
-    """A batch ``(x, y)`` of NumPy arrays for ``model`` whose labels fit ``loss``.
-
-    One place for the labels that :func:`tfremat.measure.measure_model`, the command line and
-    :func:`tfremat.max_batch_size` make up (they were one-hot for every loss, which a sparse
-    loss refuses with a rank error): integer class ids without the class axis for sparse
-    losses, one-hot for categorical ones, 0/1 for binary cross-entropy and the hinge losses,
-    real values for regression losses (mse, mae, huber, ...), one-hot for any other.
-
-    Args:
-        model: a Keras model with static shapes apart from the batch.
-        batch_size: the batch size.
-        loss: as ``model.compile`` takes it: a name, a Keras loss or function, or a list or
-            dict of them by output (an output without a loss gets one-hot labels).
-        seed: an int for random values (inputs from a standard normal), to run a step
-            on; None for zeros that take no memory (broadcast views), all an extraction
-            reads being shapes and dtypes.
-
-    Returns:
-        ``(x, y)``: an array each, or lists of them for several inputs or outputs.
-    """
-    import numpy as np
-
-    from tfremat.extract.layer_graph import model_output_names, require_functional
-    from tfremat.extract.losses import per_output
-
-    require_functional(model)
-    rng = None if seed is None else np.random.default_rng(seed)
-
-    def array(shape, dtype, draw):
-        if rng is None:
-            return np.broadcast_to(np.zeros((), dtype), shape)
-        return np.asarray(draw(rng, shape), dtype=dtype)
-
-    xs = [array((batch_size, *t.shape[1:]), t.dtype, lambda r, shape: r.standard_normal(shape)) for t in model.inputs]
-    ys = []
-    for output, output_loss in zip(model.outputs, per_output(loss, model_output_names(model), "loss", None)):
-        shape, classes = (batch_size, *output.shape[1:]), output.shape[-1]
-        kind = _label_kind(output_loss)
-        if kind == "sparse":
-            ys.append(array(shape[:-1], "int32", lambda r, shape: r.integers(0, classes, size=shape)))
-        elif kind == "binary":
-            ys.append(array(shape, "float32", lambda r, shape: r.integers(0, 2, size=shape)))
-        elif kind == "real":
-            ys.append(array(shape, "float32", lambda r, shape: r.standard_normal(shape)))
-        else:
-            ys.append(array(shape, "float32",
-                            lambda r, shape: np.eye(classes)[r.integers(0, classes, size=shape[:-1])]))
-    unpack = lambda items: items[0] if len(items) == 1 else items  # noqa: E731
-    return unpack(xs), unpack(ys)

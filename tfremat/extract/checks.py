@@ -10,7 +10,6 @@ call for those and leaves the layer's variables and every random state as it fou
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -23,11 +22,7 @@ from tfremat.extract.layer_graph import (
     trainable_variables,
 )
 from tfremat.extract.side_table import TensorRef
-from tfremat.runtime.state import (
-    forget_global_seed_generator,
-    global_seed_generator,
-    stateful_variables,
-)
+from tfremat.runtime.state import state_restored, stateful_variables
 
 __all__ = ["refuse_unmodelled_training", "check_layer", "analyze_checked"]
 
@@ -96,23 +91,11 @@ def analyze_checked(call: LayerCall, takes_training: bool, specs, grads, batch, 
     layer = call.layer
     user_layer = not type(layer).__module__.startswith("keras")
     before = _python_state(layer) if user_layer else None
-    saved = [v.numpy() for v in stateful_variables(layer)]
-    python_random = random.getstate()
-    generator = global_seed_generator()
-    generator_state = None if generator is None else generator.state.numpy()
-    try:
+    with state_restored(stateful_variables(layer)):
         analysis = analyze_call(
             _make_caller(call, takes_training), call.name, specs, grads, list(trainable_variables(layer)), batch,
             profile=cost_model == "profile", repeats=repeats,
         )
-    finally:
-        for variable, value in zip(stateful_variables(layer), saved):
-            variable.assign(value)
-        random.setstate(python_random)
-        if generator is not None:
-            generator.state.assign(generator_state)
-        elif global_seed_generator() is not None:
-            forget_global_seed_generator()
     if user_layer:
         after = _python_state(layer)
         changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))

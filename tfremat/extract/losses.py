@@ -60,7 +60,7 @@ def _one_loss(loss, where: str) -> Callable:
 def per_output(value, output_names: Sequence[str], what: str, default) -> list:
     """``value`` given as in ``model.compile`` (one for all outputs, a list with one per
     output, or a dict keyed by output name) as a list with one entry per output: the
-    extraction's losses and weights, and the labels :func:`tfremat.planner.synthetic_batch`
+    extraction's losses and weights, and the labels :func:`tfremat.model_planning.synthetic_batch`
     makes for them.
 
     Raises:

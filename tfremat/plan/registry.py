@@ -108,11 +108,13 @@ def check_options(function: Callable, options: Mapping[str, object], what: str) 
         )
 
 
-def parse_graph_budget(graph: DFGraph, budget) -> int | None:
+def parse_graph_budget(graph: DFGraph, budget, reference: int | None = None) -> int | None:
     """``budget`` in bytes for ``graph`` (None stays None: no budget), relative budgets
-    being shares of its :func:`checkpoint_all_peak`, which is simulated only for them.
+    being shares of its :func:`checkpoint_all_peak` (``reference`` when the caller has it;
+    simulated only for them otherwise).
 
-    :class:`Strategy` applies it to every strategy's budget argument, so every strategy takes the same forms with the same meaning.
+    :class:`Strategy` applies it to every strategy's budget argument, so every strategy
+    takes the same forms with the same meaning.
 
     Raises:
         BudgetFormatError: see :func:`parse_budget`.
@@ -121,18 +123,23 @@ def parse_graph_budget(graph: DFGraph, budget) -> int | None:
         return None
     if not is_share(budget):
         return parse_budget(budget)
-    return parse_budget(budget, checkpoint_all_peak(graph), fixed_bytes=graph.fixed_bytes)
+    if reference is None:
+        reference = checkpoint_all_peak(graph)
+    return parse_budget(budget, reference, fixed_bytes=graph.fixed_bytes)
 
 
-def in_user_terms(error: InfeasibleBudgetError, graph: DFGraph, budget) -> InfeasibleBudgetError:
+def in_user_terms(error: InfeasibleBudgetError, graph: DFGraph, budget,
+                  reference: int | None = None) -> InfeasibleBudgetError:
     """``error`` told in the form ``budget`` was given: a share as a share of the same peak
     (the smallest feasible one rounded up to a whole percent, so that it fits), a share of
     activations likewise, bytes as bytes; with the smallest feasible budget split into the
-    graph's fixed memory and its activations."""
-    kind = budget_kind(budget)
-    if kind == "bytes" or budget is None:
+    graph's fixed memory and its activations. ``reference``: the checkpoint-all peak, when
+    the caller has it."""
+    kind = None if budget is None else budget_kind(budget)
+    if kind in (None, "bytes"):
         return error.in_terms(fixed_bytes=graph.fixed_bytes, shown=None)
-    reference = checkpoint_all_peak(graph)
+    if reference is None:
+        reference = checkpoint_all_peak(graph)
     if kind == "activations":
         moving = max(reference - graph.fixed_bytes, 1)
 

@@ -23,7 +23,9 @@ and seeds: a few bytes, held for the step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,7 +39,7 @@ from tfremat.runtime.internals import (
 
 __all__ = [
     "StateSnapshot", "stateful_variables", "call_with_snapshot", "call_replaying", "stateful_random_ops",
-    "reads_global_seed_generator", "global_seed_generator", "forget_global_seed_generator",
+    "reads_global_seed_generator", "global_seed_generator", "forget_global_seed_generator", "state_restored",
 ]
 
 # Random ops whose state lives outside any Keras variable (TensorFlow's global or
@@ -152,3 +154,24 @@ def reads_global_seed_generator(graph, operations) -> bool:
     handle = generator.state.handle
     captured = [inner for outer, inner in graph.captures if outer is handle]
     return any(tensor is inner for op in operations for tensor in op.inputs for inner in captured)
+
+
+@contextlib.contextmanager
+def state_restored(variables: Sequence):
+    """Puts back, on exit, the values of ``variables``, Python's ``random`` state and Keras's
+    global seed generator: its state, or, when the block created it, its absence (so the
+    next unseeded ``keras.random`` call creates it as plain training would)."""
+    saved = [v.numpy() for v in variables]
+    python_random = random.getstate()
+    generator = global_seed_generator()
+    generator_state = None if generator is None else generator.state.numpy()
+    try:
+        yield
+    finally:
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
+        random.setstate(python_random)
+        if generator is not None:
+            generator.state.assign(generator_state)
+        elif global_seed_generator() is not None:
+            forget_global_seed_generator()
