@@ -7,10 +7,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py requirements-hub.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[cpu,test,plots,examples]"
+	$(BIN)/pip install --quiet -r requirements-hub.txt
+	$(BIN)/pip install --quiet --no-deps keras-hub==0.32.0
 	touch $(STAMP)
 
 demo: $(STAMP)

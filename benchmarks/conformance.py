@@ -110,11 +110,19 @@ APPLICATIONS = (
     "VGG16", "VGG19", "Xception",
 )
 USER_MODELS = ("zeropad_conv_chain", "transformer_encoder", "vit", "bilstm_text", "convmixer", "unet_transpose")
+HUB_MODELS = ("gpt2_hub", "bert_hub")  # keras-hub backbones with a token classification head
 
 
 def model_names() -> list[str]:
-    """Every model of the suite: the user-style architectures, then the applications."""
-    return list(USER_MODELS) + list(APPLICATIONS)
+    """Every model of the suite: the user-style architectures, the keras-hub ones when
+    keras-hub is installed, then the applications."""
+    return list(USER_MODELS) + (list(HUB_MODELS) if keras_hub_installed() else []) + list(APPLICATIONS)
+
+
+def keras_hub_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("keras_hub") is not None
 
 
 def describe(name: str) -> str:
@@ -122,7 +130,8 @@ def describe(name: str) -> str:
     if name in APPLICATIONS:
         size = APPLICATION_SIZES.get(name, 32)
         return f"{size}x{size}x3"
-    return {"transformer_encoder": "64 tokens", "bilstm_text": "64 tokens"}.get(name, "32x32x3")
+    return {"transformer_encoder": "64 tokens", "bilstm_text": "64 tokens", "gpt2_hub": "64 tokens",
+            "bert_hub": "64 tokens"}.get(name, "32x32x3")
 
 
 # --------------------------------------------------------------------------------------
@@ -311,7 +320,41 @@ def _unet_transpose(image_size=32, base=8, depth=3):
     return keras.Model(inputs, outputs, name="unet_transpose")
 
 
+def _hub_backbone_head(backbone, seq_len: int):
+    """``backbone`` on dict inputs of ``seq_len`` tokens, with a per-token softmax head."""
+    import keras
+
+    inputs = {name: keras.Input((seq_len,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")}
+    if "segment_ids" in [t.name for t in backbone.inputs]:
+        inputs["segment_ids"] = keras.Input((seq_len,), dtype="int32", name="segment_ids")
+    hidden = backbone(inputs)
+    if isinstance(hidden, dict):
+        hidden = hidden["sequence_output"]
+    outputs = keras.layers.Dense(CLASSES, activation="softmax", name="head")(hidden)
+    return keras.Model(inputs, outputs, name=f"{backbone.name}_tagger")
+
+
+def _gpt2_hub(seq_len=64, layers_count=2, hidden=64, heads=2):
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=layers_count, num_heads=heads, hidden_dim=hidden,
+        intermediate_dim=hidden * 4, max_sequence_length=seq_len)
+    return _hub_backbone_head(backbone, seq_len)
+
+
+def _bert_hub(seq_len=64, layers_count=2, hidden=64, heads=2):
+    import keras_hub
+
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB, num_layers=layers_count, num_heads=heads, hidden_dim=hidden,
+        intermediate_dim=hidden * 4, max_sequence_length=seq_len)
+    return _hub_backbone_head(backbone, seq_len)
+
+
 USER_BUILDERS = {
+    "gpt2_hub": _gpt2_hub,
+    "bert_hub": _bert_hub,
     "zeropad_conv_chain": _zeropad_conv_chain,
     "transformer_encoder": _transformer_encoder,
     "vit": _vit,
@@ -340,16 +383,25 @@ def sample_batch(model, batch: int = BATCH, seed: int = 0):
     import tensorflow as tf
 
     rng = np.random.default_rng(seed)
-    spec = model.inputs[0]
-    shape = (batch, *spec.shape[1:])
-    if "int" in str(spec.dtype):
-        x = rng.integers(0, VOCAB, size=shape).astype("int32")
+    xs = {}
+    for spec in model.inputs:
+        shape = (batch, *spec.shape[1:])
+        if "mask" in spec.name:
+            xs[spec.name] = np.ones(shape, "int32")
+        elif "segment" in spec.name:
+            xs[spec.name] = np.zeros(shape, "int32")
+        elif "int" in str(spec.dtype):
+            xs[spec.name] = rng.integers(0, VOCAB, size=shape).astype("int32")
+        else:
+            xs[spec.name] = rng.standard_normal(shape).astype("float32")
+    if isinstance(model._inputs_struct, dict):
+        x = {name: tf.constant(value) for name, value in xs.items()}
     else:
-        x = rng.standard_normal(shape).astype("float32")
+        x = tf.constant(next(iter(xs.values())))
     classes = model.output.shape[-1]
     labels = rng.integers(0, classes, size=(batch, *model.output.shape[1:-1]))
     y = np.eye(classes, dtype="float32")[labels]
-    return tf.constant(x), tf.constant(y)
+    return x, tf.constant(y)
 
 
 # --------------------------------------------------------------------------------------
@@ -436,7 +488,8 @@ class ModelCheck:
     (rounding alone, amplified by the model's conditioning).
     """
 
-    def __init__(self, name: str, *, cost_model: str = "flops", batch: int = BATCH, model=None, strict: bool = True):
+    def __init__(self, name: str, *, cost_model: str = "flops", batch: int = BATCH, model=None, strict: bool = True,
+                 granularity: str = "sublayer"):
         import numpy as np
 
         from tfremat.extract import extract
@@ -445,7 +498,8 @@ class ModelCheck:
         self.model = model if model is not None else build(name)
         self.x, self.y = sample_batch(self.model, batch)
         started = time.perf_counter()
-        self.extraction = extract(self.model, (self.x, self.y), cost_model=cost_model, use_cache=False)
+        self.extraction = extract(self.model, (self.x, self.y), cost_model=cost_model, use_cache=False,
+                                  granularity=granularity)
         self.extract_seconds = time.perf_counter() - started
         self.graph = self.extraction.graph
         self.initial = [v.numpy() for v in self.model.variables]
@@ -603,7 +657,6 @@ class ModelCheck:
         """The bytes the compiled step's operations request and the allocator's peak
         (:func:`tfremat.static_graph.measure_step_peak`), with the extraction's own optimizer:
         the recording one's gradient copies would move both (+33% / +61% on VGG16)."""
-        import tensorflow as tf
 
         from tfremat.static_graph import compile_step, measure_step_peak
 
@@ -612,7 +665,7 @@ class ModelCheck:
         saved_optimizer = [v.numpy() for v in optimizer.variables]
         step = compile_step(self.extraction, schedule)
         resident = list(self.model.variables) + list(optimizer.variables)
-        x, y = tf.constant(self.x), tf.constant(self.y)
+        x, y = self.x, self.y
         requested = measure_step_peak(step, x, y, resident=resident, count="requested")
         allocator = measure_step_peak(step, x, y, resident=resident, count="allocator", warmup=0)
         del step

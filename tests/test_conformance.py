@@ -7,6 +7,9 @@ smallest peak the strategy reaches) with a strategy that recomputes, the schedul
 optimizer receives match a plain ``tf.GradientTape`` step's, norm-relative: per variable
 ``||a - e|| / max(||e||, 1e-2 * ||E||)`` and globally ``||A - E|| / ||E||``.
 
+Layers that hold sublayers (the custom block, MultiHeadAttention, keras-hub's decoder and
+encoder blocks) are opened (the default granularity), so the schedules recompute inside them.
+
 Only what the math guarantees is asserted: the compiled step computes the plain step's
 function, so the two differ by float rounding alone. As TensorFlow runs by default,
 Grappler fuses different op groups in the two graphs, and where a gradient cancels (the
@@ -50,15 +53,18 @@ def _mobilenet():
 
 
 # model, strategy: each model once, the two recomputing heuristic families both covered.
+HUB = pytest.mark.skipif(not conformance.keras_hub_installed(), reason="keras-hub is not installed")
 CASES = [
     ("zeropad_conv_chain", "eviction"),
-    ("transformer_encoder", "chen_sqrtn_ap"),  # recomputes the custom TransformerBlock layers
+    ("transformer_encoder", "chen_sqrtn_ap"),  # recomputes inside the opened TransformerBlock layers
     ("convmixer", "eviction"),
     ("mobilenet_0.25", "chen_sqrtn_ap"),
+    pytest.param("gpt2_hub", "chen_sqrtn_ap", marks=HUB),  # keras-hub decoder blocks, opened
+    pytest.param("bert_hub", "eviction", marks=HUB),
 ]
 
 
-@pytest.mark.parametrize("name, strategy", CASES, ids=[f"{m}-{s}" for m, s in CASES])
+@pytest.mark.parametrize("name, strategy", CASES)
 def test_recomputing_step_compiles_trains_and_matches_plain_gradients(name, strategy):
     model = _mobilenet() if name == "mobilenet_0.25" else conformance.build(name)
     case = conformance.ModelCheck(name, model=model)

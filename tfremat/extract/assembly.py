@@ -220,7 +220,7 @@ def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, ou
     for contributions in grads:
         for g in contributions:
             nodes.edges.add((g.node, b))
-    for pos in a.reads_inputs:
+    for pos in _inputs_backward_needs(a, len(call.inputs)):
         ref = call.inputs[pos]
         if ref.source == "node":
             nodes.edges.add((ref.index, b))
@@ -231,6 +231,18 @@ def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, ou
         reads_inputs=a.reads_inputs, reads_output=a.reads_output, output_bytes=a.input_grad_bytes,
         workspace_bytes=nodes.work[b], cost=nodes.cost[b], **common,
     )
+
+
+def _inputs_backward_needs(analysis: CallAnalysis, num_inputs: int) -> tuple[int, ...]:
+    """The positions of the inputs a backward node depends on: those its gradient reads,
+    or every input when it reads some but not all. When a schedule recomputes a read input
+    after the forward call, the compiled step re-runs the call on the current inputs to
+    rebuild the gradient (so that the tape's older copy is not kept alive), and that call
+    needs all of them: ``einsum`` over attention probabilities and values reads a transposed
+    copy of the values (a residual) and the probabilities, not the values themselves."""
+    if analysis.reads_inputs and len(analysis.reads_inputs) < num_inputs:
+        return tuple(range(num_inputs))
+    return analysis.reads_inputs
 
 
 def _add_loss(nodes: _Nodes, loss_node: int, output_refs: Sequence[TensorRef], loss_analysis: CallAnalysis,

@@ -36,6 +36,7 @@ from tfremat.extract.layer_graph import (
     walk_model,
 )
 from tfremat.extract.losses import loss_cache_name, resolve_loss
+from tfremat.extract.opening import DEFAULT_GRANULARITY
 from tfremat.extract.profile_cache import (
     cache_key,
     layer_signature,
@@ -85,6 +86,7 @@ def extract(
     repeats: int = 5,
     use_cache: bool = True,
     weight_grads: str = "auto",
+    granularity: str = DEFAULT_GRANULARITY,
 ) -> Extraction:
     """Extracts the training graph of a Keras model.
 
@@ -108,6 +110,11 @@ def extract(
             backward node runs, then the optimizer consumes them), ``"fixed"`` (all resident
             for the whole step) or ``"auto"`` (``"fixed"`` when the optimizer or a shared
             layer needs the gradients together, see :func:`~tfremat.extract.assembly.weight_gradient_lifetime`).
+        granularity: what a graph node is: ``"layer"`` (one call of a model's layer, nested
+            models flattened), ``"sublayer"`` (layers that hold sublayers, such as a custom
+            transformer block or ``MultiHeadAttention``, opened into their sublayer calls and
+            operations) or ``"op"`` (variable-free layers composing several operations
+            opened too); see :mod:`~tfremat.extract.opening`.
 
     Returns:
         An :class:`Extraction`.
@@ -124,8 +131,8 @@ def extract(
     started = time.perf_counter()
     _check_arguments(model, sample_batch, input_signature, cost_model, weight_grads)
     optimizer = optimizer if optimizer is not None else keras.optimizers.SGD()
-    calls, output_refs = walk_model(model)
     in_specs, label_specs = _input_specs(model, sample_batch, input_signature, batch_size)
+    calls, output_refs = walk_model(model, granularity, [spec.shape for spec in in_specs])
     batch = int(in_specs[0].shape[0])
     loss_name = loss_cache_name(loss, loss_weights)
     loss_fn = resolve_loss(loss, len(output_refs), model_output_names(model), loss_weights)

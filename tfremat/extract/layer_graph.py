@@ -5,7 +5,9 @@ nodes only; ``layer._inbound_nodes`` would mix in other models sharing a layer) 
 ``Sequential`` exposes its functional graph as ``model._functional``. Nested functional
 models appear as one call in their parent; they are flattened here so that every graph
 node is one call of one leaf layer, which is the granularity the compiled step recomputes.
-A nested model without a functional graph (subclassed) stays one opaque call: it is still a
+Layers that compose sublayers (a custom transformer block, ``MultiHeadAttention``) are
+opened the same way, as far as the granularity asks (:mod:`~tfremat.extract.opening`). A
+nested model without a functional graph (subclassed) stays one opaque call: it is still a
 correct layer call, only coarser.
 """
 
@@ -18,6 +20,12 @@ import keras
 import tensorflow as tf
 
 from tfremat.errors import ExtractionError
+from tfremat.extract.opening import (
+    DEFAULT_GRANULARITY,
+    GRANULARITIES,
+    detach_recorded_nodes,
+    open_layer,
+)
 from tfremat.extract.side_table import TensorRef
 
 __all__ = [
@@ -135,11 +143,18 @@ def _dict_keys(structure) -> list[str] | None:
     return tf.nest.flatten({key: key for key in structure})
 
 
-def walk_model(model) -> tuple[list[LayerCall], list[TensorRef]]:
+def walk_model(model, granularity: str = DEFAULT_GRANULARITY,
+               input_shapes=None) -> tuple[list[LayerCall], list[TensorRef]]:
     """Lists every leaf layer call of ``model`` and where each model output comes from.
 
     Args:
         model: a built Functional or Sequential Keras model.
+        granularity: how far layers are opened, one of
+            :data:`~tfremat.extract.opening.GRANULARITIES`.
+        input_shapes: the shape of each flattened model input (the batch dimension is
+            ignored); where the model leaves a dimension open (a keras-hub backbone's
+            sequence length), an opened layer is recorded at these shapes. None: the
+            model's own input shapes.
 
     Returns:
         ``(calls, outputs)``: the calls in execution order and one reference per flattened
@@ -147,13 +162,20 @@ def walk_model(model) -> tuple[list[LayerCall], list[TensorRef]]:
 
     Raises:
         ExtractionError: the model has no functional graph (:func:`require_functional`),
-            or a model output is one of its inputs (nothing to train).
+            a model output is one of its inputs (nothing to train), or an unknown
+            granularity.
     """
+    if granularity not in GRANULARITIES:
+        raise ExtractionError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     graph = require_functional(model)
-    calls: list[LayerCall] = []
-    names_seen: dict[str, int] = {}
-    inputs = [TensorRef("model_input", i) for i in range(len(graph.inputs))]
-    outputs = _walk(graph, inputs, "", calls, names_seen)
+    shapes = input_shapes if input_shapes is not None else [t.shape for t in graph.inputs]
+    walker = _Walker(granularity)
+    inputs = []
+    for index, (tensor, shape) in enumerate(zip(graph.inputs, shapes)):
+        ref = TensorRef("model_input", index)
+        walker.symbolic[ref] = keras.KerasTensor(tuple(shape), dtype=tensor.dtype)
+        inputs.append(ref)
+    outputs = walker.walk(graph, inputs, "")
     for ref in outputs:
         if ref.source == "model_input":
             raise ExtractionError(
@@ -161,64 +183,115 @@ def walk_model(model) -> tuple[list[LayerCall], list[TensorRef]]:
                 "be computed by a layer",
                 layer=model.name,
             )
-    return calls, outputs
+    return walker.calls, outputs
 
 
-def _walk(graph, input_refs, prefix, calls, names_seen) -> list[TensorRef]:
-    """Appends the calls of ``graph`` to ``calls``; returns the refs of its outputs."""
-    refs: dict[int, TensorRef] = {id(t): r for t, r in zip(graph.inputs, input_refs)}
-    for depth in sorted(graph._nodes_by_depth, reverse=True):
-        for node in graph._nodes_by_depth[depth]:
-            op = node.operation
-            if node.is_input or op is None:
-                continue
-            missing = [t for t in node.input_tensors if id(t) not in refs]
-            if missing:
-                raise ExtractionError(
-                    f"layer {op.name!r}: an input tensor is not produced by the model's graph; "
-                    "is the layer fed by a tensor from another model?",
-                    layer=op.name,
-                )
-            inner = functional_view(op) if isinstance(op, keras.Model) else None
-            if inner is not None:
-                inner_inputs = [refs[id(t)] for t in node.input_tensors]
-                if len(inner_inputs) != len(inner.inputs):
+class _Walker:
+    """Walks functional graphs, nested models and opened layers into one list of calls.
+
+    ``symbolic`` holds a ``KerasTensor`` per reference with every dimension the input
+    shapes fix, the batch included: a layer is opened by recording its call on such
+    tensors, since a layer like keras-hub's decoder builds its causal mask from the
+    sequence length and the batch size.
+    """
+
+    def __init__(self, granularity: str):
+        self.granularity = granularity
+        self.calls: list[LayerCall] = []
+        self.names_seen: dict[str, int] = {}
+        self.symbolic: dict[TensorRef, keras.KerasTensor] = {}
+
+    def walk(self, graph, input_refs, prefix) -> list[TensorRef]:
+        """Appends the calls of ``graph`` to ``calls``; returns the refs of its outputs."""
+        refs: dict[int, TensorRef] = {id(t): r for t, r in zip(graph.inputs, input_refs)}
+        for depth in sorted(graph._nodes_by_depth, reverse=True):
+            for node in graph._nodes_by_depth[depth]:
+                op = node.operation
+                if node.is_input or op is None:
+                    continue
+                if any(id(t) not in refs for t in node.input_tensors):
                     raise ExtractionError(
-                        f"nested model {op.name!r} is called with {len(inner_inputs)} tensors but has "
-                        f"{len(inner.inputs)} inputs; keyword tensors to nested models are not supported",
+                        f"layer {op.name!r}: an input tensor is not produced by the model's graph; "
+                        "is the layer fed by a tensor from another model?",
                         layer=op.name,
                     )
-                outs = _walk(inner, inner_inputs, f"{prefix}{op.name}/", calls, names_seen)
+                tensor_args = [t for t in tf.nest.flatten((node.arguments.args, node.arguments.kwargs))
+                               if isinstance(t, keras.KerasTensor)]
+                arg_refs = [refs[id(t)] for t in tensor_args]
+                inner = functional_view(op) if isinstance(op, keras.Model) else None
+                if inner is not None:
+                    outs = self._walk_nested(op, inner, node, refs, prefix)
+                else:
+                    opened = open_layer(op, node, self.granularity, [self.symbolic[r] for r in arg_refs])
+                    if opened is not None:
+                        try:
+                            outs = self.walk(opened, arg_refs, f"{prefix}{op.name}/")
+                        finally:
+                            detach_recorded_nodes(opened)
+                    else:
+                        outs = self._add_call(op, node, refs, arg_refs, prefix)
                 for t, r in zip(node.outputs, outs):
                     refs[id(t)] = r
-                continue
-            position = len(calls)
+        return [refs[id(t)] for t in graph.outputs]
 
-            def to_ref(value):
-                if isinstance(value, keras.KerasTensor):
-                    return refs[id(value)]
-                return value
-
-            args = tf.nest.map_structure(to_ref, tuple(node.arguments.args))
-            kwargs = tf.nest.map_structure(to_ref, dict(node.arguments.kwargs))
-            flat_inputs = tuple(v for v in tf.nest.flatten((args, kwargs)) if isinstance(v, TensorRef))
-            name = prefix + op.name
-            seen = names_seen.get(name, 0)
-            names_seen[name] = seen + 1
-            if seen:
-                name = f"{name}#{seen}"
-            calls.append(
-                LayerCall(
-                    position=position,
-                    name=name,
-                    layer=op,
-                    call_args=args,
-                    call_kwargs=kwargs,
-                    inputs=flat_inputs,
-                    num_outputs=len(node.outputs),
-                    output_shapes=tuple(tuple(t.shape[1:]) for t in node.outputs),
-                )
+    def _walk_nested(self, model, inner, node, refs, prefix) -> list[TensorRef]:
+        inner_inputs = [refs[id(t)] for t in node.input_tensors]
+        if len(inner_inputs) != len(inner.inputs):
+            raise ExtractionError(
+                f"nested model {model.name!r} is called with {len(inner_inputs)} tensors but has "
+                f"{len(inner.inputs)} inputs; keyword tensors to nested models are not supported",
+                layer=model.name,
             )
-            for index, t in enumerate(node.outputs):
-                refs[id(t)] = TensorRef("node", position, index)
-    return [refs[id(t)] for t in graph.outputs]
+        return self.walk(inner, inner_inputs, f"{prefix}{model.name}/")
+
+    def _add_call(self, op, node, refs, arg_refs, prefix) -> list[TensorRef]:
+        position = len(self.calls)
+
+        def to_ref(value):
+            return refs[id(value)] if isinstance(value, keras.KerasTensor) else value
+
+        args = tf.nest.map_structure(to_ref, tuple(node.arguments.args))
+        kwargs = tf.nest.map_structure(to_ref, dict(node.arguments.kwargs))
+        name = prefix + op.name
+        seen = self.names_seen.get(name, 0)
+        self.names_seen[name] = seen + 1
+        if seen:
+            name = f"{name}#{seen}"
+        self.calls.append(
+            LayerCall(
+                position=position,
+                name=name,
+                layer=op,
+                call_args=args,
+                call_kwargs=kwargs,
+                inputs=tuple(v for v in tf.nest.flatten((args, kwargs)) if isinstance(v, TensorRef)),
+                num_outputs=len(node.outputs),
+                output_shapes=tuple(tuple(t.shape[1:]) for t in node.outputs),
+            )
+        )
+        outputs = [TensorRef("node", position, index) for index in range(len(node.outputs))]
+        for ref, tensor in zip(outputs, self._output_tensors(op, node, arg_refs)):
+            self.symbolic[ref] = tensor
+        return outputs
+
+    def _output_tensors(self, op, node, arg_refs) -> list:
+        """The call's outputs as ``KerasTensor`` s with the shapes its inputs fix: the
+        layer's output spec on the known input shapes (the recorded ones when that fails).
+        Only needed while a layer may be opened."""
+        if self.granularity == "layer":
+            return list(node.outputs)
+        known = iter([self.symbolic[r] for r in arg_refs])
+
+        def swap(value):
+            return next(known) if isinstance(value, keras.KerasTensor) else value
+
+        args = tf.nest.map_structure(swap, tuple(node.arguments.args))
+        kwargs = tf.nest.map_structure(swap, dict(node.arguments.kwargs))
+        try:
+            spec = tf.nest.flatten(op.compute_output_spec(*args, **kwargs))
+        except Exception as error:  # noqa: BLE001 - any failure leaves the recorded (less known) shapes
+            logger.debug("layer %s: no output spec at known shapes (%s)", op.name, error)
+            return list(node.outputs)
+        if len(spec) != len(node.outputs):
+            return list(node.outputs)
+        return [keras.KerasTensor(s.shape, dtype=s.dtype) for s in spec]

@@ -11,6 +11,8 @@ instead of deep inside extraction or a compiled step.
 * ``keras_global_attribute`` / ``set_keras_global_attribute`` and
   ``GLOBAL_SEED_GENERATOR``: Keras's global state, where the seed generator of unseeded
   ``keras.random`` calls lives.
+* ``CallContext``: what an outer layer call hands its sublayers (``training``); Keras keeps
+  the active one in the global attribute ``"current_call_ctx"``.
 """
 
 from keras.src.backend.common.global_state import (
@@ -19,6 +21,7 @@ from keras.src.backend.common.global_state import (
 from keras.src.backend.common.global_state import (
     set_global_attribute as set_keras_global_attribute,
 )
+from keras.src.layers.layer import CallContext
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
 from tensorflow.python.framework.ops import get_stats_for_node_def
@@ -28,7 +31,7 @@ from tensorflow.python.ops.handle_data_util import (
 
 __all__ = [
     "LossFunctionWrapper", "node_flops", "resource_handle_data", "keras_global_attribute",
-    "set_keras_global_attribute", "GLOBAL_SEED_GENERATOR",
+    "set_keras_global_attribute", "GLOBAL_SEED_GENERATOR", "CallContext",
 ]
 
 
