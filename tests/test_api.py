@@ -945,3 +945,53 @@ def test_allocator_check_plans_again_under_the_excess(monkeypatch):
     refusing.set_model(model)
     with pytest.raises(InfeasibleBudgetError, match="allocator's peak"):
         refusing._step_for(x, y)
+
+
+class _TwoDenseBlock(keras.layers.Layer):
+    """A custom block holding two Dense sublayers: one node at granularity "layer", opened
+    into its sublayer calls at the default "sublayer"."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(16, activation="relu")
+        self.second = keras.layers.Dense(8)
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+
+def _block_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(_TwoDenseBlock()(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="categorical_crossentropy")
+    return model
+
+
+def _block_data(count=8):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((count, 8)).astype("float32"), np.eye(3, dtype="float32")[rng.integers(0, 3, count)]
+
+
+def test_granularity_reaches_the_extraction_from_plan_compare_and_the_callback():
+    model, (x, y) = _block_model(), _block_data()
+    sizes = {
+        granularity: tfremat.plan_model(model, "100%", x, y, batch_size=8, strategy="checkpoint_all",
+                                        cost_model="flops", verbose=0, **kwargs).extraction.graph.size
+        for granularity, kwargs in (("layer", {"granularity": "layer"}), ("sublayer", {}))
+    }
+    assert sizes["layer"] < sizes["sublayer"], sizes
+    with pytest.raises(ExtractionError, match="granularity must be one of"):
+        tfremat.compare(model, "100%", x, y, strategies=["checkpoint_all"], batch_size=8, cost_model="flops",
+                        granularity="bogus", verbose=0)
+    callback = RematCallback("100%", strategy="checkpoint_all", cost_model="flops", granularity="layer", verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    assert [plan.extraction.graph.size for plan in callback.plans.values()] == [sizes["layer"]]
+
+
+def test_the_callback_refuses_an_unknown_granularity_and_fixes_it():
+    with pytest.raises(ArgumentError, match="granularity must be one of layer, sublayer, op, got 'bogus'"):
+        RematCallback("50%", granularity="bogus")
+    assert RematCallback("50%", verbose=0).granularity == "sublayer"
+    with pytest.raises(AttributeError, match="granularity is fixed"):
+        RematCallback("50%", granularity="op", verbose=0).granularity = "layer"

@@ -297,7 +297,8 @@ def test_labels_fit_a_sparse_loss_in_measure_and_the_command_line():
     record = measure_model(model, "100%", batch_size=4, strategy="checkpoint_all", steps=1,
                            loss="sparse_categorical_crossentropy", optimizer="sgd", cost_model="flops", verbose=0)
     assert record["gradients_match"], record
-    with flagsaver.as_parsed(loss="sparse_categorical_crossentropy", cost_model="flops", optimizer="sgd"):
+    with flagsaver.as_parsed(loss="sparse_categorical_crossentropy", cost_model="flops", granularity="sublayer",
+                             optimizer="sgd"):
         extraction = cli._extraction(model, 4)
     assert [tuple(spec.shape) for spec in extraction.side_table.label_specs] == [(4,)]
 
@@ -421,3 +422,53 @@ def test_min_budget_plans_at_the_least_peak_a_heuristic_reaches(tmp_path):
         out = run_cli("solve", f"--graph={graph_path}", "--strategy=eviction", f"--budget={budget}", "--json")
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["peak_bytes"] <= json.loads(out.stdout)["budget_bytes"]
+
+
+_BLOCK_MODULE = '''
+import keras
+
+
+@keras.saving.register_keras_serializable(package="tfremat_granularity_test")
+class TwoDenseBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(16, activation="relu")
+        self.second = keras.layers.Dense(8)
+
+    def call(self, x):
+        return self.second(self.first(x))
+'''
+
+
+def test_cli_granularity_flag_chooses_the_graph_nodes_and_refuses_an_unknown_level(tmp_path):
+    """--granularity reaches the extraction: a custom block is one node at "layer" and its
+    sublayer calls at the default "sublayer"; an unknown level is a flag error (exit 2)."""
+    import importlib.util
+
+    keras = pytest.importorskip("keras")
+    from tfremat.cli import FLAGS
+    from tfremat.extract.opening import GRANULARITIES
+
+    assert tuple(FLAGS["granularity"].parser.enum_values) == GRANULARITIES and FLAGS["granularity"].default == "sublayer"
+    source = tmp_path / "blocks.py"
+    source.write_text(_BLOCK_MODULE)
+    spec = importlib.util.spec_from_file_location("blocks", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(module.TwoDenseBlock()(inputs)))
+    model.compile(optimizer="sgd", loss="categorical_crossentropy")
+    path = tmp_path / "block.keras"
+    model.save(path)
+    common = ["graph", f"--model={path}", f"--custom_objects={source}", "--batch=2", "--cost_model=flops", "--json"]
+    summaries = {}
+    for name, extra in (("layer", ["--granularity", "layer"]), ("sublayer", [])):
+        out = run_cli(*common, f"--out={tmp_path / (name + '.json')}", *extra)
+        assert out.returncode == 0, out.stderr[-2000:]
+        summaries[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summaries["layer"]["granularity"] == "layer" and summaries["sublayer"]["granularity"] == "sublayer"
+    assert summaries["layer"]["nodes"] < summaries["sublayer"]["nodes"], summaries
+    out = run_cli(*common, f"--out={tmp_path / 'bogus.json'}", "--granularity=bogus")
+    assert out.returncode == 2 and one_error_line(out.stderr) and "granularity" in out.stderr, out.stderr
+    out = run_cli("plan", "--help")
+    assert out.returncode == 0 and "--granularity" in out.stdout

@@ -38,13 +38,18 @@ logger = logging.getLogger(__name__)
 
 
 def compare(model, budget, x=None, y=None, *, strategies: Sequence[str] | None = None, batch_size=None,
-            loss=None, optimizer=None, cost_model: str = "profile", cache=True, verbose: int = 1, **milp_options):
-    """:func:`compare_graph` for a Keras model (extracts once, plans with every strategy)."""
+            loss=None, optimizer=None, cost_model: str = "profile", granularity: str = "sublayer", cache=True,
+            verbose: int = 1, **milp_options):
+    """:func:`compare_graph` for a Keras model (extracts once, plans with every strategy).
+
+    Args:
+        granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
+    """
     # As plan_model does, the arguments that need no graph are checked before the extraction.
     check_keras_model(model)
     split_solver_options(strategy_names() if strategies is None else strategies, milp_options)
     extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
-                               cost_model=cost_model, cache=cache)
+                               cost_model=cost_model, cache=cache, granularity=granularity)
     return compare_graph(extraction.graph, budget, strategies, cache=cache, verbose=verbose, **milp_options)
 
 
@@ -62,6 +67,7 @@ def fit(
     solver: str | None = None,
     time_limit: float | None = None,
     cost_model: str = "profile",
+    granularity: str = "sublayer",
     cache: bool | str | ScheduleCache = True,
     allocator_check: bool | None = None,
     verbose: int = 1,
@@ -82,6 +88,7 @@ def fit(
             None (no limit), whose schedule keeps every activation, which is the step
             ``model.fit`` runs already, here after an extraction and profiling that buy
             nothing; train without a limit with ``model.fit``.
+        granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
         allocator_check: hold the budget for the device allocator's peak, not only for
             the bytes the step requests; None: for amounts of memory, not for shares
             (see :class:`tfremat.keras.RematCallback`).
@@ -107,7 +114,7 @@ def fit(
     if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
         raise TfrematError("compile the model first (model.compile(optimizer=..., loss=..., metrics=...)); fit uses its loss, optimizer and metrics")
     remat = RematCallback(budget, strategy=strategy, solver=solver, time_limit=time_limit, cost_model=cost_model,
-                          cache=cache, allocator_check=allocator_check, verbose=verbose)
+                          granularity=granularity, cache=cache, allocator_check=allocator_check, verbose=verbose)
     if isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]  # model.fit takes one callback as well as a list
     return model.fit(x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,
@@ -133,6 +140,7 @@ def max_batch_size(
     max_batch: int = 4096,
     method: str = "scaled",
     cost_model: str = "profile",
+    granularity: str = "sublayer",
     cache=True,
     verbose: int = 1,
     **options,
@@ -161,6 +169,7 @@ def max_batch_size(
             largest batch may be larger.
         method: ``"scaled"`` (default) or ``"search"``; only extracted graphs decide
             either way.
+        granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
         cache: False (or None) turns the profile cache off (the search uses no schedule
             cache); True or a directory leaves it on.
         verbose: 0 silences the line written to stderr for each batch size tried (also
@@ -196,7 +205,7 @@ def max_batch_size(
             # Zero-cost arrays of the batch's shapes, labels shaped for the loss: extraction
             # reads nothing else, and a batch of thousands of images would be gigabytes.
             sample = synthetic_batch(model, batch, loss=training["loss"])
-            graphs[batch] = extract(model, sample_batch=sample, cost_model=cost_model,
+            graphs[batch] = extract(model, sample_batch=sample, cost_model=cost_model, granularity=granularity,
                                     use_cache=cache is not False and cache is not None, **training).graph
             logger.info("batch %d: checkpoint-all peak %s", batch, format_bytes(checkpoint_all_peak(graphs[batch])))
         return graphs[batch]

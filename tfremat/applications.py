@@ -18,6 +18,7 @@ import numpy as np
 
 from tfremat.errors import ExtractionError
 from tfremat.extract.extractor import extract
+from tfremat.extract.opening import DEFAULT_GRANULARITY
 from tfremat.plan.simulator import checkpoint_all_peak
 
 __all__ = ["build_application", "graph_command", "application_names"]
@@ -142,6 +143,7 @@ def graph_command(
     loss="categorical_crossentropy",
     optimizer=None,
     use_cache: bool = True,
+    granularity: str = DEFAULT_GRANULARITY,
 ) -> dict:
     """Extracts a model's graph and writes it as the planning core's JSON.
 
@@ -154,6 +156,7 @@ def graph_command(
         loss: loss name, object or callable (default categorical cross-entropy).
         optimizer: a Keras optimizer or its name (default SGD).
         use_cache: read and write the profile cache (``--nocache`` turns it off).
+        granularity: what a graph node is, ``"layer"``, ``"sublayer"`` or ``"op"`` (see :mod:`tfremat.extract.opening`).
 
     Returns:
         A JSON-able summary: model, nodes, edges, fixed bytes, checkpoint-all peak,
@@ -167,7 +170,7 @@ def graph_command(
 
     # Labels shaped for the loss (class ids for a sparse one), not like the outputs.
     extraction = extract(model, sample_batch=synthetic_batch(model, batch, loss=loss), loss=loss, optimizer=optimizer,
-                         cost_model=cost_model, use_cache=use_cache)
+                         cost_model=cost_model, granularity=granularity, use_cache=use_cache)
     graph = extraction.graph
     graph.to_json(out)
     peak = checkpoint_all_peak(graph)
@@ -178,6 +181,7 @@ def graph_command(
         "fixed_bytes": graph.fixed_bytes,
         "checkpoint_all_peak_bytes": int(peak),
         "cost_model": cost_model,
+        "granularity": granularity,
         "seconds": round(extraction.seconds, 3),
         "cache_hit": extraction.cache_hit,
         "out": os.fspath(out),

@@ -60,6 +60,9 @@ flags.DEFINE_string("input_shape", None, "Input shape without the batch, e.g. 12
 flags.DEFINE_integer("batch", None, "Batch size.")
 flags.DEFINE_integer("num_classes", 10, "Classes of the head of a Keras Applications model.")
 flags.DEFINE_enum("cost_model", "profile", ["profile", "flops"], "Per-node cost: timed on this device, or an analytic FLOP count.")
+# tfremat.extract.opening.GRANULARITIES, written out: the command line imports TensorFlow only when a command runs.
+flags.DEFINE_enum("granularity", "sublayer", ["layer", "sublayer", "op"],
+                  "Graph node: a layer call, sublayer calls and ops inside blocks, or ops of op-composing layers too.")
 flags.DEFINE_string("loss", None, "Loss name (default: a saved model's compiled loss, else categorical_crossentropy).")
 flags.DEFINE_string("optimizer", None, "Optimizer name (default: a saved model's compiled optimizer, else sgd).")
 flags.DEFINE_string("custom_objects", None, "A Python file or module defining a saved model's custom layers, losses "
@@ -84,14 +87,14 @@ COMMANDS = {
     "plot": "memory over the step per strategy, and overhead against budget (PNG)",
     "measure": "compile and run the planned step: measured vs predicted peak and time, vs plain Keras",
 }
-_MODEL_FLAGS = ["model", "input_shape", "batch", "num_classes", "cost_model", "loss", "optimizer", "custom_objects"]
+_MODEL_FLAGS = ["model", "input_shape", "batch", "num_classes", "cost_model", "granularity", "loss", "optimizer", "custom_objects"]
 COMMAND_FLAGS = {
     "strategies": ["json"],
     "solve": ["graph", "order", "strategy", "budget", "solver", "time_limit", "schedule_out", "json"],
     "graph": _MODEL_FLAGS + ["out", "cache", "json"],
     "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "schedule_out", "cache", "json"],
     "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "cache", "json"],
-    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "loss", "optimizer", "custom_objects", "budget", "strategies", "max_overhead", "max_batch", "solver", "time_limit", "cache", "json"],
+    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "granularity", "loss", "optimizer", "custom_objects", "budget", "strategies", "max_overhead", "max_batch", "solver", "time_limit", "cache", "json"],
     "plot": ["graph", "order", "out", "strategies", "budgets", "solver", "time_limit", "cache"] + _MODEL_FLAGS,
     "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "steps", "cache", "json"],
 }
@@ -249,7 +252,7 @@ def _extraction(model, batch: int, use_cache: bool = True):
     training = _training(model)
     # Labels shaped for the loss (class ids for a sparse loss), as measure makes them.
     return extract(model, sample_batch=synthetic_batch(model, batch, loss=training["loss"]),
-                   cost_model=FLAGS.cost_model, use_cache=use_cache, **training)
+                   cost_model=FLAGS.cost_model, granularity=FLAGS.granularity, use_cache=use_cache, **training)
 
 
 def _milp_options(name: str) -> dict:
@@ -310,7 +313,7 @@ def cmd_graph() -> None:
     model = _keras_model()
     training = _training(model)
     summary = graph_command(model, _input_shape(), _batch(), FLAGS.cost_model, FLAGS.out, loss=training["loss"],
-                            optimizer=training["optimizer"], use_cache=FLAGS.cache)
+                            optimizer=training["optimizer"], use_cache=FLAGS.cache, granularity=FLAGS.granularity)
     _emit(summary)
 
 
@@ -363,7 +366,7 @@ def cmd_maxbatch() -> None:
     training = _training(model)
     results = max_batch_size(model, FLAGS.budget, strategies=names, max_overhead=FLAGS.max_overhead,
                              loss=training["loss"], optimizer=training["optimizer"],
-                             cost_model=FLAGS.cost_model, cache=FLAGS.cache, **bounds, **_given_milp_flags())
+                             cost_model=FLAGS.cost_model, granularity=FLAGS.granularity, cache=FLAGS.cache, **bounds, **_given_milp_flags())
     rows = [{"strategy": n, "batch_size": r.batch_size, "cost_ratio": round(r.cost / r.graph.total_cost, 4),
              "cost_cap_ratio": round(r.cost_cap / r.graph.total_cost, 4), "reached_max_batch": r.reached_max_batch}
             for n, r in results.items()]
@@ -419,7 +422,8 @@ def cmd_measure() -> None:
     training = _training(model)
     record = measure_model(model, FLAGS.budget, batch_size=_batch(), strategy=strategy, steps=FLAGS.steps,
                            loss=None if FLAGS.loss is None and model.loss is not None else training["loss"],
-                           optimizer=training["optimizer"], cost_model=FLAGS.cost_model, cache=FLAGS.cache,
+                           optimizer=training["optimizer"], cost_model=FLAGS.cost_model,
+                           granularity=FLAGS.granularity, cache=FLAGS.cache,
                            **_milp_options(strategy))
     _emit(record)
 

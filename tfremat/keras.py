@@ -31,6 +31,7 @@ from tfremat.errors import (
 )
 from tfremat.extract.checks import refuse_unmodelled_training
 from tfremat.extract.extractor import COST_MODELS
+from tfremat.extract.opening import DEFAULT_GRANULARITY, GRANULARITIES
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.model_planning import plan_model
 from tfremat.planner import check_cache_argument, plan_graph
@@ -52,6 +53,7 @@ class RematCallback(keras.callbacks.Callback):
         time_limit: MILP time limit in seconds per batch shape (None: 60 s,
             ``tfremat.planner.DEFAULT_TIME_LIMIT``; ``math.inf``: until proven optimal).
         cost_model: "profile" or "flops" for the extraction.
+        granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
         cache: schedule cache (True: default directory; a path; False: off, and the
             profile cache with it).
         allocator_check: hold the budget for the device allocator's peak, where
@@ -72,7 +74,8 @@ class RematCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, budget, strategy: str = "optimal", solver: str | None = None, time_limit: float | None = None,
-                 cost_model: str = "profile", cache=True, allocator_check: bool | None = None, verbose: int = 1):
+                 cost_model: str = "profile", granularity: str = DEFAULT_GRANULARITY, cache=True,
+                 allocator_check: bool | None = None, verbose: int = 1):
         super().__init__()
         # Refuse a malformed budget or an unknown strategy here, not at the first step.
         check_budget(budget)
@@ -86,12 +89,15 @@ class RematCallback(keras.callbacks.Callback):
             )
         if cost_model not in COST_MODELS:
             raise ArgumentError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
+        if granularity not in GRANULARITIES:
+            raise ArgumentError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
         check_cache_argument(cache)
         self.budget = budget
         self.strategy = strategy
         self.solver = solver
         self.time_limit = time_limit
         self.cost_model = cost_model
+        self.granularity = granularity
         self.cache = cache
         if allocator_check is not None and not isinstance(allocator_check, bool):
             raise ArgumentError(f"allocator_check must be True, False or None (for amounts of memory), got {allocator_check!r}")
@@ -107,7 +113,8 @@ class RematCallback(keras.callbacks.Callback):
 
     # What the compiled steps were planned with; changing one later would leave steps
     # planned for the old value in use, so they are fixed when the callback is built.
-    _SETTINGS = ("budget", "strategy", "solver", "time_limit", "cost_model", "cache", "allocator_check")
+    _SETTINGS = ("budget", "strategy", "solver", "time_limit", "cost_model", "granularity", "cache",
+                 "allocator_check")
 
     def __setattr__(self, name, value):
         if name in self._SETTINGS and name in self.__dict__:
@@ -160,7 +167,7 @@ class RematCallback(keras.callbacks.Callback):
                        if get_strategy(self.strategy).takes_solver_options else {})
             # The model's own loss, loss weights and optimizer (plan's defaults).
             result = plan_model(model, self.budget, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]),
-                          strategy=self.strategy, cost_model=self.cost_model,
+                          strategy=self.strategy, cost_model=self.cost_model, granularity=self.granularity,
                           cache=self.cache, verbose=self.verbose, **options)
             if self.verbose:
                 logger.info("batch shape %s: %s, predicted peak %s (checkpoint all %s), overhead %.1f%%",

@@ -106,8 +106,8 @@ def _restore(model, saved) -> None:
 
 
 def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", steps: int = 5, loss=None,
-                  optimizer=None, cost_model: str = "profile", seed: int = 0, verbose: int = 1,
-                  cache=True, **strategy_options) -> dict:
+                  optimizer=None, cost_model: str = "profile", granularity: str = "sublayer", seed: int = 0,
+                  verbose: int = 1, cache=True, **strategy_options) -> dict:
     """Plans, compiles and runs ``model``'s step under ``budget``, and a plain training step.
 
     The model is measured as it trains: with its compiled loss (and loss weights) and a
@@ -124,6 +124,8 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         steps: timed steps per variant (after a tracing step and a measured one).
         loss: a loss name or object; default the compiled one.
         optimizer: a Keras optimizer or its name; default the compiled one.
+        cost_model: "profile" (timed on this device) or "flops".
+        granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
         verbose: 0 silences the solver's progress line.
         cache: the schedule cache, as for :func:`tfremat.planner.plan_graph`; False (or
             None) also turns off the profile cache.
@@ -155,7 +157,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     x, y = tf.nest.map_structure(tf.constant, synthetic_batch(model, batch_size, loss=training["loss"], seed=seed))
     saved = [v.numpy() for v in model.variables]
     try:
-        extraction = extract(model, sample_batch=(x, y), cost_model=cost_model,
+        extraction = extract(model, sample_batch=(x, y), cost_model=cost_model, granularity=granularity,
                              use_cache=cache is not False and cache is not None,
                              **{**training, "optimizer": _fresh(training["optimizer"])})
         result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **strategy_options)

@@ -133,6 +133,7 @@ def plan_model(
     optimizer=None,
     strategy: str = "optimal",
     cost_model: str = "profile",
+    granularity: str = "sublayer",
     cache: bool | str | ScheduleCache = True,
     verbose: int = 1,
     **options,
@@ -147,6 +148,7 @@ def plan_model(
         loss, optimizer: default to the model's compiled ones.
         strategy: the strategy name.
         cost_model: "profile" (timed on this device) or "flops".
+        granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
         cache: the schedule cache, as for :func:`plan_graph`; False (or None) also turns
             off the extraction's profile cache (nothing read from or written to disk).
         **options: strategy options (``time_limit``, ``solver``, ...).
@@ -163,15 +165,17 @@ def plan_model(
     check_keras_model(model)
     get_strategy(strategy)
     extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
-                               cost_model=cost_model, cache=cache)
+                               cost_model=cost_model, cache=cache, granularity=granularity)
     result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **options)
     return dataclasses.replace(result, extraction=extraction)
 
 
-def extract_model(model, x, y, *, batch_size, loss, optimizer, cost_model: str, cache):
+def extract_model(model, x, y, *, batch_size, loss, optimizer, cost_model: str, cache, granularity: str = "sublayer"):
     """``model``'s extraction on the first batch of ``x, y``, with its (or the given) loss and
     optimizer; ``cache`` False or None turns the profile cache off as well as the schedule
-    cache. The model, the cache argument and the data are checked before anything runs."""
+    cache; ``granularity`` as :func:`tfremat.extract.extract` takes it (the levels:
+    :mod:`tfremat.extract.opening`). The model, the cache argument and the data are checked
+    before anything runs."""
     from tfremat.extract.extractor import extract
 
     check_keras_model(model)
@@ -179,7 +183,7 @@ def extract_model(model, x, y, *, batch_size, loss, optimizer, cost_model: str, 
     training = loss_and_optimizer(model, loss, optimizer)
     batch = sample_batch(x, y, batch_size)
     check_batch_ranks(model, batch[0])
-    return extract(model, sample_batch=batch, cost_model=cost_model,
+    return extract(model, sample_batch=batch, cost_model=cost_model, granularity=granularity,
                    use_cache=cache is not False and cache is not None, **training)
 
 
