@@ -75,6 +75,20 @@ def test_backward_dependencies_are_measured_per_layer_type(convnet_extraction):
     assert g.output_bytes[ids["dropout"]] == e["dropout"].output_bytes + e["dropout"].residual_bytes
 
 
+def test_a_view_of_an_input_that_the_gradient_reads_is_the_input_not_a_residual():
+    # Dense on a 3-D input multiplies a Reshape of it; the Reshape shares the input's buffer,
+    # so the gradient reads the input and the node keeps no residual of the input's size.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 8))
+    hidden = keras.layers.Dense(32, name="dense3d")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(keras.layers.Flatten()(hidden)))
+    x = np.zeros((2, 16, 8), "float32")
+    y = np.zeros((2, 4), "float32")
+    e = _by_name(extract(model, (x, y), cost_model="flops", use_cache=False))
+    assert e["dense3d_backward"].reads_inputs == (0,)
+    assert e["dense3d"].residual_bytes == 0
+
+
 def test_side_table_wiring(convnet_extraction):
     e = _by_name(convnet_extraction)
     table = convnet_extraction.side_table

@@ -241,12 +241,16 @@ def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", 
             on; None for zeros that take no memory (broadcast views), all an extraction
             reads being shapes and dtypes.
 
+    Integer and boolean inputs (token ids, padding masks) are 0 or 1, valid for any
+    embedding.
+
     Returns:
-        ``(x, y)``: an array each, or lists of them for several inputs or outputs.
+        ``(x, y)``: an array each, or lists of them for several inputs or outputs; a dict of
+        inputs by name for a model built on a dict of inputs.
     """
     import numpy as np
 
-    from tfremat.extract.layer_graph import model_output_names, require_functional
+    from tfremat.extract.layer_graph import model_input_names, model_output_names, require_functional
     from tfremat.extract.losses import per_output
 
     require_functional(model)
@@ -257,7 +261,13 @@ def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", 
             return np.broadcast_to(np.zeros((), dtype), shape)
         return np.asarray(draw(rng, shape), dtype=dtype)
 
-    xs = [array((batch_size, *t.shape[1:]), t.dtype, lambda r, shape: r.standard_normal(shape)) for t in model.inputs]
+    def draw_input(r, shape, dtype):
+        if np.issubdtype(np.dtype(dtype), np.integer) or np.dtype(dtype) == np.bool_:
+            return r.integers(0, 2, size=shape)
+        return r.standard_normal(shape)
+
+    xs = [array((batch_size, *t.shape[1:]), t.dtype, lambda r, shape, d=t.dtype: draw_input(r, shape, d))
+          for t in model.inputs]
     ys = []
     for output, output_loss in zip(model.outputs, per_output(loss, model_output_names(model), "loss", None)):
         shape, classes = (batch_size, *output.shape[1:]), output.shape[-1]
@@ -272,4 +282,6 @@ def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", 
             ys.append(array(shape, "float32",
                             lambda r, shape: np.eye(classes)[r.integers(0, classes, size=shape[:-1])]))
     unpack = lambda items: items[0] if len(items) == 1 else items  # noqa: E731
+    if isinstance(getattr(model, "_inputs_struct", None), dict):
+        return dict(zip(model_input_names(model), xs)), unpack(ys)
     return unpack(xs), unpack(ys)

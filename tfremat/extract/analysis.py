@@ -75,6 +75,8 @@ logger = logging.getLogger(__name__)
 _SHAPE_ONLY_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"})
 _NOT_RESIDUAL_OPS = frozenset({"ReadVariableOp", "Const", "Placeholder", "VarHandleOp"})
 _LOOP_OPS = frozenset({"While", "StatelessWhile"})
+# Ops whose output shares its (first) input's buffer: TensorFlow forwards the buffer, no copy.
+_VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient", "Snapshot"})
 _CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
 _LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (_other_orders_peak)
 _SEED_SPEC = tf.TensorSpec([], tf.float32)  # the scalar the upstream gradients are filled with
@@ -601,7 +603,11 @@ def _list_bytes(tensor, value, layer: str) -> int:
 def _backward_reads(forward_ops, backward_ops, inputs, outputs) -> tuple[set[int], bool, list]:
     """What the backward ops read of the forward: ``(positions of the inputs read, whether
     an output is read, the other forward tensors read)``; the last are the residuals the
-    tape keeps (shape-only reads and variable reads are not)."""
+    tape keeps (shape-only reads and variable reads are not).
+
+    A read of a view (:data:`_VIEW_OPS`: a ``Reshape`` that ``Dense`` makes of a 3-D input,
+    say) is a read of the tensor it views, whose buffer it shares: counting the view as a
+    residual of its own counted the input's bytes twice."""
     forward = {id(op) for op in forward_ops}
     input_position = {t.name: i for i, t in enumerate(inputs)}
     output_names = {t.name for t in outputs}
@@ -614,6 +620,8 @@ def _backward_reads(forward_ops, backward_ops, inputs, outputs) -> tuple[set[int
         for t in op.inputs:
             if id(t.op) not in forward:
                 continue
+            while t.op.type in _VIEW_OPS and t.name not in input_position and t.name not in output_names:
+                t = t.op.inputs[0]
             if t.name in input_position:
                 reads_inputs.add(input_position[t.name])
             elif t.name in output_names:
