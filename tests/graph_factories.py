@@ -66,3 +66,19 @@ def random_training_graph(seed: int, num_forward: int, skip_probability: float =
     n = 2 * num_forward + 1
     workspace = [rng.choice([0, 0, 0, rng.randint(1, 10)]) for _ in range(n)]
     return training_graph(edges, sizes, costs, reads_output, name=f"random{seed}", fixed_bytes=rng.randint(0, 5), workspace=workspace)
+
+
+def with_residuals(graph: DFGraph, seed: int) -> DFGraph:
+    """``graph`` with a random share of some forward nodes' bytes made residual (read only by
+    their backward node, the rest by their other successors): the output/residual split that
+    extraction gives a node whose gradient does not read its output."""
+    rng = random.Random(seed)
+    residual = [0] * graph.size
+    eligible = [node for node in graph.forward_nodes
+                if graph.backward_of.get(node) in graph.successors[node] and len(graph.successors[node]) > 1]
+    chosen = [node for node in eligible if rng.random() < 0.6] or eligible[:1]
+    for node in chosen:
+        residual[node] = rng.randint(1, graph.output_bytes[node])
+    return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes,
+                   graph.is_backward, graph.loss_node, dict(graph.forward_of), graph.fixed_bytes,
+                   f"{graph.name}+residuals", residual_bytes=residual)

@@ -45,6 +45,14 @@ class DFGraph:
         is_backward: True for the loss node and every gradient node (default all False).
         loss_node: id of the loss node, or None for a graph without a loss.
         forward_of: maps a backward node to the forward node whose gradient it computes.
+        residual_bytes: per node, the part of ``output_bytes`` that only the node's
+            backward node reads: the internal tensors a forward node's tape keeps for its
+            gradient when the gradient does not read the output (default all 0). The rest,
+            the output, is read by the node's other successors. The two parts are freed
+            separately (:mod:`tfremat.plan.execution`), so a schedule keeps attention's
+            softmax residual for its gradient without keeping the softmax's output, and
+            computing the node makes both (Beaumont et al. 2021, sec. 3: a forward run
+            with its checkpoints, F_ck, against one without, F_no).
         fixed_bytes: memory resident for the whole step (parameters, their gradients,
             optimizer slots, the input batch), counted in every peak.
         name: a label for reports.
@@ -64,6 +72,7 @@ class DFGraph:
         "is_backward",
         "loss_node",
         "forward_of",
+        "residual_bytes",
         "fixed_bytes",
         "name",
         "__dict__",
@@ -81,6 +90,7 @@ class DFGraph:
         forward_of: Mapping[int, int] | None = None,
         fixed_bytes: int = 0,
         name: str = "graph",
+        residual_bytes: Sequence[int] | None = None,
     ):
         names = tuple(str(x) for x in names)
         n = len(names)
@@ -100,6 +110,9 @@ class DFGraph:
         set_(self, "forward_of", MappingProxyType({
             _node_id(k, "forward_of"): _node_id(v, "forward_of") for k, v in (forward_of or {}).items()
         }))
+        set_(self, "residual_bytes", _per_node(
+            "residual_bytes", residual_bytes if residual_bytes is not None else [0] * n, names, whole=True,
+        ))
         set_(self, "fixed_bytes", _amount(fixed_bytes, "fixed_bytes", whole=True))
         set_(self, "name", str(name))
         self._validate()
@@ -138,6 +151,16 @@ class DFGraph:
                 raise GraphError(f"forward_of maps {b} -> {f}, outside 0..{n - 1}", node=b)
             if not self.is_backward[b] or self.is_backward[f]:
                 raise GraphError(f"forward_of maps {b} ({self.names[b]}) -> {f} ({self.names[f]}): must map a backward node to a forward node", node=b)
+        for i, residual in enumerate(self.residual_bytes):
+            if not residual:
+                continue
+            if residual > self.output_bytes[i]:
+                raise GraphError(f"node {i} ({self.names[i]}) has residual_bytes {residual} > output_bytes "
+                                 f"{self.output_bytes[i]}", node=i)
+            b = self.backward_of.get(i)
+            if b is None or b not in self.successors[i]:
+                raise GraphError(f"node {i} ({self.names[i]}) has residual bytes but no backward node that reads "
+                                 "it (forward_of and an edge to it)", node=i)
         if self.loss_node is not None and not self.is_backward[self.loss_node]:
             raise GraphError(f"loss node {self.loss_node} must be flagged backward (Checkmate's convention)", node=self.loss_node)
 
@@ -177,7 +200,7 @@ class DFGraph:
             _check_order(order, digraph)
         position = {node: i for i, node in enumerate(order)}
         source_index = {node: i for i, node in enumerate(node_ids)}
-        per_node = ("names", "cost", "output_bytes", "workspace_bytes", "is_backward")
+        per_node = ("names", "cost", "output_bytes", "workspace_bytes", "is_backward", "residual_bytes")
         reordered = {}
         for key, value in fields.items():
             if key in per_node and value is not None:
@@ -228,6 +251,27 @@ class DFGraph:
     def backward_of(self) -> Mapping[int, int]:
         """Forward node -> the backward node computing its gradient (inverse of forward_of)."""
         return MappingProxyType({f: b for b, f in self.forward_of.items()})
+
+    def part_read_by(self, node: int, reader: int) -> str | None:
+        """Which part of ``node``'s value ``reader`` reads: ``"residual"`` (the node's own
+        backward node, when the node has residual bytes), ``"output"`` (any other reader of
+        such a node), or None (the whole value of a node without residual bytes)."""
+        if not self.residual_bytes[node]:
+            return None
+        return "residual" if self.backward_of.get(node) == reader else "output"
+
+    def part_bytes(self, node: int, part: str | None) -> int:
+        """Bytes of one part of ``node``'s value (None: the whole value)."""
+        if part is None:
+            return self.output_bytes[node]
+        if part == "residual":
+            return self.residual_bytes[node]
+        return self.output_bytes[node] - self.residual_bytes[node]
+
+    def value_parts(self, node: int) -> tuple:
+        """The parts of ``node``'s value that are freed separately: ``("output", "residual")``
+        when it has residual bytes, else ``(None,)`` (the whole value)."""
+        return ("output", "residual") if self.residual_bytes[node] else (None,)
 
     @functools.cached_property
     def total_cost(self) -> float:
@@ -281,6 +325,7 @@ class DFGraph:
                     "workspace_bytes": self.workspace_bytes[i],
                     "backward": self.is_backward[i],
                     "forward_of": self.forward_of.get(i),
+                    **({"residual_bytes": self.residual_bytes[i]} if self.residual_bytes[i] else {}),
                 }
                 for i in range(self.size)
             ],
@@ -437,6 +482,7 @@ def _from_tfremat_dict(data: dict, label: str) -> DFGraph:
         forward_of={node["id"]: node["forward_of"] for node in nodes if node.get("forward_of") is not None},
         fixed_bytes=data.get("fixed_bytes", 0),
         name=data.get("name", "graph"),
+        residual_bytes=[node.get("residual_bytes", 0) for node in nodes],
     )
 
 

@@ -407,6 +407,8 @@ def affine_graphs(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int
             graph_a.is_backward, graph_a.loss_node, dict(graph_a.forward_of),
             int(line([graph_a.fixed_bytes], [graph_b.fixed_bytes], batch, whole=True)[0]),
             name=f"{graph_a.name} (batch {batch}, scaled)",
+            residual_bytes=np.minimum(line(graph_a.residual_bytes, graph_b.residual_bytes, batch, whole=True),
+                                      line(graph_a.output_bytes, graph_b.output_bytes, batch, whole=True)).tolist(),
         )
 
     return at

@@ -250,7 +250,11 @@ def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", 
     """
     import numpy as np
 
-    from tfremat.extract.layer_graph import model_input_names, model_output_names, require_functional
+    from tfremat.extract.layer_graph import (
+        model_input_names,
+        model_output_names,
+        require_functional,
+    )
     from tfremat.extract.losses import per_output
 
     require_functional(model)

@@ -7,7 +7,9 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
 * **Forward node** value = the layer's output + its batch-sized *residuals*: the internal
   tensors its gradient reads (measured, see :mod:`tfremat.extract.analysis`). The tape keeps
   them from the forward call until the backward node runs, and a recomputation recreates
-  them together with the output, so they live and die with the node. A while loop's
+  them together with the output. When the gradient does not read the output, the two are
+  parts of the value freed apart (``DFGraph.residual_bytes``): the output dies after its
+  last forward reader, the residuals after the backward node. A while loop's
   accumulators (a Keras RNN with ``unroll=False``) are such residuals, sized by running the
   call. The edge ``forward -> backward`` of a layer exists exactly when its gradient reads
   its output or a batch-sized residual; otherwise the output is freed after its last
@@ -120,13 +122,14 @@ class _Nodes:
     work: list[int]
     is_bwd: list[bool]
     entries: list[NodeEntry | None]
+    residual: list[int]
     edges: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     forward_of: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def empty(cls, n: int) -> "_Nodes":
         return cls(names=[""] * n, cost=[0.0] * n, out_bytes=[0] * n, work=[0] * n, is_bwd=[False] * n,
-                   entries=[None] * n)
+                   entries=[None] * n, residual=[0] * n)
 
 
 def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef], needs_backward: Sequence[bool],
@@ -149,7 +152,7 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
     graph = DFGraph(
         names=nodes.names, edges=nodes.edges, cost=nodes.cost, output_bytes=nodes.out_bytes,
         workspace_bytes=nodes.work, is_backward=nodes.is_bwd, loss_node=loss_node, forward_of=nodes.forward_of,
-        fixed_bytes=sum(breakdown.values()), name=model.name,
+        fixed_bytes=sum(breakdown.values()), name=model.name, residual_bytes=nodes.residual,
     )
     table = SideTable(
         model=model, entries=tuple(nodes.entries), input_specs=tuple(in_specs), label_specs=tuple(label_specs),
@@ -226,6 +229,9 @@ def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, ou
             nodes.edges.add((ref.index, b))
     if a.reads_output or a.residual_bytes:
         nodes.edges.add((i, b))
+    if a.residual_bytes and not a.reads_output:
+        # The output and the residuals are freed apart (DFGraph.residual_bytes).
+        nodes.residual[i] = a.residual_bytes
     nodes.entries[b] = NodeEntry(
         node=b, kind="backward", name=nodes.names[b], forward_node=i, output_grads=grads,
         reads_inputs=a.reads_inputs, reads_output=a.reads_output, output_bytes=a.input_grad_bytes,

@@ -123,7 +123,7 @@ def _running_bytes(graph: DFGraph, node: int) -> int:
     """Bytes resident while ``node`` runs, beyond the fixed bytes: its inputs, its output and
     its workspace."""
     return graph.output_bytes[node] + graph.workspace_bytes[node] + sum(
-        graph.output_bytes[i] for i in graph.predecessors[node])
+        graph.part_bytes(i, graph.part_read_by(i, node)) for i in graph.predecessors[node])
 
 
 def memory_lower_bound(graph: DFGraph) -> int:

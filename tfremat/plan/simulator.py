@@ -8,7 +8,8 @@ Convention (Checkmate's memory accounting plus per-node workspace):
   moment (kept into stage t, or computed earlier in stage t and not yet freed) + k's
   output + k's workspace.
 * After k runs its workspace is released, and each value whose last use in stage t was
-  k and that is not kept into stage t+1 is freed (see :mod:`tfremat.plan.execution`).
+  k and that is not kept into stage t+1 is freed (see :mod:`tfremat.plan.execution`);
+  a node's output and its residuals are freed each on its own.
 
 The peak is the largest memory during any node's run. The MILP (``tfremat.ilp``) encodes
 the same convention, and a test holds the two together. Solvers, tests, reports and plots
@@ -83,7 +84,7 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
             if current > peak:
                 peak, peak_at = current, index
         else:
-            live -= out[node]
+            live -= out[node] if statement.part is None else graph.part_bytes(node, statement.part)
             current = live
         trace[index] = current
     trace.setflags(write=False)

@@ -137,6 +137,9 @@ class _Interpreter:
         self.scale_loss = scale_loss
         self.sample_weight = sample_weight
         self.resident: dict[int, Any] = {}
+        # Parts of a resident value the plan has freed (a node with residual bytes frees its
+        # output and its residuals apart; DFGraph.residual_bytes).
+        self.freed_parts: dict[int, set[str]] = {}
         self.instances: dict[int, _Instance] = {}
         self.generation: dict[int, int] = {}
         self.snapshots: dict[int, StateSnapshot | None] = {}
@@ -155,9 +158,11 @@ class _Interpreter:
     # ----- reading resident values -----
 
     def _value(self, node: int, reader: int):
-        if node not in self.resident:
+        part = self.graph.part_read_by(node, reader)
+        if node not in self.resident or part in self.freed_parts.get(node, ()):
+            what = "" if part is None else f"the {part} of "
             raise CompileError(
-                f"node {reader} ({self.graph.names[reader]}) reads node {node} ({self.graph.names[node]}), "
+                f"node {reader} ({self.graph.names[reader]}) reads {what}node {node} ({self.graph.names[node]}), "
                 f"which the plan does not hold resident at that point: the schedule is invalid for this graph"
             )
         return self.resident[node]
@@ -174,7 +179,7 @@ class _Interpreter:
 
     def run(self, plan: ExecutionPlan):
         allocated: set[int] = set()
-        held_bytes: dict[int, int] = {}  # compute statement position -> bytes its value holds
+        held_bytes: dict[int, dict] = {}  # compute statement position -> bytes its value holds, per part
         tf_graph = tf.compat.v1.get_default_graph()
         last_statement: dict[int, int] = {}
         # A backward node's weight gradients are taken at its last compute only (_backward).
@@ -193,6 +198,7 @@ class _Interpreter:
                     produced = self._compute(node, statement.recompute, last_compute[node] == position)
                 self.report.statement_ops.append(tf_graph.get_operations()[first_op:])
                 produced = [t for t in produced if t is not None]
+                self.freed_parts.pop(node, None)
                 held_bytes[position] = self._held_bytes(node)
                 if produced:
                     self.token = [_token(produced)]
@@ -203,7 +209,11 @@ class _Interpreter:
             else:
                 if node not in self.resident:
                     raise CompileError(f"plan frees node {node} ({self.graph.names[node]}), which is not resident")
-                del self.resident[node]
+                parts = self.freed_parts.setdefault(node, set())
+                parts.add(statement.part)
+                if statement.part is None or len(parts) == len(self.graph.value_parts(node)):
+                    del self.resident[node]
+                    del self.freed_parts[node]
         # Automatic control dependencies did not reliably keep an optimizer update behind
         # every read of its variable in this step (training drifted after a few steps);
         # gate each gradient on the last statement that used the variable's layer instead.
@@ -232,26 +242,31 @@ class _Interpreter:
         self.report.ledger_bytes = self._ledger(plan, held_bytes)
         return self.loss, self.predictions, gated
 
-    def _held_bytes(self, node: int) -> int:
-        """Bytes of the value ``node``'s compute just made resident: its distinct tensors
-        (an ``Add``'s gradient hands one tensor to both inputs), the loss itself for the loss
-        node, and a forward node's residuals, which its tape keeps for the gradient (measured
-        by the extraction; the tape's internals are not visible here)."""
+    def _held_bytes(self, node: int) -> dict:
+        """Bytes of the value ``node``'s compute just made resident, per part
+        (:meth:`~tfremat.graph.DFGraph.value_parts`): its distinct tensors (an ``Add``'s
+        gradient hands one tensor to both inputs), the loss itself for the loss node, and a
+        forward node's residuals, which its tape keeps for the gradient (measured by the
+        extraction; the tape's internals are not visible here)."""
         entry = self.table[node]
         tensors = [t for t in self.resident[node].outputs if t is not None]
         if entry.kind == "loss":
             tensors.append(self.loss)
         distinct = list({id(t): t for t in tensors}.values())
-        return resident_bytes(distinct) + (entry.residual_bytes if entry.kind == "forward" else 0)
+        output = resident_bytes(distinct)
+        residual = entry.residual_bytes if entry.kind == "forward" else 0
+        if self.graph.residual_bytes[node]:
+            return {"output": output, "residual": residual}
+        return {None: output + residual}
 
-    def _ledger(self, plan: ExecutionPlan, held_bytes: dict[int, int]) -> list[int]:
+    def _ledger(self, plan: ExecutionPlan, held_bytes: dict[int, dict]) -> list[int]:
         """Live bytes at every statement from the tensors the step holds: the graph's fixed
         bytes, plus for each allocated value the static size of the tensors its compute
         statement produced (and a forward node's residuals), plus the running node's
         workspace. A value is counted from its allocate statement, with the tensors of the
         compute that follows it, to its deallocate statement."""
-        upcoming: dict[int, int] = {}
-        allocate_bytes: dict[int, int] = {}
+        upcoming: dict[int, dict] = {}
+        allocate_bytes: dict[int, dict] = {}
         for position in range(len(plan) - 1, -1, -1):
             statement = plan.statements[position]
             if statement.op is Op.COMPUTE:
@@ -261,13 +276,16 @@ class _Interpreter:
         live, holding, ledger = self.graph.fixed_bytes, {}, []
         for position, statement in enumerate(plan):
             if statement.op is Op.ALLOCATE:
-                holding[statement.node] = allocate_bytes[position]
-                live += holding[statement.node]
+                holding[statement.node] = dict(allocate_bytes[position])
+                live += sum(holding[statement.node].values())
                 ledger.append(live)
             elif statement.op is Op.COMPUTE:
                 ledger.append(live + self.graph.workspace_bytes[statement.node])
             else:
-                live -= holding.pop(statement.node)
+                parts = holding[statement.node]
+                live -= sum(parts.values()) if statement.part is None else parts.pop(statement.part)
+                if statement.part is None or not parts:
+                    del holding[statement.node]
                 ledger.append(live)
         return ledger
 
