@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from graph_factories import random_training_graph
+from graph_factories import random_training_graph, with_residuals
 
 from tfremat.errors import (
     ArgumentError,
@@ -279,6 +279,35 @@ def test_milp_memory_agrees_with_simulator(seed, coprime):
     # In units of the budget the solver's tolerance may leave the raw solution a few
     # bytes above it (optimal then solves again, see its test below).
     assert simulation.peak_bytes <= (budget * (1 + 1e-5) if coprime else budget)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_milp_keeps_a_split_nodes_output_and_residuals_apart_as_the_simulator_frees_them(seed):
+    """With ``residual_bytes`` a node's output and residuals are two values in the MILP too
+    (own keep and free columns): ``U`` equals the simulated memory of the decoded schedule
+    at every computed node, and heuristic schedules encode as warm starts."""
+    graph = with_residuals(random_training_graph(seed, 7), seed)
+    low, high = memory_lower_bound(graph), checkpoint_all_peak(graph)
+    for budget in (high, (low + high) // 2):
+        model = build_milp(graph, budget)
+        assert (model.sr_index >= 0).any()
+        for name in ("checkpoint_all", "eviction"):
+            heuristic = _try(name, graph, budget)
+            if heuristic is not None and peak(graph, heuristic) <= budget:
+                assert model.encode(heuristic) is not None, name
+        result = solve_model(model, threads=1)
+        if result.x is None:
+            continue
+        schedule = model.schedule(result.x, "optimal")
+        simulation = simulate(graph, schedule)
+        simulated = {
+            (s.stage, s.node): int(simulation.trace_bytes[j])
+            for j, s in enumerate(simulation.plan.statements) if s.op is Op.COMPUTE
+        }
+        modelled = model.memory_while_running(result.x)
+        for key, value in simulated.items():
+            assert modelled[key] == pytest.approx(value), key
+        assert simulation.peak_bytes <= budget * (1 + 1e-5)
 
 
 def test_warm_start_is_accepted_and_never_beaten_by_time_limit():

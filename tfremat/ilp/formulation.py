@@ -41,6 +41,13 @@ never adds cost or memory; together they make the memory accounting exact):
 * ``FREE[t, i, i]`` (a value freed right after it is computed, unread) is not built: the
   equality leaves it no role, since a computed value must be read or kept.
 
+A node with residual bytes (``DFGraph.residual_bytes``) holds two values: its output,
+read by its successors other than its backward node, and its residuals, read by its
+backward node. Each has its own keep column (``S`` for the output, ``S_res`` for the
+residuals) and its own ``FREE`` columns and rows; ``R`` computes both. A decoded schedule
+keeps the node when it keeps either, and its execution plan frees each part after its last
+reader as the model does (:mod:`tfremat.plan.execution`).
+
 The stage-end relaxation (``exact_stages``) keeps ``FREE`` and ``U`` only for some stages;
 every other stage t gets one memory row, exact at the moment node t runs (the stage's
 last: every value kept into stage t+1 is resident then, with t's inputs, output and
@@ -73,6 +80,7 @@ import numpy as np
 
 from tfremat.errors import ArgumentError
 from tfremat.graph import DFGraph
+from tfremat.plan.execution import parts_needed_later
 from tfremat.plan.schedule import Schedule, prune_s, validate_schedule
 from tfremat.plan.simulator import SimulationResult, stage_peaks
 from tfremat.units import format_bytes
@@ -117,6 +125,21 @@ def overflowing_stages(graph: DFGraph, outcome: SimulationResult, budget_bytes: 
     """The stages of a simulated schedule whose memory exceeds the budget: those a
     stage-end relaxation must account exactly (``exact_stages``) to exclude it."""
     return set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes)))
+
+
+def _values(graph: DFGraph, i: int, s_index, sr_index) -> list[tuple[np.ndarray, int, list[int]]]:
+    """The values node ``i`` holds, each as ``(keep column array, bytes, readers)``: the
+    whole value, or for a node with residual bytes its output and its residuals."""
+    if not graph.residual_bytes[i]:
+        return [(s_index, graph.output_bytes[i], list(graph.successors[i]))]
+    backward = graph.backward_of[i]
+    return [(s_index, graph.part_bytes(i, "output"), [k for k in graph.successors[i] if k != backward]),
+            (sr_index, graph.residual_bytes[i], [backward])]
+
+
+def _keep_array(graph: DFGraph, i: int, reader: int, s_index, sr_index) -> np.ndarray:
+    """The keep column array of the value of ``i`` that ``reader`` reads."""
+    return sr_index if graph.part_read_by(i, reader) == "residual" else s_index
 
 
 def _running_bytes(graph: DFGraph, node: int) -> int:
@@ -192,8 +215,12 @@ class CheckmateModel(SparseMILP):
         budget_bytes: the memory budget the model was built for.
         scale: bytes per memory unit in the model.
         r_index, s_index: (n, n) int arrays, the column of ``R[t, i]`` / ``S[t, i]``, -1
-            where the variable is not built (fixed to 0).
-        free_keys: ``(t, i, k)`` of every FREE column, in column order from ``free_start``.
+            where the variable is not built (fixed to 0). For a node with residual bytes
+            ``S`` keeps its output.
+        sr_index: (n, n), the column of ``S_res[t, i]``, the keep of a node's residuals
+            (-1 for nodes without residual bytes).
+        free_keys: ``(t, i, k, keep array, bytes, readers)`` of every FREE column (free
+            that value of node i after node k in stage t), in column order from ``free_start``.
         u_keys: ``(t, k)`` of every U column, in column order from ``u_start``.
         capacity: the budget less the fixed bytes in model units, as the rows use it.
         peak_column: the column of the peak when the model minimizes it, else -1.
@@ -203,6 +230,7 @@ class CheckmateModel(SparseMILP):
     scale: float
     r_index: np.ndarray
     s_index: np.ndarray
+    sr_index: np.ndarray
     free_keys: tuple
     free_start: int
     u_keys: tuple
@@ -217,8 +245,9 @@ class CheckmateModel(SparseMILP):
         S = np.zeros(self.s_index.shape, dtype=bool)
         mask = self.r_index >= 0
         R[mask] = x[self.r_index[mask]] > 0.5
-        mask = self.s_index >= 0
-        S[mask] = x[self.s_index[mask]] > 0.5
+        for index in (self.s_index, self.sr_index):
+            mask = index >= 0
+            S[mask] |= x[index[mask]] > 0.5
         return R, S
 
     def schedule(self, x: np.ndarray, strategy: str) -> Schedule:
@@ -244,27 +273,39 @@ class CheckmateModel(SparseMILP):
     def encode(self, schedule: Schedule) -> np.ndarray | None:
         """The solution vector of a schedule (a MIP start), or None when the schedule
         uses a variable this model does not build or breaks one of its cuts."""
+        graph, n = self.graph, self.graph.size
         R, S = schedule.R, schedule.S
-        if (R & (self.r_index < 0)).any() or (S & (self.s_index < 0)).any():
+        keeps = {}  # per keep column array: the keep matrix of its values
+        keeps[id(self.s_index)] = S.copy()
+        keeps[id(self.sr_index)] = np.zeros_like(S)
+        for i in np.flatnonzero(graph.residual_bytes):
+            # A part is kept into stage t while a stage >= t reads that copy of it.
+            needed = parts_needed_later(graph, R, int(i))
+            after_previous = {part: np.concatenate([[False], flags[:-1]]) for part, flags in needed.items()}
+            keeps[id(self.s_index)][:, i] = S[:, i] & after_previous["output"]
+            keeps[id(self.sr_index)][:, i] = S[:, i] & after_previous["residual"]
+        if (R & (self.r_index < 0)).any():
             return None
         x = np.zeros(self.num_vars)
         x[self.r_index[R]] = 1.0
-        x[self.s_index[S]] = 1.0
-        n = self.graph.size
-        succ = self.graph.successors
-        for offset, (t, i, k) in enumerate(self.free_keys):
-            later_reader = any(R[t, j] for j in succ[i] if k < j <= t)
-            kept = t + 1 < n and S[t + 1, i]
-            x[self.free_start + offset] = float(R[t, k] and not kept and not later_reader)
-        out = self.graph.output_bytes
+        for index in (self.s_index, self.sr_index):
+            kept = keeps[id(index)]
+            if (kept & (index < 0)).any():
+                return None
+            x[index[kept]] = 1.0
         frees: dict[tuple[int, int], float] = {}
-        for offset, (t, i, k) in enumerate(self.free_keys):
-            if x[self.free_start + offset]:
-                frees[(t, k)] = frees.get((t, k), 0.0) + out[i] / self.scale
+        for offset, (t, i, k, index, size, readers) in enumerate(self.free_keys):
+            later_reader = any(R[t, j] for j in readers if k < j <= t)
+            kept = t + 1 < n and keeps[id(index)][t + 1, i]
+            if R[t, k] and not kept and not later_reader:
+                x[self.free_start + offset] = 1.0
+                frees[(t, k)] = frees.get((t, k), 0.0) + size / self.scale
+        out = graph.output_bytes
         previous = None
         for offset, (t, k) in enumerate(self.u_keys):
             if previous is None or previous[0] != t:
-                level = sum(out[i] for i in np.flatnonzero(S[t])) / self.scale
+                level = sum(size * keeps[id(index)][t, i] for i in range(t)
+                            for index, size, _ in _values(graph, i, self.s_index, self.sr_index)) / self.scale
             else:
                 level -= frees.get(previous, 0.0)
             level += out[k] / self.scale * R[t, k]
@@ -394,12 +435,15 @@ def _schedule_columns(b: SparseBuilder, graph: DFGraph, cost_scale: float, minim
 
     Only columns an optimal schedule can use are built (sec. 4.6 and the module doc):
     lower triangular, nothing after ``last_descendant[i]``, no keep of a value without
-    readers. Returns ``(r_index, s_index)``, -1 where a column is not built.
+    readers. A node with residual bytes gets a keep column per value (``S`` for its output,
+    ``S_res`` for its residuals). Returns ``(r_index, s_index, sr_index)``, -1 where a
+    column is not built.
     """
     n = graph.size
     last = last_descendants(graph)
     r_index = np.full((n, n), -1, dtype=np.int64)
     s_index = np.full((n, n), -1, dtype=np.int64)
+    sr_index = np.full((n, n), -1, dtype=np.int64)
     for t in range(n):
         for i in range(t + 1):
             if t <= last[i]:
@@ -407,36 +451,40 @@ def _schedule_columns(b: SparseBuilder, graph: DFGraph, cost_scale: float, minim
                 objective = 0.0 if minimize_peak else graph.cost[i] / cost_scale
                 r_index[t, i] = b.column(objective, fixed, 1.0, True)
         for i in range(t):
-            if graph.successors[i] and t <= last[i]:
-                s_index[t, i] = b.column(0.0, 0.0, 1.0, True)
-    return r_index, s_index
+            for index, _, readers in _values(graph, i, s_index, sr_index):
+                if readers and t <= max(last[k] for k in readers):
+                    index[t, i] = b.column(0.0, 0.0, 1.0, True)
+    return r_index, s_index, sr_index
 
 
-def _dependency_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index) -> None:
+def _dependency_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, sr_index) -> None:
     """Stage t's dependency constraints ``R[t, k] <= R[t, i] + S[t, i]`` for every edge
     ``(i, k)`` (Checkmate sec. 4.3, "dependencies must be resident"): an input of a node
-    computed in the stage is kept into it or computed earlier in it."""
+    computed in the stage is kept into it or computed earlier in it (for a node with
+    residual bytes, the value k reads of it)."""
     for k in range(t + 1):
         rk = r_index[t, k]
         if rk < 0:
             continue
         for i in graph.predecessors[k]:
+            keep = _keep_array(graph, i, k, s_index, sr_index)[t, i]
             terms = [(rk, 1.0), (r_index[t, i], -1.0)]
-            if s_index[t, i] >= 0:
-                terms.append((s_index[t, i], -1.0))
+            if keep >= 0:
+                terms.append((keep, -1.0))
             b.row(terms, -math.inf, 0.0)
 
 
-def _keep_or_recompute_rows(b: SparseBuilder, t: int, r_index, s_index) -> None:
+def _keep_or_recompute_rows(b: SparseBuilder, t: int, r_index, s_index, sr_index) -> None:
     """``S[t, i] + R[t, i] <= 1``: a value kept into stage t is not recomputed in it. Not
     one of Checkmate's constraints; valid for some optimal schedule (recomputing a kept
     value adds cost and no memory saving), and it makes ``FREE`` exact (module doc)."""
-    for i in range(t):
-        if s_index[t, i] >= 0:
-            b.row([(s_index[t, i], 1.0), (r_index[t, i], 1.0)], -math.inf, 1.0)
+    for index in (s_index, sr_index):
+        for i in range(t):
+            if index[t, i] >= 0:
+                b.row([(index[t, i], 1.0), (r_index[t, i], 1.0)], -math.inf, 1.0)
 
 
-def _free_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, s_col, free_keys: list,
+def _free_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, sr_index, free_keys: list,
                frees_after: dict) -> None:
     """Stage t's ``FREE[t, i, k]`` columns (free value i right after node k runs) and the
     rows that make them Checkmate's deallocation indicator (sec. 4.4, eqs. (4)-(6c)).
@@ -446,35 +494,38 @@ def _free_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, s_col
     next stage or freed after exactly one reader; implies the keep-source constraint
     ``S[t+1, i] <= R[t, i] + S[t, i]`` of sec. 4.3), ``FREE[t, i, k] <= R[t, k]``, and
     for every reader j, ``sum_{k < j} FREE[t, i, k] + R[t, j] <= 1`` (no free before a
-    later reader). Appends ``(t, i, k)`` to ``free_keys`` and ``(column, i)`` to
-    ``frees_after[(t, k)]``.
+    later reader); for a node with residual bytes, the rows hold per value, over the
+    readers of that value. Appends ``(t, i, k, keep array, bytes, readers)`` to
+    ``free_keys`` and ``(column, bytes)`` to ``frees_after[(t, k)]``.
     """
+    n = graph.size
     for i in range(t):
         if r_index[t, i] < 0:
             continue
-        keep_next = s_col(t + 1, i)
-        outcomes = [(keep_next, 1.0)] if keep_next >= 0 else []
-        earlier_frees = []
-        for k in graph.successors[i]:
-            if k > t or r_index[t, k] < 0:
-                continue
-            if earlier_frees:
-                b.row([*earlier_frees, (r_index[t, k], 1.0)], -math.inf, 1.0)
-            col = b.column(0.0, 0.0, 1.0, False)
-            free_keys.append((t, i, k))
-            outcomes.append((col, 1.0))
-            earlier_frees.append((col, 1.0))
-            frees_after.setdefault((t, k), []).append((col, i))
-            if k < t:
-                b.row([(col, 1.0), (r_index[t, k], -1.0)], -math.inf, 0.0)
-        resident = [(r_index[t, i], -1.0)]
-        if s_index[t, i] >= 0:
-            resident.append((s_index[t, i], -1.0))
-        b.row([*outcomes, *resident], 0.0, 0.0)
+        for index, size, readers in _values(graph, i, s_index, sr_index):
+            keep_next = index[t + 1, i] if t + 1 < n else -1
+            outcomes = [(keep_next, 1.0)] if keep_next >= 0 else []
+            earlier_frees = []
+            for k in readers:
+                if k > t or r_index[t, k] < 0:
+                    continue
+                if earlier_frees:
+                    b.row([*earlier_frees, (r_index[t, k], 1.0)], -math.inf, 1.0)
+                col = b.column(0.0, 0.0, 1.0, False)
+                free_keys.append((t, i, k, index, size, tuple(readers)))
+                outcomes.append((col, 1.0))
+                earlier_frees.append((col, 1.0))
+                frees_after.setdefault((t, k), []).append((col, size))
+                if k < t:
+                    b.row([(col, 1.0), (r_index[t, k], -1.0)], -math.inf, 0.0)
+            resident = [(r_index[t, i], -1.0)]
+            if index[t, i] >= 0:
+                resident.append((index[t, i], -1.0))
+            b.row([*outcomes, *resident], 0.0, 0.0)
 
 
-def _memory_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, frees_after: dict, u_keys: list,
-                 scale: float, capacity: float) -> None:
+def _memory_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, sr_index, frees_after: dict,
+                 u_keys: list, scale: float, capacity: float) -> None:
     """Stage t's memory accounting ``U[t, k]`` (Checkmate sec. 4.4) and the budget.
 
     ``U[t, k]`` is the memory while node k runs, without its workspace: eq. (1) starts
@@ -491,18 +542,20 @@ def _memory_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, fre
         u_keys.append((t, k))
         terms = [(u, 1.0), (r_index[t, k], -out[k] / scale)]
         if previous is None:
-            terms += [(s_index[t, i], -out[i] / scale) for i in range(t) if s_index[t, i] >= 0 and out[i]]
+            terms += [(index[t, i], -size / scale) for i in range(t)
+                      for index, size, _ in _values(graph, i, s_index, sr_index) if index[t, i] >= 0 and size]
             b.row(terms, 0.0, 0.0)
         else:
             terms.append((previous, -1.0))
-            terms += [(col, out[i] / scale) for col, i in frees_after.get((t, k_prev), ()) if out[i]]
+            terms += [(col, size / scale) for col, size in frees_after.get((t, k_prev), ()) if size]
             b.row(terms, 0.0, 0.0)
         if work[k]:
             b.row([(u, 1.0), (r_index[t, k], work[k] / scale)], -math.inf, capacity)
         previous, k_prev = u, k
 
 
-def _stage_end_row(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_col, scale: float, capacity: float) -> None:
+def _stage_end_row(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, sr_index, scale: float,
+                   capacity: float) -> None:
     """The rows of stage t when its memory is not accounted exactly (the stage-end
     relaxation; module doc).
 
@@ -512,21 +565,21 @@ def _stage_end_row(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_col, sca
     are not bounded. Without the stage's ``FREE`` equality, Checkmate's keep-source
     constraint ``S[t+1, i] <= R[t, i] + S[t, i]`` (sec. 4.3) is built instead.
     """
-    out, pred = graph.output_bytes, graph.predecessors
-    inputs = set(pred[t])
+    n = graph.size
+    reads = {(i, id(_keep_array(graph, i, t, s_index, sr_index))) for i in graph.predecessors[t]}
     terms = []
     for i in range(t):
-        keep = s_col(t + 1, i)
-        if keep < 0:
-            continue
-        source = [(keep, 1.0), (r_index[t, i], -1.0)]
-        if s_col(t, i) >= 0:
-            source.append((s_col(t, i), -1.0))
-        b.row(source, -math.inf, 0.0)
-        if i not in inputs and out[i]:
-            terms.append((keep, out[i] / scale))
-    running = out[t] + graph.workspace_bytes[t] + sum(out[i] for i in inputs)
-    b.row(terms, -math.inf, capacity - running / scale)
+        for index, size, _ in _values(graph, i, s_index, sr_index):
+            keep = index[t + 1, i] if t + 1 < n else -1
+            if keep < 0:
+                continue
+            source = [(keep, 1.0), (r_index[t, i], -1.0)]
+            if index[t, i] >= 0:
+                source.append((index[t, i], -1.0))
+            b.row(source, -math.inf, 0.0)
+            if (i, id(index)) not in reads and size:
+                terms.append((keep, size / scale))
+    b.row(terms, -math.inf, capacity - _running_bytes(graph, t) / scale)
 
 
 def _peak_rows(b: SparseBuilder, graph: DFGraph, r_index, u_keys, u_start: int, scale: float, capacity: float,
@@ -577,14 +630,10 @@ def build_milp(
     n = graph.size
     scale, capacity, cost_scale = _units(graph, budget_bytes)
     b = SparseBuilder()
-    r_index, s_index = _schedule_columns(b, graph, cost_scale, minimize_peak=peak_within_cost is not None)
-
-    def s_col(t: int, i: int) -> int:
-        return s_index[t, i] if t < n else -1
-
+    r_index, s_index, sr_index = _schedule_columns(b, graph, cost_scale, minimize_peak=peak_within_cost is not None)
     for t in range(n):
-        _dependency_rows(b, graph, t, r_index, s_index)
-        _keep_or_recompute_rows(b, t, r_index, s_index)
+        _dependency_rows(b, graph, t, r_index, s_index, sr_index)
+        _keep_or_recompute_rows(b, t, r_index, s_index, sr_index)
 
     exact_stage = np.ones(n, dtype=bool) if exact_stages is None else np.isin(np.arange(n), list(exact_stages))
     free_start = len(b.cost)
@@ -592,14 +641,14 @@ def build_milp(
     frees_after: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for t in range(n):
         if exact_stage[t]:
-            _free_rows(b, graph, t, r_index, s_index, s_col, free_keys, frees_after)
+            _free_rows(b, graph, t, r_index, s_index, sr_index, free_keys, frees_after)
         else:
-            _stage_end_row(b, graph, t, r_index, s_col, scale, capacity)
+            _stage_end_row(b, graph, t, r_index, s_index, sr_index, scale, capacity)
 
     u_start = len(b.cost)
     u_keys: list = []
     for t in map(int, np.flatnonzero(exact_stage)):
-        _memory_rows(b, graph, t, r_index, s_index, frees_after, u_keys, scale, capacity)
+        _memory_rows(b, graph, t, r_index, s_index, sr_index, frees_after, u_keys, scale, capacity)
 
     peak_column = -1
     if peak_within_cost is not None:
@@ -623,6 +672,7 @@ def build_milp(
         row_upper=np.asarray(b.row_upper, dtype=float),
         r_index=r_index,
         s_index=s_index,
+        sr_index=sr_index,
         free_keys=tuple(free_keys),
         free_start=free_start,
         u_keys=tuple(u_keys),

@@ -30,7 +30,7 @@ import numpy as np
 from tfremat.graph import DFGraph
 from tfremat.plan.schedule import Schedule
 
-__all__ = ["Op", "Statement", "ExecutionPlan", "build_plan"]
+__all__ = ["Op", "Statement", "ExecutionPlan", "build_plan", "parts_needed_later"]
 
 
 class Op(enum.Enum):
@@ -85,7 +85,7 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
     n = graph.size
     R, S = schedule.R, schedule.S
     preds = graph.predecessors
-    needed_later = {i: _parts_needed_later(graph, R, i) for i in range(n) if graph.residual_bytes[i]}
+    needed_later = {i: parts_needed_later(graph, R, i) for i in range(n) if graph.residual_bytes[i]}
     computed_before = np.zeros(n, dtype=bool)
     freed: set[tuple[int, str | None]] = set()  # parts freed since their node last ran
     statements: list[Statement] = []
@@ -133,7 +133,7 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
     return ExecutionPlan(tuple(statements), n)
 
 
-def _parts_needed_later(graph: DFGraph, R: np.ndarray, node: int) -> dict[str, np.ndarray]:
+def parts_needed_later(graph: DFGraph, R: np.ndarray, node: int) -> dict[str, np.ndarray]:
     """Per part of ``node``'s value, for every stage t: whether a stage after t reads the
     copy resident at the end of t, i.e. a reader of that part runs in a later stage before
     any stage recomputes ``node`` (a stage that recomputes it reads the new copy)."""
