@@ -208,7 +208,7 @@ def main(argv=None):
         rows.append(run_model(name, args))
         print(f"{name}: {rows[-1].get('error') or 'done'} in {rows[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
         with open(args.out, "w") as handle:
-            handle.write(render(rows, args, sys.argv if argv is None else ["transformers.py", *argv]))
+            handle.write(render(rows, args, argv))
         with open(os.path.splitext(args.out)[0] + ".json", "w") as handle:
             json.dump(rows, handle, indent=1, default=str)
 
