@@ -214,3 +214,47 @@ def test_compiled_step_at_sublayer_granularity_recomputes_inside_blocks_and_matc
     # The dropout seeds advance once per call, as in the plain step, recomputations included.
     for variable, want in zip(model.non_trainable_variables, plain_state):
         np.testing.assert_array_equal(variable.numpy(), want, err_msg=variable.path)
+
+
+class Swish(layers.Layer):
+    """A variable-free layer composing several operations."""
+
+    def call(self, x):
+        return x * ops.sigmoid(x) + 1.0
+
+
+def test_op_granularity_opens_a_variable_free_multi_op_layer_and_the_step_matches_plain_training():
+    from tfremat.plan.simulator import checkpoint_all_peak
+    from tfremat.planner import plan_graph
+    from tfremat.static_graph import compile_step
+
+    sys.path.insert(0, BENCHMARKS)
+    from conformance import _recording_sgd
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = Swish(name="swish")(layers.Dense(16)(inputs))
+    model = keras.Model(inputs, layers.Dense(4, activation="softmax")(Swish(name="swish2")(layers.Dense(16)(hidden))))
+    assert "swish" in _names(model, "sublayer")
+    opened = [n for n in _names(model, "op") if n.startswith("swish/")]
+    assert len(opened) == 3, opened  # sigmoid, multiply, add
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8)).astype("float32")
+    y = np.eye(4, dtype="float32")[rng.integers(0, 4, 4)]
+    loss_fn = keras.losses.CategoricalCrossentropy()
+    initial = [v.numpy() for v in model.variables]
+    plain_loss, expected, _ = _plain_step(model, x, y, loss_fn)
+    for variable, value in zip(model.variables, initial):
+        variable.assign(value)
+    extraction = extract(model, (x, y), loss=loss_fn, cost_model="flops", use_cache=False, granularity="op")
+    graph = extraction.graph
+    result = plan_graph(graph, int(0.9 * checkpoint_all_peak(graph)), "optimal", cache=False, verbose=0)
+    assert result.schedule.recompute_count > 0
+    optimizer = _recording_sgd(learning_rate=0.0)
+    optimizer.build(model.trainable_variables)
+    loss = float(compile_step(extraction, result.schedule, optimizer=optimizer)(tf.constant(x), tf.constant(y)))
+    assert loss == pytest.approx(plain_loss, rel=1e-5)
+    for got, want, variable in zip(optimizer.recorded, expected, model.trainable_variables):
+        scale = max(float(np.linalg.norm(want)), 1e-3)
+        assert float(np.linalg.norm(got.numpy() - want)) / scale < 1e-4, variable.path
