@@ -294,6 +294,11 @@ class _CallTracer:
         one step at a time, so they are not returned (returning them would over-count the
         backward's workspace).
 
+        With ``fetch="consumed"`` the residuals are not returned, so each dies when the
+        gradient has read it: how the step runs the backward node of a call whose gradient
+        reads residuals but not its output, where nothing else reads them
+        (``DFGraph.residual_bytes``).
+
         With ``fetch="held"`` it returns only the ``variant`` residuals: nothing returned
         reads the gradient, so its operations do not run, and the bytes still allocated
         afterwards are those the accumulators hold.
@@ -345,6 +350,8 @@ class _CallTracer:
         if fetch == "held":
             return [t for t in reads[2] if t.dtype == tf.variant]
         grads = [g for g in (*input_part, *weight_part) if g is not None]
+        if fetch == "consumed":
+            return grads + outputs + upstream
         return grads + outputs + upstream + [t for t in reads[2] if t.dtype != tf.variant]
 
 
@@ -475,14 +482,24 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     ``"held"`` trace); the backward's seconds are the step's minus the forward's. Each
     workspace is the requested peak minus what the node holds anyway: for the forward its
     value; for the backward the forward value, the upstream gradients, the small
-    residuals, the input gradients and the weight gradients.
+    residuals, the input gradients and the weight gradients. For a call whose gradient
+    reads residuals but not its output, the backward's peak is measured with the residuals
+    dying as they are read (the ``"consumed"`` trace), as in the step: kept to the end, a
+    GELU Dense's four residuals were counted once as the forward value and again in the
+    workspace.
     """
     inputs = [_sample(s) for s in tracer.input_specs]
     weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in tracer.variables)
     timed_forward = (held_concrete, (inputs, tf.constant(1.0))) if held_concrete is not None else (forward_concrete, (inputs,))
     fwd_seconds, fwd_peak = _time_and_memory(*timed_forward, repeats, warmup)
     fb_seconds, fb_peak = _time_and_memory(fb_concrete, (inputs, tf.constant(1.0)), repeats, warmup)
-    fb_peak = max(fb_peak, _other_orders_peak(tracer, held_concrete is not None, inputs, warmup))
+    if analysis.residual_bytes and not analysis.reads_output and held_concrete is None:
+        # The residuals die as the gradient reads them: the node's residual part has no
+        # other reader, and the simulator counts it as resident for the whole backward node.
+        args = (inputs, tf.constant(1.0))
+        fb_peak = max(_requested_peak(tracer.trace("consumed", gated=gated), args, warmup) for gated in (True, False))
+    else:
+        fb_peak = max(fb_peak, _other_orders_peak(tracer, held_concrete is not None, inputs, warmup))
     held_bytes = analysis.output_bytes + upstream_bytes + analysis.residual_bytes + analysis.small_residual_bytes
     return dataclasses.replace(
         analysis,
