@@ -179,7 +179,10 @@ def _plain_step(model, x, y, loss_fn):
     return float(loss), [g.numpy() for g in grads], [v.numpy() for v in model.non_trainable_variables]
 
 
-def test_compiled_step_at_sublayer_granularity_recomputes_inside_blocks_and_matches_plain_training():
+def _recomputing_step_matches_plain(model, x, granularity, share, strategy):
+    """Plans ``model`` at ``share`` of its checkpoint-all peak, asserts the schedule
+    recomputes, trains one compiled step and asserts its loss, gradients and non-trainable
+    state (dropout seeds) equal one plain step's. Returns the graph."""
     from tfremat.plan.simulator import checkpoint_all_peak
     from tfremat.planner import plan_graph
     from tfremat.static_graph import compile_step
@@ -187,20 +190,17 @@ def test_compiled_step_at_sublayer_granularity_recomputes_inside_blocks_and_matc
     sys.path.insert(0, BENCHMARKS)
     from conformance import _recording_sgd
 
-    model = _encoder(blocks=2)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, 16, 16)).astype("float32")
-    y = np.eye(4, dtype="float32")[rng.integers(0, 4, 4)]
+    y = np.eye(4, dtype="float32")[rng.integers(0, 4, len(x))]
     loss_fn = keras.losses.CategoricalCrossentropy()
     initial = [v.numpy() for v in model.variables]
     plain_loss, expected, plain_state = _plain_step(model, x, y, loss_fn)
     for variable, value in zip(model.variables, initial):
         variable.assign(value)
 
-    extraction = extract(model, (x, y), loss=loss_fn, cost_model="flops", use_cache=False)
+    extraction = extract(model, (x, y), loss=loss_fn, cost_model="flops", use_cache=False, granularity=granularity)
     graph = extraction.graph
-    assert any("multi_head_attention" in name and "softmax" in name for name in graph.names)
-    result = plan_graph(graph, int(0.7 * checkpoint_all_peak(graph)), "chen_sqrtn_ap", cache=False, verbose=0)
+    result = plan_graph(graph, int(share * checkpoint_all_peak(graph)), strategy, cache=False, verbose=0)
     assert result.schedule.recompute_count > 0
 
     optimizer = _recording_sgd(learning_rate=0.0)
@@ -211,9 +211,16 @@ def test_compiled_step_at_sublayer_granularity_recomputes_inside_blocks_and_matc
     for got, want, variable in zip(optimizer.recorded, expected, model.trainable_variables):
         scale = max(float(np.linalg.norm(want)), 1e-3)
         assert float(np.linalg.norm(got.numpy() - want)) / scale < 1e-4, variable.path
-    # The dropout seeds advance once per call, as in the plain step, recomputations included.
+    # Dropout seeds advance once per call, as in the plain step, recomputations included.
     for variable, want in zip(model.non_trainable_variables, plain_state):
         np.testing.assert_array_equal(variable.numpy(), want, err_msg=variable.path)
+    return graph
+
+
+def test_compiled_step_at_sublayer_granularity_recomputes_inside_blocks_and_matches_plain_training():
+    x = np.random.default_rng(1).standard_normal((4, 16, 16)).astype("float32")
+    graph = _recomputing_step_matches_plain(_encoder(blocks=2), x, "sublayer", 0.7, "chen_sqrtn_ap")
+    assert any("multi_head_attention" in name and "softmax" in name for name in graph.names)
 
 
 class Swish(layers.Layer):
@@ -224,13 +231,6 @@ class Swish(layers.Layer):
 
 
 def test_op_granularity_opens_a_variable_free_multi_op_layer_and_the_step_matches_plain_training():
-    from tfremat.plan.simulator import checkpoint_all_peak
-    from tfremat.planner import plan_graph
-    from tfremat.static_graph import compile_step
-
-    sys.path.insert(0, BENCHMARKS)
-    from conformance import _recording_sgd
-
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
     hidden = Swish(name="swish")(layers.Dense(16)(inputs))
@@ -239,22 +239,5 @@ def test_op_granularity_opens_a_variable_free_multi_op_layer_and_the_step_matche
     opened = [n for n in _names(model, "op") if n.startswith("swish/")]
     assert len(opened) == 3, opened  # sigmoid, multiply, add
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, 8)).astype("float32")
-    y = np.eye(4, dtype="float32")[rng.integers(0, 4, 4)]
-    loss_fn = keras.losses.CategoricalCrossentropy()
-    initial = [v.numpy() for v in model.variables]
-    plain_loss, expected, _ = _plain_step(model, x, y, loss_fn)
-    for variable, value in zip(model.variables, initial):
-        variable.assign(value)
-    extraction = extract(model, (x, y), loss=loss_fn, cost_model="flops", use_cache=False, granularity="op")
-    graph = extraction.graph
-    result = plan_graph(graph, int(0.9 * checkpoint_all_peak(graph)), "optimal", cache=False, verbose=0)
-    assert result.schedule.recompute_count > 0
-    optimizer = _recording_sgd(learning_rate=0.0)
-    optimizer.build(model.trainable_variables)
-    loss = float(compile_step(extraction, result.schedule, optimizer=optimizer)(tf.constant(x), tf.constant(y)))
-    assert loss == pytest.approx(plain_loss, rel=1e-5)
-    for got, want, variable in zip(optimizer.recorded, expected, model.trainable_variables):
-        scale = max(float(np.linalg.norm(want)), 1e-3)
-        assert float(np.linalg.norm(got.numpy() - want)) / scale < 1e-4, variable.path
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype("float32")
+    _recomputing_step_matches_plain(model, x, "op", 0.9, "optimal")

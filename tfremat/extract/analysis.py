@@ -173,12 +173,19 @@ def _time_and_memory(fn: Callable, args, repeats: int, warmup: int) -> tuple[flo
     """Median seconds of ``fn(*args)`` after warm-up, and the peak of the bytes it requests
     above what existed before it (:func:`_requested_peak`)."""
     peak = _requested_peak(fn, args, warmup)
+    return _median_seconds(fn, args, repeats, warmup=0), peak
+
+
+def _median_seconds(fn: Callable, args, repeats: int, warmup: int) -> float:
+    """Median seconds of ``repeats`` runs of ``fn(*args)`` after ``warmup`` unmeasured ones."""
+    for _ in range(warmup):
+        synchronize(fn(*args))
     times = []
     for _ in range(repeats):
         begin = time.perf_counter()
         synchronize(fn(*args))
         times.append(time.perf_counter() - begin)
-    return statistics.median(times), peak
+    return statistics.median(times)
 
 
 def _requested_peak(fn: Callable, args, warmup: int) -> int:
@@ -492,13 +499,14 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in tracer.variables)
     timed_forward = (held_concrete, (inputs, tf.constant(1.0))) if held_concrete is not None else (forward_concrete, (inputs,))
     fwd_seconds, fwd_peak = _time_and_memory(*timed_forward, repeats, warmup)
-    fb_seconds, fb_peak = _time_and_memory(fb_concrete, (inputs, tf.constant(1.0)), repeats, warmup)
+    args = (inputs, tf.constant(1.0))
     if analysis.residual_bytes and not analysis.reads_output and held_concrete is None:
         # The residuals die as the gradient reads them: the node's residual part has no
         # other reader, and the simulator counts it as resident for the whole backward node.
-        args = (inputs, tf.constant(1.0))
+        fb_seconds = _median_seconds(fb_concrete, args, repeats, warmup)
         fb_peak = max(_requested_peak(tracer.trace("consumed", gated=gated), args, warmup) for gated in (True, False))
     else:
+        fb_seconds, fb_peak = _time_and_memory(fb_concrete, args, repeats, warmup)
         fb_peak = max(fb_peak, _other_orders_peak(tracer, held_concrete is not None, inputs, warmup))
     held_bytes = analysis.output_bytes + upstream_bytes + analysis.residual_bytes + analysis.small_residual_bytes
     return dataclasses.replace(
