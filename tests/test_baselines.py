@@ -1,6 +1,5 @@
 """Baseline strategies: exact revolve costs, budget families, shared benchmark graphs."""
 
-import itertools
 import json
 import math
 
@@ -13,7 +12,7 @@ from tfremat.budget import parse_budget
 from tfremat.errors import ArgumentError, BudgetFormatError, InfeasibleBudgetError
 from tfremat.graph import load_graph
 from tfremat.plan import simulate, validate_schedule
-from tfremat.plan.baselines import _hong_subset, revolve_advances
+from tfremat.plan.baselines import revolve_advances
 from tfremat.plan.simulator import checkpoint_all_peak
 from tfremat.strategies import get_strategy, strategy_names
 
@@ -22,7 +21,7 @@ HEURISTICS = [n for n in strategy_names() if n not in ("optimal", "approx_lp")]
 
 def test_registry_has_every_baseline():
     expected = {"checkpoint_all", "checkpoint_all_ap", "chen_sqrtn", "chen_sqrtn_ap", "chen_greedy",
-                "chen_greedy_ap", "griewank_logn", "griewank_logn_ap", "hong", "eviction", "repair"}
+                "chen_greedy_ap", "griewank_logn", "griewank_logn_ap", "hong", "hong_ap", "eviction", "repair"}
     assert expected <= set(strategy_names())
 
 
@@ -47,35 +46,6 @@ def test_revolve_matches_griewank_closed_form():
             for length in range(2, steps + 1):
                 r = next(r for r in range(1, 100) if math.comb(c + r, c) >= length)
                 assert cost[length, s] == r * length - math.comb(c + r, r - 1)
-
-
-@pytest.mark.parametrize("model", ["eager", "classic"])
-def test_hong_dp_finds_the_least_checkpoint_bytes_of_any_valid_subset(model):
-    """The DP against every subset of a short chain: same least checkpoint bytes, and the
-    subset it returns satisfies its memory model."""
-    rng = np.random.default_rng(7)
-    for _ in range(40):
-        sizes = rng.integers(1, 9, size=int(rng.integers(1, 9))).astype(float)
-        buffer = float(rng.integers(0, 4))
-        for bound in np.linspace(sizes.max(), sizes.sum() + buffer, 5):
-
-            def valid(subset):
-                ends = [-1, *subset, len(sizes)]
-                prefix = 0.0
-                for a, b in zip(ends, ends[1:]):
-                    segment = sizes[a + 1 : b].sum()
-                    if segment + (prefix + buffer if model == "eager" else 0.0) > bound:
-                        return False
-                    prefix += sizes[b] if b < len(sizes) else 0.0
-                return True
-
-            subsets = [c for r in range(len(sizes) + 1) for c in itertools.combinations(range(len(sizes)), r)]
-            least = min((sizes[list(c)].sum() for c in subsets if valid(c)), default=None)
-            chosen = _hong_subset(sizes, bound, model, buffer)
-            if least is None:
-                assert chosen is None
-            else:
-                assert valid(chosen) and sizes[chosen].sum() == least
 
 
 def test_chain_strategies_trade_memory_for_compute():
@@ -128,7 +98,8 @@ def test_every_registered_strategy_reads_a_budget_the_same_way():
 @pytest.mark.parametrize("name, options", [
     ("griewank_logn", {"slots": -1}), ("griewank_logn", {"slots": -3}), ("griewank_logn_ap", {"slots": 2.5}),
     ("griewank_logn", {"max_slot_counts": 0}), ("chen_greedy", {"num_segment_budgets": 0}),
-    ("chen_greedy_ap", {"num_segment_budgets": -2}), ("hong", {"num_bounds": -1}), ("hong", {"num_bounds": 1.5}),
+    ("chen_greedy_ap", {"num_segment_budgets": -2}), ("hong", {"memory_model": "lazy"}),
+    ("hong_ap", {"memory_model": None}),
     ("repair", {"time_limit": 0}), ("repair", {"time_limit": -1.0}), ("intervals", {"time_limit": 0}),
     ("intervals", {"time_limit": "5"}),
 ])

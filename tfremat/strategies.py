@@ -1,8 +1,9 @@
 """The catalogue of strategies: every :class:`~tfremat.plan.registry.Strategy` users can name.
 
 Each strategy module is imported here explicitly; the heuristics come from the portfolio
-that warm-starts the MILP (:data:`tfremat.ilp.portfolio.HEURISTICS`), the solver-based
-strategies after them. Nothing here imports TensorFlow.
+that warm-starts the MILP (:data:`tfremat.ilp.portfolio.HEURISTICS`), plus ``hong_ap``
+(listed after ``hong``, not run by the portfolio), the solver-based strategies after them.
+Nothing here imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from tfremat.ilp.approx_lp import solve_approx_lp
 from tfremat.ilp.formulation import memory_lower_bound
 from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.portfolio import HEURISTICS, best_baseline
+from tfremat.plan.hong import hong, hong_ap
 from tfremat.plan.registry import Strategy
 
 __all__ = ["STRATEGIES", "get_strategy", "strategy_names", "solver_strategy_names", "least_peak"]
 
-STRATEGIES: tuple[Strategy, ...] = (*HEURISTICS, solve_optimal, solve_approx_lp)
+_AFTER_HONG = HEURISTICS.index(hong) + 1
+STRATEGIES: tuple[Strategy, ...] = (*HEURISTICS[:_AFTER_HONG], hong_ap, *HEURISTICS[_AFTER_HONG:], solve_optimal,
+                                    solve_approx_lp)
 _BY_NAME = {s.name: s for s in STRATEGIES}
 
 

@@ -15,7 +15,7 @@ from tfremat.errors import InfeasibleBudgetError
 from tfremat.graph import DFGraph
 from tfremat.ilp.intervals import intervals
 from tfremat.ilp.solvers import ProgressFn, report_incumbent
-from tfremat.plan import baselines
+from tfremat.plan import baselines, hong
 from tfremat.plan.baselines import heuristic_deadline, known_peak
 from tfremat.plan.eviction import eviction
 from tfremat.plan.repair import repair
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 HEURISTICS = (
     baselines.checkpoint_all, baselines.checkpoint_all_ap, baselines.chen_sqrtn, baselines.chen_sqrtn_ap,
     baselines.chen_greedy, baselines.chen_greedy_ap, baselines.griewank_logn, baselines.griewank_logn_ap,
-    baselines.hong, eviction, repair, intervals,
+    hong.hong, eviction, repair, intervals,
 )
 # Seconds a strategy that runs last (repair) gets when another heuristic already fits;
 # far less than the minutes it spends, and loses, on large random graphs

@@ -18,8 +18,9 @@ reader (Chen et al. 2016's segment recomputation). ``solve R given S`` then adds
 recomputations.
 
 Given a budget, a family (Chen greedy over its segment budget, Griewank over its slot
-count, Hong over its peak bound) returns its cheapest candidate whose *simulated* peak
-fits, or raises :class:`InfeasibleBudgetError` with the smallest peak it reached.
+count) returns its cheapest candidate whose *simulated* peak fits, or raises
+:class:`InfeasibleBudgetError` with the smallest peak it reached. Hong et al.'s DPs are in
+:mod:`tfremat.plan.hong`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ __all__ = [
     "chen_greedy_ap",
     "griewank_logn",
     "griewank_logn_ap",
-    "hong",
     "revolve_advances",
 ]
 
@@ -532,92 +532,3 @@ def griewank_logn(graph: DFGraph, budget: int | None = None, slots: int | None =
 def griewank_logn_ap(graph: DFGraph, budget: int | None = None, slots: int | None = None, max_slot_counts: int = 32) -> Schedule:
     """Revolve over the blocks between forward articulation points."""
     return _griewank(graph, budget, True, slots, max_slot_counts)
-
-
-# ----- Hong et al.: optimal checkpoint subsets for chains -----
-
-
-def _hong_subset(sizes: np.ndarray, bound: float, model: str, gradient_buffer: float) -> list[int] | None:
-    """The checkpoint subset of least checkpoint memory whose modeled peak is <= ``bound``.
-
-    ``classic``: every segment's bytes must be <= bound (the checkpoints are counted
-    once, separately, as in Chen's model). ``eager``: a framework that frees eagerly
-    holds, while reversing a segment, the checkpoints before it plus the segment plus
-    the output-gradient buffer, so ``prefix checkpoints + segment + buffer <= bound``.
-    Dynamic programming over the last checkpoint, O(n^2) per bound, vectorized over the
-    previous checkpoint.
-    """
-    n = len(sizes)
-    # Bytes of chain positions strictly between i and j are prefix[j] - prefix[i + 1]
-    # (with -1 and n as the ends); a column at a time, not an (n + 2)^2 matrix (800 MB for
-    # a 10,000-node chain, once per bound).
-    chain_prefix = np.concatenate([[0.0], np.cumsum(sizes, dtype=float)])
-    # best[j]: least checkpoint bytes of a valid prefix whose last checkpoint is j (index j+1
-    # in seg); prefix[0] is the virtual start (position -1, no bytes), prefix[i + 1] is best[i].
-    best = np.full(n + 1, np.inf)
-    parent = np.full(n + 1, -1)
-    prefix = np.concatenate([[0.0], best])
-    for j in range(n + 1):
-        size_j = sizes[j] if j < n else 0.0
-        previous = prefix[: j + 1]
-        needed = chain_prefix[min(j, n)] - chain_prefix[: j + 1] + (previous + gradient_buffer if model == "eager" else 0.0)
-        feasible = np.isfinite(previous) & (needed <= bound)
-        if feasible.any():
-            # The first option of least prefix bytes, as the earliest-first scan found it.
-            option = int(np.argmin(np.where(feasible, previous, np.inf)))
-            best[j] = previous[option] + size_j
-            parent[j] = option - 1
-            prefix[j + 1] = best[j]
-    if not np.isfinite(best[n]):
-        return None
-    chosen, j = [], parent[n]
-    while j >= 0:
-        chosen.append(int(j))
-        j = parent[j]
-    return sorted(chosen)
-
-
-@as_strategy("hong")
-def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager", num_bounds: int = 32) -> Schedule:
-    """Hong et al.: memory-optimal checkpoint subsets of the linearized forward chain.
-
-    A dynamic program picks, for a bound on the modeled peak, the checkpoint subset with
-    the least checkpoint memory; sweeping the bound gives a family of subsets from
-    "keep nearly everything" to "keep almost nothing". ``memory_model="eager"`` is the
-    model of a framework that frees tensors after their last use and keeps an
-    output-gradient buffer (Hong et al.'s refined model, which predicted measured peaks
-    within 2.8%); ``"classic"`` is Chen's model. Each candidate is simulated; the family
-    returns its cheapest schedule under ``budget`` (without a budget, its lowest peak).
-
-    The DP here is O(n^2) per bound over ``num_bounds`` bounds, not the paper's O(n^3)
-    exhaustive / O(n) specialised algorithms; the simulator, not the model, decides.
-
-    Args:
-        memory_model: "eager" or "classic".
-        num_bounds: how many bounds, spaced geometrically, are swept (an int >= 1).
-
-    Raises:
-        ArgumentError: unknown memory_model, or ``num_bounds`` not an int >= 1.
-    """
-    if memory_model not in ("eager", "classic"):
-        raise ArgumentError(f"memory_model={memory_model!r}; use 'eager' or 'classic'")
-    _check_count(num_bounds, "num_bounds")
-    chain = _forward_order(graph)
-    sizes = np.array([graph.output_bytes[i] for i in chain], dtype=float)
-    if len(chain) == 0 or sizes.sum() == 0:
-        return cheapest_fitting(graph, [schedule_for_checkpoints(graph, chain, "hong")], budget, "hong")
-    gradient_buffer = max((graph.output_bytes[b] for b in graph.backward_nodes), default=0)
-    low = max(sizes.max(), 1.0)
-    high = sizes.sum() + gradient_buffer
-    bounds = np.geomspace(low, high, num=num_bounds)
-
-    def candidates():
-        # The DP minimizes memory, never cost; keeping every forward value is the family's
-        # cheap end, so a generous budget gets the no-recomputation schedule.
-        yield schedule_for_checkpoints(graph, chain, "hong")
-        for bound in bounds:
-            positions = _hong_subset(sizes, bound, memory_model, gradient_buffer)
-            if positions is not None:
-                yield schedule_for_checkpoints(graph, [chain[p] for p in positions], "hong")
-
-    return cheapest_fitting(graph, candidates(), budget, "hong")
