@@ -82,3 +82,27 @@ def with_residuals(graph: DFGraph, seed: int) -> DFGraph:
     return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes,
                    graph.is_backward, graph.loss_node, dict(graph.forward_of), graph.fixed_bytes,
                    f"{graph.name}+residuals", residual_bytes=residual)
+
+
+def repeated_blocks(blocks: int, residual: bool = False) -> DFGraph:
+    """``blocks`` identical residual blocks in a chain, as a transformer repeats its layers:
+    block input x, then a (large, costly), b (large), c, and out = x + c. With ``residual``,
+    half of a's bytes are residuals only its gradient reads (the output/residual split)."""
+    per_block = 4
+    edges, sizes, costs, reads_output = [], [2], [1.0], set()
+    for block in range(blocks):
+        x = block * per_block
+        a, b, c, out = x + 1, x + 2, x + 3, x + 4
+        edges += [(x, a), (a, b), (b, c), (c, out), (x, out)]
+        sizes += [12, 8, 3, 2]
+        costs += [4.0, 1.0, 2.0, 0.5]
+        reads_output |= {a, b}
+    graph = training_graph(edges, sizes, costs, reads_output, name=f"blocks{blocks}", fixed_bytes=3)
+    if not residual:
+        return graph
+    residual_bytes = [0] * graph.size
+    for block in range(blocks):
+        residual_bytes[block * per_block + 1] = 6
+    return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes,
+                   graph.is_backward, graph.loss_node, dict(graph.forward_of), graph.fixed_bytes,
+                   f"{graph.name}+residuals", residual_bytes=residual_bytes)

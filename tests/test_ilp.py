@@ -310,6 +310,32 @@ def test_milp_keeps_a_split_nodes_output_and_residuals_apart_as_the_simulator_fr
         assert simulation.peak_bytes <= budget * (1 + 1e-5)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_milp_recomputes_a_split_node_for_one_value_and_frees_the_other_unread(seed):
+    """Keeping nothing between stages makes every stage recompute what it reads, so a
+    split node is recomputed for its output while its residuals have no reader in that
+    stage (and the other way round): the model must accept that schedule (the unread value
+    freed right after the node runs) and account it as the simulator does."""
+    graph = with_residuals(random_training_graph(seed, 7), seed)
+    schedule = schedule_from_keep_matrix(graph, np.zeros((graph.size, graph.size), dtype=bool), "keep_nothing")
+    split = np.flatnonzero(graph.residual_bytes)
+    recomputed = schedule.R.copy()
+    np.fill_diagonal(recomputed, False)
+    assert recomputed[:, split].any(), "the case under test: a split node recomputed in a later stage"
+    simulation = simulate(graph, schedule)
+    model = build_milp(graph, simulation.peak_bytes)
+    x = model.encode(schedule)
+    assert x is not None
+    simulated = {
+        (s.stage, s.node): int(simulation.trace_bytes[j])
+        for j, s in enumerate(simulation.plan.statements) if s.op is Op.COMPUTE
+    }
+    modelled = model.memory_while_running(x)
+    assert modelled.keys() == simulated.keys()
+    for key, value in simulated.items():
+        assert modelled[key] == pytest.approx(value), key
+
+
 def test_warm_start_is_accepted_and_never_beaten_by_time_limit():
     graph = training_chain(8)
     budget = memory_lower_bound(graph) + 4

@@ -38,7 +38,9 @@ never adds cost or memory; together they make the memory accounting exact):
   R[t, j] <= 1`` (no free before a later reader): one row per reader, tighter than
   Checkmate's per-pair big-M rows. With the equality, ``FREE`` is exactly the
   simulator's last-use indicator, so ``U`` equals the simulated memory;
-* ``FREE[t, i, i]`` (a value freed right after it is computed, unread) is not built: the
+* ``FREE[t, i, i]`` (a value freed right after it is computed, unread) is built only for
+  the two values of a node with residual bytes (below): recomputing the node for one of
+  them makes the other, which may have no reader in the stage. For any other node the
   equality leaves it no role, since a computed value must be read or kept.
 
 A node with residual bytes (``DFGraph.residual_bytes``) holds two values: its output,
@@ -502,10 +504,20 @@ def _free_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, sr_in
     for i in range(t):
         if r_index[t, i] < 0:
             continue
+        split = bool(graph.residual_bytes[i])
         for index, size, readers in _values(graph, i, s_index, sr_index):
             keep_next = index[t + 1, i] if t + 1 < n else -1
             outcomes = [(keep_next, 1.0)] if keep_next >= 0 else []
             earlier_frees = []
+            if split:
+                # Recomputing a split node for one of its values makes the other too;
+                # unread in the stage, that one is freed right after the node runs.
+                col = b.column(0.0, 0.0, 1.0, False)
+                free_keys.append((t, i, i, index, size, tuple(readers)))
+                outcomes.append((col, 1.0))
+                earlier_frees.append((col, 1.0))
+                frees_after.setdefault((t, i), []).append((col, size))
+                b.row([(col, 1.0), (r_index[t, i], -1.0)], -math.inf, 0.0)
             for k in readers:
                 if k > t or r_index[t, k] < 0:
                     continue

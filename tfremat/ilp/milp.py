@@ -24,6 +24,7 @@ import time
 
 from tfremat.errors import InfeasibleBudgetError, SolverError, SolverTimeLimitError
 from tfremat.graph import DFGraph
+from tfremat.ilp.blocks import plan_by_units
 from tfremat.ilp.deadlines import MIN_SOLVE_SECONDS, seconds_left
 from tfremat.ilp.formulation import (
     CheckmateModel,
@@ -72,6 +73,10 @@ _FULL_MILP_COLUMNS = 150_000
 # (a few percent of the columns removed) delayed the root bound by ~10 s on ResNet50's
 # relaxation and overran the time limit; below it presolve takes well under a second.
 _PRESOLVE_MAX_COLUMNS = 20_000
+# Share of the time limit the unit decomposition (:mod:`tfremat.ilp.blocks`) may take on
+# models too large for the MILP; the LP bound gets the rest. On the 12-block GPT-2 graph
+# it needs about 25 s the first time and well under a second for further budgets.
+UNITS_TIME_SHARE = 0.6
 # Seconds kept after the MILP for simulating its solution.
 _FINISH_SECONDS = 0.5
 # Seconds kept after the heuristics for returning the best of them.
@@ -252,6 +257,12 @@ def _solve_optimal(graph, budget_bytes, incumbent, *, began, solver, time_limit,
     model = build_milp(graph, budget_bytes, exact_stages=())
     incumbent.num_vars, incumbent.num_constraints, incumbent.solver = model.num_vars, model.num_constraints, solver
     if time_limit is not None and model.num_vars > _FULL_MILP_COLUMNS:
+        if warm_start:
+            by_units = plan_by_units(graph, budget_bytes, solver=solver,
+                                     deadline=began + UNITS_TIME_SHARE * time_limit)
+            if by_units is not None and (baseline is None or by_units.cost(graph) < baseline.cost(graph)):
+                baseline = by_units
+                incumbent.offer(baseline)
         return _solve_large(
             graph, model, baseline, smallest_peak, began=began, solver=solver, time_limit=time_limit,
             mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed, progress=progress,

@@ -48,6 +48,7 @@ def best_baseline(
     progress: ProgressFn | None = None,
     *,
     offer: Callable[[Schedule, int], None] | None = None,
+    quiet: bool = False,
 ) -> tuple[Schedule | None, int | None]:
     """The cheapest heuristic schedule that fits, and the smallest peak any reached.
 
@@ -66,9 +67,9 @@ def best_baseline(
     short are logged at INFO.
 
     Each new cheapest schedule is reported to ``progress`` (incumbent and the no-remat
-    bound; logged at INFO too), so minutes of heuristics on a large graph are not silent,
-    and passed to ``offer`` with its simulated peak. Returns ``(None, smallest_peak)``
-    when none fits.
+    bound; logged at INFO too, unless ``quiet``: a sub-problem's), so minutes of
+    heuristics on a large graph are not silent, and passed to ``offer`` with its simulated
+    peak. Returns ``(None, smallest_peak)`` when none fits.
     """
     began = time.perf_counter()
     best, best_cost, smallest_peak = None, None, None
@@ -104,10 +105,11 @@ def best_baseline(
             cost = schedule.cost(graph)
             if best is None or cost < best_cost:
                 best, best_cost = schedule, cost
-                report_incumbent(progress, began, cost, graph.total_cost)
+                if not quiet:
+                    report_incumbent(progress, began, cost, graph.total_cost)
                 if offer is not None:
                     offer(schedule, peak)
-    if skipped:
+    if skipped and not quiet:
         logger.info("heuristics: the deadline left no time for %s (after %.1fs)", ", ".join(skipped),
                     time.perf_counter() - began)
     return best, smallest_peak
