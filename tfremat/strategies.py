@@ -1,8 +1,9 @@
 """The catalogue of strategies: every :class:`~tfremat.plan.registry.Strategy` users can name.
 
 Each strategy module is imported here explicitly; the heuristics come from the portfolio
-that warm-starts the MILP (:data:`tfremat.ilp.portfolio.HEURISTICS`), plus ``hong_ap``
-(listed after ``hong``, not run by the portfolio), the solver-based strategies after them.
+that warm-starts the MILP (:data:`tfremat.ilp.portfolio.HEURISTICS`), plus ``hong_ap``,
+``rotor`` and ``rotor_ap`` (listed after ``hong``, not run by the portfolio), the
+solver-based strategies after them.
 Nothing here imports TensorFlow.
 """
 
@@ -16,12 +17,13 @@ from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.portfolio import HEURISTICS, best_baseline
 from tfremat.plan.hong import hong, hong_ap
 from tfremat.plan.registry import Strategy
+from tfremat.plan.rotor import rotor, rotor_ap
 
 __all__ = ["STRATEGIES", "get_strategy", "strategy_names", "solver_strategy_names", "least_peak"]
 
 _AFTER_HONG = HEURISTICS.index(hong) + 1
-STRATEGIES: tuple[Strategy, ...] = (*HEURISTICS[:_AFTER_HONG], hong_ap, *HEURISTICS[_AFTER_HONG:], solve_optimal,
-                                    solve_approx_lp)
+STRATEGIES: tuple[Strategy, ...] = (*HEURISTICS[:_AFTER_HONG], hong_ap, rotor, rotor_ap, *HEURISTICS[_AFTER_HONG:],
+                                    solve_optimal, solve_approx_lp)
 _BY_NAME = {s.name: s for s in STRATEGIES}
 
 
