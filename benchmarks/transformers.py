@@ -129,16 +129,19 @@ def timed_peak(model):
         float(step(x, y))
         seconds.append(time.perf_counter() - started)
     return peak, float(np.median(seconds))
-plain_peak, plain_seconds = timed_peak(build())
-recomputing = build()
-blocks = recompute_baseline.recompute_per_block(recomputing)
-peak, seconds = timed_peak(recomputing)
-recomputing = build()
-recompute_baseline.recompute_per_block(recomputing)
-row["recompute_grad"] = {{
-    "blocks": blocks, "peak_over_plain": peak / plain_peak, "time_over_plain": seconds / plain_seconds,
-    "gradient_difference": recompute_baseline.gradient_difference(
-        build(), recomputing, x, y, keras.losses.CategoricalCrossentropy())}}
+try:
+    plain_peak, plain_seconds = timed_peak(build())
+    recomputing = build()
+    blocks = recompute_baseline.recompute_per_block(recomputing)
+    peak, seconds = timed_peak(recomputing)
+    recomputing = build()
+    recompute_baseline.recompute_per_block(recomputing)
+    row["recompute_grad"] = {{
+        "blocks": blocks, "peak_over_plain": peak / plain_peak, "time_over_plain": seconds / plain_seconds,
+        "gradient_difference": recompute_baseline.gradient_difference(
+            build(), recomputing, x, y, keras.losses.CategoricalCrossentropy())}}
+except Exception as error:
+    row["recompute_grad"] = {{"error": type(error).__name__ + ": " + str(error).splitlines()[0][:200]}}
 print("RESULT " + json.dumps(row, default=str))
 """
 
@@ -218,7 +221,9 @@ def render(rows: list[dict], args, argv) -> str:
               "| --- | --- | --- | --- | --- |"]
     for row in rows:
         baseline = row.get("recompute_grad")
-        if baseline:
+        if baseline and "error" in baseline:
+            lines.append(f"| {row['model']} | | fails: {baseline['error'][:160]} | | |")
+        elif baseline:
             lines.append(f"| {row['model']} | {baseline['blocks']} | {baseline['peak_over_plain']:.2f} | "
                          f"{baseline['time_over_plain']:.2f}x | differ by {baseline['gradient_difference']:.1%} |")
     lines += ["", "Models: " + "; ".join(f"`{name}`: {MODELS[name][3]}" for name in MODELS) + "."]

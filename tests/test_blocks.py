@@ -96,3 +96,16 @@ def test_optimal_starts_large_models_from_the_unit_plan(monkeypatch):
     assert schedule.cost(graph) <= by_units.cost(graph) + 1e-9
     assert schedule.facts.best_bound <= schedule.cost(graph)
     assert np.isfinite(schedule.facts.gap)
+
+
+def test_past_its_deadline_the_plan_still_fits_with_the_levels_it_has(monkeypatch):
+    """A deadline that has passed leaves each unit keeping everything or nothing between
+    stages: the plan is dearer but still within the budget, and nothing partial is cached."""
+    monkeypatch.setattr("tfremat.ilp.blocks._OPTIONS", {})
+    graph = repeated_blocks(6)
+    budget = _budgets(graph, (0.6,))[0]
+    hurried = plan_by_units(graph, budget, deadline=0.0)
+    assert hurried is not None
+    assert simulate(graph, hurried).peak_bytes <= budget
+    full = plan_by_units(graph, budget)
+    assert full.cost(graph) < hurried.cost(graph)

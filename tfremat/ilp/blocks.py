@@ -191,32 +191,35 @@ def _option(unit: UnitGraph, schedule: Schedule) -> UnitOption:
 
 
 def unit_options(graph: DFGraph, unit: list[int], last: bool, *, kept_levels: int = KEPT_LEVELS,
-                 solver: str = DEFAULT_SOLVER, deadline: float | None = None) -> list[UnitOption] | None:
+                 solver: str = DEFAULT_SOLVER, deadline: float | None = None) -> list[UnitOption]:
     """The unit's schedules over a grid of memory levels, each solved by Checkmate's exact
     MILP of the unit graph: :data:`PEAK_LEVELS` peaks from a quarter of the larger of the
     unit's keep-everything and keep-nothing peaks to all of it, times ``kept_levels`` caps
-    on the kept bytes from none to all. Dominated options are dropped; the keep-everything schedule is always
-    among them. None when ``deadline`` (a ``time.perf_counter()`` time) passes first.
+    on the kept bytes from none to all. Dominated options are dropped; keeping everything
+    and keeping nothing between stages are always among the candidates. When ``deadline``
+    (a ``time.perf_counter()`` time) passes, the levels solved so far are returned.
 
-    Units with equal graphs (up to names) share their options within a process."""
+    Units with equal graphs (up to names) share their options within a process, once all
+    their levels are solved."""
     plain = unit_graph(graph, unit, last, 0)
     key = (plain.graph.fingerprint, kept_levels, solver)
-    if key not in _OPTIONS:
-        options = _solve_levels(graph, unit, last, plain, kept_levels, solver, deadline)
-        if options is None:
-            return None
-        if len(_OPTIONS) >= _OPTIONS_KEPT:
-            _OPTIONS.pop(next(iter(_OPTIONS)))
-        _OPTIONS[key] = options
-    return [dataclasses.replace(o, nodes=plain.nodes) for o in _OPTIONS[key]]
+    options = _OPTIONS.get(key)
+    if options is None:
+        options, complete = _solve_levels(graph, unit, last, plain, kept_levels, solver, deadline)
+        if complete:
+            if len(_OPTIONS) >= _OPTIONS_KEPT:
+                _OPTIONS.pop(next(iter(_OPTIONS)))
+            _OPTIONS[key] = options
+    return [dataclasses.replace(o, nodes=plain.nodes) for o in options]
 
 
-def _solve_levels(graph, unit, last, plain, kept_levels, solver, deadline) -> list[UnitOption] | None:
+def _solve_levels(graph, unit, last, plain, kept_levels, solver, deadline) -> tuple[list[UnitOption], bool]:
+    """The unit's options, and whether every level was solved before ``deadline``."""
     keep_all = _option(plain, schedule_from_keep_matrix(plain.graph, checkpoint_all_s(plain.graph), "units"))
-    options = [keep_all]
     # Nothing kept between stages: every stage recomputes what it reads (the least
     # memory, and a start every level's model accepts).
     keep_none = schedule_from_keep_matrix(plain.graph, np.zeros((plain.graph.size,) * 2, dtype=bool), "units")
+    options = [keep_all, _option(plain, keep_none)]
     # Recomputing everything in the backward window can peak above keeping everything.
     top = max(checkpoint_all_peak(plain.graph), simulate(plain.graph, keep_none).peak_bytes)
     peaks = np.unique(np.linspace(0.25, 1.0, PEAK_LEVELS) * top).astype(int)
@@ -225,7 +228,7 @@ def _solve_levels(graph, unit, last, plain, kept_levels, solver, deadline) -> li
         # From the largest cap down: once a cap is infeasible, every smaller one is.
         for cap in caps[::-1]:
             if deadline is not None and time.perf_counter() > deadline:
-                return None
+                return _undominated(options), False
             level = unit_graph(graph, unit, last, max(int(peak) - int(cap), 0))
             heuristic, _ = best_baseline(level.graph, int(peak), 0.0, time.perf_counter() + _HEURISTIC_SECONDS,
                                          quiet=True)
@@ -246,7 +249,7 @@ def _solve_levels(graph, unit, last, plain, kept_levels, solver, deadline) -> li
                 options.append(_option(level, schedule))
             elif start is not None:
                 options.append(_option(level, start))
-    return _undominated(options)
+    return _undominated(options), True
 
 
 def _cheapest_start(graph: DFGraph, budget: int, schedules: list[Schedule]) -> Schedule | None:
@@ -332,22 +335,29 @@ def _keep_matrix(graph: DFGraph, units: list[list[int]], chosen: list[UnitOption
 def plan_by_units(graph: DFGraph, budget: int, *, solver: str = DEFAULT_SOLVER, deadline: float | None = None,
                   rounds: int = 8) -> Schedule | None:
     """The cheapest schedule the unit decomposition finds within ``budget`` (simulated),
-    or None: no cut, no choice of options fits, or ``deadline`` (a ``time.perf_counter()``
-    time) passed. ``rounds`` bounds the DP/simulation calibration rounds."""
+    or None: no cut, or no choice of options fits. Units reached after ``deadline`` (a
+    ``time.perf_counter()`` time) get only the levels solved by then, at least keeping
+    everything or nothing. ``rounds`` bounds the DP/simulation calibration rounds."""
     units = chain_units(graph)
     if units is None:
         return None
     last = len(units) - 1
-    signatures = [unit_graph(graph, unit, index == last, 0).graph.fingerprint for index, unit in enumerate(units)]
+    plains = [unit_graph(graph, unit, index == last, 0) for index, unit in enumerate(units)]
+    signatures = [plain.graph.fingerprint for plain in plains]
     repeats = collections.Counter(signatures)
-    options = []
-    for index, unit in enumerate(units):
+    first = {}
+    for index, signature in enumerate(signatures):
+        first.setdefault(signature, index)
+    # The most repeated units first: they weigh most in the total if the deadline comes.
+    solved = {}
+    for signature in sorted(first, key=lambda s: -repeats[s]):
+        index = first[signature]
         # A unit that occurs once weighs little in the total: half the levels.
-        levels = KEPT_LEVELS if repeats[signatures[index]] > 1 else KEPT_LEVELS // 2
-        found = unit_options(graph, unit, index == last, kept_levels=levels, solver=solver, deadline=deadline)
-        if found is None:
-            return None
-        options.append(found)
+        levels = KEPT_LEVELS if repeats[signature] > 1 else KEPT_LEVELS // 2
+        solved[signature] = unit_options(graph, units[index], index == last, kept_levels=levels, solver=solver,
+                                         deadline=deadline)
+    options = [[dataclasses.replace(o, nodes=plain.nodes) for o in solved[signature]]
+               for plain, signature in zip(plains, signatures)]
     cut_bytes = [graph.output_bytes[unit[-1]] for unit in units]
     # What the rest of the step holds while a unit runs, besides earlier units' kept
     # bytes: at first the fixed bytes and the cuts before it; then calibrated on each
