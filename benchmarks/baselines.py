@@ -11,7 +11,6 @@ compute cost as ratios of checkpoint all, plus the slowest simulation of one sch
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's tfremat, not an installed one
 
+from checkmate_graphs import (  # noqa: E402
+    add_graph_options,
+    graph_label,
+    selected_graphs,
+    write_results,
+)
 from provenance import header  # noqa: E402
 
 from tfremat.graph import load_graph  # noqa: E402
@@ -26,17 +31,11 @@ from tfremat.plan import simulate  # noqa: E402
 from tfremat.plan.simulator import checkpoint_all_peak  # noqa: E402
 from tfremat.strategies import get_strategy, strategy_names  # noqa: E402
 
-DEFAULT_GRAPHS = ROOT.parent / "shared" / "graphs"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "baselines.md"
 BASELINES = [
     "checkpoint_all", "checkpoint_all_ap", "chen_sqrtn", "chen_sqrtn_ap", "chen_greedy",
     "chen_greedy_ap", "griewank_logn", "griewank_logn_ap", "hong",
 ]
-
-
-def graph_label(path: Path) -> str:
-    """``ResNet50_256_224_224_3_train.json`` -> ``ResNet50``."""
-    return re.sub(r"(_\d+)+_train$", "", path.stem)
 
 
 def baseline_table(graph_paths: list[Path]) -> str:
@@ -63,16 +62,9 @@ def baseline_table(graph_paths: list[Path]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--graphs", type=Path, default=DEFAULT_GRAPHS, help="folder with *_train.json graphs")
-    parser.add_argument("--out", type=Path, default=None, help=f"markdown file to write (default {DEFAULT_OUT}; "
-                        "required with --only, so a partial run does not replace the full table)")
-    parser.add_argument("--only", default=None, help="regular expression a graph file's stem must match in full "
-                        "(e.g. ResNet50_256_224_224_3_train or 'VGG.*')")
+    add_graph_options(parser, DEFAULT_OUT)
     args = parser.parse_args(argv)
-    if args.only is not None and args.out is None:
-        parser.error(f"--only benchmarks some graphs only; give --out (the default {DEFAULT_OUT} holds every graph)")
-    args.out = args.out or DEFAULT_OUT
-    paths = sorted(p for p in args.graphs.glob("*_train.json") if args.only is None or re.fullmatch(args.only, p.stem))
+    paths = selected_graphs(parser, args, DEFAULT_OUT)
     if not paths:
         sys.stderr.write(f"no *_train.json graphs{'' if args.only is None else f' matching {args.only!r}'} in {args.graphs}\n")
         return 2
@@ -83,9 +75,7 @@ def main(argv=None) -> int:
         "strategy's default). Simulate ms: the slowest simulation of one of the row's schedules.\n\n"
         + table + "\n"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    write_results(args.out, text)
     return 0
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's tfremat, not an installed one
 
+from checkmate_graphs import DEFAULT_GRAPHS, graph_label  # noqa: E402
 from provenance import command, commit, header  # noqa: E402
 
 from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError, failure_status  # noqa: E402
@@ -45,7 +46,6 @@ from tfremat.plan.registry import check_options, parse_graph_budget  # noqa: E40
 from tfremat.plan.simulator import checkpoint_all_peak, simulate  # noqa: E402
 from tfremat.strategies import get_strategy, strategy_names  # noqa: E402
 
-DEFAULT_GRAPHS = ROOT.parent / "shared" / "graphs"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "chains.md"
 CHECKMATE = ("VGG16", "VGG19", "MobileNet", "ResNet50")
 BUDGETS = ("100%", "95%", "90%", "80%", "70%", "60%", "50%", "40%", "30%", "20%")
@@ -265,18 +265,13 @@ SYNTHETIC = {"vgg_chain": vgg_chain, "residual_chain": residual_chain}
 # ----- the sweep -----
 
 
-def checkmate_label(path: Path) -> str:
-    """``ResNet50_256_224_224_3_train.json`` -> ``ResNet50``."""
-    return re.sub(r"(_\d+)+_train$", "", path.stem)
-
-
 def load_graphs(graphs_dir: Path, labels: Sequence[str]) -> list[tuple[str, DFGraph]]:
     """``(label, graph)`` for each label, built (:data:`SYNTHETIC`) or loaded from ``graphs_dir``.
 
     Raises:
         SystemExit: a Checkmate graph's file is missing.
     """
-    files = {checkmate_label(p): p for p in graphs_dir.glob("*_train.json")}
+    files = {graph_label(p): p for p in graphs_dir.glob("*_train.json")}
     loaded = []
     for label in labels:
         if label in SYNTHETIC:

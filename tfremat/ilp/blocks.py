@@ -49,7 +49,7 @@ from tfremat.plan.schedule import (
     checkpoint_all_s,
     schedule_from_keep_matrix,
 )
-from tfremat.plan.simulator import checkpoint_all_peak, simulate, stage_peaks
+from tfremat.plan.simulator import simulate, stage_peaks
 
 __all__ = ["chain_units", "unit_graph", "UnitOption", "unit_options", "choose_options", "plan_by_units"]
 
@@ -157,6 +157,11 @@ class UnitOption:
     nodes: tuple
     hold: int
 
+    def peak_with_hold(self, hold_bytes: int) -> int:
+        """The schedule's peak on the unit graph whose hold node has ``hold_bytes`` of
+        workspace: only the hold stage's memory depends on it."""
+        return max(self.forward_peak, self.backward_peak, self.kept + hold_bytes)
+
 
 # The grid of memory levels each distinct unit is solved at. On the 12-block GPT-2 graph
 # (benchmarks/transformers.py) 16 x 4 levels reach within 0.1% of the cost 32 x 6 reach,
@@ -221,7 +226,7 @@ def _solve_levels(graph, unit, last, plain, kept_levels, solver, deadline) -> tu
     keep_none = schedule_from_keep_matrix(plain.graph, np.zeros((plain.graph.size,) * 2, dtype=bool), "units")
     options = [keep_all, _option(plain, keep_none)]
     # Recomputing everything in the backward window can peak above keeping everything.
-    top = max(checkpoint_all_peak(plain.graph), simulate(plain.graph, keep_none).peak_bytes)
+    top = max(option.peak_with_hold(0) for option in options)
     peaks = np.unique(np.linspace(0.25, 1.0, PEAK_LEVELS) * top).astype(int)
     caps = np.unique(np.linspace(0.0, 1.0, kept_levels) * keep_all.kept).astype(int)
     for peak in peaks[peaks >= memory_lower_bound(plain.graph)]:
@@ -229,35 +234,31 @@ def _solve_levels(graph, unit, last, plain, kept_levels, solver, deadline) -> tu
         for cap in caps[::-1]:
             if deadline is not None and time.perf_counter() > deadline:
                 return _undominated(options), False
-            level = unit_graph(graph, unit, last, max(int(peak) - int(cap), 0))
+            hold = max(int(peak) - int(cap), 0)
+            level = unit_graph(graph, unit, last, hold)
             heuristic, _ = best_baseline(level.graph, int(peak), 0.0, time.perf_counter() + _HEURISTIC_SECONDS,
                                          quiet=True)
-            start = _cheapest_start(level.graph, int(peak), [o.schedule for o in options] + [keep_none, heuristic])
+            # The MIP start: without one, HiGHS often finds no solution of a tight level in
+            # its half second.
+            candidates = options + ([_option(level, heuristic)] if heuristic is not None else [])
+            start = min((o for o in candidates if o.peak_with_hold(hold) <= peak), key=lambda o: o.cost, default=None)
             # The stage-end relaxation first (a third of the exact model's size); the exact
             # model where its solution overflows.
+            solved = None
             for exact_stages in ((), None):
                 model = build_milp(level.graph, int(peak), exact_stages=exact_stages)
                 result = solve_model(model, solver=solver, time_limit=_SECONDS_EACH, mip_gap=_MIP_GAP, quiet=True,
-                                     start=None if start is None else model.encode(start))
-                schedule = None if result.x is None else model.schedule(result.x, "units")
-                if schedule is not None and simulate(level.graph, schedule).peak_bytes <= peak:
-                    break
-                schedule = None
+                                     start=None if start is None else model.encode(start.schedule))
+                if result.x is not None:
+                    solved = _option(level, model.schedule(result.x, "units"))
+                    if solved.peak_with_hold(hold) <= peak:
+                        break
+                    solved = None
             if result.status == SolveStatus.INFEASIBLE:
                 break
-            if schedule is not None:
-                options.append(_option(level, schedule))
-            elif start is not None:
-                options.append(_option(level, start))
+            if solved is not None or start is not None:
+                options.append(solved or start)
     return _undominated(options), True
-
-
-def _cheapest_start(graph: DFGraph, budget: int, schedules: list[Schedule]) -> Schedule | None:
-    """The cheapest of ``schedules`` (over unit graphs of the same nodes) that fits
-    ``budget`` on ``graph``: the MIP start of a level (without one, HiGHS often finds no
-    solution of a tight level in its half second)."""
-    fitting = [s for s in schedules if s is not None and simulate(graph, s).peak_bytes <= budget]
-    return min(fitting, key=lambda s: s.cost(graph), default=None)
 
 
 def _undominated(options: list[UnitOption]) -> list[UnitOption]:
