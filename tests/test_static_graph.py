@@ -25,6 +25,7 @@ from tfremat.extract import extract  # noqa: E402
 from tfremat.numerics import closeness  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
 from tfremat.plan.baselines import schedule_for_checkpoints  # noqa: E402
+from tfremat.plan.execution import Op, build_plan  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
 from tfremat.static_graph.compile import check_acyclic  # noqa: E402
 from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
@@ -698,3 +699,51 @@ def test_a_grouped_convolution_runs_its_backward_function_once():
     backward_calls = [op for op in concrete.graph.get_operations()
                       if op.type in ("PartitionedCall", "StatefulPartitionedCall") and op.name.startswith("backward_")]
     assert len(backward_calls) == len(grouped)
+
+
+def _offloading_schedule(name, graph):
+    """``name``'s schedule over a link fast enough that offloading pays, at the first budget
+    of 90%..60% of the checkpoint-all peak where it offloads something."""
+    reference = simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
+    bandwidth = 1e6 * max(graph.output_bytes) / min(c for c in graph.cost if c > 0)
+    for fraction in (0.9, 0.8, 0.7, 0.6):
+        try:
+            schedule = get_strategy(name)(graph, int(fraction * reference), bandwidth=bandwidth)
+        except InfeasibleBudgetError:
+            continue
+        if schedule.offloads:
+            return schedule
+    pytest.fail(f"{name} offloaded nothing at 90%..60% of the checkpoint-all peak")
+
+
+@pytest.mark.parametrize("model_name", ["small_convnet", "unet"])
+@pytest.mark.parametrize("strategy", ["autocapper", "opportunist"])
+def test_a_step_with_offloads_trains_exactly_like_plain_keras(cases, model_name, strategy):
+    """Offloads and prefetches are host copies in the step: the same gradients, losses and
+    weights as plain training, and the ledger the simulator predicts (on a CPU the copies
+    save nothing; what they would save on a GPU is the simulator's to say)."""
+    case = cases[model_name]
+    graph = case.extraction.graph
+    schedule = _offloading_schedule(strategy, graph)
+    plan = build_plan(graph, schedule)
+    assert any(s.op is Op.OFFLOAD for s in plan) and any(s.op is Op.PREFETCH for s in plan)
+    case.reset()
+    expected = case.plain_gradients()
+    case.reset()
+
+    @tf.function
+    def compiled_gradients(x, y):
+        _, _, weight_grads, _ = interpret_plan(graph, case.extraction.side_table, plan, x, y)
+        return [weight_grads[id(v)][1] for v in case.model.trainable_variables]
+
+    gradients = closeness([g.numpy() for g in compiled_gradients(case.x, case.y)], expected)
+    assert gradients.equal, (strategy, gradients)
+    case.reset()
+    plain_losses, plain_state = case.plain_training(5)
+    case.reset()
+    step = compile_step(case.extraction, schedule, optimizer=case.optimizer())
+    losses = [float(step(x, y)) for x, y in case.batches]
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    for variable, expected_value in zip(case.model.variables, plain_state):
+        np.testing.assert_allclose(variable.numpy(), expected_value, rtol=1e-4, atol=1e-6, err_msg=variable.path)
+    np.testing.assert_array_equal(step.ledger_bytes, simulate(graph, schedule).trace_bytes)

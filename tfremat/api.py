@@ -47,7 +47,8 @@ def compare(model, budget, x=None, y=None, *, strategies: Sequence[str] | None =
     """
     # As plan_model does, the arguments that need no graph are checked before the extraction.
     check_keras_model(model)
-    split_solver_options(strategy_names() if strategies is None else strategies, milp_options)
+    every = strategy_names(offloading="bandwidth" in milp_options)
+    split_solver_options(every if strategies is None else strategies, milp_options)
     extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
                                cost_model=cost_model, cache=cache, granularity=granularity)
     return compare_graph(extraction.graph, budget, strategies, cache=cache, verbose=verbose, **milp_options)

@@ -27,6 +27,7 @@ from tfremat.errors import (
 )
 from tfremat.graph import DFGraph
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
+from tfremat.plan.offload import check_bandwidth
 from tfremat.plan.registry import (
     check_options,
     in_user_terms,
@@ -38,6 +39,7 @@ from tfremat.plan.simulator import checkpoint_all_peak, simulate
 from tfremat.strategies import (
     get_strategy,
     least_peak,
+    offloading_strategy_names,
     solver_strategy_names,
     strategy_names,
 )
@@ -315,7 +317,8 @@ def compare_graph(
             model's size) or failed.
     """
     _check_graph(graph)
-    names, per_strategy = split_solver_options(strategy_names() if strategies is None else strategies, milp_options)
+    every = strategy_names(offloading="bandwidth" in milp_options)
+    names, per_strategy = split_solver_options(every if strategies is None else strategies, milp_options)
     budget = resolve_min_budget(graph, budget)  # once for every strategy
     results: list[PlanResult | InfeasibleBudgetError | SolverTimeLimitError] = []
     for name in names:
@@ -329,7 +332,8 @@ def compare_graph(
 
 def split_solver_options(strategies: Sequence[str], options: Mapping[str, Any]) -> tuple[list[str], dict]:
     """The strategy names, and for each MILP strategy among them the ``options`` it takes
-    (``mip_gap`` is for ``optimal`` alone), checked before any strategy runs.
+    (``mip_gap`` is for ``optimal`` alone), and for each offloading strategy the host link's
+    ``bandwidth``, checked before any strategy runs.
 
     Raises:
         ArgumentError: ``strategies`` is a string, no list, empty, or holds an unknown
@@ -348,15 +352,24 @@ def split_solver_options(strategies: Sequence[str], options: Mapping[str, Any]) 
     for name in names:
         get_strategy(name)  # an unknown name is refused before any strategy runs
     per_strategy = {}
+    options = dict(options)
+    bandwidth = options.pop("bandwidth", None)
     for name in names:
         if get_strategy(name).takes_solver_options:
             taken = option_names(get_strategy(name)) or []
             per_strategy[name] = {key: value for key, value in options.items() if key in taken}
+        elif get_strategy(name).offloads:
+            per_strategy[name] = {"bandwidth": check_bandwidth(bandwidth, name)}
     unknown = sorted(set(options) - {key for chosen in per_strategy.values() for key in chosen})
     if unknown:
         raise ArgumentError(f"option {', '.join(map(repr, unknown))} is taken by no MILP strategy among {names} "
                             f"(the options go to {', '.join(solver_strategy_names())} only)")
-    for chosen in per_strategy.values():
+    if bandwidth is not None and not any(get_strategy(name).offloads for name in names):
+        raise ArgumentError(f"bandwidth is the host link of the offloading strategies "
+                            f"({', '.join(offloading_strategy_names())}); none is among {names}")
+    for name, chosen in per_strategy.items():
+        if not get_strategy(name).takes_solver_options:
+            continue
         # Values too, so that a bad one fails before the heuristics run, not after them.
         check_solver_options(chosen.get("solver", DEFAULT_SOLVER), time_limit=chosen.get("time_limit"),
                              mip_gap=chosen.get("mip_gap"), threads=chosen.get("threads"), seed=chosen.get("seed"))

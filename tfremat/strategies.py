@@ -3,7 +3,8 @@
 Each strategy module is imported here explicitly; the heuristics come from the portfolio
 that warm-starts the MILP (:data:`tfremat.ilp.portfolio.HEURISTICS`), plus ``hong_ap``,
 ``rotor`` and ``rotor_ap`` (listed after ``hong``, not run by the portfolio), the
-solver-based strategies after them.
+strategies that offload to host memory (``autocapper``, ``opportunist``: they need a host
+link's ``bandwidth``), the solver-based strategies after them.
 Nothing here imports TensorFlow.
 """
 
@@ -16,20 +17,29 @@ from tfremat.ilp.formulation import memory_lower_bound
 from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.portfolio import HEURISTICS, best_baseline
 from tfremat.plan.hong import hong, hong_ap
+from tfremat.plan.offload import autocapper, opportunist
 from tfremat.plan.registry import Strategy
 from tfremat.plan.rotor import rotor, rotor_ap
 
-__all__ = ["STRATEGIES", "get_strategy", "strategy_names", "solver_strategy_names", "least_peak"]
+__all__ = ["STRATEGIES", "get_strategy", "strategy_names", "offloading_strategy_names", "solver_strategy_names",
+           "least_peak"]
 
 _AFTER_HONG = HEURISTICS.index(hong) + 1
 STRATEGIES: tuple[Strategy, ...] = (*HEURISTICS[:_AFTER_HONG], hong_ap, rotor, rotor_ap, *HEURISTICS[_AFTER_HONG:],
-                                    solve_optimal, solve_approx_lp)
+                                    autocapper, opportunist, solve_optimal, solve_approx_lp)
 _BY_NAME = {s.name: s for s in STRATEGIES}
 
 
-def strategy_names() -> list[str]:
-    """Every strategy name, in the catalogue's order."""
-    return list(_BY_NAME)
+def strategy_names(offloading: bool = False) -> list[str]:
+    """The strategy names, in the catalogue's order: those that run with a budget alone, and
+    with ``offloading`` those that move activations to host memory too (they need the host
+    link's ``bandwidth``)."""
+    return [s.name for s in STRATEGIES if offloading or not s.offloads]
+
+
+def offloading_strategy_names() -> list[str]:
+    """The strategies that offload to host memory (they take ``bandwidth``)."""
+    return [s.name for s in STRATEGIES if s.offloads]
 
 
 def get_strategy(name: str) -> Strategy:

@@ -242,7 +242,8 @@ def _candidates(graph: DFGraph, articulation: bool) -> list[int]:
 
 
 def cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int | None, strategy: str) -> Schedule:
-    """The cheapest candidate whose simulated peak fits ``budget`` (or the lowest-peak one).
+    """The cheapest candidate whose simulated peak fits ``budget`` (or the lowest-peak one);
+    cheapest by simulated makespan, which is the compute cost unless a schedule offloads.
 
     Without a budget the family's lowest-peak member is returned (ties: cheapest),
     which is what these heuristics were designed to find. Under a
@@ -274,7 +275,8 @@ def cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int
         smallest_peak = result.peak_bytes if smallest_peak is None else min(smallest_peak, result.peak_bytes)
         if budget is not None and result.peak_bytes > budget:
             continue
-        key = (result.cost, result.peak_bytes) if budget is not None else (result.peak_bytes, result.cost)
+        # The step's time: its compute cost, plus any wait for host copies (offloading).
+        key = (result.makespan, result.peak_bytes) if budget is not None else (result.peak_bytes, result.makespan)
         if best_key is None or key < best_key:
             best, best_key = schedule, key
             _PEAKS[schedule] = (graph, result.peak_bytes)

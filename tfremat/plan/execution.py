@@ -18,17 +18,34 @@ node, and the output, read by its other successors. Keeping the node into stage 
 a part only while a later stage still reads that copy of it (before the node is computed
 again): a softmax whose backward runs stages later keeps its residual and frees its
 output once the next forward node has read it.
+
+A schedule that offloads (``Schedule.H``) adds two statements, timed by the graph's
+costs and the schedule's ``host_bandwidth`` as Beaumont et al. advise (sec. 4, Lemma 1:
+offload as early, prefetch as late as possible):
+
+* ``offload`` right after the compute that starts a host copy. The device copy's
+  ``deallocate`` moves to the first compute predicted to start after the copy ends (the
+  transfers queue on one link), but before the node is computed again; the step waits
+  there for the copy, so the bytes are gone when the plan says.
+* ``prefetch`` (it allocates the device copy) as late as the link allows the copy to land
+  before the stage that keeps the value, after the device copy's ``deallocate``; the
+  first reader waits for it.
+
+Predictions count compute costs only; the simulator replays the two timelines and
+reports the waits (:func:`tfremat.plan.simulator.simulate`).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 
 import numpy as np
 
+from tfremat.errors import ScheduleError
 from tfremat.graph import DFGraph
-from tfremat.plan.schedule import Schedule
+from tfremat.plan.schedule import Schedule, prefetch_stages
 
 __all__ = ["Op", "Statement", "ExecutionPlan", "build_plan", "parts_needed_later"]
 
@@ -37,6 +54,8 @@ class Op(enum.Enum):
     ALLOCATE = "allocate"
     COMPUTE = "compute"
     DEALLOCATE = "deallocate"
+    OFFLOAD = "offload"  # start copying the value to host memory
+    PREFETCH = "prefetch"  # allocate the device copy and start copying the value back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +80,14 @@ class Statement:
 
 @dataclasses.dataclass(frozen=True)
 class ExecutionPlan:
-    """An ordered, immutable list of statements for one training step."""
+    """An ordered, immutable list of statements for one training step.
+
+    ``host_bandwidth``: the host link its copies were timed for (None: no copies).
+    """
 
     statements: tuple[Statement, ...]
     num_nodes: int
+    host_bandwidth: float | None = None
 
     def __iter__(self):
         return iter(self.statements)
@@ -78,9 +101,13 @@ class ExecutionPlan:
 
 
 def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
-    """Emits the statements of ``schedule`` in row-major order of R (Checkmate Alg. 1).
+    """Emits the statements of ``schedule`` in row-major order of R (Checkmate Alg. 1),
+    with its host copies placed by :func:`_place_transfers` when it offloads.
 
     The schedule is assumed valid (see :func:`tfremat.plan.schedule.validate_schedule`).
+
+    Raises:
+        ScheduleError: the schedule offloads without a ``host_bandwidth``.
     """
     n = graph.size
     R, S = schedule.R, schedule.S
@@ -130,7 +157,91 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
                 freed.discard((k, part))
             for i, part in sorted(frees_after.get(k, ()), key=lambda key: (key[0], key[1] or "")):
                 free(i, part, t)
-    return ExecutionPlan(tuple(statements), n)
+    if not schedule.offloads:
+        return ExecutionPlan(tuple(statements), n)
+    return ExecutionPlan(tuple(_place_transfers(graph, schedule, statements)), n, float(schedule.host_bandwidth))
+
+
+def _place_transfers(graph: DFGraph, schedule: Schedule, statements: list[Statement]) -> list[Statement]:
+    """Inserts the offloads and prefetches of ``schedule.H`` into the statements of R and S
+    and moves each offloaded device copy's deallocation behind its copy (module docstring).
+
+    Times are predicted on the statements without transfers: a statement starts when the
+    computes before it are done. Offloads queue on the link in plan order; prefetches are
+    laid out backwards from when their stage begins, each ending before the next starts.
+    """
+    if schedule.host_bandwidth is None:
+        raise ScheduleError("the schedule offloads values but names no host_bandwidth to time the copies by",
+                            rule="host-link")
+    bandwidth = float(schedule.host_bandwidth)
+    n = graph.size
+    H = schedule.H
+    out, cost = graph.output_bytes, graph.cost
+    starts = np.zeros(len(statements) + 1)
+    for position, statement in enumerate(statements):
+        starts[position + 1] = starts[position] + (cost[statement.node] if statement.op is Op.COMPUTE else 0.0)
+    computes = [p for p, s in enumerate(statements) if s.op is Op.COMPUTE]
+    compute_starts = [starts[p] for p in computes]
+    # Insertions keyed by (base position they precede, rank): offloads right after their
+    # compute, then moved deallocations, then prefetches.
+    inserted: list[tuple[tuple[int, int], Statement]] = []
+    moved: set[int] = set()
+    freed_at: dict[int, list[tuple[int, int]]] = {}  # node -> keys of its device copies' deallocations
+    stage_begins = {}
+    for position, statement in enumerate(statements):
+        stage_begins.setdefault(statement.stage, position)
+    wanted = []
+    for t, i in np.argwhere(prefetch_stages(schedule.R, schedule.S, H)):
+        need = stage_begins.get(int(t) + 1, len(statements))
+        wanted.append((need, int(i), int(t)))
+    link = 0.0
+    for position, statement in enumerate(statements):
+        i, t = statement.node, statement.stage
+        if statement.op is not Op.COMPUTE or t + 1 >= n or not H[t + 1, i] or H[t, i]:
+            continue
+        begin = max(starts[position + 1], link)
+        link = begin + out[i] / bandwidth
+        inserted.append(((position + 1, 0), Statement(Op.OFFLOAD, i, t)))
+        later = range(position + 1, len(statements))
+        free = next((p for p in later if statements[p].op is Op.DEALLOCATE and statements[p].node == i), None)
+        if free is None:
+            continue
+        # Before the node is computed again or its host copy comes back.
+        again = min([p for p in later if statements[p].op is Op.ALLOCATE and statements[p].node == i][:1]
+                    + [need for need, v, _ in wanted if v == i and need > position] + [len(statements)])
+        landed = bisect.bisect_left(compute_starts, link)
+        target = computes[landed] if landed < len(computes) else len(statements)
+        target = min(max(target, free), again)
+        moved.add(free)
+        key = (target, 1)
+        freed_at.setdefault(i, []).append(key)
+        inserted.append((key, dataclasses.replace(statements[free], stage=_stage_at(statements, target))))
+    link_back = np.inf
+    for need, i, t in sorted(wanted, reverse=True):
+        end = min(starts[need], link_back)
+        begin = end - out[i] / bandwidth
+        link_back = begin
+        issue = bisect.bisect_right(compute_starts, begin) - 1
+        key = (computes[issue] if issue >= 0 else 0, 2)
+        earliest = max((k for k in freed_at.get(i, ()) if k <= (need, 1)), default=(0, 1))
+        key = min(max(key, (earliest[0], 2)), (need, 2))
+        inserted.append((key, Statement(Op.PREFETCH, i, _stage_at(statements, key[0]))))
+    inserted.sort(key=lambda item: item[0])
+    result: list[Statement] = []
+    cursor = 0
+    for position, statement in enumerate(statements):
+        while cursor < len(inserted) and inserted[cursor][0][0] <= position:
+            result.append(inserted[cursor][1])
+            cursor += 1
+        if position not in moved:
+            result.append(statement)
+    result.extend(statement for _, statement in inserted[cursor:])
+    return result
+
+
+def _stage_at(statements: list[Statement], position: int) -> int:
+    """The stage of the statement at ``position`` (the last stage past the end)."""
+    return statements[min(position, len(statements) - 1)].stage
 
 
 def parts_needed_later(graph: DFGraph, R: np.ndarray, node: int) -> dict[str, np.ndarray]:

@@ -38,12 +38,15 @@ class Strategy:
             warm-starts those solvers leaves these out.
         runs_last: a heuristic that the portfolio runs after the others, with less time
             when another already fits (it is slow and rarely the best).
+        offloads: it moves activations to host memory and takes ``bandwidth`` (the host
+            link); callers that run every strategy include it only with a bandwidth.
     """
 
     name: str
     function: Callable
     takes_solver_options: bool = False
     runs_last: bool = False
+    offloads: bool = False
 
     def __call__(self, graph: DFGraph, budget=None, *options, **keyword_options):
         """The schedule for ``graph`` under ``budget`` (any form :func:`parse_graph_budget`
@@ -65,14 +68,15 @@ class Strategy:
         return option_names(self.function)
 
 
-def as_strategy(name: str, *, takes_solver_options: bool = False, runs_last: bool = False) -> Callable[[Callable], Strategy]:
+def as_strategy(name: str, *, takes_solver_options: bool = False, runs_last: bool = False,
+                offloads: bool = False) -> Callable[[Callable], Strategy]:
     """Decorator making ``fn(graph, budget_bytes_or_None, **options)`` the :class:`Strategy`
     ``name``; the module-level name then refers to the strategy, so a direct call parses its
     budget as every caller's does (0.8 was once 80% to ``optimal`` and 0.8 bytes to the
     heuristics)."""
 
     def decorate(fn: Callable) -> Strategy:
-        return Strategy(name, fn, takes_solver_options=takes_solver_options, runs_last=runs_last)
+        return Strategy(name, fn, takes_solver_options=takes_solver_options, runs_last=runs_last, offloads=offloads)
 
     return decorate
 

@@ -6,6 +6,14 @@ stage). ``R[t, i]`` says node ``i`` is (re)computed in stage ``t``; ``S[t, i]`` 
 of node ``i`` is kept in memory from stage ``t-1`` into stage ``t``. Both are lower
 triangular (``R[t, i] = 0`` for ``i > t``, ``S[t, i] = 0`` for ``i >= t``). Within a stage,
 nodes run in increasing id order.
+
+Offloading (Beaumont et al. 2021, sec. 3.1's operations ``O`` and ``P``) adds a third
+matrix: ``H[t, i]`` says a copy of value i is in host memory during stage t. A host copy is
+made by an offload issued right after the node is computed in stage t-1 (the first stage
+of a run of ``H``), and a value kept into stage t may come from the host copy of stage t-1
+(a prefetch) instead of the device. When and how fast the copies travel is the plan's
+business (:mod:`tfremat.plan.execution`), over a host link of ``host_bandwidth`` bytes per
+unit of the graph's cost.
 """
 
 from __future__ import annotations
@@ -30,13 +38,18 @@ __all__ = [
     "prune_s",
     "schedule_from_keep_matrix",
     "checkpoint_all_s",
+    "offloadable",
+    "prefetch_stages",
+    "prune_h",
     "validate_schedule",
     "check_facts_document",
 ]
 
 
 # Bumped when the document's layout or the meaning of a key changes.
-SCHEDULE_FORMAT = "tfremat.schedule/2"
+SCHEDULE_FORMAT = "tfremat.schedule/3"
+# Earlier layouts still read: /2 had no host matrix (no offloading).
+_READABLE_FORMATS = ("tfremat.schedule/2", SCHEDULE_FORMAT)
 
 
 class SolveStatus(str, enum.Enum):
@@ -145,12 +158,19 @@ class Schedule:
         S: bool array (T, n); ``S[t, i]``: value i is kept from stage t-1 into stage t.
         strategy: name of the strategy that produced it.
         facts: what a solver proved (:class:`SolverFacts`); None for heuristics.
+        H: bool array (T, n) or None; ``H[t, i]``: a copy of value i is in host memory
+            during stage t (module docstring). None (or no entry set): no offloading.
+        host_bandwidth: the host link the schedule was planned for, in bytes per unit of
+            the graph's cost (bytes per second for profiled graphs); needed when H offloads
+            anything, since the plan times its copies by it.
     """
 
     R: np.ndarray
     S: np.ndarray
     strategy: str = "unknown"
     facts: SolverFacts | None = None
+    H: np.ndarray | None = None
+    host_bandwidth: float | None = None
 
     def __post_init__(self):
         R = np.array(self.R, dtype=bool)
@@ -159,8 +179,22 @@ class Schedule:
         S.setflags(write=False)
         object.__setattr__(self, "R", R)
         object.__setattr__(self, "S", S)
+        if self.H is not None:
+            H = np.array(self.H, dtype=bool)
+            H.setflags(write=False)
+            object.__setattr__(self, "H", H if H.any() else None)
         if self.facts is not None and not isinstance(self.facts, SolverFacts):
             raise TypeError(f"facts must be SolverFacts or None, got {type(self.facts).__name__}")
+        if self.host_bandwidth is not None and not (
+            is_number(self.host_bandwidth) and math.isfinite(self.host_bandwidth) and self.host_bandwidth > 0
+        ):
+            raise ScheduleError(f"host_bandwidth must be None or a finite number of bytes per unit of cost > 0, got "
+                                f"{self.host_bandwidth!r}", rule="host-link")
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the schedule copies any value to host memory."""
+        return self.H is not None
 
     @property
     def num_stages(self) -> int:
@@ -177,7 +211,8 @@ class Schedule:
 
     def with_facts(self, facts: SolverFacts | None, strategy: str | None = None) -> "Schedule":
         """A copy carrying ``facts`` (and renamed to ``strategy`` when given)."""
-        return Schedule(self.R, self.S, self.strategy if strategy is None else strategy, facts)
+        return Schedule(self.R, self.S, self.strategy if strategy is None else strategy, facts, self.H,
+                        self.host_bandwidth)
 
     def to_dict(self, graph: DFGraph | None = None, node_ids: list | None = None) -> dict:
         """JSON-ready form: R and S as lists of ``[t, i]`` pairs over execution positions.
@@ -197,6 +232,8 @@ class Schedule:
             "graph_fingerprint": graph.fingerprint if graph is not None else None,
             "R": np.argwhere(self.R).tolist(),
             "S": np.argwhere(self.S).tolist(),
+            "H": np.argwhere(self.H).tolist() if self.H is not None else [],
+            "host_bandwidth": self.host_bandwidth,
         }
 
     @classmethod
@@ -221,14 +258,15 @@ class Schedule:
                 rule="fingerprint",
             )
         try:
-            if data.get("format") != SCHEDULE_FORMAT:
+            if data.get("format") not in _READABLE_FORMATS:
                 # Another version's document (its facts may mean other things): refused.
-                raise ValueError(f"format {data.get('format')!r} is not {SCHEDULE_FORMAT!r}")
+                raise ValueError(f"format {data.get('format')!r} is not one of {_READABLE_FORMATS}")
             n = data["num_nodes"]
             if not is_int(n) or n < 0:
                 raise ValueError(f"num_nodes {n!r} is not a count of nodes")
             n = int(n)
             pairs = {key: data[key] for key in ("R", "S")}
+            pairs["H"] = data.get("H", [])
             for key, listed in pairs.items():
                 if not isinstance(listed, list):
                     raise ValueError(f"{key} is a {type(listed).__name__}, not a list of [stage, node] pairs")
@@ -241,7 +279,8 @@ class Schedule:
                 raise ValueError(f"order must list {n} node ids")
             R = np.zeros((n, n), dtype=bool)
             S = np.zeros((n, n), dtype=bool)
-            for matrix, key in ((R, "R"), (S, "S")):
+            H = np.zeros((n, n), dtype=bool)
+            for matrix, key in ((R, "R"), (S, "S"), (H, "H")):
                 for pair in pairs[key]:
                     # numpy would wrap a negative index around to another stage or node
                     if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(is_int(v) and 0 <= v < n for v in pair)):
@@ -255,11 +294,11 @@ class Schedule:
             strategy = data.get("strategy", "unknown")
             if not isinstance(strategy, str):
                 raise ValueError(f"strategy {strategy!r:.60} is not a name")
+            schedule = cls(R, S, strategy, facts, H, data.get("host_bandwidth"))
         except ScheduleError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ScheduleError(f"malformed schedule document: {exc!r}", rule="format") from exc
-        schedule = cls(R, S, strategy, facts)
         if graph is not None:
             validate_schedule(graph, schedule)
         return schedule
@@ -329,22 +368,44 @@ def _json_value(value):
     return value
 
 
+def offloadable(graph: DFGraph, node: int) -> bool:
+    """Whether a schedule may copy ``node``'s value to host memory: a forward node (not the
+    loss, not a gradient) that something reads and whose value holds no residual part. A
+    residual part lives inside the layer's recorded tape in the compiled step, so only an
+    output that is plain tensors can travel."""
+    return (not graph.is_backward[node]) and bool(graph.successors[node]) and not graph.residual_bytes[node]
+
+
+def prefetch_stages(R: np.ndarray, S: np.ndarray, H: np.ndarray | None) -> np.ndarray:
+    """``P[t, i]``: stage t prefetches value i for stage t+1 (it is kept into stage t+1,
+    neither computed nor kept on the device in stage t, and a host copy exists in t)."""
+    P = np.zeros_like(R, dtype=bool)
+    if H is not None:
+        P[:-1] = S[1:] & H[:-1] & ~R[:-1] & ~S[:-1]
+    return P
+
+
 def validate_schedule(graph: DFGraph, schedule: Schedule) -> None:
     """Checks every rule of the stage model; raises on the first violated one.
 
     Rules, in the order checked: ``shape``, ``lower-triangular``, ``frontier`` (stage t
-    computes node t), ``keep-source`` (a value kept into stage t was resident at the end
-    of stage t-1), ``input-resident`` (every input of a computed node is kept into the
-    stage or computed earlier in it), ``recompute-while-resident`` (no node is
-    recomputed while its value is already kept).
+    computes node t), ``offload-kind`` (only :func:`offloadable` values go to the host),
+    ``offload-source`` (a run of ``H`` starts in the stage after one that computes the
+    value), ``host-link`` (a schedule that offloads names its ``host_bandwidth``),
+    ``keep-source`` (a value kept into stage t was resident at the end of stage t-1, or
+    has a host copy there to prefetch), ``input-resident`` (every input of a computed node
+    is kept into the stage or computed earlier in it), ``recompute-while-resident`` (no
+    node is recomputed while its value is already kept).
 
     Raises:
         ScheduleError: naming the rule, the stage and the node.
     """
     n = graph.size
     R, S = schedule.R, schedule.S
-    if R.shape != (n, n) or S.shape != (n, n):
-        raise ScheduleError(f"R and S must be {n}x{n} for this graph, got {R.shape} and {S.shape}", rule="shape")
+    H = schedule.H if schedule.H is not None else np.zeros_like(R)
+    if R.shape != (n, n) or S.shape != (n, n) or H.shape != (n, n):
+        raise ScheduleError(f"R, S and H must be {n}x{n} for this graph, got {R.shape}, {S.shape} and {H.shape}",
+                            rule="shape")
     upper_r = np.argwhere(np.triu(R, 1))
     if len(upper_r):
         t, i = upper_r[0]
@@ -353,16 +414,38 @@ def validate_schedule(graph: DFGraph, schedule: Schedule) -> None:
     if len(upper_s):
         t, i = upper_s[0]
         raise ScheduleError(f"S[{t}, {i}] is set on or above the diagonal: value {i} cannot be kept into stage {t} <= {i}", rule="lower-triangular", stage=int(t), node=int(i))
+    upper_h = np.argwhere(np.triu(H))
+    if len(upper_h):
+        t, i = upper_h[0]
+        raise ScheduleError(f"H[{t}, {i}] is set on or above the diagonal: value {i} has no host copy in stage {t} <= {i}", rule="lower-triangular", stage=int(t), node=int(i))
     missing = np.flatnonzero(~np.diag(R))
     if len(missing):
         t = int(missing[0])
         raise ScheduleError(f"stage {t} does not compute node {t} (frontier-advancing rule)", rule="frontier", stage=t, node=t)
-    resident_end = R[:-1] | S[:-1]
+    if schedule.H is not None:
+        for i in np.flatnonzero(H.any(axis=0)):
+            if not offloadable(graph, int(i)):
+                t = int(np.argmax(H[:, i]))
+                raise ScheduleError(
+                    f"H[{t}, {i}]: value {i} ({graph.names[i]}) cannot go to host memory (only a forward value without "
+                    "residual parts that something reads can)", rule="offload-kind", stage=t, node=int(i))
+        starts = np.argwhere(H[1:] & ~H[:-1] & ~R[:-1])
+        if len(starts):
+            t, i = starts[0]
+            raise ScheduleError(
+                f"H[{t + 1}, {i}]: the host copy of value {i} ({graph.names[i]}) starts in stage {t + 1}, but stage {t} "
+                "does not compute it (an offload is issued right after the node runs)", rule="offload-source",
+                stage=int(t + 1), node=int(i))
+        if schedule.host_bandwidth is None:
+            raise ScheduleError("the schedule offloads values but names no host_bandwidth to time the copies by",
+                                rule="host-link")
+    resident_end = R[:-1] | S[:-1] | H[:-1]
     bad_keep = np.argwhere(S[1:] & ~resident_end)
     if len(bad_keep):
         t, i = bad_keep[0]
         raise ScheduleError(
-            f"S[{t + 1}, {i}]: value {i} ({graph.names[i]}) is kept into stage {t + 1} but was not resident in stage {t}",
+            f"S[{t + 1}, {i}]: value {i} ({graph.names[i]}) is kept into stage {t + 1} but was not resident in stage {t} "
+            "(on the device or in host memory)",
             rule="keep-source", stage=int(t + 1), node=int(i),
         )
     for t in range(n):
@@ -380,30 +463,34 @@ def validate_schedule(graph: DFGraph, schedule: Schedule) -> None:
         raise ScheduleError(f"stage {t} recomputes node {i} ({graph.names[i]}) although its value is kept into that stage", rule="recompute-while-resident", stage=int(t), node=int(i))
 
 
-def solve_r_given_s(graph: DFGraph, S: np.ndarray) -> np.ndarray:
+def solve_r_given_s(graph: DFGraph, S: np.ndarray, H: np.ndarray | None = None) -> np.ndarray:
     """The minimal recomputation matrix R that makes the keep matrix S feasible.
 
     Checkmate's ``solve_r_opt``: stage t computes node t; walking the stage backwards,
     a node is computed when a node computed later in the stage reads it, or when it
-    must be kept into stage t+1, and its value is not already kept into stage t.
-    Every node is computed at most once per stage, so R is the cheapest completion of S.
+    must be kept into stage t+1 and neither its value is kept into stage t nor a host
+    copy (``H``) can be prefetched in stage t, or when a host copy starts in stage t+1
+    (an offload follows the node's computation). Every node is computed at most once per
+    stage, so R is the cheapest completion of S (and H).
 
     Args:
         graph: the graph.
         S: bool (n, n) keep matrix, strictly lower triangular.
+        H: bool (n, n) host matrix, or None (no offloading).
 
     Returns:
         bool (n, n) array R.
     """
     n = graph.size
     S = np.asarray(S, dtype=bool)
+    H = np.zeros((n, n), dtype=bool) if H is None else np.asarray(H, dtype=bool)
     R = np.eye(n, dtype=bool)
     preds = graph.predecessors
     for t in range(n):
         row_r = R[t]
         row_s = S[t]
         if t + 1 < n:
-            row_r[: t] |= S[t + 1, : t] & ~row_s[: t]
+            row_r[: t] |= (S[t + 1, : t] & ~row_s[: t] & ~H[t, : t]) | (H[t + 1, : t] & ~H[t, : t])
         for k in range(t, -1, -1):
             if row_r[k]:
                 for i in preds[k]:
@@ -435,19 +522,39 @@ def prune_s(graph: DFGraph, R: np.ndarray, S: np.ndarray) -> np.ndarray:
     return pruned
 
 
-def schedule_from_keep_matrix(graph: DFGraph, S: np.ndarray, strategy: str) -> Schedule:
-    """Completes a keep matrix with :func:`solve_r_given_s` and prunes unused keeps.
+def prune_h(R: np.ndarray, S: np.ndarray, H: np.ndarray | None) -> np.ndarray | None:
+    """Drops host copies held past their last prefetch (and runs no prefetch reads), so the
+    host holds nothing for nothing; None when nothing is left."""
+    if H is None:
+        return None
+    P = prefetch_stages(R, S, H)
+    kept = np.zeros_like(P)
+    after = np.zeros(P.shape[1], dtype=bool)
+    for t in range(P.shape[0] - 1, -1, -1):
+        after = H[t] & (P[t] | after)
+        kept[t] = after
+    return kept if kept.any() else None
+
+
+def schedule_from_keep_matrix(graph: DFGraph, S: np.ndarray, strategy: str, H: np.ndarray | None = None,
+                              host_bandwidth: float | None = None) -> Schedule:
+    """Completes a keep matrix (and a host matrix) with :func:`solve_r_given_s` and prunes
+    unused keeps (:func:`prune_s`) and host copies (:func:`prune_h`).
 
     Recomputation happens in the stage before a value must be kept, so pruning an unread
     keep can make that recomputation unnecessary; the loop runs to a fixed point.
     """
     S = np.asarray(S, dtype=bool)
+    H = None if H is None else np.asarray(H, dtype=bool)
     while True:
-        R = solve_r_given_s(graph, S)
+        R = solve_r_given_s(graph, S, H)
         pruned = prune_s(graph, R, S)
-        if np.array_equal(pruned, S):
-            return Schedule(R, S, strategy)
-        S = pruned
+        pruned_h = prune_h(R, pruned, H)
+        same_h = (pruned_h is None and H is None) or (
+            pruned_h is not None and H is not None and np.array_equal(pruned_h, H))
+        if np.array_equal(pruned, S) and same_h:
+            return Schedule(R, S, strategy, None, H, host_bandwidth if H is not None else None)
+        S, H = pruned, pruned_h
 
 
 def checkpoint_all_s(graph: DFGraph) -> np.ndarray:

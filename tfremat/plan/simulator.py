@@ -11,7 +11,17 @@ Convention (Checkmate's memory accounting plus per-node workspace):
   k and that is not kept into stage t+1 is freed (see :mod:`tfremat.plan.execution`);
   a node's output and its residuals are freed each on its own.
 
-The peak is the largest memory during any node's run. The MILP (``tfremat.ilp``) encodes
+The peak is the largest memory during any node's run. With offloading (Beaumont et al.
+2021, sec. 3), a ``prefetch`` allocates its device copy where the plan issues it and a
+``deallocate`` of an offloaded copy frees it where it stands, so memory still follows the
+plan's order; the copies only add time. Two timelines run side by side: the compute one
+(node costs) and one host link (``host_bandwidth`` bytes per unit of cost, one copy at a
+time, in plan order). A copy starts when it is issued and the link is free (a prefetch
+also waits for its offload); a ``deallocate`` of a copy still travelling to the host, and
+a compute reading a prefetch still travelling to the device, wait for it: that idle time
+makes the step's ``makespan`` longer than its compute ``cost``.
+
+The MILP (``tfremat.ilp``) encodes
 the same convention, and a test holds the two together. Solvers, tests, reports and plots
 all call :func:`simulate`; there is no switch that changes what it counts.
 """
@@ -41,6 +51,11 @@ class SimulationResult:
             including the node's workspace), for plots.
         peak_statement: index of the statement where the peak occurs.
         plan: the simulated plan.
+        makespan: when the step ends: ``cost`` plus the time compute waits for copies.
+        idle: ``makespan - cost`` as it accrued (0 without offloading).
+        transfer_bytes: bytes copied over the host link (offloads and prefetches).
+        host_peak_bytes: the most bytes held in host memory at once; a host copy is held
+            from its offload to its last prefetch.
     """
 
     peak_bytes: int
@@ -49,6 +64,10 @@ class SimulationResult:
     trace_bytes: np.ndarray
     peak_statement: int
     plan: ExecutionPlan
+    makespan: float = 0.0
+    idle: float = 0.0
+    transfer_bytes: int = 0
+    host_peak_bytes: int = 0
 
 
 def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult:
@@ -72,23 +91,84 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
     peak = live
     peak_at = 0
     recomputes = 0
+    link = _HostLink(graph, plan)
     for index, statement in enumerate(plan.statements):
         node = statement.node
         if statement.op is Op.ALLOCATE:
             live += out[node]
             current = live
         elif statement.op is Op.COMPUTE:
+            link.compute(node)
             current = live + work[node]
             total_cost += costs[node]
             recomputes += statement.recompute
             if current > peak:
                 peak, peak_at = current, index
+        elif statement.op is Op.OFFLOAD:
+            link.offload(node)
+            current = live
+        elif statement.op is Op.PREFETCH:
+            link.prefetch(node, index)
+            live += out[node]
+            current = live
         else:
+            link.free(node)
             live -= out[node] if statement.part is None else graph.part_bytes(node, statement.part)
             current = live
         trace[index] = current
     trace.setflags(write=False)
-    return SimulationResult(int(peak), total_cost, recomputes, trace, peak_at, plan)
+    return SimulationResult(int(peak), total_cost, recomputes, trace, peak_at, plan, link.clock,
+                            max(0.0, link.clock - total_cost), link.moved, link.host_peak)
+
+
+class _HostLink:
+    """The compute clock and the host link's timeline of one simulated plan (module
+    docstring); without offloads it only adds up costs."""
+
+    def __init__(self, graph: DFGraph, plan: ExecutionPlan):
+        self.graph = graph
+        self.bandwidth = plan.host_bandwidth
+        self.clock = 0.0
+        self.link_free = 0.0
+        self.offloaded: dict[int, float] = {}  # node -> when its copy to the host ends
+        self.arrives: dict[int, float] = {}  # node -> when its prefetched copy is on the device
+        self.moved = 0
+        self.host = 0
+        self.host_peak = 0
+        # The last prefetch of each host copy (before the node is offloaded again) frees it.
+        self.last_prefetch: set[int] = set()
+        pending: dict[int, int] = {}
+        for index, statement in enumerate(plan.statements):
+            if statement.op is Op.PREFETCH:
+                pending[statement.node] = index
+            elif statement.op is Op.OFFLOAD and statement.node in pending:
+                self.last_prefetch.add(pending.pop(statement.node))
+        self.last_prefetch.update(pending.values())
+
+    def _transfer(self, node: int, ready: float) -> float:
+        size = int(self.graph.output_bytes[node])
+        begin = max(self.clock, self.link_free, ready)
+        self.link_free = begin + size / self.bandwidth
+        self.moved += size
+        return self.link_free
+
+    def compute(self, node: int) -> None:
+        for source in self.graph.predecessors[node]:
+            self.clock = max(self.clock, self.arrives.pop(source, 0.0))
+        self.clock += self.graph.cost[node]
+
+    def offload(self, node: int) -> None:
+        self.offloaded[node] = self._transfer(node, 0.0)
+        self.host += int(self.graph.output_bytes[node])
+        self.host_peak = max(self.host_peak, self.host)
+
+    def prefetch(self, node: int, index: int) -> None:
+        self.arrives[node] = self._transfer(node, self.offloaded.get(node, 0.0))
+        if index in self.last_prefetch:
+            self.host -= int(self.graph.output_bytes[node])
+
+    def free(self, node: int) -> None:
+        self.clock = max(self.clock, self.offloaded.get(node, 0.0))
 
 
 def stage_peaks(result: SimulationResult, num_stages: int) -> np.ndarray:

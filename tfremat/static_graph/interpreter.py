@@ -22,6 +22,16 @@ statement (Checkmate's Algorithm 1 order):
   prunes it, so it costs nothing.
 * **deallocate**: drop the value from the resident table; nothing created later can read
   it, so TensorFlow frees the tensor once its last (earlier) consumer has run.
+* **offload** (Beaumont et al. 2021's ``O``): ``tf.identity`` of the value's tensors under
+  the host device, created right after the compute that made them, so the copy starts as
+  soon as they exist. At the value's deallocate the next statement waits for the copy, so
+  the device tensor's last consumer has run where the plan frees it.
+* **prefetch** (``P``): ``tf.identity`` of the host copy back under the value's device,
+  ordered after the previous statement; it becomes the resident value, with a new
+  generation, so readers use it and a backward node whose recorded forward read the old
+  device copy rebuilds its vector-Jacobian product on it (as after a recomputation). A
+  gradient that reads the forward node's own outputs through its tape still reads the
+  device tensors the tape recorded; only values read as inputs leave the device entirely.
 
 Each weight gradient reaches the optimizer through a control dependency on the last
 statement that used its layer, so no update can overtake a read of the variable in the
@@ -126,6 +136,9 @@ class _Instance:
     input_generations: list
     one_gradient_call: bool = False
     differentiated: bool = False
+    # A prefetched copy: the instance whose tape recorded the outputs it copies (gradients
+    # are taken there, at the recorded outputs).
+    recorded: Any = None
 
 
 class _Interpreter:
@@ -144,6 +157,9 @@ class _Interpreter:
         self.generation: dict[int, int] = {}
         self.snapshots: dict[int, StateSnapshot | None] = {}
         self.token: list = []
+        # node -> (the offloaded instance, its host copies); the copies not yet waited for.
+        self.host: dict[int, tuple[_Instance, list]] = {}
+        self.copying: dict[int, list] = {}
         self.loss = None
         self.predictions: list = []
         # Per loss input: whether the loss's gradient is taken at the output's logits
@@ -206,9 +222,17 @@ class _Interpreter:
                     for variable in getattr(layer, "trainable_variables", ()):
                         self.last_reader[id(variable)] = produced
                         last_statement[id(variable)] = len(self.report.statement_ops) - 1
+            elif statement.op is Op.OFFLOAD:
+                self._offload(node)
+            elif statement.op is Op.PREFETCH:
+                with tf.control_dependencies(self.token):
+                    self._prefetch(node)
+                held_bytes[position] = self._held_bytes(node)
             else:
                 if node not in self.resident:
                     raise CompileError(f"plan frees node {node} ({self.graph.names[node]}), which is not resident")
+                if node in self.copying:
+                    self.token = self.token + self.copying.pop(node)
                 parts = self.freed_parts.setdefault(node, set())
                 parts.add(statement.part)
                 if statement.part is None or len(parts) == len(self.graph.value_parts(node)):
@@ -242,6 +266,33 @@ class _Interpreter:
         self.report.ledger_bytes = self._ledger(plan, held_bytes)
         return self.loss, self.predictions, gated
 
+    def _offload(self, node: int) -> None:
+        """Starts copying the resident value of ``node`` to host memory (module docstring)."""
+        if node not in self.resident:
+            raise CompileError(f"plan offloads node {node} ({self.graph.names[node]}), which is not resident")
+        instance = self.resident[node]
+        with tf.device("/CPU:0"):
+            copies = [None if t is None else tf.identity(t, name=f"offload_{node}") for t in instance.outputs]
+        self.host[node] = (instance, copies)
+        self.copying[node] = [c.op for c in copies if c is not None]
+
+    def _prefetch(self, node: int) -> None:
+        """Copies ``node``'s host copy back and makes it the resident value (module docstring)."""
+        if node not in self.host:
+            raise CompileError(f"plan prefetches node {node} ({self.graph.names[node]}), which has no host copy")
+        if node in self.resident:
+            raise CompileError(f"plan prefetches node {node} ({self.graph.names[node]}) while it is still resident")
+        instance, copies = self.host[node]
+        back = []
+        for original, copy in zip(instance.outputs, copies):
+            if copy is None:
+                back.append(None)
+                continue
+            with tf.device(original.device or None):
+                back.append(tf.identity(copy, name=f"prefetch_{node}"))
+        self.resident[node] = dataclasses.replace(instance, outputs=back, recorded=instance.recorded or instance)
+        self.generation[node] = self.generation.get(node, -1) + 1
+
     def _held_bytes(self, node: int) -> dict:
         """Bytes of the value ``node``'s compute just made resident, per part
         (:meth:`~tfremat.graph.DFGraph.value_parts`): its distinct tensors (an ``Add``'s
@@ -273,11 +324,15 @@ class _Interpreter:
                 upcoming[statement.node] = held_bytes[position]
             elif statement.op is Op.ALLOCATE:
                 allocate_bytes[position] = upcoming[statement.node]
+            elif statement.op is Op.PREFETCH:
+                allocate_bytes[position] = held_bytes[position]
         live, holding, ledger = self.graph.fixed_bytes, {}, []
         for position, statement in enumerate(plan):
-            if statement.op is Op.ALLOCATE:
+            if statement.op in (Op.ALLOCATE, Op.PREFETCH):
                 holding[statement.node] = dict(allocate_bytes[position])
                 live += sum(holding[statement.node].values())
+                ledger.append(live)
+            elif statement.op is Op.OFFLOAD:
                 ledger.append(live)
             elif statement.op is Op.COMPUTE:
                 ledger.append(live + self.graph.workspace_bytes[statement.node])
@@ -436,6 +491,7 @@ class _Interpreter:
         instance = self.instances.get(forward)
         if reads_forward:
             instance = self._value(forward, node)
+            instance = instance.recorded or instance
         stale = instance is None or (instance.one_gradient_call and instance.differentiated) or any(
             forward_entry.inputs[pos].source == "node"
             and instance.input_generations[pos] != self.generation[forward_entry.inputs[pos].index]

@@ -1,0 +1,232 @@
+"""Offloading activations to host memory: the heuristics of Beaumont et al. (2021, sec. 5.1)
+on training graphs, and the move they share.
+
+Beaumont, Eyraud-Dubois and Shilova, "Efficient Combination of Rematerialization and
+Offloading for Training DNNs" (NeurIPS 2021, ``shared/papers/004_970af3ac90aaba55.txt``).
+A schedule offloads through its host matrix ``H`` (:mod:`tfremat.plan.schedule`); the plan
+times the copies over a link of ``bandwidth`` bytes per unit of the graph's cost
+(:mod:`tfremat.plan.execution`) and the simulator replays both timelines, so every schedule
+here is judged, and chosen, by its simulated peak and makespan.
+
+The move (:func:`offload_gap`): a value kept on the device across stages where nothing
+reads it goes to the host right after it is computed and comes back for its next reader.
+
+* ``autocapper`` (sec. 5.1): *capper* takes a recompute-only schedule planned for a larger
+  limit M', finds the stage of its simulated peak and offloads the lowest-indexed value
+  resident and unread there, until the schedule fits; *autocapper* runs capper for limits
+  evenly spaced between the budget and the checkpoint-all peak and keeps the fastest.
+* ``opportunist`` (sec. 5.1): keeps the link busy in the forward pass. The first forward
+  node's value is offloaded, the following nodes are dropped (recomputed in the backward
+  pass) until the copy is predicted to end, then the next node is offloaded, and so on; once
+  the rest of the pass fits in memory kept whole, the remaining nodes are kept. Each group
+  between two offloaded values is recomputed once when the backward pass reaches it.
+
+The paper's pofo DP lives in :mod:`tfremat.plan.pofo`; the strategy ``pofo`` maps its chain
+sequences onto the graph here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+
+import numpy as np
+
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, is_int, is_number
+from tfremat.graph import DFGraph
+from tfremat.plan.baselines import (
+    _forward_order,
+    _forward_phase_end,
+    cheapest_fitting,
+    keep_matrix,
+    time_is_up,
+)
+from tfremat.plan.registry import as_strategy
+from tfremat.plan.schedule import Schedule, offloadable, schedule_from_keep_matrix
+from tfremat.plan.simulator import checkpoint_all_peak, simulate
+
+__all__ = ["check_bandwidth", "offload_gap", "capper", "autocapper", "opportunist", "AUTOCAPPER_LIMITS"]
+
+logger = logging.getLogger(__name__)
+
+# Sec. 5.1: "autocapper calls capper with 40 values of M', evenly spaced between the target
+# M_GPU and M^high".
+AUTOCAPPER_LIMITS = 40
+
+
+def check_bandwidth(bandwidth, strategy: str) -> float:
+    """``bandwidth`` as a float, or ArgumentError naming the argument and what it means."""
+    if bandwidth is None:
+        raise ArgumentError(
+            f"{strategy} offloads activations over a host link: pass bandwidth= its speed in bytes per unit of the "
+            "graph's cost (bytes per second for profiled graphs, e.g. 12e9 for a PCIe 3.0 x16 GPU)")
+    if not is_number(bandwidth) or not math.isfinite(bandwidth) or bandwidth <= 0:
+        raise ArgumentError(f"bandwidth must be a finite number of bytes per unit of cost > 0, got {bandwidth!r}")
+    return float(bandwidth)
+
+
+def _read_stages(graph: DFGraph, R: np.ndarray, node: int) -> np.ndarray:
+    """Stages in which a node computed there reads ``node``'s value."""
+    readers = list(graph.successors[node])
+    return np.flatnonzero(R[:, readers].any(axis=1)) if readers else np.zeros(0, dtype=int)
+
+
+def offload_gap(graph: DFGraph, schedule: Schedule, node: int, stage: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The keep and host matrices that move ``node``'s value to the host across ``stage``.
+
+    The value must be kept on the device into ``stage`` without being read there. Its copy
+    was computed in stage c; the last stage before ``stage`` that reads it is r0 (c when
+    none) and the next one that reads this copy is r1. The host copy is made right after
+    c and held through r1 - 1, the device copy is dropped after r0 and prefetched for r1.
+
+    Returns:
+        ``(S, H)``, or None when the move does not apply: the value is not
+        :func:`offloadable`, not kept into ``stage``, read there, already on the host
+        there, or not read again on the device.
+    """
+    R, S = schedule.R, schedule.S
+    H = schedule.H if schedule.H is not None else np.zeros_like(S)
+    if not offloadable(graph, node) or not S[stage, node] or R[stage, node] or H[stage, node]:
+        return None
+    reads = _read_stages(graph, R, node)
+    if stage in reads:
+        return None
+    computed = np.flatnonzero(R[: stage, node])
+    if not len(computed):
+        return None
+    made = int(computed[-1])
+    earlier = reads[(reads >= made) & (reads < stage)]
+    last_read = int(earlier[-1]) if len(earlier) else made
+    later = reads[reads > stage]
+    if not len(later) or not S[later[0], node] or R[later[0], node] or H[made + 1 : later[0], node].any():
+        return None
+    next_read = int(later[0])
+    S, H = S.copy(), H.copy()
+    S[last_read + 1 : next_read, node] = False
+    H[made + 1 : next_read, node] = True
+    return S, H
+
+
+def _offloaded(graph: DFGraph, S: np.ndarray, H: np.ndarray, strategy: str, bandwidth: float) -> Schedule:
+    return schedule_from_keep_matrix(graph, S, strategy, H, bandwidth)
+
+
+def capper(graph: DFGraph, schedule: Schedule, budget: int | None, bandwidth: float, strategy: str = "capper",
+           most: int | None = None) -> Iterator[Schedule]:
+    """Beaumont et al.'s capper (sec. 5.1) on a training graph: yields ``schedule`` and then
+    each schedule made by offloading, at the stage of the simulated peak, the lowest-indexed
+    value kept there unread (:func:`offload_gap`), until one fits ``budget`` (None: until no
+    value can be offloaded at the peak), at most ``most`` moves (default: one per forward
+    node)."""
+    most = len(graph.forward_nodes) if most is None else most
+    yield schedule
+    for _ in range(most):
+        result = simulate(graph, schedule)
+        if budget is not None and result.peak_bytes <= budget:
+            return
+        stage = result.plan.statements[result.peak_statement].stage
+        for node in np.flatnonzero(schedule.S[stage]):
+            moved = offload_gap(graph, schedule, int(node), stage)
+            if moved is not None:
+                break
+        else:
+            return
+        schedule = _offloaded(graph, *moved, strategy, bandwidth)
+        yield schedule
+
+
+@as_strategy("autocapper", offloads=True)
+def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | None = None, base: str = "rotor",
+               limits: int = AUTOCAPPER_LIMITS) -> Schedule:
+    """Beaumont et al.'s autocapper (sec. 5.1): :func:`capper` on the ``base`` strategy's
+    recompute-only schedule for each of ``limits`` memory limits evenly spaced from the
+    budget to the checkpoint-all peak; the fastest schedule (simulated makespan) that fits
+    the budget. Without a budget, capper runs from ``base``'s least-peak schedule and the
+    lowest peak is returned.
+
+    Args:
+        bandwidth: the host link, in bytes per unit of the graph's cost (bytes per second
+            for profiled graphs).
+        base: the recompute-only strategy capper starts from (Beaumont et al. use rotor).
+        limits: how many limits M' to try (an int >= 1; the paper's 40 by default).
+
+    Raises:
+        ArgumentError: a missing or bad ``bandwidth``, an unknown ``base``, bad ``limits``.
+        InfeasibleBudgetError: no tried schedule fits (with the smallest simulated peak).
+    """
+    bandwidth = check_bandwidth(bandwidth, "autocapper")
+    if not is_int(limits) or limits < 1:
+        raise ArgumentError(f"limits must be an int >= 1 (how many memory limits capper tries), got {limits!r}")
+    from tfremat.strategies import get_strategy  # the catalogue imports this module
+
+    base_strategy = get_strategy(base)
+    if base_strategy.takes_solver_options or base in ("autocapper", "opportunist", "pofo"):
+        raise ArgumentError(f"base must be a recompute-only heuristic (rotor, rotor_ap, chen_sqrtn, ...), got {base!r}")
+
+    def candidates() -> Iterator[Schedule]:
+        if budget is None:
+            yield from capper(graph, base_strategy(graph), None, bandwidth, "autocapper")
+            return
+        high = checkpoint_all_peak(graph)
+        for limit in np.unique(np.linspace(budget, max(high, budget), limits).astype(np.int64)):
+            if time_is_up():
+                return
+            try:
+                start = base_strategy(graph, int(limit))
+            except InfeasibleBudgetError:
+                continue
+            yield from capper(graph, start.with_facts(None, "autocapper"), budget, bandwidth, "autocapper")
+
+    return cheapest_fitting(graph, candidates(), budget, "autocapper")
+
+
+@as_strategy("opportunist", offloads=True)
+def opportunist(graph: DFGraph, budget: int | None = None, bandwidth: float | None = None) -> Schedule:
+    """Beaumont et al.'s opportunist (sec. 5.1, module docstring): offloaded values spaced
+    by the link's speed through the forward pass, the nodes between them recomputed once in
+    the backward pass, the rest kept once it fits. Each prefix of the offloaded values is a
+    candidate; the fastest that fits ``budget`` is returned (without a budget, the lowest
+    peak).
+
+    Args:
+        bandwidth: the host link, in bytes per unit of the graph's cost.
+
+    Raises:
+        ArgumentError: a missing or bad ``bandwidth``.
+        InfeasibleBudgetError: no candidate fits (with the smallest simulated peak).
+    """
+    bandwidth = check_bandwidth(bandwidth, "opportunist")
+    order = _forward_order(graph)
+    offloaded: list[int] = []
+    clock, link_free = 0.0, 0.0
+    for node in order:
+        clock += graph.cost[node]
+        if offloadable(graph, node) and clock >= link_free:
+            offloaded.append(node)
+            link_free = clock + graph.output_bytes[node] / bandwidth
+    loss_stage = _forward_phase_end(graph)
+
+    def candidates() -> Iterator[Schedule]:
+        for count in range(1, len(offloaded) + 1):
+            if time_is_up():
+                return
+            chosen = offloaded[:count]
+            last = order.index(chosen[-1])
+            kept = set(chosen) | set(order[last + 1 :])
+            units, unit = [], []
+            for node in order[: last + 1]:
+                if node in kept:
+                    units.append(unit)
+                    unit = []
+                else:
+                    unit.append(node)
+            schedule = schedule_from_keep_matrix(graph, keep_matrix(graph, kept, [u for u in units if u]),
+                                                 "opportunist")
+            for node in chosen:
+                moved = offload_gap(graph, schedule, node, loss_stage)
+                if moved is not None:
+                    schedule = _offloaded(graph, *moved, "opportunist", bandwidth)
+            yield schedule
+
+    return cheapest_fitting(graph, candidates(), budget, "opportunist")
