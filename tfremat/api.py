@@ -72,6 +72,7 @@ def fit(
     cache: bool | str | ScheduleCache = True,
     allocator_check: bool | None = None,
     verbose: int = 1,
+    bandwidth: float | None = None,
     **fit_kwargs,
 ):
     """Trains ``model`` like ``model.fit``, with every step following a schedule under ``budget``.
@@ -93,6 +94,8 @@ def fit(
         allocator_check: hold the budget for the device allocator's peak, not only for
             the bytes the step requests; None: for amounts of memory, not for shares
             (see :class:`tfremat.keras.RematCallback`).
+        bandwidth: the host link, in bytes per second, for a strategy that offloads
+            activations to host memory (``autocapper``, ``opportunist``); refused otherwise.
 
     Returns:
         The Keras ``History``.
@@ -114,7 +117,8 @@ def fit(
                             "tf.data.Dataset yielding (x, y) batches")
     if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
         raise TfrematError("compile the model first (model.compile(optimizer=..., loss=..., metrics=...)); fit uses its loss, optimizer and metrics")
-    remat = RematCallback(budget, strategy=strategy, solver=solver, time_limit=time_limit, cost_model=cost_model,
+    remat = RematCallback(budget, strategy=strategy, solver=solver, time_limit=time_limit, bandwidth=bandwidth,
+                          cost_model=cost_model,
                           granularity=granularity, cache=cache, allocator_check=allocator_check, verbose=verbose)
     if isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]  # model.fit takes one callback as well as a list

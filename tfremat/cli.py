@@ -73,6 +73,9 @@ flags.DEFINE_list("budgets", None, "Comma-separated budgets for `plot` (default:
 flags.DEFINE_float("max_overhead", None, "maxbatch: allowed extra compute as a fraction (0.3 = 30%); default one extra forward pass.")
 flags.DEFINE_integer("max_batch", None, "maxbatch: the largest batch size searched (default 4096).")
 flags.DEFINE_string("solver", None, "MILP solver: highs (default) or gurobi (needs a licensed gurobipy).")
+flags.DEFINE_float("bandwidth", None, "Host link in bytes per unit of the graph's cost (bytes per second for profiled "
+                   "graphs) for the strategies that offload to host memory (autocapper, opportunist); compare and plot "
+                   "run them only with it.")
 flags.DEFINE_bool("cache", True, "Read and write the on-disk schedule and profile caches ($TFREMAT_CACHE_DIR, else "
                   "~/.cache/tfremat); --nocache profiles and solves anew without reading or writing them.")
 flags.DEFINE_integer("steps", 5, "measure: training steps to run (the first traces and is not timed).")
@@ -259,6 +262,8 @@ def _milp_options(name: str) -> dict:
     from tfremat.planner import strategy_options
     from tfremat.strategies import get_strategy
 
+    if get_strategy(name).offloads:
+        return {"bandwidth": FLAGS.bandwidth}
     if not get_strategy(name).takes_solver_options:
         return {}
     return strategy_options(name, time_limit=FLAGS.time_limit, solver=FLAGS.solver)
@@ -337,7 +342,7 @@ def cmd_compare() -> None:
     from tfremat.strategies import get_strategy, strategy_names
 
     _require("budget")
-    names = FLAGS.strategies or strategy_names()
+    names = FLAGS.strategies or strategy_names(offloading=FLAGS.bandwidth is not None)
     for name in names:
         get_strategy(name)  # before the extraction
     graph = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache).graph
@@ -346,6 +351,8 @@ def cmd_compare() -> None:
     # --time_limit and --solver configure the MILP strategies; as solve and plot do,
     # compare ignores them when none is among --strategies.
     options = _given_milp_flags() if any(get_strategy(name).takes_solver_options for name in names) else {}
+    if FLAGS.bandwidth is not None:
+        options["bandwidth"] = FLAGS.bandwidth
     entries = compare_graph(graph, given, names, cache=FLAGS.cache, **options)
     rows = [summary_row(name, entry, budget) for name, entry in zip(names, entries)]
     print(json.dumps(rows) if FLAGS.json else _compare_table(rows))
@@ -393,7 +400,7 @@ def cmd_plot() -> None:
     reference = checkpoint_all_peak(graph)
     budgets = [parse_budget(b, reference, flag="--budgets")
                for b in (FLAGS.budgets or ["30%", "40%", "50%", "60%", "70%", "80%", "90%", "100%"])]
-    names = FLAGS.strategies or [n for n in strategy_names() if n != "optimal"]
+    names = FLAGS.strategies or [n for n in strategy_names(offloading=FLAGS.bandwidth is not None) if n != "optimal"]
     out = Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
     middle = budgets[len(budgets) // 2]

@@ -34,8 +34,13 @@ from tfremat.extract.extractor import COST_MODELS
 from tfremat.extract.opening import DEFAULT_GRANULARITY, GRANULARITIES
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.model_planning import plan_model
+from tfremat.plan.offload import check_bandwidth
 from tfremat.planner import check_cache_argument, plan_graph
-from tfremat.strategies import get_strategy, solver_strategy_names
+from tfremat.strategies import (
+    get_strategy,
+    offloading_strategy_names,
+    solver_strategy_names,
+)
 
 __all__ = ["RematCallback"]
 
@@ -67,6 +72,9 @@ class RematCallback(keras.callbacks.Callback):
             for a share ("50%"), which is a share of the prediction. Skipped, with a
             warning, when the allocator keeps no statistics (on CPU, TensorFlow imported
             before tfremat).
+        bandwidth: the host link of the strategies that offload activations to host memory
+            (autocapper, opportunist), in bytes per second: required by them, refused by
+            the others.
         verbose: 0 silences planning progress.
 
     Attributes:
@@ -75,7 +83,7 @@ class RematCallback(keras.callbacks.Callback):
 
     def __init__(self, budget, strategy: str = "optimal", solver: str | None = None, time_limit: float | None = None,
                  cost_model: str = "profile", granularity: str = DEFAULT_GRANULARITY, cache=True,
-                 allocator_check: bool | None = None, verbose: int = 1):
+                 allocator_check: bool | None = None, verbose: int = 1, bandwidth: float | None = None):
         super().__init__()
         # Refuse a malformed budget or an unknown strategy here, not at the first step.
         check_budget(budget)
@@ -87,6 +95,12 @@ class RematCallback(keras.callbacks.Callback):
                 f"solver= and time_limit= configure the MILP strategies ({', '.join(solver_strategy_names())}); "
                 f"strategy {strategy!r} takes neither, so leave them out"
             )
+        if get_strategy(strategy).offloads:
+            check_bandwidth(bandwidth, strategy)
+        elif bandwidth is not None:
+            raise ArgumentError(f"bandwidth= is the host link of the offloading strategies "
+                                f"({', '.join(offloading_strategy_names())}); strategy {strategy!r} does not offload, "
+                                "so leave it out")
         if cost_model not in COST_MODELS:
             raise ArgumentError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
         if granularity not in GRANULARITIES:
@@ -96,6 +110,7 @@ class RematCallback(keras.callbacks.Callback):
         self.strategy = strategy
         self.solver = solver
         self.time_limit = time_limit
+        self.bandwidth = bandwidth
         self.cost_model = cost_model
         self.granularity = granularity
         self.cache = cache
@@ -113,7 +128,7 @@ class RematCallback(keras.callbacks.Callback):
 
     # What the compiled steps were planned with; changing one later would leave steps
     # planned for the old value in use, so they are fixed when the callback is built.
-    _SETTINGS = ("budget", "strategy", "solver", "time_limit", "cost_model", "granularity", "cache",
+    _SETTINGS = ("budget", "strategy", "solver", "time_limit", "bandwidth", "cost_model", "granularity", "cache",
                  "allocator_check")
 
     def __setattr__(self, name, value):
@@ -165,6 +180,8 @@ class RematCallback(keras.callbacks.Callback):
             model = self.model
             options = ({"solver": self.solver, "time_limit": self.time_limit}
                        if get_strategy(self.strategy).takes_solver_options else {})
+            if get_strategy(self.strategy).offloads:
+                options["bandwidth"] = self.bandwidth
             # The model's own loss, loss weights and optimizer (plan's defaults).
             result = plan_model(model, self.budget, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]),
                           strategy=self.strategy, cost_model=self.cost_model, granularity=self.granularity,

@@ -80,7 +80,8 @@ class PlanResult:
         budget_bytes: the budget in bytes (None: unconstrained).
         predicted_peak_bytes: the simulator's peak for the schedule.
         checkpoint_all_peak_bytes: the peak without rematerialization.
-        overhead: extra compute as a fraction of one plain step (cost / total cost - 1).
+        overhead: extra time as a fraction of one plain step (simulated makespan / total
+            cost - 1): recomputation, and waits for host copies when the schedule offloads.
         solve_seconds: wall-clock seconds spent choosing the schedule (0 on a cache hit).
         from_cache: the schedule came from the on-disk cache.
         extraction: the model's extraction (graph + side table) when planned from a model.
@@ -224,7 +225,7 @@ def plan_graph(
         budget_bytes=budget_bytes,
         predicted_peak_bytes=result.peak_bytes,
         checkpoint_all_peak_bytes=reference,
-        overhead=result.cost / graph.total_cost - 1 if graph.total_cost else 0.0,
+        overhead=result.makespan / graph.total_cost - 1 if graph.total_cost else 0.0,
         solve_seconds=seconds,
         from_cache=from_cache,
     )

@@ -122,9 +122,14 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
             freed.add((i, part))
             statements.append(Statement(Op.DEALLOCATE, i, t, part=part))
 
+    prefetched = prefetch_stages(R, S, schedule.H)
     for t in range(n):
         row_r = R[t]
         keep_next = S[t + 1] if t + 1 < n else np.zeros(n, dtype=bool)
+        if t:
+            for i in np.flatnonzero(prefetched[t - 1]):  # a copy back from the host is freed anew
+                for part in graph.value_parts(int(i)):
+                    freed.discard((int(i), part))
 
         def kept(i: int, part) -> bool:
             return bool(keep_next[i]) and (part is None or bool(needed_later[i][part][t]))

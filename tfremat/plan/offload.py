@@ -35,6 +35,7 @@ import numpy as np
 
 from tfremat.errors import ArgumentError, InfeasibleBudgetError, is_int, is_number
 from tfremat.graph import DFGraph
+from tfremat.plan import baselines, hong, rotor
 from tfremat.plan.baselines import (
     _forward_order,
     _forward_phase_end,
@@ -42,7 +43,7 @@ from tfremat.plan.baselines import (
     keep_matrix,
     time_is_up,
 )
-from tfremat.plan.registry import as_strategy
+from tfremat.plan.registry import Strategy, as_strategy
 from tfremat.plan.schedule import Schedule, offloadable, schedule_from_keep_matrix
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
 
@@ -53,6 +54,13 @@ logger = logging.getLogger(__name__)
 # Sec. 5.1: "autocapper calls capper with 40 values of M', evenly spaced between the target
 # M_GPU and M^high".
 AUTOCAPPER_LIMITS = 40
+
+# The recompute-only strategies capper may start from (the planning core's chain and
+# checkpoint heuristics; the catalogue in tfremat.strategies sits above this module).
+_BASES: dict[str, Strategy] = {s.name: s for s in (
+    rotor.rotor, rotor.rotor_ap, hong.hong, hong.hong_ap, baselines.chen_sqrtn, baselines.chen_sqrtn_ap,
+    baselines.chen_greedy, baselines.chen_greedy_ap, baselines.griewank_logn, baselines.griewank_logn_ap,
+    baselines.checkpoint_all)}
 
 
 def check_bandwidth(bandwidth, strategy: str) -> float:
@@ -158,11 +166,9 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
     bandwidth = check_bandwidth(bandwidth, "autocapper")
     if not is_int(limits) or limits < 1:
         raise ArgumentError(f"limits must be an int >= 1 (how many memory limits capper tries), got {limits!r}")
-    from tfremat.strategies import get_strategy  # the catalogue imports this module
-
-    base_strategy = get_strategy(base)
-    if base_strategy.takes_solver_options or base in ("autocapper", "opportunist", "pofo"):
-        raise ArgumentError(f"base must be a recompute-only heuristic (rotor, rotor_ap, chen_sqrtn, ...), got {base!r}")
+    base_strategy = _BASES.get(base) if isinstance(base, str) else None
+    if base_strategy is None:
+        raise ArgumentError(f"base must name a recompute-only heuristic, one of {', '.join(_BASES)}; got {base!r}")
 
     def candidates() -> Iterator[Schedule]:
         if budget is None:

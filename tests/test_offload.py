@@ -1,0 +1,166 @@
+"""Offloading to host memory: the host matrix of a schedule, the plan's copies, the
+simulator's two timelines, and the autocapper and opportunist strategies (no TensorFlow)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from graph_factories import random_training_graph, training_graph
+
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, ScheduleError
+from tfremat.plan.execution import Op, build_plan
+from tfremat.plan.offload import offload_gap
+from tfremat.plan.schedule import (
+    Schedule,
+    checkpoint_all_s,
+    schedule_from_keep_matrix,
+    validate_schedule,
+)
+from tfremat.plan.simulator import checkpoint_all_peak, simulate
+from tfremat.planner import compare_graph
+from tfremat.strategies import get_strategy, offloading_strategy_names, strategy_names
+
+# A chain of six forward nodes of 10 bytes (cost 1 each), the loss (cost 1) and six
+# backward nodes (cost 2 each): value 1 is read by node 2 and by node 2's backward (id 10).
+CHAIN = training_graph([(j, j + 1) for j in range(5)], [10] * 6)
+
+
+def _offload_value_1(bandwidth: float) -> Schedule:
+    """Checkpoint-all, except that value 1 goes to the host after node 2 has read it and
+    comes back for its backward reader."""
+    S = checkpoint_all_s(CHAIN)
+    H = np.zeros_like(S)
+    H[2:10, 1] = True
+    S[3:10, 1] = False
+    return schedule_from_keep_matrix(CHAIN, S, "by hand", H, bandwidth)
+
+
+def test_a_fast_link_hides_the_copies_and_lowers_the_peak():
+    everything = simulate(CHAIN, schedule_from_keep_matrix(CHAIN, checkpoint_all_s(CHAIN), "all"))
+    result = simulate(CHAIN, _offload_value_1(bandwidth=10.0))
+    assert everything.makespan == everything.cost == 19 and everything.idle == 0
+    # The copy takes 1: it ends at 3, when node 3 starts, and the prefetch issued before
+    # node 9 (starts at 11) lands at 12, before node 10 starts at 13.
+    assert result.peak_bytes == everything.peak_bytes - 10
+    assert (result.makespan, result.idle, result.cost) == (19, 0, 19)
+    assert result.transfer_bytes == 20 and result.host_peak_bytes == 10
+    ops = [(s.op, s.stage) for s in result.plan if s.node == 1]
+    assert ops == [(Op.ALLOCATE, 1), (Op.COMPUTE, 1), (Op.OFFLOAD, 1), (Op.DEALLOCATE, 3), (Op.PREFETCH, 9),
+                   (Op.DEALLOCATE, 10)]
+
+
+def test_a_slow_link_makes_the_step_wait():
+    """At 1 byte per unit the copy to the host ends at 12; the device copy is held until the
+    value's backward stage, then the prefetch starts at 13 and its reader waits until 23."""
+    everything = simulate(CHAIN, schedule_from_keep_matrix(CHAIN, checkpoint_all_s(CHAIN), "all"))
+    result = simulate(CHAIN, _offload_value_1(bandwidth=1.0))
+    assert (result.makespan, result.idle) == (29, 10)
+    assert result.peak_bytes == everything.peak_bytes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_without_offloads_the_makespan_is_the_compute_cost(seed):
+    graph = random_training_graph(seed, 12)
+    for name in ("checkpoint_all", "chen_sqrtn", "rotor"):
+        result = simulate(graph, get_strategy(name)(graph))
+        assert result.makespan == pytest.approx(result.cost) and result.idle == 0 and result.transfer_bytes == 0
+
+
+def test_a_schedule_with_host_copies_round_trips_through_json():
+    schedule = _offload_value_1(bandwidth=10.0)
+    again = Schedule.from_dict(json.loads(json.dumps(schedule.to_dict(CHAIN))), CHAIN)
+    assert np.array_equal(again.H, schedule.H) and again.host_bandwidth == 10.0
+    old = schedule_from_keep_matrix(CHAIN, checkpoint_all_s(CHAIN), "all").to_dict(CHAIN)
+    old["format"] = "tfremat.schedule/2"
+    del old["H"], old["host_bandwidth"]
+    assert Schedule.from_dict(old, CHAIN).H is None
+
+
+def test_validation_names_the_host_rules():
+    good = _offload_value_1(bandwidth=10.0)
+    validate_schedule(CHAIN, good)
+    with pytest.raises(ScheduleError) as error:
+        validate_schedule(CHAIN, Schedule(good.R, good.S, H=good.H))
+    assert error.value.rule == "host-link"
+    late = good.H.copy()
+    late[2, 1] = False  # the copy would start in stage 3, which does not compute value 1
+    with pytest.raises(ScheduleError) as error:
+        validate_schedule(CHAIN, Schedule(good.R, good.S, H=late, host_bandwidth=10.0))
+    assert error.value.rule == "offload-source"
+    gradient = np.zeros_like(good.S)
+    gradient[9, 8] = True  # node 8 is a gradient
+    with pytest.raises(ScheduleError) as error:
+        validate_schedule(CHAIN, Schedule(good.R, good.S, H=gradient, host_bandwidth=10.0))
+    assert error.value.rule == "offload-kind"
+    gone = good.H.copy()
+    gone[9, 1] = False  # nothing to prefetch from in stage 9
+    with pytest.raises(ScheduleError) as error:
+        validate_schedule(CHAIN, Schedule(good.R, good.S, H=gone, host_bandwidth=10.0))
+    assert error.value.rule == "keep-source"
+    with pytest.raises(ScheduleError) as error:
+        build_plan(CHAIN, Schedule(good.R, good.S, H=good.H))
+    assert error.value.rule == "host-link"
+
+
+def test_offload_gap_moves_an_unread_stretch_to_the_host():
+    schedule = schedule_from_keep_matrix(CHAIN, checkpoint_all_s(CHAIN), "all")
+    S, H = offload_gap(CHAIN, schedule, 1, 6)
+    assert np.flatnonzero(H[:, 1]).tolist() == list(range(2, 10))
+    assert np.flatnonzero(S[:, 1]).tolist() == [2, 10]
+    assert offload_gap(CHAIN, schedule, 1, 2) is None  # node 2 reads it in stage 2
+    assert offload_gap(CHAIN, schedule, 8, 9) is None  # a gradient stays on the device
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("fraction", [0.9, 0.7, 0.5])
+def test_autocapper_fits_and_is_never_slower_than_its_base(seed, fraction):
+    graph = random_training_graph(seed, 10)
+    budget = int(fraction * checkpoint_all_peak(graph))
+    bandwidth = float(np.mean(graph.output_bytes) / np.mean(graph.cost))
+    try:
+        base = simulate(graph, get_strategy("rotor")(graph, budget)).makespan
+    except InfeasibleBudgetError:
+        base = np.inf
+    try:
+        schedule = get_strategy("autocapper")(graph, budget, bandwidth=bandwidth, limits=8)
+    except InfeasibleBudgetError:
+        assert base == np.inf
+        return
+    validate_schedule(graph, schedule)
+    result = simulate(graph, schedule)
+    assert result.peak_bytes <= budget
+    assert result.makespan <= base + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_opportunist_offloads_and_fits_or_says_it_cannot(seed):
+    graph = random_training_graph(seed, 10)
+    budget = int(0.7 * checkpoint_all_peak(graph))
+    bandwidth = float(np.mean(graph.output_bytes) / np.mean(graph.cost))
+    try:
+        schedule = get_strategy("opportunist")(graph, budget, bandwidth=bandwidth)
+    except InfeasibleBudgetError as error:
+        assert error.min_feasible_bytes > budget
+        return
+    validate_schedule(graph, schedule)
+    assert schedule.offloads and simulate(graph, schedule).peak_bytes <= budget
+
+
+def test_offloading_strategies_need_a_bandwidth_and_compare_runs_them_only_with_one():
+    with pytest.raises(ArgumentError, match="bandwidth"):
+        get_strategy("autocapper")(CHAIN, 0.8)
+    with pytest.raises(ArgumentError, match="bandwidth"):
+        get_strategy("opportunist")(CHAIN, 0.8, bandwidth=-1)
+    assert set(offloading_strategy_names()) == {"autocapper", "opportunist"}
+    assert not set(offloading_strategy_names()) & set(strategy_names())
+    names = ["checkpoint_all", "chen_sqrtn"]
+    plain = compare_graph(CHAIN, 0.8, names, cache=False, verbose=0)
+    assert len(plain) == 2
+    both = compare_graph(CHAIN, 0.8, [*names, "autocapper"], cache=False, verbose=0, bandwidth=10.0)
+    assert [getattr(r, "strategy", None) for r in both][-1] == "autocapper"
+    with pytest.raises(ArgumentError, match="bandwidth"):
+        compare_graph(CHAIN, 0.8, [*names, "autocapper"], cache=False, verbose=0)
+    with pytest.raises(ArgumentError, match="offloading strategies"):
+        compare_graph(CHAIN, 0.8, names, cache=False, verbose=0, bandwidth=10.0)
