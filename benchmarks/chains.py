@@ -18,8 +18,9 @@ at which ``rotor`` stays under 20% overhead (Beaumont et al. 2021 compare their 
 against it there), a JSON of every case and one figure with a subplot per graph (default
 ``benchmarks/results/chains.md``, ``.json`` and ``.png``).
 
-The offloading strategies of the issue (:data:`OFFLOADING`) run once the registry has them;
-until then the output names them as not implemented. ``--quick`` runs a small subset in
+The offloading strategies (:data:`OFFLOADING`) run over two simulated host links given
+relative to each graph (:data:`LINKS`); their overhead is the simulated makespan's (waits
+for copies included). ``--quick`` runs a small subset in
 well under a minute and writes nothing unless ``--out`` is given.
 """
 
@@ -29,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import re
+import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -84,14 +86,15 @@ def recompute_columns(time_limit: float) -> list[Column]:
     ]
 
 
-# Beaumont et al.'s offloading strategies (pofo at two simulated links) and the issue's two
-# offloading heuristics. Each runs as soon as the registry has its name; the option name
-# of the link is a placeholder until pofo exists (check_options names a mismatch at start).
+# Beaumont et al.'s offloading strategies, each over two simulated host links. The graphs'
+# costs are in different units (GFLOP here, an arbitrary V100 time unit in the Checkmate
+# graphs), so a link is given relative to the graph: ``link`` is the time it takes to move
+# every forward value once, as a multiple of the forward pass's compute (LINKS); solve_case
+# turns it into the strategy's ``bandwidth`` in bytes per unit of the graph's cost.
+LINKS = {"slow link": 2.0, "fast link": 0.5}
 OFFLOADING = [
-    Column("pofo 12 GB/s", "pofo", {"bandwidth": 12e9}),
-    Column("pofo 24 GB/s", "pofo", {"bandwidth": 24e9}),
-    Column("autocapper", "autocapper"),
-    Column("opportunist", "opportunist"),
+    Column(f"{name} {link}", name, {"link": ratio})
+    for name in ("pofo", "autocapper", "opportunist") for link, ratio in LINKS.items()
 ]
 
 # The chain dynamic programs the summary compares with each other and with optimal.
@@ -288,27 +291,40 @@ def solve_case(graph: DFGraph, column: Column, budget_bytes: int) -> dict:
     the status of having no schedule ("infeasible", "no schedule") and the smallest peak it
     reached."""
     strategy = get_strategy(column.strategy)
+    options = dict(column.options)
+    if "link" in options:
+        options["bandwidth"] = link_bandwidth(graph, options.pop("link"))
     began = time.perf_counter()
     try:
-        schedule = strategy(graph, budget_bytes, **column.options)
+        schedule = strategy(graph, budget_bytes, **options)
     except (InfeasibleBudgetError, SolverTimeLimitError) as error:
         return {"status": failure_status(error), "seconds": time.perf_counter() - began,
                 "min_feasible_bytes": error.min_feasible_bytes}
     seconds = time.perf_counter() - began
-    peak = simulate(graph, schedule).peak_bytes
+    result = simulate(graph, schedule)
     row = {
         "status": "ok",
         "seconds": seconds,
-        "overhead": schedule.cost(graph) / graph.total_cost - 1,
-        "peak_bytes": peak,
+        # The step's time over a plain step's: recomputation and waits for host copies.
+        "overhead": result.makespan / graph.total_cost - 1,
+        "idle": result.idle / graph.total_cost,
+        "transfer_bytes": result.transfer_bytes,
+        "peak_bytes": result.peak_bytes,
         "recomputations": schedule.recompute_count,
-        "over_budget": peak > budget_bytes,
+        "over_budget": result.peak_bytes > budget_bytes,
     }
     if schedule.facts is not None:
         row["solver_status"] = schedule.facts.status.value
         row["gap"] = schedule.facts.gap
         row["solver_call_seconds"] = schedule.facts.seconds
     return row
+
+
+def link_bandwidth(graph: DFGraph, ratio: float) -> float:
+    """Bytes per unit of ``graph``'s cost of a link that moves every forward value once in
+    ``ratio`` times the forward pass's compute (see :data:`LINKS`)."""
+    forward = list(graph.forward_nodes)
+    return sum(graph.output_bytes[v] for v in forward) / (ratio * sum(graph.cost[v] for v in forward))
 
 
 def sweep(label: str, graph: DFGraph, columns: Sequence[Column], budgets: Sequence[str]) -> dict:
@@ -459,7 +475,8 @@ def paper_table(results: Sequence[dict], labels: Sequence[str], budgets: Sequenc
     """For rotor and optimal: the smallest budget of the sweep with overhead under 20%, and
     how much less activation memory (simulated peak less fixed bytes) it holds than
     checkpoint all; marked "lowest tried" when the sweep stopped there."""
-    shown = [label for label in ("rotor", "optimal") if label in labels]
+    offloading = [column.label for column in OFFLOADING if column.strategy != "opportunist"]
+    shown = [label for label in ("rotor", "optimal", *offloading) if label in labels]
     lines = ["| graph | fixed / checkpoint-all peak | " + " | ".join(
         f"{label}: smallest budget < {100 * OVERHEAD_MARK:.0f}% | overhead | activation memory reduction"
         for label in shown) + " |", "|" + " --- |" * (2 + 3 * len(shown))]
@@ -475,6 +492,26 @@ def paper_table(results: Sequence[dict], labels: Sequence[str], budgets: Sequenc
             reduction = f"{(reference - fixed) / activations:.1f}x" if activations > 0 else "all"
             lowest = " (lowest tried)" if case["budget"] == budgets[-1] else ""
             cells += [case["budget"] + lowest, f"{100 * case['overhead']:+.1f}%", reduction]
+        lines.append(f"| {result['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def recomputation_removed(results: Sequence[dict], labels: Sequence[str]) -> str:
+    """Per offloading column: the share of rotor's overhead it removes at the same budget,
+    ``1 - overhead / rotor's overhead``, median and range over the budgets where both fit
+    and rotor recomputes (overhead > 0.5%)."""
+    shown = [column.label for column in OFFLOADING if column.label in labels]
+    lines = ["| graph | " + " | ".join(f"{label}: median (min..max), budgets" for label in shown) + " |",
+             "|" + " --- |" * (1 + len(shown))]
+    for result in results:
+        rotor_at = {case["budget"]: case for case in result["cases"] if case["strategy"] == "rotor" and _fits(case)}
+        cells = []
+        for label in shown:
+            shares = [1 - case["overhead"] / rotor_at[case["budget"]]["overhead"] for case in result["cases"]
+                      if case["strategy"] == label and _fits(case) and case["budget"] in rotor_at
+                      and rotor_at[case["budget"]]["overhead"] > 0.005]
+            cells.append(f"{100 * statistics.median(shares):.0f}% ({100 * min(shares):.0f}..{100 * max(shares):.0f}), "
+                         f"{len(shares)}" if shares else "none")
         lines.append(f"| {result['label']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -525,15 +562,20 @@ def report(results: Sequence[dict], labels: Sequence[str], budgets: Sequence[str
     parts = [
         "# Chain algorithms: compute overhead against memory budget\n",
         header(argv) + "\n",
-        ("Budgets are shares of each graph's checkpoint-all peak. A cell is the predicted compute overhead "
-         "over a step without recomputation (schedule cost / no-remat cost - 1); `-`: the strategy has no "
+        ("Budgets are shares of each graph's checkpoint-all peak. A cell is the predicted time overhead "
+         "over a step without recomputation (simulated makespan / no-remat cost - 1: recomputation, and for "
+         "the offloading strategies the waits for host copies); `-`: the strategy has no "
          "schedule that fits (InfeasibleBudgetError); `?`: optimal stopped without a schedule; `*`: optimal's "
          f"schedule is not proven optimal (its gap in the last column). optimal: HiGHS, {time_limit:g} s, one "
          "thread. The chain strategies linearize the forward order (every forward node a stage; `_ap`: the "
          "blocks between forward articulation points); `hong classic` is hong with memory_model=\"classic\". "
          "Every schedule's simulated peak is within its budget unless a cell says `over!`. The last row, "
          "least peak, is the smallest simulated peak each strategy reached in the sweep (with no schedule at a "
-         "budget: the smallest peak its error reports), as a share of the checkpoint-all peak.\n"),
+         "budget: the smallest peak its error reports), as a share of the checkpoint-all peak. Offloading "
+         "columns: the host link moves every forward value once in "
+         + " / ".join(f"{ratio:g}x ({name})" for name, ratio in LINKS.items())
+         + " the forward pass's compute time; the graphs' cost units differ (GFLOP for the synthetic chains, "
+         "an arbitrary V100 time unit in the Checkmate graphs), so a link in GB/s has no meaning here.\n"),
     ]
     if missing:
         parts.append("**Not implemented yet:** the offloading strategies "
@@ -550,14 +592,17 @@ def report(results: Sequence[dict], labels: Sequence[str], budgets: Sequence[str
                  "chain DP at each budget where one fits; then each chain DP's overhead over optimal's, in "
                  "percentage points at the budgets where both fit (median / max).\n")
     parts.append(chain_summary(results, labels) + "\n")
-    parts.append("## Against Beaumont et al. (recompute-only part)\n")
+    parts.append("## Against Beaumont et al.\n")
     parts.append(
         "Beaumont et al. (NeurIPS 2021) report that offloading removes about a third of the recomputation "
-        "overhead and holds 4-6x less activation memory at under 20% overhead. Without offloading, this "
-        f"is the recompute-only side: the smallest budget of the sweep at which the overhead stays under "
-        f"{100 * OVERHEAD_MARK:.0f}%, and the activation memory (checkpoint-all peak less fixed bytes) over "
-        "the schedule's simulated peak less fixed bytes.\n")
+        "overhead and holds 4-6x less activation memory at under 20% overhead. First, per strategy, the "
+        f"smallest budget of the sweep at which the overhead stays under {100 * OVERHEAD_MARK:.0f}%, and the "
+        "activation memory (checkpoint-all peak less fixed bytes) over the schedule's simulated peak less "
+        "fixed bytes:\n")
     parts.append(paper_table(results, labels, budgets) + "\n")
+    parts.append("Then the share of rotor's overhead each offloading strategy removes at the same budget (median, "
+                 "range and the number of budgets where both fit and rotor recomputes):\n")
+    parts.append(recomputation_removed(results, labels) + "\n")
     parts.append("## Planning seconds, summed over the budgets\n")
     parts.append(seconds_table(results, labels) + "\n")
     parts.append(f"Wall time of the run: {wall:.0f} s.\n")
@@ -589,11 +634,12 @@ def main(argv=None) -> int:
     budgets = QUICK_BUDGETS if args.quick else BUDGETS
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
 
-    known = set(strategy_names())
+    known = set(strategy_names(offloading=True))
     columns = [column for column in [*recompute_columns(time_limit), *OFFLOADING] if column.strategy in known]
     missing = [column for column in OFFLOADING if column.strategy not in known]
     for column in columns:
-        check_options(get_strategy(column.strategy), column.options, f"strategy {column.strategy!r}")
+        options = {("bandwidth" if key == "link" else key): value for key, value in column.options.items()}
+        check_options(get_strategy(column.strategy), options, f"strategy {column.strategy!r}")
     names = [column.label for column in columns]
 
     began = time.perf_counter()
