@@ -104,6 +104,9 @@ class TraceReport:
         costly_vjp_rebuilds: the subset of ``vjp_rebuilds`` whose gradient also reads the
             layer's output or residuals, so the rebuild re-runs forward work the plan does
             not count.
+        offloads_held_by_tape: offloaded values whose own gradient reads them through the
+            layer's recorded tape: the device tensor stays until that gradient runs, so on a
+            GPU the offload frees nothing (on a CPU there is nothing to free).
         update_points: per trainable variable (``id``), the index into ``statement_ops`` of
             the first compute statement after the last one that used its layer that
             created an operation (other than a placeholder), which :func:`order_updates`
@@ -120,6 +123,7 @@ class TraceReport:
     recompute_statements: int = 0
     vjp_rebuilds: int = 0
     costly_vjp_rebuilds: int = 0
+    offloads_held_by_tape: int = 0
     update_points: dict[int, int] = dataclasses.field(default_factory=dict, repr=False)
     statement_ops: list[list] = dataclasses.field(default_factory=list, repr=False)
     ordered_updates: int = 0
@@ -275,6 +279,11 @@ class _Interpreter:
             copies = [None if t is None else tf.identity(t, name=f"offload_{node}") for t in instance.outputs]
         self.host[node] = (instance, copies)
         self.copying[node] = [c.op for c in copies if c is not None]
+        backward = self.graph.backward_of.get(node)
+        if backward is not None and node in self.graph.predecessors[backward]:
+            self.report.offloads_held_by_tape += 1
+            logger.warning("node %d (%s) is offloaded, but its gradient reads its recorded output: the device tensor "
+                           "stays until that gradient runs", node, self.graph.names[node])
 
     def _prefetch(self, node: int) -> None:
         """Copies ``node``'s host copy back and makes it the resident value (module docstring)."""
