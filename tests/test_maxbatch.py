@@ -271,3 +271,18 @@ def test_the_scaled_search_skips_a_batch_whose_graph_differs():
     search = max_batch_size(graph_for_batch, 900, method="search", max_batch=512, strategy="chen_greedy")
     scaled = max_batch_size(graph_for_batch, 900, method="scaled", max_batch=512, strategy="chen_greedy")
     assert scaled.batch_size == search.batch_size and len(scaled.tried) < len(search.tried)
+
+
+def test_offloading_fits_a_larger_batch_without_recomputation():
+    """At zero overhead recomputation is out; a fast host link still lets values wait in host
+    memory, so autocapper fits a larger batch than rotor (3 against 2 here), and it needs the link."""
+    from tfremat.errors import ArgumentError
+
+    budget = 16 + 4 * 12
+    chain = lambda b: training_chain(4, b)  # noqa: E731
+    rotor = max_batch_size(chain, budget, strategy="rotor", max_overhead=0.0, max_batch=64)
+    offload = max_batch_size(chain, budget, strategy="autocapper", max_overhead=0.0, max_batch=64, bandwidth=1e9)
+    assert offload.batch_size > rotor.batch_size and offload.schedule.offloads
+    assert simulate(offload.graph, offload.schedule).makespan <= offload.cost_cap
+    with pytest.raises(ArgumentError, match="bandwidth"):
+        max_batch_size(chain, budget, strategy="autocapper", max_batch=64)

@@ -41,6 +41,7 @@ from tfremat.ilp.solvers import (
     check_solver_options,
     solve_model,
 )
+from tfremat.plan.offload import check_bandwidth
 from tfremat.plan.registry import check_options
 from tfremat.plan.schedule import (
     Schedule,
@@ -115,7 +116,8 @@ def max_batch_size(
         budget: peak bytes allowed, fixed bytes included: an int, or a string with a unit
             such as ``"12GiB"`` (not a share of a peak: the peak changes with the batch).
         strategy: registered strategy that finds the cheapest schedule within a budget
-            (``"optimal"`` gives exact answers; a baseline name is faster).
+            (``"optimal"`` gives exact answers; a baseline name is faster; an offloading
+            strategy needs ``bandwidth=``, the host link, among the options).
         max_overhead: allowed extra cost as a fraction of the no-remat cost (0.3 = 30%);
             None uses Checkmate's criterion, one extra forward pass.
         min_batch: the smallest batch to consider.
@@ -162,6 +164,8 @@ def max_batch_size(
         raise ArgumentError(f"method must be 'search', 'scaled' or 'direct', got {method!r}")
     solve = get_strategy(strategy)
     check_options(solve, strategy_options, f"strategy {strategy!r}")
+    if solve.offloads:
+        check_bandwidth(strategy_options.get("bandwidth"), strategy)  # before any graph is built
     if get_strategy(strategy).takes_solver_options:
         # Checked here, not by the first solve: a batch whose memory lower bound exceeds
         # the budget is refused without solving, so a bad option would go unnoticed.
@@ -223,7 +227,8 @@ class _Evaluator:
                            "batch %d counts as not fitting: %s found no schedule (%s)", batch, self.strategy, exc)
                 schedule = None
             if schedule is not None:
-                cost = schedule.cost(graph)
+                # With offloading, the step's time includes its waits for host copies.
+                cost = simulate(graph, schedule).makespan if schedule.offloads else schedule.cost(graph)
                 ok = cost <= cap * (1 + 1e-12)
                 refusal = "overhead"
                 found = (schedule, graph, cost, cap)
