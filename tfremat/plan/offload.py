@@ -144,6 +144,26 @@ def capper(graph: DFGraph, schedule: Schedule, budget: int | None, bandwidth: fl
         yield schedule
 
 
+# Base schedules by (graph fingerprint, base strategy, limit): they do not depend on the
+# link, so autocapper over several links (a benchmark, max_batch_size's search) plans each once.
+_BASE_CACHE: dict[tuple[str, str, int], Schedule | None] = {}
+_BASE_CACHE_SIZE = 512
+
+
+def _base_schedule(graph: DFGraph, base: Strategy, limit: int) -> Schedule | None:
+    """``base``'s schedule of ``graph`` at ``limit`` bytes (None: it has none), cached."""
+    key = (graph.fingerprint, base.name, limit)
+    if key not in _BASE_CACHE:
+        try:
+            schedule = base(graph, limit)
+        except InfeasibleBudgetError:
+            schedule = None
+        if len(_BASE_CACHE) >= _BASE_CACHE_SIZE:
+            _BASE_CACHE.pop(next(iter(_BASE_CACHE)))
+        _BASE_CACHE[key] = schedule
+    return _BASE_CACHE[key]
+
+
 @as_strategy("autocapper", offloads=True)
 def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | None = None, base: str = "rotor",
                limits: int = AUTOCAPPER_LIMITS) -> Schedule:
@@ -175,13 +195,15 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
             yield from capper(graph, base_strategy(graph), None, bandwidth, "autocapper")
             return
         high = checkpoint_all_peak(graph)
+        started = set()
         for limit in np.unique(np.linspace(budget, max(high, budget), limits).astype(np.int64)):
             if time_is_up():
                 return
-            try:
-                start = base_strategy(graph, int(limit))
-            except InfeasibleBudgetError:
+            start = _base_schedule(graph, base_strategy, int(limit))
+            # Neighbouring limits often give the base's same schedule: capper would repeat itself.
+            if start is None or start.S.tobytes() in started:
                 continue
+            started.add(start.S.tobytes())
             yield from capper(graph, start.with_facts(None, "autocapper"), budget, bandwidth, "autocapper")
 
     return cheapest_fitting(graph, candidates(), budget, "autocapper")
