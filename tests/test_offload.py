@@ -153,7 +153,7 @@ def test_offloading_strategies_need_a_bandwidth_and_compare_runs_them_only_with_
         get_strategy("autocapper")(CHAIN, 0.8)
     with pytest.raises(ArgumentError, match="bandwidth"):
         get_strategy("opportunist")(CHAIN, 0.8, bandwidth=-1)
-    assert set(offloading_strategy_names()) == {"autocapper", "opportunist"}
+    assert set(offloading_strategy_names()) == {"pofo", "pofo_ap", "autocapper", "opportunist"}
     assert not set(offloading_strategy_names()) & set(strategy_names())
     names = ["checkpoint_all", "chen_sqrtn"]
     plain = compare_graph(CHAIN, 0.8, names, cache=False, verbose=0)
@@ -164,3 +164,42 @@ def test_offloading_strategies_need_a_bandwidth_and_compare_runs_them_only_with_
         compare_graph(CHAIN, 0.8, [*names, "autocapper"], cache=False, verbose=0)
     with pytest.raises(ArgumentError, match="offloading strategies"):
         compare_graph(CHAIN, 0.8, names, cache=False, verbose=0, bandwidth=10.0)
+
+
+LONG_CHAIN = training_graph([(j, j + 1) for j in range(11)], [10] * 12)
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.6, 0.5, 0.4])
+def test_pofo_on_a_chain_hides_recomputation_behind_a_fast_link(fraction):
+    """Twelve 10-byte layers of cost 1 (backward 2): at 10 bytes per unit a value moves in the
+    time of one forward, and pofo's schedule runs at the no-recomputation time (37) where
+    rotor recomputes; at 2 bytes per unit it is between the two."""
+    rotor_time = simulate(LONG_CHAIN, get_strategy("rotor")(LONG_CHAIN, fraction)).makespan
+    fast = get_strategy("pofo")(LONG_CHAIN, fraction, bandwidth=10.0)
+    validate_schedule(LONG_CHAIN, fast)
+    result = simulate(LONG_CHAIN, fast)
+    assert fast.offloads and result.makespan == LONG_CHAIN.total_cost == 37 < rotor_time
+    assert result.peak_bytes <= int(fraction * checkpoint_all_peak(LONG_CHAIN))
+    slow = simulate(LONG_CHAIN, get_strategy("pofo")(LONG_CHAIN, fraction, bandwidth=2.0)).makespan
+    assert 37 <= slow <= rotor_time
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("name", ["pofo", "pofo_ap"])
+def test_pofo_fits_and_is_never_slower_than_rotor(seed, name):
+    graph = random_training_graph(seed, 10)
+    budget = int(0.6 * checkpoint_all_peak(graph))
+    bandwidth = float(np.mean(graph.output_bytes) / np.mean(graph.cost))
+    base = "rotor_ap" if name == "pofo_ap" else "rotor"
+    try:
+        rotor_time = simulate(graph, get_strategy(base)(graph, budget)).makespan
+    except InfeasibleBudgetError:
+        rotor_time = np.inf
+    try:
+        schedule = get_strategy(name)(graph, budget, bandwidth=bandwidth)
+    except InfeasibleBudgetError:
+        assert rotor_time == np.inf
+        return
+    validate_schedule(graph, schedule)
+    result = simulate(graph, schedule)
+    assert result.peak_bytes <= budget and result.makespan <= rotor_time + 1e-9

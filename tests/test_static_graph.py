@@ -717,7 +717,7 @@ def _offloading_schedule(name, graph):
 
 
 @pytest.mark.parametrize("model_name", ["small_convnet", "unet"])
-@pytest.mark.parametrize("strategy", ["autocapper", "opportunist"])
+@pytest.mark.parametrize("strategy", ["pofo", "autocapper", "opportunist"])
 def test_a_step_with_offloads_trains_exactly_like_plain_keras(cases, model_name, strategy):
     """Offloads and prefetches are host copies in the step: the same gradients, losses and
     weights as plain training, and the ledger the simulator predicts (on a CPU the copies

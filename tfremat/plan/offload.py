@@ -21,8 +21,14 @@ reads it goes to the host right after it is computed and comes back for its next
   the rest of the pass fits in memory kept whole, the remaining nodes are kept. Each group
   between two offloaded values is recomputed once when the backward pass reaches it.
 
-The paper's pofo DP lives in :mod:`tfremat.plan.pofo`; the strategy ``pofo`` maps its chain
-sequences onto the graph here.
+* ``pofo`` / ``pofo_ap`` (sec. 4, appendix B): the DP of :mod:`tfremat.plan.pofo` on the
+  chain :func:`~tfremat.plan.rotor.graph_chain` reads off the graph (every forward node a
+  stage, or the blocks between forward articulation points). Its compute sequence becomes a
+  keep matrix as rotor's does; each stage input it offloads moves to the host across the loss
+  (:func:`offload_gap`), and the plan places the prefetches. The chain model misses DAG edges,
+  so a few memory limits around the budget are solved, a schedule that overflows the budget
+  gets capper's further offloads, and the fastest simulated schedule that fits is returned
+  (rotor's own schedule among the candidates, so pofo is never slower than rotor).
 """
 
 from __future__ import annotations
@@ -43,17 +49,25 @@ from tfremat.plan.baselines import (
     keep_matrix,
     time_is_up,
 )
+from tfremat.plan.pofo import MAX_POFO_CELLS, solve_pofo
 from tfremat.plan.registry import Strategy, as_strategy
 from tfremat.plan.schedule import Schedule, offloadable, schedule_from_keep_matrix
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
 
-__all__ = ["check_bandwidth", "offload_gap", "capper", "autocapper", "opportunist", "AUTOCAPPER_LIMITS"]
+__all__ = ["check_bandwidth", "offload_gap", "capper", "autocapper", "opportunist", "pofo", "pofo_ap",
+           "AUTOCAPPER_LIMITS", "POFO_SLOTS", "POFO_LIMITS"]
 
 logger = logging.getLogger(__name__)
 
 # Sec. 5.1: "autocapper calls capper with 40 values of M', evenly spaced between the target
 # M_GPU and M^high".
 AUTOCAPPER_LIMITS = 40
+
+# Sec. 4: "we systematically use 50 discretization steps"; fewer on chains too long for
+# MAX_POFO_CELLS. The memory limits pofo solves, as shares of the budget's activation bytes
+# (the chain model over- or under-counts what the simulator holds).
+POFO_SLOTS = 50
+POFO_LIMITS = (1.0, 0.9, 1.1, 0.8, 1.25, 0.65)
 
 # The recompute-only strategies capper may start from (the planning core's chain and
 # checkpoint heuristics; the catalogue in tfremat.strategies sits above this module).
@@ -258,3 +272,85 @@ def opportunist(graph: DFGraph, budget: int | None = None, bandwidth: float | No
             yield schedule
 
     return cheapest_fitting(graph, candidates(), budget, "opportunist")
+
+
+def _pofo(graph: DFGraph, budget: int | None, bandwidth, memory_slots: int | None, articulation: bool) -> Schedule:
+    name = "pofo_ap" if articulation else "pofo"
+    bandwidth = check_bandwidth(bandwidth, name)
+    if graph.loss_node is None or not graph.forward_nodes:
+        raise ArgumentError(f"{name} plans a training step: graph {graph.name!r} has no loss node or forward nodes")
+    mapped = rotor.graph_chain(graph, articulation)
+    length = mapped.chain.length
+    if memory_slots is None:
+        memory_slots = POFO_SLOTS
+        while memory_slots > 1 and length * 2 * (memory_slots + 2) ** 3 > MAX_POFO_CELLS:
+            memory_slots -= 1
+    elif not is_int(memory_slots) or memory_slots < 1:
+        raise ArgumentError(f"memory_slots must be None or an int >= 1, got {memory_slots!r}")
+    loss_stage = _forward_phase_end(graph)
+    reference = checkpoint_all_peak(graph)
+    activations = (budget if budget is not None else reference) - graph.fixed_bytes
+
+    def schedule_of(ops) -> Schedule:
+        compute = [op for op in ops if op.kind not in ("O", "P")]
+        S = rotor.sequence_keep_matrix(graph, mapped, compute)
+        schedule = schedule_from_keep_matrix(graph, S, name)
+        for op in ops:
+            if op.kind != "O" or op.stage < 2:
+                continue
+            for node in mapped.forward_units[op.stage - 2]:
+                moved = offload_gap(graph, schedule, node, loss_stage)
+                if moved is not None:
+                    schedule = _offloaded(graph, *moved, name, bandwidth)
+        return schedule
+
+    def candidates() -> Iterator[Schedule]:
+        shares = POFO_LIMITS if budget is not None else (1.0, 0.75, 0.5, 0.35, 0.25)
+        for share in shares:
+            if time_is_up() or activations <= 0:
+                return
+            try:
+                solution = solve_pofo(mapped.chain, share * activations, bandwidth, memory_slots)
+            except baselines._OutOfTime:
+                return
+            if solution is not None:
+                # Where the graph holds more than the chain model sees, capper offloads
+                # further values at the simulated peak until it fits.
+                yield from capper(graph, schedule_of(solution.ops), budget, bandwidth, name)
+        # The DP contains the recompute-only sequences; on the graph, rotor's own search
+        # around the budget keeps pofo at least as good as rotor.
+        if budget is not None:
+            recompute_only = _base_schedule(graph, rotor.rotor_ap if articulation else rotor.rotor, budget)
+            if recompute_only is not None:
+                yield recompute_only.with_facts(None, name)
+
+    return cheapest_fitting(graph, candidates(), budget, name)
+
+
+@as_strategy("pofo", offloads=True)
+def pofo(graph: DFGraph, budget: int | None = None, bandwidth: float | None = None,
+         memory_slots: int | None = None) -> Schedule:
+    """Beaumont et al.'s pofo (sec. 4, appendix B) over the linearized forward order, every
+    forward node a stage (module docstring): the fastest simulated schedule that fits
+    ``budget`` among pofo's sequences at memory limits around it; without a budget, the
+    lowest peak among its sequences at falling limits.
+
+    Args:
+        bandwidth: the host link, in bytes per unit of the graph's cost.
+        memory_slots: the DP's memory steps (None: the paper's 50, fewer on a chain too long
+            for :data:`~tfremat.plan.pofo.MAX_POFO_CELLS`). O(N^2 S^3 + N^3 S^2) for N
+            stages and S slots: use ``pofo_ap`` on long chains.
+
+    Raises:
+        ArgumentError: a missing or bad ``bandwidth`` or ``memory_slots``, a graph without
+            a loss.
+        InfeasibleBudgetError: no sequence fits (with the smallest simulated peak).
+    """
+    return _pofo(graph, budget, bandwidth, memory_slots, articulation=False)
+
+
+@as_strategy("pofo_ap", offloads=True)
+def pofo_ap(graph: DFGraph, budget: int | None = None, bandwidth: float | None = None,
+            memory_slots: int | None = None) -> Schedule:
+    """:func:`pofo` whose stages are the blocks between forward articulation points."""
+    return _pofo(graph, budget, bandwidth, memory_slots, articulation=True)
