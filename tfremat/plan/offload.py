@@ -47,6 +47,7 @@ from tfremat.plan.baselines import (
     _forward_phase_end,
     cheapest_fitting,
     keep_matrix,
+    known_peak,
     time_is_up,
 )
 from tfremat.plan.pofo import MAX_POFO_CELLS, solve_pofo
@@ -227,9 +228,8 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
 def opportunist(graph: DFGraph, budget: int | None = None, bandwidth: float | None = None) -> Schedule:
     """Beaumont et al.'s opportunist (sec. 5.1, module docstring): offloaded values spaced
     by the link's speed through the forward pass, the nodes between them recomputed once in
-    the backward pass, the rest kept once it fits. Each prefix of the offloaded values is a
-    candidate; the fastest that fits ``budget`` is returned (without a budget, the lowest
-    peak).
+    the backward pass, the rest kept once it fits: the shortest prefix of the offloaded
+    values whose schedule fits ``budget`` (without a budget, the lowest peak of all prefixes).
 
     Args:
         bandwidth: the host link, in bytes per unit of the graph's cost.
@@ -250,6 +250,8 @@ def opportunist(graph: DFGraph, budget: int | None = None, bandwidth: float | No
     loss_stage = _forward_phase_end(graph)
 
     def candidates() -> Iterator[Schedule]:
+        # "until the end of the sequence can be entirely performed in memory": with a
+        # budget, the first prefix that fits ends the search.
         for count in range(1, len(offloaded) + 1):
             if time_is_up():
                 return
@@ -270,6 +272,8 @@ def opportunist(graph: DFGraph, budget: int | None = None, bandwidth: float | No
                 if moved is not None:
                     schedule = _offloaded(graph, *moved, "opportunist", bandwidth)
             yield schedule
+            if budget is not None and known_peak(graph, schedule) <= budget:
+                return
 
     return cheapest_fitting(graph, candidates(), budget, "opportunist")
 
