@@ -70,28 +70,28 @@ def test_overhead_vs_budget_rows(graph, reference_peak, tmp_path):
     assert len(rows) == total
     assert {(row["strategy"], row["budget_bytes"]) for row in rows} == {(s, b) for s in HEURISTICS for b in budgets}
     for row in rows:
-        assert set(row) == {"strategy", "budget_bytes", "peak_bytes", "cost_ratio", "seconds"}
+        assert set(row) == {"strategy", "budget_bytes", "peak_bytes", "time_ratio", "seconds"}
         assert row["seconds"] >= 0
         if row["budget_bytes"] == 1:
             # No plan fits in one byte: every strategy must report the point as infeasible.
-            assert row["peak_bytes"] is None and row["cost_ratio"] is None
-        elif row["cost_ratio"] is not None:
+            assert row["peak_bytes"] is None and row["time_ratio"] is None
+        elif row["time_ratio"] is not None:
             assert row["peak_bytes"] <= row["budget_bytes"]
-            assert row["cost_ratio"] >= 1.0 - 1e-12
+            assert row["time_ratio"] >= 1.0 - 1e-12
         else:
             assert row["peak_bytes"] is None
     at_full = {row["strategy"]: row for row in rows if row["budget_bytes"] == reference_peak}
-    assert at_full["checkpoint_all"]["cost_ratio"] == pytest.approx(1.0)
+    assert at_full["checkpoint_all"]["time_ratio"] == pytest.approx(1.0)
     assert at_full["checkpoint_all"]["peak_bytes"] == reference_peak
-    assert any(row["cost_ratio"] is not None and row["budget_bytes"] < reference_peak for row in rows)
+    assert any(row["time_ratio"] is not None and row["budget_bytes"] < reference_peak for row in rows)
     below = {row["strategy"]: row for row in rows if row["budget_bytes"] == int(0.5 * reference_peak)}
-    assert below["checkpoint_all"]["cost_ratio"] is None
+    assert below["checkpoint_all"]["time_ratio"] is None
 
 
 def test_overhead_vs_budget_all_infeasible_still_plots(graph, tmp_path):
     path, rows = plots.plot_overhead_vs_budget(graph, ["checkpoint_all", "chen_sqrtn"], [1, 2], tmp_path / "none.png")
     assert_png(path)
-    assert all(row["cost_ratio"] is None for row in rows)
+    assert all(row["time_ratio"] is None for row in rows)
 
 
 @pytest.mark.parametrize(
@@ -109,3 +109,18 @@ def test_overhead_vs_budget_rejects_bad_arguments(graph, tmp_path, strategies, b
     with pytest.raises(error, match=match):
         plots.plot_overhead_vs_budget(graph, strategies, budgets, tmp_path / "bad.png")
     assert not (tmp_path / "bad.png").exists()
+
+
+def test_overhead_vs_budget_takes_options_per_strategy(graph, reference_peak, tmp_path):
+    """Each strategy gets its own options: the MILP's time limit, an offloading strategy's
+    link; a name not plotted or an option a strategy does not take is refused."""
+    budgets = [int(0.8 * reference_peak), reference_peak]
+    options = {"approx_lp": {"time_limit": 10, "threads": 1}, "pofo": {"bandwidth": 1e9}}
+    _, rows = plots.plot_overhead_vs_budget(graph, ["approx_lp", "pofo", "chen_sqrtn"], budgets,
+                                            tmp_path / "options.png", strategy_options=options)
+    assert any(row["strategy"] == "pofo" and row["time_ratio"] is not None for row in rows)
+    with pytest.raises(TfrematError, match="not among"):
+        plots.plot_overhead_vs_budget(graph, ["chen_sqrtn"], budgets, tmp_path / "x.png", strategy_options=options)
+    with pytest.raises(TfrematError, match="time_limit"):
+        plots.plot_overhead_vs_budget(graph, ["chen_sqrtn"], budgets, tmp_path / "x.png",
+                                      strategy_options={"chen_sqrtn": {"time_limit": 10}})

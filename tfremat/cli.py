@@ -173,7 +173,8 @@ def cmd_solve() -> None:
         # Bounds on the peak (bytes), not on the cost: keys of their own, so that no
         # reader takes one for the other.
         record.update(
-            status=failure_status(exc), peak_bytes=None, cost=None, cost_ratio=None, cost_lower_bound=None,
+            status=failure_status(exc), peak_bytes=None, cost=None, cost_ratio=None, time_ratio=None,
+            cost_lower_bound=None,
             peak_lower_bound_bytes=getattr(exc, "lower_bound_bytes", None),
             min_feasible_bytes=getattr(exc, "min_feasible_bytes", None), gap=None,
             seconds=round(time.perf_counter() - started, 4), error=str(exc),
@@ -190,10 +191,14 @@ def cmd_solve() -> None:
         cost=result.cost,
         cost_ratio=result.cost / graph.total_cost if graph.total_cost else 1.0,
         recomputations=result.recompute_count,
+        # The step's time: the compute cost plus its waits for host copies (offloading).
+        time_ratio=result.makespan / graph.total_cost if graph.total_cost else 1.0,
         cost_lower_bound=facts.best_bound if facts is not None else None,
         gap=facts.gap if facts is not None else None,
         seconds=round(seconds, 4),
     )
+    if schedule.offloads:
+        record.update(transfer_bytes=result.transfer_bytes, host_peak_bytes=result.host_peak_bytes)
     if FLAGS.schedule_out:
         with open(FLAGS.schedule_out, "w") as f:
             json.dump(schedule.to_dict(graph, file_node_ids(graph, document)), f)
@@ -416,7 +421,7 @@ def cmd_plot() -> None:
               "shows; give --budgets whose middle one is larger", code=1)
     traces = plot_memory_traces(graph, schedules, out / "memory.png", budget_bytes=middle)
     overhead, _ = plot_overhead_vs_budget(graph, names, budgets, out / "overhead.png",
-                                          strategy_options={n: _milp_options(n) for n in names})
+                                          strategy_options={n: _milp_options(n) for n in names if _milp_options(n)})
     print(f"wrote {traces} and {overhead}")
 
 

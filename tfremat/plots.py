@@ -4,7 +4,7 @@ Two views answer the two questions a user has when choosing a strategy:
 
 * :func:`plot_memory_traces`: *where* in the training step the memory goes under each
   plan (the peak, and how much of it the backward pass's recomputation trims);
-* :func:`plot_overhead_vs_budget`: *what a memory saving costs*, the extra compute of
+* :func:`plot_overhead_vs_budget`: *what a memory saving costs*, the extra step time of
   each strategy across budgets, in the style of Checkmate's Figure 4 (Jain et al. 2020)
   and MONeT's Figure 5 (Shah et al. 2021).
 
@@ -29,6 +29,7 @@ from tfremat.budget import format_bytes
 from tfremat.errors import ArgumentError, InfeasibleBudgetError, SolverTimeLimitError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import Op
+from tfremat.plan.registry import check_options
 from tfremat.plan.schedule import Schedule
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
 from tfremat.strategies import get_strategy
@@ -36,9 +37,6 @@ from tfremat.strategies import get_strategy
 __all__ = ["plot_memory_traces", "plot_overhead_vs_budget"]
 
 logger = logging.getLogger(__name__)
-
-# Strategies that solve a MILP/LP: the only ones that take solver options (time_limit, ...).
-_SOLVER_STRATEGIES = frozenset({"optimal", "approx_lp"})
 
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
@@ -191,12 +189,13 @@ def plot_overhead_vs_budget(
     strategy_options: Mapping[str, object] | None = None,
     progress: Callable[[int, int], object] | None = None,
 ) -> tuple[str | os.PathLike, list[dict]]:
-    """Solves every strategy at every budget and plots compute overhead against the budget.
+    """Solves every strategy at every budget and plots the step's time against the budget.
 
     The comparison of Checkmate's Figure 4 and MONeT's Figure 5: the x axis is the budget
     as a fraction of the checkpoint-all peak (what the framework uses without
-    rematerialization; bytes on the top axis), the y axis the plan's compute cost over the
-    cost of running every node once, so 1.0 means no recomputation. A strategy that
+    rematerialization; bytes on the top axis), the y axis the plan's simulated step time
+    (its compute cost, plus waits for host copies when it offloads) over the cost of running
+    every node once, so 1.0 means no recomputation and no wait. A strategy that
     raises :class:`InfeasibleBudgetError` at a budget has no point there; its line starts
     at the smallest budget it can meet.
 
@@ -205,15 +204,17 @@ def plot_overhead_vs_budget(
         strategies: registered strategy names (see ``tfremat.strategies.strategy_names``).
         budgets_bytes: memory budgets in bytes.
         path: where to save the figure; the format follows the suffix.
-        strategy_options: keyword options for the solver strategies ("optimal",
-            "approx_lp") only, e.g. ``{"time_limit": 60}``; the heuristics take none.
+        strategy_options: per strategy name, its keyword options, e.g.
+            ``{"optimal": {"time_limit": 60}, "pofo": {"bandwidth": 12e9}}``; a strategy not
+            listed takes none (an offloading strategy needs its ``bandwidth``).
         progress: called as ``progress(done, total)`` after each solve, e.g. to advance a
             progress bar; None for none.
 
     Returns:
         ``(path, rows)``: one row per strategy and budget, in solve order, each a dict with
-        ``strategy``, ``budget_bytes``, ``peak_bytes`` and ``cost_ratio`` (both None when
-        infeasible) and ``seconds`` (wall time of the solve), ready for a table.
+        ``strategy``, ``budget_bytes``, ``peak_bytes`` and ``time_ratio`` (simulated makespan
+        over the no-remat cost; both None when infeasible) and ``seconds`` (wall time of the
+        solve), ready for a table.
 
     Raises:
         ValueError: no strategies or budgets, a repeated strategy, or a budget that is not
@@ -237,13 +238,18 @@ def plot_overhead_vs_budget(
     if not budgets:
         raise ArgumentError("budgets_bytes is empty; pass at least one budget in bytes")
     solvers = {name: get_strategy(name) for name in strategies}
-    options = dict(strategy_options or {})
+    options = {name: dict(given) for name, given in (strategy_options or {}).items()}
+    unknown = sorted(set(options) - set(strategies))
+    if unknown:
+        raise ArgumentError(f"strategy_options names {unknown}, which are not among strategies={strategies!r}")
+    for name, given in options.items():
+        check_options(solvers[name], given, f"strategy {name!r}")
     reference = checkpoint_all_peak(graph)
 
     rows: list[dict] = []
     total = len(strategies) * len(budgets)
     for name, solve in solvers.items():
-        kwargs = options if name in _SOLVER_STRATEGIES else {}
+        kwargs = options.get(name, {})
         for budget in budgets:
             began = time.perf_counter()
             try:
@@ -255,14 +261,14 @@ def plot_overhead_vs_budget(
                 logger.debug("%s has no schedule at %s: %s", name, format_bytes(budget), exc)
             else:
                 peak = result.peak_bytes
-                ratio = result.cost / graph.total_cost if graph.total_cost > 0 else 1.0
+                ratio = result.makespan / graph.total_cost if graph.total_cost > 0 else 1.0
                 if peak > budget:
                     logger.warning("%s returned a plan with peak %s over the budget %s", name, format_bytes(peak), format_bytes(budget))
             rows.append({
                 "strategy": name,
                 "budget_bytes": budget,
                 "peak_bytes": peak,
-                "cost_ratio": ratio,
+                "time_ratio": ratio,
                 "seconds": time.perf_counter() - began,
             })
             if progress is not None:
@@ -279,7 +285,7 @@ def _draw_overhead(graph: DFGraph, strategies: Sequence[str], rows: Sequence[dic
     axes = figure.add_subplot()
     fraction = {row["budget_bytes"]: row["budget_bytes"] / reference for row in rows}
     for order, name in enumerate(strategies):
-        points = sorted((fraction[row["budget_bytes"]], row["cost_ratio"]) for row in rows if row["strategy"] == name and row["cost_ratio"] is not None)
+        points = sorted((fraction[row["budget_bytes"]], row["time_ratio"]) for row in rows if row["strategy"] == name and row["time_ratio"] is not None)
         label = name if points else f"{name} (fits no budget)"
         x, y = zip(*points) if points else ((), ())
         # Strategies often coincide (same plan, or the same cost at a budget); markers that
@@ -291,7 +297,7 @@ def _draw_overhead(graph: DFGraph, strategies: Sequence[str], rows: Sequence[dic
     axes.set_xlim(low - pad, high + pad)
     # Shade the budgets below the smallest one any strategy met, so an empty left part of
     # the plot reads as "infeasible", not as "not tried".
-    fitting = [fraction[row["budget_bytes"]] for row in rows if row["cost_ratio"] is not None]
+    fitting = [fraction[row["budget_bytes"]] for row in rows if row["time_ratio"] is not None]
     smallest_fit = min(fitting, default=high + pad)
     hopeless = [f for f in fraction.values() if f < smallest_fit]
     if hopeless:
@@ -300,8 +306,8 @@ def _draw_overhead(graph: DFGraph, strategies: Sequence[str], rows: Sequence[dic
     axes.axhline(1.0, color="grey", linewidth=0.8)
     axes.axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
     axes.set_xlabel("memory budget / checkpoint-all peak")
-    axes.set_ylabel("compute cost / no-remat cost")
-    axes.set_title(f"Compute overhead vs. memory budget: {graph.name}\ncheckpoint-all peak {format_bytes(reference)}", fontsize="medium")
+    axes.set_ylabel("step time / no-remat cost")
+    axes.set_title(f"Step time vs. memory budget: {graph.name}\ncheckpoint-all peak {format_bytes(reference)}", fontsize="medium")
     axes.grid(True, alpha=0.3)
     top = axes.secondary_xaxis("top", functions=(lambda f: f * reference / scale, lambda b: b * scale / reference))
     top.set_xlabel(f"memory budget ({unit})")
