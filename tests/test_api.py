@@ -115,6 +115,30 @@ def test_the_callback_refuses_a_bad_budget_or_strategy_at_once():
         RematCallback("50%").budget = "90%"
 
 
+def test_the_callback_takes_a_host_link_only_for_offloading():
+    """An offloading strategy needs the link in bytes per second, so profiled costs, and
+    a bandwidth where no GPU's link can be measured; the others refuse one."""
+    import tensorflow as tf
+
+    from tfremat.runtime.host_link import host_link_bandwidth
+
+    measured = host_link_bandwidth(size_bytes=1 << 20, repeats=2)
+    if tf.config.list_logical_devices("GPU"):
+        assert measured > 0
+        assert RematCallback("50%", strategy="pofo", verbose=0).bandwidth == pytest.approx(measured, rel=0.9)
+    else:
+        assert measured is None
+        with pytest.raises(ArgumentError, match="pass bandwidth="):
+            RematCallback("50%", strategy="pofo")
+    assert RematCallback("50%", strategy="pofo", bandwidth=12e9).bandwidth == 12e9
+    with pytest.raises(ArgumentError, match="cost_model='profile'"):
+        RematCallback("50%", strategy="autocapper", bandwidth=12e9, cost_model="flops")
+    with pytest.raises(ArgumentError, match="does not offload"):
+        RematCallback("50%", strategy="eviction", bandwidth=12e9)
+    with pytest.raises(ArgumentError, match="size_bytes"):
+        host_link_bandwidth(size_bytes=0)
+
+
 def test_fit_needs_a_compiled_model():
     with pytest.raises(TfrematError, match="compile"):
         tfremat.fit(small_convnet(), "50%", *data(8), batch_size=8)

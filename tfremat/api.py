@@ -95,7 +95,9 @@ def fit(
             the bytes the step requests; None: for amounts of memory, not for shares
             (see :class:`tfremat.keras.RematCallback`).
         bandwidth: the host link, in bytes per second, for a strategy that offloads
-            activations to host memory (``autocapper``, ``opportunist``); refused otherwise.
+            activations to host memory (``pofo``, ``pofo_ap``, ``autocapper``,
+            ``opportunist``); None measures it on a GPU (required without one); refused for
+            the other strategies.
 
     Returns:
         The Keras ``History``.

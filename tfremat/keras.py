@@ -36,6 +36,7 @@ from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.model_planning import plan_model
 from tfremat.plan.offload import check_bandwidth
 from tfremat.planner import check_cache_argument, plan_graph
+from tfremat.runtime.host_link import host_link_bandwidth
 from tfremat.strategies import (
     get_strategy,
     offloading_strategy_names,
@@ -73,8 +74,10 @@ class RematCallback(keras.callbacks.Callback):
             warning, when the allocator keeps no statistics (on CPU, TensorFlow imported
             before tfremat).
         bandwidth: the host link of the strategies that offload activations to host memory
-            (autocapper, opportunist), in bytes per second: required by them, refused by
-            the others.
+            (pofo, pofo_ap, autocapper, opportunist), in bytes per second; None: measured on
+            the GPU (:func:`~tfremat.runtime.host_link.host_link_bandwidth`), required on a
+            machine without one. Refused for the other strategies. Offloading needs
+            ``cost_model="profile"`` (costs in seconds).
         verbose: 0 silences planning progress.
 
     Attributes:
@@ -96,6 +99,11 @@ class RematCallback(keras.callbacks.Callback):
                 f"strategy {strategy!r} takes neither, so leave them out"
             )
         if get_strategy(strategy).offloads:
+            if cost_model != "profile":
+                raise ArgumentError(f"strategy {strategy!r} offloads over a link measured in bytes per second, which "
+                                    f"needs costs in seconds: use cost_model='profile', not {cost_model!r}")
+            if bandwidth is None:
+                bandwidth = host_link_bandwidth()  # None without a GPU: check_bandwidth says what to pass
             check_bandwidth(bandwidth, strategy)
         elif bandwidth is not None:
             raise ArgumentError(f"bandwidth= is the host link of the offloading strategies "
