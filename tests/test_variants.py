@@ -286,10 +286,19 @@ def test_batch_norm_output_activated_matches_keras(shape):
 
 def test_batch_norm_output_activated_as_accurate_as_keras():
     """Against float64 autodiff, the rebuilt-from-output gradient errs about as much as
-    Keras's own float32 autodiff (both are float32 sums over 4096 elements)."""
+    Keras's own float32 autodiff (both are float32 sums over 4096 elements), for gammas
+    around Keras's initial 1. Rebuilding x_hat from y loses digits as |beta| / |gamma|
+    grows (dgamma's error reached 6x Keras's at |gamma| = 0.002): that case is
+    ``gamma_floor``'s (test_batch_norm_gamma_floor_covers_tiny_gamma). Own seeded data, so the
+    outcome does not depend on which tests ran before in the worker."""
+    global RNG
     shape = (64, 8, 8, 16)
-    x, dy = _normal(shape, 2.0, 0.5), _normal(shape)
-    gamma, beta = _normal([16]), _normal([16])
+    saved, RNG = RNG, np.random.default_rng(7)
+    try:
+        x, dy = _normal(shape, 2.0, 0.5), _normal(shape)
+        gamma, beta = _normal([16], 0.2, 1.0), _normal([16])
+    finally:
+        RNG = saved
     ref = _keras_bn_grads(_keras_bn(shape, gamma, beta), x, dy)
     step = _grad_fn(lambda x, g, b: V.batch_norm_output_activated(x, g, b), 3)
     _, grads = step(x, gamma, beta, dy)
