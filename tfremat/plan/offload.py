@@ -33,7 +33,6 @@ reads it goes to the host right after it is computed and comes back for its next
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterator
 
@@ -57,8 +56,6 @@ from tfremat.plan.simulator import checkpoint_all_peak, simulate
 
 __all__ = ["check_bandwidth", "offload_gap", "capper", "autocapper", "opportunist", "pofo", "pofo_ap",
            "AUTOCAPPER_LIMITS", "POFO_SLOTS", "POFO_LIMITS"]
-
-logger = logging.getLogger(__name__)
 
 # Sec. 5.1: "autocapper calls capper with 40 values of M', evenly spaced between the target
 # M_GPU and M^high".
