@@ -30,7 +30,8 @@ from tfremat.planner import (
     split_solver_options,
     strategy_options,
 )
-from tfremat.strategies import strategy_names
+from tfremat.runtime.host_link import host_link_bandwidth
+from tfremat.strategies import offloading_strategy_names, strategy_names
 
 __all__ = ["plan_model", "compare", "fit", "max_batch_size", "PlanResult"]
 
@@ -42,11 +43,22 @@ def compare(model, budget, x=None, y=None, *, strategies: Sequence[str] | None =
             verbose: int = 1, **milp_options):
     """:func:`compare_graph` for a Keras model (extracts once, plans with every strategy).
 
+    The offloading strategies take part when a host link exists: ``bandwidth=`` (bytes per
+    second), or, without it and with profiled costs, the link measured on the GPU
+    (:func:`~tfremat.runtime.host_link.host_link_bandwidth`); on a machine without a GPU and
+    without ``bandwidth`` they are left out.
+
     Args:
         granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
     """
     # As plan_model does, the arguments that need no graph are checked before the extraction.
     check_keras_model(model)
+    wants_link = strategies is None or (not isinstance(strategies, str) and isinstance(strategies, Sequence)
+                                        and bool(set(offloading_strategy_names()) & set(map(str, strategies))))
+    if "bandwidth" not in milp_options and cost_model == "profile" and wants_link:
+        measured = host_link_bandwidth()
+        if measured is not None:
+            milp_options["bandwidth"] = measured
     every = strategy_names(offloading="bandwidth" in milp_options)
     split_solver_options(every if strategies is None else strategies, milp_options)
     extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
