@@ -69,7 +69,7 @@ def run_cli(*args):
 def test_cli_strategies_lists_names():
     out = run_cli("strategies", "--json")
     assert out.returncode == 0, out.stderr
-    assert {"checkpoint_all", "chen_sqrtn", "griewank_logn_ap", "hong"} <= set(json.loads(out.stdout))
+    assert {"checkpoint_all", "chen_sqrtn", "griewank_logn_ap", "hong", "pofo", "autocapper"} <= set(json.loads(out.stdout))
 
 
 def test_cli_solve_json_and_schedule_out(tmp_path):

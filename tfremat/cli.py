@@ -74,7 +74,7 @@ flags.DEFINE_float("max_overhead", None, "maxbatch: allowed extra compute as a f
 flags.DEFINE_integer("max_batch", None, "maxbatch: the largest batch size searched (default 4096).")
 flags.DEFINE_string("solver", None, "MILP solver: highs (default) or gurobi (needs a licensed gurobipy).")
 flags.DEFINE_float("bandwidth", None, "Host link in bytes per unit of the graph's cost (bytes per second for profiled "
-                   "graphs) for the strategies that offload to host memory (autocapper, opportunist); compare and plot "
+                   "graphs) for the strategies that offload to host memory (pofo, pofo_ap, autocapper, opportunist); compare and plot "
                    "run them only with it.")
 flags.DEFINE_bool("cache", True, "Read and write the on-disk schedule and profile caches ($TFREMAT_CACHE_DIR, else "
                   "~/.cache/tfremat); --nocache profiles and solves anew without reading or writing them.")
@@ -93,13 +93,13 @@ COMMANDS = {
 _MODEL_FLAGS = ["model", "input_shape", "batch", "num_classes", "cost_model", "granularity", "loss", "optimizer", "custom_objects"]
 COMMAND_FLAGS = {
     "strategies": ["json"],
-    "solve": ["graph", "order", "strategy", "budget", "solver", "time_limit", "schedule_out", "json"],
+    "solve": ["graph", "order", "strategy", "budget", "solver", "time_limit", "bandwidth", "schedule_out", "json"],
     "graph": _MODEL_FLAGS + ["out", "cache", "json"],
-    "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "schedule_out", "cache", "json"],
-    "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "cache", "json"],
-    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "granularity", "loss", "optimizer", "custom_objects", "budget", "strategies", "max_overhead", "max_batch", "solver", "time_limit", "cache", "json"],
-    "plot": ["graph", "order", "out", "strategies", "budgets", "solver", "time_limit", "cache"] + _MODEL_FLAGS,
-    "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "steps", "cache", "json"],
+    "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "bandwidth", "schedule_out", "cache", "json"],
+    "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "bandwidth", "cache", "json"],
+    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "granularity", "loss", "optimizer", "custom_objects", "budget", "strategies", "max_overhead", "max_batch", "solver", "time_limit", "bandwidth", "cache", "json"],
+    "plot": ["graph", "order", "out", "strategies", "budgets", "solver", "time_limit", "bandwidth", "cache"] + _MODEL_FLAGS,
+    "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "bandwidth", "steps", "cache", "json"],
 }
 
 
@@ -139,7 +139,7 @@ def _require(*names: str) -> None:
 def cmd_strategies() -> None:
     from tfremat.strategies import strategy_names
 
-    names = strategy_names()
+    names = strategy_names(offloading=True)  # every one; the offloading ones need --bandwidth
     print(json.dumps(names) if FLAGS.json else "\n".join(names))
 
 
