@@ -540,6 +540,10 @@ def draw(results: Sequence[dict], labels: Sequence[str], path: Path) -> None:
     figure = Figure(figsize=(4.2 * columns, 3.2 * rows + 0.8), layout="constrained")
     FigureCanvasAgg(figure)
     markers = "osD^vP<>Xh"
+    # tab20's twenty colours: no two of the sixteen strategies share one.
+    from matplotlib import colormaps
+
+    colours = colormaps["tab20"]
     for index, result in enumerate(results):
         axes = figure.add_subplot(rows, columns, index + 1)
         for order, label in enumerate(labels):
@@ -548,7 +552,8 @@ def draw(results: Sequence[dict], labels: Sequence[str], path: Path) -> None:
             x, y = zip(*points) if points else ((), ())
             # Strategies often coincide: markers shrinking in drawing order keep each visible.
             axes.plot(x, y, marker=markers[order % len(markers)], markersize=3 + 0.5 * (len(labels) - order),
-                      linewidth=1.2, alpha=0.85, label=label, linestyle="-" if order < 10 else "--")
+                      linewidth=1.2, alpha=0.85, label=label, linestyle="-" if order < 10 else "--",
+                      color=colours(order % 20))
         axes.set_ylim(bottom=0)
         axes.set_title(f"{result['label']} ({result['nodes']} nodes, "
                        f"{result['checkpoint_all_peak_bytes'] / GIB:.1f} GiB)", fontsize="small")
