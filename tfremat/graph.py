@@ -16,6 +16,7 @@ JSON: :meth:`DFGraph.to_json` / :func:`load_graph` use tfremat's own format, and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -28,9 +29,49 @@ import networkx as nx
 
 from tfremat.errors import ArgumentError, GraphError, is_int, is_number
 
-__all__ = ["DFGraph", "load_graph", "graph_format", "file_node_ids", "GRAPH_FORMAT", "LOAD_ORDERS"]
+__all__ = ["DFGraph", "Implementation", "load_graph", "graph_format", "file_node_ids", "GRAPH_FORMAT", "LOAD_ORDERS"]
 
 GRAPH_FORMAT = "tfremat.graph/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """Another way to run a forward node and its gradient (MONeT, Shah et al. 2021, sec. 4:
+    implementations that keep different tensors for the backward pass and cost differently).
+
+    The graph's own numbers are the node's default implementation; an alternative replaces
+    them where a schedule chooses it (:meth:`DFGraph.with_implementations`).
+
+    Attributes:
+        name: its name, unique among the node's alternatives (not ``"default"``).
+        residual_bytes: bytes the forward keeps that only the backward reads (a ReLU's
+            1-byte mask, a pooling's window index), besides the node's output.
+        reads_output: the backward reads the node's output (an output-activated batch norm).
+        reads_inputs: the backward reads the node's inputs.
+        cost, backward_cost: forward and backward compute cost.
+        workspace_bytes, backward_workspace_bytes: transient bytes of each while it runs.
+    """
+
+    name: str
+    residual_bytes: int
+    reads_output: bool
+    reads_inputs: bool
+    cost: float
+    backward_cost: float
+    workspace_bytes: int = 0
+    backward_workspace_bytes: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or self.name == "default":
+            raise GraphError(f"an implementation needs a name other than 'default', got {self.name!r}")
+        where = f"implementation {self.name!r}"
+        for field in ("residual_bytes", "workspace_bytes", "backward_workspace_bytes"):
+            object.__setattr__(self, field, _amount(getattr(self, field), f"{where}: {field}", whole=True))
+        for field in ("cost", "backward_cost"):
+            object.__setattr__(self, field, _amount(getattr(self, field), f"{where}: {field}", whole=False))
+        for field in ("reads_output", "reads_inputs"):
+            if not isinstance(getattr(self, field), bool):
+                raise GraphError(f"{where}: {field} must be True or False, got {getattr(self, field)!r}")
 
 
 class DFGraph:
@@ -56,6 +97,8 @@ class DFGraph:
         fixed_bytes: memory resident for the whole step (parameters, their gradients,
             optimizer slots, the input batch), counted in every peak.
         name: a label for reports.
+        implementations: per forward node that has a backward node, its alternative
+            :class:`Implementation` s (the graph's numbers are the default); none by default.
 
     Raises:
         GraphError: naming the node, for a cycle, an edge against the order, a dangling
@@ -75,6 +118,7 @@ class DFGraph:
         "residual_bytes",
         "fixed_bytes",
         "name",
+        "implementations",
         "__dict__",
     )
 
@@ -91,6 +135,7 @@ class DFGraph:
         fixed_bytes: int = 0,
         name: str = "graph",
         residual_bytes: Sequence[int] | None = None,
+        implementations: Mapping[int, Sequence[Implementation]] | None = None,
     ):
         names = tuple(str(x) for x in names)
         n = len(names)
@@ -115,6 +160,10 @@ class DFGraph:
         ))
         set_(self, "fixed_bytes", _amount(fixed_bytes, "fixed_bytes", whole=True))
         set_(self, "name", str(name))
+        set_(self, "implementations", MappingProxyType({
+            _node_id(node, "implementations"): tuple(_implementation(i) for i in alternatives)
+            for node, alternatives in (implementations or {}).items() if alternatives
+        }))
         self._validate()
 
     def __setattr__(self, key, value):
@@ -163,6 +212,12 @@ class DFGraph:
                                  "it (forward_of and an edge to it)", node=i)
         if self.loss_node is not None and not self.is_backward[self.loss_node]:
             raise GraphError(f"loss node {self.loss_node} must be flagged backward (Checkmate's convention)", node=self.loss_node)
+        for node, alternatives in self.implementations.items():
+            if not (0 <= node < n) or self.is_backward[node] or node not in self.backward_of:
+                raise GraphError(f"implementations: node {node} is not a forward node with a backward node", node=node)
+            names = [i.name for i in alternatives]
+            if len(set(names)) != len(names):
+                raise GraphError(f"node {node} ({self.names[node]}) repeats an implementation name: {names}", node=node)
 
     @classmethod
     def from_unordered(
@@ -210,6 +265,10 @@ class DFGraph:
         reordered.setdefault("names", [str(node) for node in order])
         if reordered.get("loss_node") is not None:
             reordered["loss_node"] = position[node_ids[reordered["loss_node"]]]
+        if reordered.get("implementations"):
+            reordered["implementations"] = {
+                position[node_ids[k]]: v for k, v in reordered["implementations"].items()
+            }
         if reordered.get("forward_of"):
             reordered["forward_of"] = {
                 position[node_ids[b]]: position[node_ids[f]] for b, f in reordered["forward_of"].items()
@@ -273,6 +332,50 @@ class DFGraph:
         when it has residual bytes, else ``(None,)`` (the whole value)."""
         return ("output", "residual") if self.residual_bytes[node] else (None,)
 
+    def with_implementations(self, choice: Mapping[int, str] | None) -> "DFGraph":
+        """The graph under ``choice`` (node -> implementation name; a node not named, or
+        named ``"default"``, keeps the graph's own numbers), without alternatives.
+
+        A chosen :class:`Implementation` sets the node's and its backward node's costs and
+        workspaces. The node's value is its output part plus the implementation's residual
+        bytes: a residual that the backward reads alone is a part of its own
+        (:attr:`residual_bytes`); with ``reads_output`` the backward reads the whole value.
+        The backward node reads the node only when it reads its output or a residual, and
+        the node's inputs only with ``reads_inputs``.
+
+        Raises:
+            GraphError: a node without alternatives, or a name it does not have.
+        """
+        choice = {node: name for node, name in (choice or {}).items() if name != "default"}
+        return self._derived(choice) if choice else self
+
+    def _derived(self, choice: Mapping[int, str]) -> "DFGraph":
+        cost, output, work = list(self.cost), list(self.output_bytes), list(self.workspace_bytes)
+        residual = list(self.residual_bytes)
+        edges = set(self.edges)
+        for node, name in choice.items():
+            alternatives = {i.name: i for i in self.implementations.get(node, ())}
+            if name not in alternatives:
+                raise GraphError(f"node {node} has no implementation {name!r}; it has "
+                                 f"{['default', *alternatives] if node in self.implementations else ['default']}",
+                                 node=node if is_int(node) and 0 <= node < self.size else None)
+            chosen, backward = alternatives[name], self.backward_of[node]
+            output_part = self.output_bytes[node] - self.residual_bytes[node]
+            output[node] = output_part + chosen.residual_bytes
+            residual[node] = 0 if chosen.reads_output else chosen.residual_bytes
+            edges.discard((node, backward))
+            if chosen.reads_output or chosen.residual_bytes:
+                edges.add((node, backward))
+            for source in self.predecessors[node]:
+                if not self.is_backward[source]:
+                    edges.discard((source, backward))
+                    if chosen.reads_inputs:
+                        edges.add((source, backward))
+            cost[node], cost[backward] = chosen.cost, chosen.backward_cost
+            work[node], work[backward] = chosen.workspace_bytes, chosen.backward_workspace_bytes
+        return DFGraph(self.names, sorted(edges), cost, output, work, self.is_backward, self.loss_node,
+                       dict(self.forward_of), self.fixed_bytes, self.name, residual_bytes=residual)
+
     @functools.cached_property
     def total_cost(self) -> float:
         """Sum of node costs: the cost of running every node once (no rematerialization)."""
@@ -326,6 +429,8 @@ class DFGraph:
                     "backward": self.is_backward[i],
                     "forward_of": self.forward_of.get(i),
                     **({"residual_bytes": self.residual_bytes[i]} if self.residual_bytes[i] else {}),
+                    **({"implementations": [dataclasses.asdict(a) for a in self.implementations[i]]}
+                       if i in self.implementations else {}),
                 }
                 for i in range(self.size)
             ],
@@ -457,6 +562,22 @@ def _field(record: dict, key: str, where: str):
         raise GraphError(f"{where} has no {key!r} field") from None
 
 
+def _implementation(value) -> Implementation:
+    """An :class:`Implementation`, or one from its JSON object."""
+    if isinstance(value, Implementation):
+        return value
+    if not isinstance(value, Mapping):
+        raise GraphError(f"an implementation is an object of Implementation's fields, got {value!r:.80}")
+    fields = {f.name for f in dataclasses.fields(Implementation)}
+    unknown = set(value) - fields
+    if unknown:
+        raise GraphError(f"implementation {value.get('name')!r} has unknown fields {sorted(unknown)}")
+    try:
+        return Implementation(**value)
+    except TypeError as exc:
+        raise GraphError(f"implementation {value.get('name')!r}: {exc}") from None
+
+
 def _numbered(nodes: list[dict], label: str) -> list[dict]:
     """The nodes sorted by their ``id``, which must be exactly 0..n-1 (the execution order)."""
     ids = [_field(node, "id", f"{label}: nodes[{position}]") for position, node in enumerate(nodes)]
@@ -483,6 +604,7 @@ def _from_tfremat_dict(data: dict, label: str) -> DFGraph:
         fixed_bytes=data.get("fixed_bytes", 0),
         name=data.get("name", "graph"),
         residual_bytes=[node.get("residual_bytes", 0) for node in nodes],
+        implementations={node["id"]: node["implementations"] for node in nodes if node.get("implementations")},
     )
 
 

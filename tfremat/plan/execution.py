@@ -40,12 +40,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
+from collections.abc import Mapping
 
 import numpy as np
 
 from tfremat.errors import ScheduleError
 from tfremat.graph import DFGraph
-from tfremat.plan.schedule import Schedule, prefetch_stages
+from tfremat.plan.schedule import Schedule, graph_under, prefetch_stages
 
 __all__ = ["Op", "Statement", "ExecutionPlan", "build_plan", "parts_needed_later"]
 
@@ -83,11 +84,14 @@ class ExecutionPlan:
     """An ordered, immutable list of statements for one training step.
 
     ``host_bandwidth``: the host link its copies were timed for (None: no copies).
+    ``implementations``: the schedule's implementation choice (None: the defaults); the plan
+    is for the graph under it (:func:`~tfremat.plan.schedule.graph_under`).
     """
 
     statements: tuple[Statement, ...]
     num_nodes: int
     host_bandwidth: float | None = None
+    implementations: Mapping[int, str] | None = None
 
     def __iter__(self):
         return iter(self.statements)
@@ -104,11 +108,13 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
     """Emits the statements of ``schedule`` in row-major order of R (Checkmate Alg. 1),
     with its host copies placed by :func:`_place_transfers` when it offloads.
 
-    The schedule is assumed valid (see :func:`tfremat.plan.schedule.validate_schedule`).
+    The schedule is assumed valid (see :func:`tfremat.plan.schedule.validate_schedule`); it
+    runs on ``graph`` under its implementations.
 
     Raises:
         ScheduleError: the schedule offloads without a ``host_bandwidth``.
     """
+    graph = graph_under(graph, schedule)
     n = graph.size
     R, S = schedule.R, schedule.S
     preds = graph.predecessors
@@ -163,8 +169,9 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
             for i, part in sorted(frees_after.get(k, ()), key=lambda key: (key[0], key[1] or "")):
                 free(i, part, t)
     if not schedule.offloads:
-        return ExecutionPlan(tuple(statements), n)
-    return ExecutionPlan(tuple(_place_transfers(graph, schedule, statements)), n, float(schedule.host_bandwidth))
+        return ExecutionPlan(tuple(statements), n, None, schedule.implementations)
+    return ExecutionPlan(tuple(_place_transfers(graph, schedule, statements)), n, float(schedule.host_bandwidth),
+                         schedule.implementations)
 
 
 def _place_transfers(graph: DFGraph, schedule: Schedule, statements: list[Statement]) -> list[Statement]:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from tfremat.budget import budget_kind, format_bytes, is_share, parse_budget
-from tfremat.errors import ArgumentError, InfeasibleBudgetError
+from tfremat.errors import ArgumentError, GraphError, InfeasibleBudgetError
 from tfremat.graph import DFGraph
 from tfremat.plan.simulator import checkpoint_all_peak
 
@@ -50,13 +50,29 @@ class Strategy:
 
     def __call__(self, graph: DFGraph, budget=None, *options, **keyword_options):
         """The schedule for ``graph`` under ``budget`` (any form :func:`parse_graph_budget`
-        reads).
+        reads). Every strategy also takes ``implementations=`` (node -> name of one of the
+        graph's :class:`~tfremat.graph.Implementation` s; default: every node's own): it then
+        plans the graph under that choice, and the schedule records it. A share budget stays
+        a share of the graph's own checkpoint-all peak, so choices compare at equal bytes.
 
         Raises:
             BudgetFormatError: a budget :func:`~tfremat.budget.parse_budget` refuses (zero or
                 negative bytes among them), before any work.
         """
+        implementations = keyword_options.pop("implementations", None)
         budget_bytes = parse_graph_budget(graph, budget)
+        if implementations:
+            # The strategy plans the graph under the choice; the schedule records it, so
+            # the simulator and validation see the same graph (MONeT's implementations).
+            try:
+                planned = graph.with_implementations(implementations)
+            except GraphError as exc:
+                raise ArgumentError(f"implementations: {exc}") from None
+            try:
+                schedule = self.function(planned, budget_bytes, *options, **keyword_options)
+            except InfeasibleBudgetError as error:
+                raise in_user_terms(error, graph, budget) from None
+            return schedule.with_implementations(implementations)
         try:
             return self.function(graph, budget_bytes, *options, **keyword_options)
         except InfeasibleBudgetError as error:
@@ -85,13 +101,14 @@ def option_names(function: Callable) -> list[str] | None:
     """The options ``function`` takes: a strategy (or another solver function) whose first
     two parameters are the graph and the budget (or a cost cap), its options the keyword
     parameters after them. None when it takes any keyword (``**options``)."""
+    generic = ["implementations"] if isinstance(function, Strategy) else []  # Strategy.__call__ takes it
     if isinstance(function, Strategy):
         function = function.function
     parameters = list(inspect.signature(function).parameters.values())
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
     keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in parameters[2:] if p.kind in keyword]
+    return [p.name for p in parameters[2:] if p.kind in keyword] + generic
 
 
 def check_options(function: Callable, options: Mapping[str, object], what: str) -> None:

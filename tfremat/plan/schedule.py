@@ -22,10 +22,11 @@ import dataclasses
 import enum
 import math
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import numpy as np
 
-from tfremat.errors import ScheduleError, is_int, is_number
+from tfremat.errors import GraphError, ScheduleError, is_int, is_number
 from tfremat.graph import DFGraph
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "prune_s",
     "schedule_from_keep_matrix",
     "checkpoint_all_s",
+    "graph_under",
     "offloadable",
     "prefetch_stages",
     "prune_h",
@@ -163,6 +165,9 @@ class Schedule:
         host_bandwidth: the host link the schedule was planned for, in bytes per unit of
             the graph's cost (bytes per second for profiled graphs); needed when H offloads
             anything, since the plan times its copies by it.
+        implementations: node -> the :class:`~tfremat.graph.Implementation` it runs (MONeT);
+            None or empty: every node's default. The schedule is for the graph under them
+            (:func:`graph_under`), which validation, plans and the simulator use.
     """
 
     R: np.ndarray
@@ -171,6 +176,7 @@ class Schedule:
     facts: SolverFacts | None = None
     H: np.ndarray | None = None
     host_bandwidth: float | None = None
+    implementations: Mapping[int, str] | None = None
 
     def __post_init__(self):
         R = np.array(self.R, dtype=bool)
@@ -185,6 +191,14 @@ class Schedule:
             object.__setattr__(self, "H", H if H.any() else None)
         if self.facts is not None and not isinstance(self.facts, SolverFacts):
             raise TypeError(f"facts must be SolverFacts or None, got {type(self.facts).__name__}")
+        chosen = {}
+        for node, name in (self.implementations or {}).items():
+            if not is_int(node) or not isinstance(name, str):
+                raise ScheduleError(f"implementations maps node ids to implementation names, got {node!r}: {name!r}",
+                                    rule="implementations")
+            if name != "default":
+                chosen[int(node)] = name
+        object.__setattr__(self, "implementations", MappingProxyType(chosen) if chosen else None)
         if self.host_bandwidth is not None and not (
             is_number(self.host_bandwidth) and math.isfinite(self.host_bandwidth) and self.host_bandwidth > 0
         ):
@@ -206,13 +220,18 @@ class Schedule:
         return int(self.R.sum()) - self.R.shape[1]
 
     def cost(self, graph: DFGraph) -> float:
-        """Total compute cost: every evaluation of every node."""
-        return float(self.R.sum(axis=0) @ np.asarray(graph.cost, dtype=float))
+        """Total compute cost: every evaluation of every node (under the schedule's
+        implementations)."""
+        return float(self.R.sum(axis=0) @ np.asarray(graph_under(graph, self).cost, dtype=float))
 
     def with_facts(self, facts: SolverFacts | None, strategy: str | None = None) -> "Schedule":
         """A copy carrying ``facts`` (and renamed to ``strategy`` when given)."""
         return Schedule(self.R, self.S, self.strategy if strategy is None else strategy, facts, self.H,
-                        self.host_bandwidth)
+                        self.host_bandwidth, self.implementations)
+
+    def with_implementations(self, implementations: Mapping[int, str] | None) -> "Schedule":
+        """A copy for the graph under ``implementations`` (node -> implementation name)."""
+        return Schedule(self.R, self.S, self.strategy, self.facts, self.H, self.host_bandwidth, implementations)
 
     def to_dict(self, graph: DFGraph | None = None, node_ids: list | None = None) -> dict:
         """JSON-ready form: R and S as lists of ``[t, i]`` pairs over execution positions.
@@ -234,6 +253,7 @@ class Schedule:
             "S": np.argwhere(self.S).tolist(),
             "H": np.argwhere(self.H).tolist() if self.H is not None else [],
             "host_bandwidth": self.host_bandwidth,
+            "implementations": {str(node): name for node, name in (self.implementations or {}).items()},
         }
 
     @classmethod
@@ -294,7 +314,11 @@ class Schedule:
             strategy = data.get("strategy", "unknown")
             if not isinstance(strategy, str):
                 raise ValueError(f"strategy {strategy!r:.60} is not a name")
-            schedule = cls(R, S, strategy, facts, H, data.get("host_bandwidth"))
+            chosen = data.get("implementations") or {}
+            if not isinstance(chosen, Mapping):
+                raise ValueError(f"implementations is a {type(chosen).__name__}, not an object of node ids")
+            chosen = {int(node): name for node, name in chosen.items()}
+            schedule = cls(R, S, strategy, facts, H, data.get("host_bandwidth"), chosen)
         except ScheduleError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -368,6 +392,12 @@ def _json_value(value):
     return value
 
 
+def graph_under(graph: DFGraph, schedule: Schedule) -> DFGraph:
+    """The graph ``schedule`` runs: ``graph`` under its implementations (MONeT), or
+    ``graph`` itself when it chooses none."""
+    return graph.with_implementations(schedule.implementations)
+
+
 def offloadable(graph: DFGraph, node: int) -> bool:
     """Whether a schedule may copy ``node``'s value to host memory: a forward node (not the
     loss, not a gradient) that something reads and whose value holds no residual part. A
@@ -400,6 +430,10 @@ def validate_schedule(graph: DFGraph, schedule: Schedule) -> None:
     Raises:
         ScheduleError: naming the rule, the stage and the node.
     """
+    try:
+        graph = graph_under(graph, schedule)
+    except GraphError as exc:
+        raise ScheduleError(f"the schedule's implementations do not fit the graph: {exc}", rule="implementations") from None
     n = graph.size
     R, S = schedule.R, schedule.S
     H = schedule.H if schedule.H is not None else np.zeros_like(R)

@@ -74,7 +74,8 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
     """Replays a plan (or a schedule, whose plan is built first) and counts bytes and cost.
 
     Args:
-        graph: the graph the plan was made for.
+        graph: the graph the plan was made for (not yet under the plan's implementations:
+            they are applied here).
         plan: an :class:`ExecutionPlan`, or a :class:`Schedule` to build one from.
 
     Returns:
@@ -82,6 +83,7 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
     """
     if isinstance(plan, Schedule):
         plan = build_plan(graph, plan)
+    graph = graph.with_implementations(plan.implementations)
     out = graph.output_bytes
     work = graph.workspace_bytes
     costs = graph.cost
