@@ -25,7 +25,7 @@ from tfremat.extract import extract  # noqa: E402
 from tfremat.numerics import closeness  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
 from tfremat.plan.baselines import schedule_for_checkpoints  # noqa: E402
-from tfremat.plan.execution import Op, build_plan  # noqa: E402
+from tfremat.plan.execution import Op  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
 from tfremat.static_graph.compile import check_acyclic  # noqa: E402
 from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
@@ -127,6 +127,34 @@ class _Case:
         losses = [float(step(x, y)) for x, y in self.batches[:steps]]
         return losses, [v.numpy() for v in model.variables]
 
+    def assert_trains_like_plain(self, schedule, label: str):
+        """The schedule's step gives one plain GradientTape step's gradients, and five
+        optimizer steps give the same losses, weights, batch-norm statistics and dropout
+        seeds as plain training. Returns the compiled step (after the five steps)."""
+        graph, side_table = self.extraction.graph, self.extraction.side_table
+        self.reset()
+        expected = self.plain_gradients()
+        self.reset()
+        plan = compile_step(self.extraction, schedule, optimizer=self.optimizer()).plan
+
+        @tf.function
+        def compiled_gradients(x, y):
+            _, _, weight_grads, _ = interpret_plan(graph, side_table, plan, x, y)
+            return [weight_grads[id(v)][1] for v in self.model.trainable_variables]
+
+        gradients = closeness([g.numpy() for g in compiled_gradients(self.x, self.y)], expected)
+        assert gradients.equal, (label, self.model.trainable_variables[gradients.worst_tensor].path, gradients)
+        self.reset()
+        plain_losses, plain_state = self.plain_training(5)
+        self.reset()
+        step = compile_step(self.extraction, schedule, optimizer=self.optimizer())
+        losses = [float(step(x, y)) for x, y in self.batches]
+        np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+        for variable, expected_value in zip(self.model.variables, plain_state):
+            np.testing.assert_allclose(variable.numpy(), expected_value, rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{label}: {variable.path}")
+        return step
+
 
 @pytest.fixture(scope="module")
 def cases():
@@ -140,33 +168,9 @@ def cases():
 @pytest.mark.parametrize("strategy", _available_strategies())
 def test_every_strategy_trains_exactly_like_plain_keras(cases, model_name, strategy):
     case = cases[model_name]
-    graph, side_table = case.extraction.graph, case.extraction.side_table
+    graph = case.extraction.graph
     schedule = _schedule(strategy, graph)
-
-    # Gradients of one step equal a plain GradientTape step.
-    case.reset()
-    expected = case.plain_gradients()
-    case.reset()
-    plan = compile_step(case.extraction, schedule, optimizer=case.optimizer()).plan
-
-    @tf.function
-    def compiled_gradients(x, y):
-        _, _, weight_grads, _ = interpret_plan(graph, side_table, plan, x, y)
-        return [weight_grads[id(v)][1] for v in case.model.trainable_variables]
-
-    got = [g.numpy() for g in compiled_gradients(case.x, case.y)]
-    gradients = closeness(got, expected)
-    assert gradients.equal, (strategy, case.model.trainable_variables[gradients.worst_tensor].path, gradients)
-
-    # Five optimizer steps: same losses, weights, batch-norm statistics and dropout seeds.
-    case.reset()
-    plain_losses, plain_state = case.plain_training(5)
-    case.reset()
-    step = compile_step(case.extraction, schedule, optimizer=case.optimizer())
-    losses = [float(step(x, y)) for x, y in case.batches]
-    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
-    for variable, expected_value in zip(case.model.variables, plain_state):
-        np.testing.assert_allclose(variable.numpy(), expected_value, rtol=1e-4, atol=1e-6, err_msg=f"{strategy}: {variable.path}")
+    step = case.assert_trains_like_plain(schedule, strategy)
 
     # The trace: one layer call per evaluation the schedule makes, the simulator's ledger.
     report = step.report
@@ -725,25 +729,6 @@ def test_a_step_with_offloads_trains_exactly_like_plain_keras(cases, model_name,
     case = cases[model_name]
     graph = case.extraction.graph
     schedule = _offloading_schedule(strategy, graph)
-    plan = build_plan(graph, schedule)
-    assert any(s.op is Op.OFFLOAD for s in plan) and any(s.op is Op.PREFETCH for s in plan)
-    case.reset()
-    expected = case.plain_gradients()
-    case.reset()
-
-    @tf.function
-    def compiled_gradients(x, y):
-        _, _, weight_grads, _ = interpret_plan(graph, case.extraction.side_table, plan, x, y)
-        return [weight_grads[id(v)][1] for v in case.model.trainable_variables]
-
-    gradients = closeness([g.numpy() for g in compiled_gradients(case.x, case.y)], expected)
-    assert gradients.equal, (strategy, gradients)
-    case.reset()
-    plain_losses, plain_state = case.plain_training(5)
-    case.reset()
-    step = compile_step(case.extraction, schedule, optimizer=case.optimizer())
-    losses = [float(step(x, y)) for x, y in case.batches]
-    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
-    for variable, expected_value in zip(case.model.variables, plain_state):
-        np.testing.assert_allclose(variable.numpy(), expected_value, rtol=1e-4, atol=1e-6, err_msg=variable.path)
+    step = case.assert_trains_like_plain(schedule, strategy)
+    assert any(s.op is Op.OFFLOAD for s in step.plan) and any(s.op is Op.PREFETCH for s in step.plan)
     np.testing.assert_array_equal(step.ledger_bytes, simulate(graph, schedule).trace_bytes)

@@ -25,6 +25,20 @@ def _normal(shape, scale=1.0, shift=0.0):
     return tf.constant((RNG.standard_normal(shape) * scale + shift).astype(np.float32))
 
 
+def _bn_step(variant):
+    """A traced step: ``variant``'s output and statistics, and its gradients with respect
+    to x, gamma and beta under ``dy``."""
+
+    @tf.function
+    def step(x, gamma, beta, dy):
+        with tf.GradientTape() as tape:
+            tape.watch([x, gamma, beta])
+            y, mean, variance = variant(x, gamma, beta, 1e-3)
+        return (y, mean, variance, *tape.gradient(y, [x, gamma, beta], output_gradients=dy))
+
+    return step
+
+
 def _bits(a):
     """The float32 bit patterns, so signed zeros and NaN payloads compare too."""
     return np.asarray(a, np.float32).view(np.int32)
@@ -269,12 +283,7 @@ def test_batch_norm_output_activated_matches_keras(shape):
     layer = _keras_bn(shape, gamma, beta)
     ref = _keras_bn_grads(layer, x, dy)
 
-    @tf.function
-    def step(x, gamma, beta, dy):
-        with tf.GradientTape() as tape:
-            tape.watch([x, gamma, beta])
-            y, mean, variance = V.batch_norm_output_activated(x, gamma, beta, 1e-3)
-        return (y, mean, variance, *tape.gradient(y, [x, gamma, beta], output_gradients=dy))
+    step = _bn_step(V.batch_norm_output_activated)
 
     y, mean, variance, *grads = [t.numpy() for t in step(x, gamma, beta, dy)]
     assert np.array_equal(_bits(y), _bits(ref[0]))  # the forward is Keras's, op for op
@@ -394,12 +403,7 @@ def test_fused_batch_norm_matches_keras(shape):
     gamma, beta = _normal([channels], 1.0, 0.2), _normal([channels])
     ref = _keras_bn_grads(_keras_bn(shape, gamma, beta), x, dy)
 
-    @tf.function
-    def step(x, gamma, beta, dy):
-        with tf.GradientTape() as tape:
-            tape.watch([x, gamma, beta])
-            y, mean, variance = V.fused_batch_norm_variant(x, gamma, beta, 1e-3)
-        return (y, mean, variance, *tape.gradient(y, [x, gamma, beta], output_gradients=dy))
+    step = _bn_step(V.fused_batch_norm_variant)
 
     y, mean, variance, *grads = [t.numpy() for t in step(x, gamma, beta, dy)]
     _assert_close(y, ref[0])

@@ -375,22 +375,7 @@ def dropout_regenerated(x, rate: float, seed):
         rate: a Python float in ``[0, 1)``; 0 returns ``x`` unchanged.
         seed: int32 or int64 tensor of shape ``[2]``. Keeps ``2 * itemsize`` bytes.
     """
-    x, rate, seed = _dropout_args(x, rate, seed)
-    if rate == 0:
-        return tf.identity(x)
-
-    @tf.custom_gradient
-    def dropout(x, seed):
-        y, _, scale = _dropout_forward(x, rate, seed)
-
-        def grad(dy):
-            with tf.control_dependencies([dy]):
-                keep = _keep_mask(tf.shape(dy), rate, seed, dy.dtype)
-                return tf.where(keep, dy, tf.zeros([], dy.dtype)) * scale, None
-
-        return y, grad
-
-    return dropout(x, seed)
+    return _dropout(x, rate, seed, keep_mask=False)
 
 
 def dropout_bool_mask(x, rate: float, seed):
@@ -398,6 +383,13 @@ def dropout_bool_mask(x, rate: float, seed):
     per element) for the backward instead of the seed. This is what TensorFlow's autodiff of
     ``stateless_dropout`` keeps too (``SelectV2``'s gradient reads its condition); the
     custom gradient makes the dependency explicit. Bit-identical to that autodiff."""
+    return _dropout(x, rate, seed, keep_mask=True)
+
+
+def _dropout(x, rate, seed, keep_mask: bool):
+    """The two dropout variants: the backward reads the forward's bool mask
+    (``keep_mask``) or regenerates it from the seed, under ``dy`` so that TensorFlow does
+    not compute it early and keep it anyway (module docstring)."""
     x, rate, seed = _dropout_args(x, rate, seed)
     if rate == 0:
         return tf.identity(x)
@@ -408,7 +400,8 @@ def dropout_bool_mask(x, rate: float, seed):
 
         def grad(dy):
             with tf.control_dependencies([dy]):
-                return tf.where(keep, dy, tf.zeros([], dy.dtype)) * scale, None
+                mask = keep if keep_mask else _keep_mask(tf.shape(dy), rate, seed, dy.dtype)
+                return tf.where(mask, dy, tf.zeros([], dy.dtype)) * scale, None
 
         return y, grad
 
