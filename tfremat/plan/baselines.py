@@ -41,7 +41,7 @@ from tfremat.errors import ArgumentError, InfeasibleBudgetError, is_int
 from tfremat.graph import DFGraph
 from tfremat.plan.registry import as_strategy
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
-from tfremat.plan.simulator import simulate
+from tfremat.plan.simulator import SimulationResult, simulate
 
 __all__ = [
     "HeuristicDeadline",
@@ -144,20 +144,25 @@ class _OutOfTime(Exception):
     """A heuristic's inner loop passed the current deadline."""
 
 
-# Peaks cheapest_fitting simulated, so that a caller (the portfolio) does not simulate a
-# returned schedule again: on a 10,000-node graph a simulation takes seconds.
-_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Simulations of live schedules, so that nothing simulates a schedule twice (the portfolio
+# a returned one, capper the candidate cheapest_fitting just judged): on a 10,000-node graph
+# a simulation takes seconds. Weak keys: a dropped candidate takes its result with it.
+_SIMULATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def known_simulation(graph: DFGraph, schedule: Schedule) -> SimulationResult:
+    """``simulate(graph, schedule)``, remembered while the schedule lives."""
+    known = _SIMULATIONS.get(schedule)
+    if known is not None and known[0] is graph:
+        return known[1]
+    result = simulate(graph, schedule)
+    _SIMULATIONS[schedule] = (graph, result)
+    return result
 
 
 def known_peak(graph: DFGraph, schedule: Schedule) -> int:
-    """``simulate(graph, schedule).peak_bytes``, remembered for schedules the heuristics
-    returned."""
-    known = _PEAKS.get(schedule)
-    if known is not None and known[0] is graph:
-        return known[1]
-    peak = simulate(graph, schedule).peak_bytes
-    _PEAKS[schedule] = (graph, peak)
-    return peak
+    """``simulate(graph, schedule).peak_bytes``, remembered while the schedule lives."""
+    return known_simulation(graph, schedule).peak_bytes
 
 
 # ----- turning checkpoints into schedules -----
@@ -269,7 +274,7 @@ def cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int
         if signature in seen:
             continue
         seen.add(signature)
-        result = simulate(graph, schedule)
+        result = known_simulation(graph, schedule)
         if scope is not None:
             scope.record(time.perf_counter() - started)
         smallest_peak = result.peak_bytes if smallest_peak is None else min(smallest_peak, result.peak_bytes)
@@ -279,7 +284,6 @@ def cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int
         key = (result.makespan, result.peak_bytes) if budget is not None else (result.peak_bytes, result.makespan)
         if best_key is None or key < best_key:
             best, best_key = schedule, key
-            _PEAKS[schedule] = (graph, result.peak_bytes)
     scope = _DEADLINE.get()
     stopped = stopped or (scope is not None and scope.left() <= 0)
     if best is None:

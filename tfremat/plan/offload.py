@@ -47,12 +47,13 @@ from tfremat.plan.baselines import (
     cheapest_fitting,
     keep_matrix,
     known_peak,
+    known_simulation,
     time_is_up,
 )
 from tfremat.plan.pofo import MAX_POFO_CELLS, solve_pofo
 from tfremat.plan.registry import Strategy, as_strategy
 from tfremat.plan.schedule import Schedule, offloadable, schedule_from_keep_matrix
-from tfremat.plan.simulator import checkpoint_all_peak, simulate
+from tfremat.plan.simulator import checkpoint_all_peak
 
 __all__ = ["check_bandwidth", "offload_gap", "capper", "autocapper", "opportunist", "pofo", "pofo_ap",
            "AUTOCAPPER_LIMITS", "POFO_SLOTS", "POFO_LIMITS"]
@@ -142,7 +143,7 @@ def capper(graph: DFGraph, schedule: Schedule, budget: int | None, bandwidth: fl
     most = len(graph.forward_nodes) if most is None else most
     yield schedule
     for _ in range(most):
-        result = simulate(graph, schedule)
+        result = known_simulation(graph, schedule)
         if budget is not None and result.peak_bytes <= budget:
             return
         stage = result.plan.statements[result.peak_statement].stage
@@ -289,8 +290,7 @@ def _pofo(graph: DFGraph, budget: int | None, bandwidth, memory_slots: int | Non
     elif not is_int(memory_slots) or memory_slots < 1:
         raise ArgumentError(f"memory_slots must be None or an int >= 1, got {memory_slots!r}")
     loss_stage = _forward_phase_end(graph)
-    reference = checkpoint_all_peak(graph)
-    activations = (budget if budget is not None else reference) - graph.fixed_bytes
+    activations = (budget if budget is not None else checkpoint_all_peak(graph)) - graph.fixed_bytes
 
     def schedule_of(ops) -> Schedule:
         compute = [op for op in ops if op.kind not in ("O", "P")]

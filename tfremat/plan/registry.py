@@ -61,6 +61,7 @@ class Strategy:
         """
         implementations = keyword_options.pop("implementations", None)
         budget_bytes = parse_graph_budget(graph, budget)
+        planned = graph
         if implementations:
             # The strategy plans the graph under the choice; the schedule records it, so
             # the simulator and validation see the same graph (MONeT's implementations).
@@ -68,15 +69,11 @@ class Strategy:
                 planned = graph.with_implementations(implementations)
             except GraphError as exc:
                 raise ArgumentError(f"implementations: {exc}") from None
-            try:
-                schedule = self.function(planned, budget_bytes, *options, **keyword_options)
-            except InfeasibleBudgetError as error:
-                raise in_user_terms(error, graph, budget) from None
-            return schedule.with_implementations(implementations)
         try:
-            return self.function(graph, budget_bytes, *options, **keyword_options)
+            schedule = self.function(planned, budget_bytes, *options, **keyword_options)
         except InfeasibleBudgetError as error:
             raise in_user_terms(error, graph, budget) from None
+        return schedule.with_implementations(implementations) if implementations else schedule
 
     @property
     def options(self) -> list[str] | None:
