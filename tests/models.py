@@ -48,3 +48,23 @@ def unet(input_shape=(32, 32, 3), classes=2, base=8, depth=2, seed=0):
         h = layers.Conv2D(base * 2**level, 3, padding="same", activation="relu", name=f"up{level}_conv")(h)
     out = layers.Conv2D(classes, 1, activation="softmax", name="head")(h)
     return keras.Model(x, out, name="unet")
+
+
+def vgg_block_net(input_shape=(16, 16, 3), classes=10, channels=8, seed=0):
+    """A VGG-style net: Conv2D(relu)-MaxPool blocks, a BatchNormalization-ReLU block,
+    dropout and a Dense(relu) head: every layer kind with operator alternatives
+    (:mod:`tfremat.runtime.layer_variants`)."""
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+    x = keras.Input(input_shape, name="image")
+    c1 = layers.Conv2D(channels, 3, padding="same", activation="relu", name="conv1")(x)
+    p1 = layers.MaxPooling2D(2, name="pool1")(c1)
+    c2 = layers.Conv2D(2 * channels, 3, padding="same", name="conv2")(p1)
+    b2 = layers.BatchNormalization(name="bn2")(c2)
+    r2 = layers.ReLU(name="relu2")(b2)
+    p2 = layers.MaxPooling2D(3, strides=2, padding="same", name="pool2")(r2)
+    flat = layers.Flatten(name="flatten")(p2)
+    hidden = layers.Dense(4 * channels, activation="relu", name="fc")(flat)
+    dropped = layers.Dropout(0.4, seed=seed, name="dropout")(hidden)
+    out = layers.Dense(classes, activation="softmax", name="head")(dropped)
+    return keras.Model(x, out, name="vgg_block_net")

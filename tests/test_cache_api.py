@@ -574,7 +574,7 @@ calls = [CallAnalysis.from_dict(d) for d in data["calls"]]
 loss = CallAnalysis.from_dict(data["loss"])
 misses = 0
 for i in range(int(sys.argv[3])):
-    store_cache(key, calls, loss)
+    store_cache(key, calls, loss, [{} for _ in calls])
     misses += load_cache(key, len(calls)) is None
 print(misses)
 """

@@ -19,6 +19,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
 from models import small_convnet, unet  # noqa: E402
+from training_case import TrainingCase, training_batch  # noqa: E402
 
 from tfremat.errors import CompileError, InfeasibleBudgetError  # noqa: E402
 from tfremat.extract import extract  # noqa: E402
@@ -44,15 +45,6 @@ MEASURE_SLACK_BYTES = 2 * 2**20
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def _batch(model, batch, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, *model.input.shape[1:])).astype("float32")
-    classes = model.output.shape[-1]
-    labels = rng.integers(0, classes, size=(batch, *model.output.shape[1:-1]))
-    y = np.eye(classes, dtype="float32")[labels]
-    return tf.constant(x), tf.constant(y)
 
 
 def _strategy_options(name):
@@ -83,84 +75,11 @@ def _schedule(name, graph):
     pytest.fail(f"strategy {name} found no schedule even without a budget")
 
 
-class _Case:
-    """A model, its extraction and its initial state, restorable between tests."""
-
-    def __init__(self, build, batch):
-        self.model = build()
-        self.x, self.y = _batch(self.model, batch)
-        # Five different batches, so five steps do not just memorize one.
-        self.batches = [_batch(self.model, batch, seed) for seed in range(1, 6)]
-        self.extraction = extract(self.model, (self.x, self.y), cost_model="flops", use_cache=False)
-        self.initial = [v.numpy() for v in self.model.variables]
-
-    def reset(self):
-        for variable, value in zip(self.model.variables, self.initial):
-            variable.assign(value)
-
-    def optimizer(self):
-        optimizer = keras.optimizers.SGD(learning_rate=0.01, momentum=0.5)
-        optimizer.build(self.model.trainable_variables)
-        return optimizer
-
-    def plain_gradients(self):
-        model, loss_fn = self.model, self.extraction.side_table.loss_fn
-
-        @tf.function
-        def grads(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_fn([y], [model(x, training=True)])
-            return tape.gradient(loss, model.trainable_variables)
-
-        return [g.numpy() for g in grads(self.x, self.y)]
-
-    def plain_training(self, steps):
-        model, loss_fn, optimizer = self.model, self.extraction.side_table.loss_fn, self.optimizer()
-
-        @tf.function
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_fn([y], [model(x, training=True)])
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-            return loss
-
-        losses = [float(step(x, y)) for x, y in self.batches[:steps]]
-        return losses, [v.numpy() for v in model.variables]
-
-    def assert_trains_like_plain(self, schedule, label: str):
-        """The schedule's step gives one plain GradientTape step's gradients, and five
-        optimizer steps give the same losses, weights, batch-norm statistics and dropout
-        seeds as plain training. Returns the compiled step (after the five steps)."""
-        graph, side_table = self.extraction.graph, self.extraction.side_table
-        self.reset()
-        expected = self.plain_gradients()
-        self.reset()
-        plan = compile_step(self.extraction, schedule, optimizer=self.optimizer()).plan
-
-        @tf.function
-        def compiled_gradients(x, y):
-            _, _, weight_grads, _ = interpret_plan(graph, side_table, plan, x, y)
-            return [weight_grads[id(v)][1] for v in self.model.trainable_variables]
-
-        gradients = closeness([g.numpy() for g in compiled_gradients(self.x, self.y)], expected)
-        assert gradients.equal, (label, self.model.trainable_variables[gradients.worst_tensor].path, gradients)
-        self.reset()
-        plain_losses, plain_state = self.plain_training(5)
-        self.reset()
-        step = compile_step(self.extraction, schedule, optimizer=self.optimizer())
-        losses = [float(step(x, y)) for x, y in self.batches]
-        np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
-        for variable, expected_value in zip(self.model.variables, plain_state):
-            np.testing.assert_allclose(variable.numpy(), expected_value, rtol=1e-4, atol=1e-6,
-                                       err_msg=f"{label}: {variable.path}")
-        return step
-
-
 @pytest.fixture(scope="module")
 def cases():
     return {
-        "small_convnet": _Case(lambda: small_convnet(input_shape=(16, 16, 3), channels=8), batch=8),
-        "unet": _Case(lambda: unet(input_shape=(16, 16, 3), base=4), batch=4),
+        "small_convnet": TrainingCase(lambda: small_convnet(input_shape=(16, 16, 3), channels=8), batch=8),
+        "unet": TrainingCase(lambda: unet(input_shape=(16, 16, 3), base=4), batch=4),
     }
 
 
@@ -202,7 +121,7 @@ def no_grappler_rewrites():
 def test_keras_applications_model_gradients_match_plain(no_grappler_rewrites):
     keras.utils.set_random_seed(0)
     model = keras.applications.MobileNetV2(alpha=0.35, weights=None, input_shape=(32, 32, 3), classes=10)
-    case_x, case_y = _batch(model, 4)
+    case_x, case_y = training_batch(model, 4)
     extraction = extract(model, (case_x, case_y), cost_model="flops", use_cache=False)
     graph, side_table = extraction.graph, extraction.side_table
     initial = [v.numpy() for v in model.variables]
@@ -321,7 +240,7 @@ def test_recomputing_a_layer_with_unreplayable_randomness_is_refused():
         if i == 1:
             h = _GlobalNoise(name="noise")(h)
     model = keras.Model(x, keras.layers.Dense(4, activation="softmax", name="head")(h))
-    data = _batch(model, 4)
+    data = training_batch(model, 4)
     extraction = extract(model, data, cost_model="flops", use_cache=False)
     graph = extraction.graph
     noise = graph.names.index("noise")
@@ -392,7 +311,7 @@ def _cheapest_fitting(graph, budget):
 
 def test_measured_peak_follows_the_prediction_and_the_budget():
     model = deep_resnet()
-    x, y = _batch(model, 32)
+    x, y = training_batch(model, 32)
     optimizer = keras.optimizers.SGD(0.01)
     extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1)
     graph = extraction.graph
@@ -557,7 +476,7 @@ def test_update_after_an_add_is_ordered():
         hidden = layers.Conv2D(8, 1, use_bias=False)(layers.ReLU()(expand(hidden)))
     outputs = layers.Dense(10, activation="softmax")(layers.GlobalAveragePooling2D()(hidden))
     model = keras.Model(inputs, outputs)
-    x, y = _batch(model, 8)
+    x, y = training_batch(model, 8)
     optimizer = keras.optimizers.SGD(0.01)
     predicted, requested, step = _checkpoint_all_peaks(model, x, y, optimizer)
     assert all(id(layer.kernel) in step.report.update_points for layer in expands)
@@ -582,7 +501,7 @@ def test_a_backward_node_computed_twice_gives_its_weight_gradients_once():
     for k in range(3):
         hidden = keras.layers.Dense(512, activation="relu", name=f"d{k}")(hidden)
     model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax", name="head")(hidden))
-    x, y = _batch(model, 2)
+    x, y = training_batch(model, 2)
     optimizer = keras.optimizers.SGD(0.01)
     extraction = extract(model, (x, y), optimizer=optimizer, cost_model="flops", use_cache=False)
     graph = extraction.graph
@@ -640,7 +559,7 @@ def test_recomputed_padding_before_a_convolution_compiles_and_trains(strategy):
     kernel read waited on the ``Pad``: "nodes in a cycle" at the first step, at every
     recomputing budget (ResNet50, DenseNet121, EfficientNetB0)."""
     model = _padded_chain()
-    x, y = _batch(model, 4)
+    x, y = training_batch(model, 4)
     extraction = extract(model, (x, y), cost_model="flops", use_cache=False)
     graph, side_table = extraction.graph, extraction.side_table
     schedule = _schedule(strategy, graph)
@@ -678,7 +597,7 @@ def test_a_cycle_in_the_traced_step_names_its_statements():
         with tf.name_scope("backward_5"):
             c = tf.identity(b)
     a.op._add_control_input(c.op)  # pylint: disable=protected-access
-    extraction = extract(_padded_chain(blocks=1), _batch(_padded_chain(blocks=1), 2), cost_model="flops", use_cache=False)
+    extraction = extract(_padded_chain(blocks=1), training_batch(_padded_chain(blocks=1), 2), cost_model="flops", use_cache=False)
     with pytest.raises(CompileError, match=r"cycle through 3 operations of the statements backward_5 \(.*\), forward_1 \(conv0\)"):
         check_acyclic(func_graph, extraction.graph)
 
@@ -694,7 +613,7 @@ def test_a_grouped_convolution_runs_its_backward_function_once():
     h = layers.Conv2D(8, 3, padding="same", groups=8, name="grouped")(x)
     h = layers.Conv2D(8, 3, padding="same", groups=4, name="grouped2")(layers.ReLU()(h))
     model = keras.Model(x, layers.Dense(3, activation="softmax")(layers.GlobalAveragePooling2D()(h)))
-    batch = _batch(model, 2)
+    batch = training_batch(model, 2)
     extraction = extract(model, batch, cost_model="flops", use_cache=False)
     grouped = [k for k in extraction.graph.forward_nodes if extraction.graph.names[k].startswith("grouped")]
     assert len(grouped) == 2 and all(extraction.side_table[k].one_gradient_call for k in grouped)

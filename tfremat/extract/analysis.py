@@ -402,7 +402,7 @@ def analyze_call(
     fb_concrete = tracer.trace("step")
     record = tracer.records["step"]
     reads_inputs, reads_output, read_tensors = record["reads"]
-    residuals, small = _sized_residuals(tracer, read_tensors, batch_size, layer_name)
+    residuals, small = _sized_residuals(tracer, read_tensors, batch_size, layer_name, fb_concrete)
     held_concrete, loop_bytes, iterations = _loop_residuals(tracer, read_tensors, layer_name)
     graph = fb_concrete.graph
     analysis = CallAnalysis(
@@ -445,20 +445,30 @@ def _trace_forward(call_layer: Callable[[list], object], input_specs: Sequence[t
     return concrete, output_specs, takes_one_gradient_call(concrete.graph.get_operations())
 
 
-def _sized_residuals(tracer: _CallTracer, read_tensors, batch_size: int,
-                     layer_name: str) -> tuple[dict[str, int], dict[str, int]]:
-    """The static-size residuals by name, split into those that grow with the batch (the
-    node's value) and the others (fixed bytes); ``variant`` residuals are left to
-    :func:`_loop_residuals`."""
+def _sized_residuals(tracer: _CallTracer, read_tensors, batch_size: int, layer_name: str,
+                     step_concrete) -> tuple[dict[str, int], dict[str, int]]:
+    """The residuals' bytes by name, split into those that grow with the batch (the node's
+    value) and the others (fixed bytes); ``variant`` residuals are left to
+    :func:`_loop_residuals`.
+
+    A residual whose shape depends on values (the normalized values an output-activated
+    batch norm keeps for its channels whose gamma is 0, :mod:`tfremat.runtime.variants`)
+    is sized on one run of the step on a sample batch, with the variables as they are;
+    its batch dimension, when static, still decides where it counts."""
     residuals: dict[str, int] = {}
     small: dict[str, int] = {}
     vectors = [t.name for t in read_tensors if t.shape.rank == 1 and t.shape[0] == batch_size]
     batch_vectors = _batch_sized_vectors(tracer, batch_size, vectors, layer_name)
+    kept = [t for t in read_tensors if t.dtype != tf.variant]
+    run_shapes = {}
+    if any(t.shape.rank is not None and not t.shape.is_fully_defined() and t.shape.rank > 1 for t in kept):
+        values = step_concrete([_sample(spec) for spec in tracer.input_specs], tf.constant(1.0))
+        run_shapes = {t.name: v.shape.as_list() for t, v in zip(kept, values[len(values) - len(kept):])}
     for t in read_tensors:
         if t.dtype == tf.variant:
             continue  # sized by running the call (_loop_residuals)
         shape = t.shape.as_list() if t.shape.rank is not None else [None]
-        size = tensor_bytes(shape, t.dtype, f"residual {t.name}", layer_name)
+        size = tensor_bytes(run_shapes.get(t.name, shape), t.dtype, f"residual {t.name}", layer_name)
         batch_sized = len(shape) >= 1 and shape[0] == batch_size and (len(shape) > 1 or t.name in batch_vectors)
         (residuals if batch_sized else small)[t.name] = size
     return residuals, small
@@ -632,10 +642,17 @@ def _backward_reads(forward_ops, backward_ops, inputs, outputs) -> tuple[set[int
 
     A read of a view (:data:`_VIEW_OPS`: a ``Reshape`` that ``Dense`` makes of a 3-D input,
     say) is a read of the tensor it views, whose buffer it shares: counting the view as a
-    residual of its own counted the input's bytes twice."""
+    residual of its own counted the input's bytes twice. Likewise an output that is a view
+    of a tensor the backward reads (a ``tf.custom_gradient``'s output is an ``IdentityN`` of
+    the value its gradient function holds) makes that read a read of the output."""
     forward = {id(op) for op in forward_ops}
     input_position = {t.name: i for i, t in enumerate(inputs)}
     output_names = {t.name for t in outputs}
+    for t in outputs:
+        while t.op.type in _VIEW_OPS or t.op.type == "IdentityN":
+            t = t.op.inputs[t.value_index if t.op.type == "IdentityN" else 0]
+            if t.name not in input_position:
+                output_names.add(t.name)
     reads_inputs: set[int] = set()
     reads_output = False
     tensors: dict[str, tf.Tensor] = {}

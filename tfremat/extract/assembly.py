@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 import numpy as np
@@ -65,7 +65,7 @@ from tfremat.extract.layer_graph import (
     trainable_variables,
 )
 from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef
-from tfremat.graph import DFGraph
+from tfremat.graph import DFGraph, Implementation
 
 __all__ = ["assemble", "backward_flags", "weight_gradient_lifetime"]
 
@@ -134,25 +134,36 @@ class _Nodes:
 
 def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef], needs_backward: Sequence[bool],
              analyses: Sequence[CallAnalysis], loss_analysis: CallAnalysis, in_specs, label_specs,
-             loss_fn, optimizer, batch: int, cost_model: str, weight_grads: str) -> tuple[DFGraph, SideTable]:
-    """Numbers the nodes, wires the edges and builds the graph and the side table."""
+             loss_fn, optimizer, batch: int, cost_model: str, weight_grads: str,
+             alternatives: Sequence[Mapping[str, CallAnalysis]] | None = None) -> tuple[DFGraph, SideTable]:
+    """Numbers the nodes, wires the edges and builds the graph and the side table;
+    ``alternatives``: per call, its layer's alternatives measured by name, which the graph
+    carries as :class:`~tfremat.graph.Implementation` s of the call's forward node."""
     loss_node = len(calls)
     backward_calls = [c.position for c in reversed(calls) if needs_backward[c.position]]
     backward_id = {p: loss_node + 1 + k for k, p in enumerate(backward_calls)}
     nodes = _Nodes.empty(loss_node + 1 + len(backward_calls))
     output_grads = _output_gradients(calls, output_refs, needs_backward, loss_node, backward_id)
     flops = cost_model == "flops"
+    implementations: dict[int, list[Implementation]] = {}
     small_total = 0
     for call in calls:
         small_total += analyses[call.position].small_residual_bytes if needs_backward[call.position] else 0
         _add_call(nodes, call, analyses[call.position], backward_id.get(call.position), output_grads[call.position],
                   needs_backward, flops, weight_grads)
+        if alternatives and alternatives[call.position] and call.position in backward_id:
+            implementations[call.position] = [
+                _implementation(name, a, len(call.inputs), flops, nodes.work[backward_id[call.position]]
+                                - analyses[call.position].backward_workspace)
+                for name, a in alternatives[call.position].items()
+            ]
     _add_loss(nodes, loss_node, output_refs, loss_analysis, flops)
     breakdown = _fixed_bytes(model, optimizer, in_specs, label_specs, small_total, weight_grads)
     graph = DFGraph(
         names=nodes.names, edges=nodes.edges, cost=nodes.cost, output_bytes=nodes.out_bytes,
         workspace_bytes=nodes.work, is_backward=nodes.is_bwd, loss_node=loss_node, forward_of=nodes.forward_of,
         fixed_bytes=sum(breakdown.values()), name=model.name, residual_bytes=nodes.residual,
+        implementations=implementations,
     )
     table = SideTable(
         model=model, entries=tuple(nodes.entries), input_specs=tuple(in_specs), label_specs=tuple(label_specs),
@@ -236,6 +247,19 @@ def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, ou
         node=b, kind="backward", name=nodes.names[b], forward_node=i, output_grads=grads,
         reads_inputs=a.reads_inputs, reads_output=a.reads_output, output_bytes=a.input_grad_bytes,
         workspace_bytes=nodes.work[b], cost=nodes.cost[b], **common,
+    )
+
+
+def _implementation(name: str, a: CallAnalysis, num_inputs: int, flops: bool, weight_bytes: int) -> Implementation:
+    """An alternative of a forward node from its measurement: what its backward reads and
+    keeps, its costs and workspaces (``weight_bytes``: what the backward node's workspace
+    adds to the measured one for weight gradients and penalties, as for the default)."""
+    return Implementation(
+        name, residual_bytes=a.residual_bytes, reads_output=a.reads_output,
+        reads_inputs=bool(_inputs_backward_needs(a, num_inputs)),
+        cost=a.forward_flops if flops else a.forward_seconds,
+        backward_cost=a.backward_flops if flops else a.backward_seconds,
+        workspace_bytes=a.forward_workspace, backward_workspace_bytes=a.backward_workspace + weight_bytes,
     )
 
 

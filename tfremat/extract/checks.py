@@ -22,6 +22,7 @@ from tfremat.extract.layer_graph import (
     trainable_variables,
 )
 from tfremat.extract.side_table import TensorRef
+from tfremat.runtime.layer_variants import running
 from tfremat.runtime.state import state_restored, stateful_variables
 
 __all__ = ["refuse_unmodelled_training", "check_layer", "analyze_checked"]
@@ -75,9 +76,12 @@ def check_layer(layer, name: str) -> None:
         )
 
 
-def analyze_checked(call: LayerCall, takes_training: bool, specs, grads, batch, cost_model, repeats) -> CallAnalysis:
+def analyze_checked(call: LayerCall, takes_training: bool, specs, grads, batch, cost_model, repeats,
+                    implementation: str | None = None) -> CallAnalysis:
     """Analyzes one call (:func:`~tfremat.extract.analysis.analyze_call`), refusing Python
     side effects and added losses, and restoring non-trainable state and random state.
+    With ``implementation``, the call runs that alternative of its layer
+    (:func:`tfremat.runtime.layer_variants.running`).
 
     Profiling must leave every random state as it found it: an unseeded ``keras.random``
     call advances Keras's global seed generator, or creates it with a seed drawn from
@@ -93,7 +97,7 @@ def analyze_checked(call: LayerCall, takes_training: bool, specs, grads, batch, 
     before = _python_state(layer) if user_layer else None
     with state_restored(stateful_variables(layer)):
         analysis = analyze_call(
-            _make_caller(call, takes_training), call.name, specs, grads, list(trainable_variables(layer)), batch,
+            _make_caller(call, takes_training, implementation), call.name, specs, grads, list(trainable_variables(layer)), batch,
             profile=cost_model == "profile", repeats=repeats,
         )
     if user_layer:
@@ -125,9 +129,10 @@ def _python_state(layer) -> dict:
     return state
 
 
-def _make_caller(call: LayerCall, takes_training: bool) -> Callable[[list], object]:
+def _make_caller(call: LayerCall, takes_training: bool, implementation: str | None) -> Callable[[list], object]:
     """``run(flat_inputs)``: the layer call with its tensor arguments replaced by
-    ``flat_inputs`` in order (and ``training=True`` when the layer takes it)."""
+    ``flat_inputs`` in order (and ``training=True`` when the layer takes it), running
+    ``implementation`` of the layer (None: its own)."""
     def run(flat_inputs):
         it = iter(flat_inputs)
 
@@ -141,7 +146,7 @@ def _make_caller(call: LayerCall, takes_training: bool) -> Callable[[list], obje
         # Inside a scope, as in a model's call and in the step: TensorFlow refuses a root
         # name scope that starts with "_", which Keras names a layer of a class like
         # ``_Block`` ("__block").
-        with tf.name_scope("profile"):
+        with tf.name_scope("profile"), running(call.layer, implementation):
             return call.layer(*args, **kwargs)
 
     return run

@@ -45,6 +45,7 @@ from tfremat.extract.profile_cache import (
 )
 from tfremat.extract.side_table import SideTable, TensorRef, flatten_by_name
 from tfremat.graph import DFGraph
+from tfremat.runtime.layer_variants import layer_implementations
 from tfremat.runtime.memory import default_device
 
 __all__ = ["Extraction", "extract", "COST_MODELS"]
@@ -87,6 +88,7 @@ def extract(
     use_cache: bool = True,
     weight_grads: str = "auto",
     granularity: str = DEFAULT_GRANULARITY,
+    implementations: bool = False,
 ) -> Extraction:
     """Extracts the training graph of a Keras model.
 
@@ -115,6 +117,11 @@ def extract(
             transformer block or ``MultiHeadAttention``, opened into their sublayer calls and
             operations) or ``"op"`` (variable-free layers composing several operations
             opened too); see :mod:`~tfremat.extract.opening`.
+        implementations: also measure the alternatives of the layers that have them
+            (:mod:`tfremat.runtime.layer_variants`: ReLU masks, a max pooling's window index,
+            regenerated dropout, output-activated batch norm), recorded in the graph as
+            :class:`~tfremat.graph.Implementation` s for the strategy ``monet`` (MONeT). Each
+            costs one more analysis of the call.
 
     Returns:
         An :class:`Extraction`.
@@ -136,7 +143,7 @@ def extract(
     batch = int(in_specs[0].shape[0])
     loss_name = loss_cache_name(loss, loss_weights)
     loss_fn = resolve_loss(loss, len(output_refs), model_output_names(model), loss_weights)
-    key = cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, default_device())
+    key = cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, default_device(), implementations)
     cached = load_cache(key, len(calls)) if use_cache else None
     needs_backward = backward_flags(calls)
 
@@ -147,13 +154,15 @@ def extract(
         calls, needs_backward, in_specs, None if cached is None else cached[0], batch, cost_model, repeats,
     )
     if cached is not None:
-        loss_analysis = cached[1]
+        loss_analysis, alternatives = cached[1], cached[2]
     else:
         pred_specs = [out_specs[r.index][r.output_index] for r in output_refs]
         loss_analysis = analyze_loss(loss_fn, pred_specs, label_specs, cost_model == "profile", repeats)
+        alternatives = _analyze_alternatives(calls, needs_backward, in_specs, out_specs, batch, cost_model, repeats,
+                                             implementations)
     profile_seconds = 0.0 if cached is not None else time.perf_counter() - profile_started
     if cached is None and use_cache:
-        store_cache(key, analyses, loss_analysis)
+        store_cache(key, analyses, loss_analysis, alternatives)
 
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
@@ -161,7 +170,7 @@ def extract(
         weight_grads = weight_gradient_lifetime(optimizer, [call.layer for call in calls])
     graph, table = assemble(
         model, calls, output_refs, needs_backward, analyses, loss_analysis, in_specs, label_specs,
-        loss_fn, optimizer, batch, cost_model, weight_grads,
+        loss_fn, optimizer, batch, cost_model, weight_grads, alternatives,
     )
     seconds = time.perf_counter() - started
     logger.info(
@@ -256,6 +265,29 @@ def _analyze_calls(calls: Sequence[LayerCall], needs_backward: Sequence[bool], i
         analyses.append(analysis)
         out_specs.append([tf.TensorSpec(s, d) for s, d in analysis.output_specs])
     return analyses, out_specs
+
+
+def _analyze_alternatives(calls: Sequence[LayerCall], needs_backward: Sequence[bool], in_specs: list[tf.TensorSpec],
+                          out_specs: list[list[tf.TensorSpec]], batch: int, cost_model: str, repeats: int,
+                          wanted: bool) -> list[dict[str, CallAnalysis]]:
+    """Per call, its layer's alternatives measured like the layer's own implementation
+    (empty unless ``wanted``; a call without a backward node keeps nothing either way)."""
+    alternatives: list[dict[str, CallAnalysis]] = []
+    by_signature: dict[tuple, CallAnalysis] = {}
+    for call in calls:
+        measured: dict[str, CallAnalysis] = {}
+        if wanted and needs_backward[call.position]:
+            specs = [in_specs[ref.index] if ref.source == "model_input" else out_specs[ref.index][ref.output_index]
+                     for ref in call.inputs]
+            grads = [r.source == "node" and needs_backward[r.index] for r in call.inputs]
+            for alternative in layer_implementations(call.layer):
+                signature = (alternative.name, *_call_signature(call, specs, grads))
+                if signature not in by_signature:
+                    by_signature[signature] = analyze_checked(call, takes_training(call.layer), specs, grads, batch,
+                                                              cost_model, repeats, alternative.name)
+                measured[alternative.name] = by_signature[signature]
+        alternatives.append(measured)
+    return alternatives
 
 
 def _call_signature(call: LayerCall, specs: Sequence[tf.TensorSpec], grads: Sequence[bool]) -> tuple:

@@ -1,8 +1,10 @@
 """The on-disk profile cache: per-call measurements keyed by everything that changes them.
 
 An entry is ``<cache_dir>/<key>.json`` holding ``{"calls": [CallAnalysis dict, ...],
-"loss": CallAnalysis dict}``. The key hashes the cache version, the TensorFlow version, the
-device, the inter-op thread setting, the cost model, the loss, the input and label specs,
+"loss": CallAnalysis dict, "implementations": [{name: CallAnalysis dict}, ...]}`` (per call,
+its layer's alternatives when they were measured). The key hashes the cache version, the
+TensorFlow version, the device, the inter-op thread setting, the cost model, whether
+alternatives are measured, the loss, the input and label specs,
 the dtype policy and every call's layer signature and wiring. A layer's signature includes
 a fingerprint of its class's code (:func:`code_fingerprint`), so editing a user layer or
 loss between two runs does not reuse the first run's numbers.
@@ -25,7 +27,7 @@ __all__ = ["cache_dir", "code_fingerprint", "layer_signature", "cache_key", "loa
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 13
+_CACHE_VERSION = 14
 _SCALARS = (bool, int, float, str, type(None))
 _LIBRARY_MODULES = ("keras", "tensorflow", "tf_keras", "builtins", "abc", "typing")
 
@@ -121,7 +123,7 @@ def _hash_code(code, digest) -> None:
             digest.update(repr(constant).encode())
 
 
-def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device) -> str:
+def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device, implementations: bool = False) -> str:
     """The entry's name: a digest of everything the measurements depend on (module docstring)."""
     payload = {
         "version": _CACHE_VERSION,
@@ -129,6 +131,7 @@ def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device
         "device": device,
         "inter_op_threads": (tf.config.threading.get_inter_op_parallelism_threads(), os.environ.get("TF_NUM_INTEROP_THREADS")),
         "cost_model": cost_model,
+        "implementations": implementations,
         "loss": loss_name,
         "inputs": [(list(s.shape), s.dtype.name) for s in in_specs],
         "labels": [(list(s.shape), s.dtype.name) for s in label_specs],
@@ -138,8 +141,9 @@ def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def load_cache(key: str, num_calls: int) -> tuple[list[CallAnalysis], CallAnalysis] | None:
-    """The cached measurements of every call and of the loss, or None on a miss.
+def load_cache(key: str, num_calls: int) -> tuple[list[CallAnalysis], CallAnalysis, list[dict[str, CallAnalysis]]] | None:
+    """The cached measurements of every call, of the loss and of every call's alternatives,
+    or None on a miss.
 
     A damaged entry (an edit by hand, another version's) is a miss: it is logged and
     measured again, and the next store overwrites it; it is never removed here (another
@@ -154,20 +158,23 @@ def load_cache(key: str, num_calls: int) -> tuple[list[CallAnalysis], CallAnalys
         data = json.loads(text)
         calls = [CallAnalysis.from_dict(d) for d in data["calls"]]
         loss = CallAnalysis.from_dict(data["loss"])
-        if len(calls) != num_calls:
+        alternatives = [{name: CallAnalysis.from_dict(d) for name, d in one.items()} for one in data["implementations"]]
+        if len(calls) != num_calls or len(alternatives) != num_calls:
             raise ValueError(f"{len(calls)} calls cached for a model with {num_calls}")
     except Exception as err:  # noqa: BLE001 - whatever an entry holds, it is a miss, never the user's error
         logger.warning("profile cache entry %s is damaged (%s: %s); measuring again", path, type(err).__name__,
                        str(err)[:300])
         return None
-    return calls, loss
+    return calls, loss, alternatives
 
 
-def store_cache(key: str, calls: list[CallAnalysis], loss: CallAnalysis) -> None:
+def store_cache(key: str, calls: list[CallAnalysis], loss: CallAnalysis,
+                alternatives: list[dict[str, CallAnalysis]]) -> None:
     """Writes an entry atomically (:func:`tfremat.cache.write_atomically`: a temporary file
     with a unique name, then a rename). A directory that cannot be written is logged once
     and skipped: extraction goes on without caching."""
-    data = {"calls": [a.to_dict() for a in calls], "loss": loss.to_dict()}
+    data = {"calls": [a.to_dict() for a in calls], "loss": loss.to_dict(),
+            "implementations": [{name: a.to_dict() for name, a in one.items()} for one in alternatives]}
     directory = cache_dir()
     try:
         write_atomically(os.path.join(directory, f"{key}.json"), json.dumps(data))

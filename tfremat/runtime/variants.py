@@ -69,6 +69,7 @@ __all__ = [
     "dropout_regenerated",
     "dropout_bool_mask",
     "batch_norm_output_activated",
+    "normalize_output_activated",
     "fused_batch_norm_variant",
     "kept_tensors",
     "kept_bytes",
@@ -112,8 +113,9 @@ def relu_with_mask(x, mask: str = "bool"):
     Args:
         x: a floating tensor of any shape.
         mask: ``"bool"`` keeps ``x > 0`` as a bool tensor, 1 byte per element;
-            ``"bits"`` packs the flags 32 per int32 word (``tf.bitwise``), the flattened
-            mask zero-padded to a multiple of 32: ``4 * ceil(n / 32)`` bytes.
+            ``"bits"`` packs the flags 32 per int32 word (``tf.bitwise``), each sample's
+            flags zero-padded to a multiple of 32: ``4 * N * ceil(n / N / 32)`` bytes for
+            ``N`` samples of ``n`` elements in all.
 
     Returns:
         ``tf.nn.relu(x)``.
@@ -134,7 +136,7 @@ def relu_with_mask(x, mask: str = "bool"):
                 flags = kept if mask == "bool" else _unpack_bits(kept, tf.shape(dy))
                 return dy * tf.cast(flags, dy.dtype)
 
-        return y, grad
+        return _after(y, kept), grad
 
     return relu(x)
 
@@ -143,17 +145,26 @@ _BIT_SHIFTS = tuple(range(32))
 
 
 def _pack_bits(flags):
-    """Packs a bool tensor into int32 words, flag ``32 * w + b`` at bit ``b`` of word ``w``."""
-    flat = tf.cast(tf.reshape(flags, [-1]), tf.int32)
-    pad = tf.math.floormod(-tf.size(flat), 32)
-    words = tf.reshape(tf.pad(flat, [[0, pad]]), [-1, 32])
+    """Packs a bool tensor into int32 words per leading index (the batch): row ``n`` holds
+    sample ``n``'s flags, flag ``32 * w + b`` at bit ``b`` of word ``w``, so the mask keeps
+    the batch as its first dimension (the extraction counts it with the node's value). A
+    tensor of rank 0 or 1 is one row."""
+    rows = flags.shape[0] if flags.shape.rank and flags.shape.rank >= 2 else 1
+    per_row = math.prod(flags.shape[1:]) if flags.shape.rank and flags.shape.rank >= 2 else flags.shape.num_elements()
+    if rows is None or per_row is None:
+        rows = tf.shape(flags)[0] if flags.shape.rank >= 2 else 1
+        per_row = tf.size(flags) // rows
+    flat = tf.cast(tf.reshape(flags, [rows, per_row]), tf.int32)
+    pad = tf.math.floormod(-per_row, 32) if isinstance(per_row, tf.Tensor) else -per_row % 32
+    words = tf.reshape(tf.pad(flat, [[0, 0], [0, pad]]), [rows, -1, 32])
     # the bits are disjoint, so their sum is their bitwise or (bit 31 makes a negative word)
-    return tf.reduce_sum(tf.bitwise.left_shift(words, tf.constant(_BIT_SHIFTS, tf.int32)), axis=1)
+    return tf.reduce_sum(tf.bitwise.left_shift(words, tf.constant(_BIT_SHIFTS, tf.int32)), axis=2)
 
 
 def _unpack_bits(words, shape):
-    bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words[:, None], tf.constant(_BIT_SHIFTS, tf.int32)), 1)
-    flat = tf.reshape(bits, [-1])[: tf.reduce_prod(shape)]
+    bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words[..., None], tf.constant(_BIT_SHIFTS, tf.int32)), 1)
+    per_row = tf.reduce_prod(shape) // tf.shape(words)[0]
+    flat = tf.reshape(bits, [tf.shape(words)[0], -1])[:, :per_row]
     return tf.reshape(tf.cast(flat, tf.bool), shape)
 
 
@@ -280,10 +291,14 @@ def max_pool_with_index(x, pool_size, strides=None, padding: str = "VALID"):
             index = tf.constant(first_valid[None, :, :, None])
         else:
             index = tf.zeros([], tf.uint8)
+        previous = []
         for k in reversed(range(kh * kw)):  # the smallest matching offset is written last
             i, j = divmod(k, kw)
-            window = padded[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :]
+            # One window slice at a time: unordered, TensorFlow may slice them all at once.
+            with tf.control_dependencies(previous):
+                window = padded[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :]
             index = tf.where(tf.equal(window, y), tf.constant(k, tf.uint8), index)
+            previous = [index]
         index = tf.broadcast_to(index, tf.shape(y))
 
         def grad(dy):
@@ -292,7 +307,7 @@ def max_pool_with_index(x, pool_size, strides=None, padding: str = "VALID"):
                 flat = _flat_input_index(offset // kw, offset % kw, dy, geometry)
                 return _scatter_to_input(flat, dy, h_in, w_in)
 
-        return y, grad
+        return _after(y, index), grad
 
     return max_pool(x)
 
@@ -469,6 +484,20 @@ def batch_norm_output_activated(x, gamma, beta, epsilon: float = 1e-3, training:
         mean = tf.convert_to_tensor(moving_mean, x.dtype)
         variance = tf.convert_to_tensor(moving_variance, x.dtype)
     mean, variance = tf.stop_gradient(mean), tf.stop_gradient(variance)
+    y = normalize_output_activated(x, gamma, beta, mean, variance, epsilon, training, gamma_floor)
+    return y, mean, variance
+
+
+def normalize_output_activated(x, gamma, beta, mean, variance, epsilon: float, training: bool,
+                               gamma_floor: float = 0.0):
+    """``gamma * (x - mean) * rsqrt(variance + epsilon) + beta`` over the last axis, op for op
+    as ``tf.nn.batch_normalization``, with the output-activated backward of
+    :func:`batch_norm_output_activated` (see there). ``mean`` and ``variance`` are the
+    statistics already computed (the batch's when ``training``, then the gradient through
+    them is part of ``dx``); no gradient flows into them separately, as a caller that
+    computed them from ``x`` expects."""
+    axes = list(range(x.shape.rank - 1))
+    mean, variance = tf.stop_gradient(mean), tf.stop_gradient(variance)
 
     @tf.custom_gradient
     def batch_norm(x, gamma, beta, mean, variance):
@@ -502,9 +531,9 @@ def batch_norm_output_activated(x, gamma, beta, epsilon: float = 1e-3, training:
                     dx = dy * scale
                 return dx, dgamma, dbeta, None, None
 
-        return y, grad
+        return _after(y, unsafe_x_hat), grad
 
-    return batch_norm(x, gamma, beta, mean, variance), mean, variance
+    return batch_norm(x, gamma, beta, mean, variance)
 
 
 def fused_batch_norm_variant(x, gamma, beta, epsilon: float = 1e-3):
@@ -572,7 +601,8 @@ def kept_tensors(variant: str, input_shape: Sequence[int], **params) -> dict[str
     if variant == "relu_bool":
         return {"mask": numel}
     if variant == "relu_bits":
-        return {"mask_bits": 4 * -(-numel // 32)}
+        rows = shape[0] if len(shape) >= 2 else 1
+        return {"mask_bits": 4 * rows * -(-(numel // rows) // 32)}
     if variant.startswith("max_pool_"):
         out = math.prod(pool_output_shape(shape, params.get("pool_size", 2), params.get("strides"),
                                           params.get("padding", "VALID")))
@@ -674,6 +704,16 @@ def measure_kept(fn: Callable, args: Sequence, wrt: Sequence[int] = (0,), dy=Non
     kept = [KeptTensor(name, op_type, dtype, tuple(v.shape), int(v.numpy().nbytes))
             for (name, op_type, dtype), v in zip(found, values)]
     return kept, [None if g is None else g.numpy() for g in grads]
+
+
+def _after(y, *kept):
+    """``y`` once ``kept`` exist: the tensors a backward keeps are computed before the
+    forward's output (a control dependency on a buffer-sharing identity). The compiled step
+    orders its statements on their outputs; without this, TensorFlow may compute a mask or
+    an index late, keeping the tensors it reads (the layer's input) alive past their free
+    (measured: a Conv2D(relu)'s pre-activation held into the backward pass)."""
+    with tf.control_dependencies(kept):
+        return tf.identity(y)
 
 
 def _require_float(x, name):

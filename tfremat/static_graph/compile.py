@@ -337,11 +337,6 @@ def compile_step(
     if not isinstance(schedule, Schedule):
         raise CompileError(f"schedule must be a tfremat Schedule, got {type(schedule).__name__}")
     validate_schedule(graph, schedule)
-    if schedule.implementations:
-        raise CompileError(
-            f"the schedule runs nodes {sorted(schedule.implementations)} with other implementations "
-            f"({', '.join(sorted(set(schedule.implementations.values())))}); they are planned and simulated, but "
-            "the compiled step runs each layer's own implementation only: plan without implementations=")
     optimizer = optimizer if optimizer is not None else side_table.optimizer
     if optimizer is None:
         raise CompileError("no optimizer: pass optimizer= or extract with one")

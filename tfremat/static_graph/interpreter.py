@@ -73,6 +73,7 @@ import tensorflow as tf
 from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op
+from tfremat.runtime.layer_variants import running
 from tfremat.runtime.memory import resident_bytes
 from tfremat.runtime.state import (
     StateSnapshot,
@@ -146,8 +147,12 @@ class _Instance:
 
 
 class _Interpreter:
-    def __init__(self, graph: DFGraph, side_table: Any, x, y, scale_loss: Callable[[Any], Any], sample_weight=None):
+    def __init__(self, graph: DFGraph, side_table: Any, x, y, scale_loss: Callable[[Any], Any], sample_weight=None,
+                 implementations=None):
+        # The graph under the plan's implementations: what each backward node reads.
         self.graph = graph
+        # node -> the layer implementation its calls run (MONeT; tfremat.runtime.layer_variants)
+        self.implementations = dict(implementations or {})
         self.table = side_table
         self.x = side_table.flat_inputs(x)
         self.y = side_table.flat_labels(y)
@@ -391,10 +396,11 @@ class _Interpreter:
 
             graph = tf.compat.v1.get_default_graph()
             first_op = len(graph.get_operations())
-            if node in self.snapshots:
-                outputs = call_replaying(self.snapshots[node], call)
-            else:
-                outputs, self.snapshots[node] = call_with_snapshot(entry.layer, call)
+            with running(entry.layer, self.implementations.get(node)):
+                if node in self.snapshots:
+                    outputs = call_replaying(self.snapshots[node], call)
+                else:
+                    outputs, self.snapshots[node] = call_with_snapshot(entry.layer, call)
             if purpose != "forward":
                 traced = graph.get_operations()[first_op:]
                 if reads_global_seed_generator(graph, traced):
@@ -504,7 +510,7 @@ class _Interpreter:
         stale = instance is None or (instance.one_gradient_call and instance.differentiated) or any(
             forward_entry.inputs[pos].source == "node"
             and instance.input_generations[pos] != self.generation[forward_entry.inputs[pos].index]
-            for pos in entry.reads_inputs
+            for pos in self._inputs_read(node, entry, forward_entry)
         )
         if stale:
             # Rebuild the VJP on the resident inputs so no freed copy is read (module doc),
@@ -559,6 +565,15 @@ class _Interpreter:
             produced.append(g)
         self.resident[node] = _Instance(input_grads, instance.tape, [], [])
         return produced
+
+
+    def _inputs_read(self, node: int, entry, forward_entry) -> tuple[int, ...]:
+        """Positions of the forward call's inputs that backward ``node`` reads: as measured
+        for the layer's own implementation, or as the graph under another says."""
+        if entry.forward_node not in self.implementations:
+            return entry.reads_inputs
+        return tuple(pos for pos, ref in enumerate(forward_entry.inputs)
+                     if ref.source == "node" and ref.index in self.graph.predecessors[node])
 
 
 def order_updates(report: TraceReport, update_ops: dict[int, tuple[Any, list]]) -> int:
@@ -702,6 +717,7 @@ def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
         (flattened) as the loss node read them, ``{id(variable): (variable, gradient)}``
         and the :class:`TraceReport`.
     """
-    interpreter = _Interpreter(graph, side_table, x, y, scale_loss or (lambda loss: loss), sample_weight)
+    interpreter = _Interpreter(graph.with_implementations(plan.implementations), side_table, x, y,
+                               scale_loss or (lambda loss: loss), sample_weight, plan.implementations)
     loss, predictions, weight_grads = interpreter.run(plan)
     return loss, predictions, weight_grads, interpreter.report

@@ -1,0 +1,140 @@
+"""Layer implementations in the extraction and the compiled step (MONeT, issue 23): the
+alternatives a Keras model's layers offer, what each keeps, and steps that run them and
+train exactly like plain Keras."""
+
+import math
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+import keras  # noqa: E402
+from models import vgg_block_net  # noqa: E402
+from training_case import TrainingCase, training_batch  # noqa: E402
+
+from tfremat.errors import ArgumentError  # noqa: E402
+from tfremat.extract import extract  # noqa: E402
+from tfremat.graph import load_graph  # noqa: E402
+from tfremat.plan import simulate  # noqa: E402
+from tfremat.runtime.layer_variants import layer_implementations, running  # noqa: E402
+from tfremat.runtime.variants import kept_bytes  # noqa: E402
+from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
+from tfremat.strategies import get_strategy  # noqa: E402
+
+# Bytes the simulator does not model (small allocations such as shapes and scalars).
+MEASURE_SLACK_BYTES = 2 * 2**20
+BATCH = 4
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def case():
+    return TrainingCase(vgg_block_net, batch=BATCH, implementations=True)
+
+
+def _by_name(graph):
+    return {graph.names[node]: {i.name: i for i in alternatives} for node, alternatives in graph.implementations.items()}
+
+
+def test_the_extraction_measures_every_alternative(case):
+    graph = case.extraction.graph
+    offered = _by_name(graph)
+    assert {name: sorted(alternatives) for name, alternatives in offered.items()} == {
+        "conv1": ["relu_bits", "relu_bool"], "pool1": ["window_index"], "bn2": ["output_activated"],
+        "relu2": ["relu_bits", "relu_bool"], "pool2": ["window_index"], "fc": ["relu_bits", "relu_bool"],
+        "dropout": ["regenerated"],
+    }
+    model = case.model
+    conv1, relu2 = model.get_layer("conv1").output.shape, model.get_layer("relu2").output.shape
+    batch_shape = (BATCH, *conv1[1:])
+    # What each keeps, as the variants' own byte counts say (the extraction measured them).
+    assert offered["conv1"]["relu_bool"].residual_bytes == kept_bytes("relu_bool", batch_shape)
+    assert offered["conv1"]["relu_bits"].residual_bytes == kept_bytes("relu_bits", batch_shape)
+    assert offered["relu2"]["relu_bits"].residual_bytes == kept_bytes("relu_bits", (BATCH, *relu2[1:]))
+    pool2 = model.get_layer("pool2")
+    assert offered["pool2"]["window_index"].residual_bytes == kept_bytes(
+        "max_pool_index", (BATCH, *relu2[1:]), pool_size=pool2.pool_size, strides=pool2.strides, padding="SAME")
+    # Which values each backward reads: a mask and an index read neither the output nor the
+    # pooling's input; a Conv2D(relu)'s gradient still reads the convolution's input; the
+    # output-activated batch norm reads its output, not its input; regenerated dropout nothing.
+    assert not offered["conv1"]["relu_bool"].reads_output and offered["conv1"]["relu_bool"].reads_inputs
+    assert not offered["relu2"]["relu_bool"].reads_inputs
+    window = offered["pool1"]["window_index"]
+    assert (window.reads_output, window.reads_inputs) == (False, False)
+    batch_norm = offered["bn2"]["output_activated"]
+    assert (batch_norm.reads_output, batch_norm.reads_inputs, batch_norm.residual_bytes) == (True, False, 0)
+    assert offered["dropout"]["regenerated"].residual_bytes == 0
+    # The default dropout keeps its 1-byte mask; regenerated keeps none.
+    dropout = graph.names.index("dropout")
+    assert graph.residual_bytes[dropout] == math.prod((BATCH, *model.get_layer("dropout").output.shape[1:]))
+    assert load_graph(graph.to_dict()) == graph
+
+
+def test_without_asking_the_extraction_offers_none():
+    model = vgg_block_net()
+    assert not extract(model, training_batch(model, BATCH), cost_model="flops", use_cache=False).graph.implementations
+
+
+def _choice(graph, pick):
+    return {node: pick(sorted(i.name for i in alternatives)) for node, alternatives in graph.implementations.items()}
+
+
+@pytest.mark.parametrize("pick, strategy", [(lambda names: names[-1], "checkpoint_all"),
+                                            (lambda names: names[0], "chen_sqrtn")],
+                         ids=["bool-masks-checkpoint-all", "bit-masks-chen"])
+def test_steps_running_the_alternatives_train_like_plain_keras(case, pick, strategy):
+    """Gradients, five steps' losses and weights, batch-norm statistics and dropout seeds
+    equal plain training's with every alternative chosen (dropout masks regenerated from
+    the same seeds, moving statistics moved as Keras moves them); with recomputation too."""
+    graph = case.extraction.graph
+    choice = _choice(graph, pick)
+    schedule = get_strategy(strategy)(graph, implementations=choice)
+    assert dict(schedule.implementations) == choice
+    step = case.assert_trains_like_plain(schedule, strategy)
+    if strategy == "checkpoint_all":
+        assert step.trace().vjp_rebuilds == 0  # each backward reads the tape its forward call recorded
+
+
+def test_the_choice_lowers_the_measured_peak_as_predicted():
+    """The allocator's requested peak of a checkpoint-all step follows the prediction under
+    every choice, and the leanest choice lowers both."""
+    model = vgg_block_net(input_shape=(32, 32, 3), channels=16)
+    x, y = training_batch(model, 16)
+    optimizer = keras.optimizers.SGD(0.01)
+    extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1, implementations=True)
+    graph = extraction.graph
+    lean = {node: min(alternatives, key=lambda i: i.residual_bytes).name
+            for node, alternatives in graph.implementations.items()}
+    resident = list(model.variables) + list(optimizer.variables)
+    peaks = {}
+    for label, choice in (("default", None), ("lean", lean)):
+        schedule = get_strategy("checkpoint_all")(graph, implementations=choice)
+        predicted = simulate(graph, schedule).peak_bytes
+        step = compile_step(extraction, schedule, optimizer=optimizer)
+        requested = measure_step_peak(step, x, y, resident=resident, count="requested")
+        assert requested <= predicted * 1.10 + MEASURE_SLACK_BYTES, (label, requested, predicted)
+        peaks[label] = (predicted, requested)
+    assert peaks["lean"][0] < peaks["default"][0] and peaks["lean"][1] < peaks["default"][1], peaks
+
+
+def test_running_an_alternative_restores_the_layer():
+    model = vgg_block_net()
+    conv, pool = model.get_layer("conv1"), model.get_layer("pool1")
+    activation = conv.activation
+    x = tf.random.stateless_normal((2, 16, 16, 3), seed=[1, 2])
+    with running(conv, "relu_bits"):
+        masked = conv(x)
+    assert conv.activation is activation and "call" not in vars(pool)
+    with running(pool, "window_index"):
+        pooled = pool(masked)
+    assert "call" not in vars(pool)
+    np.testing.assert_array_equal(masked.numpy(), conv(x).numpy())
+    np.testing.assert_array_equal(pooled.numpy(), pool(conv(x)).numpy())
+    with pytest.raises(ArgumentError, match="no implementation 'window_index'"):
+        with running(conv, "window_index"):
+            pass
+    assert [i.name for i in layer_implementations(model.get_layer("head"))] == []

@@ -1,0 +1,179 @@
+"""Keras layers run with another implementation (MONeT, Shah et al. 2021, sec. 4 and
+appendix D): which alternatives a layer has, and running a call under one of them.
+
+An alternative changes what the layer's gradient keeps for the backward pass, never the
+forward values nor the gradients (:mod:`tfremat.runtime.variants` has the operators and
+their exactness). It runs through the layer's own ``__call__`` (dtype policy, name scope,
+``training``), with one attribute of the layer replaced while the call is traced:
+
+* ``relu_bool`` / ``relu_bits``: a ReLU (``keras.layers.ReLU`` with its defaults, an
+  ``Activation("relu")``, or a layer whose ``activation`` is ReLU, such as
+  ``Conv2D(activation="relu")`` or ``Dense``) keeps a 1-byte, or 1-bit, sign mask
+  instead of its float output (appendix D, "intermediate-activated");
+* ``window_index``: ``MaxPooling2D`` keeps a 1-byte window index per output element
+  instead of its input and output;
+* ``regenerated``: ``Dropout`` draws the same seed as Keras and regenerates its mask in
+  the backward instead of keeping it;
+* ``output_activated``: ``BatchNormalization`` over the last axis computes its gradient
+  from its output and the per-channel statistics, so its input is not kept (appendix D,
+  "output-activated"); the moving statistics move exactly as Keras moves them.
+
+Which bytes each keeps is measured by the extraction (the same call analysis as the
+layer's own implementation), not taken from this list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
+
+from tfremat.errors import ArgumentError
+from tfremat.runtime.variants import (
+    max_pool_with_index,
+    normalize_output_activated,
+    relu_with_mask,
+)
+
+__all__ = ["LayerImplementation", "layer_implementations", "running"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerImplementation:
+    """One alternative of a Keras layer.
+
+    Attributes:
+        name: the implementation's name in the graph and the schedule.
+        attribute: the layer attribute replaced while a call runs under it.
+        replacement: ``replacement(layer)`` is the value that attribute takes.
+    """
+
+    name: str
+    attribute: str
+    replacement: Callable[[object], object]
+
+
+def _is_relu(function) -> bool:
+    return function is keras.activations.relu
+
+
+def _plain_relu_layer(layer) -> bool:
+    return (isinstance(layer, keras.layers.ReLU) and not layer.negative_slope and layer.max_value is None
+            and not layer.threshold)
+
+
+def _masked_activation(mask: str):
+    def replacement(layer):
+        return lambda x: relu_with_mask(x, mask)
+    return replacement
+
+
+def _masked_relu_call(mask: str):
+    def replacement(layer):
+        return lambda inputs: relu_with_mask(inputs, mask)
+    return replacement
+
+
+def _relu_alternatives(layer) -> list[LayerImplementation]:
+    if _plain_relu_layer(layer):
+        return [LayerImplementation(f"relu_{mask}", "call", _masked_relu_call(mask)) for mask in ("bool", "bits")]
+    if _is_relu(getattr(layer, "activation", None)):
+        return [LayerImplementation(f"relu_{mask}", "activation", _masked_activation(mask)) for mask in ("bool", "bits")]
+    return []
+
+
+def _pool_call(layer):
+    def call(inputs):
+        return max_pool_with_index(inputs, layer.pool_size, layer.strides, layer.padding.upper())
+    return call
+
+
+def _pool_alternatives(layer) -> list[LayerImplementation]:
+    if (type(layer) is keras.layers.MaxPooling2D and layer.data_format == "channels_last"
+            and layer.pool_size[0] * layer.pool_size[1] <= 256):
+        return [LayerImplementation("window_index", "call", _pool_call)]
+    return []
+
+
+def _dropout_call(layer):
+    from keras.src.backend.tensorflow.random import _cast_seed
+    from keras.src.random.seed_generator import draw_seed
+
+    from tfremat.runtime.variants import dropout_regenerated
+
+    def call(inputs, training=False):
+        if not (training and layer.rate > 0):
+            return inputs
+        # Keras's own draw (keras.src.backend.tensorflow.random.dropout): the same seed,
+        # so the same mask, and the seed generator moves as in plain training.
+        seed = _cast_seed(draw_seed(layer.seed_generator))
+        return dropout_regenerated(inputs, float(layer.rate), seed)
+    return call
+
+
+def _dropout_alternatives(layer) -> list[LayerImplementation]:
+    if type(layer) is keras.layers.Dropout and layer.noise_shape is None and 0 < layer.rate < 1:
+        return [LayerImplementation("regenerated", "call", _dropout_call)]
+    return []
+
+
+def _batch_norm_call(layer):
+    original = type(layer).call.__get__(layer)
+
+    def call(inputs, training=None, mask=None):
+        if not (training and layer.trainable) or mask is not None or inputs.dtype != tf.float32:
+            return original(inputs, training=training, mask=mask)
+        # Keras 3's BatchNormalization.call in training, with the normalization's gradient
+        # taken from the output (the statistics and their moving averages as Keras has them).
+        mean, variance = layer._moments(inputs, mask)
+        layer.moving_mean.assign(layer.moving_mean * layer.momentum + mean * (1.0 - layer.momentum))
+        layer.moving_variance.assign(layer.moving_variance * layer.momentum + variance * (1.0 - layer.momentum))
+        return normalize_output_activated(inputs, layer.gamma, layer.beta, mean, variance, layer.epsilon,
+                                          training=True)
+    return call
+
+
+def _batch_norm_alternatives(layer) -> list[LayerImplementation]:
+    if type(layer) is not keras.layers.BatchNormalization or not layer.built:
+        return []
+    channels_last = layer.axis == -1 or (layer.input_spec is not None and layer.axis == layer.input_spec.ndim - 1)
+    if (channels_last and layer.scale and layer.center and not layer.renorm
+            and not getattr(layer, "synchronized", False) and hasattr(layer, "_moments")):
+        return [LayerImplementation("output_activated", "call", _batch_norm_call)]
+    return []
+
+
+def layer_implementations(layer) -> list[LayerImplementation]:
+    """The alternatives ``layer`` has (none for most layers)."""
+    return (_relu_alternatives(layer) + _pool_alternatives(layer) + _dropout_alternatives(layer)
+            + _batch_norm_alternatives(layer))
+
+
+@contextlib.contextmanager
+def running(layer, name: str | None):
+    """Calls of ``layer`` inside the block run implementation ``name`` (None or
+    ``"default"``: the layer's own).
+
+    Raises:
+        ArgumentError: ``layer`` has no implementation ``name``.
+    """
+    if name in (None, "default"):
+        yield
+        return
+    chosen = {i.name: i for i in layer_implementations(layer)}.get(name)
+    if chosen is None:
+        raise ArgumentError(f"layer {layer.name!r} has no implementation {name!r}; it has "
+                            f"{['default', *(i.name for i in layer_implementations(layer))]}")
+    had_own = chosen.attribute in vars(layer)
+    previous = vars(layer).get(chosen.attribute)
+    object.__setattr__(layer, chosen.attribute, chosen.replacement(layer))
+    try:
+        yield
+    finally:
+        if had_own:
+            object.__setattr__(layer, chosen.attribute, previous)
+        else:
+            object.__delattr__(layer, chosen.attribute)
