@@ -20,6 +20,7 @@ from tfremat.model_planning import (
     loss_and_optimizer,
     plan_model,
     synthetic_batch,
+    wants_implementations,
 )
 from tfremat.plan.simulator import checkpoint_all_peak
 from tfremat.planner import (
@@ -60,9 +61,10 @@ def compare(model, budget, x=None, y=None, *, strategies: Sequence[str] | None =
         if measured is not None:
             milp_options["bandwidth"] = measured
     every = strategy_names(offloading="bandwidth" in milp_options)
-    split_solver_options(every if strategies is None else strategies, milp_options)
+    names, _ = split_solver_options(every if strategies is None else strategies, milp_options)
     extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
-                               cost_model=cost_model, cache=cache, granularity=granularity)
+                               cost_model=cost_model, cache=cache, granularity=granularity,
+                               implementations=wants_implementations(names))
     return compare_graph(extraction.graph, budget, strategies, cache=cache, verbose=verbose, **milp_options)
 
 
@@ -225,7 +227,8 @@ def max_batch_size(
             # reads nothing else, and a batch of thousands of images would be gigabytes.
             sample = synthetic_batch(model, batch, loss=training["loss"])
             graphs[batch] = extract(model, sample_batch=sample, cost_model=cost_model, granularity=granularity,
-                                    use_cache=cache is not False and cache is not None, **training).graph
+                                    use_cache=cache is not False and cache is not None,
+                                    implementations=wants_implementations(names), **training).graph
             logger.info("batch %d: checkpoint-all peak %s", batch, format_bytes(checkpoint_all_peak(graphs[batch])))
         return graphs[batch]
 

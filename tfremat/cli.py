@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from absl import app, flags
@@ -253,14 +254,17 @@ def _training(model) -> dict:
     return loss_and_optimizer(model, loss, optimizer)
 
 
-def _extraction(model, batch: int, use_cache: bool = True):
+def _extraction(model, batch: int, use_cache: bool = True, strategies: Sequence[str] = ()):
+    """The model's extraction at ``batch``, with the operator implementations measured when
+    one of ``strategies`` chooses among them."""
     from tfremat.extract.extractor import extract
-    from tfremat.model_planning import synthetic_batch
+    from tfremat.model_planning import synthetic_batch, wants_implementations
 
     training = _training(model)
     # Labels shaped for the loss (class ids for a sparse loss), as measure makes them.
     return extract(model, sample_batch=synthetic_batch(model, batch, loss=training["loss"]),
-                   cost_model=FLAGS.cost_model, granularity=FLAGS.granularity, use_cache=use_cache, **training)
+                   cost_model=FLAGS.cost_model, granularity=FLAGS.granularity, use_cache=use_cache,
+                   implementations=wants_implementations(strategies), **training)
 
 
 def _milp_options(name: str) -> dict:
@@ -332,7 +336,7 @@ def cmd_plan() -> None:
 
     _require("budget")
     strategy = FLAGS.strategy or "optimal"
-    extraction = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache)
+    extraction = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache, strategies=[strategy])
     result = plan_graph(extraction.graph, FLAGS.budget, strategy, cache=FLAGS.cache, **_milp_options(strategy))
     out = FLAGS.schedule_out or f"{FLAGS.model.replace('/', '_').removesuffix('.keras')}_{strategy}_schedule.json"
     with open(out, "w") as f:
@@ -350,7 +354,7 @@ def cmd_compare() -> None:
     names = FLAGS.strategies or strategy_names(offloading=FLAGS.bandwidth is not None)
     for name in names:
         get_strategy(name)  # before the extraction
-    graph = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache).graph
+    graph = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache, strategies=names).graph
     given = resolve_min_budget(graph, FLAGS.budget)
     budget = parse_graph_budget(graph, given)
     # --time_limit and --solver configure the MILP strategies; as solve and plot do,
@@ -398,14 +402,16 @@ def cmd_plot() -> None:
     from tfremat.strategies import get_strategy, strategy_names
 
     _require("out")
+    # The MILP strategies are slow at eight budgets: named ones only.
+    names = FLAGS.strategies or [n for n in strategy_names(offloading=FLAGS.bandwidth is not None)
+                                 if n not in ("optimal", "monet")]
     if FLAGS.graph:
         graph = load_graph(FLAGS.graph, order=FLAGS.order)
     else:
-        graph = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache).graph
+        graph = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache, strategies=names).graph
     reference = checkpoint_all_peak(graph)
     budgets = [parse_budget(b, reference, flag="--budgets")
                for b in (FLAGS.budgets or ["30%", "40%", "50%", "60%", "70%", "80%", "90%", "100%"])]
-    names = FLAGS.strategies or [n for n in strategy_names(offloading=FLAGS.bandwidth is not None) if n != "optimal"]
     out = Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
     middle = budgets[len(budgets) // 2]

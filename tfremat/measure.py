@@ -22,6 +22,7 @@ from tfremat.model_planning import (
     check_keras_model,
     loss_and_optimizer,
     synthetic_batch,
+    wants_implementations,
 )
 from tfremat.numerics import closeness
 from tfremat.planner import plan_graph
@@ -159,6 +160,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     try:
         extraction = extract(model, sample_batch=(x, y), cost_model=cost_model, granularity=granularity,
                              use_cache=cache is not False and cache is not None,
+                             implementations=wants_implementations([strategy]),
                              **{**training, "optimizer": _fresh(training["optimizer"])})
         result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **strategy_options)
         gradients = _compare_gradients(model, extraction, result.schedule, x, y, saved)

@@ -17,7 +17,7 @@ from tfremat.planner import PlanResult, check_cache_argument, plan_graph
 from tfremat.strategies import get_strategy
 
 __all__ = [
-    "plan_model", "extract_model", "check_keras_model", "sample_batch", "check_batch_ranks", "loss_and_optimizer",
+    "plan_model", "extract_model", "wants_implementations", "check_keras_model", "sample_batch", "check_batch_ranks", "loss_and_optimizer",
     "keras_optimizer", "synthetic_batch",
 ]
 
@@ -165,12 +165,22 @@ def plan_model(
     check_keras_model(model)
     get_strategy(strategy)
     extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
-                               cost_model=cost_model, cache=cache, granularity=granularity)
+                               cost_model=cost_model, cache=cache, granularity=granularity,
+                               implementations=wants_implementations([strategy]))
     result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **options)
     return dataclasses.replace(result, extraction=extraction)
 
 
-def extract_model(model, x, y, *, batch_size, loss, optimizer, cost_model: str, cache, granularity: str = "sublayer"):
+def wants_implementations(strategies) -> bool:
+    """Whether planning with ``strategies`` (names) needs the graph's operator
+    implementations: one of them chooses among them (``monet``)."""
+    from tfremat.strategies import get_strategy
+
+    return any(get_strategy(name).chooses_implementations for name in strategies)
+
+
+def extract_model(model, x, y, *, batch_size, loss, optimizer, cost_model: str, cache, granularity: str = "sublayer",
+                  implementations: bool = False):
     """``model``'s extraction on the first batch of ``x, y``, with its (or the given) loss and
     optimizer; ``cache`` False or None turns the profile cache off as well as the schedule
     cache; ``granularity`` as :func:`tfremat.extract.extract` takes it (the levels:
@@ -184,7 +194,7 @@ def extract_model(model, x, y, *, batch_size, loss, optimizer, cost_model: str, 
     batch = sample_batch(x, y, batch_size)
     check_batch_ranks(model, batch[0])
     return extract(model, sample_batch=batch, cost_model=cost_model, granularity=granularity,
-                   use_cache=cache is not False and cache is not None, **training)
+                   use_cache=cache is not False and cache is not None, implementations=implementations, **training)
 
 
 # Losses, by normalized name (lower case, no underscores), whose labels are not a

@@ -40,6 +40,9 @@ class Strategy:
             when another already fits (it is slow and rarely the best).
         offloads: it moves activations to host memory and takes ``bandwidth`` (the host
             link); callers that run every strategy include it only with a bandwidth.
+        chooses_implementations: it chooses among the graph's operator implementations
+            (MONeT), so callers extract the graph with them
+            (``extract(..., implementations=True)``).
     """
 
     name: str
@@ -47,6 +50,7 @@ class Strategy:
     takes_solver_options: bool = False
     runs_last: bool = False
     offloads: bool = False
+    chooses_implementations: bool = False
 
     def __call__(self, graph: DFGraph, budget=None, *options, **keyword_options):
         """The schedule for ``graph`` under ``budget`` (any form :func:`parse_graph_budget`
@@ -82,14 +86,15 @@ class Strategy:
 
 
 def as_strategy(name: str, *, takes_solver_options: bool = False, runs_last: bool = False,
-                offloads: bool = False) -> Callable[[Callable], Strategy]:
+                offloads: bool = False, chooses_implementations: bool = False) -> Callable[[Callable], Strategy]:
     """Decorator making ``fn(graph, budget_bytes_or_None, **options)`` the :class:`Strategy`
     ``name``; the module-level name then refers to the strategy, so a direct call parses its
     budget as every caller's does (0.8 was once 80% to ``optimal`` and 0.8 bytes to the
     heuristics)."""
 
     def decorate(fn: Callable) -> Strategy:
-        return Strategy(name, fn, takes_solver_options=takes_solver_options, runs_last=runs_last, offloads=offloads)
+        return Strategy(name, fn, takes_solver_options=takes_solver_options, runs_last=runs_last, offloads=offloads,
+                        chooses_implementations=chooses_implementations)
 
     return decorate
 
