@@ -4,7 +4,8 @@ Each strategy module is imported here explicitly; the heuristics come from the p
 that warm-starts the MILP (:data:`tfremat.ilp.portfolio.HEURISTICS`), plus ``hong_ap``,
 ``rotor`` and ``rotor_ap`` (listed after ``hong``, not run by the portfolio), the
 strategies that offload to host memory (``pofo[_ap]``, ``autocapper``, ``opportunist``: they need a host
-link's ``bandwidth``), the solver-based strategies after them.
+link's ``bandwidth``), the solver-based strategies after them: ``optimal``, ``monet`` (which also
+chooses every node's operator implementation) and ``approx_lp``.
 Nothing here imports TensorFlow.
 """
 
@@ -15,6 +16,7 @@ from tfremat.graph import DFGraph
 from tfremat.ilp.approx_lp import solve_approx_lp
 from tfremat.ilp.formulation import memory_lower_bound
 from tfremat.ilp.milp import solve_optimal
+from tfremat.ilp.monet import solve_monet
 from tfremat.ilp.portfolio import HEURISTICS, best_baseline
 from tfremat.plan.hong import hong, hong_ap
 from tfremat.plan.offload import autocapper, opportunist, pofo, pofo_ap
@@ -26,7 +28,8 @@ __all__ = ["STRATEGIES", "get_strategy", "strategy_names", "offloading_strategy_
 
 _AFTER_HONG = HEURISTICS.index(hong) + 1
 STRATEGIES: tuple[Strategy, ...] = (*HEURISTICS[:_AFTER_HONG], hong_ap, rotor, rotor_ap, *HEURISTICS[_AFTER_HONG:],
-                                    pofo, pofo_ap, autocapper, opportunist, solve_optimal, solve_approx_lp)
+                                    pofo, pofo_ap, autocapper, opportunist, solve_optimal, solve_monet,
+                                    solve_approx_lp)
 _BY_NAME = {s.name: s for s in STRATEGIES}
 
 

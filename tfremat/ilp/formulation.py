@@ -1,4 +1,5 @@
-"""Checkmate's rematerialization MILP, built as solver-neutral sparse arrays.
+"""Checkmate's rematerialization MILP, built as solver-neutral sparse arrays, and its
+extension to operator implementations (MONeT).
 
 The model follows Checkmate (Jain et al., MLSys 2020, sec. 4) over frontier-advancing
 stages: stage ``t`` computes node ``t`` for the first time and may recompute any earlier
@@ -39,8 +40,8 @@ never adds cost or memory; together they make the memory accounting exact):
   Checkmate's per-pair big-M rows. With the equality, ``FREE`` is exactly the
   simulator's last-use indicator, so ``U`` equals the simulated memory;
 * ``FREE[t, i, i]`` (a value freed right after it is computed, unread) is built only for
-  the two values of a node with residual bytes (below): recomputing the node for one of
-  them makes the other, which may have no reader in the stage. For any other node the
+  the values of a node that holds several (below): recomputing the node for one of
+  them makes the others, which may have no reader in the stage. For any other node the
   equality leaves it no role, since a computed value must be read or kept.
 
 A node with residual bytes (``DFGraph.residual_bytes``) holds two values: its output,
@@ -50,6 +51,27 @@ residuals) and its own ``FREE`` columns and rows; ``R`` computes both. A decoded
 keeps the node when it keeps either, and its execution plan frees each part after its last
 reader as the model does (:mod:`tfremat.plan.execution`).
 
+Operator implementations (``choose_implementations``; MONeT, Shah et al. 2021, sec. 4
+and appendix F). A forward node f with alternatives (``DFGraph.implementations``) and its
+backward node b have one mode per implementation a ("default" first), chosen once for the
+whole step by binaries ``delta[f, a]`` (``sum_a delta[f, a] = 1``, MONeT's ``delta_i``
+and ``delta^hat_k``). Their ``R`` splits into continuous ``R_a[t, i]`` with ``sum_a R_a =
+R`` and ``R_a <= delta[f, a]`` (appendix F's ``R^v_{t,i}``), so ``R_a = R * delta[f, a]``
+without a product (appendix C.4's linearization, here exact). The chosen implementation
+sets the costs (the objective, MONeT eq. 9, through ``R_a``), the workspaces (through
+``R_a``) and what b reads (MONeT's dependencies ``D_k^a``, eqs. 5, 6 and 8): f's output
+part (the bytes its other successors read) is one value, computed by ``R``; each
+implementation's residual bytes are a value of their own, computed only by its ``R_a``,
+with own keep and ``FREE`` columns. Appendix F's dependent ``DEPS``/``USERS`` become
+readers that read a value only through the ``R_a`` of the implementations that read it
+(b reads f's output, a residual, or f's inputs only under implementations that do), in
+the dependency rows and the rows that free a value after its last reader; so the
+accounting stays exact (eq. 5's products ``delta * |D^a|`` appear as ``R_a`` terms). An
+implementation whose backward reads the output and residual bytes too holds one value in
+the simulator; its residual value is tied to the output (kept exactly when the output
+is, when that implementation is chosen). A graph without alternatives, or
+``choose_implementations=False``, builds Checkmate's model above, column for column.
+
 The stage-end relaxation (``exact_stages``) keeps ``FREE`` and ``U`` only for some stages;
 every other stage t gets one memory row, exact at the moment node t runs (the stage's
 last: every value kept into stage t+1 is resident then, with t's inputs, output and
@@ -57,7 +79,10 @@ workspace), plus the keep-source rows its ``FREE`` equality implied. Moments ear
 the stage are unbounded there, so the model is a relaxation, a third to a half the size
 of the exact one. Its LP is as tight as the exact LP on the benchmark graphs and several
 times faster (docs/solver.md), and its solutions usually fit: ``optimal`` accounts exactly
-only the stages where one overflows.
+only the stages where one overflows. Where node t reads a value only under some
+implementations, the row counts it by a continuous ``resident`` column at least its
+keep into stage t+1 and at least the indicator that t reads it (a product of two
+choices linearized as in MONeT appendix C.4).
 
 Memory is measured in units of ``scale`` bytes. When every byte count is a multiple of a
 common unit and the budget is at most 1000 such units, that unit is used and the budget
@@ -75,7 +100,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import reduce
 
 import numpy as np
@@ -90,14 +115,93 @@ from tfremat.units import format_bytes
 __all__ = [
     "SparseMILP",
     "CheckmateModel",
+    "Mode",
     "build_milp",
     "overflowing_stages",
     "memory_lower_bound",
     "last_descendants",
     "r_column_count",
+    "implementation_modes",
+    "cheapest_implementations",
+    "no_remat_cost",
 ]
 
 _MAX_EXACT_UNITS = 1e3
+_DEFAULT = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One implementation of a forward node with alternatives, as the model sees it: the
+    graph's own numbers (``"default"``) or an :class:`~tfremat.graph.Implementation`
+    (MONeT sec. 4: what the backward reads, the bytes kept for it, costs, workspaces).
+
+    Attributes:
+        name: ``"default"`` or the implementation's name.
+        residual_bytes: bytes the forward keeps that only the backward reads.
+        reads_output: the backward reads the node's output part (with the residual bytes,
+            if any, as one value).
+        inputs_read: the forward inputs of the node that the backward reads.
+        cost, backward_cost: forward and backward compute cost.
+        workspace_bytes, backward_workspace_bytes: transient bytes of each while it runs.
+    """
+
+    name: str
+    residual_bytes: int
+    reads_output: bool
+    inputs_read: frozenset[int]
+    cost: float
+    backward_cost: float
+    workspace_bytes: int
+    backward_workspace_bytes: int
+
+    def kept_bytes(self, graph: DFGraph, node: int) -> int:
+        """Bytes the backward of ``node`` reads under this implementation: its residual
+        bytes, the node's output part if it reads it, and the inputs it reads."""
+        output_part = graph.output_bytes[node] - graph.residual_bytes[node]
+        inputs = sum(graph.part_bytes(p, graph.part_read_by(p, graph.backward_of[node])) for p in self.inputs_read)
+        return self.residual_bytes + (output_part if self.reads_output else 0) + inputs
+
+
+def implementation_modes(graph: DFGraph) -> dict[int, tuple[Mode, ...]]:
+    """Per forward node with alternatives, its :class:`Mode` s, ``"default"`` first, as
+    :meth:`DFGraph.with_implementations` applies them."""
+    edges = set(graph.edges)
+    modes = {}
+    for node, alternatives in graph.implementations.items():
+        backward = graph.backward_of[node]
+        inputs = frozenset(p for p in graph.predecessors[node] if not graph.is_backward[p])
+        residual = graph.residual_bytes[node]
+        default = Mode(_DEFAULT, residual, not residual and (node, backward) in edges,
+                       frozenset(p for p in inputs if (p, backward) in edges), graph.cost[node], graph.cost[backward],
+                       graph.workspace_bytes[node], graph.workspace_bytes[backward])
+        modes[node] = (default, *(
+            Mode(a.name, a.residual_bytes, a.reads_output, inputs if a.reads_inputs else frozenset(), a.cost,
+                 a.backward_cost, a.workspace_bytes, a.backward_workspace_bytes)
+            for a in alternatives
+        ))
+    return modes
+
+
+def cheapest_implementations(graph: DFGraph) -> dict[int, str]:
+    """The choice with the least compute cost of running every node once: per node with
+    alternatives, the implementation of least forward plus backward cost (of fewest kept
+    bytes among equals); only the non-default choices."""
+    choice = {}
+    for node, modes in implementation_modes(graph).items():
+        best = min(modes, key=lambda m: (m.cost + m.backward_cost, m.kept_bytes(graph, node)))
+        if best.name != _DEFAULT:
+            choice[node] = best.name
+    return choice
+
+
+def no_remat_cost(graph: DFGraph, choose_implementations: bool = False) -> float:
+    """The least cost of running every node once, a lower bound on any schedule's cost:
+    ``graph.total_cost``, or with ``choose_implementations`` that of the graph under
+    :func:`cheapest_implementations`."""
+    if not choose_implementations:
+        return graph.total_cost
+    return graph.with_implementations(cheapest_implementations(graph)).total_cost
 
 
 def last_descendants(graph: DFGraph) -> np.ndarray:
@@ -106,20 +210,161 @@ def last_descendants(graph: DFGraph) -> np.ndarray:
     A value is only useful in stages up to ``last[i]``: every computation serves some
     later frontier node, which must be a descendant.
     """
-    n = graph.size
+    return _last_descendants(graph.successors)
+
+
+def _last_descendants(successors) -> np.ndarray:
+    n = len(successors)
     last = np.arange(n)
     for i in range(n - 1, -1, -1):
-        for j in graph.successors[i]:
+        for j in successors[i]:
             if last[j] > last[i]:
                 last[i] = last[j]
     return last
 
 
-def r_column_count(graph: DFGraph) -> int:
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Value:
+    """One value the model keeps and frees on its own (the whole value of a node, its
+    output part, or one implementation's residual bytes).
+
+    Attributes:
+        node: the node that computes it.
+        size: its bytes.
+        mode: the mode of the node that makes it (None: every computation of the node).
+        residual: it is a residual part (only the node's backward reads it, or with the
+            output when ``tied``).
+        readers: ``(reader, modes)`` by ascending reader: the modes of the reader's node
+            through which it reads the value (None: whatever the choice).
+        keep: its keep column per stage, -1 where none is built (a view into ``s_index``
+            or ``sr_index`` for the output and the default's residuals).
+        tied: kept and freed with the node's output when its mode is chosen (a backward
+            that reads the output and residual bytes reads one value).
+    """
+
+    node: int
+    size: int
+    mode: int | None
+    residual: bool
+    readers: tuple[tuple[int, tuple[int, ...] | None], ...]
+    keep: np.ndarray
+    tied: bool = False
+
+
+class _Layout:
+    """The values of a graph's nodes, who reads each and under which modes (MONeT appendix
+    F: ``DEPS`` and ``USERS`` that depend on the implementation), the modes' costs and
+    workspaces, and with ``keep_columns`` the keep column arrays, filled as the columns are
+    built (n x n: only a model needs them, not its bounds)."""
+
+    def __init__(self, graph: DFGraph, choose_implementations: bool, keep_columns: bool = False):
+        n = graph.size
+        self.graph = graph
+        self.modes = implementation_modes(graph) if choose_implementations else {}
+        self.family: dict[int, int] = {}
+        for node in self.modes:
+            self.family[node] = self.family[graph.backward_of[node]] = node
+        shape = (n, n) if keep_columns else (0, n)
+        self.s_index = np.full(shape, -1, dtype=np.int64)
+        self.sr_index = np.full(shape, -1, dtype=np.int64)
+        # Readers of each node's output (or whole value), with the modes they read it through.
+        successors = [[(k, None) for k in graph.successors[i]] for i in range(n)]
+        for node, modes in self.modes.items():
+            backward = graph.backward_of[node]
+            for source in {node, *(p for m in modes for p in m.inputs_read)}:
+                reading = tuple(a for a, m in enumerate(modes)
+                                if (m.reads_output if source == node else source in m.inputs_read))
+                edges = [(k, s) for k, s in successors[source] if k != backward]
+                if reading:
+                    edges.append((backward, None if len(reading) == len(modes) else reading))
+                successors[source] = sorted(edges)
+        self.values = tuple(self._values_of(i, successors[i]) for i in range(n))
+        self.last = _last_descendants([sorted({k for v in values for k, _ in v.readers}) for values in self.values])
+        self.most_values = max(map(len, self.values))
+        # Per node, the bytes it makes by the mode that makes them (None: every computation).
+        self.made = []
+        for values in self.values:
+            made: dict[int | None, int] = {}
+            for value in values:
+                made[value.mode] = made.get(value.mode, 0) + value.size
+            self.made.append(list(made.items()))
+        # The keeps' bytes by node in s_index and sr_index, and the values with keep arrays
+        # of their own (alternatives' residuals).
+        self.s_bytes = np.array([values[0].size for values in self.values], dtype=np.int64)
+        self.sr_bytes = np.array(graph.residual_bytes, dtype=np.int64)
+        self.own_keeps = [v for values in self.values for v in values if v.mode]
+        self.reads: list[list[tuple[_Value, tuple[int, ...] | None]]] = [[] for _ in range(n)]
+        for values in self.values:
+            for value in values:
+                for reader, modes in value.readers:
+                    self.reads[reader].append((value, modes))
+
+    def _values_of(self, i: int, readers: list) -> tuple[_Value, ...]:
+        graph = self.graph
+        residual = graph.residual_bytes[i]
+        output = _Value(i, graph.output_bytes[i] - residual, None, False, (), self.s_index[:, i])
+        if i in self.modes:
+            backward = graph.backward_of[i]
+            output = dataclasses.replace(output, readers=tuple(readers))
+            values = [output]
+            for a, mode in enumerate(self.modes[i]):
+                if mode.residual_bytes:
+                    keep = self.sr_index[:, i] if a == 0 else np.full(len(self.sr_index), -1, dtype=np.int64)
+                    own = output.readers if mode.reads_output else ((backward, (a,)),)
+                    values.append(_Value(i, mode.residual_bytes, a, True, own, keep, tied=mode.reads_output))
+            return tuple(values)
+        if not residual:
+            return (dataclasses.replace(output, readers=tuple(readers)),)
+        backward = graph.backward_of[i]
+        return (dataclasses.replace(output, readers=tuple((k, s) for k, s in readers if k != backward)),
+                _Value(i, residual, None, True, ((backward, None),), self.sr_index[:, i]))
+
+    def mode_of(self, node: int, mode: int | None, field: str) -> float:
+        """``field`` ("cost" or "workspace_bytes") of ``node`` in ``mode`` of its family
+        (the graph's own number for a node without modes)."""
+        family = self.family.get(node)
+        if family is None:
+            return getattr(self.graph, field)[node]
+        chosen = self.modes[family][mode]
+        return getattr(chosen, field if node == family else f"backward_{field}")
+
+    def node_modes(self, node: int) -> range | tuple[None]:
+        """The modes ``node`` may run in (``(None,)`` for a node without modes)."""
+        family = self.family.get(node)
+        return (None,) if family is None else range(len(self.modes[family]))
+
+    def running_bytes(self, node: int, mode: int | None) -> int:
+        """Bytes resident while ``node`` runs in ``mode``, beyond the fixed bytes: its inputs,
+        its output and its workspace (a value that exists only under another node's
+        implementation counted as absent, so the least over modes bounds every choice)."""
+        family = self.family.get(node)
+        made = sum(v.size for v in self.values[node] if v.mode is None or v.mode == mode)
+        read = 0
+        for value, modes in self.reads[node]:
+            if modes is not None and mode not in modes:
+                continue
+            if value.mode is None or (self.family.get(value.node) == family and value.mode == mode):
+                read += value.size
+        return made + read + int(self.mode_of(node, mode, "workspace_bytes"))
+
+    def least_running_bytes(self, node: int) -> int:
+        return min(self.running_bytes(node, mode) for mode in self.node_modes(node))
+
+    def sizes(self) -> list[int]:
+        """Every byte count the model's memory rows use."""
+        sizes = [v.size for values in self.values for v in values]
+        sizes += [int(self.mode_of(k, m, "workspace_bytes")) for k in range(self.graph.size) for m in self.node_modes(k)]
+        return sizes
+
+    def costs(self) -> list[float]:
+        return [self.mode_of(k, m, "cost") for k in range(self.graph.size) for m in self.node_modes(k)]
+
+
+def r_column_count(graph: DFGraph, choose_implementations: bool = False) -> int:
     """Number of R columns :func:`build_milp` creates (the whole model has about 4.5-6
     times as many columns: 287k for ResNet50's 62k, 4.1M for the 1000-node random graph's
     500k), known before building it."""
-    last = last_descendants(graph)
+    last = _Layout(graph, choose_implementations).last
     return int((last - np.arange(graph.size) + 1).sum())
 
 
@@ -129,47 +374,33 @@ def overflowing_stages(graph: DFGraph, outcome: SimulationResult, budget_bytes: 
     return set(map(int, np.flatnonzero(stage_peaks(outcome, graph.size) > budget_bytes)))
 
 
-def _values(graph: DFGraph, i: int, s_index, sr_index) -> list[tuple[np.ndarray, int, list[int]]]:
-    """The values node ``i`` holds, each as ``(keep column array, bytes, readers)``: the
-    whole value, or for a node with residual bytes its output and its residuals."""
-    if not graph.residual_bytes[i]:
-        return [(s_index, graph.output_bytes[i], list(graph.successors[i]))]
-    backward = graph.backward_of[i]
-    return [(s_index, graph.part_bytes(i, "output"), [k for k in graph.successors[i] if k != backward]),
-            (sr_index, graph.residual_bytes[i], [backward])]
-
-
-def _keep_array(graph: DFGraph, i: int, reader: int, s_index, sr_index) -> np.ndarray:
-    """The keep column array of the value of ``i`` that ``reader`` reads."""
-    return sr_index if graph.part_read_by(i, reader) == "residual" else s_index
-
-
-def _running_bytes(graph: DFGraph, node: int) -> int:
-    """Bytes resident while ``node`` runs, beyond the fixed bytes: its inputs, its output and
-    its workspace."""
-    return graph.output_bytes[node] + graph.workspace_bytes[node] + sum(
-        graph.part_bytes(i, graph.part_read_by(i, node)) for i in graph.predecessors[node])
-
-
-def memory_lower_bound(graph: DFGraph) -> int:
+def memory_lower_bound(graph: DFGraph, choose_implementations: bool = False) -> int:
     """A proven lower bound on the peak of any schedule, in bytes.
 
     Every node runs at least once, and while it runs its inputs, its output and its
-    workspace are resident together with the fixed bytes.
+    workspace are resident together with the fixed bytes (with
+    ``choose_implementations``, under the implementation that needs the least).
     """
-    return graph.fixed_bytes + _running_bytes(graph, heaviest_node(graph))
+    layout = _Layout(graph, choose_implementations)
+    return graph.fixed_bytes + layout.least_running_bytes(_heaviest(layout))
 
 
-def heaviest_node(graph: DFGraph) -> int:
+def _heaviest(layout: _Layout) -> int:
+    return max(range(layout.graph.size), key=layout.least_running_bytes)
+
+
+def heaviest_node(graph: DFGraph, choose_implementations: bool = False) -> int:
     """The node that sets :func:`memory_lower_bound`."""
-    return max(range(graph.size), key=lambda k: _running_bytes(graph, k))
+    return _heaviest(_Layout(graph, choose_implementations))
 
 
-def lower_bound_reason(graph: DFGraph) -> str:
+def lower_bound_reason(graph: DFGraph, choose_implementations: bool = False) -> str:
     """Why no schedule goes below :func:`memory_lower_bound`, naming the node, for errors."""
-    node = heaviest_node(graph)
-    return (f"node {node} ({graph.names[node]}) needs {format_bytes(_running_bytes(graph, node))} while it runs: "
-            "its inputs, its output and its workspace")
+    layout = _Layout(graph, choose_implementations)
+    node = _heaviest(layout)
+    how = " under its leanest implementation" if node in layout.family else ""
+    return (f"node {node} ({graph.names[node]}) needs {format_bytes(layout.least_running_bytes(node))} while it "
+            f"runs{how}: its inputs, its output and its workspace")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -220,12 +451,27 @@ class CheckmateModel(SparseMILP):
             where the variable is not built (fixed to 0). For a node with residual bytes
             ``S`` keeps its output.
         sr_index: (n, n), the column of ``S_res[t, i]``, the keep of a node's residuals
-            (-1 for nodes without residual bytes).
-        free_keys: ``(t, i, k, keep array, bytes, readers)`` of every FREE column (free
-            that value of node i after node k in stage t), in column order from ``free_start``.
+            (-1 for nodes without residual bytes); under its default implementation for a
+            node with alternatives, whose other residuals have keep arrays of their own
+            (``layout``).
+        free_keys: ``(column, t, i, place, k, modes)`` of every FREE column (free value
+            ``layout.values[i][place]`` after node k in stage t, k reading it through
+            ``modes``). Plain numbers, so that the garbage collector stops tracking the
+            hundreds of thousands of them.
+        free_start: the first column after the schedule's (R, S and the implementation
+            columns), where ``FREE`` and the stage-end rows' columns begin.
         u_keys: ``(t, k)`` of every U column, in column order from ``u_start``.
         capacity: the budget less the fixed bytes in model units, as the rows use it.
         peak_column: the column of the peak when the model minimizes it, else -1.
+        mode_names: per forward node whose implementation the model chooses, the names of
+            its modes (``"default"`` first); empty for Checkmate's model.
+        mode_index: per node with modes (such a forward node and its backward node), a
+            (modes, n) array: the column of ``R_a[t, node]``, -1 where not built.
+        delta_index: per forward node in ``mode_names``, the column of ``delta[node, a]``
+            of each mode.
+        resident_keys: ``(column, t, i, place, modes)`` of the stage-end rows' ``resident``
+            columns (value counted while node t runs, read through ``modes``).
+        layout: the values, their readers and the modes' numbers.
     """
 
     budget_bytes: float
@@ -239,9 +485,30 @@ class CheckmateModel(SparseMILP):
     u_start: int
     capacity: float
     peak_column: int
+    mode_names: Mapping[int, tuple[str, ...]]
+    mode_index: Mapping[int, np.ndarray]
+    delta_index: Mapping[int, np.ndarray]
+    resident_keys: tuple
+    layout: _Layout
+
+    @property
+    def chooses_implementations(self) -> bool:
+        """Whether the model chooses some node's implementation (MONeT)."""
+        return bool(self.mode_names)
+
+    def implementations(self, x: np.ndarray) -> dict[int, str]:
+        """The implementation choice of a solution vector (only the non-default choices)."""
+        x = np.asarray(x, dtype=float)
+        choice = {}
+        for node, columns in self.delta_index.items():
+            mode = int(np.argmax(x[columns]))
+            if mode:
+                choice[node] = self.mode_names[node][mode]
+        return choice
 
     def decode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rounds a solution vector to boolean ``(R, S)``."""
+        """Rounds a solution vector to boolean ``(R, S)`` (S keeps a node when any of its
+        values is kept)."""
         x = np.asarray(x, dtype=float)
         R = np.zeros(self.r_index.shape, dtype=bool)
         S = np.zeros(self.s_index.shape, dtype=bool)
@@ -250,22 +517,27 @@ class CheckmateModel(SparseMILP):
         for index in (self.s_index, self.sr_index):
             mask = index >= 0
             S[mask] |= x[index[mask]] > 0.5
+        for value in self.layout.own_keeps:
+            mask = value.keep >= 0
+            S[mask, value.node] |= x[value.keep[mask]] > 0.5
         return R, S
 
     def schedule(self, x: np.ndarray, strategy: str) -> Schedule:
-        """The valid schedule of a solution vector: rounded, with a value kept into a stage
-        not also recomputed there (a zero-cost node makes both optimal) and unread keeps
-        dropped. Memory only goes down."""
+        """The valid schedule of a solution vector, under its implementation choice: rounded,
+        with a value kept into a stage not also recomputed there (a zero-cost node makes
+        both optimal) and unread keeps dropped. Memory only goes down."""
         R, S = self.decode(x)
+        choice = self.implementations(x)
         R &= ~np.tril(S, -1)
-        schedule = Schedule(R, prune_s(self.graph, R, S), strategy)
+        schedule = Schedule(R, prune_s(self.graph.with_implementations(choice), R, S), strategy,
+                            implementations=choice)
         validate_schedule(self.graph, schedule)
         return schedule
 
     def memory_while_running(self, x: np.ndarray) -> dict[tuple[int, int], float]:
         """The model's bytes while node k runs in stage t (``U + workspace``), for computed k."""
         x = np.asarray(x, dtype=float)
-        work = self.graph.workspace_bytes
+        work = self.graph.with_implementations(self.implementations(x)).workspace_bytes
         memory = {}
         for offset, (t, k) in enumerate(self.u_keys):
             if x[self.r_index[t, k]] > 0.5:
@@ -274,47 +546,71 @@ class CheckmateModel(SparseMILP):
 
     def encode(self, schedule: Schedule) -> np.ndarray | None:
         """The solution vector of a schedule (a MIP start), or None when the schedule
-        uses a variable this model does not build or breaks one of its cuts."""
-        graph, n = self.graph, self.graph.size
+        uses a variable this model does not build (an implementation among them) or
+        breaks one of its cuts."""
+        graph, n, layout = self.graph, self.graph.size, self.layout
+        chosen = {}
+        for node, name in (schedule.implementations or {}).items():
+            if name not in self.mode_names.get(node, ()):
+                return None
+            chosen[node] = self.mode_names[node].index(name)
+        under = graph.with_implementations(schedule.implementations)
         R, S = schedule.R, schedule.S
-        keeps = {}  # per keep column array: the keep matrix of its values
-        keeps[id(self.s_index)] = S.copy()
-        keeps[id(self.sr_index)] = np.zeros_like(S)
-        for i in np.flatnonzero(graph.residual_bytes):
-            # A part is kept into stage t while a stage >= t reads that copy of it.
-            needed = parts_needed_later(graph, R, int(i))
-            after_previous = {part: np.concatenate([[False], flags[:-1]]) for part, flags in needed.items()}
-            keeps[id(self.s_index)][:, i] = S[:, i] & after_previous["output"]
-            keeps[id(self.sr_index)][:, i] = S[:, i] & after_previous["residual"]
         if (R & (self.r_index < 0)).any():
             return None
+
+        def mode(node: int) -> int | None:
+            family = layout.family.get(node)
+            return None if family is None else chosen.get(family, 0)
+
+        def made(value: _Value) -> bool:
+            return value.mode is None or value.mode == mode(value.node)
+
+        def reads(t: int, k: int, modes) -> bool:
+            return bool(R[t, k]) and (modes is None or mode(k) in modes)
+
         x = np.zeros(self.num_vars)
         x[self.r_index[R]] = 1.0
-        for index in (self.s_index, self.sr_index):
-            kept = keeps[id(index)]
-            if (kept & (index < 0)).any():
-                return None
-            x[index[kept]] = 1.0
+        for node, columns in self.mode_index.items():
+            x[columns[mode(node)][R[:, node]]] = 1.0
+        for node, columns in self.delta_index.items():
+            x[columns[chosen.get(node, 0)]] = 1.0
+        keeps = {}  # id(value) -> its keep matrix column
+        for i in range(n):
+            # A part is kept into stage t while a stage >= t reads that copy of it.
+            needed = parts_needed_later(under, R, i) if under.residual_bytes[i] else None
+            for value in layout.values[i]:
+                kept = S[:, i].copy() if made(value) else np.zeros(n, dtype=bool)
+                if needed is not None:
+                    kept &= np.concatenate([[False], needed["residual" if value.residual else "output"][:-1]])
+                if (kept & (value.keep < 0)).any():
+                    return None
+                x[value.keep[kept]] = 1.0
+                keeps[id(value)] = kept
         frees: dict[tuple[int, int], float] = {}
-        for offset, (t, i, k, index, size, readers) in enumerate(self.free_keys):
-            later_reader = any(R[t, j] for j in readers if k < j <= t)
-            kept = t + 1 < n and keeps[id(index)][t + 1, i]
-            if R[t, k] and not kept and not later_reader:
-                x[self.free_start + offset] = 1.0
-                frees[(t, k)] = frees.get((t, k), 0.0) + size / self.scale
-        out = graph.output_bytes
+        for column, t, i, place, k, modes in self.free_keys:
+            value = layout.values[i][place]
+            later_reader = any(reads(t, j, m) for j, m in value.readers if k < j <= t)
+            kept = t + 1 < n and keeps[id(value)][t + 1]
+            if made(value) and reads(t, k, modes) and not kept and not later_reader:
+                x[column] = 1.0
+                frees[(t, k)] = frees.get((t, k), 0.0) + value.size / self.scale
+        for column, t, i, place, modes in self.resident_keys:
+            value = layout.values[i][place]
+            kept = t + 1 < n and keeps[id(value)][t + 1]
+            x[column] = float(kept or (made(value) and (modes is None or mode(t) in modes)))
+        out = under.output_bytes
         previous = None
         for offset, (t, k) in enumerate(self.u_keys):
             if previous is None or previous[0] != t:
-                level = sum(size * keeps[id(index)][t, i] for i in range(t)
-                            for index, size, _ in _values(graph, i, self.s_index, self.sr_index)) / self.scale
+                level = sum(value.size * keeps[id(value)][t] for i in range(t) for value in layout.values[i]) / self.scale
             else:
                 level -= frees.get(previous, 0.0)
             level += out[k] / self.scale * R[t, k]
             x[self.u_start + offset] = level
             previous = (t, k)
         if self.peak_column >= 0:
-            work = self.graph.workspace_bytes
+            work = under.workspace_bytes
             x[self.peak_column] = max(
                 (x[self.u_start + offset] + work[k] / self.scale for offset, (t, k) in enumerate(self.u_keys) if R[t, k]),
                 default=0.0,
@@ -353,13 +649,13 @@ class CheckmateModel(SparseMILP):
         return float(max(rows.max(initial=0.0), cols.max(initial=0.0)))
 
 
-def _memory_scale(graph: DFGraph, capacity_bytes: float) -> tuple[int | float, bool]:
+def _memory_scale(layout: _Layout, capacity_bytes: float) -> tuple[int | float, bool]:
     """Bytes per model unit, and whether memory is exact integers in that unit (then the
     unit is an int, the greatest common divisor of the byte counts).
 
     ``capacity_bytes`` is the budget less the fixed bytes.
     """
-    sizes = [b for b in (*graph.output_bytes, *graph.workspace_bytes) if b > 0]
+    sizes = [b for b in layout.sizes() if b > 0]
     if not sizes or capacity_bytes <= 0:
         return 1, True
     unit = reduce(math.gcd, sizes)
@@ -408,10 +704,11 @@ class SparseBuilder:
         return start, rows[order], vals[order]
 
 
-def _units(graph: DFGraph, budget_bytes: float) -> tuple[int | float, float, float]:
+def _units(layout: _Layout, budget_bytes: float) -> tuple[int | float, float, float]:
     """``(scale, capacity, cost_scale)``: bytes per memory unit, the budget less the fixed
     bytes in those units, and graph cost per objective unit."""
-    scale, exact = _memory_scale(graph, budget_bytes - graph.fixed_bytes)
+    graph = layout.graph
+    scale, exact = _memory_scale(layout, budget_bytes - graph.fixed_bytes)
     # In integer units the solver's tolerances (1e-7 on rows, 1e-6 on integrality) stay
     # far below one unit; in units of the budget a solution may sit above it by about
     # 1e-7 of it, which the simulator catches (module docstring).
@@ -425,11 +722,49 @@ def _units(graph: DFGraph, budget_bytes: float) -> tuple[int | float, float, flo
         capacity = (budget_bytes - graph.fixed_bytes) / scale
     # Node costs span many orders of magnitude (up to 2e12 in the FCN8 graph), which
     # stalls the simplex; the objective is in units of the largest node cost.
-    cost_scale = max(graph.cost) or 1.0
+    cost_scale = max(layout.costs()) or 1.0
     return scale, capacity, cost_scale
 
 
-def _schedule_columns(b: SparseBuilder, graph: DFGraph, cost_scale: float, minimize_peak: bool):
+@dataclasses.dataclass
+class _Columns:
+    """The schedule's columns as :func:`_schedule_columns` built them, and the terms the
+    rows take from them."""
+
+    layout: _Layout
+    r_index: np.ndarray
+    mode_index: dict[int, np.ndarray]
+    delta_index: dict[int, np.ndarray]
+
+    def reading(self, t: int, k: int, modes) -> list[int]:
+        """The columns whose sum says node k runs in stage t in one of ``modes`` (None: any)."""
+        if modes is None:
+            return [self.r_index[t, k]]
+        return [self.mode_index[k][a, t] for a in modes]
+
+    def making(self, t: int, value: _Value) -> int:
+        """The column that says stage t computes ``value``."""
+        if value.mode is None:
+            return self.r_index[t, value.node]
+        return self.mode_index[value.node][value.mode, t]
+
+    def per_mode(self, t: int, k: int, field: str) -> list[tuple[int, float]]:
+        """``(column, number)`` terms of node k's ``field`` ("cost" or "workspace_bytes") in
+        stage t: on ``R`` for a node without modes, on each ``R_a`` otherwise."""
+        layout = self.layout
+        if k not in layout.family:
+            return [(self.r_index[t, k], getattr(layout.graph, field)[k])]
+        return [(self.mode_index[k][a, t], layout.mode_of(k, a, field)) for a in layout.node_modes(k)]
+
+    def made_bytes(self, t: int, k: int) -> list[tuple[int, int]]:
+        """``(column, bytes)``: the values node k makes in stage t, by the column that makes them."""
+        made = self.layout.made[k]
+        if len(made) == 1 and made[0][0] is None:
+            return [(self.r_index[t, k], made[0][1])]
+        return [(self.r_index[t, k] if mode is None else self.mode_index[k][mode, t], size) for mode, size in made]
+
+
+def _schedule_columns(b: SparseBuilder, layout: _Layout, cost_scale: float, minimize_peak: bool) -> _Columns:
     """The binary columns ``R[t, i]`` and ``S[t, i]`` (Checkmate sec. 4.2) with the
     objective, total compute cost ``sum_t sum_i C_i R[t, i]`` (sec. 4.3; zero when the
     model minimizes the peak), and the frontier-advancing constraint ``R[t, t] = 1``
@@ -438,56 +773,103 @@ def _schedule_columns(b: SparseBuilder, graph: DFGraph, cost_scale: float, minim
     Only columns an optimal schedule can use are built (sec. 4.6 and the module doc):
     lower triangular, nothing after ``last_descendant[i]``, no keep of a value without
     readers. A node with residual bytes gets a keep column per value (``S`` for its output,
-    ``S_res`` for its residuals). Returns ``(r_index, s_index, sr_index)``, -1 where a
-    column is not built.
+    ``S_res`` for its residuals). A node with modes gets ``R_a[t, i]`` after each
+    ``R[t, i]``, which carry its cost (MONeT eq. 9), each residual value of an alternative
+    its own keep columns, and each forward node with alternatives its ``delta`` after all
+    of them, so that these columns are numbered alike whatever stages are exact.
     """
-    n = graph.size
-    last = last_descendants(graph)
+    graph, n, last = layout.graph, layout.graph.size, layout.last
     r_index = np.full((n, n), -1, dtype=np.int64)
-    s_index = np.full((n, n), -1, dtype=np.int64)
-    sr_index = np.full((n, n), -1, dtype=np.int64)
+    mode_index = {k: np.full((len(layout.node_modes(k)), n), -1, dtype=np.int64) for k in layout.family}
     for t in range(n):
         for i in range(t + 1):
             if t <= last[i]:
                 fixed = 1.0 if i == t else 0.0
-                objective = 0.0 if minimize_peak else graph.cost[i] / cost_scale
+                modes = mode_index.get(i)
+                objective = 0.0 if minimize_peak or modes is not None else graph.cost[i] / cost_scale
                 r_index[t, i] = b.column(objective, fixed, 1.0, True)
+                for a in range(0 if modes is None else len(modes)):
+                    # R_a = R * delta[a] is integral whenever R and delta are: no integrality needed.
+                    objective = 0.0 if minimize_peak else layout.mode_of(i, a, "cost") / cost_scale
+                    modes[a, t] = b.column(objective, 0.0, 1.0, False)
         for i in range(t):
-            for index, _, readers in _values(graph, i, s_index, sr_index):
-                if readers and t <= max(last[k] for k in readers):
-                    index[t, i] = b.column(0.0, 0.0, 1.0, True)
-    return r_index, s_index, sr_index
+            for value in layout.values[i]:
+                if value.readers and t <= max(last[k] for k, _ in value.readers):
+                    value.keep[t] = b.column(0.0, 0.0, 1.0, True)
+    delta_index = {f: np.array([b.column(0.0, 0.0, 1.0, True) for _ in modes], dtype=np.int64)
+                   for f, modes in layout.modes.items()}
+    return _Columns(layout, r_index, mode_index, delta_index)
 
 
-def _dependency_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, sr_index) -> None:
+def _dependency_rows(b: SparseBuilder, cols: _Columns, t: int) -> None:
     """Stage t's dependency constraints ``R[t, k] <= R[t, i] + S[t, i]`` for every edge
-    ``(i, k)`` (Checkmate sec. 4.3, "dependencies must be resident"): an input of a node
-    computed in the stage is kept into it or computed earlier in it (for a node with
-    residual bytes, the value k reads of it)."""
+    ``(i, k)`` (Checkmate sec. 4.3, "dependencies must be resident"; MONeT eq. 7): an input
+    of a node computed in the stage is kept into it or computed earlier in it (for a node
+    with residual bytes, the value k reads of it). A node that reads a value only in some
+    modes requires it only in those (MONeT eq. 8: ``s + r >= delta_hat`` for the
+    dependencies ``D^a`` of the implementation chosen); a residual tied to the output
+    needs no row of its own (the output's row and the tie imply it)."""
+    r_index = cols.r_index
     for k in range(t + 1):
         rk = r_index[t, k]
         if rk < 0:
             continue
-        for i in graph.predecessors[k]:
-            keep = _keep_array(graph, i, k, s_index, sr_index)[t, i]
-            terms = [(rk, 1.0), (r_index[t, i], -1.0)]
+        for value, modes in cols.layout.reads[k]:
+            if value.tied:
+                continue
+            terms = [(rk, 1.0)] if modes is None else [(c, 1.0) for c in cols.reading(t, k, modes)]
+            terms.append((r_index[t, value.node] if value.mode is None else cols.making(t, value), -1.0))
+            keep = value.keep[t]
             if keep >= 0:
                 terms.append((keep, -1.0))
             b.row(terms, -math.inf, 0.0)
 
 
-def _keep_or_recompute_rows(b: SparseBuilder, t: int, r_index, s_index, sr_index) -> None:
+def _keep_or_recompute_rows(b: SparseBuilder, layout: _Layout, t: int, r_index) -> None:
     """``S[t, i] + R[t, i] <= 1``: a value kept into stage t is not recomputed in it. Not
     one of Checkmate's constraints; valid for some optimal schedule (recomputing a kept
-    value adds cost and no memory saving), and it makes ``FREE`` exact (module doc)."""
-    for index in (s_index, sr_index):
+    value adds cost and no memory saving), and it makes ``FREE`` exact (module doc).
+    Rows by the value's place in its node (the output's keeps first)."""
+    for place in range(layout.most_values):
         for i in range(t):
-            if index[t, i] >= 0:
-                b.row([(index[t, i], 1.0), (r_index[t, i], 1.0)], -math.inf, 1.0)
+            if place < len(layout.values[i]) and layout.values[i][place].keep[t] >= 0:
+                b.row([(layout.values[i][place].keep[t], 1.0), (r_index[t, i], 1.0)], -math.inf, 1.0)
 
 
-def _free_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, sr_index, free_keys: list,
-               frees_after: dict) -> None:
+def _implementation_rows(b: SparseBuilder, cols: _Columns) -> None:
+    """One implementation per forward node with alternatives (``sum_a delta[f, a] = 1``,
+    MONeT sec. 4), every computation of it and of its backward node in that one
+    (``sum_a R_a[t, i] = R[t, i]`` and ``R_a[t, i] <= delta[f, a]``, appendix F's
+    ``R_{t,i} = sum_v R^v_{t,i}``), an implementation's residual value kept into stage
+    f+1 only when stage f makes it, and a residual value tied to the output kept exactly
+    when the output is under its implementation (``S_res <= S`` and ``S - S_res <= 1 -
+    delta[f, a]``, appendix C.4's product ``S * delta`` linearized)."""
+    layout, n = cols.layout, cols.layout.graph.size
+    for deltas in cols.delta_index.values():
+        b.row([(d, 1.0) for d in deltas], 1.0, 1.0)
+    for k, columns in cols.mode_index.items():
+        deltas = cols.delta_index[layout.family[k]]
+        for t in np.flatnonzero(cols.r_index[:, k] >= 0):
+            b.row([*((columns[a, t], 1.0) for a in range(len(deltas))), (cols.r_index[t, k], -1.0)], 0.0, 0.0)
+            for a, delta in enumerate(deltas):
+                b.row([(columns[a, t], 1.0), (delta, -1.0)], -math.inf, 0.0)
+    for f in cols.delta_index:
+        output = layout.values[f][0]
+        for value in layout.values[f][1:]:
+            # Kept out of stage f only when stage f makes it (the other stages' keep sources
+            # are rows of their own; R[f, f] = 1 made every value before implementations).
+            if f + 1 < n and value.keep[f + 1] >= 0:
+                b.row([(value.keep[f + 1], 1.0), (cols.making(f, value), -1.0)], -math.inf, 0.0)
+            if not value.tied:
+                continue
+            for t in range(n):
+                if value.keep[t] >= 0:
+                    b.row([(value.keep[t], 1.0), (output.keep[t], -1.0)], -math.inf, 0.0)
+                    b.row([(output.keep[t], 1.0), (value.keep[t], -1.0), (cols.delta_index[f][value.mode], 1.0)],
+                          -math.inf, 1.0)
+
+
+def _free_rows(b: SparseBuilder, cols: _Columns, t: int, free_keys: list, frees_after: dict) -> None:
     """Stage t's ``FREE[t, i, k]`` columns (free value i right after node k runs) and the
     rows that make them Checkmate's deallocation indicator (sec. 4.4, eqs. (4)-(6c)).
 
@@ -496,78 +878,115 @@ def _free_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, sr_in
     next stage or freed after exactly one reader; implies the keep-source constraint
     ``S[t+1, i] <= R[t, i] + S[t, i]`` of sec. 4.3), ``FREE[t, i, k] <= R[t, k]``, and
     for every reader j, ``sum_{k < j} FREE[t, i, k] + R[t, j] <= 1`` (no free before a
-    later reader); for a node with residual bytes, the rows hold per value, over the
-    readers of that value. Appends ``(t, i, k, keep array, bytes, readers)`` to
-    ``free_keys`` and ``(column, bytes)`` to ``frees_after[(t, k)]``.
+    later reader); for a node with several values, the rows hold per value, over the
+    readers of that value, with the value's maker (``R``, or one implementation's ``R_a``)
+    and each reader's ``R`` through the modes it reads the value in (MONeT appendix F's
+    ``FREE^v``). Appends ``(column, t, i, place, k, modes)`` to ``free_keys`` and ``(column, bytes)``
+    to ``frees_after[(t, k)]``.
     """
-    n = graph.size
+    layout, r_index, n = cols.layout, cols.r_index, cols.layout.graph.size
     for i in range(t):
         if r_index[t, i] < 0:
             continue
-        split = bool(graph.residual_bytes[i])
-        for index, size, readers in _values(graph, i, s_index, sr_index):
-            keep_next = index[t + 1, i] if t + 1 < n else -1
+        split = len(layout.values[i]) > 1
+        for place, value in enumerate(layout.values[i]):
+            keep_next = value.keep[t + 1] if t + 1 < n else -1
+            made = r_index[t, i] if value.mode is None else cols.making(t, value)
             outcomes = [(keep_next, 1.0)] if keep_next >= 0 else []
             earlier_frees = []
             if split:
-                # Recomputing a split node for one of its values makes the other too;
-                # unread in the stage, that one is freed right after the node runs.
+                # Recomputing a split node for one of its values makes the others too;
+                # unread in the stage, such a value is freed right after the node runs.
                 col = b.column(0.0, 0.0, 1.0, False)
-                free_keys.append((t, i, i, index, size, tuple(readers)))
+                free_keys.append((col, t, i, place, i, None))
                 outcomes.append((col, 1.0))
                 earlier_frees.append((col, 1.0))
-                frees_after.setdefault((t, i), []).append((col, size))
-                b.row([(col, 1.0), (r_index[t, i], -1.0)], -math.inf, 0.0)
-            for k in readers:
+                frees_after.setdefault((t, i), []).append((col, value.size))
+                b.row([(col, 1.0), (made, -1.0)], -math.inf, 0.0)
+            for k, modes in value.readers:
                 if k > t or r_index[t, k] < 0:
                     continue
+                if modes is None:
+                    reading, unread = [(r_index[t, k], 1.0)], [(r_index[t, k], -1.0)]
+                else:
+                    columns = cols.reading(t, k, modes)
+                    reading, unread = [(c, 1.0) for c in columns], [(c, -1.0) for c in columns]
                 if earlier_frees:
-                    b.row([*earlier_frees, (r_index[t, k], 1.0)], -math.inf, 1.0)
+                    b.row(earlier_frees + reading, -math.inf, 1.0)
                 col = b.column(0.0, 0.0, 1.0, False)
-                free_keys.append((t, i, k, index, size, tuple(readers)))
+                free_keys.append((col, t, i, place, k, modes))
                 outcomes.append((col, 1.0))
                 earlier_frees.append((col, 1.0))
-                frees_after.setdefault((t, k), []).append((col, size))
-                if k < t:
-                    b.row([(col, 1.0), (r_index[t, k], -1.0)], -math.inf, 0.0)
-            resident = [(r_index[t, i], -1.0)]
-            if index[t, i] >= 0:
-                resident.append((index[t, i], -1.0))
+                frees_after.setdefault((t, k), []).append((col, value.size))
+                if k < t or modes is not None:
+                    b.row([(col, 1.0), *unread], -math.inf, 0.0)
+            resident = [(made, -1.0)]
+            if value.keep[t] >= 0:
+                resident.append((value.keep[t], -1.0))
             b.row([*outcomes, *resident], 0.0, 0.0)
 
 
-def _memory_rows(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, sr_index, frees_after: dict,
-                 u_keys: list, scale: float, capacity: float) -> None:
+def _memory_rows(b: SparseBuilder, cols: _Columns, t: int, frees_after: dict, u_keys: list, scale: float,
+                 capacity: float) -> None:
     """Stage t's memory accounting ``U[t, k]`` (Checkmate sec. 4.4) and the budget.
 
     ``U[t, k]`` is the memory while node k runs, without its workspace: eq. (1) starts
     the stage with every kept value (plus the first node's output), eq. (2) adds node k's
     output and subtracts what was freed after the previous node (eq. (3)'s
     ``mem_freed``). The budget ``U[t, k] <= M_budget`` (sec. 4.5) is the column's upper
-    bound, and with k's workspace a row of its own. Appends ``(t, k)`` to ``u_keys``.
+    bound, and with k's workspace a row of its own. A node with modes adds each value
+    through the column that makes it and its workspace through each ``R_a`` (MONeT's
+    ``c_i = sum_l c_i^l delta_{i,l}``). Appends ``(t, k)`` to ``u_keys``.
     """
-    out, work = graph.output_bytes, graph.workspace_bytes
+    layout, r_index, workspace = cols.layout, cols.r_index, cols.layout.graph.workspace_bytes
     active = [k for k in range(t + 1) if r_index[t, k] >= 0]
     previous, k_prev = None, -1
     for k in active:
         u = b.column(0.0, 0.0, capacity, False)
         u_keys.append((t, k))
-        terms = [(u, 1.0), (r_index[t, k], -out[k] / scale)]
+        terms = [(u, 1.0)] + [(column, -size / scale) for column, size in cols.made_bytes(t, k)]
         if previous is None:
-            terms += [(index[t, i], -size / scale) for i in range(t)
-                      for index, size, _ in _values(graph, i, s_index, sr_index) if index[t, i] >= 0 and size]
+            for index, sizes in ((layout.s_index[t, :t], layout.s_bytes[:t]), (layout.sr_index[t, :t], layout.sr_bytes[:t])):
+                kept = (index >= 0) & (sizes > 0)
+                terms += zip(index[kept].tolist(), (-sizes[kept] / scale).tolist())
+            terms += [(value.keep[t], -value.size / scale) for value in layout.own_keeps
+                      if value.node < t and value.keep[t] >= 0 and value.size]
             b.row(terms, 0.0, 0.0)
         else:
             terms.append((previous, -1.0))
             terms += [(col, size / scale) for col, size in frees_after.get((t, k_prev), ()) if size]
             b.row(terms, 0.0, 0.0)
-        if work[k]:
-            b.row([(u, 1.0), (r_index[t, k], work[k] / scale)], -math.inf, capacity)
+        if k in layout.family:
+            work = [(column, size / scale) for column, size in cols.per_mode(t, k, "workspace_bytes") if size]
+        else:
+            work = [(r_index[t, k], workspace[k] / scale)] if workspace[k] else []
+        if work:
+            b.row([(u, 1.0), *work], -math.inf, capacity)
         previous, k_prev = u, k
 
 
-def _stage_end_row(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, sr_index, scale: float,
-                   capacity: float) -> None:
+def _read_while_running(cols: _Columns, t: int, value: _Value, modes):
+    """Whether node t reads ``value`` when it runs in stage t (it runs there: frontier
+    advancing): True when it surely does, None when it cannot, else a linear lower bound
+    ``(terms, constant)`` on the indicator. ``R_a[t, t]`` equals ``delta[f, a]``; a value
+    that exists only under another node's implementation m is read by the product of two
+    choices, at least ``delta[m] + reading - 1`` (MONeT appendix C.4)."""
+    layout = cols.layout
+    if value.mode is None:
+        return True if modes is None else ([(c, 1.0) for c in cols.reading(t, t, modes)], 0.0)
+    family = layout.family[value.node]
+    if layout.family.get(t) == family:
+        if modes is not None and value.mode not in modes:
+            return None
+        return [(cols.mode_index[t][value.mode, t], 1.0)], 0.0
+    delta = [(cols.delta_index[family][value.mode], 1.0)]
+    if modes is None:
+        return delta, 0.0
+    return [*delta, *((c, 1.0) for c in cols.reading(t, t, modes))], -1.0
+
+
+def _stage_end_row(b: SparseBuilder, cols: _Columns, t: int, scale: float, capacity: float,
+                   resident_keys: list) -> None:
     """The rows of stage t when its memory is not accounted exactly (the stage-end
     relaxation; module doc).
 
@@ -575,35 +994,59 @@ def _stage_end_row(b: SparseBuilder, graph: DFGraph, t: int, r_index, s_index, s
     kept into stage t+1 is resident then (kept since the stage began, or computed earlier
     in it), as are t's inputs, t's output and t's workspace. Earlier moments of the stage
     are not bounded. Without the stage's ``FREE`` equality, Checkmate's keep-source
-    constraint ``S[t+1, i] <= R[t, i] + S[t, i]`` (sec. 4.3) is built instead.
+    constraint ``S[t+1, i] <= R[t, i] + S[t, i]`` (sec. 4.3) is built instead. A value
+    that t reads only under some implementation counts through a ``resident`` column at
+    least its keep into stage t+1 and at least the indicator that t reads it (appended
+    to ``resident_keys``); t's own values and workspace count through its ``R_a[t, t]``.
     """
-    n = graph.size
-    reads = {(i, id(_keep_array(graph, i, t, s_index, sr_index))) for i in graph.predecessors[t]}
+    layout, n = cols.layout, cols.layout.graph.size
+    read_by_t = {id(value): modes for value, modes in layout.reads[t]}
+    fixed = 0
     terms = []
     for i in range(t):
-        for index, size, _ in _values(graph, i, s_index, sr_index):
-            keep = index[t + 1, i] if t + 1 < n else -1
-            if keep < 0:
+        for place, value in enumerate(layout.values[i]):
+            keep = value.keep[t + 1] if t + 1 < n else -1
+            if keep >= 0:
+                source = [(keep, 1.0), (cols.making(t, value), -1.0)]
+                if value.keep[t] >= 0:
+                    source.append((value.keep[t], -1.0))
+                b.row(source, -math.inf, 0.0)
+            if not value.size:
                 continue
-            source = [(keep, 1.0), (r_index[t, i], -1.0)]
-            if index[t, i] >= 0:
-                source.append((index[t, i], -1.0))
-            b.row(source, -math.inf, 0.0)
-            if (i, id(index)) not in reads and size:
-                terms.append((keep, size / scale))
-    b.row(terms, -math.inf, capacity - _running_bytes(graph, t) / scale)
+            modes = read_by_t.get(id(value), False)
+            read = None if modes is False else _read_while_running(cols, t, value, modes)
+            if read is None:
+                if keep >= 0:
+                    terms.append((keep, value.size / scale))
+            elif read is True:
+                fixed += value.size
+            else:
+                resident = b.column(0.0, 0.0, 1.0, False)
+                resident_keys.append((resident, t, i, place, modes))
+                if keep >= 0:
+                    b.row([(keep, 1.0), (resident, -1.0)], -math.inf, 0.0)
+                b.row([*read[0], (resident, -1.0)], -math.inf, -read[1])
+                terms.append((resident, value.size / scale))
+    running: dict[int, int] = {}  # t's output and workspace, by the column that makes them
+    for column, size in [*cols.made_bytes(t, t), *cols.per_mode(t, t, "workspace_bytes")]:
+        running[column] = running.get(column, 0) + size
+    fixed += running.pop(cols.r_index[t, t], 0)
+    terms += [(column, size / scale) for column, size in running.items() if size]
+    b.row(terms, -math.inf, capacity - fixed / scale)
 
 
-def _peak_rows(b: SparseBuilder, graph: DFGraph, r_index, u_keys, u_start: int, scale: float, capacity: float,
+def _peak_rows(b: SparseBuilder, cols: _Columns, u_keys, u_start: int, scale: float, capacity: float,
                cost_scale: float, max_cost: float) -> int:
     """The batch-size variant (Checkmate's batch-size maximization, arXiv text sec. 5.3):
     a ``peak`` column, the objective, above every ``U[t, k] + workspace``, and the cost
     constraint (7), total compute cost at most ``max_cost``. Returns the peak's column."""
-    n, work = graph.size, graph.workspace_bytes
+    n, r_index = cols.layout.graph.size, cols.r_index
     peak_column = b.column(1.0, 0.0, capacity, False)
     for offset, (t, k) in enumerate(u_keys):
-        b.row([(u_start + offset, 1.0), (r_index[t, k], work[k] / scale), (peak_column, -1.0)], -math.inf, 0.0)
-    costs = [(r_index[t, i], graph.cost[i] / cost_scale) for t in range(n) for i in range(t + 1) if r_index[t, i] >= 0]
+        work = [(column, size / scale) for column, size in cols.per_mode(t, k, "workspace_bytes")]
+        b.row([(u_start + offset, 1.0), *work, (peak_column, -1.0)], -math.inf, 0.0)
+    costs = [(column, cost / cost_scale) for t in range(n) for i in range(t + 1) if r_index[t, i] >= 0
+             for column, cost in cols.per_mode(t, i, "cost")]
     b.row(costs, -math.inf, max_cost / cost_scale)
     return peak_column
 
@@ -614,11 +1057,13 @@ def build_milp(
     *,
     peak_within_cost: float | None = None,
     exact_stages: Iterable[int] | None = None,
+    choose_implementations: bool = False,
 ) -> CheckmateModel:
     """Builds Checkmate's MILP for ``graph`` under ``budget_bytes`` (see the module doc).
 
-    Columns are numbered R and S first (alike whatever stages are exact), then ``FREE``,
-    then ``U``, then the peak.
+    Columns are numbered R and S first (with ``R_a`` and ``delta`` when the model chooses
+    implementations; alike whatever stages are exact), then ``FREE`` (and the stage-end
+    rows' ``resident`` columns), then ``U``, then the peak.
 
     Args:
         graph: the graph.
@@ -632,6 +1077,9 @@ def build_milp(
             stage-end row (see the module doc), which makes the model a relaxation:
             its LP and MILP bounds hold for the exact model, and a solution whose
             schedule simulates within the budget is optimal for it too.
+        choose_implementations: choose every node's implementation among the graph's
+            alternatives jointly with the schedule (MONeT; module doc). False: the
+            graph's own numbers (Checkmate's model).
 
     Returns:
         The model. Its objective, times ``cost_scale``, is the total compute cost of the
@@ -640,31 +1088,34 @@ def build_milp(
     if peak_within_cost is not None and exact_stages is not None:
         raise ArgumentError("peak_within_cost needs every stage accounted exactly; leave exact_stages=None")
     n = graph.size
-    scale, capacity, cost_scale = _units(graph, budget_bytes)
+    layout = _Layout(graph, choose_implementations, keep_columns=True)
+    scale, capacity, cost_scale = _units(layout, budget_bytes)
     b = SparseBuilder()
-    r_index, s_index, sr_index = _schedule_columns(b, graph, cost_scale, minimize_peak=peak_within_cost is not None)
+    cols = _schedule_columns(b, layout, cost_scale, minimize_peak=peak_within_cost is not None)
     for t in range(n):
-        _dependency_rows(b, graph, t, r_index, s_index, sr_index)
-        _keep_or_recompute_rows(b, t, r_index, s_index, sr_index)
+        _dependency_rows(b, cols, t)
+        _keep_or_recompute_rows(b, layout, t, cols.r_index)
+    _implementation_rows(b, cols)
 
     exact_stage = np.ones(n, dtype=bool) if exact_stages is None else np.isin(np.arange(n), list(exact_stages))
     free_start = len(b.cost)
     free_keys: list = []
+    resident_keys: list = []
     frees_after: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for t in range(n):
         if exact_stage[t]:
-            _free_rows(b, graph, t, r_index, s_index, sr_index, free_keys, frees_after)
+            _free_rows(b, cols, t, free_keys, frees_after)
         else:
-            _stage_end_row(b, graph, t, r_index, s_index, sr_index, scale, capacity)
+            _stage_end_row(b, cols, t, scale, capacity, resident_keys)
 
     u_start = len(b.cost)
     u_keys: list = []
     for t in map(int, np.flatnonzero(exact_stage)):
-        _memory_rows(b, graph, t, r_index, s_index, sr_index, frees_after, u_keys, scale, capacity)
+        _memory_rows(b, cols, t, frees_after, u_keys, scale, capacity)
 
     peak_column = -1
     if peak_within_cost is not None:
-        peak_column = _peak_rows(b, graph, r_index, u_keys, u_start, scale, capacity, cost_scale, peak_within_cost)
+        peak_column = _peak_rows(b, cols, u_keys, u_start, scale, capacity, cost_scale, peak_within_cost)
         cost_scale = float(scale)
 
     start, rows, vals = b.csc()
@@ -682,13 +1133,18 @@ def build_milp(
         value=vals,
         row_lower=np.asarray(b.row_lower, dtype=float),
         row_upper=np.asarray(b.row_upper, dtype=float),
-        r_index=r_index,
-        s_index=s_index,
-        sr_index=sr_index,
+        r_index=cols.r_index,
+        s_index=layout.s_index,
+        sr_index=layout.sr_index,
         free_keys=tuple(free_keys),
         free_start=free_start,
         u_keys=tuple(u_keys),
         u_start=u_start,
         capacity=float(capacity),
         peak_column=peak_column,
+        mode_names={f: tuple(m.name for m in modes) for f, modes in layout.modes.items()},
+        mode_index=cols.mode_index,
+        delta_index=cols.delta_index,
+        resident_keys=tuple(resident_keys),
+        layout=layout,
     )

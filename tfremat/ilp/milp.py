@@ -15,12 +15,19 @@ schedule fits). A proven-infeasible budget raises
 
 The size thresholds below come from ``benchmarks/solvers.py`` (results in
 benchmarks/results/solvers*.md; docs/solver.md explains them).
+
+The steps are shared, through :class:`MilpProblem`, with ``monet``
+(:mod:`tfremat.ilp.monet`), whose model also chooses every node's implementation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Callable
+
+import numpy as np
 
 from tfremat.errors import InfeasibleBudgetError, SolverError, SolverTimeLimitError
 from tfremat.graph import DFGraph
@@ -29,8 +36,10 @@ from tfremat.ilp.deadlines import MIN_SOLVE_SECONDS, seconds_left
 from tfremat.ilp.formulation import (
     CheckmateModel,
     build_milp,
+    cheapest_implementations,
     lower_bound_reason,
     memory_lower_bound,
+    no_remat_cost,
     overflowing_stages,
     r_column_count,
 )
@@ -40,6 +49,7 @@ from tfremat.ilp.rins import relaxed_lp_start, rins
 from tfremat.ilp.rounding import cheaper_rounding
 from tfremat.ilp.solvers import (
     DEFAULT_SOLVER,
+    Progress,
     ProgressFn,
     check_solver_options,
     report_incumbent,
@@ -57,7 +67,7 @@ from tfremat.plan.schedule import (
 )
 from tfremat.plan.simulator import simulate
 
-__all__ = ["solve_optimal"]
+__all__ = ["solve_optimal", "MilpProblem", "solve_milp"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +87,8 @@ _PRESOLVE_MAX_COLUMNS = 20_000
 # models too large for the MILP; the LP bound gets the rest. On the 12-block GPT-2 graph
 # it needs about 25 s the first time and well under a second for further budgets.
 UNITS_TIME_SHARE = 0.6
+# Share of monet's time_limit for optimal's schedules that start its MILP (_optimal_starts).
+STARTS_TIME_SHARE = 0.5
 # Seconds kept after the MILP for simulating its solution.
 _FINISH_SECONDS = 0.5
 # Seconds kept after the heuristics for returning the best of them.
@@ -92,27 +104,32 @@ _TOLERANCE_OVERFLOW = 1e-5
 
 
 def infeasible_error(graph, budget_bytes, smallest_peak, strategy, detail, proven=True,
-                     lower_bound_bytes=None) -> InfeasibleBudgetError:
+                     lower_bound_bytes=None, choose_implementations=False) -> InfeasibleBudgetError:
     """The infeasible-budget error; ``lower_bound_bytes`` defaults to
-    :func:`memory_lower_bound`, and is ``budget_bytes + 1`` where a solver proved the
-    budget infeasible (every feasible budget is above it)."""
+    :func:`memory_lower_bound` (over every implementation with ``choose_implementations``),
+    and is ``budget_bytes + 1`` where a solver proved the budget infeasible (every feasible
+    budget is above it)."""
     return InfeasibleBudgetError(
         budget_bytes,
         min_feasible_bytes=smallest_peak,
-        lower_bound_bytes=max(memory_lower_bound(graph), lower_bound_bytes or 0),
+        lower_bound_bytes=max(memory_lower_bound(graph, choose_implementations), lower_bound_bytes or 0),
         strategy=strategy,
         detail=detail,
         proven=proven,
     )
 
 
-def no_budget_schedule(graph: DFGraph, strategy: str, began: float) -> Schedule:
-    """Without a budget: the checkpoint-all schedule, optimal without a solver (it runs
-    every node once)."""
-    schedule = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), strategy)
+def no_budget_schedule(graph: DFGraph, strategy: str, began: float,
+                       implementations: dict[int, str] | None = None) -> Schedule:
+    """Without a budget: the checkpoint-all schedule (on the graph under ``implementations``),
+    optimal without a solver (it runs every node once, under the cheapest implementations
+    when those are chosen)."""
+    under = graph.with_implementations(implementations)
+    schedule = schedule_from_keep_matrix(under, checkpoint_all_s(under), strategy).with_implementations(implementations)
+    cost = schedule.cost(graph)
     return schedule.with_facts(SolverFacts(
-        status=SolveStatus.OPTIMAL, objective=schedule.cost(graph), best_bound=graph.total_cost,
-        seconds=time.perf_counter() - began, peak_bytes=simulate(graph, schedule).peak_bytes, budget_bytes=None,
+        status=SolveStatus.OPTIMAL, objective=cost, best_bound=cost, seconds=time.perf_counter() - began,
+        peak_bytes=simulate(graph, schedule).peak_bytes, budget_bytes=None,
     ))
 
 
@@ -125,6 +142,39 @@ def lp_method(model: CheckmateModel, solver: str) -> str:
     """For large models on HiGHS, the dual simplex without presolve (stopped at the time
     limit, its duals still bound the LP); else the solver's default simplex."""
     return "dual_simplex" if solver == "highs" and model.num_vars > _FULL_MILP_COLUMNS else "simplex"
+
+
+@dataclasses.dataclass(frozen=True)
+class MilpProblem:
+    """What a strategy built on Checkmate's MILP solves, for the steps they share
+    (:func:`solve_milp`).
+
+    Attributes:
+        strategy: its name (``optimal``, ``monet``), in schedules, facts and errors.
+        choose_implementations: its model chooses every node's implementation too
+            (:func:`~tfremat.ilp.formulation.build_milp`); the cost and memory lower bounds
+            are then over every choice.
+        starts: on a graph with alternatives, the implementation choices under which
+            ``optimal``'s schedules start the MILP (:func:`_optimal_starts`); None: the
+            heuristics' best (:func:`~tfremat.ilp.portfolio.best_baseline`) does.
+    """
+
+    strategy: str
+    choose_implementations: bool = False
+    starts: Callable[[DFGraph], list[dict[int, str]]] | None = None
+
+    def cost_floor(self, graph: DFGraph) -> float:
+        """The no-remat cost, a lower bound on every schedule's cost (:func:`no_remat_cost`)."""
+        return no_remat_cost(graph, self.choose_implementations)
+
+    def infeasible(self, graph: DFGraph, budget_bytes, smallest_peak, detail: str, **options) -> InfeasibleBudgetError:
+        """:func:`infeasible_error` of this strategy, its memory lower bound over every choice
+        of implementations when it chooses them."""
+        return infeasible_error(graph, budget_bytes, smallest_peak, self.strategy, detail,
+                                choose_implementations=self.choose_implementations, **options)
+
+
+_OPTIMAL = MilpProblem("optimal")
 
 
 @as_strategy("optimal", takes_solver_options=True)
@@ -197,16 +247,27 @@ def solve_optimal(
         ArgumentError: an option is out of range (raised before anything runs).
         SolverUnavailableError, SolverLicenseError: see :func:`~tfremat.ilp.solvers.solve_model`.
     """
+    return solve_milp(graph, budget, _OPTIMAL, solver=solver, time_limit=time_limit, mip_gap=mip_gap,
+                      threads=threads, seed=seed, warm_start=warm_start, progress=progress)
+
+
+def solve_milp(graph: DFGraph, budget: int | None, problem: MilpProblem, *, solver: str,
+               time_limit: float | None, mip_gap: float | None, threads: int | None, seed: int, warm_start: bool,
+               progress: ProgressFn | None) -> Schedule:
+    """The body of :func:`solve_optimal` (options and outcomes as documented there), for
+    ``problem``: ``optimal``'s or ``monet``'s."""
     began = time.perf_counter()
     time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
     if budget is None:
-        return no_budget_schedule(graph, "optimal", began)
+        implementations = cheapest_implementations(graph) if problem.choose_implementations else None
+        return no_budget_schedule(graph, problem.strategy, began, implementations)
     incumbent = Incumbent(graph, budget)
+    incumbent.bound = problem.cost_floor(graph)
     try:
-        return _solve_optimal(graph, budget, incumbent, began=began, solver=solver, time_limit=time_limit,
+        return _solve_optimal(graph, budget, incumbent, problem, began=began, solver=solver, time_limit=time_limit,
                               mip_gap=mip_gap, threads=threads, seed=seed, warm_start=warm_start, progress=progress)
     except KeyboardInterrupt as interrupt:
-        return incumbent.result("optimal", began, interrupt)
+        return incumbent.result(problem.strategy, began, interrupt)
 
 
 def portfolio_deadline(began: float, time_limit: float | None) -> float | None:
@@ -218,43 +279,54 @@ def portfolio_deadline(began: float, time_limit: float | None) -> float | None:
     return began + max(time_limit - min(PORTFOLIO_RESERVE_SECONDS, 0.1 * time_limit), MIN_SOLVE_SECONDS)
 
 
-def _solve_optimal(graph, budget_bytes, incumbent, *, began, solver, time_limit, mip_gap, threads, seed, warm_start,
-                   progress) -> Schedule:
-    """:func:`solve_optimal` with a budget, keeping ``incumbent`` up to date for Ctrl-C."""
-    lower_bound = memory_lower_bound(graph)
+def _solve_optimal(graph, budget_bytes, incumbent, problem, *, began, solver, time_limit, mip_gap, threads, seed,
+                   warm_start, progress) -> Schedule:
+    """:func:`solve_milp` with a budget, keeping ``incumbent`` up to date for Ctrl-C."""
+    choose = problem.choose_implementations
+    lower_bound = memory_lower_bound(graph, choose)
     heuristics_until = portfolio_deadline(began, time_limit)
+    options = dict(solver=solver, mip_gap=mip_gap, threads=threads, seed=seed)
+    starts = problem.starts(graph) if problem.starts is not None and graph.implementations else None
     if budget_bytes < lower_bound:
-        _, smallest_peak = (best_baseline(graph, budget_bytes, 0.0, heuristics_until) if warm_start
-                            else (None, None))
-        raise infeasible_error(graph, budget_bytes, smallest_peak, "optimal", lower_bound_reason(graph))
+        smallest_peak = None
+        if warm_start and starts is None:
+            _, smallest_peak = best_baseline(graph, budget_bytes, 0.0, heuristics_until)
+        elif warm_start:
+            _, smallest_peak = _optimal_starts(graph, budget_bytes, starts, incumbent, problem, began=began,
+                                               time_limit=time_limit, progress=None, **options)
+        raise problem.infeasible(graph, budget_bytes, smallest_peak, lower_bound_reason(graph, choose))
     # Without a model to solve, the fallback heuristic may use the whole time limit.
-    too_large = time_limit is not None and r_column_count(graph) > MAX_R_COLUMNS
+    r_columns = r_column_count(graph, choose)
+    too_large = time_limit is not None and r_columns > MAX_R_COLUMNS
     fallback_seconds = 60.0 if time_limit is None else time_limit if too_large else FALLBACK_TIME_SHARE * time_limit
     baseline, smallest_peak = (None, None)
-    if warm_start:
+    if warm_start and starts is None:
         baseline, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds, heuristics_until, threads,
                                                 progress, offer=incumbent.offer)
+    elif warm_start:
+        baseline, smallest_peak = _optimal_starts(graph, budget_bytes, starts, incumbent, problem, began=began,
+                                                  time_limit=time_limit, progress=progress, **options)
     # The no-remat cost bounds every schedule's cost from below.
-    if baseline is not None and baseline.cost(graph) * (1 - (mip_gap or 0.0)) <= graph.total_cost:
-        return _baseline_result(graph, baseline, SolveStatus.OPTIMAL, began, budget_bytes)
+    if baseline is not None and baseline.cost(graph) * (1 - (mip_gap or 0.0)) <= problem.cost_floor(graph):
+        return _baseline_result(graph, baseline, SolveStatus.OPTIMAL, began, budget_bytes, problem)
     if too_large:
         if baseline is None:
             raise SolverTimeLimitError(
                 f"no heuristic fits {budget_bytes} bytes{smallest_peak_note(smallest_peak)} and the MILP of this "
-                f"{graph.size}-node graph ({r_column_count(graph)} R columns) is too large to build within "
+                f"{graph.size}-node graph ({r_columns} R columns) is too large to build within "
                 f"time_limit={time_limit}s; "
                 "raise the budget, or pass time_limit=None (math.inf through tfremat.plan_model, fit and max_batch_size) "
                 "to build and solve it however long it takes",
                 budget_bytes, smallest_peak, time_limit,
             )
         logger.warning(
-            "optimal: the MILP of this %d-node graph (%d R columns) is too large to build within time_limit=%ss; "
+            "%s: the MILP of this %d-node graph (%d R columns) is too large to build within time_limit=%ss; "
             "returning the best heuristic (%s), bounded only by the no-remat cost; time_limit=None (math.inf "
             "through tfremat.plan_model, fit and max_batch_size) builds and solves it however long it takes",
-            graph.size, r_column_count(graph), time_limit, baseline.strategy,
+            problem.strategy, graph.size, r_columns, time_limit, baseline.strategy,
         )
-        return _baseline_result(graph, baseline, SolveStatus.TIME_LIMIT, began, budget_bytes)
-    model = build_milp(graph, budget_bytes, exact_stages=())
+        return _baseline_result(graph, baseline, SolveStatus.TIME_LIMIT, began, budget_bytes, problem)
+    model = build_milp(graph, budget_bytes, exact_stages=(), choose_implementations=choose)
     incumbent.num_vars, incumbent.num_constraints, incumbent.solver = model.num_vars, model.num_constraints, solver
     if time_limit is not None and model.num_vars > _FULL_MILP_COLUMNS:
         if warm_start:
@@ -264,7 +336,7 @@ def _solve_optimal(graph, budget_bytes, incumbent, *, began, solver, time_limit,
                 baseline = by_units
                 incumbent.offer(baseline)
         return _solve_large(
-            graph, model, baseline, smallest_peak, began=began, solver=solver, time_limit=time_limit,
+            graph, model, baseline, smallest_peak, problem, began=began, solver=solver, time_limit=time_limit,
             mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed, progress=progress,
             incumbent=incumbent,
         )
@@ -275,24 +347,84 @@ def _solve_optimal(graph, budget_bytes, incumbent, *, began, solver, time_limit,
         )
     incumbent.offer(baseline)
     if lp is not None:
-        lp_bound = max(graph.total_cost, lp.best_bound or 0.0)
+        lp_bound = max(problem.cost_floor(graph), lp.best_bound or 0.0)
         incumbent.raise_bound(lp_bound)
         report_incumbent(progress, began, baseline.cost(graph) if baseline is not None else None, lp_bound)
         if baseline is not None:
-            baseline = rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver,
-                            threads=threads, seed=seed)
+            baseline = _rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver,
+                             threads=threads, seed=seed)
             incumbent.offer(baseline)
             report_incumbent(progress, began, baseline.cost(graph), lp_bound)
     return _solve_with_stage_rows(
-        graph, model, baseline, smallest_peak, lp.best_bound if lp is not None else None, began=began, solver=solver,
-        time_limit=time_limit, mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed,
-        progress=progress, tracker=incumbent,
+        graph, model, baseline, smallest_peak, lp.best_bound if lp is not None else None, problem, began=began,
+        solver=solver, time_limit=time_limit, mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap,
+        threads=threads, seed=seed, progress=progress, tracker=incumbent,
     )
 
 
-def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, began, solver, time_limit, mip_gap,
-                           threads, seed, progress, tracker):
-    """``optimal`` by the stage-end relaxation, made exact where its solutions overflow.
+def _optimal_starts(graph, budget_bytes, starts, incumbent, problem, *, began, time_limit, progress,
+                    **options) -> tuple[Schedule | None, int | None]:
+    """``optimal`` on the graph under each implementation choice of ``starts`` (monet's warm
+    start: the graph's own numbers and its leanest implementations), each for an equal
+    share of :data:`STARTS_TIME_SHARE` of ``time_limit`` (no limit without one).
+
+    Returns:
+        The cheapest of their schedules (under its choice; each offered to ``incumbent``),
+        or None when none fits, and the smallest peak any reached (their heuristics' when
+        they raise).
+    """
+    best, smallest_peak = None, None
+    floor = problem.cost_floor(graph)
+
+    def relay(report: Progress) -> None:
+        # A start's bound holds for its choice only: the reports carry this problem's own.
+        progress(Progress(time.perf_counter() - began, report.incumbent, floor,
+                          relative_gap(report.incumbent, floor)))
+
+    for position, choice in enumerate(starts):
+        under = graph.with_implementations(choice)
+        share = None
+        if time_limit is not None:
+            share = max(STARTS_TIME_SHARE * time_limit - (time.perf_counter() - began), 0.0) / (len(starts) - position)
+            share = max(share, MIN_SOLVE_SECONDS)
+        try:
+            schedule = _solve_optimal(under, budget_bytes, Incumbent(under, budget_bytes), _OPTIMAL,
+                                      began=time.perf_counter(), time_limit=share, warm_start=True,
+                                      progress=None if progress is None else relay, **options)
+            schedule = schedule.with_implementations(choice)
+        except (InfeasibleBudgetError, SolverTimeLimitError) as error:
+            peak = error.min_feasible_bytes
+        else:
+            peak = schedule.facts.peak_bytes
+            incumbent.offer(schedule, peak)
+            if best is None or schedule.cost(graph) < best.cost(graph):
+                best = schedule
+                report_incumbent(progress, began, best.cost(graph), floor)
+        if peak is not None:
+            smallest_peak = peak if smallest_peak is None else min(smallest_peak, peak)
+    return best, smallest_peak
+
+
+def _rins(model: CheckmateModel, start: Schedule, lp_x, **options) -> Schedule:
+    """:func:`~tfremat.ilp.rins.rins` around ``start`` and the relaxation's LP point ``lp_x``.
+
+    A model that chooses implementations goes to it exact in every stage, with the LP
+    point's integer columns (numbered alike whatever stages are exact): RINS accounts
+    the stages where its neighbourhood overflows by building Checkmate's model, which
+    has no implementation columns, and an exact model never overflows.
+    """
+    if not model.chooses_implementations:
+        return rins(model, start, lp_x, **options)
+    exact = build_milp(model.graph, model.budget_bytes, choose_implementations=True)
+    point = np.zeros(exact.num_vars)
+    point[:model.free_start] = lp_x[:model.free_start]
+    return rins(exact, start, point, **options)
+
+
+def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, problem, *, began, solver, time_limit,
+                           mip_gap, threads, seed, progress, tracker):
+    """``optimal`` (or ``problem``'s strategy) by the stage-end relaxation, made exact where
+    its solutions overflow.
 
     ``model`` starts with every stage relaxed to its stage-end row. Each round solves it
     (from the cheapest schedule known), simulates the solution, and where it overflows
@@ -309,7 +441,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
     budget_bytes = int(model.budget_bytes)
     deadline = None if time_limit is None else began + time_limit
     incumbent = baseline
-    bound = max(graph.total_cost, lp_bound or 0.0)
+    bound = max(problem.cost_floor(graph), lp_bound or 0.0)
     exact_stages: set[int] = set()
     # Bytes the model's budget is lowered by after a solution overflowed within the
     # solver's tolerance; bounds and infeasibility proofs of a lowered model do not hold
@@ -324,8 +456,9 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
             logger.log(logging.INFO if lowered else logging.WARNING,
                        "schedule %s is not a solution of this model (it uses a variable the model prunes, or peaks "
                        "above its lowered budget); solving without a MIP start", incumbent.strategy)
-        logger.info("optimal: %d variables, %d constraints, %d of %d stages exact, start %s", model.num_vars,
-                    model.num_constraints, len(exact_stages), graph.size, incumbent.strategy if incumbent else None)
+        logger.info("%s: %d variables, %d constraints, %d of %d stages exact, start %s", problem.strategy,
+                    model.num_vars, model.num_constraints, len(exact_stages), graph.size,
+                    incumbent.strategy if incumbent else None)
         result = solve_model(
             model, solver=solver, time_limit=seconds_left(deadline, _FINISH_SECONDS), mip_gap=mip_gap,
             threads=threads, seed=seed, start=start, progress=progress,
@@ -333,14 +466,14 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
         )
         solve_seconds += result.seconds
         if result.status == SolveStatus.INFEASIBLE and not lowered:
-            raise infeasible_error(graph, budget_bytes, smallest_peak, "optimal",
-                                   f"{result.solver} proved no schedule fits", lower_bound_bytes=budget_bytes + 1)
+            raise problem.infeasible(graph, budget_bytes, smallest_peak, f"{result.solver} proved no schedule fits",
+                                     lower_bound_bytes=budget_bytes + 1)
         if result.best_bound is not None and not lowered:
             bound = max(bound, result.best_bound)
             tracker.raise_bound(bound)
         if result.x is None:
             break
-        candidate = model.schedule(result.x, "optimal")
+        candidate = model.schedule(result.x, problem.strategy)
         outcome = simulate(graph, candidate)
         if outcome.peak_bytes <= budget_bytes:
             tracker.offer(candidate, outcome.peak_bytes)
@@ -357,16 +490,18 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
             # Doubling: a solver that keeps returning solutions at its tolerance above the
             # lowered budget needs a few rounds, not one per overflow.
             lowered = max(2 * lowered, lowered + outcome.peak_bytes - budget_bytes)
-            logger.info("optimal: the solution overflows by %d bytes, within the solver's tolerance; "
-                        "the model's budget is lowered by %d bytes", outcome.peak_bytes - budget_bytes, lowered)
+            logger.info("%s: the solution overflows by %d bytes, within the solver's tolerance; "
+                        "the model's budget is lowered by %d bytes", problem.strategy,
+                        outcome.peak_bytes - budget_bytes, lowered)
         else:
             raise SolverError("internal error: a schedule overflows the budget in stages the MILP accounts exactly")
-        model = build_milp(graph, budget_bytes - lowered, exact_stages=exact_stages)
+        model = build_milp(graph, budget_bytes - lowered, exact_stages=exact_stages,
+                           choose_implementations=problem.choose_implementations)
         tracker.num_vars, tracker.num_constraints = model.num_vars, model.num_constraints
     if incumbent is None and lowered:
-        raise infeasible_error(graph, budget_bytes, smallest_peak, "optimal",
-                               f"{result.solver}'s solutions exceed the budget by up to its tolerance "
-                               f"({lowered:.0f} bytes) and none fits; a budget that much larger fits", proven=False)
+        raise problem.infeasible(graph, budget_bytes, smallest_peak,
+                                 f"{result.solver}'s solutions exceed the budget by up to its tolerance "
+                                 f"({lowered:.0f} bytes) and none fits; a budget that much larger fits", proven=False)
     if incumbent is None:
         raise SolverTimeLimitError(
             f"{result.solver} found no schedule within time_limit={time_limit}s and no baseline fits "
@@ -386,22 +521,23 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, *, b
         solve_seconds=solve_seconds, num_vars=model.num_vars, num_constraints=model.num_constraints,
         solver=result.solver, warm_start=baseline.strategy if baseline is not None else None, peak_bytes=peak,
         budget_bytes=budget_bytes, exact_stages=len(exact_stages),
-    ), strategy="optimal")
+    ), strategy=problem.strategy)
 
 
-def _baseline_result(graph, baseline, status, began, budget_bytes) -> Schedule:
+def _baseline_result(graph, baseline, status, began, budget_bytes, problem) -> Schedule:
     """A baseline returned without a solver, bounded by the no-remat cost."""
     cost = baseline.cost(graph)
     return baseline.with_facts(SolverFacts(
-        status=status, objective=cost, best_bound=min(graph.total_cost, cost), seconds=time.perf_counter() - began,
-        solve_seconds=0.0, num_vars=0, num_constraints=0, solver=None, warm_start=baseline.strategy,
-        peak_bytes=known_peak(graph, baseline), budget_bytes=budget_bytes, exact_stages=0,
-    ), strategy="optimal")
+        status=status, objective=cost, best_bound=min(problem.cost_floor(graph), cost),
+        seconds=time.perf_counter() - began, solve_seconds=0.0, num_vars=0, num_constraints=0, solver=None,
+        warm_start=baseline.strategy, peak_bytes=known_peak(graph, baseline), budget_bytes=budget_bytes,
+        exact_stages=0,
+    ), strategy=problem.strategy)
 
 
-def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_limit, mip_gap, threads, seed, progress,
-                 incumbent):
-    """``optimal`` on models too large for the whole MILP within ``time_limit``.
+def _solve_large(graph, model, baseline, smallest_peak, problem, *, began, solver, time_limit, mip_gap, threads, seed,
+                 progress, incumbent):
+    """``optimal`` (or ``problem``'s strategy) on models too large for the whole MILP within ``time_limit``.
 
     The time goes to the LP relaxation: HiGHS's dual simplex without presolve, whose row
     duals are the model's own, so they give a proven bound whenever it stops (Gurobi's LP
@@ -412,19 +548,20 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
     """
     budget_bytes = int(model.budget_bytes)
     deadline = began + time_limit
-    report_incumbent(progress, began, baseline.cost(graph) if baseline is not None else None, graph.total_cost)
+    floor = problem.cost_floor(graph)
+    report_incumbent(progress, began, baseline.cost(graph) if baseline is not None else None, floor)
     lp = solve_model(
         model, solver=solver, relax=True, time_limit=seconds_left(deadline, ROUNDING_RESERVE_SECONDS),
         threads=threads, seed=seed, lp_method=lp_method(model, solver),
     )
     if lp.status == SolveStatus.INFEASIBLE:
-        raise infeasible_error(graph, budget_bytes, smallest_peak, "optimal",
-                               f"{lp.solver} proved the LP relaxation infeasible", lower_bound_bytes=budget_bytes + 1)
-    bound = max(graph.total_cost, lp.best_bound or 0.0)
+        raise problem.infeasible(graph, budget_bytes, smallest_peak, f"{lp.solver} proved the LP relaxation infeasible",
+                                 lower_bound_bytes=budget_bytes + 1)
+    bound = max(floor, lp.best_bound or 0.0)
     tracker, incumbent = incumbent, baseline
     tracker.raise_bound(bound)
     if lp.x is not None:
-        incumbent = cheaper_rounding(model, lp.x, incumbent, seed=seed, strategy="optimal", deadline=deadline)
+        incumbent = cheaper_rounding(model, lp.x, incumbent, seed=seed, strategy=problem.strategy, deadline=deadline)
     if incumbent is None:
         raise SolverTimeLimitError(
             f"no schedule fits {budget_bytes} bytes{smallest_peak_note(smallest_peak)}: no baseline does, and the "
@@ -440,4 +577,4 @@ def _solve_large(graph, model, baseline, smallest_peak, *, began, solver, time_l
         num_vars=model.num_vars, num_constraints=model.num_constraints, solver=lp.solver,
         warm_start=incumbent.strategy, peak_bytes=simulate(graph, incumbent).peak_bytes, budget_bytes=budget_bytes,
         exact_stages=0,
-    ), strategy="optimal")
+    ), strategy=problem.strategy)
