@@ -262,3 +262,25 @@ def test_monet_is_a_solver_strategy_listed_after_optimal():
     names = solver_strategy_names()
     assert names[names.index("optimal") + 1] == "monet"
     assert get_strategy("monet").options == get_strategy("optimal").options
+
+
+def test_the_memory_unit_divides_residual_bytes():
+    """Output bytes in multiples of 8 and residual parts of odd sizes: the model's unit
+    (the bytes' greatest common divisor) divides the parts too, so the smallest peak, not
+    a multiple of 8, is feasible (a unit of 8 rounded the budget down to 8s and called
+    such budgets infeasible)."""
+    base = random_training_graph(39, 2)
+    residual = [0] * base.size
+    for node, backward in base.backward_of.items():
+        if backward in base.successors[node] and len(base.successors[node]) > 1:
+            residual[node] = 3
+    graph = DFGraph(base.names, base.edges, base.cost, [8 * b for b in base.output_bytes],
+                    [8 * b for b in base.workspace_bytes], base.is_backward, base.loss_node, dict(base.forward_of),
+                    residual_bytes=residual)
+    points = brute_force_points(graph)
+    assert any(p % 8 for p, _, _ in points)
+    for budget in sorted({p for p, _, _ in points}):
+        best = min(c for p, c, _ in points if p <= budget)
+        assert build_milp(graph, budget).scale in (1, budget - graph.fixed_bytes)
+        for strategy in (solve_optimal, solve_monet):
+            assert strategy(graph, budget, threads=1, warm_start=False, mip_gap=0.0).cost(graph) == pytest.approx(best)
