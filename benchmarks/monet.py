@@ -44,6 +44,7 @@ sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
 
 from models import small_convnet, unet, vgg_block_net  # noqa: E402
 from provenance import header  # noqa: E402
+from training_case import training_batch  # noqa: E402
 
 from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError, failure_status  # noqa: E402
 from tfremat.extract import extract  # noqa: E402
@@ -194,14 +195,6 @@ def _fits(solve, limit):
     return solve.schedule is not None and solve.cost <= limit
 
 
-def make_batch(model, batch, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, *model.input.shape[1:])).astype("float32")
-    classes = model.output.shape[-1]
-    y = np.eye(classes, dtype="float32")[rng.integers(0, classes, size=(batch, *model.output.shape[1:-1]))]
-    return tf.constant(x), tf.constant(y)
-
-
 def step_seconds(step, x, y, repeats):
     times = []
     for _ in range(repeats):
@@ -239,7 +232,7 @@ def bench_model(key, args, monet_name):
     logger.info("%s", spec.label)
     loss = "categorical_crossentropy"
     plain_model = spec.build()
-    x, y = make_batch(plain_model, spec.batch)
+    x, y = training_batch(plain_model, spec.batch)
     plain_requested, plain_allocator, plain_step, plain_times = plain_keras(plain_model, x, y, loss, args.repeats)
 
     model = spec.build()

@@ -14,9 +14,9 @@ from tfremat.graph import load_graph
 from tfremat.plan import simulate, validate_schedule
 from tfremat.plan.baselines import revolve_advances
 from tfremat.plan.simulator import checkpoint_all_peak
-from tfremat.strategies import get_strategy, strategy_names
+from tfremat.strategies import get_strategy, solver_strategy_names, strategy_names
 
-HEURISTICS = [n for n in strategy_names() if n not in ("optimal", "approx_lp")]
+HEURISTICS = [n for n in strategy_names() if n not in solver_strategy_names()]
 
 
 def test_registry_has_every_baseline():
@@ -78,7 +78,7 @@ def test_every_registered_strategy_reads_a_budget_the_same_way():
     g = random_training_graph(11, 6)
     expected = parse_budget("80%", checkpoint_all_peak(g))
     for name in strategy_names():
-        options = {"time_limit": 5, "threads": 1} if name in ("optimal", "approx_lp") else {}
+        options = {"time_limit": 5, "threads": 1} if name in solver_strategy_names() else {}
         outcomes = []
         for budget in ("80%", 0.8, expected, np.int64(expected), f"{expected}B"):
             try:

@@ -39,10 +39,10 @@ from tfremat.plan.schedule import (
     validate_schedule,
 )
 from tfremat.plan.simulator import simulate
-from tfremat.strategies import get_strategy, strategy_names
+from tfremat.strategies import get_strategy, solver_strategy_names, strategy_names
 
 GRAPHS = Path(os.environ.get("TFREMAT_GRAPHS", Path(__file__).resolve().parents[2] / "shared" / "graphs"))
-BASELINES = [name for name in strategy_names() if name not in ("optimal", "approx_lp")]
+BASELINES = [name for name in strategy_names() if name not in solver_strategy_names()]
 
 
 def random_dag(n: int, seed: int, workspace: bool = True) -> DFGraph:

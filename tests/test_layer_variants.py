@@ -138,3 +138,31 @@ def test_running_an_alternative_restores_the_layer():
         with running(conv, "window_index"):
             pass
     assert [i.name for i in layer_implementations(model.get_layer("head"))] == []
+
+
+def test_fit_with_monet_runs_its_implementations_and_trains_like_model_fit():
+    """The callback extracts the alternatives for ``monet``, the plan chooses some, and
+    two epochs reach model.fit's losses and weights (dropout masks and batch-norm statistics
+    included)."""
+    from tfremat.keras import RematCallback
+    from tfremat.numerics import closeness
+
+    def compiled():
+        model = vgg_block_net()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="categorical_crossentropy")
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 16, 16, 3)).astype("float32")
+    y = np.eye(10, dtype="float32")[rng.integers(0, 10, 16)]
+    plain = compiled()
+    keras.utils.set_random_seed(3)
+    expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    remat = compiled()
+    keras.utils.set_random_seed(3)
+    callback = RematCallback("70%", strategy="monet", time_limit=30, cost_model="flops", verbose=0)
+    history = remat.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
+    (result,) = callback.plans.values()
+    assert result.schedule.implementations, "at 70% monet needs an alternative"
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    assert closeness(remat.get_weights(), plain.get_weights()).equal

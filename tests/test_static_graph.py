@@ -30,11 +30,11 @@ from tfremat.plan.execution import Op  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
 from tfremat.static_graph.compile import check_acyclic  # noqa: E402
 from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
-from tfremat.strategies import get_strategy, strategy_names  # noqa: E402
+from tfremat.strategies import get_strategy, solver_strategy_names, strategy_names  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MILP = {"optimal", "approx_lp"}
+MILP = set(solver_strategy_names())
 # Budgets tried in order for a strategy that needs one: the first feasible one is used,
 # so that the schedule recomputes something where the strategy can.
 BUDGET_FRACTIONS = (0.6, 0.8, None)
