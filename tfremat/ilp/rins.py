@@ -95,7 +95,10 @@ def rins(model: CheckmateModel, start: Schedule, lp_x: np.ndarray, *, began: flo
         if fits:
             return candidate if candidate.cost(graph) < start.cost(graph) else start
         overflowing = overflowing_stages(graph, outcome, budget_bytes) - exact_stages
-        if not overflowing:
+        if not overflowing or model.chooses_implementations:
+            # A model that chooses implementations comes exact in every stage
+            # (milp._rins): an overflow is the solver's tolerance, and Checkmate's model
+            # rebuilt here would lack its implementation columns.
             return start
         exact_stages |= overflowing
         current = build_milp(graph, budget_bytes, exact_stages=exact_stages)
