@@ -166,3 +166,25 @@ def test_fit_with_monet_runs_its_implementations_and_trains_like_model_fit():
     assert result.schedule.implementations, "at 70% monet needs an alternative"
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
     assert closeness(remat.get_weights(), plain.get_weights()).equal
+
+
+def _relu6_net():
+    """MobileNet's activations: Conv2D(activation="relu6") and ReLU(6.0) after batch norm."""
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    x = keras.Input((12, 12, 3))
+    h = layers.Conv2D(8, 3, padding="same", activation="relu6", name="conv")(x)
+    h = layers.BatchNormalization(name="bn")(layers.Conv2D(8, 3, name="conv2")(h))
+    h = layers.ReLU(6.0, name="relu6")(h)
+    out = layers.Dense(10, activation="softmax", name="head")(layers.Flatten()(h))
+    return keras.Model(x, out)
+
+
+def test_relu6_masks_train_like_plain_keras():
+    case = TrainingCase(_relu6_net, batch=BATCH, implementations=True)
+    graph = case.extraction.graph
+    offered = _by_name(graph)
+    assert sorted(offered["conv"]) == sorted(offered["relu6"]) == ["relu_bits", "relu_bool"]
+    assert not offered["relu6"]["relu_bits"].reads_output and not offered["conv"]["relu_bool"].reads_output
+    choice = _choice(graph, lambda names: names[0])
+    case.assert_trains_like_plain(get_strategy("checkpoint_all")(graph, implementations=choice), "relu6 bits")

@@ -82,19 +82,22 @@ RELU_SHAPES = [(2, 7, 9, 3), (33,), (5, 31)]
 
 @pytest.mark.parametrize("shape", RELU_SHAPES)
 @pytest.mark.parametrize("mask", ["bool", "bits"])
-def test_relu_mask_gradient_is_bit_identical(shape, mask):
-    x = _normal(shape).numpy()
+@pytest.mark.parametrize("max_value", [None, 6])
+def test_relu_mask_gradient_is_bit_identical(shape, mask, max_value):
+    x = 4 * _normal(shape).numpy()
     flat = x.reshape(-1)
-    flat[:4] = [0.0, -0.0, np.nan, 1.0]  # TF's convention at zero: no gradient
+    # TF's convention at zero (and at 6 for ReLU6): no gradient
+    flat[:6] = [0.0, -0.0, np.nan, 1.0, 6.0, 7.0][:flat.size]
     dy = _normal(shape).numpy()
-    dy.reshape(-1)[4:6] = [np.inf, -np.inf]  # inf * 0 -> NaN where the mask is off
+    dy.reshape(-1)[6:8] = [np.inf, -np.inf]  # inf * 0 -> NaN where the mask is off
     x, dy = tf.constant(x), tf.constant(dy)
-    ref_y, (ref_dx,) = _grad_fn(tf.nn.relu)(x, dy)
-    y, (dx,) = _grad_fn(lambda t: V.relu_with_mask(t, mask))(x, dy)
+    reference = tf.nn.relu if max_value is None else tf.nn.relu6
+    ref_y, (ref_dx,) = _grad_fn(reference)(x, dy)
+    y, (dx,) = _grad_fn(lambda t: V.relu_with_mask(t, mask, max_value))(x, dy)
     assert np.array_equal(_bits(y), _bits(ref_y))
     assert np.array_equal(_bits(dx), _bits(ref_dx))
     # eager too (the custom gradient closes over the mask only)
-    _, eager_dx = _eager_grad(lambda t: V.relu_with_mask(t, mask), x, dy)
+    _, eager_dx = _eager_grad(lambda t: V.relu_with_mask(t, mask, max_value), x, dy)
     assert np.array_equal(_bits(eager_dx), _bits(ref_dx))
 
 

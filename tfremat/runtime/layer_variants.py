@@ -6,10 +6,10 @@ forward values nor the gradients (:mod:`tfremat.runtime.variants` has the operat
 their exactness). It runs through the layer's own ``__call__`` (dtype policy, name scope,
 ``training``), with one attribute of the layer replaced while the call is traced:
 
-* ``relu_bool`` / ``relu_bits``: a ReLU (``keras.layers.ReLU`` with its defaults, an
-  ``Activation("relu")``, or a layer whose ``activation`` is ReLU, such as
-  ``Conv2D(activation="relu")`` or ``Dense``) keeps a 1-byte, or 1-bit, sign mask
-  instead of its float output (appendix D, "intermediate-activated");
+* ``relu_bool`` / ``relu_bits``: a ReLU or ReLU6 (``keras.layers.ReLU`` without slope or
+  threshold, an ``Activation("relu")``, or a layer whose ``activation`` is ``relu`` or
+  ``relu6``, such as ``Conv2D(activation="relu")`` or ``Dense``) keeps a 1-byte, or 1-bit,
+  mask instead of its float output (appendix D, "intermediate-activated");
 * ``window_index``: ``MaxPooling2D`` keeps a 1-byte window index per output element
   instead of its input and output;
 * ``regenerated``: ``Dropout`` draws the same seed as Keras and regenerates its mask in
@@ -56,33 +56,32 @@ class LayerImplementation:
     replacement: Callable[[object], object]
 
 
-def _is_relu(function) -> bool:
-    return function is keras.activations.relu
+def _relu_max_value(layer):
+    """``(applies, max_value)`` for a ReLU layer, or a layer whose activation is a ReLU:
+    plain ReLU (max_value None) or ReLU6 (6)."""
+    if isinstance(layer, keras.layers.ReLU):
+        plain = not layer.negative_slope and not layer.threshold
+        return plain and layer.max_value in (None, 6), layer.max_value
+    activation = getattr(layer, "activation", None)
+    if activation is keras.activations.relu:
+        return True, None
+    if activation is keras.activations.relu6:
+        return True, 6
+    return False, None
 
 
-def _plain_relu_layer(layer) -> bool:
-    return (isinstance(layer, keras.layers.ReLU) and not layer.negative_slope and layer.max_value is None
-            and not layer.threshold)
-
-
-def _masked_activation(mask: str):
+def _masked(mask: str, max_value):
     def replacement(layer):
-        return lambda x: relu_with_mask(x, mask)
-    return replacement
-
-
-def _masked_relu_call(mask: str):
-    def replacement(layer):
-        return lambda inputs: relu_with_mask(inputs, mask)
+        return lambda x: relu_with_mask(x, mask, max_value)
     return replacement
 
 
 def _relu_alternatives(layer) -> list[LayerImplementation]:
-    if _plain_relu_layer(layer):
-        return [LayerImplementation(f"relu_{mask}", "call", _masked_relu_call(mask)) for mask in ("bool", "bits")]
-    if _is_relu(getattr(layer, "activation", None)):
-        return [LayerImplementation(f"relu_{mask}", "activation", _masked_activation(mask)) for mask in ("bool", "bits")]
-    return []
+    applies, max_value = _relu_max_value(layer)
+    if not applies:
+        return []
+    attribute = "call" if isinstance(layer, keras.layers.ReLU) else "activation"
+    return [LayerImplementation(f"relu_{mask}", attribute, _masked(mask, max_value)) for mask in ("bool", "bits")]
 
 
 def _pool_call(layer):

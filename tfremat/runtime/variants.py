@@ -100,7 +100,7 @@ VARIANTS = {
 # ----------------------------------------------------------------------------- ReLU
 
 
-def relu_with_mask(x, mask: str = "bool"):
+def relu_with_mask(x, mask: str = "bool", max_value: float | None = None):
     """ReLU whose backward reads a sign mask of the input instead of the float output.
 
     MONeT appendix D, "intermediate-activated" ReLU (after Gist): the backward of ReLU only
@@ -116,19 +116,26 @@ def relu_with_mask(x, mask: str = "bool"):
             ``"bits"`` packs the flags 32 per int32 word (``tf.bitwise``), each sample's
             flags zero-padded to a multiple of 32: ``4 * N * ceil(n / N / 32)`` bytes for
             ``N`` samples of ``n`` elements in all.
+        max_value: None, or 6 for ReLU6 (``tf.nn.relu6``, what Keras runs for
+            ``ReLU(6.0)`` and ``relu6``): the mask is then ``0 < x < 6``, and the backward
+            ``dy * cast(mask)`` is ``Relu6Grad``'s arithmetic, bit-identical likewise.
 
     Returns:
-        ``tf.nn.relu(x)``.
+        ``tf.nn.relu(x)``, or ``tf.nn.relu6(x)``.
     """
     if mask not in ("bool", "bits"):
         raise ArgumentError(f"mask must be 'bool' or 'bits', got {mask!r}")
+    if max_value not in (None, 6):
+        raise ArgumentError(f"max_value must be None or 6 (ReLU6), got {max_value!r}")
     x = tf.convert_to_tensor(x)
     _require_float(x, "x")
 
     @tf.custom_gradient
     def relu(x):
-        y = tf.nn.relu(x)
+        y = tf.nn.relu(x) if max_value is None else tf.nn.relu6(x)
         positive = tf.math.greater(x, tf.zeros([], x.dtype))
+        if max_value is not None:
+            positive = tf.math.logical_and(positive, tf.math.less(x, tf.constant(max_value, x.dtype)))
         kept = positive if mask == "bool" else _pack_bits(positive)
 
         def grad(dy):
