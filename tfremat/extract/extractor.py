@@ -251,9 +251,7 @@ def _analyze_calls(calls: Sequence[LayerCall], needs_backward: Sequence[bool], i
     by_signature: dict[tuple, CallAnalysis] = {}
     for call in calls:
         check_layer(call.layer, call.name)
-        specs = [in_specs[ref.index] if ref.source == "model_input" else out_specs[ref.index][ref.output_index]
-                 for ref in call.inputs]
-        grads = [r.source == "node" and needs_backward[r.index] for r in call.inputs]
+        specs, grads = _call_inputs(call, in_specs, out_specs, needs_backward)
         if cached is not None:
             analysis = cached[call.position]
         else:
@@ -267,6 +265,14 @@ def _analyze_calls(calls: Sequence[LayerCall], needs_backward: Sequence[bool], i
     return analyses, out_specs
 
 
+def _call_inputs(call: LayerCall, in_specs: list[tf.TensorSpec], out_specs: list[list[tf.TensorSpec]],
+                 needs_backward: Sequence[bool]) -> tuple[list[tf.TensorSpec], list[bool]]:
+    """The specs of ``call``'s inputs and, per input, whether its backward returns a gradient."""
+    specs = [in_specs[ref.index] if ref.source == "model_input" else out_specs[ref.index][ref.output_index]
+             for ref in call.inputs]
+    return specs, [r.source == "node" and needs_backward[r.index] for r in call.inputs]
+
+
 def _analyze_alternatives(calls: Sequence[LayerCall], needs_backward: Sequence[bool], in_specs: list[tf.TensorSpec],
                           out_specs: list[list[tf.TensorSpec]], batch: int, cost_model: str, repeats: int,
                           wanted: bool) -> list[dict[str, CallAnalysis]]:
@@ -277,9 +283,7 @@ def _analyze_alternatives(calls: Sequence[LayerCall], needs_backward: Sequence[b
     for call in calls:
         measured: dict[str, CallAnalysis] = {}
         if wanted and needs_backward[call.position]:
-            specs = [in_specs[ref.index] if ref.source == "model_input" else out_specs[ref.index][ref.output_index]
-                     for ref in call.inputs]
-            grads = [r.source == "node" and needs_backward[r.index] for r in call.inputs]
+            specs, grads = _call_inputs(call, in_specs, out_specs, needs_backward)
             for alternative in layer_implementations(call.layer):
                 signature = (alternative.name, *_call_signature(call, specs, grads))
                 if signature not in by_signature:
