@@ -68,3 +68,25 @@ def vgg_block_net(input_shape=(16, 16, 3), classes=10, channels=8, seed=0):
     dropped = layers.Dropout(0.4, seed=seed, name="dropout")(hidden)
     out = layers.Dense(classes, activation="softmax", name="head")(dropped)
     return keras.Model(x, out, name="vgg_block_net")
+
+
+def token_mlp_net(tokens=16, width=32, classes=10, seed=0):
+    """A pre-norm transformer-style MLP over tokens: LayerNormalization, Dense(gelu) and
+    Dense(silu) blocks with residual adds, a leaky ReLU and a mish activation: the layers
+    whose alternatives recompute inside the backward or keep a sign mask, and silu, which
+    needs none (:mod:`tfremat.runtime.layer_variants`)."""
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+    x = keras.Input((tokens, width), name="tokens")
+    h = layers.Dense(width, name="embed")(x)
+    n1 = layers.LayerNormalization(name="norm1")(h)
+    up = layers.Dense(2 * width, activation="gelu", name="up")(n1)
+    h = layers.Add(name="residual1")([h, layers.Dense(width, name="down")(up)])
+    n2 = layers.LayerNormalization(name="norm2")(h)
+    gate = layers.Dense(width, activation="silu", name="gate")(n2)
+    h = layers.Add(name="residual2")([h, gate])
+    leaky = layers.LeakyReLU(0.1, name="leaky")(layers.Dense(width, name="mix")(h))
+    mish = layers.Activation("mish", name="mish")(leaky)
+    pooled = layers.GlobalAveragePooling1D(name="pool")(mish)
+    out = layers.Dense(classes, activation="softmax", name="head")(pooled)
+    return keras.Model(x, out, name="token_mlp_net")

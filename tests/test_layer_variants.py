@@ -9,7 +9,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
-from models import vgg_block_net  # noqa: E402
+from models import token_mlp_net, vgg_block_net  # noqa: E402
 from training_case import TrainingCase, training_batch  # noqa: E402
 
 from tfremat.errors import ArgumentError  # noqa: E402
@@ -99,10 +99,12 @@ def test_steps_running_the_alternatives_train_like_plain_keras(case, pick, strat
         assert step.trace().vjp_rebuilds == 0  # each backward reads the tape its forward call recorded
 
 
-def test_the_choice_lowers_the_measured_peak_as_predicted():
+@pytest.mark.parametrize("build", [lambda: vgg_block_net(input_shape=(32, 32, 3), channels=16),
+                                   lambda: token_mlp_net(tokens=128, width=64)], ids=["vgg", "token_mlp"])
+def test_the_choice_lowers_the_measured_peak_as_predicted(build):
     """The allocator's requested peak of a checkpoint-all step follows the prediction under
     every choice, and the leanest choice lowers both."""
-    model = vgg_block_net(input_shape=(32, 32, 3), channels=16)
+    model = build()
     x, y = training_batch(model, 16)
     optimizer = keras.optimizers.SGD(0.01)
     extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1, implementations=True)
@@ -188,3 +190,40 @@ def test_relu6_masks_train_like_plain_keras():
     assert not offered["relu6"]["relu_bits"].reads_output and not offered["conv"]["relu_bool"].reads_output
     choice = _choice(graph, lambda names: names[0])
     case.assert_trains_like_plain(get_strategy("checkpoint_all")(graph, implementations=choice), "relu6 bits")
+
+
+@pytest.fixture(scope="module")
+def token_case():
+    return TrainingCase(token_mlp_net, batch=BATCH, implementations=True)
+
+
+def test_transformer_layers_recompute_inside_their_backward(token_case):
+    """Layer norms and gelu/mish activations keep their input only, a leaky ReLU its sign
+    bits; each keeps fewer bytes than its default, and steps with them train like plain
+    Keras. A Dense(silu) has nothing to gain: TensorFlow's silu gradient reads the input
+    only."""
+    graph = token_case.extraction.graph
+    offered = _by_name(graph)
+    assert {name: sorted(alternatives) for name, alternatives in offered.items()} == {
+        "norm1": ["recomputed"], "up": ["recomputed"], "norm2": ["recomputed"], "leaky": ["relu_bits"],
+        "mish": ["recomputed"],
+    }
+    def forward_bytes_read(graph, node):
+        backward = graph.backward_of[node]
+        return sum(graph.part_bytes(p, graph.part_read_by(p, backward))
+                   for p in graph.predecessors[backward] if not graph.is_backward[p])
+
+    for name, alternatives in offered.items():
+        node = graph.names.index(name)
+        under_it = graph.with_implementations({node: next(iter(alternatives))})
+        assert forward_bytes_read(under_it, node) < forward_bytes_read(graph, node), name
+    # A layer norm and a Dense(gelu) keep no normalized value nor gelu intermediate: the
+    # Dense keeps its pre-activation (the gelu's input), the norm nothing besides its input.
+    up = token_case.model.get_layer("up").output.shape
+    assert offered["up"]["recomputed"].residual_bytes == kept_bytes("recomputed", (BATCH, *up[1:]))
+    assert offered["norm1"]["recomputed"].residual_bytes == 0 and offered["norm1"]["recomputed"].reads_inputs
+    assert offered["leaky"]["relu_bits"].residual_bytes == kept_bytes(
+        "leaky_relu_bits", (BATCH, *token_case.model.get_layer("leaky").output.shape[1:]))
+    choice = _choice(graph, lambda names: names[0])
+    for strategy in ("checkpoint_all", "chen_sqrtn"):
+        token_case.assert_trains_like_plain(get_strategy(strategy)(graph, implementations=choice), strategy)

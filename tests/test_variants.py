@@ -111,6 +111,76 @@ def test_relu_kept_bytes(shape):
     assert kept[0].dtype == "int32" and kept[0].shape == (rows, -(-math.prod(shape) // rows // 32))
 
 
+@pytest.mark.parametrize("shape", RELU_SHAPES)
+@pytest.mark.parametrize("mask", ["bool", "bits"])
+def test_leaky_relu_mask_gradient_is_bit_identical(shape, mask):
+    x = 4 * _normal(shape).numpy()
+    x.reshape(-1)[:3] = [0.0, -0.0, np.nan][:x.size]
+    dy = _normal(shape).numpy()
+    dy.reshape(-1)[3:5] = [np.inf, -np.inf]
+    x, dy = tf.constant(x), tf.constant(dy)
+    ref_y, (ref_dx,) = _grad_fn(lambda t: tf.nn.leaky_relu(t, alpha=0.1))(x, dy)
+    y, (dx,) = _grad_fn(lambda t: V.relu_with_mask(t, mask, negative_slope=0.1))(x, dy)
+    assert np.array_equal(_bits(y), _bits(ref_y))
+    assert np.array_equal(_bits(dx), _bits(ref_dx))
+    _check_kept("leaky_relu_default", lambda t: tf.nn.leaky_relu(t, alpha=0.1), [x], shape)
+    _check_kept(f"leaky_relu_{mask}", lambda t: V.relu_with_mask(t, mask, negative_slope=0.1), [x], shape)
+
+
+def test_relu_mask_rejects_bad_slopes():
+    for slope, max_value in ((1.0, None), (-0.1, None), (0.1, 6), ("0.1", None)):
+        with pytest.raises(ArgumentError, match="negative_slope"):
+            V.relu_with_mask(tf.ones([2]), "bits", max_value=max_value, negative_slope=slope)
+
+
+# ------------------------------------------------------------ recomputed in backward
+
+ACTIVATIONS = {
+    "gelu": keras.activations.gelu,
+    "gelu_tanh": lambda t: keras.activations.gelu(t, approximate=True),
+    "mish": keras.activations.mish,
+    "hard_silu": keras.activations.hard_silu,
+}
+
+
+def _normwise_error(actual, expected):
+    return np.linalg.norm(np.ravel(actual) - np.ravel(expected)) / np.linalg.norm(np.ravel(expected))
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_recomputed_activation_keeps_only_its_input(name):
+    """The registered gradients keep several input-sized tensors; recomputed in the
+    backward, only the input stays, and the gradient is TensorFlow's own."""
+    activation, shape = ACTIVATIONS[name], (3, 5, 16)
+    x = 3 * _normal(shape)
+    default_kept, default_grads = V.measure_kept(activation, [x])
+    kept, grads = V.measure_kept(lambda t: V.recomputed_in_backward(activation, t), [x])
+    full_size = [k for k in kept if k.nbytes >= 4 * math.prod(shape)]
+    assert sum(k.nbytes for k in full_size) == V.kept_bytes("recomputed", shape)
+    assert sum(k.nbytes for k in default_kept) >= 2 * V.kept_bytes("recomputed", shape), default_kept
+    assert sum(k.nbytes for k in kept) - V.kept_bytes("recomputed", shape) <= 8  # a scalar at most
+    assert _normwise_error(grads[0], default_grads[0]) < 1e-6
+
+
+def test_layer_norm_recomputed_keeps_input_and_parameters():
+    shape = (4, 6, 8)
+    x, gamma, beta = _normal(shape, 2.0, 1.0), _normal(shape[-1:], 1.0, 1.0), _normal(shape[-1:])
+
+    def layer_norm(t, g, b):
+        return keras.ops.layer_normalization(t, g, b, -1, 1e-3)
+
+    _, expected = V.measure_kept(layer_norm, [x, gamma, beta], wrt=(0, 1, 2))
+    kept, grads = _check_kept("layer_norm_recomputed", lambda *a: V.recomputed_in_backward(layer_norm, *a),
+                              [x, gamma, beta], shape, wrt=(0, 1, 2))
+    for actual, wanted in zip(grads, expected):
+        assert _normwise_error(actual, wanted) < 1e-6
+
+
+def test_recomputed_in_backward_refuses_integer_arguments():
+    with pytest.raises(ArgumentError, match=r"args\[0\]"):
+        V.recomputed_in_backward(tf.nn.relu, tf.constant([1, 2]))
+
+
 # -------------------------------------------------------------------------- MaxPool
 
 POOLS = [(2, 2, "VALID"), (3, 2, "SAME"), (3, 1, "SAME"), (3, 2, "VALID"), ((2, 3), (1, 2), "SAME"),

@@ -16,7 +16,15 @@ their exactness). It runs through the layer's own ``__call__`` (dtype policy, na
   the backward instead of keeping it;
 * ``output_activated``: ``BatchNormalization`` over the last axis computes its gradient
   from its output and the per-channel statistics, so its input is not kept (appendix D,
-  "output-activated"); the moving statistics move exactly as Keras moves them.
+  "output-activated"); the moving statistics move exactly as Keras moves them;
+* ``relu_bits`` for a leaky ReLU (``keras.layers.LeakyReLU``, a ``leaky_relu``
+  activation): the 1-bit sign mask instead of the float input;
+* ``recomputed``: an activation whose gradient keeps several input-sized intermediates
+  (``gelu``, ``mish``, ``hard_silu``: autodiff through their elementary ops), or a
+  ``LayerNormalization``, keeps its input only and recomputes the rest inside its
+  backward. Activations whose gradient keeps one tensor get no such alternative:
+  ``silu``/``swish`` (TensorFlow's own gradient reads the input only), tanh, sigmoid, elu
+  and softmax (their output); recomputing would keep as many bytes.
 
 Which bytes each keeps is measured by the extraction (the same call analysis as the
 layer's own implementation), not taken from this list.
@@ -35,6 +43,7 @@ from tfremat.errors import ArgumentError
 from tfremat.runtime.variants import (
     max_pool_with_index,
     normalize_output_activated,
+    recomputed_in_backward,
     relu_with_mask,
 )
 
@@ -82,6 +91,59 @@ def _relu_alternatives(layer) -> list[LayerImplementation]:
         return []
     attribute = "call" if isinstance(layer, keras.layers.ReLU) else "activation"
     return [LayerImplementation(f"relu_{mask}", attribute, _masked(mask, max_value)) for mask in ("bool", "bits")]
+
+
+def _leaky_relu_alternatives(layer) -> list[LayerImplementation]:
+    if isinstance(layer, keras.layers.LeakyReLU):
+        slope, attribute = float(layer.negative_slope), "call"
+    elif getattr(layer, "activation", None) is keras.activations.leaky_relu:
+        slope, attribute = 0.2, "activation"  # the activation's default slope
+    else:
+        return []
+    if not 0 < slope < 1:
+        return []
+
+    def replacement(layer):
+        return lambda x: relu_with_mask(x, "bits", negative_slope=slope)
+    return [LayerImplementation("relu_bits", attribute, replacement)]
+
+
+# Activations whose registered gradients keep more than their input (variants.recomputed_in_backward).
+_RECOMPUTED_ACTIVATIONS = (keras.activations.gelu, keras.activations.mish, keras.activations.hard_silu)
+
+
+def _recomputed_activation_alternatives(layer) -> list[LayerImplementation]:
+    activation = getattr(layer, "activation", None)
+    if not any(activation is known for known in _RECOMPUTED_ACTIVATIONS):
+        return []
+
+    def replacement(layer):
+        return lambda x: recomputed_in_backward(activation, x)
+    return [LayerImplementation("recomputed", "activation", replacement)]
+
+
+def _layer_norm_call(layer):
+    original = type(layer).call.__get__(layer)
+    parameters = [p for p in (layer.gamma, layer.beta) if p is not None]
+
+    def normalize(x, *values):
+        given = iter(values)
+        gamma = next(given) if layer.gamma is not None else None
+        beta = next(given) if layer.beta is not None else None
+        return keras.ops.layer_normalization(x, gamma, beta, layer.axis, layer.epsilon,
+                                             rms_scaling=getattr(layer, "rms_scaling", False))
+
+    def call(inputs):
+        if inputs.dtype != tf.float32:
+            return original(inputs)
+        return recomputed_in_backward(normalize, inputs, *parameters)
+    return call
+
+
+def _layer_norm_alternatives(layer) -> list[LayerImplementation]:
+    if type(layer) is keras.layers.LayerNormalization and layer.built and layer.compute_dtype == "float32":
+        return [LayerImplementation("recomputed", "call", _layer_norm_call)]
+    return []
 
 
 def _pool_call(layer):
@@ -147,8 +209,9 @@ def _batch_norm_alternatives(layer) -> list[LayerImplementation]:
 
 def layer_implementations(layer) -> list[LayerImplementation]:
     """The alternatives ``layer`` has (none for most layers)."""
-    return (_relu_alternatives(layer) + _pool_alternatives(layer) + _dropout_alternatives(layer)
-            + _batch_norm_alternatives(layer))
+    return (_relu_alternatives(layer) + _leaky_relu_alternatives(layer) + _recomputed_activation_alternatives(layer)
+            + _pool_alternatives(layer) + _dropout_alternatives(layer) + _batch_norm_alternatives(layer)
+            + _layer_norm_alternatives(layer))
 
 
 @contextlib.contextmanager

@@ -71,6 +71,7 @@ __all__ = [
     "batch_norm_output_activated",
     "normalize_output_activated",
     "fused_batch_norm_variant",
+    "recomputed_in_backward",
     "kept_tensors",
     "kept_bytes",
     "measure_kept",
@@ -94,13 +95,18 @@ VARIANTS = {
     "batch_norm_default": "Keras 3 BatchNormalization (unfused), autodiff: input and statistics",
     "batch_norm_output_activated": "batch_norm_output_activated: output, gamma, beta, variance",
     "fused_batch_norm": "fused_batch_norm_variant (FusedBatchNormV3): input, scale, reserve spaces",
+    "leaky_relu_default": "tf.nn.leaky_relu with its registered gradient: the float input",
+    "leaky_relu_bool": "relu_with_mask(negative_slope=a, mask='bool'): a 1-byte mask x > 0",
+    "leaky_relu_bits": "relu_with_mask(negative_slope=a, mask='bits'): the mask, 32 flags per int32",
+    "recomputed": "recomputed_in_backward(activation, x): the input only",
+    "layer_norm_recomputed": "recomputed_in_backward(layer norm, x, gamma, beta): input, gamma, beta",
 }
 
 
 # ----------------------------------------------------------------------------- ReLU
 
 
-def relu_with_mask(x, mask: str = "bool", max_value: float | None = None):
+def relu_with_mask(x, mask: str = "bool", max_value: float | None = None, negative_slope: float = 0.0):
     """ReLU whose backward reads a sign mask of the input instead of the float output.
 
     MONeT appendix D, "intermediate-activated" ReLU (after Gist): the backward of ReLU only
@@ -119,20 +125,30 @@ def relu_with_mask(x, mask: str = "bool", max_value: float | None = None):
         max_value: None, or 6 for ReLU6 (``tf.nn.relu6``, what Keras runs for
             ``ReLU(6.0)`` and ``relu6``): the mask is then ``0 < x < 6``, and the backward
             ``dy * cast(mask)`` is ``Relu6Grad``'s arithmetic, bit-identical likewise.
+        negative_slope: 0, or the slope of a leaky ReLU (``tf.nn.leaky_relu``, what Keras
+            runs for ``LeakyReLU`` and ``leaky_relu``), whose registered gradient reads the
+            float input: the backward is ``where(mask, dy, dy * slope)``, the arithmetic of
+            ``LeakyReluGrad``, so bit-identical too.
 
     Returns:
-        ``tf.nn.relu(x)``, or ``tf.nn.relu6(x)``.
+        ``tf.nn.relu(x)``, ``tf.nn.relu6(x)`` or ``tf.nn.leaky_relu(x, negative_slope)``.
     """
     if mask not in ("bool", "bits"):
         raise ArgumentError(f"mask must be 'bool' or 'bits', got {mask!r}")
     if max_value not in (None, 6):
         raise ArgumentError(f"max_value must be None or 6 (ReLU6), got {max_value!r}")
+    if not isinstance(negative_slope, numbers.Real) or not 0 <= negative_slope < 1 or (negative_slope and max_value):
+        raise ArgumentError(f"negative_slope must be a number in [0, 1) and max_value None with it, "
+                            f"got {negative_slope!r}")
     x = tf.convert_to_tensor(x)
     _require_float(x, "x")
 
     @tf.custom_gradient
     def relu(x):
-        y = tf.nn.relu(x) if max_value is None else tf.nn.relu6(x)
+        if negative_slope:
+            y = tf.nn.leaky_relu(x, alpha=negative_slope)
+        else:
+            y = tf.nn.relu(x) if max_value is None else tf.nn.relu6(x)
         positive = tf.math.greater(x, tf.zeros([], x.dtype))
         if max_value is not None:
             positive = tf.math.logical_and(positive, tf.math.less(x, tf.constant(max_value, x.dtype)))
@@ -141,6 +157,8 @@ def relu_with_mask(x, mask: str = "bool", max_value: float | None = None):
         def grad(dy):
             with tf.control_dependencies([dy]):
                 flags = kept if mask == "bool" else _unpack_bits(kept, tf.shape(dy))
+                if negative_slope:
+                    return tf.where(flags, dy, dy * tf.constant(negative_slope, dy.dtype))
                 return dy * tf.cast(flags, dy.dtype)
 
         return _after(y, kept), grad
@@ -581,6 +599,50 @@ def fused_batch_norm_variant(x, gamma, beta, epsilon: float = 1e-3):
 # ---------------------------------------------------------------------- kept bytes
 
 
+# ------------------------------------------------------------ recomputed in backward
+
+
+def recomputed_in_backward(fn: Callable, *args):
+    """``fn(*args)`` whose backward keeps only ``args`` and recomputes ``fn`` from them.
+
+    For operators whose registered gradients keep several input-sized intermediates
+    (measured by :func:`measure_kept`, float32: exact GELU keeps three, its tanh
+    approximation four, ``silu`` and ``mish`` three, ``hard_silu`` four, Keras's
+    ``LayerNormalization`` its input and the normalized value): the forward keeps nothing
+    but its arguments, and the backward re-runs ``fn`` on them under a tape and takes
+    TensorFlow's own gradient of it. The recomputation depends on the upstream gradient (a
+    control edge on buffer-sharing identities of the arguments), so it runs in the backward
+    pass and its intermediates live only there. The gradient is the default one's
+    operations on the same values, so equal up to the rounding of kernels TensorFlow may
+    fuse differently in the two places.
+
+    Args:
+        fn: a function of tensors returning one tensor.
+        args: floating tensors; gradients flow to each.
+    """
+    args = [tf.convert_to_tensor(a) for a in args]
+    for position, arg in enumerate(args):
+        _require_float(arg, f"args[{position}]")
+
+    @tf.custom_gradient
+    def run(*inputs):
+        def grad(dy):
+            with tf.control_dependencies([dy]):
+                again = [tf.identity(t) for t in inputs]
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(again)
+                y_again = fn(*again)
+            return tape.gradient(y_again, again, output_gradients=dy,
+                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+        return fn(*inputs), grad
+
+    return run(*args)
+
+
+# ------------------------------------------------------------------------ bytes kept
+
+
 def kept_tensors(variant: str, input_shape: Sequence[int], **params) -> dict[str, int]:
     """The tensors a variant keeps for its backward, name -> bytes (float32 inputs).
 
@@ -605,9 +667,11 @@ def kept_tensors(variant: str, input_shape: Sequence[int], **params) -> dict[str
     channels = shape[-1]
     if variant == "relu_default":
         return {"y": _F32 * numel}
-    if variant == "relu_bool":
+    if variant in ("relu_bool", "leaky_relu_bool"):
         return {"mask": numel}
-    if variant == "relu_bits":
+    if variant in ("leaky_relu_default", "recomputed"):
+        return {"x": _F32 * numel}
+    if variant in ("relu_bits", "leaky_relu_bits"):
         rows = shape[0] if len(shape) >= 2 else 1
         return {"mask_bits": 4 * rows * -(-(numel // rows) // 32)}
     if variant.startswith("max_pool_"):
@@ -633,6 +697,8 @@ def kept_tensors(variant: str, input_shape: Sequence[int], **params) -> dict[str
         unsafe = int(params.get("unsafe_channels", 0))
         return {"y": _F32 * numel, "gamma": _F32 * channels, "beta": _F32 * channels,
                 "variance": _F32 * channels, "unsafe_x_hat": _F32 * (numel // channels) * unsafe}
+    if variant == "layer_norm_recomputed":
+        return {"x": _F32 * numel, "gamma": _F32 * channels, "beta": _F32 * channels}
     if variant == "fused_batch_norm":
         return {"x": _F32 * numel, "gamma": _F32 * channels, "reserve_space_1": _F32 * channels,
                 "reserve_space_2": _F32 * channels, "reserve_space_3": 0}
