@@ -227,3 +227,26 @@ def test_transformer_layers_recompute_inside_their_backward(token_case):
     choice = _choice(graph, lambda names: names[0])
     for strategy in ("checkpoint_all", "chen_sqrtn"):
         token_case.assert_trains_like_plain(get_strategy(strategy)(graph, implementations=choice), strategy)
+
+
+def test_a_convolution_without_activation_splits_its_backward(case):
+    """conv2 (no activation) gets a weight-gradient node that reads its input and an
+    input-gradient node that reads no forward value; together they cost what the one
+    backward node of the plain extraction costs. Layers whose gradient reads the output
+    (conv1, fc: ReLU activations) or whose input needs no gradient keep one node."""
+    graph = case.extraction.graph
+    names = graph.names
+    weights, inputs = graph.backward_nodes_of[names.index("conv2")]
+    assert (names[weights], names[inputs]) == ("conv2_weight_backward", "conv2_backward")
+
+    def forward_reads(node):
+        return {names[p] for p in graph.predecessors[node] if not graph.is_backward[p]}
+
+    assert forward_reads(weights) == {"pool1"} and forward_reads(inputs) == set()
+    assert (weights, inputs) in graph.edges and graph.output_bytes[weights] == 0
+    assert all(len(graph.backward_nodes_of[names.index(n)]) == 1 for n in ("conv1", "fc", "bn2", "head"))
+    plain = extract(case.model, (case.x, case.y), cost_model="flops", use_cache=False).graph
+    unsplit = plain.names.index("conv2_backward")
+    assert graph.cost[weights] + graph.cost[inputs] == pytest.approx(plain.cost[unsplit], rel=1e-12)
+    assert graph.output_bytes[inputs] == plain.output_bytes[unsplit]
+    assert graph.size == plain.size + 1

@@ -86,6 +86,10 @@ class DFGraph:
         is_backward: True for the loss node and every gradient node (default all False).
         loss_node: id of the loss node, or None for a graph without a loss.
         forward_of: maps a backward node to the forward node whose gradient it computes.
+            A forward node may have two: a backward split into a weight-gradient node and
+            an input-gradient node after it (MONeT, Shah et al. 2021, appendix D: the
+            forward input can be freed once the weight gradient is taken). Such a node
+            has neither residual bytes nor implementations.
         residual_bytes: per node, the part of ``output_bytes`` that only the node's
             backward node reads: the internal tensors a forward node's tape keeps for its
             gradient when the gradient does not read the output (default all 0). The rest,
@@ -200,6 +204,10 @@ class DFGraph:
                 raise GraphError(f"forward_of maps {b} -> {f}, outside 0..{n - 1}", node=b)
             if not self.is_backward[b] or self.is_backward[f]:
                 raise GraphError(f"forward_of maps {b} ({self.names[b]}) -> {f} ({self.names[f]}): must map a backward node to a forward node", node=b)
+        for node, backwards in self.backward_nodes_of.items():
+            if len(backwards) > 1 and (self.residual_bytes[node] or node in self.implementations):
+                raise GraphError(f"node {node} ({self.names[node]}) has {len(backwards)} backward nodes "
+                                 "(forward_of) and residual bytes or implementations: those need one", node=node)
         for i, residual in enumerate(self.residual_bytes):
             if not residual:
                 continue
@@ -307,9 +315,18 @@ class DFGraph:
         return tuple(i for i in range(self.size) if self.is_backward[i])
 
     @functools.cached_property
+    def backward_nodes_of(self) -> Mapping[int, tuple[int, ...]]:
+        """Forward node -> its backward nodes (``forward_of`` inverted), in id order."""
+        nodes: dict[int, list[int]] = {}
+        for b, f in sorted(self.forward_of.items()):
+            nodes.setdefault(f, []).append(b)
+        return MappingProxyType({f: tuple(bs) for f, bs in nodes.items()})
+
+    @functools.cached_property
     def backward_of(self) -> Mapping[int, int]:
-        """Forward node -> the backward node computing its gradient (inverse of forward_of)."""
-        return MappingProxyType({f: b for b, f in self.forward_of.items()})
+        """Forward node -> the backward node computing its input gradients: its only one,
+        or the last of a split backward (:attr:`backward_nodes_of`)."""
+        return MappingProxyType({f: bs[-1] for f, bs in self.backward_nodes_of.items()})
 
     def part_read_by(self, node: int, reader: int) -> str | None:
         """Which part of ``node``'s value ``reader`` reads: ``"residual"`` (the node's own

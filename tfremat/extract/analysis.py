@@ -107,6 +107,12 @@ class CallAnalysis:
         forward_flops, backward_flops: analytic counts from the traced ops.
         forward_seconds, backward_seconds: median timings (0 without profiling).
         forward_workspace, backward_workspace: transient requested bytes (0 without profiling).
+        input_gradient_reads_forward: the operations computing the input gradients read
+            a forward tensor (an input, the output or a residual). When they do not (a
+            convolution or a Dense layer without activation: ``dy`` and the weights only),
+            the backward can be split into a weight-gradient node that reads the forward
+            values and an input-gradient node after it that reads none (MONeT appendix D).
+        input_gradient_flops: the flops of the operations the input gradients need.
     """
 
     output_specs: tuple
@@ -124,6 +130,8 @@ class CallAnalysis:
     backward_workspace: int = 0
     loop_residual_bytes: int = 0
     one_gradient_call: bool = False
+    input_gradient_reads_forward: bool = True
+    input_gradient_flops: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -341,19 +349,29 @@ class _CallTracer:
                 input_part, weight_part = both[:len(sources)], both[len(sources):]
             else:
                 input_part = gradient(sources) if sources else []
+                input_ops = _needed_ops([g for g in input_part if g is not None], mark)
                 with tf.control_dependencies([g for g in input_part if g is not None]):
                     weight_part = gradient(list(variables), unconnected_gradients=tf.UnconnectedGradients.NONE) \
                         if variables else []
         operations = graph.get_operations()
         reads = _backward_reads(operations[:mark], operations[mark:], flat_inputs, outputs)
+        if one_call or not targets:
+            input_ops = None  # never split: one gradient call, or no gradient at all
+        input_reads = None if input_ops is None else _backward_reads(operations[:mark], input_ops, flat_inputs, outputs)
         # Input gradients that are one tensor (an Add's gradient is its upstream gradient
         # for every input) are one buffer in the step: their positions, counted once.
         distinct: dict = {}
         for position, g in zip(self.grad_positions, input_part):
             if g is not None:
                 distinct.setdefault(g.ref(), position)
-        self.records[fetch] = {"forward_ops": operations[:mark], "backward_ops": operations[mark:], "reads": reads,
-                               "grad_positions": sorted(distinct.values())}
+        # What runs: a registered gradient function makes gradients nobody asks for (the
+        # filter gradient of a convolution when only its input gradient is taken), which
+        # the step's graph prunes; the flops count only what runs.
+        running = _needed_ops([g for g in (*input_part, *weight_part) if g is not None], mark)
+        self.records[fetch] = {"forward_ops": operations[:mark], "backward_ops": operations[mark:],
+                               "running_backward_ops": running, "reads": reads,
+                               "grad_positions": sorted(distinct.values()), "input_ops": input_ops,
+                               "input_reads": input_reads}
         if fetch == "held":
             return [t for t in reads[2] if t.dtype == tf.variant]
         grads = [g for g in (*input_part, *weight_part) if g is not None]
@@ -417,9 +435,11 @@ def analyze_call(
             for i in record["grad_positions"]
         ),
         forward_flops=_flops(graph, record["forward_ops"], iterations),
-        backward_flops=_flops(graph, record["backward_ops"], iterations),
+        backward_flops=_flops(graph, record["running_backward_ops"], iterations),
         loop_residual_bytes=loop_bytes,
         one_gradient_call=one_call,
+        input_gradient_reads_forward=record["input_reads"] is None or any(record["input_reads"]),
+        input_gradient_flops=0.0 if record["input_ops"] is None else _flops(graph, record["input_ops"], iterations),
     )
     if not profile:
         return analysis
@@ -633,6 +653,24 @@ def _list_bytes(tensor, value, layer: str) -> int:
         )
     size = tensor_bytes([d.size for d in element[0].dim], element[1], tensor.name, layer)
     return size * int(tf.raw_ops.TensorListLength(input_handle=value).numpy())
+
+
+def _needed_ops(tensors, first: int) -> list:
+    """The operations at or after position ``first`` of the current graph that ``tensors``
+    depend on (data and control edges): what running them runs. A registered gradient
+    function makes every gradient of an op at once (a convolution's filter gradient next to
+    its input gradient); the ones nothing asks for are pruned from the step's graph."""
+    graph = tf.compat.v1.get_default_graph()
+    late = {id(op) for op in graph.get_operations()[first:]}
+    needed, stack = {}, [t.op for t in tensors]
+    while stack:
+        op = stack.pop()
+        if id(op) in needed or id(op) not in late:
+            continue
+        needed[id(op)] = op
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return [op for op in graph.get_operations()[first:] if id(op) in needed]
 
 
 def _backward_reads(forward_ops, backward_ops, inputs, outputs) -> tuple[set[int], bool, list]:

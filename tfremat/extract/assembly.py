@@ -17,6 +17,13 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
 * **Loss node** value = the scalar loss + the gradient of the loss with respect to every
   model output (one op computes both, so they are one value).
 * **Backward node** value = the gradients with respect to the layer's inputs that need one.
+  With ``split_backward`` (MONeT appendix D), a call whose input gradients read nothing
+  of the forward pass (a convolution or Dense layer without activation: only the upstream
+  gradient and the weights) gets two backward nodes: the weight-gradient node, which
+  reads the call's inputs and holds the weight gradients in its workspace, and then the
+  input-gradient node, which reads the upstream gradient only. The inputs can be freed
+  between the two. An edge between them (an empty value) keeps their order; their costs
+  split the measured backward cost by the flops of each part.
   Weight gradients (``weight_grads="transient"``) are counted in the backward node's
   workspace: tfremat's compiled step makes the statement after a layer's backward wait for
   the layer's optimizer update (:func:`tfremat.static_graph.interpreter.order_updates`), so
@@ -42,7 +49,8 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   (per-channel statistics). Each part is in ``SideTable.fixed_bytes_breakdown``.
 
 Node order: forward calls in Keras execution order, the loss, then the backward nodes in
-reverse forward order (the order plain backpropagation runs them).
+reverse forward order (the order plain backpropagation runs them), a split backward's
+weight-gradient node right before its input-gradient node.
 """
 
 from __future__ import annotations
@@ -135,14 +143,22 @@ class _Nodes:
 def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef], needs_backward: Sequence[bool],
              analyses: Sequence[CallAnalysis], loss_analysis: CallAnalysis, in_specs, label_specs,
              loss_fn, optimizer, batch: int, cost_model: str, weight_grads: str,
-             alternatives: Sequence[Mapping[str, CallAnalysis]] | None = None) -> tuple[DFGraph, SideTable]:
+             alternatives: Sequence[Mapping[str, CallAnalysis]] | None = None,
+             split_backward: bool = False) -> tuple[DFGraph, SideTable]:
     """Numbers the nodes, wires the edges and builds the graph and the side table;
     ``alternatives``: per call, its layer's alternatives measured by name, which the graph
-    carries as :class:`~tfremat.graph.Implementation` s of the call's forward node."""
+    carries as :class:`~tfremat.graph.Implementation` s of the call's forward node;
+    ``split_backward``: split the backward of every call that allows it (module doc)."""
     loss_node = len(calls)
     backward_calls = [c.position for c in reversed(calls) if needs_backward[c.position]]
-    backward_id = {p: loss_node + 1 + k for k, p in enumerate(backward_calls)}
-    nodes = _Nodes.empty(loss_node + 1 + len(backward_calls))
+    split = {c.position for c in calls if split_backward and needs_backward[c.position]
+             and _splits(c, analyses[c.position], alternatives[c.position] if alternatives else None)}
+    weight_id, backward_id, next_id = {}, {}, loss_node + 1
+    for p in backward_calls:
+        if p in split:
+            weight_id[p], next_id = next_id, next_id + 1
+        backward_id[p], next_id = next_id, next_id + 1
+    nodes = _Nodes.empty(next_id)
     output_grads = _output_gradients(calls, output_refs, needs_backward, loss_node, backward_id)
     flops = cost_model == "flops"
     implementations: dict[int, list[Implementation]] = {}
@@ -151,6 +167,9 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
         small_total += analyses[call.position].small_residual_bytes if needs_backward[call.position] else 0
         _add_call(nodes, call, analyses[call.position], backward_id.get(call.position), output_grads[call.position],
                   needs_backward, flops, weight_grads)
+        if call.position in split:
+            _split_backward(nodes, call, analyses[call.position], weight_id[call.position],
+                            backward_id[call.position], flops)
         if alternatives and alternatives[call.position] and call.position in backward_id:
             implementations[call.position] = [
                 _implementation(name, a, len(call.inputs), flops, nodes.work[backward_id[call.position]]
@@ -248,6 +267,41 @@ def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, ou
         reads_inputs=a.reads_inputs, reads_output=a.reads_output, output_bytes=a.input_grad_bytes,
         workspace_bytes=nodes.work[b], cost=nodes.cost[b], **common,
     )
+
+
+def _splits(call: LayerCall, a: CallAnalysis, alternatives: Mapping[str, CallAnalysis] | None) -> bool:
+    """Whether the backward of ``call`` splits: its input gradients read nothing of the
+    forward pass, it has weight gradients and input gradients to take, and it keeps no
+    residuals nor has alternatives (those are read by one backward node)."""
+    return (not a.input_gradient_reads_forward and not a.one_gradient_call and a.input_grad_bytes > 0
+            and not a.reads_output and not a.residual_bytes and bool(trainable_variables(call.layer))
+            and not alternatives)
+
+
+def _split_backward(nodes: _Nodes, call: LayerCall, a: CallAnalysis, w: int, b: int, flops: bool) -> None:
+    """Splits the backward node ``b`` that :func:`_add_call` made into the weight-gradient
+    node ``w`` (reads the inputs, holds the weight gradients) and ``b``, which keeps the
+    input gradients and reads the upstream gradients only (module doc)."""
+    entry = nodes.entries[b]
+    forward_inputs = {ref.index for ref in call.inputs if ref.source == "node"}
+    for source, target in list(nodes.edges):
+        if target == b:
+            nodes.edges.add((source, w))
+            if source in forward_inputs:
+                nodes.edges.discard((source, b))
+    nodes.edges.add((w, b))
+    share = a.input_gradient_flops / a.backward_flops if a.backward_flops else 0.5
+    total = nodes.cost[b]
+    nodes.names[w] = f"{call.name}_weight_backward"
+    nodes.is_bwd[w] = True
+    nodes.forward_of[w] = call.position
+    nodes.cost[w], nodes.cost[b] = total * (1 - share), total * share
+    nodes.out_bytes[w] = 0
+    nodes.work[w], nodes.work[b] = nodes.work[b], a.backward_workspace
+    nodes.entries[w] = dataclasses.replace(entry, node=w, name=nodes.names[w], gradient_part="weights", output_bytes=0,
+                                           workspace_bytes=nodes.work[w], cost=nodes.cost[w])
+    nodes.entries[b] = dataclasses.replace(entry, gradient_part="inputs", reads_inputs=(),
+                                           workspace_bytes=nodes.work[b], cost=nodes.cost[b])
 
 
 def _implementation(name: str, a: CallAnalysis, num_inputs: int, flops: bool, weight_bytes: int) -> Implementation:

@@ -121,7 +121,10 @@ def extract(
             (:mod:`tfremat.runtime.layer_variants`: ReLU masks, a max pooling's window index,
             regenerated dropout, output-activated batch norm), recorded in the graph as
             :class:`~tfremat.graph.Implementation` s for the strategy ``monet`` (MONeT). Each
-            costs one more analysis of the call.
+            costs one more analysis of the call. It also splits the backward of each
+            convolution or Dense layer without activation into a weight-gradient node and
+            an input-gradient node (MONeT appendix D; :mod:`~tfremat.extract.assembly`),
+            so a schedule frees the layer's input before its input gradient is made.
 
     Returns:
         An :class:`Extraction`.
@@ -170,7 +173,7 @@ def extract(
         weight_grads = weight_gradient_lifetime(optimizer, [call.layer for call in calls])
     graph, table = assemble(
         model, calls, output_refs, needs_backward, analyses, loss_analysis, in_specs, label_specs,
-        loss_fn, optimizer, batch, cost_model, weight_grads, alternatives,
+        loss_fn, optimizer, batch, cost_model, weight_grads, alternatives, split_backward=implementations,
     )
     seconds = time.perf_counter() - started
     logger.info(

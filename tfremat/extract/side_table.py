@@ -23,7 +23,10 @@ Conventions every consumer relies on:
   the forward call (``None`` where ``entry.input_needs_grad`` is False); the gradients of
   ``entry.trainable_variables`` go to the optimizer and are counted in fixed bytes. A layer
   called more than once owns the same variables in each of its forward nodes, and their
-  weight gradients add up.
+  weight gradients add up. A split backward (``extract(..., implementations=True)``, MONeT
+  appendix D) is two backward nodes of one forward node: ``gradient_part == "weights"``
+  takes only the weight gradients (its value is empty), and the ``"inputs"`` node after it
+  only the input gradients, reading nothing of the forward pass.
 """
 
 from __future__ import annotations
@@ -106,6 +109,8 @@ class NodeEntry:
         reads_inputs: backward nodes only: positions in ``inputs`` that the layer's gradient
             reads (measured by tracing the VJP).
         reads_output: backward nodes only: the layer's gradient reads the layer's output.
+        gradient_part: backward nodes only: ``"all"``, or for a split backward
+            ``"weights"`` (the weight gradients) or ``"inputs"`` (the input gradients).
         output_bytes: bytes of the forward output (forward), of the loss value plus the
             gradients of the model outputs (loss), or of the input gradients (backward).
         residual_bytes: forward nodes only: bytes of the internal tensors the gradient
@@ -134,6 +139,7 @@ class NodeEntry:
     output_grads: tuple[tuple[GradRef, ...], ...] = ()
     reads_inputs: tuple[int, ...] = ()
     reads_output: bool = False
+    gradient_part: Literal["all", "weights", "inputs"] = "all"
     output_bytes: int = 0
     residual_bytes: int = 0
     small_residual_bytes: int = 0

@@ -619,7 +619,7 @@ def graph_chain(graph: DFGraph, articulation: bool = False) -> GraphChain:
         raise ArgumentError(f"graph {graph.name!r} needs a loss node and forward nodes to be seen as a chain")
     order = _forward_order(graph)
     units = _units_between(graph, graph.forward_articulation_points) if articulation else [[v] for v in order]
-    backward_units = [sorted(graph.backward_of[v] for v in unit if v in graph.backward_of) for unit in units]
+    backward_units = [sorted(b for v in unit for b in graph.backward_nodes_of.get(v, ())) for unit in units]
     units.append([])
     backward_units.append([graph.loss_node])
     successors, predecessors = graph.successors, graph.predecessors

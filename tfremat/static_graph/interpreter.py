@@ -525,9 +525,12 @@ class _Interpreter:
                     "since; the layer's forward work is repeated to rebuild its gradient", node, entry.name,
                 )
         targets, dys = self._upstream(node, entry, instance.outputs)
-        grad_positions = [p for p, needs in enumerate(forward_entry.input_needs_grad) if needs]
+        # A split backward (NodeEntry.gradient_part): the weight-gradient node takes no
+        # input gradient, the input-gradient node no weight gradient.
+        grad_positions = [p for p, needs in enumerate(forward_entry.input_needs_grad)
+                          if needs and entry.gradient_part != "weights"]
         sources = [instance.inputs[p] for p in grad_positions]
-        variables = list(forward_entry.trainable_variables) if last else []
+        variables = list(forward_entry.trainable_variables) if last and entry.gradient_part != "inputs" else []
         if not targets:
             grads = [None] * (len(sources) + len(variables))
         elif instance.one_gradient_call:
