@@ -1,8 +1,9 @@
 """MONeT benchmark: the smallest peak within a compute-overhead cap, ``monet`` against ``optimal``.
 
 MONeT (Shah et al. 2021) chooses each layer's operator implementation (a ReLU's sign mask,
-a max pooling's window index, regenerated dropout, output-activated batch norm) together
-with the checkpoints; ``optimal`` (Checkmate) chooses the checkpoints with every layer's own
+a max pooling's window index, regenerated dropout, output-activated batch norm, a GELU or
+layer norm recomputed inside its backward) together with the checkpoints, on a graph whose
+convolution and Dense backward nodes are split into weight and input gradients; ``optimal`` (Checkmate) chooses the checkpoints with every layer's own
 implementation. For each model and each overhead cap (a share of the no-remat cost,
 ``graph.total_cost``), each strategy's budget is searched by bisection on bytes, between
 the proven memory lower bound and the checkpoint-all peak: a schedule is accepted when
@@ -42,7 +43,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the test models
 sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
 
-from models import small_convnet, unet, vgg_block_net  # noqa: E402
+from models import small_convnet, token_mlp_net, unet, vgg_block_net  # noqa: E402
 from provenance import header  # noqa: E402
 from training_case import training_batch  # noqa: E402
 
@@ -91,6 +92,8 @@ MODELS = {
     "unet": Model("unet depth 3, base 16 (64x64, batch 8)",
                   lambda: unet(input_shape=(64, 64, 3), base=16, depth=3), 8),
     "resnet50": Model("ResNet50 (64x64, batch 8)", resnet50, 8),
+    "token_mlp_net": Model("token_mlp_net, 128 tokens x 128 (batch 32)",
+                           lambda: token_mlp_net(tokens=128, width=128), 32),
 }
 
 

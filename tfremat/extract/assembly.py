@@ -20,8 +20,9 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   With ``split_backward`` (MONeT appendix D), a call whose input gradients read nothing
   of the forward pass (a convolution or Dense layer without activation: only the upstream
   gradient and the weights) gets two backward nodes: the weight-gradient node, which
-  reads the call's inputs and holds the weight gradients in its workspace, and then the
-  input-gradient node, which reads the upstream gradient only. The inputs can be freed
+  reads the call's inputs, and then the input-gradient node, which reads the upstream
+  gradient only. Both count the weight gradients in their workspace (the layer's update
+  waits for its last statement). The inputs can be freed
   between the two. An edge between them (an empty value) keeps their order; their costs
   split the measured backward cost by the flops of each part.
   Weight gradients (``weight_grads="transient"``) are counted in the backward node's
@@ -280,7 +281,7 @@ def _splits(call: LayerCall, a: CallAnalysis, alternatives: Mapping[str, CallAna
 
 def _split_backward(nodes: _Nodes, call: LayerCall, a: CallAnalysis, w: int, b: int, flops: bool) -> None:
     """Splits the backward node ``b`` that :func:`_add_call` made into the weight-gradient
-    node ``w`` (reads the inputs, holds the weight gradients) and ``b``, which keeps the
+    node ``w`` (reads the inputs, holds the weight gradients) and ``b``, which makes the
     input gradients and reads the upstream gradients only (module doc)."""
     entry = nodes.entries[b]
     forward_inputs = {ref.index for ref in call.inputs if ref.source == "node"}
@@ -297,7 +298,9 @@ def _split_backward(nodes: _Nodes, call: LayerCall, a: CallAnalysis, w: int, b: 
     nodes.forward_of[w] = call.position
     nodes.cost[w], nodes.cost[b] = total * (1 - share), total * share
     nodes.out_bytes[w] = 0
-    nodes.work[w], nodes.work[b] = nodes.work[b], a.backward_workspace
+    # The weight gradients live on through the input-gradient node: the layer's optimizer
+    # update waits for the layer's last statement (interpreter.order_updates).
+    nodes.work[w] = nodes.work[b]
     nodes.entries[w] = dataclasses.replace(entry, node=w, name=nodes.names[w], gradient_part="weights", output_bytes=0,
                                            workspace_bytes=nodes.work[w], cost=nodes.cost[w])
     nodes.entries[b] = dataclasses.replace(entry, gradient_part="inputs", reads_inputs=(),
