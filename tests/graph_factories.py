@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from tfremat.graph import DFGraph
+from tfremat.graph import DFGraph, Implementation
 
 SHARED_GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
 
@@ -106,3 +106,33 @@ def repeated_blocks(blocks: int, residual: bool = False) -> DFGraph:
     return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes,
                    graph.is_backward, graph.loss_node, dict(graph.forward_of), graph.fixed_bytes,
                    f"{graph.name}+residuals", residual_bytes=residual_bytes)
+
+
+def alternative(kind: str, size: int, cost: float, backward_cost: float) -> Implementation:
+    """An alternative of a forward node of ``size`` output bytes, of one of MONeT's kinds
+    (appendix D): a ReLU's mask (small residual, reads neither output nor inputs), an
+    output-activated backward, a costlier but leaner one that reads nothing, an
+    output-activated batch norm with its statistics (output and residual as one value), a
+    backward that reads only the inputs."""
+    return {
+        "mask": Implementation("mask", max(1, size // 4), False, False, cost + 0.5, backward_cost),
+        "output": Implementation("output", 0, True, False, cost, backward_cost + 0.5),
+        "lean": Implementation("lean", 0, False, False, cost + 2.0, backward_cost + 3.0, backward_workspace_bytes=2),
+        "stats": Implementation("stats", 2, True, False, cost, backward_cost + 0.25),
+        "inputs": Implementation("inputs", 0, False, True, cost, backward_cost - 0.5, workspace_bytes=4),
+    }[kind]
+
+
+def with_alternatives(graph: DFGraph, seed: int, count: int) -> DFGraph:
+    """``graph`` with two random alternatives on each of ``count`` random forward nodes."""
+    rng = random.Random(seed)
+    nodes = rng.sample(list(graph.backward_of), count)
+    kinds = ["mask", "output", "lean", "stats", "inputs"]
+    implementations = {
+        f: [alternative(kind, graph.output_bytes[f], graph.cost[f], graph.cost[graph.backward_of[f]])
+            for kind in rng.sample(kinds, 2)]
+        for f in nodes
+    }
+    return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes, graph.is_backward,
+                   graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, f"{graph.name}+alternatives",
+                   residual_bytes=graph.residual_bytes, implementations=implementations)

@@ -5,52 +5,30 @@ implementation choices on tiny graphs, against the one simulator, and against ``
 from __future__ import annotations
 
 import itertools
-import random
 
 import numpy as np
 import pytest
-from graph_factories import random_training_graph, training_graph, with_residuals
+from graph_factories import (
+    random_training_graph,
+    training_graph,
+    with_alternatives,
+    with_residuals,
+)
 
 from tfremat.errors import InfeasibleBudgetError
 from tfremat.graph import DFGraph, Implementation
 from tfremat.ilp import build_milp, solve_model
-from tfremat.ilp.formulation import cheapest_implementations, implementation_modes, memory_lower_bound
+from tfremat.ilp.formulation import (
+    cheapest_implementations,
+    implementation_modes,
+    memory_lower_bound,
+)
 from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.monet import leanest_implementations, solve_monet
 from tfremat.plan.execution import Op
 from tfremat.plan.schedule import Schedule, schedule_from_keep_matrix, validate_schedule
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
 from tfremat.strategies import get_strategy, solver_strategy_names
-
-
-def alternative(kind: str, size: int, cost: float, backward_cost: float) -> Implementation:
-    """An alternative of a forward node of ``size`` output bytes, of one of MONeT's kinds
-    (appendix D): a ReLU's mask (small residual, reads neither output nor inputs), an
-    output-activated backward, a costlier but leaner one that reads nothing, an
-    output-activated batch norm with its statistics (output and residual as one value), a
-    backward that reads only the inputs."""
-    return {
-        "mask": Implementation("mask", max(1, size // 4), False, False, cost + 0.5, backward_cost),
-        "output": Implementation("output", 0, True, False, cost, backward_cost + 0.5),
-        "lean": Implementation("lean", 0, False, False, cost + 2.0, backward_cost + 3.0, backward_workspace_bytes=2),
-        "stats": Implementation("stats", 2, True, False, cost, backward_cost + 0.25),
-        "inputs": Implementation("inputs", 0, False, True, cost, backward_cost - 0.5, workspace_bytes=4),
-    }[kind]
-
-
-def with_alternatives(graph: DFGraph, seed: int, count: int) -> DFGraph:
-    """``graph`` with two random alternatives on each of ``count`` random forward nodes."""
-    rng = random.Random(seed)
-    nodes = rng.sample(list(graph.backward_of), count)
-    kinds = ["mask", "output", "lean", "stats", "inputs"]
-    implementations = {
-        f: [alternative(kind, graph.output_bytes[f], graph.cost[f], graph.cost[graph.backward_of[f]])
-            for kind in rng.sample(kinds, 2)]
-        for f in nodes
-    }
-    return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes, graph.is_backward,
-                   graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, f"{graph.name}+alternatives",
-                   residual_bytes=graph.residual_bytes, implementations=implementations)
 
 
 def tiny_graph(seed: int) -> DFGraph:

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from graph_factories import random_training_graph
+from graph_factories import random_training_graph, with_alternatives
 
 from tfremat import plots
 from tfremat.errors import TfrematError
@@ -124,3 +124,21 @@ def test_overhead_vs_budget_takes_options_per_strategy(graph, reference_peak, tm
     with pytest.raises(TfrematError, match="time_limit"):
         plots.plot_overhead_vs_budget(graph, ["chen_sqrtn"], budgets, tmp_path / "x.png",
                                       strategy_options={"chen_sqrtn": {"time_limit": 10}})
+
+
+def test_checkmate_and_monet_curves_in_one_figure(tmp_path):
+    """``optimal`` and ``monet`` on one overhead-vs-budget figure: at every budget monet's
+    overhead is at most optimal's (it chooses implementations too), and it fits every
+    budget optimal fits."""
+    graph = with_alternatives(random_training_graph(seed=5, num_forward=6), seed=5, count=3)
+    peak = simulate(graph, get_strategy("checkpoint_all")(graph)).peak_bytes
+    budgets = [int(share * peak) for share in (0.6, 0.8, 1.0)]
+    options = {"threads": 1, "mip_gap": 0.0}
+    path, rows = plots.plot_overhead_vs_budget(graph, ["optimal", "monet"], budgets, tmp_path / "monet.png",
+                                               strategy_options={"optimal": options, "monet": options})
+    assert_png(path)
+    by = {(row["strategy"], row["budget_bytes"]): row["time_ratio"] for row in rows}
+    for budget in budgets:
+        if by["optimal", budget] is not None:
+            assert by["monet", budget] is not None and by["monet", budget] <= by["optimal", budget] + 1e-9
+    assert by["monet", peak] is not None
