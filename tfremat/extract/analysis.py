@@ -340,6 +340,7 @@ class _CallTracer:
         sources = [flat_inputs[i] for i in self.grad_positions]
         gradient = functools.partial(tape.gradient, targets, output_gradients=upstream,
                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        input_ops = None  # the input gradients' own operations, with two gradient calls only
         with tf.control_dependencies(outputs + upstream if gated else []):
             if not targets:
                 input_part, weight_part = [], []
@@ -355,8 +356,6 @@ class _CallTracer:
                         if variables else []
         operations = graph.get_operations()
         reads = _backward_reads(operations[:mark], operations[mark:], flat_inputs, outputs)
-        if one_call or not targets:
-            input_ops = None  # never split: one gradient call, or no gradient at all
         input_reads = None if input_ops is None else _backward_reads(operations[:mark], input_ops, flat_inputs, outputs)
         # Input gradients that are one tensor (an Add's gradient is its upstream gradient
         # for every input) are one buffer in the step: their positions, counted once.
