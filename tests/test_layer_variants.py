@@ -44,7 +44,7 @@ def test_the_extraction_measures_every_alternative(case):
     graph = case.extraction.graph
     offered = _by_name(graph)
     assert {name: sorted(alternatives) for name, alternatives in offered.items()} == {
-        "conv1": ["relu_bits", "relu_bool"], "pool1": ["window_index"], "bn2": ["output_activated"],
+        "conv1": ["relu_bits", "relu_bool"], "pool1": ["window_index"], "bn2": ["fused", "output_activated"],
         "relu2": ["relu_bits", "relu_bool"], "pool2": ["window_index"], "fc": ["relu_bits", "relu_bool"],
         "dropout": ["regenerated"],
     }

@@ -471,16 +471,17 @@ def _sized_residuals(tracer: _CallTracer, read_tensors, batch_size: int, layer_n
     :func:`_loop_residuals`.
 
     A residual whose shape depends on values (the normalized values an output-activated
-    batch norm keeps for its channels whose gamma is 0, :mod:`tfremat.runtime.variants`)
-    is sized on one run of the step on a sample batch, with the variables as they are;
-    its batch dimension, when static, still decides where it counts."""
+    batch norm keeps for its channels whose gamma is 0, :mod:`tfremat.runtime.variants`) or
+    is not known when traced (a fused batch norm's third reserve space) is sized on one run
+    of the step on a sample batch, with the variables as they are; its batch dimension,
+    when static, still decides where it counts."""
     residuals: dict[str, int] = {}
     small: dict[str, int] = {}
     vectors = [t.name for t in read_tensors if t.shape.rank == 1 and t.shape[0] == batch_size]
     batch_vectors = _batch_sized_vectors(tracer, batch_size, vectors, layer_name)
     kept = [t for t in read_tensors if t.dtype != tf.variant]
     run_shapes = {}
-    if any(t.shape.rank is not None and not t.shape.is_fully_defined() and t.shape.rank > 1 for t in kept):
+    if any(not t.shape.is_fully_defined() for t in kept):
         values = step_concrete([_sample(spec) for spec in tracer.input_specs], tf.constant(1.0))
         run_shapes = {t.name: v.shape.as_list() for t, v in zip(kept, values[len(values) - len(kept):])}
     for t in read_tensors:

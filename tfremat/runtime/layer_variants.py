@@ -17,6 +17,11 @@ their exactness). It runs through the layer's own ``__call__`` (dtype policy, na
 * ``output_activated``: ``BatchNormalization`` over the last axis computes its gradient
   from its output and the per-channel statistics, so its input is not kept (appendix D,
   "output-activated"); the moving statistics move exactly as Keras moves them;
+* ``fused``: the same batch norm through TensorFlow's ``FusedBatchNormV3`` and its
+  registered gradient: it keeps as many bytes as Keras's own implementation (the input and
+  per-channel statistics) but ran 1.4-2x faster forward and backward on CPU (oneDNN on,
+  ResNet50's shapes at batch 8), so it is a cost choice; the moving statistics take its
+  batch statistics, unbiased as Keras's;
 * ``relu_bits`` for a leaky ReLU (``keras.layers.LeakyReLU``, a ``leaky_relu``
   activation): the 1-bit sign mask instead of the float input;
 * ``recomputed``: an activation whose gradient keeps several input-sized intermediates
@@ -41,6 +46,7 @@ import tensorflow as tf
 
 from tfremat.errors import ArgumentError
 from tfremat.runtime.variants import (
+    fused_batch_norm_variant,
     max_pool_with_index,
     normalize_output_activated,
     recomputed_in_backward,
@@ -197,14 +203,34 @@ def _batch_norm_call(layer):
     return call
 
 
+def _fused_batch_norm_call(layer):
+    original = type(layer).call.__get__(layer)
+
+    def call(inputs, training=None, mask=None):
+        if not (training and layer.trainable) or mask is not None or inputs.dtype != tf.float32:
+            return original(inputs, training=training, mask=mask)
+        outputs, mean, variance = fused_batch_norm_variant(inputs, layer.gamma, layer.beta, layer.epsilon)
+        # FusedBatchNormV3 returns the Bessel-corrected variance; Keras moves the biased one.
+        count = tf.cast(tf.size(inputs) // tf.shape(inputs)[-1], variance.dtype)
+        variance = variance * (count - 1.0) / count
+        layer.moving_mean.assign(layer.moving_mean * layer.momentum + mean * (1.0 - layer.momentum))
+        layer.moving_variance.assign(layer.moving_variance * layer.momentum + variance * (1.0 - layer.momentum))
+        return outputs
+    return call
+
+
 def _batch_norm_alternatives(layer) -> list[LayerImplementation]:
     if type(layer) is not keras.layers.BatchNormalization or not layer.built:
         return []
-    channels_last = layer.axis == -1 or (layer.input_spec is not None and layer.axis == layer.input_spec.ndim - 1)
-    if (channels_last and layer.scale and layer.center and not layer.renorm
+    rank = layer.input_spec.ndim if layer.input_spec is not None else None
+    channels_last = layer.axis == -1 or (rank is not None and layer.axis == rank - 1)
+    if not (channels_last and layer.scale and layer.center and not layer.renorm
             and not getattr(layer, "synchronized", False) and hasattr(layer, "_moments")):
-        return [LayerImplementation("output_activated", "call", _batch_norm_call)]
-    return []
+        return []
+    alternatives = [LayerImplementation("output_activated", "call", _batch_norm_call)]
+    if rank in (2, 4):
+        alternatives.append(LayerImplementation("fused", "call", _fused_batch_norm_call))
+    return alternatives
 
 
 def layer_implementations(layer) -> list[LayerImplementation]:

@@ -596,9 +596,6 @@ def fused_batch_norm_variant(x, gamma, beta, epsilon: float = 1e-3):
     return y, tf.stop_gradient(mean), tf.stop_gradient(variance)
 
 
-# ---------------------------------------------------------------------- kept bytes
-
-
 # ------------------------------------------------------------ recomputed in backward
 
 
@@ -640,7 +637,7 @@ def recomputed_in_backward(fn: Callable, *args):
     return run(*args)
 
 
-# ------------------------------------------------------------------------ bytes kept
+# ---------------------------------------------------------------------- kept bytes
 
 
 def kept_tensors(variant: str, input_shape: Sequence[int], **params) -> dict[str, int]:
