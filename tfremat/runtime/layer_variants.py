@@ -187,6 +187,12 @@ def _dropout_alternatives(layer) -> list[LayerImplementation]:
     return []
 
 
+def _move_statistics(layer, mean, variance):
+    """Keras 3's moving-average update of a batch norm's statistics."""
+    layer.moving_mean.assign(layer.moving_mean * layer.momentum + mean * (1.0 - layer.momentum))
+    layer.moving_variance.assign(layer.moving_variance * layer.momentum + variance * (1.0 - layer.momentum))
+
+
 def _batch_norm_call(layer):
     original = type(layer).call.__get__(layer)
 
@@ -196,8 +202,7 @@ def _batch_norm_call(layer):
         # Keras 3's BatchNormalization.call in training, with the normalization's gradient
         # taken from the output (the statistics and their moving averages as Keras has them).
         mean, variance = layer._moments(inputs, mask)
-        layer.moving_mean.assign(layer.moving_mean * layer.momentum + mean * (1.0 - layer.momentum))
-        layer.moving_variance.assign(layer.moving_variance * layer.momentum + variance * (1.0 - layer.momentum))
+        _move_statistics(layer, mean, variance)
         return normalize_output_activated(inputs, layer.gamma, layer.beta, mean, variance, layer.epsilon,
                                           training=True)
     return call
@@ -213,8 +218,7 @@ def _fused_batch_norm_call(layer):
         # FusedBatchNormV3 returns the Bessel-corrected variance; Keras moves the biased one.
         count = tf.cast(tf.size(inputs) // tf.shape(inputs)[-1], variance.dtype)
         variance = variance * (count - 1.0) / count
-        layer.moving_mean.assign(layer.moving_mean * layer.momentum + mean * (1.0 - layer.momentum))
-        layer.moving_variance.assign(layer.moving_variance * layer.momentum + variance * (1.0 - layer.momentum))
+        _move_statistics(layer, mean, variance)
         return outputs
     return call
 
