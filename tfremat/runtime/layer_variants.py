@@ -1,8 +1,8 @@
 """Keras layers run with another implementation (MONeT, Shah et al. 2021, sec. 4 and
 appendix D): which alternatives a layer has, and running a call under one of them.
 
-An alternative changes what the layer's gradient keeps for the backward pass, never the
-forward values nor the gradients (:mod:`tfremat.runtime.variants` has the operators and
+An alternative changes what the layer's gradient keeps for the backward pass or its cost,
+never the forward values nor the gradients beyond float32 rounding (:mod:`tfremat.runtime.variants` has the operators and
 their exactness). It runs through the layer's own ``__call__`` (dtype policy, name scope,
 ``training``), with one attribute of the layer replaced while the call is traced:
 
@@ -18,10 +18,10 @@ their exactness). It runs through the layer's own ``__call__`` (dtype policy, na
   from its output and the per-channel statistics, so its input is not kept (appendix D,
   "output-activated"); the moving statistics move exactly as Keras moves them;
 * ``fused``: the same batch norm through TensorFlow's ``FusedBatchNormV3`` and its
-  registered gradient: it keeps as many bytes as Keras's own implementation (the input and
-  per-channel statistics) but ran 1.4-2x faster forward and backward on CPU (oneDNN on,
-  ResNet50's shapes at batch 8), so it is a cost choice; the moving statistics take its
-  batch statistics, unbiased as Keras's;
+  registered gradient (equal within float32 rounding): it keeps as many bytes as Keras's
+  own implementation (the input and per-channel statistics) but runs faster on CPU, so it
+  is a cost choice; the moving statistics take its batch statistics, the variance biased
+  as Keras takes it;
 * ``relu_bits`` for a leaky ReLU (``keras.layers.LeakyReLU``, a ``leaky_relu``
   activation): the 1-bit sign mask instead of the float input;
 * ``recomputed``: an activation whose gradient keeps several input-sized intermediates
