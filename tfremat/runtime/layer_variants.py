@@ -19,8 +19,8 @@ their exactness). It runs through the layer's own ``__call__`` (dtype policy, na
   "output-activated"); the moving statistics move exactly as Keras moves them;
 * ``fused``: the same batch norm through TensorFlow's ``FusedBatchNormV3`` and its
   registered gradient (equal within float32 rounding): it keeps as many bytes as Keras's
-  own implementation (the input and per-channel statistics) but runs faster on CPU, so it
-  is a cost choice; the moving statistics take its batch statistics, the variance biased
+  own implementation (the input and per-channel statistics) but runs faster at most shapes
+  on CPU (``benchmarks/batch_norm.py``), so it is a cost choice; the moving statistics take its batch statistics, the variance biased
   as Keras takes it;
 * ``relu_bits`` for a leaky ReLU (``keras.layers.LeakyReLU``, a ``leaky_relu``
   activation): the 1-bit sign mask instead of the float input;
