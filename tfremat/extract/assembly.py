@@ -21,10 +21,10 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   of the forward pass (a convolution or Dense layer without activation: only the upstream
   gradient and the weights) gets two backward nodes: the weight-gradient node, which
   reads the call's inputs, and then the input-gradient node, which reads the upstream
-  gradient only. Both count the weight gradients in their workspace (the layer's update
-  waits for its last statement). The inputs can be freed
-  between the two. An edge between them (an empty value) keeps their order; their costs
-  split the measured backward cost by the flops of each part.
+  gradient only, so the inputs can be freed between the two. An edge between them (an
+  empty value) keeps their order; their costs split the measured backward cost by the
+  flops of each part. Both count the weight gradients in their workspace (the layer's
+  update waits for its last statement).
   Weight gradients (``weight_grads="transient"``) are counted in the backward node's
   workspace: tfremat's compiled step makes the statement after a layer's backward wait for
   the layer's optimizer update (:func:`tfremat.static_graph.interpreter.order_updates`), so
@@ -170,7 +170,7 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
                   needs_backward, flops, weight_grads)
         if call.position in split:
             _split_backward(nodes, call, analyses[call.position], weight_id[call.position],
-                            backward_id[call.position], flops)
+                            backward_id[call.position])
         if alternatives and alternatives[call.position] and call.position in backward_id:
             implementations[call.position] = [
                 _implementation(name, a, len(call.inputs), flops, nodes.work[backward_id[call.position]]
@@ -279,9 +279,9 @@ def _splits(call: LayerCall, a: CallAnalysis, alternatives: Mapping[str, CallAna
             and not alternatives)
 
 
-def _split_backward(nodes: _Nodes, call: LayerCall, a: CallAnalysis, w: int, b: int, flops: bool) -> None:
+def _split_backward(nodes: _Nodes, call: LayerCall, a: CallAnalysis, w: int, b: int) -> None:
     """Splits the backward node ``b`` that :func:`_add_call` made into the weight-gradient
-    node ``w`` (reads the inputs, holds the weight gradients) and ``b``, which makes the
+    node ``w`` (reads the inputs, makes the weight gradients) and ``b``, which makes the
     input gradients and reads the upstream gradients only (module doc)."""
     entry = nodes.entries[b]
     forward_inputs = {ref.index for ref in call.inputs if ref.source == "node"}

@@ -604,7 +604,7 @@ def recomputed_in_backward(fn: Callable, *args):
 
     For operators whose registered gradients keep several input-sized intermediates
     (measured by :func:`measure_kept`, float32: exact GELU keeps three, its tanh
-    approximation four, ``silu`` and ``mish`` three, ``hard_silu`` four, Keras's
+    approximation four, ``mish`` three, ``hard_silu`` four, Keras's
     ``LayerNormalization`` its input and the normalized value): the forward keeps nothing
     but its arguments, and the backward re-runs ``fn`` on them under a tape and takes
     TensorFlow's own gradient of it. The recomputation depends on the upstream gradient (a
