@@ -381,11 +381,14 @@ _MIRRORED = textwrap.dedent(
 
     # Against model.fit under the same strategy: Keras losses divide by the replicas in a
     # replica context, and the step divided once more (half the gradients and the loss).
+    # The closeness rule, not elementwise tolerances: with oneDNN off (TF_ENABLE_ONEDNN_OPTS=0)
+    # the kernels reorder sums differently and three steps drift past rtol 1e-5 in the loss.
+    from tfremat.numerics import closeness
     compiled_losses, compiled_state = train(True)
     plain_losses, plain_state = train(False)
-    np.testing.assert_allclose(compiled_losses, plain_losses, rtol=1e-5)
-    for a, b in zip(compiled_state, plain_state):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(compiled_losses, plain_losses, rtol=1e-4)
+    close = closeness(compiled_state, plain_state)
+    assert close.equal, close
     print("MIRRORED_OK", strategy.num_replicas_in_sync, compiled_losses)
     """
 )

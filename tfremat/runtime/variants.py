@@ -51,6 +51,7 @@ Exactness (checked by ``tests/test_variants.py`` inside ``tf.function``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -568,9 +569,9 @@ def fused_batch_norm_variant(x, gamma, beta, epsilon: float = 1e-3):
     The gradient (``FusedBatchNormGradV3``) reads ``x``, the scale and the three reserve
     spaces. Measured on CPU with TensorFlow 2.21 and oneDNN on (see :func:`kept_tensors`):
     reserve spaces 1 and 2 hold one float per channel each (the batch mean and the biased
-    batch variance) and
-    reserve space 3 is empty, so it keeps ``4 * numel(x) + 3 * 4 * C`` bytes; other builds
-    (cuDNN) may size reserve space 3 differently.
+    batch variance) and reserve space 3 is empty, so it keeps ``4 * numel(x) + 3 * 4 * C``
+    bytes. With oneDNN off (``TF_ENABLE_ONEDNN_OPTS=0``) reserve space 3 is one float;
+    :func:`kept_tensors` reads its size from the running build.
 
     A rank-2 ``[N, C]`` input is run as ``[N, 1, 1, C]``.
 
@@ -698,8 +699,19 @@ def kept_tensors(variant: str, input_shape: Sequence[int], **params) -> dict[str
         return {"x": _F32 * numel, "gamma": _F32 * channels, "beta": _F32 * channels}
     if variant == "fused_batch_norm":
         return {"x": _F32 * numel, "gamma": _F32 * channels, "reserve_space_1": _F32 * channels,
-                "reserve_space_2": _F32 * channels, "reserve_space_3": 0}
+                "reserve_space_2": _F32 * channels, "reserve_space_3": _fused_reserve_space_3_bytes()}
     raise ArgumentError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+
+
+@functools.cache
+def _fused_reserve_space_3_bytes() -> int:
+    """Bytes of ``FusedBatchNormV3``'s third reserve space in this build, read off one tiny
+    call: empty with oneDNN's kernel (the default on x86 CPUs), one float with TensorFlow's
+    own (``TF_ENABLE_ONEDNN_OPTS=0``); it does not depend on the input's shape."""
+    ones = tf.ones([1])
+    out = tf.raw_ops.FusedBatchNormV3(x=tf.zeros([1, 1, 1, 1]), scale=ones, offset=tf.zeros([1]), mean=tf.zeros([1]),
+                                      variance=ones, is_training=True)
+    return int(tf.size(out.reserve_space_3)) * out.reserve_space_3.dtype.size
 
 
 def kept_bytes(variant: str, input_shape: Sequence[int], **params) -> int:
