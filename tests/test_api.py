@@ -81,8 +81,11 @@ def test_tfremat_fit_equals_the_callback_path_and_accepts_tf_data():
     via_callback.fit(dataset, epochs=1, verbose=0, callbacks=[RematCallback("100%", strategy="chen_greedy", verbose=0)])
     via_fit = compiled_convnet()
     keras.utils.set_random_seed(2)
-    tfremat.fit(via_fit, "100%", dataset, epochs=1, strategy="chen_greedy", verbose=0)
+    history = tfremat.fit(via_fit, "100%", dataset, epochs=1, strategy="chen_greedy", verbose=0)
     assert max_weight_difference(via_callback, via_fit) == 0.0
+    # The History carries the plans it trained with, by batch shapes.
+    assert [k[0][0] for k in history.plans] == [16]
+    assert all(plan.strategy == "chen_greedy" for plan in history.plans.values())
 
 
 def test_plan_reports_prediction_and_infeasible_budget_reports_smallest_peak():

@@ -114,7 +114,8 @@ def fit(
             the other strategies.
 
     Returns:
-        The Keras ``History``.
+        The Keras ``History``, with the plans it trained with as ``history.plans``
+        (``{batch shapes: PlanResult}``, as :attr:`RematCallback.plans`).
 
     Raises:
         ArgumentError: ``model`` is no ``keras.Model``, or ``budget`` is None.
@@ -138,8 +139,10 @@ def fit(
                           granularity=granularity, cache=cache, allocator_check=allocator_check, verbose=verbose)
     if isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]  # model.fit takes one callback as well as a list
-    return model.fit(x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,
-                     callbacks=[remat, *(callbacks or [])], verbose=verbose, **fit_kwargs)
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,
+                        callbacks=[remat, *(callbacks or [])], verbose=verbose, **fit_kwargs)
+    history.plans = dict(remat.plans)
+    return history
 
 
 def _flat(data) -> list:
