@@ -414,7 +414,7 @@ def test_min_budget_plans_at_the_least_peak_a_heuristic_reaches(tmp_path):
     graph = random_training_graph(4, 8)
     least = least_peak(graph)
     assert least < checkpoint_all_peak(graph)
-    result = plan_graph(graph, "min", "eviction", cache=False, verbose=0)
+    result = plan_graph(graph, "absolute min", "eviction", cache=False, verbose=0)
     assert result.budget_bytes == least and result.predicted_peak_bytes <= least
     graph_path = tmp_path / "g.json"
     graph.to_json(graph_path)

@@ -24,7 +24,8 @@ from fractions import Fraction
 from tfremat.errors import BudgetFormatError, is_int, is_number
 from tfremat.units import format_bytes
 
-__all__ = ["parse_budget", "check_budget", "is_share", "budget_kind", "format_bytes", "MIN_BUDGET"]
+__all__ = ["parse_budget", "check_budget", "is_share", "budget_kind", "is_absolute_min", "format_bytes", "MIN_BUDGET",
+           "ABSOLUTE_MIN_BUDGET"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -33,11 +34,16 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
-_ACCEPTED = ('bytes as an int (12_000_000_000), a string with a unit ("3.5GiB", "800MB"), a share of the '
-             'checkpoint-all peak ("50%" or 0.5), a share of its activation memory ("50% of activations"), or '
-             '"min" (the least memory a schedule reaches)')
-# The budget that asks for the least memory any schedule reaches.
+# The forms a strategy called directly takes; the planner takes the two "min" budgets too.
+_AMOUNTS = ('bytes as an int (12_000_000_000), a string with a unit ("3.5GiB", "800MB"), a share of the '
+            'checkpoint-all peak ("50%" or 0.5), a share of its activation memory ("50% of activations")')
+_ACCEPTED = (f'{_AMOUNTS}, "min" (the least memory a schedule reaches within one extra forward pass), or '
+             '"absolute min" (at any cost)')
+# The budgets that ask for the least memory: "min" within one extra forward pass of compute
+# (tfremat.strategies.least_budget_within), "absolute min" at any cost (least_peak, which
+# may recompute many forward passes). Both are of the kind "min".
 MIN_BUDGET = "min"
+ABSOLUTE_MIN_BUDGET = "absolute min"
 # "50% of activations" (or "50% activations"): a share of the memory planning can move.
 _ACTIVATIONS = re.compile(r"^\s*(\S+?)\s*(?:of\s+)?activations\s*$", re.IGNORECASE)
 # The rounding a float share may carry, relative to the product (module docstring): one
@@ -46,7 +52,8 @@ _FLOAT_SLACK = Fraction(1, 2**52)
 # A command line passes strings only: no ints with underscores, no float shares.
 _ACCEPTED_ON_COMMAND_LINE = (
     "bytes (12000000000), a size with a unit (3.5GiB, 800MB), a share of the checkpoint-all peak (50%), a share "
-    "of its activation memory ('50% of activations'), or min (the least memory a schedule reaches)"
+    "of its activation memory ('50% of activations'), min (the least memory a schedule reaches within one extra "
+    "forward pass), or 'absolute min' (at any cost)"
 )
 
 
@@ -61,8 +68,8 @@ def parse_budget(budget, reference_bytes: float | None = None, *, fixed_bytes: i
             ``reference_bytes`` (the memory planning can move); or a string with a unit
             (B, KB, MB, GB, TB in powers of 10; KiB, MiB, GiB, TiB or K, M, G, T in powers of 2).
             Read exactly and floored to whole bytes (see the module docstring). ``"min"``
-            is refused here: it takes a search over schedules, which the planner runs
-            (:func:`tfremat.planner.plan_graph`).
+            and ``"absolute min"`` are refused here: they take a search over schedules,
+            which the planner runs (:func:`tfremat.planner.resolve_min_budget`).
         reference_bytes: the peak a relative budget refers to (the checkpoint-all peak).
         fixed_bytes: the memory no schedule moves (weights, gradients, optimizer state, the
             batch), for a share of activations.
@@ -79,7 +86,7 @@ def parse_budget(budget, reference_bytes: float | None = None, *, fixed_bytes: i
         raise BudgetFormatError(
             f"{_shown(budget, flag)} asks for the least memory a schedule reaches, which the planner finds "
             "(tfremat.plan_model, fit, compare, the command line); a strategy called directly takes "
-            f"{_accepted(None).rsplit(', or', 1)[0]}"
+            f"{_AMOUNTS}"
         )
     if kind == "activations":
         if reference_bytes is None or fixed_bytes is None:
@@ -115,12 +122,13 @@ def check_budget(budget, *, flag: str | None = None) -> None:
 
 def budget_kind(budget, *, flag: str | None = None) -> str:
     """``"bytes"`` (an amount of memory), ``"share"`` (of the checkpoint-all peak),
-    ``"activations"`` (a share of the activation memory) or ``"min"``.
+    ``"activations"`` (a share of the activation memory) or ``"min"`` (``"min"`` or
+    ``"absolute min"``, any case and spacing: :func:`is_absolute_min` tells them apart).
 
     Raises:
         BudgetFormatError: ``budget`` has none of these forms.
     """
-    if isinstance(budget, str) and budget.strip().lower() == MIN_BUDGET:
+    if isinstance(budget, str) and _words(budget) in (MIN_BUDGET, ABSOLUTE_MIN_BUDGET):
         return MIN_BUDGET
     if isinstance(budget, str):
         match = _ACTIVATIONS.match(budget)
@@ -132,9 +140,20 @@ def budget_kind(budget, *, flag: str | None = None) -> str:
     return "bytes" if _read(budget, flag)[0] is None else "share"
 
 
+def is_absolute_min(budget) -> bool:
+    """Whether ``budget`` is ``"absolute min"``: the least peak at any compute cost, where
+    ``"min"`` keeps to one extra forward pass."""
+    return isinstance(budget, str) and _words(budget) == ABSOLUTE_MIN_BUDGET
+
+
+def _words(text: str) -> str:
+    """``text`` in lower case with its words one space apart: " Absolute  MIN" -> "absolute min"."""
+    return " ".join(text.lower().split())
+
+
 def is_share(budget) -> bool:
     """Whether ``budget`` (already checked, :func:`check_budget`) is relative to the model's
-    memory ("50%", 0.5, "50% of activations", "min") rather than an amount of memory."""
+    memory ("50%", 0.5, "50% of activations", "min", "absolute min") rather than an amount of memory."""
     return budget_kind(budget) != "bytes"
 
 

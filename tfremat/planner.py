@@ -13,10 +13,11 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tfremat.budget import MIN_BUDGET, budget_kind, format_bytes
+from tfremat.budget import MIN_BUDGET, budget_kind, format_bytes, is_absolute_min
 from tfremat.cache import ScheduleCache, default_cache_dir
 from tfremat.errors import (
     ArgumentError,
@@ -37,7 +38,9 @@ from tfremat.plan.registry import (
 from tfremat.plan.schedule import Schedule, SolverFacts
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
 from tfremat.strategies import (
+    forward_share,
     get_strategy,
+    least_budget_within,
     least_peak,
     offloading_strategy_names,
     solver_strategy_names,
@@ -170,8 +173,10 @@ def plan_graph(
         graph: the graph.
         budget: bytes, a string with a unit ("3.5GiB"), a share of the checkpoint-all peak
             ("50%" or 0.5), a share of the activation memory above the fixed memory ("50% of
-            activations"), "min" (the least peak any heuristic reaches, :func:`least_peak`),
-            or None for no limit.
+            activations"), "min" (the least memory within one extra forward pass of compute)
+            or "absolute min" (at any cost), see :func:`resolve_min_budget`; or None for no
+            limit. A budget at or above the checkpoint-all peak is planned, with a warning
+            that nothing will be recomputed.
         strategy: a registered strategy name (``tfremat.strategies.strategy_names()``).
         cache: True for the default schedule cache, a directory, a :class:`ScheduleCache`,
             or False to always solve.
@@ -192,8 +197,15 @@ def plan_graph(
     function = get_strategy(strategy)
     store = _cache_of(cache)
     reference = checkpoint_all_peak(graph)
+    asked_min = budget is not None and budget_kind(budget) == MIN_BUDGET
     budget = resolve_min_budget(graph, budget)
     budget_bytes = parse_graph_budget(graph, budget, reference)
+    if budget_bytes is not None and budget_bytes >= reference and not asked_min:
+        # warnings.warn, not the log: the caller can act on it, and the default filter shows it
+        # once per call site and budget (compare plans every strategy at one budget).
+        warnings.warn(f"budget={budget!r} ({format_bytes(budget_bytes)}) is at or above the checkpoint-all peak "
+                      f"({format_bytes(reference)}): nothing will be recomputed; give a smaller budget to save memory",
+                      UserWarning, stacklevel=2)
     options = strategy_options(strategy, **options)
     check_options(function, options, f"strategy {strategy!r}")
     cache_options = {k: v for k, v in options.items() if k != "progress"}
@@ -232,11 +244,21 @@ def plan_graph(
 
 
 def resolve_min_budget(graph: DFGraph, budget):
-    """``budget``, with ``"min"`` replaced by the bytes of :func:`least_peak` (logged)."""
+    """``budget``, with ``"min"`` replaced by the least budget at which a schedule
+    recomputes at most one forward pass (:func:`least_budget_within` at
+    :func:`forward_share`) and ``"absolute min"`` by the least peak a heuristic reaches at
+    any cost (:func:`least_peak`), in bytes (logged)."""
     if budget is None or budget_kind(budget) != MIN_BUDGET:
         return budget
-    least = least_peak(graph)
-    logger.info("budget 'min': %s, the least peak a heuristic reaches on %s", format_bytes(least), graph.name)
+    if is_absolute_min(budget):
+        least = least_peak(graph)
+        logger.info("budget 'absolute min': %s, the least peak a heuristic reaches on %s", format_bytes(least),
+                    graph.name)
+        return least
+    one_pass = forward_share(graph)
+    least = least_budget_within(graph, one_pass)
+    logger.info("budget 'min': %s, the least at which a schedule of %s recomputes at most one forward pass (+%.1f%%)",
+                format_bytes(least), graph.name, 100 * one_pass)
     return least
 
 

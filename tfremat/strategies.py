@@ -11,20 +11,26 @@ Nothing here imports TensorFlow.
 
 from __future__ import annotations
 
-from tfremat.errors import ArgumentError
+from tfremat.errors import ArgumentError, InfeasibleBudgetError
 from tfremat.graph import DFGraph
 from tfremat.ilp.approx_lp import solve_approx_lp
 from tfremat.ilp.formulation import memory_lower_bound
 from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.monet import solve_monet
 from tfremat.ilp.portfolio import HEURISTICS, best_baseline
+from tfremat.plan.eviction import eviction
 from tfremat.plan.hong import hong, hong_ap
 from tfremat.plan.offload import autocapper, opportunist, pofo, pofo_ap
 from tfremat.plan.registry import Strategy
 from tfremat.plan.rotor import rotor, rotor_ap
+from tfremat.plan.simulator import checkpoint_all_peak
 
 __all__ = ["STRATEGIES", "get_strategy", "strategy_names", "offloading_strategy_names", "solver_strategy_names",
-           "least_peak"]
+           "least_peak", "least_budget_within", "forward_share"]
+
+# The width, as a share of the activation memory, at which the bisection of
+# least_budget_within stops: 0.5%, eight eviction runs at most.
+_BISECTION_WIDTH = 1 / 200
 
 _AFTER_HONG = HEURISTICS.index(hong) + 1
 STRATEGIES: tuple[Strategy, ...] = (*HEURISTICS[:_AFTER_HONG], hong_ap, rotor, rotor_ap, *HEURISTICS[_AFTER_HONG:],
@@ -80,3 +86,46 @@ def least_peak(graph: DFGraph) -> int:
     bound = memory_lower_bound(graph)
     schedule, smallest_peak = best_baseline(graph, bound, fallback_seconds=0.0)
     return bound if schedule is not None else smallest_peak
+
+
+def forward_share(graph: DFGraph) -> float:
+    """The cost of one forward pass over the cost of the whole step (forward nodes' costs
+    over :attr:`~tfremat.graph.DFGraph.total_cost`): the overhead of recomputing every
+    forward node once, the bound of Chen et al. 2016 (sec. 4.1) and of Checkmate's maximum
+    batch sizes (Jain et al. 2020, sec. 5.3, Figure 6) that ``"min"`` keeps to."""
+    return sum(graph.cost[i] for i in graph.forward_nodes) / graph.total_cost if graph.total_cost else 0.0
+
+
+def least_budget_within(graph: DFGraph, max_overhead: float) -> int:
+    """The least budget, to 0.5% of the activation memory, at which a schedule runs at
+    most ``max_overhead`` (a share of one plain step) over the plain step's cost: what the
+    budget ``"min"`` means, with ``max_overhead`` = :func:`forward_share`.
+
+    A bisection on the budget between the proven lower bound
+    (:func:`memory_lower_bound`) and the checkpoint-all peak, judging each budget by
+    ``eviction``'s schedule there (the heuristic whose cost falls steadily as the budget
+    grows, and the portfolio's lowest-peak one on the training graphs tried): at most
+    eight eviction runs, deterministic for a graph. The least peak at any cost
+    (:func:`least_peak`) may recompute many forward passes (benchmarks/min_budget.py).
+    ``eviction``'s schedule at the returned budget is within ``max_overhead``, so
+    ``optimal`` (which starts from it) is too. Where eviction finds no schedule (graphs
+    whose values must be kept only for later recomputations), the bisection ends at the
+    checkpoint-all peak: nothing recomputed.
+
+    Raises:
+        ArgumentError: ``max_overhead`` is negative or not a number.
+    """
+    if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not max_overhead >= 0:
+        raise ArgumentError(f"max_overhead must be a share of one plain step's cost (0 or more, e.g. 0.3), "
+                            f"got {max_overhead!r}")
+    cap = graph.total_cost * (1 + max_overhead)
+    low, high = memory_lower_bound(graph) - 1, checkpoint_all_peak(graph)  # low fails, high fits
+    width = max(1, int(_BISECTION_WIDTH * (high - graph.fixed_bytes)))
+    while high - low > width:
+        middle = (low + high) // 2
+        try:
+            within = eviction(graph, middle).cost(graph) <= cap
+        except InfeasibleBudgetError:
+            within = False
+        low, high = (low, middle) if within else (middle, high)
+    return high
