@@ -79,7 +79,7 @@ flags.DEFINE_float("bandwidth", None, "Host link in bytes per unit of the graph'
                    "run them only with it.")
 flags.DEFINE_bool("cache", True, "Read and write the on-disk schedule and profile caches ($TFREMAT_CACHE_DIR, else "
                   "~/.cache/tfremat); --nocache profiles and solves anew without reading or writing them.")
-flags.DEFINE_integer("steps", 5, "measure: training steps to run (the first traces and is not timed).")
+flags.DEFINE_integer("steps", 5, "measure: timed rounds, each a planned and a plain step in turn (after untimed runs).")
 
 COMMANDS = {
     "strategies": "list the strategy names",

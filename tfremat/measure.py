@@ -1,5 +1,12 @@
 """Will it fit, how slow: the planned step measured against a plain Keras step in one run.
 
+Time is taken in turns (:func:`time_in_turns`): after both steps have run, each round
+times the planned step and the plain one back to back, and the ratio is the median of
+the per-round ratios, with its quartiles as the spread. A change of load on a shared
+machine then slows both steps of a round alike instead of reading as overhead (timed as
+all plain steps, then all planned ones, a busy 2-core machine turned a +47% plan into
+3.28x plain).
+
 Peak memory comes from the TensorFlow allocator (on CPU it needs
 ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow is imported; the ``tfremat`` command
 sets it), read by :func:`tfremat.runtime.memory.measure_step_peak` for both steps, in
@@ -10,9 +17,11 @@ state, the batch).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Callable
 
 import tensorflow as tf
 
@@ -32,23 +41,70 @@ from tfremat.runtime.memory import (
     reset_allocator_peak,
 )
 
-__all__ = ["measure_model"]
+__all__ = ["TurnTiming", "measure_model", "time_in_turns"]
 
 logger = logging.getLogger(__name__)
 
 
-def _peak_and_seconds(step, x, y, resident, steps: int) -> tuple[int, float]:
-    """``step(x, y)``'s peak in the graph's convention (:func:`measure_step_peak`: one
-    tracing run, then a measured one) and the median seconds of ``steps`` more runs."""
-    # reset_allocator_peak says how to enable the allocator's statistics when they are off.
-    reset_allocator_peak(default_device())
-    peak = measure_step_peak(step, x, y, resident=resident)
-    seconds = []
-    for _ in range(steps):
+@dataclasses.dataclass(frozen=True)
+class TurnTiming:
+    """Seconds of a step and of a reference step timed in turns (:func:`time_in_turns`).
+
+    Attributes:
+        seconds: the median of the step's runs.
+        reference_seconds: the median of the reference's runs.
+        ratio: the median over rounds of step / reference seconds.
+        ratio_quartiles: the first and third quartile of the per-round ratios: the spread
+            the load left in the ratio.
+        rounds: the rounds timed.
+    """
+
+    seconds: float
+    reference_seconds: float
+    ratio: float
+    ratio_quartiles: tuple[float, float]
+    rounds: int
+
+
+def time_in_turns(step: Callable[[], object], reference: Callable[[], object], rounds: int,
+                  warmup: int = 1) -> TurnTiming:
+    """Times ``step()`` against ``reference()`` in ``rounds`` rounds of one run each.
+
+    Both run ``warmup`` times first (tracing and first-call allocations are not timed).
+    The order within a round alternates (step first in even rounds), so a load that
+    grows or shrinks during a round does not always fall on the same one. Each result's
+    first output is read back before the clock stops.
+
+    Raises:
+        ArgumentError: ``rounds`` is not an int >= 1 or ``warmup`` not an int >= 0.
+    """
+    if not is_int(rounds) or rounds < 1:
+        raise ArgumentError(f"rounds={rounds!r} must be an int >= 1")
+    if not is_int(warmup) or warmup < 0:
+        raise ArgumentError(f"warmup={warmup!r} must be an int >= 0")
+
+    def timed(fn) -> float:
         began = time.perf_counter()
-        tf.nest.flatten(step(x, y))[0].numpy()
-        seconds.append(time.perf_counter() - began)
-    return peak, float(statistics.median(seconds))
+        tf.nest.flatten(fn())[0].numpy()
+        return time.perf_counter() - began
+
+    for _ in range(warmup):
+        timed(step)
+        timed(reference)
+    mine, theirs = [], []
+    for round_ in range(rounds):
+        if round_ % 2 == 0:
+            mine.append(timed(step))
+            theirs.append(timed(reference))
+        else:
+            theirs.append(timed(reference))
+            mine.append(timed(step))
+    ratios = [a / b for a, b in zip(mine, theirs)]
+    quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if rounds > 1 else ratios * 3
+    low, high = quartiles[0], quartiles[2]
+    return TurnTiming(seconds=float(statistics.median(mine)), reference_seconds=float(statistics.median(theirs)),
+                      ratio=float(statistics.median(ratios)), ratio_quartiles=(float(low), float(high)),
+                      rounds=rounds)
 
 
 def _fresh(optimizer):
@@ -122,7 +178,8 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         batch_size: the batch size; the data is random, its labels made for the loss
             (:func:`tfremat.model_planning.synthetic_batch`).
         strategy: the strategy name.
-        steps: timed steps per variant (after a tracing step and a measured one).
+        steps: timed rounds, each one planned step and one plain step back to back
+            (:func:`time_in_turns`), after the peaks are measured.
         loss: a loss name or object; default the compiled one.
         optimizer: a Keras optimizer or its name; default the compiled one.
         cost_model: "profile" (timed on this device) or "flops".
@@ -135,10 +192,13 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         the loss and optimizer (class) measured with,
         predicted_peak_bytes, measured_peak_bytes (the allocator's peak),
         requested_peak_bytes (the bytes the step's operations request, what the prediction
-        counts), step_seconds, plain_peak_bytes, plain_step_seconds, the gradients against
+        counts), step_seconds, plain_peak_bytes, plain_step_seconds (medians of the timed
+        rounds), the gradients against
         plain training's (:mod:`tfremat.numerics`): grad_error (the largest per-variable
         normwise error), grad_global_error and gradients_match (both within tolerance),
-        and the ratios measured/predicted, requested/predicted, peak/plain and time/plain.
+        and the ratios measured/predicted, requested/predicted, peak/plain and time/plain
+        (time_over_plain: the median of the per-round ratios; time_over_plain_quartiles:
+        their first and third quartile, the spread the machine's load left; timed_rounds).
 
     Raises:
         ArgumentError: ``model`` is no ``keras.Model``, ``steps`` or ``batch_size`` not an
@@ -169,7 +229,9 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         step_optimizer.build(model.trainable_variables)
         step = compile_step(extraction, result.schedule, optimizer=step_optimizer)
         resident = list(model.variables) + list(step_optimizer.variables)
-        measured, seconds = _peak_and_seconds(step, x, y, resident, steps)
+        # reset_allocator_peak says how to enable the allocator's statistics when they are off.
+        reset_allocator_peak(default_device())
+        measured = measure_step_peak(step, x, y, resident=resident)
         # What the prediction counts; the allocator's peak adds BFC chunk rounding that
         # depends on what the process allocated before (the demo: 47.70 MiB requested,
         # exactly the prediction, 52.70 MiB allocator).
@@ -178,8 +240,10 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
 
         plain_optimizer = _fresh(training["optimizer"])
         plain_step = plain_train_step(model, extraction.side_table.loss_fn, plain_optimizer)
-        plain, plain_seconds = _peak_and_seconds(
-            plain_step, x, y, list(model.variables) + list(plain_optimizer.variables), steps)
+        plain = measure_step_peak(plain_step, x, y, resident=list(model.variables) + list(plain_optimizer.variables))
+        # The peaks are taken from the saved state, before any timing; the timed rounds
+        # train the model on (its weights are restored below).
+        timing = time_in_turns(lambda: step(x, y), lambda: plain_step(x, y), steps)
         return {
             "model": model.name,
             "loss": _name_of(training["loss"]),
@@ -190,16 +254,18 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             "predicted_peak_bytes": result.predicted_peak_bytes,
             "measured_peak_bytes": measured,
             "requested_peak_bytes": requested,
-            "step_seconds": round(seconds, 5),
+            "step_seconds": round(timing.seconds, 5),
             "plain_peak_bytes": plain,
-            "plain_step_seconds": round(plain_seconds, 5),
+            "plain_step_seconds": round(timing.reference_seconds, 5),
             "grad_error": None if gradients is None else gradients.max_tensor_error,
             "grad_global_error": None if gradients is None else gradients.global_error,
             "gradients_match": None if gradients is None else gradients.equal,
             "measured_over_predicted": round(measured / result.predicted_peak_bytes, 4),
             "requested_over_predicted": round(requested / result.predicted_peak_bytes, 4),
             "peak_over_plain": round(measured / plain, 4),
-            "time_over_plain": round(seconds / plain_seconds, 4),
+            "time_over_plain": round(timing.ratio, 4),
+            "time_over_plain_quartiles": [round(q, 4) for q in timing.ratio_quartiles],
+            "timed_rounds": timing.rounds,
             "predicted_overhead": round(result.overhead, 4),
             "device": default_device(),
         }

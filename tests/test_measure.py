@@ -1,0 +1,59 @@
+"""Step timing in turns (tfremat.measure.time_in_turns): a load that changes between rounds
+must not read as overhead."""
+
+import pytest
+import tensorflow as tf
+
+from tfremat import measure
+from tfremat.errors import ArgumentError
+
+
+class _LoadedClock:
+    """A fake ``perf_counter`` for steps whose duration is their work times the machine's
+    load, and a load that triples after the first rounds (as when another job starts)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.calls = []
+
+    def __call__(self):
+        return self.now
+
+    def step(self, name, work):
+        def run():
+            self.calls.append(name)
+            load = 1.0 if len(self.calls) <= 6 else 3.0
+            self.now += work * load
+            return tf.constant(0.0)
+        return run
+
+
+def test_time_in_turns_reads_the_ratio_through_a_load_change(monkeypatch):
+    clock = _LoadedClock()
+    monkeypatch.setattr(measure.time, "perf_counter", clock)
+    timing = measure.time_in_turns(clock.step("planned", 2.0), clock.step("plain", 1.0), rounds=6, warmup=1)
+    # Timed one after the other the load change would read as 3x plain; in turns each
+    # round's ratio is the work's.
+    assert timing.ratio == pytest.approx(2.0)
+    assert timing.ratio_quartiles == pytest.approx((2.0, 2.0))
+    assert timing.rounds == 6
+    # Warm-up runs both, then the order alternates within rounds.
+    assert clock.calls[:6] == ["planned", "plain", "planned", "plain", "plain", "planned"]
+    assert timing.seconds == pytest.approx(6.0) and timing.reference_seconds == pytest.approx(3.0)
+
+
+def test_time_in_turns_reports_the_spread_and_refuses_bad_rounds(monkeypatch):
+    clock = _LoadedClock()
+    monkeypatch.setattr(measure.time, "perf_counter", clock)
+    works = iter([1.0, 1.0, 1.0, 2.0, 1.5])
+
+    def noisy():
+        return clock.step("planned", next(works))()
+
+    # After the warm-up the planned step's work is 1, 1, 2, 1.5 times plain's.
+    timing = measure.time_in_turns(noisy, clock.step("plain", 1.0), rounds=4, warmup=1)
+    assert timing.ratio == pytest.approx(1.25)
+    assert timing.ratio_quartiles == pytest.approx((1.0, 1.625))
+    for bad in ({"rounds": 0}, {"rounds": 1.5}, {"rounds": 2, "warmup": -1}):
+        with pytest.raises(ArgumentError, match="rounds|warmup"):
+            measure.time_in_turns(noisy, noisy, **{"warmup": 0, **bad})
