@@ -8,7 +8,10 @@ checkpoint-all peak (:func:`tfremat.budget.parse_budget` of
 compiled step's peak as the bytes its operations request (what the prediction models) and
 as the BFC allocator's peak (which adds chunk rounding), the prediction error against the
 requested bytes, the median step time, and memory and time ratios to plain Keras training
-(``model.train_on_batch``, the step ``model.fit`` runs). In the same run:
+(``model.train_on_batch``, the step ``model.fit`` runs). Each step is timed in turns with the
+plain one (:func:`tfremat.measure.time_in_turns`): its time ratio is the median of the
+per-round ratios, with their quartiles, so a change of load on a shared machine slows both
+steps of a round instead of reading as overhead. In the same run:
 ``tf.recompute_grad`` over sqrt(n) segments of the layer sequence and
 ``keras.RematScope(mode="full")``.
 
@@ -48,6 +51,7 @@ from tfremat.extract import TensorRef, extract  # noqa: E402
 from tfremat.extract.layer_graph import walk_model  # noqa: E402
 from tfremat.ilp.formulation import memory_lower_bound  # noqa: E402
 from tfremat.ilp.portfolio import best_baseline  # noqa: E402
+from tfremat.measure import time_in_turns  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
 from tfremat.plan.simulator import checkpoint_all_peak  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
@@ -120,33 +124,32 @@ def make_batch(model, batch, seed=0):
     return tf.constant(x), tf.constant(y)
 
 
-def median_seconds(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        tf.nest.flatten(fn())[0].numpy()
-        times.append(time.perf_counter() - started)
-    return float(np.median(times))
-
-
-def measure(step, x, y, variables, repeats):
-    """Peaks (graph convention) and median seconds of ``step(x, y)``: ``((requested,
-    allocator), seconds)``. The requested bytes are what the step's operations ask for, the
-    figure the prediction models; the allocator's peak adds BFC chunk rounding, which swings
-    by tens of MiB between runs of the same step (README, known limits)."""
+def peaks(step, x, y, variables):
+    """Peaks of ``step(x, y)`` in the graph convention: ``(requested, allocator)``. The
+    requested bytes are what the step's operations ask for, the figure the prediction
+    models; the allocator's peak adds BFC chunk rounding, which swings by tens of MiB between
+    runs of the same step (README, known limits)."""
     requested = measure_step_peak(step, x, y, resident=variables, count="requested")
     allocator = measure_step_peak(step, x, y, resident=variables)
-    return (requested, allocator), median_seconds(lambda: step(x, y), repeats)
+    return requested, allocator
 
 
-def plain_fit(build, x, y, loss, repeats):
-    """``model.train_on_batch``: the compiled train function ``model.fit`` runs per batch."""
+def measure(step, x, y, variables, repeats, plain):
+    """``(peaks, timing)`` of ``step(x, y)``: its :func:`peaks`, then ``repeats`` rounds
+    timed in turns with the plain step ``plain(x, y)`` (a :class:`tfremat.measure.TurnTiming`)."""
+    measured = peaks(step, x, y, variables)
+    return measured, time_in_turns(lambda: step(x, y), lambda: plain(x, y), repeats)
+
+
+def plain_fit(build, x, y, loss):
+    """``model.train_on_batch``: the compiled train function ``model.fit`` runs per batch;
+    its peaks and the step, which every other step is timed against."""
     model = build()
     optimizer = keras.optimizers.SGD(0.01)
     model.compile(optimizer=optimizer, loss=loss)
     optimizer.build(model.trainable_variables)
     step = lambda a, b: tf.constant(model.train_on_batch(a, b))  # noqa: E731
-    return measure(step, x, y, list(model.variables) + list(optimizer.variables), repeats)
+    return peaks(step, x, y, list(model.variables) + list(optimizer.variables)), step
 
 
 def _segments(calls, count):
@@ -155,7 +158,7 @@ def _segments(calls, count):
     return [calls[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def recompute_grad_step(build, x, y, loss_fn, repeats):
+def recompute_grad_step(build, x, y, loss_fn, repeats, plain):
     """``tf.recompute_grad`` over sqrt(n) contiguous segments of the model's layer calls.
 
     Each segment takes every tensor produced before it that it or a later layer reads and
@@ -212,14 +215,14 @@ def recompute_grad_step(build, x, y, loss_fn, repeats):
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    return measure(step, x, y, list(model.variables) + list(optimizer.variables), repeats)
+    return measure(step, x, y, list(model.variables) + list(optimizer.variables), repeats, plain)
 
 
 def _reads(segment):
     return {(r.source, r.index, r.output_index) for c in segment for r in c.inputs}
 
 
-def remat_scope_step(build, x, y, loss, repeats, run_eagerly):
+def remat_scope_step(build, x, y, loss, repeats, run_eagerly, plain):
     """Keras' own rematerialization: every layer built under ``keras.RematScope(mode="full")``.
 
     On the TensorFlow backend it wraps layer calls in ``tf.custom_gradient``, which refuses
@@ -232,7 +235,7 @@ def remat_scope_step(build, x, y, loss, repeats, run_eagerly):
     model.compile(optimizer=optimizer, loss=loss, run_eagerly=run_eagerly)
     optimizer.build(model.trainable_variables)
     step = lambda a, b: tf.constant(model.train_on_batch(a, b))  # noqa: E731
-    return measure(step, x, y, list(model.variables) + list(optimizer.variables), repeats)
+    return measure(step, x, y, list(model.variables) + list(optimizer.variables), repeats, plain)
 
 
 def choose_schedule(graph, budget, strategy, time_limit=60, threads=2):
@@ -253,8 +256,7 @@ def bench_model(label, build, batch, strategy, repeats):
     probe = build()
     x, y = make_batch(probe, batch)
     loss = "categorical_crossentropy"
-    plain_peak, plain_time = plain_fit(build, x, y, loss, repeats)
-    rows.append(("plain Keras (train_on_batch)", "-", None, plain_peak, plain_time, ""))
+    plain_peak, plain = plain_fit(build, x, y, loss)
     model = build()
     optimizer = keras.optimizers.SGD(0.01)
     extraction = extract(model, (x, y), loss=loss, optimizer=optimizer, cost_model="profile")
@@ -279,29 +281,32 @@ def bench_model(label, build, batch, strategy, repeats):
             variable.assign(value)
         predicted = simulate(graph, schedule).peak_bytes
         step = compile_step(extraction, schedule)
-        peak, seconds = measure(step, x, y, variables, repeats)
+        peak, timing = measure(step, x, y, variables, repeats, plain)
         note = f"{schedule.recompute_count} recomputations, {step.report.costly_vjp_rebuilds} costly VJP rebuilds"
-        rows.append((name, schedule.strategy, predicted, peak, seconds, note))
-        logger.info("%s %s: predicted %.1f MiB requested %.1f MiB allocator %.1f MiB %.3f s", label, name,
-                    predicted / MiB, peak[0] / MiB, peak[1] / MiB, seconds)
-    rg_peak, rg_time = recompute_grad_step(build, x, y, extraction.side_table.loss_fn, repeats)
+        rows.append((name, schedule.strategy, predicted, peak, timing, note))
+        logger.info("%s %s: predicted %.1f MiB requested %.1f MiB allocator %.1f MiB %.3f s (%.2fx plain)", label,
+                    name, predicted / MiB, peak[0] / MiB, peak[1] / MiB, timing.seconds, timing.ratio)
+    rg_peak, rg_time = recompute_grad_step(build, x, y, extraction.side_table.loss_fn, repeats, plain)
     rows.append(("tf.recompute_grad, sqrt(n) segments", "-", None, rg_peak, rg_time, "BN/dropout run twice"))
     try:
-        rs_peak, rs_time = remat_scope_step(build, x, y, loss, repeats, run_eagerly=False)
+        rs_peak, rs_time = remat_scope_step(build, x, y, loss, repeats, run_eagerly=False, plain=plain)
         rows.append(('keras.RematScope(mode="full")', "-", None, rs_peak, rs_time, ""))
     except ValueError as err:
         reason = str(err).split("\n")[2].replace("\x1b[1m", "").replace("\x1b[0m", "").strip()[:110]
         rows.append(('keras.RematScope(mode="full")', "fails", None, None, None, f"compiled step: {reason}"))
-        rs_peak, rs_time = remat_scope_step(build, x, y, loss, repeats, run_eagerly=True)
+        rs_peak, rs_time = remat_scope_step(build, x, y, loss, repeats, run_eagerly=True, plain=plain)
         rows.append(('keras.RematScope(mode="full"), run_eagerly', "-", None, rs_peak, rs_time, "eager execution"))
-    return reference, rows, plain_peak, plain_time
+    timed = [row[4].reference_seconds for row in rows if row[4] is not None]
+    plain_row = ("plain Keras (train_on_batch)", "-", None, plain_peak, None, "")
+    return reference, [plain_row, *rows], plain_peak, float(np.median(timed))
 
 
 NOTES = [
     "## Notes",
     "",
-    "- Step times come from a 2-core machine shared with other jobs: the same schedule timed at "
-    "several budgets shows the spread (10-20% between rows is noise).",
+    "- Step times come from a 2-core machine shared with other jobs. Each step is timed in turns "
+    "with the plain one, so a load that changes between rows does not move the ratio; a load that "
+    "changes within rounds widens the spread column.",
     "- Allocator peaks of convolution-heavy steps vary between runs (CPU convolution scratch "
     "buffers), for plain Keras as much as for tfremat; the U-Nets' peaks are dominated by them, "
     "which is also why no heuristic fits their budgets below 60-80% of the checkpoint-all peak "
@@ -323,13 +328,15 @@ def render(results, strategy, repeats, argv=None):
         header(argv),
         "",
         f"TensorFlow {tf.__version__}, Keras {keras.__version__}, CPU, `TF_NUM_INTEROP_THREADS=1`, "
-        f"`TF_CPU_ALLOCATOR_USE_BFC=true`; schedule: `{strategy}`; step time: median of {repeats} steps. "
+        f"`TF_CPU_ALLOCATOR_USE_BFC=true`; schedule: `{strategy}`; step time: median of {repeats} steps, each "
+        "timed in turn with a plain step (`time / plain`: the median of the per-round ratios, "
+        "`spread`: their first and third quartile). "
         "Peaks are in the graph's convention (step peak above the bytes allocated before it, plus "
         "variables, optimizer slots and the batch): requested = bytes the step's operations request "
         "(what the prediction models), allocator = the BFC allocator's peak (adds chunk rounding that "
         "swings between runs). Error = requested / predicted - 1. Memory ratios compare requested "
-        "bytes, time ratios median step times, to plain Keras `train_on_batch` (what `model.fit` runs "
-        "per batch).",
+        "bytes, and time, to plain Keras `train_on_batch` (what `model.fit` runs per batch); the plain "
+        "row's step time is the median over all its rounds.",
         "",
     ]
     for label, (reference, rows, plain_peak, plain_time) in results.items():
@@ -339,19 +346,24 @@ def render(results, strategy, repeats, argv=None):
             f"Checkpoint-all predicted peak: {reference / MiB:.1f} MiB.",
             "",
             "| run | schedule | predicted MiB | requested MiB | error | allocator MiB | memory / plain | step s "
-            "| time / plain | notes |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| time / plain | spread | notes |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for name, sched, predicted, peak, seconds, note in rows:
+        for name, sched, predicted, peak, timing, note in rows:
             if peak is None:
-                lines.append(f"| {name} | {sched} | | | | | | | | {note} |")
+                lines.append(f"| {name} | {sched} | | | | | | | | | {note} |")
                 continue
             requested, allocator = peak
             pred = f"{predicted / MiB:.1f}" if predicted else ""
             err = f"{(requested / predicted - 1) * 100:+.1f}%" if predicted else ""
+            if timing is None:  # the plain step itself
+                time_cells = f"{plain_time:.3f} | 1.00 | "
+            else:
+                low, high = timing.ratio_quartiles
+                time_cells = f"{timing.seconds:.3f} | {timing.ratio:.2f} | {low:.2f}-{high:.2f}"
             lines.append(
                 f"| {name} | {sched} | {pred} | {requested / MiB:.1f} | {err} | {allocator / MiB:.1f} | "
-                f"{requested / plain_peak[0]:.2f} | {seconds:.3f} | {seconds / plain_time:.2f} | {note} |"
+                f"{requested / plain_peak[0]:.2f} | {time_cells} | {note} |"
             )
         lines.append("")
     lines += NOTES
@@ -362,7 +374,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="best",
                         help='"best" (the cheapest fitting heuristic, best_baseline) or a strategy name')
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed rounds per configuration, each with one plain step")
     parser.add_argument("--out", default=None, help=f"markdown file to write (default {DEFAULT_OUT}; required "
                         "with --only, so a partial run does not replace the full table)")
     parser.add_argument("--only", default=None, help="run only models whose label contains this")
