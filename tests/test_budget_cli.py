@@ -472,3 +472,34 @@ def test_cli_granularity_flag_chooses_the_graph_nodes_and_refuses_an_unknown_lev
     assert out.returncode == 2 and one_error_line(out.stderr) and "granularity" in out.stderr, out.stderr
     out = run_cli("plan", "--help")
     assert out.returncode == 0 and "--granularity" in out.stdout
+
+
+def test_cli_plan_writes_a_schedule_only_to_schedule_out(tmp_path, monkeypatch, capsys):
+    """Without --schedule_out, plan wrote <model path>_optimal_schedule.json into the
+    current directory, which neither --help nor the README said (issue 34). Run in this
+    process, as the flags parse for the tool."""
+    pytest.importorskip("tensorflow")
+    from tests.test_cache_api import dense_classifier
+    from tfremat import cli
+
+    model_path = tmp_path / "dense.keras"
+    dense_classifier().save(model_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_catch_sigint", lambda: None)  # leaves pytest's Ctrl-C handler alone
+    common = ["tfremat", "plan", f"--model={model_path}", "--batch=2", "--budget=100%", "--strategy=checkpoint_all",
+              "--cost_model=flops", "--nocache", "--json"]
+    records = []
+    for extra in ([], [f"--schedule_out={tmp_path / 'out' / 's.json'}"]):
+        (tmp_path / "out").mkdir(exist_ok=True)
+        try:
+            cli.main(cli._parse(common + extra))
+        finally:
+            cli.FLAGS.unparse_flags()
+        records.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+        if not extra:
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["dense.keras", "out"]
+            assert not any((tmp_path / "out").iterdir())
+    assert "schedule_out" not in records[0] and records[1]["schedule_out"] == str(tmp_path / "out" / "s.json")
+    assert {"R", "S"} <= set(json.loads((tmp_path / "out" / "s.json").read_text()))
+    assert records[0]["predicted_peak_bytes"] == records[1]["predicted_peak_bytes"]
+    assert "without it nothing is written" in cli._command_help("plan")

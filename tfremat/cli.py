@@ -4,7 +4,7 @@ Commands:
   strategies   list the strategy names
   solve        plan a graph file with one strategy and print the result as JSON
   graph        extract a Keras model's training graph to JSON
-  plan         plan a Keras model with one strategy; print a table, write the schedule
+  plan         plan a Keras model with one strategy; print a table (the schedule with --schedule_out)
   compare      plan a Keras model with every strategy at one budget
   maxbatch     the largest batch that fits a budget, per strategy
   plot         memory-over-the-step and overhead-vs-budget PNGs
@@ -53,7 +53,8 @@ flags.DEFINE_string(
     'checkpoint-all peak ("80%"). Default: no budget.',
 )
 flags.DEFINE_float("time_limit", None, "Solver time limit in seconds for the MILP strategies (default 60; inf: none).")
-flags.DEFINE_string("schedule_out", None, "Write the schedule (R, S, execution order, graph fingerprint) to this JSON file.")
+flags.DEFINE_string("schedule_out", None, "Write the schedule (R, S, execution order, graph fingerprint) to this JSON "
+                    "file; without it nothing is written.")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of a human-readable summary.")
 flags.DEFINE_string("model", None, "A Keras Applications constructor name (resnet50, mobilenet_v2, vgg16, ...; weights=None) or a saved .keras file.")
 flags.DEFINE_string("input_shape", None, "Input shape without the batch, e.g. 128,128,3 (optional for a saved "
@@ -85,7 +86,7 @@ COMMANDS = {
     "strategies": "list the strategy names",
     "solve": "plan a graph file with one strategy",
     "graph": "extract a Keras model's training graph to JSON",
-    "plan": "plan a Keras model with one strategy; print a table and write the schedule",
+    "plan": "plan a Keras model with one strategy; print a table (and write the schedule with --schedule_out)",
     "compare": "plan a Keras model with every strategy at one budget",
     "maxbatch": "the largest batch that fits a budget, per strategy",
     "plot": "memory over the step per strategy, and overhead against budget (PNG)",
@@ -338,11 +339,13 @@ def cmd_plan() -> None:
     strategy = FLAGS.strategy or "optimal"
     extraction = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache, strategies=[strategy])
     result = plan_graph(extraction.graph, FLAGS.budget, strategy, cache=FLAGS.cache, **_milp_options(strategy))
-    out = FLAGS.schedule_out or f"{FLAGS.model.replace('/', '_').removesuffix('.keras')}_{strategy}_schedule.json"
-    with open(out, "w") as f:
-        json.dump(result.schedule.to_dict(extraction.graph, list(extraction.graph.names)), f)
-    record = {**result.summary(), "schedule_out": out}
-    print(json.dumps(record) if FLAGS.json else _table([record], _PLAN_COLUMNS) + f"\nschedule written to {out}")
+    record = result.summary()
+    if FLAGS.schedule_out:
+        with open(FLAGS.schedule_out, "w") as f:
+            json.dump(result.schedule.to_dict(extraction.graph, list(extraction.graph.names)), f)
+        record["schedule_out"] = FLAGS.schedule_out
+    written = f"\nschedule written to {FLAGS.schedule_out}" if FLAGS.schedule_out else ""
+    print(json.dumps(record) if FLAGS.json else _table([record], _PLAN_COLUMNS) + written)
 
 
 def cmd_compare() -> None:
@@ -493,8 +496,6 @@ def _check_output_paths(command: str) -> None:
     outputs = []
     if "schedule_out" in COMMAND_FLAGS[command] and FLAGS.schedule_out:
         outputs.append(("--schedule_out", Path(FLAGS.schedule_out), "file"))
-    elif command == "plan":
-        outputs.append(("the schedule file (set --schedule_out)", Path.cwd() / "schedule.json", "file"))
     if "out" in COMMAND_FLAGS[command] and FLAGS.out:
         outputs.append(("--out", Path(FLAGS.out), "folder" if command == "plot" else "file"))
     for flag, path, kind in outputs:

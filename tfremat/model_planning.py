@@ -17,33 +17,54 @@ from tfremat.planner import PlanResult, check_cache_argument, plan_graph
 from tfremat.strategies import get_strategy
 
 __all__ = [
-    "plan_model", "extract_model", "wants_implementations", "check_keras_model", "sample_batch", "check_batch_ranks", "loss_and_optimizer",
+    "plan_model", "extract_model", "wants_implementations", "check_keras_model", "sample_batch", "build_from_batch",
+    "check_batch_ranks", "loss_and_optimizer",
     "keras_optimizer", "synthetic_batch",
 ]
 
 
 def check_keras_model(model) -> None:
-    """Raises ArgumentError unless ``model`` is a ``keras.Model`` (None got as far as the
-    loss lookup and was told to compile itself)."""
+    """Raises unless ``model`` is a Functional or Sequential ``keras.Model``, before any work
+    (None got as far as the loss lookup and was told to compile itself; a subclassed model
+    reached ``model.inputs`` and failed there with an ``AttributeError``).
+
+    Raises:
+        ArgumentError: ``model`` is no ``keras.Model``.
+        ExtractionError: a subclassed model (:func:`~tfremat.extract.layer_graph.require_functional`).
+            A Sequential model without an ``Input`` passes: :func:`sample_batch` builds it.
+    """
     import keras
+
+    from tfremat.extract.layer_graph import require_functional
 
     if not isinstance(model, keras.Model):
         hint = "; a DFGraph is planned by tfremat.planner.plan_graph / compare_graph" if isinstance(model, DFGraph) else ""
         raise ArgumentError(f"model must be a keras.Model (Functional or Sequential), got {type(model).__name__}{hint}")
+    if not isinstance(model, keras.Sequential):
+        require_functional(model)
 
 
-def sample_batch(x, y, batch_size: int | None):
+def sample_batch(model, x, y, batch_size: int | None):
     """One batch (x, y) from arrays or a ``tf.data.Dataset``, for extraction.
 
     Every input and label array is checked, not x's first alone: a label array shorter
-    than the batch reached Keras as a shape error, a Python list as an AttributeError.
+    than the batch reached Keras as a shape error, a Python list as an AttributeError. A
+    Sequential ``model`` without an ``Input`` is built from the batch's shape first, as
+    ``model.fit`` builds it on its first batch; then the batch's ranks are checked against
+    the model's inputs (:func:`check_batch_ranks`), before the sample counts, which an
+    unbatched dataset's single samples would fail with a misleading count.
     """
     import tensorflow as tf
 
     if isinstance(x, tf.data.Dataset):
-        element = next(iter(x.take(1)))
+        element = next(iter(x.take(1)), None)
+        if element is None:
+            raise ArgumentError("x: the tf.data.Dataset yields no batch (it is empty): the schedule is planned on its "
+                                "first batch; pass a dataset holding the training data")
         if not isinstance(element, (tuple, list)) or len(element) < 2:
             raise ArgumentError("x: a tf.data.Dataset must yield (x, y) batches")
+        build_from_batch(model, element[0])
+        check_batch_ranks(model, element[0])
         return element[0], element[1]
     if x is None or y is None:
         raise ArgumentError(f"{'x' if x is None else 'y'}=None: pass x and y (arrays), or x as a tf.data.Dataset "
@@ -52,19 +73,28 @@ def sample_batch(x, y, batch_size: int | None):
         raise TfrematError("batch_size is needed with array inputs: it fixes the shapes the schedule is planned for")
     if not is_int(batch_size) or batch_size < 1:
         raise ArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
-    for argument, data, holds in (("x", x, "inputs"), ("y", y, "outputs")):
-        for array in tf.nest.flatten(data):
+    arrays = {"x": tf.nest.flatten(x), "y": tf.nest.flatten(y)}
+    for argument, holds in (("x", "inputs"), ("y", "outputs")):
+        for array in arrays[argument]:
             shape = getattr(array, "shape", None)
             if shape is None or len(shape) == 0:
+                data = x if argument == "x" else y
                 raise ArgumentError(
                     f"{argument} must be arrays with a sample axis (NumPy arrays or tensors, a list or dict of them "
                     f"for several model {holds}), got a {type(data).__name__} holding a {type(array).__name__}; "
                     f"convert it with np.asarray({argument}), or pass x as a tf.data.Dataset of (x, y) batches"
                 )
-            samples = int(shape[0])
+    build_from_batch(model, x)
+    check_batch_ranks(model, x)
+    for argument, data in arrays.items():
+        for array in data:
+            samples = int(array.shape[0])
+            if samples == 0:
+                raise ArgumentError(f"{argument} is empty (an array of shape {tuple(array.shape)}): the schedule is "
+                                    "planned on one batch of the training data; pass the data")
             if samples < batch_size:
                 raise ArgumentError(
-                    f"{argument} has {samples} samples (an array of shape {tuple(shape)}), fewer than "
+                    f"{argument} has {samples} samples (an array of shape {tuple(array.shape)}), fewer than "
                     f"batch_size={batch_size}: the schedule is planned for one full batch; pass at least that many "
                     "samples or a smaller batch_size"
                 )
@@ -72,17 +102,33 @@ def sample_batch(x, y, batch_size: int | None):
     return take(x), take(y)
 
 
+def build_from_batch(model, x) -> None:
+    """Builds a Sequential ``model`` that has no ``Input`` (and was never called) for inputs
+    shaped like the batch ``x`` (any batch size), as ``model.fit`` builds it on its first
+    batch; the extraction reads the layer graph, which building makes. Other models, and
+    a batch of several inputs (a Sequential model takes one), are left alone."""
+    import keras
+
+    from tfremat.extract.layer_graph import functional_view
+
+    if isinstance(model, keras.Sequential) and functional_view(model) is None and hasattr(x, "shape"):
+        model.build((None, *x.shape[1:]))
+
+
 def check_batch_ranks(model, x) -> None:
-    """Raises ArgumentError when the batch ``x`` (from :func:`sample_batch`) lacks the batch
-    axis of ``model``'s inputs: an unbatched ``tf.data.Dataset`` yields single samples, whose
-    first axis would otherwise be taken for the batch."""
+    """Raises ArgumentError when the batch ``x`` lacks the batch axis of ``model``'s inputs:
+    an unbatched ``tf.data.Dataset`` yields single samples, whose first axis would
+    otherwise be taken for the batch."""
     import tensorflow as tf
 
-    for tensor, spec in zip(tf.nest.flatten(x), model.inputs):
+    from tfremat.extract.layer_graph import require_functional
+
+    for tensor, spec in zip(tf.nest.flatten(x), require_functional(model).inputs):
         if len(tensor.shape) == len(spec.shape) - 1:
             raise ArgumentError(
                 f"x holds single samples of shape {tuple(tensor.shape)} where the model takes batches of shape "
-                f"{tuple(spec.shape)}: batch the dataset (dataset.batch(batch_size)) before passing it"
+                f"{tuple(spec.shape)}: batch the dataset (dataset.batch(batch_size)) before passing it (arrays need "
+                "a first axis of samples)"
             )
 
 
@@ -141,7 +187,8 @@ def plan_model(
     """Extracts ``model``'s training graph and chooses a schedule, without training.
 
     Args:
-        model: a built Keras Functional or Sequential model.
+        model: a Keras Functional or Sequential model (a Sequential one without ``Input`` is
+            built from the first batch, as ``model.fit`` builds it).
         budget: see :func:`plan_graph`; relative budgets refer to this batch's checkpoint-all peak.
         x, y: data (arrays with ``batch_size``, or a ``tf.data.Dataset`` of batches) whose
             first batch fixes the shapes.
@@ -191,8 +238,7 @@ def extract_model(model, x, y, *, batch_size, loss, optimizer, cost_model: str, 
     check_keras_model(model)
     check_cache_argument(cache)
     training = loss_and_optimizer(model, loss, optimizer)
-    batch = sample_batch(x, y, batch_size)
-    check_batch_ranks(model, batch[0])
+    batch = sample_batch(model, x, y, batch_size)
     return extract(model, sample_batch=batch, cost_model=cost_model, granularity=granularity,
                    use_cache=cache is not False and cache is not None, implementations=implementations, **training)
 
@@ -243,7 +289,9 @@ def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", 
     real values for regression losses (mse, mae, huber, ...), one-hot for any other.
 
     Args:
-        model: a Keras model with static shapes apart from the batch.
+        model: a Keras model with static shapes apart from the batch (else ArgumentError,
+            naming the input and the axis: a keras-hub model built with ``sequence_length``
+            None failed with a ``TypeError``).
         batch_size: the batch size.
         loss: as ``model.compile`` takes it: a name, a Keras loss or function, or a list or
             dict of them by output (an output without a loss gets one-hot labels).
@@ -267,7 +315,18 @@ def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", 
     )
     from tfremat.extract.losses import per_output
 
-    require_functional(model)
+    graph = require_functional(model)
+    for index, (tensor, name) in enumerate(zip(graph.inputs, model_input_names(model))):
+        unknown = [axis for axis, size in enumerate(tensor.shape) if axis > 0 and size is None]
+        if unknown:
+            example = tuple(128 if size is None else size for size in tensor.shape[1:])
+            raise ArgumentError(
+                f"model input {index} ({name!r}) has shape {tuple(tensor.shape)}: axis {unknown[0]} is unknown (None), and a "
+                "made-up batch needs every axis but the batch fixed; give it a fixed length: build (and save) the "
+                f"model on keras.Input(shape={example}), or wrap it: inputs = keras.Input(shape={example}, "
+                f"dtype={tensor.dtype!r}); keras.Model(inputs, model(inputs)); or plan on your own batches, whose "
+                "shapes fix it (tfremat.plan_model(model, budget, x, y), tfremat.fit)"
+            )
     rng = None if seed is None else np.random.default_rng(seed)
 
     def array(shape, dtype, draw):

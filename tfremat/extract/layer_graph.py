@@ -88,9 +88,11 @@ def require_functional(model):
             layer=model.name,
         )
     raise ExtractionError(
-        f"model {model.name!r} is a subclassed model without a functional graph; tfremat needs "
-        "the layer DAG. Rebuild it with the functional API (keras.Input + layer calls) or as a "
-        "keras.Sequential, or wrap the subclassed model as one layer inside a functional model.",
+        f"model {model.name!r} is a subclassed model without a functional graph (layers in __init__, logic in "
+        "call), which tfremat does not open yet: build the same layers with the functional API (keras.Input + "
+        "layer calls), or wrap it: inputs = keras.Input(shape); wrapped = keras.Model(inputs, model(inputs)), "
+        "then compile and train the wrapper (its call is opened into layer calls where they are plain layers and "
+        "keras.ops)",
         layer=model.name,
     )
 

@@ -27,7 +27,9 @@ would. It stays one node, with the reason logged once per layer class, when:
 ``granularity`` chooses how far to open (:data:`GRANULARITIES`): ``"layer"`` opens nothing
 (a node per top-level layer call, nested models flattened), ``"sublayer"`` opens every layer
 that holds sublayers (custom blocks, ``MultiHeadAttention``, keras-hub's transformer blocks),
-``"op"`` also opens variable-free layers whose ``call`` composes several operations.
+``"op"`` also opens variable-free layers whose ``call`` composes several operations. A
+subclassed ``keras.Model`` called inside a functional model is opened as a custom block is
+(the way tfremat plans a subclassed model); a functional one is flattened by the walker.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def open_layer(layer, node, granularity: str, inputs):
     the enclosing graph. Its nodes are recorded on the sublayers;
     :func:`detach_recorded_nodes` removes them once walked.
     """
-    if granularity == "layer" or not isinstance(layer, keras.layers.Layer) or isinstance(layer, keras.Model):
+    if granularity == "layer" or not isinstance(layer, keras.layers.Layer):
         return None
     has_sublayers = bool(layer._flatten_layers(include_self=False, recursive=False))
     if not has_sublayers and granularity != "op":
