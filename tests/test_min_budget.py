@@ -37,19 +37,25 @@ def test_min_spellings():
             check_budget(wrong)
 
 
-def test_forward_share_is_one_forward_pass_over_the_step():
-    from tfremat.strategies import forward_share
+def test_min_keeps_to_one_forward_pass_and_at_most_half_a_step():
+    from tfremat.graph import DFGraph
+    from tfremat.strategies import MIN_OVERHEAD_CAP, forward_share, min_overhead
 
     graph = training_graph([(0, 1), (1, 2)], [4, 4, 4], costs=[1.0, 2.0, 3.0])
     # forward 1 + 2 + 3; loss 1; backward 2 * (1 + 2 + 3)
-    assert forward_share(graph) == pytest.approx(6 / 19)
+    assert forward_share(graph) == min_overhead(graph) == pytest.approx(6 / 19)
+    # A profile where the backward costs less than the forward (small ops' fixed time).
+    cheap_backward = [cost if not backward else 0.5 for cost, backward in zip(graph.cost, graph.is_backward)]
+    lopsided = DFGraph(graph.names, graph.edges, cheap_backward, graph.output_bytes, graph.workspace_bytes,
+                       graph.is_backward, graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, "lopsided")
+    assert forward_share(lopsided) == pytest.approx(6 / 8) and min_overhead(lopsided) == MIN_OVERHEAD_CAP == 0.5
 
 
 @pytest.mark.parametrize("graph", _GRAPHS, ids=lambda g: g.name)
-def test_min_is_the_least_budget_the_search_finds_within_one_forward_pass(graph, monkeypatch):
+def test_min_is_the_least_budget_the_search_finds_within_its_overhead(graph, monkeypatch):
     import tfremat.strategies as strategies
 
-    bound = strategies.forward_share(graph)
+    bound = strategies.min_overhead(graph)
     eviction, probes = strategies.eviction, {}
 
     def recording(g, budget):
@@ -75,15 +81,15 @@ def test_min_is_the_least_budget_the_search_finds_within_one_forward_pass(graph,
 
 
 def test_min_keeps_to_the_bound_where_absolute_min_does_not():
-    from tfremat.strategies import forward_share, least_peak
+    from tfremat.strategies import least_peak, min_overhead
 
     graph = _chain(16)
     absolute = plan_graph(graph, "absolute min", "eviction", cache=False, verbose=0)
     assert absolute.budget_bytes == least_peak(graph)
-    assert absolute.overhead > forward_share(graph)  # recomputing to the least peak costs more than a pass
+    assert absolute.overhead > min_overhead(graph)  # recomputing to the least peak costs more than a pass
     bounded = plan_graph(graph, "min", "eviction", cache=False, verbose=0)
     assert absolute.budget_bytes <= bounded.budget_bytes < checkpoint_all_peak(graph)
-    assert bounded.overhead <= forward_share(graph)
+    assert bounded.overhead <= min_overhead(graph)
 
 
 def test_min_is_the_same_from_run_to_run():

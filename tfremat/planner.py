@@ -38,10 +38,10 @@ from tfremat.plan.registry import (
 from tfremat.plan.schedule import Schedule, SolverFacts
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
 from tfremat.strategies import (
-    forward_share,
     get_strategy,
     least_budget_within,
     least_peak,
+    min_overhead,
     offloading_strategy_names,
     solver_strategy_names,
     strategy_names,
@@ -245,8 +245,8 @@ def plan_graph(
 
 def resolve_min_budget(graph: DFGraph, budget):
     """``budget``, with ``"min"`` replaced by the least budget at which a schedule
-    recomputes at most one forward pass (:func:`least_budget_within` at
-    :func:`forward_share`) and ``"absolute min"`` by the least peak a heuristic reaches at
+    recomputes at most one forward pass, and at most half a step (:func:`least_budget_within`
+    at :func:`min_overhead`), and ``"absolute min"`` by the least peak a heuristic reaches at
     any cost (:func:`least_peak`), in bytes (logged)."""
     if budget is None or budget_kind(budget) != MIN_BUDGET:
         return budget
@@ -255,10 +255,10 @@ def resolve_min_budget(graph: DFGraph, budget):
         logger.info("budget 'absolute min': %s, the least peak a heuristic reaches on %s", format_bytes(least),
                     graph.name)
         return least
-    one_pass = forward_share(graph)
-    least = least_budget_within(graph, one_pass)
-    logger.info("budget 'min': %s, the least at which a schedule of %s recomputes at most one forward pass (+%.1f%%)",
-                format_bytes(least), graph.name, 100 * one_pass)
+    bound = min_overhead(graph)
+    least = least_budget_within(graph, bound)
+    logger.info("budget 'min': %s, the least at which a schedule of %s recomputes at most one forward pass, +%.1f%%",
+                format_bytes(least), graph.name, 100 * bound)
     return least
 
 
