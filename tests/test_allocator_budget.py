@@ -1,0 +1,85 @@
+"""A share budget held for the allocator's peak (issue 33, ``allocator_check=True``).
+
+A share ("90%", "85% of activations") resolves to bytes of the batch shape's checkpoint-all
+prediction; the callback's ``allocator_check`` then runs the step, and plans again under
+the allocator's excess, exactly as for an amount of memory.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfremat
+import tfremat.keras as remat_keras
+from tfremat.keras import RematCallback
+from tfremat.plan.simulator import simulate
+
+# The allocator's peak may move by a chunk between two runs of one step (BFC, memory module
+# docstring); the same slack as the memory tests of tests/test_static_graph.py.
+MEASURE_SLACK_BYTES = 2 * 2**20
+BATCH = 16
+
+
+def five_conv_net(seed=0):
+    """The shape of the issue's report: 3x3 convolutions at full resolution, float32, Adam."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((32, 32, 3))
+    hidden = inputs
+    for _ in range(5):
+        hidden = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(hidden)
+    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="categorical_crossentropy")
+    return model
+
+
+def batch(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((BATCH, 32, 32, 3)).astype("float32")
+    return x, np.eye(10, dtype="float32")[rng.integers(0, 10, BATCH)]
+
+
+@pytest.mark.parametrize("budget", ["85% of activations", "90%"])
+def test_a_share_is_held_for_the_allocator(budget, monkeypatch):
+    measured = []
+    real_peak = remat_keras.allocator_peak
+
+    def recording_peak(*args, **kwargs):
+        measured.append(real_peak(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(remat_keras, "allocator_peak", recording_peak)
+    model, (x, y) = five_conv_net(), batch()
+    callback = RematCallback(budget, time_limit=20, cache=False, allocator_check=True, verbose=0)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    (plan,) = callback.plans.values()
+    assert measured, "the share was not checked against the allocator"
+    assert measured[-1] <= plan.budget_bytes, (measured, plan.budget_bytes)
+    # Measured again after training, in the same process: still within the budget.
+    (step,) = callback._steps.values()
+    again = real_peak(step, model, tf.constant(x), tf.constant(y))
+    assert again <= plan.budget_bytes + MEASURE_SLACK_BYTES, (again, plan.budget_bytes)
+
+
+def test_a_share_is_planned_again_under_the_allocator_excess(monkeypatch):
+    """The re-planning path for a share, with the allocator's excess made up: a tenth of
+    the checkpoint-all step's activation bytes above the prediction, on every plan."""
+    model, (x, y) = five_conv_net(), batch()
+    reference = tfremat.plan_model(model, None, x, y, batch_size=BATCH, strategy="checkpoint_all",
+                                   cost_model="flops", cache=False, verbose=0)
+    excess = (reference.checkpoint_all_peak_bytes - reference.graph.fixed_bytes) // 10
+    planned = []
+
+    def chunky_peak(step, *_args, **_kwargs):
+        planned.append(step.schedule)
+        return simulate(step.graph, step.schedule).peak_bytes + excess
+
+    monkeypatch.setattr(remat_keras, "allocator_peak", chunky_peak)
+    callback = RematCallback("90% of activations", time_limit=20, cost_model="flops", cache=False,
+                             allocator_check=True, verbose=0)
+    callback.set_model(model)
+    callback._step_for(tf.constant(x), tf.constant(y))
+    (result,) = callback.plans.values()
+    assert len(planned) >= 2 and planned[0].recompute_count < planned[-1].recompute_count
+    assert result.predicted_peak_bytes + excess <= result.budget_bytes
