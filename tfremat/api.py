@@ -96,7 +96,8 @@ def fit(
     work, so ``model.fit(..., callbacks=[RematCallback(...)])`` is the same thing).
     The model must be compiled (loss, optimizer, metrics are taken from it). The MILP
     strategies get ``time_limit`` seconds per batch shape (60 unless given; ``math.inf``
-    solves until proven optimal); the schedule's facts say whether it was proven.
+    solves until proven optimal), ``optimal`` less once 5 s of search (CPU time) find nothing cheaper
+    (docs/solver.md); the schedule's facts say whether it was proven.
 
     Args:
         budget: bytes, a string with a unit ("3.5GiB") or a share of each batch shape's

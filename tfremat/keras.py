@@ -33,9 +33,9 @@ from tfremat.extract.checks import refuse_unmodelled_training
 from tfremat.extract.extractor import COST_MODELS
 from tfremat.extract.opening import DEFAULT_GRANULARITY, GRANULARITIES
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
-from tfremat.model_planning import plan_model
+from tfremat.model_planning import extract_model, wants_implementations
 from tfremat.plan.offload import check_bandwidth
-from tfremat.planner import check_cache_argument, plan_graph
+from tfremat.planner import PhaseProgress, check_cache_argument, plan_graph, plan_summary
 from tfremat.runtime.host_link import host_link_bandwidth
 from tfremat.strategies import (
     get_strategy,
@@ -57,7 +57,8 @@ class RematCallback(keras.callbacks.Callback):
         strategy: the strategy name (default "optimal", the MILP).
         solver: MILP solver name ("highs" default, "gurobi" when licensed).
         time_limit: MILP time limit in seconds per batch shape (None: 60 s,
-            ``tfremat.planner.DEFAULT_TIME_LIMIT``; ``math.inf``: until proven optimal).
+            ``tfremat.planner.DEFAULT_TIME_LIMIT``; ``math.inf``: until proven optimal);
+            ``optimal`` also stops once 5 s of search (CPU time) find nothing cheaper (docs/solver.md).
         cost_model: "profile" or "flops" for the extraction.
         granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
         cache: schedule cache (True: default directory; a path; False: off, and the
@@ -78,7 +79,9 @@ class RematCallback(keras.callbacks.Callback):
             the GPU (:func:`~tfremat.runtime.host_link.host_link_bandwidth`), required on a
             machine without one. Refused for the other strategies. Offloading needs
             ``cost_model="profile"`` (costs in seconds).
-        verbose: 0 silences planning progress.
+        verbose: 0 silences the lines written to stderr for a new batch shape, one per phase
+            (extraction, planning, compiling) with its seconds
+            (:class:`~tfremat.planner.PhaseProgress`).
 
     Attributes:
         plans: ``{batch shapes: PlanResult}`` for every shape trained so far.
@@ -133,6 +136,8 @@ class RematCallback(keras.callbacks.Callback):
         self._steps_belong_to: tuple = ()
         self._original_train_function = None
         self._batch_announced = False
+        # The phase lines of a new step, the last closed after its first run (which traces it).
+        self._tracing: PhaseProgress | None = None
 
     # What the compiled steps were planned with; changing one later would leave steps
     # planned for the old value in use, so they are fixed when the callback is built.
@@ -186,18 +191,30 @@ class RematCallback(keras.callbacks.Callback):
         key = tuple(tuple(t.shape) for t in tf.nest.flatten((x, y)))
         if key not in self._steps:
             model = self.model
-            options = ({"solver": self.solver, "time_limit": self.time_limit}
-                       if get_strategy(self.strategy).takes_solver_options else {})
+            takes_solver_options = get_strategy(self.strategy).takes_solver_options
+            options = {"solver": self.solver, "time_limit": self.time_limit} if takes_solver_options else {}
             if get_strategy(self.strategy).offloads:
                 options["bandwidth"] = self.bandwidth
-            # The model's own loss, loss weights and optimizer (plan's defaults).
-            result = plan_model(model, self.budget, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]),
-                          strategy=self.strategy, cost_model=self.cost_model, granularity=self.granularity,
-                          cache=self.cache, verbose=self.verbose, **options)
-            if self.verbose:
-                logger.info("batch shape %s: %s, predicted peak %s (checkpoint all %s), overhead %.1f%%",
-                            key, self.strategy, format_bytes(result.predicted_peak_bytes),
-                            format_bytes(result.checkpoint_all_peak_bytes), 100 * result.overhead)
+            # One line per phase (PhaseProgress): each can take seconds to minutes.
+            shapes = [tuple(t.shape) for t in tf.nest.flatten(x)]
+            phases = PhaseProgress(f"tfremat batch {shapes[0] if len(shapes) == 1 else shapes}", bool(self.verbose))
+            self._tracing = phases  # closed after the first step, or when a phase raises
+            phases.start("extracting the training graph and profiling its layers")
+            # The model's own loss, loss weights and optimizer, as tfremat.plan_model takes them.
+            extraction = extract_model(model, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]), loss=None,
+                                       optimizer=None, cost_model=self.cost_model, cache=self.cache,
+                                       granularity=self.granularity,
+                                       implementations=wants_implementations([self.strategy]))
+            phases.done(f"{extraction.graph.size} nodes (profiling {extraction.profile_seconds:.1f}s)"
+                        if not extraction.cache_hit else f"{extraction.graph.size} nodes, profiles from the cache")
+            phases.start(f"planning with {self.strategy}")
+            progress = {"progress": phases.solver_progress(extraction.graph.total_cost)} if takes_solver_options else {}
+            result = plan_graph(extraction.graph, self.budget, self.strategy, cache=self.cache, verbose=0,
+                                **options, **progress)
+            result = dataclasses.replace(result, extraction=extraction)
+            phases.done(plan_summary(result))
+            logger.info("batch shape %s: %s, %s", key, self.strategy, plan_summary(result))
+            phases.start("compiling the step")
             step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, return_outputs=True)
             if self.allocator_check and result.budget_bytes is not None:
                 result, step = self._within_allocator(result, step, x, y, sample_weight, options)
@@ -263,6 +280,9 @@ class RematCallback(keras.callbacks.Callback):
         except (StopIteration, tf.errors.OutOfRangeError):
             raise  # the end of an epoch's data: Keras catches it and goes on training
         except BaseException:
+            if self._tracing is not None:
+                self._tracing.close()
+                self._tracing = None
             self._restore()
             raise
 
@@ -281,6 +301,9 @@ class RematCallback(keras.callbacks.Callback):
             )
         step = self._step_for(x, y, sample_weight)
         loss, y_pred = step(x, y, sample_weight)
+        if self._tracing is not None:
+            self._tracing.done("traced and ran the first step")
+            self._tracing = None
         model = self.model
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         model._loss_tracker.update_state(loss, sample_weight=batch)

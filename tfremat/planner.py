@@ -49,7 +49,8 @@ from tfremat.strategies import (
 
 __all__ = [
     "PlanResult", "plan_graph", "compare_graph", "strategy_options", "DEFAULT_TIME_LIMIT", "check_cache_argument",
-    "split_solver_options", "summary_row", "resolve_min_budget", "BatchProgress",
+    "split_solver_options", "summary_row", "resolve_min_budget", "BatchProgress", "PhaseProgress",
+    "describe_report", "plan_summary", "DEFAULT_STALL_TIME",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ logger = logging.getLogger(__name__)
 # within 60 s `optimal` proves most budgets optimal and returns the rest with their gap
 # (README, "Solvers on the Checkmate graphs").
 DEFAULT_TIME_LIMIT = 60.0
+DEFAULT_STALL_TIME = 5.0
 
 
 def strategy_options(strategy: str, **options) -> dict:
@@ -69,6 +71,8 @@ def strategy_options(strategy: str, **options) -> dict:
     options = {k: v for k, v in options.items() if v is not None}
     if get_strategy(strategy).takes_solver_options:
         options.setdefault("time_limit", DEFAULT_TIME_LIMIT)
+        if "stall_time" in (option_names(get_strategy(strategy)) or ()):
+            options.setdefault("stall_time", DEFAULT_STALL_TIME)
     return options
 
 
@@ -122,25 +126,114 @@ class PlanResult:
         }
 
 
-class _SolverProgress:
-    """A one-line progress display of the solver's incumbent, bound and gap on stderr."""
+def describe_report(report, total_cost: float) -> str:
+    """A solver's progress report in words, only what is known: seconds, then the best
+    schedule's and the bound's compute as extra time over one plain step (``total_cost``)
+    and the gap between them."""
+    parts = [f"{report.seconds:.1f}s"]
+    if report.incumbent is not None:
+        parts.append(f"best schedule {_extra(report.incumbent, total_cost)}")
+    if report.bound is not None:
+        parts.append(f"bound {_extra(report.bound, total_cost)}")
+    if report.gap is not None:
+        parts.append(f"gap {100 * report.gap:.2f}%")
+    return ", ".join(parts)
 
-    def __init__(self, label: str):
+
+def _extra(cost: float, total_cost: float) -> str:
+    return f"{100 * (cost / total_cost - 1):+.1f}%" if total_cost > 0 else f"{cost:.6g}"
+
+
+class _SolverProgress:
+    """A one-line progress display of the solver's best schedule, bound and gap on stderr
+    (:func:`describe_report`), rewritten in place."""
+
+    def __init__(self, label: str, total_cost: float):
         self.label = label
-        self.shown = False
+        self.total_cost = total_cost
+        self.width = 0
 
     def __call__(self, report) -> None:
-        parts = [f"{self.label}: {report.seconds:6.1f}s"]
-        parts.append(f"incumbent {report.incumbent:.6g}" if report.incumbent is not None else "incumbent -")
-        parts.append(f"bound {report.bound:.6g}" if report.bound is not None else "bound -")
-        parts.append(f"gap {100 * report.gap:.2f}%" if report.gap is not None else "gap -")
-        sys.stderr.write("\r" + " ".join(parts) + "   ")
+        line = f"{self.label}: {describe_report(report, self.total_cost)}"
+        sys.stderr.write("\r" + line.ljust(self.width))
         sys.stderr.flush()
-        self.shown = True
+        self.width = max(self.width, len(line))
 
     def close(self) -> None:
-        if self.shown:
+        if self.width:
             sys.stderr.write("\n")
+
+
+class PhaseProgress:
+    """One stderr line per phase of preparing a training step (extraction, planning,
+    compiling): what is being waited for while it runs, then what it gave and its seconds,
+    since a new batch shape can wait many seconds before its first step. Silent when
+    ``enabled`` is false (``verbose=0``).
+
+    Example: ``tfremat batch (8, 64): extracting the training graph... 89 nodes (profiling
+    9.6s), 10.7s``.
+    """
+
+    def __init__(self, label: str, enabled: bool = True):
+        self.label = label
+        self.enabled = enabled
+        self.what = ""
+        self.started = time.perf_counter()
+        self.width = 0
+
+    def start(self, what: str) -> None:
+        """Announces the phase ``what`` (left open for :meth:`update` and :meth:`done`)."""
+        self.what, self.started = what, time.perf_counter()
+        self._write(f"{self.label}: {what}...")
+
+    def update(self, text: str) -> None:
+        """Rewrites the open phase's line with ``text`` (a solver's progress)."""
+        self._write(f"\r{self.label}: {self.what}: {text}")
+
+    def solver_progress(self, total_cost: float):
+        """A ``progress`` callable for a MILP strategy that shows its reports on this line."""
+        return lambda report: self.update(describe_report(report, total_cost))
+
+    def done(self, result: str) -> float:
+        """Ends the open phase's line with ``result`` and the phase's seconds; returns them."""
+        seconds = time.perf_counter() - self.started
+        self._write(f"\r{self.label}: {self.what}: {result}, {seconds:.1f}s", end="\n")
+        self.width = 0
+        return seconds
+
+    def close(self) -> None:
+        """Ends an open phase's line as it is (the phase raised: its error follows)."""
+        if self.enabled and self.width:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+        self.width = 0
+
+    def _write(self, line: str, end: str = "") -> None:
+        if not self.enabled:
+            return
+        visible = len(line.lstrip("\r"))
+        sys.stderr.write(line + " " * max(self.width - visible, 0) + end)
+        sys.stderr.flush()
+        self.width = max(self.width, visible)
+
+
+def plan_summary(result: PlanResult) -> str:
+    """What a plan gives, in a line: values recomputed, predicted peak against the budget and
+    the checkpoint-all peak, predicted overhead, and for a MILP whether it is proven optimal
+    or its gap and why it stopped."""
+    budget = "" if result.budget_bytes is None else f" within {format_bytes(result.budget_bytes)}"
+    line = (f"{result.schedule.recompute_count} recomputations, predicted peak "
+            f"{format_bytes(result.predicted_peak_bytes)}{budget} (checkpoint all "
+            f"{format_bytes(result.checkpoint_all_peak_bytes)}), predicted overhead {100 * result.overhead:+.1f}%")
+    facts = result.facts
+    if result.from_cache:
+        line += ", from the schedule cache"
+    elif facts is not None and facts.status == "optimal":
+        line += ", proven optimal"
+    elif facts is not None and facts.gap is not None:
+        why = " at the time limit" if facts.status == "time_limit" else ""
+        line += f", within {100 * facts.gap:.2f}% of optimal{why} (not proven optimal)"
+    return line
 
 
 class BatchProgress:
@@ -215,7 +308,7 @@ def plan_graph(
     if schedule is None:
         progress = None
         if get_strategy(strategy).takes_solver_options and verbose and "progress" not in options:
-            progress = _SolverProgress(f"tfremat {strategy}")
+            progress = _SolverProgress(f"tfremat {strategy}", graph.total_cost)
             options["progress"] = progress
         try:
             # Bytes, parsed once above (a share would simulate the checkpoint-all peak again);

@@ -189,6 +189,7 @@ def solve_optimal(
     seed: int = 0,
     warm_start: bool = True,
     progress: ProgressFn | None = None,
+    stall_time: float | None = None,
 ) -> Schedule:
     """The minimum-cost schedule within a memory budget: Checkmate's MILP (Jain et al. 2020).
 
@@ -229,6 +230,12 @@ def solve_optimal(
             solver does worse.
         progress: called with :class:`~tfremat.ilp.solvers.Progress` reports while the
             solver runs; reports are also logged at INFO on ``tfremat.ilp.solvers``.
+        stall_time: stop RINS and the MILP once this many seconds of CPU time pass without
+            a better solution (:func:`~tfremat.ilp.solvers.solve_model`), skip the MILP when the
+            relaxation's LP did not finish in its share of the time (the MILP's root LP would
+            not either), and return the best schedule that fits, status ``feasible`` with its
+            gap (``optimal`` when within ``mip_gap`` of the bound). None or ``math.inf``: run
+            to the time limit.
 
     Returns:
         The schedule, with :class:`~tfremat.plan.schedule.SolverFacts`.
@@ -248,16 +255,17 @@ def solve_optimal(
         SolverUnavailableError, SolverLicenseError: see :func:`~tfremat.ilp.solvers.solve_model`.
     """
     return solve_milp(graph, budget, _OPTIMAL, solver=solver, time_limit=time_limit, mip_gap=mip_gap,
-                      threads=threads, seed=seed, warm_start=warm_start, progress=progress)
+                      threads=threads, seed=seed, warm_start=warm_start, progress=progress, stall_time=stall_time)
 
 
 def solve_milp(graph: DFGraph, budget: int | None, problem: MilpProblem, *, solver: str,
                time_limit: float | None, mip_gap: float | None, threads: int | None, seed: int, warm_start: bool,
-               progress: ProgressFn | None) -> Schedule:
+               progress: ProgressFn | None, stall_time: float | None = None) -> Schedule:
     """The body of :func:`solve_optimal` (options and outcomes as documented there), for
     ``problem``: ``optimal``'s or ``monet``'s."""
     began = time.perf_counter()
-    time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
+    time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed,
+                                      stall_time=stall_time)
     if budget is None:
         implementations = cheapest_implementations(graph) if problem.choose_implementations else None
         return no_budget_schedule(graph, problem.strategy, began, implementations)
@@ -265,7 +273,8 @@ def solve_milp(graph: DFGraph, budget: int | None, problem: MilpProblem, *, solv
     incumbent.bound = problem.cost_floor(graph)
     try:
         return _solve_optimal(graph, budget, incumbent, problem, began=began, solver=solver, time_limit=time_limit,
-                              mip_gap=mip_gap, threads=threads, seed=seed, warm_start=warm_start, progress=progress)
+                              mip_gap=mip_gap, threads=threads, seed=seed, warm_start=warm_start, progress=progress,
+                              stall_time=stall_time)
     except KeyboardInterrupt as interrupt:
         return incumbent.result(problem.strategy, began, interrupt)
 
@@ -280,12 +289,12 @@ def portfolio_deadline(began: float, time_limit: float | None) -> float | None:
 
 
 def _solve_optimal(graph, budget_bytes, incumbent, problem, *, began, solver, time_limit, mip_gap, threads, seed,
-                   warm_start, progress) -> Schedule:
+                   warm_start, progress, stall_time=None) -> Schedule:
     """:func:`solve_milp` with a budget, keeping ``incumbent`` up to date for Ctrl-C."""
     choose = problem.choose_implementations
     lower_bound = memory_lower_bound(graph, choose)
     heuristics_until = portfolio_deadline(began, time_limit)
-    options = dict(solver=solver, mip_gap=mip_gap, threads=threads, seed=seed)
+    options = dict(solver=solver, mip_gap=mip_gap, threads=threads, seed=seed, stall_time=stall_time)
     starts = problem.starts(graph) if problem.starts is not None and graph.implementations else None
     if budget_bytes < lower_bound:
         smallest_peak = None
@@ -346,19 +355,24 @@ def _solve_optimal(graph, budget_bytes, incumbent, problem, *, began, solver, ti
             model, baseline, began=began, time_limit=time_limit, solver=solver, threads=threads, seed=seed,
         )
     incumbent.offer(baseline)
+    if lp is None and warm_start and stall_time is not None and baseline is not None:
+        # The MILP's root is this LP, which HiGHS does not interrupt: it would not finish either.
+        logger.info("%s: the relaxation's LP did not finish in its share of the time; with stall_time the MILP is "
+                    "skipped and the best start returned", problem.strategy)
+        return _baseline_result(graph, baseline, SolveStatus.FEASIBLE, began, budget_bytes, problem)
     if lp is not None:
         lp_bound = max(problem.cost_floor(graph), lp.best_bound or 0.0)
         incumbent.raise_bound(lp_bound)
         report_incumbent(progress, began, baseline.cost(graph) if baseline is not None else None, lp_bound)
         if baseline is not None:
             baseline = _rins(model, baseline, lp.x, began=began, time_limit=time_limit, solver=solver,
-                             threads=threads, seed=seed)
+                             threads=threads, seed=seed, stall_time=stall_time)
             incumbent.offer(baseline)
             report_incumbent(progress, began, baseline.cost(graph), lp_bound)
     return _solve_with_stage_rows(
         graph, model, baseline, smallest_peak, lp.best_bound if lp is not None else None, problem, began=began,
         solver=solver, time_limit=time_limit, mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap,
-        threads=threads, seed=seed, progress=progress, tracker=incumbent,
+        threads=threads, seed=seed, progress=progress, tracker=incumbent, stall_time=stall_time,
     )
 
 
@@ -422,7 +436,7 @@ def _rins(model: CheckmateModel, start: Schedule, lp_x, **options) -> Schedule:
 
 
 def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, problem, *, began, solver, time_limit,
-                           mip_gap, threads, seed, progress, tracker):
+                           mip_gap, threads, seed, progress, tracker, stall_time=None):
     """``optimal`` (or ``problem``'s strategy) by the stage-end relaxation, made exact where
     its solutions overflow.
 
@@ -435,6 +449,11 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, prob
     than the solver's tolerance (memory in units of the budget), lowers the model's budget
     by the overflow and is solved again; bounds and infeasibility proofs of a lowered
     model are not used.
+
+    Once a schedule fits, ``stall_time`` ends the rounds too: a solve stopped by it, or a
+    round that ends with an overflowing solution once ``stall_time`` seconds of CPU time
+    have passed since the first round began (no cheaper schedule that fits was found in that time),
+    leaves the incumbent.
 
     Models above ``_PRESOLVE_MAX_COLUMNS`` run without presolve (see the constant).
     """
@@ -449,6 +468,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, prob
     lowered = 0.0
     solve_seconds = 0.0
     proven = False
+    rounds_began = time.process_time()  # CPU time, as the stall rule counts it
     while True:
         start = model.encode(incumbent) if incumbent is not None else None
         if incumbent is not None and start is None:
@@ -459,12 +479,15 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, prob
         logger.info("%s: %d variables, %d constraints, %d of %d stages exact, start %s", problem.strategy,
                     model.num_vars, model.num_constraints, len(exact_stages), graph.size,
                     incumbent.strategy if incumbent else None)
+        # Without a schedule that fits, nothing stops the search before the time limit.
+        stall = stall_time if incumbent is not None else None
         result = solve_model(
             model, solver=solver, time_limit=seconds_left(deadline, _FINISH_SECONDS), mip_gap=mip_gap,
             threads=threads, seed=seed, start=start, progress=progress,
-            presolve=model.num_vars <= _PRESOLVE_MAX_COLUMNS, started=began,
+            presolve=model.num_vars <= _PRESOLVE_MAX_COLUMNS, started=began, stall_time=stall,
         )
         solve_seconds += result.seconds
+        stalled = result.stalled
         if result.status == SolveStatus.INFEASIBLE and not lowered:
             raise problem.infeasible(graph, budget_bytes, smallest_peak, f"{result.solver} proved no schedule fits",
                                      lower_bound_bytes=budget_bytes + 1)
@@ -481,7 +504,9 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, prob
                 incumbent = candidate
                 proven = result.status == SolveStatus.OPTIMAL and not lowered
             break
-        if deadline is not None and time.perf_counter() >= deadline - _FINISH_SECONDS - MIN_SOLVE_SECONDS:
+        now = time.perf_counter()
+        stalled = stalled or (stall is not None and time.process_time() - rounds_began >= stall)
+        if stalled or (deadline is not None and now >= deadline - _FINISH_SECONDS - MIN_SOLVE_SECONDS):
             break
         overflowing = overflowing_stages(graph, outcome, budget_bytes) - exact_stages
         if overflowing:
@@ -515,7 +540,7 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, prob
     if proven or relative_gap(cost, bound) <= mip_gap:
         status = SolveStatus.OPTIMAL
     else:
-        status = SolveStatus.TIME_LIMIT if time_limit is not None else SolveStatus.FEASIBLE
+        status = SolveStatus.TIME_LIMIT if time_limit is not None and not stalled else SolveStatus.FEASIBLE
     return incumbent.with_facts(SolverFacts(
         status=status, objective=cost, best_bound=min(bound, cost), seconds=time.perf_counter() - began,
         solve_seconds=solve_seconds, num_vars=model.num_vars, num_constraints=model.num_constraints,

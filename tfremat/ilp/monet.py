@@ -77,6 +77,7 @@ def solve_monet(
     seed: int = 0,
     warm_start: bool = True,
     progress: ProgressFn | None = None,
+    stall_time: float | None = None,
 ) -> Schedule:
     """The minimum-cost schedule within a memory budget, with one implementation chosen
     for every node that has alternatives (``DFGraph.implementations``; MONeT, sec. 4).
@@ -99,7 +100,7 @@ def solve_monet(
             takes). None means no memory limit: the checkpoint-all schedule under the
             cheapest implementations (least forward plus backward cost), which is the least
             cost any schedule can have.
-        solver, time_limit, mip_gap, threads, seed, progress: as for ``optimal``.
+        solver, time_limit, mip_gap, threads, seed, progress, stall_time: as for ``optimal``.
         warm_start: start from the cheapest of ``optimal``'s schedules on the graph's own
             numbers, under the cheapest and under the leanest implementations
             (:func:`_starts`; together half the ``time_limit``), the rounding of the relaxation's LP and RINS,
@@ -122,4 +123,4 @@ def solve_monet(
         {3: 'mask', 7: 'output_activated'}
     """
     return solve_milp(graph, budget, _MONET, solver=solver, time_limit=time_limit, mip_gap=mip_gap,
-                      threads=threads, seed=seed, warm_start=warm_start, progress=progress)
+                      threads=threads, seed=seed, warm_start=warm_start, progress=progress, stall_time=stall_time)

@@ -49,7 +49,7 @@ def relaxed_lp_start(model: CheckmateModel, baseline: Schedule | None, *, began:
 
 
 def rins(model: CheckmateModel, start: Schedule, lp_x: np.ndarray, *, began: float, time_limit: float | None,
-         solver: str, threads: int | None, seed: int) -> Schedule:
+         solver: str, threads: int | None, seed: int, stall_time: float | None = None) -> Schedule:
     """RINS: the MILP with every R and S column on which ``start`` and the LP point of the
     stage-end relaxation ``model`` agree fixed to that value, for half the time left; its
     schedule when it fits the budget and is cheaper, else ``start``.
@@ -61,7 +61,8 @@ def rins(model: CheckmateModel, start: Schedule, lp_x: np.ndarray, *, began: flo
     relaxation does not look. Those stages are then accounted exactly and the same
     neighbourhood is solved again, until its optimum fits or the time share is spent.
     The MILP after it starts from the relaxation again, not from these exact stages: a
-    larger model lowered its bound within the time limit.
+    larger model lowered its bound within the time limit. ``stall_time`` stops each
+    neighbourhood's solve early (:func:`~tfremat.ilp.solvers.solve_model`).
     """
     graph = model.graph
     budget_bytes = int(model.budget_bytes)
@@ -83,7 +84,7 @@ def rins(model: CheckmateModel, start: Schedule, lp_x: np.ndarray, *, began: flo
         lower[fixed] = upper[fixed] = x0[fixed]
         neighbourhood = dataclasses.replace(current, lower=lower, upper=upper)
         result = solve_model(neighbourhood, solver=solver, time_limit=seconds_left(deadline), threads=threads,
-                             seed=seed, start=x0, quiet=True)
+                             seed=seed, start=x0, quiet=True, stall_time=stall_time)
         if result.x is None:
             return start
         candidate = current.schedule(result.x, "rins")

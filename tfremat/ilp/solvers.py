@@ -96,6 +96,8 @@ class SolveResult:
         gap: relative gap between ``objective`` and ``best_bound``.
         seconds: solve wall time.
         solver: backend name.
+        stalled: the MILP was stopped by its ``stall_time`` (status ``feasible``, or
+            ``no_solution`` without one).
     """
 
     x: np.ndarray | None
@@ -105,6 +107,7 @@ class SolveResult:
     gap: float | None
     seconds: float
     solver: str
+    stalled: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "status", SolveStatus(self.status))
@@ -131,6 +134,7 @@ def solve_model(
     presolve: bool = True,
     started: float | None = None,
     quiet: bool = False,
+    stall_time: float | None = None,
 ) -> SolveResult:
     """Solves ``model`` (or its LP relaxation) with the named backend.
 
@@ -163,6 +167,11 @@ def solve_model(
             sub-solves whose objective is not the caller's schedule cost (a RINS
             neighbourhood, the ``intervals`` heuristic's own model), which would
             otherwise interleave their figures and clocks with the main solve's.
+        stall_time: MILP only: stop once this many seconds of CPU time pass without a better
+            solution (counted from the solve's start when ``start`` is given, else from the
+            first solution, and from each improving one), with status ``feasible`` and
+            ``stalled`` set; None or ``math.inf``: never. A search that found nothing better for a while
+            rarely does later (docs/solver.md).
 
     Raises:
         SolverUnavailableError: the backend is not installed.
@@ -181,7 +190,9 @@ def solve_model(
         raise ArgumentError(f"lp_method={lp_method!r} bounds only Checkmate's model (CheckmateModel.dual_bound)")
     if lp_method in _STOPPABLE_LP_METHODS and solver != "highs":
         raise ArgumentError(f"lp_method={lp_method!r} needs solver='highs' (got {solver!r}); use lp_method='simplex'")
-    check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed)
+    check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed,
+                         stall_time=stall_time)
+    stall_time = None if relax or stall_time == math.inf else stall_time
     backend = _solve_highs if solver == "highs" else _solve_gurobi
     unit = model.cost_scale
 
@@ -197,9 +208,10 @@ def solve_model(
         report_progress(progress, scaled)
 
     if lp_method in _STOPPABLE_LP_METHODS and relax:
-        result = _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit, presolve, lp_method)
+        result = _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit, presolve, None,
+                              lp_method)
     else:
-        result = backend(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit, presolve)
+        result = backend(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit, presolve, stall_time)
     return dataclasses.replace(
         result,
         objective=None if result.objective is None else result.objective * unit,
@@ -209,7 +221,7 @@ def solve_model(
 
 def check_solver_options(
     solver: str, *, time_limit: float | None = None, mip_gap: float | None = None, threads: int | None = None,
-    seed: int | None = None,
+    seed: int | None = None, stall_time: float | None = None,
 ) -> float | None:
     """Raises for a solver option no backend accepts, or a backend that is not installed.
 
@@ -231,6 +243,9 @@ def check_solver_options(
         raise ArgumentError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)} (default {DEFAULT_SOLVER!r})")
     if time_limit is not None and not (is_number(time_limit) and time_limit > 0):
         raise ArgumentError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
+    if stall_time is not None and not (is_number(stall_time) and stall_time > 0):
+        raise ArgumentError(f"stall_time must be a positive number of seconds or None (never stop early), "
+                            f"got {stall_time!r}")
     if mip_gap is not None and not (is_number(mip_gap) and 0 <= mip_gap < 1):
         raise ArgumentError(f"mip_gap must be a number in [0, 1) or None, got {mip_gap!r}")
     if threads is not None and not (is_int(threads) and threads >= 1):
@@ -317,6 +332,33 @@ def report_incumbent(progress: ProgressFn | None, began: float, incumbent: float
     report_progress(progress, Progress(time.perf_counter() - began, incumbent, bound, gap))
 
 
+class _StallClock:
+    """When a MILP last found a better solution, for ``solve_model``'s ``stall_time`` rule:
+    :meth:`stalled` is true (and :attr:`stopped` set) once ``stall_time`` seconds of the
+    process's CPU time pass without one, counted from the solve's start when it has a MIP
+    start (``started``), else from its first solution: a search that has none yet is not
+    stopped. CPU time, not wall time, so that on a machine shared with other work the rule
+    still gives the search the same effort."""
+
+    def __init__(self, stall_time: float | None, started: bool):
+        self.stall_time = stall_time
+        self.since = time.process_time() if started else None
+        self.best = math.inf
+        self.stopped = False
+
+    def improved(self, objective: float) -> None:
+        """A solution of ``objective`` was found; a better one restarts the clock."""
+        if objective < self.best:
+            self.best = objective
+            self.since = time.process_time()
+
+    def stalled(self) -> bool:
+        if (self.stall_time is not None and self.since is not None
+                and time.process_time() - self.since >= self.stall_time):
+            self.stopped = True
+        return self.stopped
+
+
 def _highs_lp(highspy, model, relax: bool):
     """``model`` as a HiGHS LP (column-wise matrix, infinite bounds as HiGHS's infinity),
     with integrality unless ``relax``."""
@@ -341,7 +383,7 @@ def _highs_lp(highspy, model, relax: bool):
     return lp
 
 
-def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progress, presolve,
+def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progress, presolve, stall_time=None,
                  lp_method="simplex") -> SolveResult:
     highspy = _backend_module("highs")
     h = _new_highs(highspy)
@@ -372,6 +414,7 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
 
     began = time.perf_counter()
     found: list[np.ndarray] = []
+    stall = _StallClock(stall_time, started=start is not None)
     if not relax:
         def on_event(event) -> None:
             data = event.data_out
@@ -384,10 +427,17 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
             solution = np.array(event.data_out.mip_solution, dtype=float)
             if len(solution) == model.num_vars:
                 found[:] = [solution]
+            stall.improved(event.data_out.mip_primal_bound)
             on_event(event)
+
+        def stop_when_stalled(event) -> None:
+            if stall.stalled():
+                event.interrupt()
 
         h.cbMipImprovingSolution.subscribe(on_solution)
         h.cbMipLogging.subscribe(on_event)
+        if stall_time is not None:
+            h.cbMipInterrupt.subscribe(stop_when_stalled)
         if start is not None:
             solution = highspy.HighsSolution()
             solution.col_value = list(map(float, start))
@@ -432,13 +482,16 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
         name = SolveStatus.TIME_LIMIT
     else:
         name = SolveStatus.FEASIBLE
-    if interrupted or status == highspy.HighsModelStatus.kInterrupt:
+    if status == highspy.HighsModelStatus.kInterrupt and stall.stopped and not interrupted:
+        name = SolveStatus.FEASIBLE if has_solution else SolveStatus.NO_SOLUTION
+    elif interrupted or status == highspy.HighsModelStatus.kInterrupt:
         # A stopped dual simplex's point is not feasible; a MIP's incumbent is.
         raise SolveInterrupted(f"HiGHS was interrupted (Ctrl-C) after {seconds:.1f}s",
                                x=x if info.primal_solution_status == 2 else None, model=model, solver="highs")
     if status in (highspy.HighsModelStatus.kModelError, highspy.HighsModelStatus.kSolveError):
         raise SolverError(f"HiGHS failed: {h.modelStatusToString(status)}")
-    return SolveResult(x, name, objective, bound, _relative_gap(objective, bound), seconds, "highs")
+    return SolveResult(x, name, objective, bound, _relative_gap(objective, bound), seconds, "highs",
+                       stalled=stall.stopped)
 
 
 def _run_highs(h, found: list):
@@ -512,7 +565,8 @@ def _wait_for_abandoned_solve() -> None:
     _abandoned_solve = None
 
 
-def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progress, presolve) -> SolveResult:
+def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progress, presolve,
+                  stall_time=None) -> SolveResult:
     gp = _backend_module("gurobi")
     GRB = gp.GRB
 
@@ -555,6 +609,7 @@ def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progr
         began = time.perf_counter()
         last_report = -math.inf
         interrupted = False
+        stall = _StallClock(stall_time, started=start is not None and not relax)
 
         def on_event(solver_model, where) -> None:
             # Ctrl-C while Gurobi runs reaches Python here (signals are handled between
@@ -573,9 +628,12 @@ def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progr
             if relax:
                 return
             now = time.perf_counter()
+            if where == GRB.Callback.MIP and stall.stalled():
+                solver_model.terminate()
             if where == GRB.Callback.MIPSOL:
                 incumbent = solver_model.cbGet(GRB.Callback.MIPSOL_OBJBST)
                 bound = solver_model.cbGet(GRB.Callback.MIPSOL_OBJBND)
+                stall.improved(solver_model.cbGet(GRB.Callback.MIPSOL_OBJ))
             elif where == GRB.Callback.MIP and now - last_report >= _GUROBI_REPORT_SECONDS:
                 incumbent = solver_model.cbGet(GRB.Callback.MIP_OBJBST)
                 bound = solver_model.cbGet(GRB.Callback.MIP_OBJBND)
@@ -604,7 +662,7 @@ def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progr
 
     has_solution = m.SolCount > 0
     x = np.array([variables[c].X for c in range(model.num_vars)]) if has_solution else None
-    if interrupted or m.Status == GRB.INTERRUPTED:
+    if interrupted or (m.Status == GRB.INTERRUPTED and not stall.stopped):
         raise SolveInterrupted(f"Gurobi was interrupted (Ctrl-C) after {seconds:.1f}s",
                                x=None if relax else x, model=model, solver="gurobi")
     objective = m.ObjVal if has_solution else None
@@ -622,4 +680,5 @@ def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progr
         name = SolveStatus.TIME_LIMIT
     else:
         name = SolveStatus.FEASIBLE
-    return SolveResult(x, name, objective, bound, _relative_gap(objective, bound), seconds, "gurobi")
+    return SolveResult(x, name, objective, bound, _relative_gap(objective, bound), seconds, "gurobi",
+                       stalled=stall.stopped)

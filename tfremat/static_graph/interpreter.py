@@ -273,7 +273,19 @@ class _Interpreter:
             if next_gateable[index + 1] is not None
         }
         self.report.ledger_bytes = self._ledger(plan, held_bytes)
+        self._log_summary()
         return self.loss, self.predictions, gated
+
+    def _log_summary(self) -> None:
+        """One line for what the per-node debug lines say (the node numbers are in the debug log)."""
+        report = self.report
+        if report.costly_vjp_rebuilds:
+            logger.info("%d backward nodes rebuild their gradient on an input recomputed since their forward value "
+                        "was kept, repeating forward work the plan does not count", report.costly_vjp_rebuilds)
+        if report.offloads_held_by_tape:
+            logger.warning("%d offloaded values are read by their own gradient through the layer's tape, so their "
+                           "device copies stay until that gradient runs and the offload frees no device memory "
+                           "for them", report.offloads_held_by_tape)
 
     def _offload(self, node: int) -> None:
         """Starts copying the resident value of ``node`` to host memory (module docstring)."""
@@ -287,8 +299,8 @@ class _Interpreter:
         backward = self.graph.backward_of.get(node)
         if backward is not None and node in self.graph.predecessors[backward]:
             self.report.offloads_held_by_tape += 1
-            logger.warning("node %d (%s) is offloaded, but its gradient reads its recorded output: the device tensor "
-                           "stays until that gradient runs", node, self.graph.names[node])
+            logger.debug("node %d (%s) is offloaded, but its gradient reads its recorded output: the device tensor "
+                         "stays until that gradient runs", node, self.graph.names[node])
 
     def _prefetch(self, node: int) -> None:
         """Copies ``node``'s host copy back and makes it the resident value (module docstring)."""
@@ -520,7 +532,7 @@ class _Interpreter:
             instance = _Instance(outputs, tape, inputs, [], one_call)
             if reads_forward:
                 self.report.costly_vjp_rebuilds += 1
-                logger.warning(
+                logger.debug(
                     "backward node %d (%s): the forward value is resident but one of its inputs was recomputed "
                     "since; the layer's forward work is repeated to rebuild its gradient", node, entry.name,
                 )
