@@ -1,0 +1,148 @@
+"""The budget "min" against "absolute min" on a keras.io-style ViT (issue 33 item 4).
+
+The model follows the keras.io image-classification ViT, scaled to a CPU: a ``Patches``
+layer (``keras.ops.image.extract_patches``), a patch encoder (Dense projection plus a
+position ``Embedding``), transformer blocks of LayerNormalization, MultiHeadAttention and a
+GELU MLP with dropout, then an MLP head; 32x32 inputs. Each run extracts the training graph
+with fresh profiles (no profile cache), so two runs show how far profiling moves "min":
+
+* one forward pass as a share of the step ("min" keeps to it, and to at most half a step:
+  :func:`tfremat.strategies.min_overhead`);
+* "absolute min" and "min" as shares of the checkpoint-all peak, the seconds the budget
+  took to find, and ``optimal``'s predicted overhead there (``--time_limit`` each);
+* with ``--measure``, the compiled step at "min" against plain training
+  (:func:`tfremat.measure_model`, interleaved rounds): step time over plain, allocator
+  peak over the prediction.
+
+Run: ``python benchmarks/min_budget.py [--runs 2] [--measure]`` (writes
+``benchmarks/results/min_budget.md``). The machine's cores may be shared: compare ratios
+measured in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
+sys.path.insert(0, HERE)
+
+from provenance import header  # noqa: E402
+
+BATCH = 32
+
+
+def vit(image_size=32, patch_size=4, projection_dim=64, num_heads=4, blocks=4, head=(256, 128), classes=10):
+    """The keras.io ViT at CPU size."""
+    import keras
+    from keras import layers, ops
+
+    class Patches(layers.Layer):
+        def __init__(self, size, **kwargs):
+            super().__init__(**kwargs)
+            self.size = size
+
+        def call(self, images):
+            patches = ops.image.extract_patches(images, size=self.size)
+            rows, cols, dims = patches.shape[1], patches.shape[2], patches.shape[3]
+            return ops.reshape(patches, (ops.shape(images)[0], rows * cols, dims))
+
+    class PatchEncoder(layers.Layer):
+        def __init__(self, num_patches, dim, **kwargs):
+            super().__init__(**kwargs)
+            self.num_patches = num_patches
+            self.projection = layers.Dense(dim)
+            self.position_embedding = layers.Embedding(num_patches, dim)
+
+        def call(self, patch):
+            positions = ops.expand_dims(ops.arange(0, self.num_patches, 1), axis=0)
+            return self.projection(patch) + self.position_embedding(positions)
+
+    def mlp(x, units, rate):
+        for width in units:
+            x = layers.Dropout(rate)(layers.Dense(width, activation=keras.activations.gelu)(x))
+        return x
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((image_size, image_size, 3))
+    encoded = PatchEncoder((image_size // patch_size) ** 2, projection_dim)(Patches(patch_size)(inputs))
+    for _ in range(blocks):
+        x1 = layers.LayerNormalization(epsilon=1e-6)(encoded)
+        attention = layers.MultiHeadAttention(num_heads=num_heads, key_dim=projection_dim, dropout=0.1)(x1, x1)
+        x2 = layers.Add()([attention, encoded])
+        x3 = mlp(layers.LayerNormalization(epsilon=1e-6)(x2), (projection_dim * 2, projection_dim), 0.1)
+        encoded = layers.Add()([x3, x2])
+    representation = layers.Dropout(0.5)(layers.Flatten()(layers.LayerNormalization(epsilon=1e-6)(encoded)))
+    outputs = layers.Dense(classes, activation="softmax")(mlp(representation, head, 0.5))
+    model = keras.Model(inputs, outputs, name="vit_kerasio")
+    model.compile(optimizer="adam", loss="categorical_crossentropy")
+    return model
+
+
+def one_run(model, time_limit: float) -> dict:
+    from tfremat.model_planning import extract_model, synthetic_batch
+    from tfremat.planner import plan_graph, resolve_min_budget
+    from tfremat.plan.simulator import checkpoint_all_peak
+    from tfremat.strategies import forward_share
+
+    x, y = synthetic_batch(model, BATCH, seed=0)
+    graph = extract_model(model, x, y, batch_size=BATCH, loss=None, optimizer=None, cost_model="profile",
+                          cache=False).graph
+    reference = checkpoint_all_peak(graph)
+    row = {"nodes": graph.size, "forward": forward_share(graph)}
+    for budget in ("absolute min", "min"):
+        started = time.perf_counter()
+        budget_bytes = resolve_min_budget(graph, budget)
+        seconds = time.perf_counter() - started
+        plan = plan_graph(graph, budget_bytes, "optimal", cache=False, verbose=0, time_limit=time_limit)
+        row[budget] = {"share": budget_bytes / reference, "seconds": seconds, "overhead": plan.overhead}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--time_limit", type=float, default=30.0)
+    parser.add_argument("--measure", action="store_true")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "min_budget.md"))
+    args = parser.parse_args()
+    model = vit()
+    rows = [one_run(model, args.time_limit) for _ in range(args.runs)]
+    lines = [
+        "# \"min\" and \"absolute min\" on a keras.io-style ViT",
+        "",
+        header(),
+        "",
+        f"32x32 inputs, batch {BATCH}, 4 blocks, Adam; fresh profiles each run. \"min\" keeps to one forward pass, "
+        "at most half a step. Shares of the checkpoint-all peak; overhead = `optimal`'s predicted extra time over one "
+        "plain step at that budget; seconds = finding the budget. The machine's 2 cores were shared.",
+        "",
+        "| run | nodes | one forward pass | absolute min | its overhead | its seconds | min | its overhead "
+        "| its seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for number, row in enumerate(rows, 1):
+        a, m = row["absolute min"], row["min"]
+        lines.append(f"| {number} | {row['nodes']} | +{row['forward']:.1%} | {a['share']:.1%} | +{a['overhead']:.1%} "
+                     f"| {a['seconds']:.1f} | {m['share']:.1%} | +{m['overhead']:.1%} | {m['seconds']:.1f} |")
+    if args.measure:
+        from tfremat.measure import measure_model
+
+        measured = measure_model(model, "min", batch_size=BATCH, steps=7, verbose=0, cache=False,
+                                 time_limit=args.time_limit)
+        lines += ["", f"Measured at \"min\" (`measure_model`, 7 rounds): step time over plain "
+                  f"{measured['time_over_plain']:.2f}, predicted overhead "
+                  f"+{measured['predicted_overhead']:.1%}, allocator peak over predicted "
+                  f"{measured['measured_peak_bytes'] / measured['predicted_peak_bytes']:.2f}, gradients match: "
+                  f"{measured['gradients_match']}."]
+    with open(args.out, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
