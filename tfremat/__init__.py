@@ -1,7 +1,8 @@
 """tfremat: optimal rematerialization for TensorFlow/Keras training.
 
 The planning core (graph, schedules, simulator, strategies) imports no TensorFlow; the
-names that need it (``fit``, ``plan_model``, ``compare``, ``max_batch_size``, ``compile_step``)
+names that need it (``fit``, ``plan_model``, ``compare``, ``max_batch_size``, ``compile_step``,
+``value_and_grad``)
 and the submodules ``tfremat.keras`` (the callback) and ``tfremat.measure`` (the planned
 step measured against plain Keras) import it on first use; the extraction is
 ``tfremat.extract.extract``.
@@ -31,6 +32,7 @@ _LAZY = {
     "compare": "tfremat.api",
     "max_batch_size": "tfremat.api",
     "compile_step": "tfremat.static_graph.compile",
+    "value_and_grad": "tfremat.custom_loops",
 }
 
 __all__ = ["DFGraph", "load_graph", "Schedule", "simulate", "TfrematError", "InfeasibleBudgetError", *_LAZY, "__version__"]

@@ -28,20 +28,24 @@ class CompiledStep:
     forward/backward pass following the plan and one optimizer update; returns the loss
     (the mean over the global batch under a distribution strategy), or ``(loss, y_pred)``
     when compiled with ``return_outputs=True`` (``y_pred`` structured like the model
-    outputs; per replica under a distribution strategy), e.g. for metrics.
+    outputs; per replica under a distribution strategy), e.g. for metrics. Compiled with
+    ``apply_gradients=False`` it updates nothing and returns ``(loss, gradients)``, one
+    gradient (or None) per variable of :attr:`variables`.
 
     Attributes:
         graph: the extracted graph.
         side_table: the extraction's side table.
         schedule: the compiled schedule.
         plan: the execution plan the step follows, statement by statement.
-        optimizer: the Keras optimizer the step updates the weights with.
+        optimizer: the Keras optimizer the step updates the weights with (None when it
+            returns the gradients).
+        variables: the model's trainable variables, in the order gradients are listed.
         strategy: the ``tf.distribute`` strategy, or None.
         function: the underlying ``tf.function`` (for ``get_concrete_function``).
     """
 
     def __init__(self, graph: DFGraph, side_table: Any, schedule: Schedule, plan: ExecutionPlan, optimizer: Any,
-                 strategy: Any, return_outputs: bool):
+                 strategy: Any, return_outputs: bool, apply_gradients: bool = True):
         self.graph = graph
         self.side_table = side_table
         self.schedule = schedule
@@ -49,9 +53,10 @@ class CompiledStep:
         self.optimizer = optimizer
         self.strategy = strategy
         self.return_outputs = return_outputs
+        self.apply_gradients = apply_gradients
         self._report: TraceReport | None = None
-        self._variables = list(side_table.model.trainable_variables)
-        self._regularized = [v for v in self._variables if getattr(v, "regularizer", None) is not None]
+        self.variables = list(side_table.model.trainable_variables)
+        self._regularized = [v for v in self.variables if getattr(v, "regularizer", None) is not None]
         # No AutoGraph: the interpreter has no tensor-dependent Python control flow, and
         # AutoGraph would wrap its CompileErrors in StagingError.
         self.function = tf.function(
@@ -59,6 +64,12 @@ class CompiledStep:
         )
 
     def _replica_step(self, x, y, sample_weight, replicas: int):
+        if not self.apply_gradients:
+            # The gradients of the loss node's loss alone, as tape.gradient gives them: no
+            # loss scale and no weight penalties, which the caller adds as it would to a tape's.
+            loss, _, weight_grads, self._report = interpret_plan(self.graph, self.side_table, self.plan, x, y,
+                                                                 sample_weight=sample_weight)
+            return loss, [weight_grads[id(v)][1] if id(v) in weight_grads else None for v in self.variables]
         # The loss to differentiate, as Keras's ``train_step`` forms it: multiplied by the
         # optimizer's loss scale (a ``LossScaleOptimizer`` under ``mixed_float16``, whose
         # ``apply_gradients`` divides the gradients by it again). Keras losses divide by
@@ -74,8 +85,8 @@ class CompiledStep:
             # loss of the global batch.
             loss = loss * tf.cast(replicas, loss.dtype)
         self._report = report
-        pairs = [(weight_grads[id(v)][1], v) for v in self._variables if id(v) in weight_grads]
-        missing = [v.path for v in self._variables if id(v) not in weight_grads]
+        pairs = [(weight_grads[id(v)][1], v) for v in self.variables if id(v) in weight_grads]
+        missing = [v.path for v in self.variables if id(v) not in weight_grads]
         if missing:
             logger.debug("no gradient reaches %d trainable variables: %s", len(missing), ", ".join(missing))
         # Each variable's update waits only for its own (gated) gradient, and the statement
@@ -287,6 +298,7 @@ def compile_step(
     strategy: Any = None,
     jit_compile: bool = False,
     return_outputs: bool = False,
+    apply_gradients: bool = True,
 ) -> CompiledStep:
     """Compiles a schedule into one ``tf.function`` training step.
 
@@ -310,12 +322,18 @@ def compile_step(
         jit_compile: must be False. XLA ignores control dependencies and merges the
             recomputations back into the first computation, so the schedule would not be
             followed.
+        return_outputs: the step returns ``(loss, y_pred)``.
+        apply_gradients: False: the step applies no optimizer and returns ``(loss,
+            gradients)`` for a custom training loop (:func:`tfremat.value_and_grad`); the
+            gradients then live until the step ends, which an extraction with
+            ``weight_grads="fixed"`` counts. Not with ``strategy`` or ``return_outputs``.
 
     Returns:
         A :class:`CompiledStep`.
 
     Raises:
-        CompileError: ``jit_compile=True``, or the extraction or schedule is unusable.
+        CompileError: ``jit_compile=True``, ``apply_gradients=False`` with ``strategy`` or
+            ``return_outputs``, or the extraction or schedule is unusable.
         ScheduleError: the schedule is invalid for the graph.
 
     Example:
@@ -337,9 +355,17 @@ def compile_step(
     if not isinstance(schedule, Schedule):
         raise CompileError(f"schedule must be a tfremat Schedule, got {type(schedule).__name__}")
     validate_schedule(graph, schedule)
-    optimizer = optimizer if optimizer is not None else side_table.optimizer
-    if optimizer is None:
-        raise CompileError("no optimizer: pass optimizer= or extract with one")
+    if not apply_gradients:
+        if strategy is not None or return_outputs:
+            raise CompileError("apply_gradients=False returns (loss, gradients) on one device: leave strategy= and "
+                               "return_outputs= out")
+        if side_table.weight_grads != "fixed":
+            logger.warning("the extraction counts weight gradients as transient, but the step returns them all, so "
+                           "its peak will exceed the prediction; extract with weight_grads='fixed' to plan for it")
+    else:
+        optimizer = optimizer if optimizer is not None else side_table.optimizer
+        if optimizer is None:
+            raise CompileError("no optimizer: pass optimizer= or extract with one")
     if strategy is not None and strategy.num_replicas_in_sync > 1 and side_table.weight_grads == "transient":
         logger.warning(
             "the extraction counts weight gradients as transient, but %d replicas all-reduce every gradient before "
@@ -351,4 +377,4 @@ def compile_step(
         "compiling %s: %d statements, %d recomputations (strategy %s)",
         graph.name, len(plan), plan.recompute_count, schedule.strategy,
     )
-    return CompiledStep(graph, side_table, schedule, plan, optimizer, strategy, return_outputs)
+    return CompiledStep(graph, side_table, schedule, plan, optimizer, strategy, return_outputs, apply_gradients)

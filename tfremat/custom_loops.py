@@ -1,0 +1,320 @@
+"""``value_and_grad``: the rematerialized counterpart of a ``tf.GradientTape`` block, for
+custom training loops and models that override ``train_step`` (GANs, contrastive models).
+
+The loss function is called once on ``keras.Input`` placeholders shaped like the example
+arguments: Keras records its layer calls and ``keras.ops`` as a functional graph whose
+output is the loss, the same graph a functional model has. That graph is wrapped in a
+``keras.Model``, extracted with a loss that passes its scalar output through
+(:mod:`tfremat.extract`), planned (:mod:`tfremat.planner`) and compiled into a step that
+returns the gradients instead of applying an optimizer
+(:func:`tfremat.static_graph.compile.compile_step` with ``apply_gradients=False``), so the
+weight gradients are counted as resident until the step ends (``weight_grads="fixed"``).
+
+What the placeholders cannot record would make the compiled step compute something else
+than the tape, so it is refused when the function is traced: Python control flow on tensor
+values and TensorFlow ops (``tf.py_function`` included) fail on placeholders; a layer called
+without ``training=True`` would be trained in training mode; and a value computed from no
+argument (a variable read outside a layer, such as ``sum(model.losses)``, or random numbers
+drawn in the function) would be frozen at its value when the step was planned.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import keras
+import networkx as nx
+import numpy as np
+import tensorflow as tf
+
+from tfremat.budget import check_budget
+from tfremat.cache import ScheduleCache
+from tfremat.errors import ArgumentError, ExtractionError
+from tfremat.extract.extractor import COST_MODELS, extract
+from tfremat.extract.opening import DEFAULT_GRANULARITY, GRANULARITIES
+from tfremat.model_planning import wants_implementations
+from tfremat.planner import PlanResult, check_cache_argument, plan_graph, split_solver_options
+
+__all__ = ["value_and_grad", "ValueAndGrad"]
+
+logger = logging.getLogger(__name__)
+
+
+def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal", cost_model: str = "profile",
+                   granularity: str = DEFAULT_GRANULARITY, cache: bool | str | ScheduleCache = True,
+                   verbose: int = 1, **options) -> ValueAndGrad:
+    """Plans ``fn``'s gradient under ``budget``: ``g(*args)`` returns ``(loss, gradients)``.
+
+    ``g`` replaces a ``tf.GradientTape`` block in a custom training loop or a ``train_step``::
+
+        with tf.GradientTape() as tape:              g = tfremat.value_and_grad(fn, "50%", x, y)
+            loss = fn(x, y)                          ...
+        grads = tape.gradient(loss, variables)       loss, grads = g(x, y)
+
+    ``fn(*args)`` must return a scalar loss computed from its arguments by Keras layers and
+    models called with ``training=True`` and by ``keras.ops`` (Keras losses included); a
+    model may be called several times (a GAN's discriminator on real and fake images, an
+    encoder on two views). Planning happens here, from the example arguments' shapes and
+    dtypes; a call with other shapes plans again. ``g`` can be called eagerly, inside a
+    ``tf.function`` and inside a model's ``train_step``.
+
+    Args:
+        fn: the loss function.
+        budget: as for :func:`tfremat.fit`: bytes, "3.5GiB", a share of the checkpoint-all
+            peak ("50%", 0.5), "50% of activations" or "min". It covers the step: the
+            arguments, the variables, their gradients and the activations (an optimizer's
+            slots are not counted: the update runs outside ``g``).
+        *example_args: tensors or arrays (or nested lists, tuples and dicts of them) like
+            the ones ``g`` will be called with; their static shapes and dtypes are planned for.
+        strategy: the strategy name (default "optimal", the MILP).
+        cost_model: "profile" (timed on this device) or "flops".
+        granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
+        cache: the schedule cache; False also turns off the profile cache.
+        verbose: 0 silences planning progress.
+        **options: the strategy's solver options (``solver``, ``time_limit``, ...) or an
+            offloading strategy's ``bandwidth``, as :func:`tfremat.fit` takes them.
+
+    Returns:
+        A :class:`ValueAndGrad`.
+
+    Raises:
+        ArgumentError: ``fn`` is not callable, ``budget`` is None, no example arguments or
+            one that is no tensor, an unknown strategy, option or cost model.
+        ExtractionError: ``fn`` cannot be traced on placeholders (see the module docstring);
+            one line naming the cause.
+        InfeasibleBudgetError: no schedule of the strategy fits ``budget``.
+    """
+    if not callable(fn):
+        raise ArgumentError(f"fn must be a callable returning the loss, got {type(fn).__name__}")
+    if budget is None:
+        raise ArgumentError("budget=None: value_and_grad needs a budget (bytes, '3.5GiB' or '50%'); without one every "
+                            "activation is kept, which is what tf.GradientTape does already")
+    check_budget(budget)
+    if not example_args:
+        raise ArgumentError("value_and_grad needs example arguments after the budget: tensors shaped like those g "
+                            "will be called with (value_and_grad(fn, budget, x, y))")
+    _, per_strategy = split_solver_options([strategy], options)
+    if cost_model not in COST_MODELS:
+        raise ArgumentError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
+    if granularity not in GRANULARITIES:
+        raise ArgumentError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
+    check_cache_argument(cache)
+    settings = _Settings(budget, strategy, cost_model, granularity, cache, verbose, per_strategy.get(strategy, {}))
+    return ValueAndGrad(fn, settings, example_args)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """What every batch shape is planned with."""
+
+    budget: object
+    strategy: str
+    cost_model: str
+    granularity: str
+    cache: object
+    verbose: int
+    options: dict
+
+
+class ValueAndGrad:
+    """``fn``'s loss and gradients under a memory budget; build it with :func:`value_and_grad`.
+
+    Attributes:
+        trainable_variables: every trainable variable ``fn`` reads through its layers, the
+            layers' own variable objects, in the order of the gradients ``g`` returns
+            (``optimizer.apply_gradients(zip(grads, g.trainable_variables))``; pick a
+            model's by identity).
+        plans: ``{argument signature: PlanResult}`` for every signature planned so far.
+    """
+
+    def __init__(self, fn: Callable, settings: _Settings, example_args: tuple):
+        self._fn = fn
+        self._settings = settings
+        self._structure = _signature(example_args)[0]
+        self._steps: dict = {}
+        self.plans: dict = {}
+        self._label = _eagerly(lambda: tf.zeros(()))  # the extraction's label: the loss reads none
+        self._example_key = _eagerly(lambda: self._plan_for(example_args))
+        self.trainable_variables = list(self._steps[self._example_key].variables)
+
+    @property
+    def plan(self) -> PlanResult:
+        """The plan for the example arguments' shapes (predicted peak, overhead, solver facts)."""
+        return self.plans[self._example_key]
+
+    def __call__(self, *args):
+        """Returns ``(loss, gradients)``: the scalar loss and one gradient per variable of
+        :attr:`trainable_variables` (None where the loss does not depend on it).
+
+        Raises:
+            ArgumentError: the arguments differ in structure from the example's, or a
+                dimension is unknown while tracing (give the ``tf.function`` or the
+                dataset a fixed batch size).
+        """
+        key = _signature(args)
+        if key not in self._steps:
+            unknown = [shape for shape, _ in key[1] if None in shape]
+            if unknown:
+                raise ArgumentError(f"g was called with a tensor of shape {unknown[0]} while a tf.function traced: "
+                                    "each batch shape gets its own plan, so give the tf.function an input_signature "
+                                    "with the batch size, or the dataset a fixed one (batch(..., drop_remainder=True))")
+            _eagerly(lambda: self._plan_for(args))
+            variables = self._steps[key].variables
+            if [id(v) for v in variables] != [id(v) for v in self.trainable_variables]:
+                raise ExtractionError(f"fn reads other trainable variables at argument shapes {key[1]} than at the "
+                                      "example's; g lists one set of variables, so fn must read the same at every shape")
+        return self._steps[key](tf.nest.flatten(args), self._label)
+
+    def _plan_for(self, args: tuple):
+        """Traces ``fn`` on placeholders like ``args``, plans and compiles its step; returns its key."""
+        from tfremat.static_graph.compile import compile_step
+
+        key = _signature(args)
+        structure, specs = key
+        if structure != self._structure:
+            raise ArgumentError(f"g was called with arguments structured as {structure}; it was made for "
+                                f"{self._structure}")
+        settings = self._settings
+        model = trace_loss(self._fn, args)
+        samples = [np.broadcast_to(np.zeros((), tf.as_dtype(dtype).as_numpy_dtype), shape) for shape, dtype in specs]
+        extraction = extract(model, sample_batch=(samples, np.zeros((), np.float32)), loss=_output_is_loss,
+                             cost_model=settings.cost_model, granularity=settings.granularity,
+                             use_cache=settings.cache is not False and settings.cache is not None,
+                             weight_grads="fixed", implementations=wants_implementations([settings.strategy]))
+        result = plan_graph(extraction.graph, settings.budget, settings.strategy, cache=settings.cache,
+                            verbose=settings.verbose, **settings.options)
+        self.plans[key] = dataclasses.replace(result, extraction=extraction)
+        self._steps[key] = compile_step(extraction, result.schedule, apply_gradients=False)
+        return key
+
+
+def _eagerly(work: Callable):
+    """``work()``, run eagerly also while a ``tf.function`` (a ``train_step``) traces.
+
+    The extraction measures each layer call eagerly under gradient tapes. ``tf.init_scope``
+    would leave the trace but also stop every tape on the thread, so the extraction would
+    see no gradient read any forward value; a thread of its own runs eagerly with no
+    trace and no stopped tape.
+    """
+    if tf.executing_eagerly():
+        return work()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(work).result()
+
+
+def _output_is_loss(y_true, y_pred):
+    """The extraction's loss: the traced model's output is the loss already."""
+    return y_pred
+
+
+def _signature(args: tuple) -> tuple:
+    """``(structure, ((shape, dtype) per tensor))``: what a plan is specific to.
+
+    Raises:
+        ArgumentError: an argument holds something that is no tensor or array.
+    """
+    specs = []
+    for leaf in tf.nest.flatten(list(args)):
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise ArgumentError(f"the arguments of g must be tensors or arrays (or lists, tuples and dicts of them), "
+                                f"got a {type(leaf).__name__}; let fn close over other values")
+        specs.append((tuple(leaf.shape), tf.as_dtype(leaf.dtype).name))
+    return repr(tf.nest.map_structure(lambda _: "T", list(args))), tuple(specs)
+
+
+def trace_loss(fn: Callable, args: tuple):
+    """``fn`` recorded on ``keras.Input`` placeholders like ``args``, as a ``keras.Model``
+    from the flattened arguments to the loss.
+
+    ``fn`` is traced twice: a value it computes from no argument (random numbers drawn in
+    it) differs between the two traces, and would be frozen in the step.
+
+    Raises:
+        ExtractionError: what the module docstring lists, naming the cause.
+    """
+    model, constants = _record(fn, args)
+    _, again = _record(fn, args)
+    if len(constants) != len(again) or not all(np.array_equal(a, b) for a, b in zip(constants, again)):
+        raise ExtractionError("fn computes a value from no argument that changes from call to call (random "
+                              "numbers?), which the planned step would freeze at its first value; draw it outside fn "
+                              "and pass it to g as an argument")
+    return model
+
+
+def _record(fn: Callable, args: tuple):
+    """One trace of ``fn``: the model, and the values of the tensors it combined with the
+    placeholders (constants of the recorded graph), in graph order."""
+    placeholders = tf.nest.map_structure(
+        lambda leaf: keras.Input(batch_shape=tuple(leaf.shape), dtype=tf.as_dtype(leaf.dtype).name), list(args))
+    with tf.GradientTape(watch_accessed_variables=True) as tape:
+        try:
+            loss = fn(*placeholders)
+        except Exception as error:  # noqa: BLE001 - any failure on placeholders is the refusal's cause
+            cause = (str(error).strip().splitlines() or [""])[0]
+            raise ExtractionError(
+                f"fn cannot be traced on symbolic inputs ({type(error).__name__}: {cause}); value_and_grad needs a "
+                "loss built from Keras layers and keras.ops: no tf.* functions (tf.py_function included) and no "
+                "Python control flow on tensor values") from None
+    read = [v.path if hasattr(v, "path") else v.name for v in tape.watched_variables()]
+    if read:
+        raise ExtractionError(f"fn reads variable {read[0]} outside a layer call (a weight penalty such as "
+                              "sum(model.losses)?), which the planned step would freeze at its current value; add "
+                              "such a term and its gradient outside g")
+    if not isinstance(loss, keras.KerasTensor):
+        raise ExtractionError(f"fn returned a {type(loss).__name__}, not a value computed from its arguments; it must "
+                              "return the loss computed from them by Keras layers and keras.ops")
+    if tuple(loss.shape) != ():
+        raise ExtractionError(f"fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar loss "
+                              "(reduce it, e.g. keras.ops.mean)")
+    inputs = tf.nest.flatten(placeholders)
+    model = keras.Model(inputs, loss)
+    _in_call_order(model)
+    constants = []
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            operation = node.operation
+            if node.is_input or operation is None:
+                continue
+            if getattr(operation, "_call_has_training_arg", False) and node.arguments.kwargs.get("training") is not True:
+                raise ExtractionError(
+                    f"fn calls {operation.name!r} without training=True; the planned step runs every layer in "
+                    "training mode, as a training step does: call it with training=True, or call it outside fn "
+                    "and pass its output as an argument", layer=operation.name)
+            for value in tf.nest.flatten((node.arguments.args, node.arguments.kwargs)):
+                if isinstance(value, (tf.Variable, keras.Variable)):
+                    raise ExtractionError(f"fn passes variable {value.name} to {operation.name!r} directly, so no "
+                                          "gradient would reach it; read variables through the layers that own them",
+                                          layer=operation.name)
+                if isinstance(value, tf.Tensor):
+                    constants.append(np.asarray(value))
+    return model, constants
+
+
+def _in_call_order(model) -> None:
+    """Orders the traced model's nodes so that the calls of one layer or model run in the
+    order ``fn`` made them.
+
+    Keras orders a functional graph by depth from the output, which may put a GAN's
+    discriminator call on fake images before its call on real ones; each call advances
+    the layers' dropout seeds and moves their batch-norm statistics, so the step would
+    give other masks and statistics than the tape. The extraction walks
+    ``_nodes_by_depth``, so this model (traced for the extraction alone) gets one node
+    per depth, in Keras's order where it leaves a choice.
+    """
+    nodes = [node for depth in sorted(model._nodes_by_depth, reverse=True) for node in model._nodes_by_depth[depth]]
+    position = {id(node): k for k, node in enumerate(nodes)}
+    order = nx.DiGraph()
+    order.add_nodes_from(range(len(nodes)))
+    calls: dict[int, list] = {}
+    for k, node in enumerate(nodes):
+        order.add_edges_from((position[id(parent)], k) for parent in node.parent_nodes if id(parent) in position)
+        if node.operation is not None and not node.is_input:
+            calls.setdefault(id(node.operation), []).append(node)
+    for same in calls.values():
+        same.sort(key=lambda node: node.operation._inbound_nodes.index(node))
+        order.add_edges_from((position[id(a)], position[id(b)]) for a, b in zip(same, same[1:]))
+    ordered = list(nx.lexicographical_topological_sort(order))
+    model._nodes_by_depth = {len(nodes) - 1 - rank: [nodes[k]] for rank, k in enumerate(ordered)}
