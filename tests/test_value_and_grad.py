@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import tfremat
 from tfremat.errors import ArgumentError, ExtractionError
+from tfremat.extract.checks import refuse_unmodelled_training
 from tfremat.numerics import closeness
 
 BUDGET = "60% of activations"
@@ -261,3 +262,15 @@ def test_bad_arguments_and_unknown_shapes_are_refused():
     # Raised while the function traces: TensorFlow wraps it in its StagingError.
     with pytest.raises(Exception, match=r"shape \(None, 16, 16, 3\) while a tf.function traced"):
         tf.function(g, input_signature=[spec, spec]).get_concrete_function()
+
+
+def test_the_train_step_refusal_points_to_value_and_grad():
+    class OwnStep(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    x = keras.Input((4,))
+    model = OwnStep(x, keras.layers.Dense(2)(x))
+    with pytest.raises(ExtractionError, match="overrides train_step.*tfremat.value_and_grad") as error:
+        refuse_unmodelled_training(model)
+    _one_line(error)

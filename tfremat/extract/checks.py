@@ -48,10 +48,12 @@ def refuse_unmodelled_training(model) -> None:
     """
     for method in ("train_step", "compute_loss", "call"):
         if not getattr(type(model), method).__module__.startswith("keras."):
+            way_in = ("or keep it and take its gradients from tfremat.value_and_grad(loss_fn, budget, ...) in "
+                      "place of tf.GradientTape" if method != "call" else "or train this model without tfremat")
             raise ExtractionError(
                 f"model {model.name!r} overrides {method}; the rematerialized step runs the layer graph with the "
                 "compiled loss alone and would silently skip it. Express the model as layers and the loss "
-                "through model.compile(loss=...), or train this model without tfremat",
+                f"through model.compile(loss=...), {way_in}",
                 layer=model.name,
             )
     if len(model.losses) == len(regularized_variables(model)):
