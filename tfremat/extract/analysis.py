@@ -29,8 +29,13 @@ residuals, and such a call is recorded on a non-persistent tape and takes its gr
 one ``gradient`` call, as the step does
 (:func:`tfremat.runtime.tape.takes_one_gradient_call`).
 
-With ``profile=True`` the same functions are run on the target device: the median of timed
-runs after warm-up gives the cost, and the peak of the bytes the run's operations request
+With ``profile=True`` the same functions are run on the target device. The cost is the
+least time of many runs after warm-up (:func:`_least_seconds`; on CPU the process's CPU
+time, :func:`_clock`): a busy machine only ever adds time to a run, so the least run is the
+one that repeats from profile to profile, where the median moves with the load. The forward and the forward-plus-backward are timed in turns,
+so the backward (their difference) is taken under one load, and every cost is rounded to a
+relative grid (:func:`_on_grid`) so that two profiles whose costs differ by noise give the
+solvers the same numbers. The peak of the bytes the run's operations request
 from the allocator (the profiler's allocation events, :func:`_requested_peak`; not the BFC
 allocator's own peak, which counts whole chunks) gives the workspace, i.e. the transient
 bytes beyond the node's output, residuals and gradients. Profiling runs the layer with
@@ -51,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import statistics
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -79,6 +84,11 @@ _LOOP_OPS = frozenset({"While", "StatelessWhile"})
 _VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient", "Snapshot"})
 _CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
 _LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (_other_orders_peak)
+# Timing (_least_seconds): runs go on until they took this long and numbered `repeats`, or
+# this many; the least run of those is the cost.
+_MIN_TIMING_SECONDS = 0.1
+_MAX_TIMED_RUNS = 400
+_COST_GRID = 1.04  # costs are powers of this (seconds), so noise below ~2% cannot change them
 _SEED_SPEC = tf.TensorSpec([], tf.float32)  # the scalar the upstream gradients are filled with
 _NO_COMPUTE_OPS = frozenset(
     {"Const", "Placeholder", "ReadVariableOp", "Identity", "IdentityN", "NoOp", "Shape", "ShapeN",
@@ -105,7 +115,8 @@ class CallAnalysis:
         small_residual_bytes: residuals that do not.
         input_grad_bytes: bytes of the gradients the backward returns for the inputs.
         forward_flops, backward_flops: analytic counts from the traced ops.
-        forward_seconds, backward_seconds: median timings (0 without profiling).
+        forward_seconds, backward_seconds: least timed seconds on the cost grid (0 without
+            profiling; :func:`_least_seconds`, :func:`_on_grid`).
         forward_workspace, backward_workspace: transient requested bytes (0 without profiling).
         input_gradient_reads_forward: the operations computing the input gradients read
             a forward tensor (an input, the output or a residual). When they do not (a
@@ -177,23 +188,52 @@ def _op_flops(graph, op) -> float:
     return total
 
 
-def _time_and_memory(fn: Callable, args, repeats: int, warmup: int) -> tuple[float, int]:
-    """Median seconds of ``fn(*args)`` after warm-up, and the peak of the bytes it requests
-    above what existed before it (:func:`_requested_peak`)."""
-    peak = _requested_peak(fn, args, warmup)
-    return _median_seconds(fn, args, repeats, warmup=0), peak
+def _least_seconds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup: int) -> list[float]:
+    """The least seconds of each ``fn(*args)`` in ``calls``, timed in turns.
 
-
-def _median_seconds(fn: Callable, args, repeats: int, warmup: int) -> float:
-    """Median seconds of ``repeats`` runs of ``fn(*args)`` after ``warmup`` unmeasured ones."""
+    After ``warmup`` unmeasured runs of each, rounds run every call once, until there are at
+    least ``repeats`` rounds and :data:`_MIN_TIMING_SECONDS` have passed, or
+    :data:`_MAX_TIMED_RUNS` rounds. Other processes and preemption only add time to a run,
+    so the least run is what the call costs; the minimum time makes runs of a tiny call
+    many, so that some run meets a quiet moment, and taking the calls in turns puts the
+    same load on each.
+    """
     for _ in range(warmup):
-        synchronize(fn(*args))
-    times = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        synchronize(fn(*args))
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+        for fn, args in calls:
+            synchronize(fn(*args))
+    clock = _clock()
+    least = [math.inf] * len(calls)
+    began = time.perf_counter()
+    for round_ in range(1, _MAX_TIMED_RUNS + 1):
+        for position, (fn, args) in enumerate(calls):
+            start = clock()
+            synchronize(fn(*args))
+            least[position] = min(least[position], clock() - start)
+        if round_ >= repeats and time.perf_counter() - began >= _MIN_TIMING_SECONDS:
+            break
+    return least
+
+
+def _clock() -> Callable[[], float]:
+    """The clock that times calls: the process's CPU time on a CPU device, wall time on an
+    accelerator (a GPU kernel's time is the wall time the host waits for it).
+
+    On CPU, other processes take cores away from the intra-op thread pool for stretches
+    longer than a node's timing, so even the least wall time of a convolution moved
+    severalfold between profiles on a loaded machine, where its CPU time stayed close
+    (benchmarks/results/profile_agreement.md). CPU time counts the work, not the waiting;
+    a call that runs on several threads at once costs their sum (how much of it a quiet
+    machine overlaps is not measured)."""
+    return time.process_time if default_device().startswith("CPU") else time.perf_counter
+
+
+def _on_grid(seconds: float) -> float:
+    """``seconds`` rounded to the nearest power of :data:`_COST_GRID` (0 stays 0): two
+    profiles of one model whose costs differ by less than the grid's step mostly give the
+    same numbers, and with them the same schedule, instead of a MILP that flips on noise."""
+    if seconds <= 0:
+        return 0.0
+    return _COST_GRID ** round(math.log(seconds, _COST_GRID))
 
 
 def _requested_peak(fn: Callable, args, warmup: int) -> int:
@@ -404,7 +444,7 @@ def analyze_call(
         variables: the trainable variables the backward differentiates.
         batch_size: the batch dimension, to tell batch-sized residuals from small ones.
         profile: also time the call and measure its workspace.
-        repeats, warmup: timed runs and untimed warm-up runs.
+        repeats, warmup: the fewest timed runs (:func:`_least_seconds`) and untimed warm-up runs.
 
     Returns:
         A :class:`CallAnalysis`.
@@ -513,7 +553,7 @@ def _loop_residuals(tracer: _CallTracer, read_tensors, layer_name: str):
 
 def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete, fb_concrete, held_concrete,
                   upstream_bytes: int, repeats: int, warmup: int) -> CallAnalysis:
-    """``analysis`` with the median seconds and the workspaces measured on the device.
+    """``analysis`` with the seconds and the workspaces measured on the device.
 
     The forward is timed alone, or for a loop with the tape filling its accumulators (the
     ``"held"`` trace); the backward's seconds are the step's minus the forward's. Each
@@ -528,21 +568,21 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     inputs = [_sample(s) for s in tracer.input_specs]
     weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in tracer.variables)
     timed_forward = (held_concrete, (inputs, tf.constant(1.0))) if held_concrete is not None else (forward_concrete, (inputs,))
-    fwd_seconds, fwd_peak = _time_and_memory(*timed_forward, repeats, warmup)
+    fwd_peak = _requested_peak(*timed_forward, warmup)
     args = (inputs, tf.constant(1.0))
     if analysis.residual_bytes and not analysis.reads_output and held_concrete is None:
         # The residuals die as the gradient reads them: the node's residual part has no
         # other reader, and the simulator counts it as resident for the whole backward node.
-        fb_seconds = _median_seconds(fb_concrete, args, repeats, warmup)
         fb_peak = max(_requested_peak(tracer.trace("consumed", gated=gated), args, warmup) for gated in (True, False))
     else:
-        fb_seconds, fb_peak = _time_and_memory(fb_concrete, args, repeats, warmup)
-        fb_peak = max(fb_peak, _other_orders_peak(tracer, held_concrete is not None, inputs, warmup))
+        fb_peak = max(_requested_peak(fb_concrete, args, warmup),
+                      _other_orders_peak(tracer, held_concrete is not None, inputs, warmup))
+    fwd_seconds, fb_seconds = _least_seconds([timed_forward, (fb_concrete, args)], repeats, warmup)
     held_bytes = analysis.output_bytes + upstream_bytes + analysis.residual_bytes + analysis.small_residual_bytes
     return dataclasses.replace(
         analysis,
-        forward_seconds=fwd_seconds,
-        backward_seconds=max(fb_seconds - fwd_seconds, 0.05 * fb_seconds),
+        forward_seconds=_on_grid(fwd_seconds),
+        backward_seconds=_on_grid(max(fb_seconds - fwd_seconds, 0.05 * fb_seconds)),
         forward_workspace=max(0, fwd_peak - analysis.output_bytes - analysis.residual_bytes),
         backward_workspace=max(0, fb_peak - held_bytes - analysis.input_grad_bytes - weight_grad_bytes),
     )
@@ -759,5 +799,6 @@ def analyze_loss(
         return analysis
     preds = [_sample(s) for s in pred_specs]
     labels = [_sample(s) for s in label_specs]
-    seconds, peak = _time_and_memory(concrete, (preds, labels), repeats, warmup)
-    return dataclasses.replace(analysis, forward_seconds=seconds, forward_workspace=max(0, peak - output_bytes))
+    peak = _requested_peak(concrete, (preds, labels), warmup)
+    (seconds,) = _least_seconds([(concrete, (preds, labels))], repeats, warmup)
+    return dataclasses.replace(analysis, forward_seconds=_on_grid(seconds), forward_workspace=max(0, peak - output_bytes))
