@@ -19,12 +19,14 @@ from tfremat.plan.pofo import (
     _prefetched,
     run_offload_sequence,
     solve_pofo,
+    solve_pofo_limits,
 )
 from tfremat.plan.rotor import (
     ChainOp,
     RotorChain,
     keep_everything_sequence,
     run_sequence,
+    sequences_at_limits,
     solve_chain,
 )
 
@@ -462,7 +464,7 @@ def test_bad_arguments_name_the_argument():
             solve_pofo(chain, 10, 1.0, slots)
     with pytest.raises(ArgumentError, match=r"memory_slots=400: .* more than \d+: use memory_slots <= \d+"):
         solve_pofo(chain, 10, 1.0, 400)
-    assert MAX_POFO_CELLS == 2**25
+    assert MAX_POFO_CELLS == 2**26
 
 
 def test_nothing_fits_and_a_single_stage():
@@ -479,3 +481,57 @@ def test_the_dp_stops_at_the_deadline():
     with heuristic_deadline(time.perf_counter() - 1):
         with pytest.raises(_OutOfTime):
             solve_pofo(chain, top_bytes(chain) / 2, 1.0)
+
+
+# ----- one table for several limits -----
+
+
+def test_one_table_answers_every_smaller_limit_as_its_own_solve():
+    """The DP over S slots read at A = S - c is the DP solved at c slots of the same size:
+    the same duration and sequence (slots of one byte keep both discretizations exact)."""
+    rng = random.Random(11)
+    for trial in range(12):
+        chain = random_chain(rng, rng.randint(2, 6))
+        top = int(top_bytes(chain)) + 2
+        bandwidth = rng.choice([0.3, 1.0, 4.0, math.inf])
+        shared = _Pofo(chain, top, bandwidth, top)
+        for count in range(1, top + 1):
+            alone = _Pofo(chain, count, bandwidth, count)
+            assert shared.duration_at(count) == alone.duration, (trial, count)
+            if math.isfinite(alone.duration):
+                assert shared.sequence(count) == alone.sequence(), (trial, count)
+
+
+def test_solve_pofo_limits_equals_solve_pofo_per_limit():
+    rng = random.Random(5)
+    for trial in range(6):
+        chain = random_chain(rng, rng.randint(3, 6))
+        slots = int(top_bytes(chain))
+        counts = [slots, max(1, slots - 3), slots + 4]
+        together = solve_pofo_limits(chain, slots, 1.0, counts, slots)
+        for count, solution in zip(counts, together):
+            alone = solve_pofo(chain, count, 1.0, count)
+            assert (solution is None) == (alone is None), (trial, count)
+            if alone is not None:
+                assert solution.ops == alone.ops and solution.run == alone.run, (trial, count)
+    with pytest.raises(ArgumentError, match="slot_counts must be ints >= 1"):
+        solve_pofo_limits(chain, 10, 1.0, [0], 10)
+
+
+def test_rotor_sequences_at_limits_are_each_limits_own_optimum():
+    """One rotor table read at several limits gives each limit's own solve at the same slot
+    size (one byte), and None where nothing fits."""
+    rng = random.Random(3)
+    for trial in range(10):
+        chain = random_chain(rng, rng.randint(2, 7))
+        top = int(top_bytes(chain)) + 1
+        limits = list(range(1, top + 1))
+        for limit, ops in zip(limits, sequences_at_limits(chain, limits, top)):
+            alone = solve_chain(chain, limit, limit)
+            if not math.isfinite(alone.cost[limit]):
+                assert ops is None, (trial, limit)
+                continue
+            assert ops == alone.sequence(), (trial, limit)
+            assert run_sequence(chain, ops).peak_bytes <= limit
+    with pytest.raises(ArgumentError, match="limits must hold a number of bytes > 0"):
+        sequences_at_limits(chain, [0, -1])

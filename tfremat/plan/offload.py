@@ -33,6 +33,7 @@ reads it goes to the host right after it is computed and comes back for its next
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -50,7 +51,7 @@ from tfremat.plan.baselines import (
     known_simulation,
     time_is_up,
 )
-from tfremat.plan.pofo import MAX_POFO_CELLS, solve_pofo
+from tfremat.plan.pofo import MAX_POFO_CELLS, solve_pofo_limits
 from tfremat.plan.registry import Strategy, as_strategy
 from tfremat.plan.schedule import Schedule, offloadable, schedule_from_keep_matrix
 from tfremat.plan.simulator import checkpoint_all_peak
@@ -177,6 +178,26 @@ def _base_schedule(graph: DFGraph, base: Strategy, limit: int) -> Schedule | Non
     return _BASE_CACHE[key]
 
 
+def _rotor_starts(graph: DFGraph, articulation: bool, limits: np.ndarray) -> Iterator[Schedule | None]:
+    """Capper's starts at each limit: "a pure rematerialization sequence with the limit M'"
+    (sec. 5.1), rotor's DP sequence at the limit's activation bytes, every limit read from
+    one table (:func:`~tfremat.plan.rotor.sequences_at_limits`) rather than one rotor
+    search per limit (a limit where none fits, or that repeats a sequence, yields none)."""
+    mapped = rotor.graph_chain(graph, articulation)
+    activations = [int(limit) - graph.fixed_bytes for limit in limits]
+    if max(activations) <= 0:
+        return
+    try:
+        sequences = rotor.sequences_at_limits(mapped.chain, activations)
+    except baselines._OutOfTime:
+        return
+    seen = set()
+    for ops in sequences:
+        if ops is not None and tuple(ops) not in seen:
+            seen.add(tuple(ops))
+            yield schedule_from_keep_matrix(graph, rotor.sequence_keep_matrix(graph, mapped, ops), "autocapper")
+
+
 @as_strategy("autocapper", offloads=True)
 def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | None = None, base: str = "rotor",
                limits: int = AUTOCAPPER_LIMITS) -> Schedule:
@@ -208,11 +229,19 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
             yield from capper(graph, base_strategy(graph), None, bandwidth, "autocapper")
             return
         high = checkpoint_all_peak(graph)
+        tried = np.unique(np.linspace(budget, max(high, budget), limits).astype(np.int64))
+        if base in ("rotor", "rotor_ap") and graph.loss_node is not None and graph.forward_nodes:
+            # The rotor strategy's own schedule at the budget (its DP and its search on the
+            # graph) first, so that autocapper is never slower than it; then rotor's DP
+            # sequence at every limit, from one table.
+            starts = itertools.chain([_base_schedule(graph, base_strategy, int(budget))],
+                                     _rotor_starts(graph, base == "rotor_ap", tried))
+        else:
+            starts = (_base_schedule(graph, base_strategy, int(limit)) for limit in tried)
         started = set()
-        for limit in np.unique(np.linspace(budget, max(high, budget), limits).astype(np.int64)):
+        for start in starts:
             if time_is_up():
                 return
-            start = _base_schedule(graph, base_strategy, int(limit))
             # Neighbouring limits often give the base's same schedule: capper would repeat itself.
             if start is None or start.S.tobytes() in started:
                 continue
@@ -283,9 +312,14 @@ def _pofo(graph: DFGraph, budget: int | None, bandwidth, memory_slots: int | Non
         raise ArgumentError(f"{name} plans a training step: graph {graph.name!r} has no loss node or forward nodes")
     mapped = rotor.graph_chain(graph, articulation)
     length = mapped.chain.length
+    shares = POFO_LIMITS if budget is not None else (1.0, 0.75, 0.5, 0.35, 0.25)
+
+    def counts(slots: int) -> list[int]:
+        return [max(1, math.floor(share * slots)) for share in shares]
+
     if memory_slots is None:
         memory_slots = POFO_SLOTS
-        while memory_slots > 1 and length * 2 * (memory_slots + 2) ** 3 > MAX_POFO_CELLS:
+        while memory_slots > 1 and length * 2 * (max(counts(memory_slots)) + 2) ** 3 > MAX_POFO_CELLS:
             memory_slots -= 1
     elif not is_int(memory_slots) or memory_slots < 1:
         raise ArgumentError(f"memory_slots must be None or an int >= 1, got {memory_slots!r}")
@@ -306,13 +340,19 @@ def _pofo(graph: DFGraph, budget: int | None, bandwidth, memory_slots: int | Non
         return schedule
 
     def candidates() -> Iterator[Schedule]:
-        shares = POFO_LIMITS if budget is not None else (1.0, 0.75, 0.5, 0.35, 0.25)
-        for share in shares:
-            if time_is_up() or activations <= 0:
-                return
-            try:
-                solution = solve_pofo(mapped.chain, share * activations, bandwidth, memory_slots)
-            except baselines._OutOfTime:
+        if time_is_up() or activations <= 0:
+            return
+        if budget is not None and checkpoint_all_peak(graph) <= budget:
+            # Keeping everything fits, and no schedule is faster.
+            yield baselines.checkpoint_all(graph).with_facts(None, name)
+            return
+        try:
+            # One DP in slots of the budget's activation bytes / memory_slots answers every limit.
+            solutions = solve_pofo_limits(mapped.chain, activations, bandwidth, counts(memory_slots), memory_slots)
+        except baselines._OutOfTime:
+            return
+        for solution in solutions:
+            if time_is_up():
                 return
             if solution is not None:
                 # Where the graph holds more than the chain model sees, capper offloads

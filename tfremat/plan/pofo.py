@@ -65,13 +65,14 @@ __all__ = [
     "PofoSolution",
     "run_offload_sequence",
     "solve_pofo",
+    "solve_pofo_limits",
 ]
 
 # Table 1's operations, then offload and prefetch of a stage's input (sec. 3.1).
 OFFLOAD_OPERATIONS = OPERATIONS + ("O", "P")
-# The forward tables hold N x 2 x (memory_slots + 2)^3 costs (float64) and choices (int16):
-# 2**25 cells are 335 MB. 60 stages at 50 slots take 16.9 M.
-MAX_POFO_CELLS = 1 << 25
+# The forward tables hold N x 2 x (slots + 2)^3 costs (float64) and choices (int16):
+# 2**26 cells are 671 MB. 92 stages (MobileNet) at 62 slots take 48.2 M.
+MAX_POFO_CELLS = 1 << 26
 # A transfer amount within this many slots of a whole number is that number (float noise).
 _EPS = 1e-9
 # Memory levels compare to a limit within this relative tolerance (float sums of sizes).
@@ -283,9 +284,10 @@ def run_offload_sequence(chain: RotorChain, ops: Sequence[ChainOp], bandwidth: f
 class _Pofo:
     """The DP of appendix B in slots; solved on construction (C_Delta, then OC_x)."""
 
-    def __init__(self, chain: RotorChain, memory_limit: float, bandwidth: float, memory_slots: int):
+    def __init__(self, chain: RotorChain, memory_limit: float, bandwidth: float, memory_slots: int,
+                 table_slots: int | None = None):
         padded = chain._padded()
-        self.N, self.S = chain.length, memory_slots
+        self.N, self.S = chain.length, memory_slots if table_slots is None else table_slots
         slots = {name: np.array([_slots(v, memory_slots, memory_limit) for v in padded[name]], dtype=np.int64)
                  for name in ("output_bytes", "stored_bytes", "forward_overhead", "forward_all_overhead",
                               "backward_overhead", "gradient_bytes")}
@@ -297,7 +299,13 @@ class _Pofo:
         self.b = bandwidth * memory_slots / memory_limit  # slots per unit of time
         self._solve_backward()
         self._solve_forward()
-        self.duration = float(self.oc[(1, 0)][0, 0, 0])
+        self.duration = self.duration_at(self.S)  # at the table's own limit
+
+    def duration_at(self, slots: int) -> float:
+        """``OC_0(1, 0, 0, 0)`` at a limit of ``slots`` slots (at most the table's): the
+        recurrence reads memory only as ``M_GPU - A``, so that limit's optimum is the
+        table's entry at ``A = S - slots``."""
+        return float(self.oc[(1, 0)][self.S - slots, 0, 0])
 
     # ----- Lemma 1's quantities -----
 
@@ -364,11 +372,13 @@ class _Pofo:
             peaks.append(run)
         return most, np.array(peaks), memories
 
-    def _cd_ck(self, i, j, s, A, D):
+    def _cd_ck(self, i, j, s, A, D, left=None):
         """Case 2: ``F_ck^i F_no^{i+1..s}``, C_Delta(s+1, j, A + a^s, Delta_2), then
-        C_Delta(i, s, A, Delta); returns the cost and Delta_2 (s may be an array)."""
+        C_Delta(i, s, A, Delta); returns the cost and Delta_2 (s may be an array).
+        ``left``: ``C_Delta(i, s, A, D)`` where the caller has it (a slice of the table)."""
         most, peaks, _ = self._ck_terms(i, j - 1, int(self.delta[j]), from_start=False)
-        left = self._cd_at(i, s, A, D)
+        if left is None:
+            left = self._cd_at(i, s, A, D)
         d2 = self.drain(D, left)
         right = self._cd_at(s + 1, j, A + self.x[s], d2)
         e_f = self.wait(peaks[s - i] + A + self.drain(d2, right, whole=False) - self.S)
@@ -393,9 +403,11 @@ class _Pofo:
                     best = self._cd_one(i, A, D)
                 else:
                     best = self._cd_all(i, j, A, D)[0]
-                    total = self._cd_ck(i, j, np.arange(i, j)[:, None, None], A[None], D[None])[0]
+                    # C_Delta(i, s) for s = i .. j-1 are consecutive rows of the table.
+                    left = self.cd[self.cd_offsets[i] : self.cd_offsets[i] + j - i, : S + 1]
+                    total = self._cd_ck(i, j, np.arange(i, j)[:, None, None], A[None], D[None], left)[0]
                     split = np.argmin(total, axis=0)
-                    values = np.take_along_axis(total, split[None], axis=0)[0]
+                    values = total.min(axis=0)
                     better = values < best
                     best = np.where(better, values, best)
                     self.cd_choice[row] = np.where(better, i + split, -1)
@@ -465,7 +477,7 @@ class _Pofo:
                 def offer(top: int, cost, code: int) -> None:
                     view, better = best[: top + 1], cost < best[: top + 1]
                     np.copyto(view, cost, where=better)
-                    choice[: top + 1][better] = code
+                    np.copyto(choice[: top + 1], code, where=better)
 
                 top = S - I - max(self._all_memories(i))
                 if i == N:
@@ -496,10 +508,11 @@ class _Pofo:
 
     # ----- the sequence -----
 
-    def sequence(self) -> list[ChainOp]:
-        """The optimal sequence, with its offloads and without prefetches."""
+    def sequence(self, slots: int | None = None) -> list[ChainOp]:
+        """The optimal sequence within ``slots`` slots (default: the table's), with its
+        offloads and without prefetches."""
         ops: list[ChainOp] = []
-        stack: list = [("OC", 1, 0, 0, 0, 0)]
+        stack: list = [("OC", 1, 0, self.S - (self.S if slots is None else slots), 0, 0)]
         while stack:
             item = stack.pop()
             if isinstance(item, ChainOp):
@@ -605,12 +618,10 @@ def solve_pofo(chain: RotorChain, memory_limit: float, bandwidth: float, memory_
     ``memory_limit``) peaks within the limit and takes at most rotor's optimum. Against the
     DP's duration the replay is slower where an offload frees its bytes only at its end,
     faster where the DP's rounding of pending transfers to whole slots and its separate
-    idle times over-count: the median ratio is 1, within [0.82, 1.34] on small chains with
-    coarse slots, within 1% on 30 and 60 stages at 50 slots.
+    idle times over-count (see ``tests/test_pofo.py``).
 
     O(N^2 S^3 + N^3 S^2) time and O(N S^3 + N^2 S^2) memory for N stages and S slots
-    (Theorem 1), plus O(K log n) replays; measured on a 2-core CPU at 50 slots, everything
-    included: 30 stages in about 0.5 s, 60 stages in about 2.5 s. Under a
+    (Theorem 1), plus O(K log n) replays. Under a
     :func:`~tfremat.plan.baselines.heuristic_deadline` it raises ``_OutOfTime`` past the
     deadline, as :func:`~tfremat.plan.rotor.solve_chain` does.
 
@@ -621,29 +632,58 @@ def solve_pofo(chain: RotorChain, memory_limit: float, bandwidth: float, memory_
         ArgumentError: ``memory_limit`` not a finite number > 0, ``bandwidth`` not a number
             > 0, ``memory_slots`` not an int >= 1, or a table over :data:`MAX_POFO_CELLS`.
     """
+    return solve_pofo_limits(chain, memory_limit, bandwidth, [memory_slots], memory_slots)[0]
+
+
+def solve_pofo_limits(chain: RotorChain, memory_limit: float, bandwidth: float, slot_counts: Sequence[int],
+                      memory_slots: int = 50) -> list[PofoSolution | None]:
+    """:func:`solve_pofo` at several limits of one slot size, ``memory_limit / memory_slots``
+    bytes: at ``c * memory_limit / memory_slots`` bytes for each ``c`` of ``slot_counts``
+    (which may exceed ``memory_slots``), from one DP over ``max(slot_counts)`` slots.
+
+    Appendix B's recurrences read the memory held (A) only through what is left of
+    ``M_GPU``, so the table of the largest limit holds every smaller one's optimum at
+    ``A = S - c`` (as rotor's table holds every smaller limit in its columns); one solve
+    replaces one per limit. Entry k of the result answers ``slot_counts[k]`` (None: no
+    sequence fits it).
+
+    Raises:
+        ArgumentError: as :func:`solve_pofo`; a count that is no int >= 1; a table over
+            :data:`MAX_POFO_CELLS` (counted at ``max(slot_counts)`` slots).
+    """
     _check_limit(memory_limit)
     _check_bandwidth(bandwidth)
     if not is_int(memory_slots) or memory_slots < 1:
         raise ArgumentError(f"memory_slots must be an int >= 1 (the memory limit is split into that many slots; the "
                             f"paper uses 50), got {memory_slots!r}")
-    cells = 2 * chain.length * (memory_slots + 2) ** 3
+    if not slot_counts or not all(is_int(c) and c >= 1 for c in slot_counts):
+        raise ArgumentError(f"slot_counts must be ints >= 1 (limits in slots of memory_limit / memory_slots), got "
+                            f"{slot_counts!r}")
+    top = max(slot_counts)
+    cells = 2 * chain.length * (top + 2) ** 3
     if cells > MAX_POFO_CELLS:
         most = int((MAX_POFO_CELLS / (2 * chain.length)) ** (1 / 3))
         while most >= 1 and 2 * chain.length * (most + 2) ** 3 > MAX_POFO_CELLS:
             most -= 1
+        most = most * memory_slots // top
         fix = f"use memory_slots <= {most}" if most >= 1 else "the chain is too long for pofo"
         raise ArgumentError(f"memory_slots={memory_slots}: pofo's forward tables for {chain.length} stages would hold "
                             f"{cells} cells, more than {MAX_POFO_CELLS}: {fix}")
-    dp = _Pofo(chain, memory_limit, bandwidth, memory_slots)
-    if not math.isfinite(dp.duration):
-        return None
-    candidates = []
-    placed = _prefetched(chain, dp.sequence(), bandwidth, memory_limit)
-    if placed is not None:
-        candidates.append((placed[1].makespan, 1, PofoSolution(placed[0], dp.duration, placed[1])))
-    table = solve_chain(chain, memory_limit, memory_slots)
-    if math.isfinite(table.cost[memory_slots]):
-        ops = table.sequence()
-        run = run_offload_sequence(chain, ops, bandwidth, memory_limit)
-        candidates.append((run.makespan, 0, PofoSolution(ops, float(table.cost[memory_slots]), run)))
-    return min(candidates, key=lambda c: c[:2])[2] if candidates else None
+    dp = _Pofo(chain, memory_limit, bandwidth, memory_slots, top)
+    # Rotor's table holds every smaller limit of its slot size in its columns.
+    table = solve_chain(chain, memory_limit if top == memory_slots else memory_limit * top / memory_slots, top)
+    solutions = []
+    for count in slot_counts:
+        limit = memory_limit * count / memory_slots
+        candidates = []
+        duration = dp.duration_at(count)
+        if math.isfinite(duration):
+            placed = _prefetched(chain, dp.sequence(count), bandwidth, limit)
+            if placed is not None:
+                candidates.append((placed[1].makespan, 1, PofoSolution(placed[0], duration, placed[1])))
+        if math.isfinite(table.cost[count]):
+            ops = table.sequence(count)
+            run = run_offload_sequence(chain, ops, bandwidth, limit)
+            candidates.append((run.makespan, 0, PofoSolution(ops, float(table.cost[count]), run)))
+        solutions.append(min(candidates, key=lambda c: c[:2])[2] if candidates else None)
+    return solutions

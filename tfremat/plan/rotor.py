@@ -99,6 +99,7 @@ __all__ = [
     "RotorTable",
     "GraphChain",
     "solve_chain",
+    "sequences_at_limits",
     "run_sequence",
     "keep_everything_sequence",
     "graph_chain",
@@ -507,6 +508,33 @@ def solve_chain(chain: RotorChain, memory_limit: float, memory_slots: int | None
     whole = _shift(cost[offsets[1] + N - 1], int(x[0]))  # the limit counts a^0
     whole.setflags(write=False)
     return RotorTable(chain, memory_slots, memory_limit / memory_slots, whole, choice, offsets, sizes)
+
+
+def sequences_at_limits(chain: RotorChain, limits, memory_slots: int | None = None) -> list[list[ChainOp] | None]:
+    """rotor's optimal sequence at each memory limit of ``limits`` (bytes, ``a^0`` counted;
+    None where none fits), from one table: column m of :func:`solve_chain`'s table is the
+    optimum at m slots, so one solve in slots of ``max(limits) / memory_slots`` bytes
+    answers every limit (each read at the most whole slots it holds). None (default): as
+    many slots as hold the smallest limit in :data:`DEFAULT_SLOTS`, within
+    :data:`MAX_TABLE_CELLS` and at least :data:`MIN_DEFAULT_SLOTS`.
+
+    Raises:
+        ArgumentError: no limit > 0, a bad ``memory_slots``, or a chain too long for the table.
+    """
+    positive = [float(limit) for limit in limits if is_number(limit) and limit > 0]
+    if not positive:
+        raise ArgumentError(f"limits must hold a number of bytes > 0, got {limits!r}")
+    top = max(positive)
+    if memory_slots is None:
+        wanted = math.ceil(DEFAULT_SLOTS * top / min(positive))
+        memory_slots = max(MIN_DEFAULT_SLOTS, min(wanted, _most_slots(chain.length, 1.0)))
+    table = solve_chain(chain, top, memory_slots)
+    sequences = []
+    for limit in limits:
+        slots = math.floor(limit / table.slot_bytes * (1 + 1e-12)) if is_number(limit) and limit > 0 else 0
+        slots = min(slots, table.slots)
+        sequences.append(table.sequence(slots) if math.isfinite(table.cost[slots]) else None)
+    return sequences
 
 
 # ----- training graphs -----
