@@ -203,3 +203,30 @@ def test_pofo_fits_and_is_never_slower_than_rotor(seed, name):
     validate_schedule(graph, schedule)
     result = simulate(graph, schedule)
     assert result.peak_bytes <= budget and result.makespan <= rotor_time + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fraction", [0.8, 0.6])
+def test_autocapper_skipping_slow_starts_finds_the_fastest_of_all_starts(seed, fraction):
+    """autocapper skips a start that computes more than the fastest fitting schedule found;
+    the answer is the fastest of capper run from every start, as sec. 5.1 describes."""
+    from tfremat.plan import offload, rotor
+
+    graph = random_training_graph(seed, 12)
+    budget = int(fraction * checkpoint_all_peak(graph))
+    bandwidth = float(np.mean(graph.output_bytes) / np.mean(graph.cost))
+    tried = np.unique(np.linspace(budget, checkpoint_all_peak(graph), 40).astype(np.int64))
+    starts = list(offload._rotor_starts(graph, False, tried))
+    try:
+        starts.append(rotor.rotor(graph, budget))
+    except InfeasibleBudgetError:
+        pass
+    makespans = [simulate(graph, schedule).makespan for start in starts
+                 for schedule in offload.capper(graph, start, budget, bandwidth)
+                 if simulate(graph, schedule).peak_bytes <= budget]
+    try:
+        found = simulate(graph, get_strategy("autocapper")(graph, budget, bandwidth=bandwidth)).makespan
+    except InfeasibleBudgetError:
+        assert not makespans
+        return
+    assert found == pytest.approx(min(makespans), rel=1e-12)

@@ -14,7 +14,9 @@ reads it goes to the host right after it is computed and comes back for its next
 * ``autocapper`` (sec. 5.1): *capper* takes a recompute-only schedule planned for a larger
   limit M', finds the stage of its simulated peak and offloads the lowest-indexed value
   resident and unread there, until the schedule fits; *autocapper* runs capper for limits
-  evenly spaced between the budget and the checkpoint-all peak and keeps the fastest.
+  evenly spaced between the budget and the checkpoint-all peak and keeps the fastest. With
+  rotor as the base, every limit's sequence comes from one DP table, and a start that
+  computes more than the fastest fitting schedule found is skipped (capper adds no compute).
 * ``opportunist`` (sec. 5.1): keeps the link busy in the forward pass. The first forward
   node's value is offloaded, the following nodes are dropped (recomputed in the backward
   pass) until the copy is predicted to end, then the next node is offloaded, and so on; once
@@ -204,8 +206,9 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
     """Beaumont et al.'s autocapper (sec. 5.1): :func:`capper` on the ``base`` strategy's
     recompute-only schedule for each of ``limits`` memory limits evenly spaced from the
     budget to the checkpoint-all peak; the fastest schedule (simulated makespan) that fits
-    the budget. Without a budget, capper runs from ``base``'s least-peak schedule and the
-    lowest peak is returned.
+    the budget. With ``rotor``/``rotor_ap`` the starts are rotor's DP sequences at each
+    limit read from one table, plus the rotor strategy's schedule at the budget. Without a
+    budget, capper runs from ``base``'s least-peak schedule and the lowest peak is returned.
 
     Args:
         bandwidth: the host link, in bytes per unit of the graph's cost (bytes per second
@@ -229,16 +232,19 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
             yield from capper(graph, base_strategy(graph), None, bandwidth, "autocapper")
             return
         high = checkpoint_all_peak(graph)
-        tried = np.unique(np.linspace(budget, max(high, budget), limits).astype(np.int64))
+        # From the highest limit down: offloading-only schedules first, whose makespans let
+        # the recompute-heavy starts below be skipped.
+        tried = np.unique(np.linspace(budget, max(high, budget), limits).astype(np.int64))[::-1]
         if base in ("rotor", "rotor_ap") and graph.loss_node is not None and graph.forward_nodes:
-            # The rotor strategy's own schedule at the budget (its DP and its search on the
-            # graph) first, so that autocapper is never slower than it; then rotor's DP
-            # sequence at every limit, from one table.
-            starts = itertools.chain([_base_schedule(graph, base_strategy, int(budget))],
-                                     _rotor_starts(graph, base == "rotor_ap", tried))
+            # rotor's DP sequence at every limit, from one table; then the rotor strategy's own
+            # schedule at the budget (its DP and its search on the graph), so that autocapper
+            # is never slower than it.
+            starts = itertools.chain(_rotor_starts(graph, base == "rotor_ap", tried),
+                                     [_base_schedule(graph, base_strategy, int(budget))])
         else:
             starts = (_base_schedule(graph, base_strategy, int(limit)) for limit in tried)
         started = set()
+        fastest = math.inf  # the least makespan among the schedules found that fit
         for start in starts:
             if time_is_up():
                 return
@@ -246,7 +252,15 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
             if start is None or start.S.tobytes() in started:
                 continue
             started.add(start.S.tobytes())
-            yield from capper(graph, start.with_facts(None, "autocapper"), budget, bandwidth, "autocapper")
+            # Capper only adds offloads: from a start that computes more than the fastest
+            # fitting schedule takes, nothing it makes can be faster.
+            if start.cost(graph) > fastest:
+                continue
+            for schedule in capper(graph, start.with_facts(None, "autocapper"), budget, bandwidth, "autocapper"):
+                yield schedule
+                result = known_simulation(graph, schedule)
+                if result.peak_bytes <= budget:
+                    fastest = min(fastest, result.makespan)
 
     return cheapest_fitting(graph, candidates(), budget, "autocapper")
 
