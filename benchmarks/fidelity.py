@@ -1,0 +1,133 @@
+"""Fidelity: what the plan predicts against what the compiled step does (issue 33 item 5).
+
+For each conformance model (:mod:`conformance`: the ``keras.applications`` constructors, the
+user-style models and, with keras-hub installed, GPT-2 and BERT backbones built from their
+configs with random weights) at checkpoint-all and at 60% and 40% of activations
+(``optimal``), :func:`tfremat.measure.measure_model` plans, compiles and runs the step:
+the predicted peak against the bytes the step requests and the allocator's peak, and the
+predicted time over plain (1 + overhead) against the measured one, timed in turns with
+plain steps (median per-round ratio, quartiles beside it). A budget no schedule meets is
+a row that says so.
+
+Run: ``python benchmarks/fidelity.py`` (writes ``benchmarks/results/fidelity.md``; ``--only``
+takes model names or substrings, comma separated, and then needs ``--out``).
+"""
+
+import os
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
+
+import conformance  # noqa: E402
+from provenance import header  # noqa: E402
+
+from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError  # noqa: E402
+from tfremat.measure import measure_model  # noqa: E402
+
+logger = logging.getLogger("benchmarks.fidelity")
+
+DEFAULT_OUT = os.path.join(HERE, "results", "fidelity.md")
+PLANS = (("checkpoint_all", "100%"), ("optimal", "60% of activations"), ("optimal", "40% of activations"))
+MiB = 2**20
+
+
+def measure_rows(name: str, steps: int, time_limit: float) -> list[dict]:
+    """One row per plan of :data:`PLANS` for the conformance model ``name``."""
+    model = conformance.build(name)
+    model.compile(optimizer="sgd", loss="categorical_crossentropy")
+    rows = []
+    for strategy, budget in PLANS:
+        row = {"model": name, "strategy": strategy, "budget": budget}
+        options = {"time_limit": time_limit} if strategy == "optimal" else {}
+        try:
+            row.update(measure_model(model, budget, batch_size=conformance.BATCH, strategy=strategy, steps=steps,
+                                     verbose=0, **options))
+        except (InfeasibleBudgetError, SolverTimeLimitError) as error:
+            row["error"] = conformance.first_line(error)
+        logger.info("%s", row)
+        rows.append(row)
+    return rows
+
+
+def _cells(row: dict) -> str:
+    if "error" in row:
+        return f"| {row['model']} | {row['strategy']} | {row['budget']} | | | | | | | | {row['error'][:240]} |"
+    predicted = row["predicted_peak_bytes"]
+    planned = 1 + row["predicted_overhead"]
+    low, high = row["time_over_plain_quartiles"]
+    return (f"| {row['model']} | {row['strategy']} | {row['budget']} | {predicted / MiB:.2f} | "
+            f"{row['requested_over_predicted']:.3f} | {row['measured_over_predicted']:.3f} | "
+            f"{row['measured_peak_bytes'] / row['budget_bytes']:.3f} | {planned:.3f} | "
+            f"{row['time_over_plain']:.3f} ({low:.2f}-{high:.2f}) | {row['time_over_plain'] / planned:.3f} | "
+            f"{'' if row['gradients_match'] in (True, None) else 'gradients differ'} |")
+
+
+def render(rows: list[dict], argv) -> str:
+    measured = [r for r in rows if "error" not in r]
+    worst = []
+    for key, label in (("requested_over_predicted", "requested / predicted"),
+                       ("measured_over_predicted", "allocator / predicted")):
+        if measured:
+            top = max(measured, key=lambda r: r[key])
+            worst.append(f"- Worst {label}: {top[key]:.3f}, {top['model']} {top['strategy']} at {top['budget']}.")
+    if measured:
+        top = max(measured, key=lambda r: abs(r["time_over_plain"] / (1 + r["predicted_overhead"]) - 1))
+        worst.append(f"- Furthest time from the plan: {top['time_over_plain'] / (1 + top['predicted_overhead']):.3f} "
+                     f"of it, {top['model']} {top['strategy']} at {top['budget']}.")
+    return "\n".join([
+        "# Fidelity: predicted against measured",
+        "",
+        header(argv),
+        "",
+        f"Batch {conformance.BATCH}, SGD, categorical cross-entropy, `cost_model=\"profile\"`, CPU "
+        "(2 cores shared with other jobs: time ratios are per-round ratios of steps timed in turns "
+        "with plain steps, quartiles in brackets). `req/pred`: bytes the step requests over the "
+        "prediction; `alloc/pred`: the allocator's peak over the prediction; `alloc/budget`: over "
+        "the budget; `planned`: 1 + predicted overhead; `time/plain`: measured; `time/planned`: "
+        "measured over planned.",
+        "",
+        *worst,
+        "",
+        "| model | strategy | budget | predicted MiB | req/pred | alloc/pred | alloc/budget | planned "
+        "| time/plain | time/planned | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *(_cells(r) for r in rows),
+    ])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="model names or substrings, comma separated")
+    parser.add_argument("--steps", type=int, default=7, help="timed rounds per measurement")
+    parser.add_argument("--time_limit", type=float, default=30.0, help="seconds per optimal solve")
+    parser.add_argument("--out", default=None, help=f"markdown file to write (default {DEFAULT_OUT}; "
+                        "required with --only)")
+    args = parser.parse_args(argv)
+    if args.only is not None and args.out is None:
+        parser.error(f"--only runs some models only; give --out (the default {DEFAULT_OUT} holds all of them)")
+    names = conformance.model_names()
+    if args.only:
+        wanted = args.only.split(",")
+        names = [n for n in names if any(w in n for w in wanted)]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("tfremat").setLevel(logging.ERROR)
+    rows = [row for name in names for row in measure_rows(name, args.steps, args.time_limit)]
+    text = render(rows, argv)
+    out = args.out or DEFAULT_OUT
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(text + "\n")
+    sys.stdout.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
