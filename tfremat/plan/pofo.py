@@ -320,8 +320,12 @@ class _Pofo:
         slots when it is a state (``whole``)."""
         if self.b == math.inf:
             return np.zeros(np.broadcast(amount, time).shape, dtype=np.int64 if whole else float)
-        left = np.maximum(amount - time * self.b, 0.0)
-        return np.ceil(left - _EPS).astype(np.int64) if whole else left
+        left = np.asarray(np.subtract(amount, np.multiply(time, self.b), dtype=float))
+        if not whole:
+            return np.maximum(left, 0.0, out=left)
+        left -= _EPS  # in place: these arrays are the DP's largest
+        np.ceil(left, out=left)
+        return np.maximum(left, 0.0, out=left).astype(np.int64)
 
     def input(self, i: int, x: int) -> int:
         """``I_i^x``: ``a^{i-1}`` (x = 0) or ``abar^{i-1}`` (x = 1), in slots."""
