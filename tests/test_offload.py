@@ -216,7 +216,7 @@ def test_autocapper_skipping_slow_starts_finds_the_fastest_of_all_starts(seed, f
     budget = int(fraction * checkpoint_all_peak(graph))
     bandwidth = float(np.mean(graph.output_bytes) / np.mean(graph.cost))
     tried = np.unique(np.linspace(budget, checkpoint_all_peak(graph), 40).astype(np.int64))
-    starts = list(offload._rotor_starts(graph, False, tried))
+    starts = list(offload._rotor_starts(graph, False, tried, checkpoint_all_peak(graph)))
     try:
         starts.append(rotor.rotor(graph, budget))
     except InfeasibleBudgetError:

@@ -180,11 +180,13 @@ def _base_schedule(graph: DFGraph, base: Strategy, limit: int) -> Schedule | Non
     return _BASE_CACHE[key]
 
 
-def _rotor_starts(graph: DFGraph, articulation: bool, limits: np.ndarray) -> Iterator[Schedule | None]:
+def _rotor_starts(graph: DFGraph, articulation: bool, limits: np.ndarray, high: int) -> Iterator[Schedule]:
     """Capper's starts at each limit: "a pure rematerialization sequence with the limit M'"
     (sec. 5.1), rotor's DP sequence at the limit's activation bytes, every limit read from
     one table (:func:`~tfremat.plan.rotor.sequences_at_limits`) rather than one rotor
-    search per limit (a limit where none fits, or that repeats a sequence, yields none)."""
+    search per limit; at ``high`` (the checkpoint-all peak) and above, keeping everything,
+    as the rotor strategy does (the table's sizes are rounded up to slots). A limit where
+    none fits, or that repeats a sequence, yields none."""
     mapped = rotor.graph_chain(graph, articulation)
     activations = [int(limit) - graph.fixed_bytes for limit in limits]
     if max(activations) <= 0:
@@ -193,8 +195,10 @@ def _rotor_starts(graph: DFGraph, articulation: bool, limits: np.ndarray) -> Ite
         sequences = rotor.sequences_at_limits(mapped.chain, activations)
     except baselines._OutOfTime:
         return
+    everything = rotor.keep_everything_sequence(mapped.chain.length)
     seen = set()
-    for ops in sequences:
+    for limit, ops in zip(limits, sequences):
+        ops = everything if limit >= high else ops
         if ops is not None and tuple(ops) not in seen:
             seen.add(tuple(ops))
             yield schedule_from_keep_matrix(graph, rotor.sequence_keep_matrix(graph, mapped, ops), "autocapper")
@@ -239,7 +243,7 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
             # rotor's DP sequence at every limit, from one table; then the rotor strategy's own
             # schedule at the budget (its DP and its search on the graph), so that autocapper
             # is never slower than it.
-            starts = itertools.chain(_rotor_starts(graph, base == "rotor_ap", tried),
+            starts = itertools.chain(_rotor_starts(graph, base == "rotor_ap", tried, high),
                                      [_base_schedule(graph, base_strategy, int(budget))])
         else:
             starts = (_base_schedule(graph, base_strategy, int(limit)) for limit in tried)
