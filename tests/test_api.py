@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -917,11 +918,21 @@ def test_a_weight_the_training_forward_does_not_use_gets_no_gradient():
     assert difference.equal, difference
 
 
-def test_allocator_check_is_on_for_amounts_of_memory_only():
-    assert RematCallback("4GiB", verbose=0).allocator_check
-    assert RematCallback(2**30, verbose=0).allocator_check
-    assert not RematCallback("50%", verbose=0).allocator_check
-    assert RematCallback("50%", allocator_check=True, verbose=0).allocator_check
+def test_allocator_check_holds_every_budget_that_asks_for_recomputation():
+    """By default amounts of memory and shares below the checkpoint-all peak are held for
+    the allocator's peak; "min" and shares that recompute nothing are not."""
+    def checks(budget, budget_bytes, **options):
+        result = types.SimpleNamespace(budget_bytes=budget_bytes, checkpoint_all_peak_bytes=1000)
+        return RematCallback(budget, verbose=0, **options)._checks_allocator(result)
+
+    assert checks("4GiB", 4 * 2**30)  # an amount, even above the checkpoint-all peak
+    assert checks(2**30, 2**30)
+    assert checks("50%", 500)
+    assert checks("70% of activations", 800)
+    assert not checks("100%", 1000)
+    assert not checks("min", 600)
+    assert not checks("50%", 500, allocator_check=False)
+    assert checks("100%", 1000, allocator_check=True)
     with pytest.raises(ArgumentError, match="allocator_check"):
         RematCallback("4GiB", allocator_check="yes")
 

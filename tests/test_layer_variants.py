@@ -162,7 +162,10 @@ def test_fit_with_monet_runs_its_implementations_and_trains_like_model_fit():
     expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     remat = compiled()
     keras.utils.set_random_seed(3)
-    callback = RematCallback("70%", strategy="monet", time_limit=30, cost_model="flops", verbose=0)
+    # A model of a few hundred KiB: the allocator's 256-byte chunks add a third to its
+    # prediction, so the share is held for the requested bytes (what this test compares).
+    callback = RematCallback("70%", strategy="monet", time_limit=30, cost_model="flops", allocator_check=False,
+                             verbose=0)
     history = remat.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
     (result,) = callback.plans.values()
     assert result.schedule.implementations, "at 70% monet needs an alternative"

@@ -107,8 +107,8 @@ def fit(
             nothing; train without a limit with ``model.fit``.
         granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
         allocator_check: hold the budget for the device allocator's peak, not only for
-            the bytes the step requests; None: for amounts of memory, not for shares
-            (see :class:`tfremat.keras.RematCallback`).
+            the bytes the step requests; None: for every budget but ``"min"`` and shares at
+            or above the checkpoint-all peak (see :class:`tfremat.keras.RematCallback`).
         bandwidth: the host link, in bytes per second, for a strategy that offloads
             activations to host memory (``pofo``, ``pofo_ap``, ``autocapper``,
             ``opportunist``); None measures it on a GPU (required without one); refused for

@@ -22,7 +22,7 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfremat.budget import check_budget, format_bytes, is_share
+from tfremat.budget import budget_kind, check_budget, format_bytes
 from tfremat.errors import (
     ArgumentError,
     CompileError,
@@ -70,10 +70,11 @@ class RematCallback(keras.callbacks.Callback):
             new step is run twice before training (its state put back) and, while the
             allocator's peak exceeds the budget, planned again under the budget less the
             excess, up to :data:`ALLOCATOR_ROUNDS` plans, else :class:`InfeasibleBudgetError`.
-            None (default): for a budget that is an amount of memory ("4GiB", bytes), not
-            for a share ("50%"), which is a share of the prediction. Skipped, with a
-            warning, when the allocator keeps no statistics (on CPU, TensorFlow imported
-            before tfremat).
+            None (default): for every budget but ``"min"`` (the least memory within an
+            overhead bound, which has no smaller plan to fall back on) and a share at or
+            above the checkpoint-all peak (nothing is recomputed: the step is
+            ``model.fit``'s own). Skipped, with a warning, when the allocator keeps no
+            statistics (on CPU, TensorFlow imported before tfremat).
         bandwidth: the host link of the strategies that offload activations to host memory
             (pofo, pofo_ap, autocapper, opportunist), in bytes per second; None: measured on
             the GPU (:func:`~tfremat.runtime.host_link.host_link_bandwidth`), required on a
@@ -126,8 +127,9 @@ class RematCallback(keras.callbacks.Callback):
         self.granularity = granularity
         self.cache = cache
         if allocator_check is not None and not isinstance(allocator_check, bool):
-            raise ArgumentError(f"allocator_check must be True, False or None (for amounts of memory), got {allocator_check!r}")
-        self.allocator_check = not is_share(budget) if allocator_check is None else allocator_check
+            raise ArgumentError(f"allocator_check must be True, False or None (the default: see the docstring), "
+                                f"got {allocator_check!r}")
+        self.allocator_check = allocator_check
         self.verbose = verbose
         self.plans: dict = {}
         self._steps: dict = {}
@@ -216,11 +218,23 @@ class RematCallback(keras.callbacks.Callback):
             logger.info("batch shape %s: %s, %s", key, self.strategy, plan_summary(result))
             phases.start("compiling the step")
             step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, return_outputs=True)
-            if self.allocator_check and result.budget_bytes is not None:
+            if self._checks_allocator(result):
                 result, step = self._within_allocator(result, step, x, y, sample_weight, options)
             self.plans[key] = result
             self._steps[key] = step
         return self._steps[key]
+
+    def _checks_allocator(self, result) -> bool:
+        """Whether ``result``'s step is held to its budget for the allocator's peak
+        (``allocator_check``; None: see the class docstring)."""
+        if result.budget_bytes is None or self.allocator_check is False:
+            return False
+        if self.allocator_check:
+            return True
+        kind = budget_kind(self.budget)
+        if kind == "min":
+            return False
+        return kind == "bytes" or result.budget_bytes < result.checkpoint_all_peak_bytes
 
     def _within_allocator(self, result, step, x, y, sample_weight, options):
         """Re-plans until the step's allocator peak is within the budget (``allocator_check``)."""
