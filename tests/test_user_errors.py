@@ -67,7 +67,7 @@ def test_an_unknown_sequence_axis_is_named_where_a_batch_is_made_up():
 
 
 class SubNet(keras.Model):
-    """Layers in __init__, logic in call: no layer graph until it is wrapped."""
+    """Layers in __init__, logic in call: no layer graph until it is called."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -78,38 +78,62 @@ class SubNet(keras.Model):
         return self.out(keras.ops.tanh(self.hidden(x)))
 
 
-def test_a_subclassed_model_is_refused_in_one_line_that_points_to_the_wrapper_which_trains():
-    """plan_model and compare failed with "'SubNet' object has no attribute 'inputs'", fit
-    with a refusal that did not say what works. The wrapper the message names is planned
-    with the subclassed model's layer calls as nodes and trains as model.fit does."""
+class BranchingNet(SubNet):
+    """A call with Python control flow on a tensor's value, which no symbolic call can run."""
+
+    def call(self, x):
+        if keras.ops.mean(x) > 0:
+            return self.out(self.hidden(x))
+        return self.out(self.hidden(-x))
+
+
+def test_a_subclassed_model_is_planned_on_its_batch_and_trains_as_model_fit_does():
+    """plan_model, compare and fit refused a subclassed model and told the user to wrap it;
+    they wrap it from the batch now, with its layer calls as nodes, and fit trains it as
+    model.fit does. Made-up batches (measure_model) have no shapes to wrap it with: one line
+    that says to plan on data."""
     x, y = _arrays()
     model = SubNet()
     model.compile(optimizer="sgd", loss="mse")
-    for call in (lambda: tfremat.plan_model(model, "100%", x, y, batch_size=8, **QUICK),
-                 lambda: tfremat.compare(model, "100%", x, y, batch_size=8, strategies=["checkpoint_all"], **QUICK),
-                 lambda: tfremat.fit(model, "100%", x, y, batch_size=8, **QUICK),
-                 lambda: measure_model(model, "100%", batch_size=8, **QUICK)):
-        with pytest.raises(ExtractionError, match="subclassed model without a functional graph") as caught:
-            call()
-        assert "\n" not in str(caught.value) and "keras.Model(inputs, model(inputs))" in str(caught.value)
+    result = tfremat.plan_model(model, "100%", x, y, batch_size=8, strategy="checkpoint_all", **QUICK)
+    forward = [name for name in result.extraction.graph.names if not name.endswith("_backward")]
+    assert forward == [f"{model.name}/{model.hidden.name}", f"{model.name}/tanh", f"{model.name}/{model.out.name}",
+                       "loss"], forward
+    assert [tuple(spec.shape) for spec in result.extraction.side_table.input_specs] == [(8, 5)]
+    assert tfremat.compare(model, "100%", x, y, batch_size=8, strategies=["checkpoint_all"], **QUICK)
+    with pytest.raises(ExtractionError, match="subclassed model without a functional graph") as caught:
+        measure_model(model, "100%", batch_size=8, **QUICK)
+    assert "\n" not in str(caught.value) and "tfremat.plan_model(model, budget, x, y)" in str(caught.value)
 
     trained = []
     for use_tfremat in (False, True):
-        inputs = keras.Input((5,))
         subnet = SubNet()
-        wrapped = keras.Model(inputs, subnet(inputs))
-        wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        subnet.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         if use_tfremat:
-            history = tfremat.fit(wrapped, "100%", x, y, batch_size=8, shuffle=False, strategy="checkpoint_all",
-                                  allocator_check=False, **QUICK)
-            (plan,) = history.plans.values()
-            forward = [name for name in plan.extraction.graph.names if not name.endswith("_backward")]
-            assert forward == [f"{subnet.name}/{subnet.hidden.name}", f"{subnet.name}/tanh",
-                               f"{subnet.name}/{subnet.out.name}", "loss"], forward
+            tfremat.fit(subnet, "100%", x, y, batch_size=8, shuffle=False, strategy="checkpoint_all",
+                        allocator_check=False, **QUICK)
         else:
-            wrapped.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-        trained.append(wrapped.get_weights())
+            subnet.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        trained.append(subnet.get_weights())
     assert closeness(trained[1], trained[0]).equal
+
+
+def test_a_subclassed_call_that_cannot_run_symbolically_is_refused_naming_its_line():
+    """Python control flow on a tensor's value: one line naming the cause and the line of
+    the model's call, pointing to tfremat.value_and_grad; the model is left as it was."""
+    x, y = _arrays()
+    model = BranchingNet()
+    model.compile(optimizer="sgd", loss="mse")
+    model(x[:2])
+    before = model.get_weights()
+    for call in (lambda: tfremat.plan_model(model, "100%", x, y, batch_size=8, **QUICK),
+                 lambda: tfremat.fit(model, "100%", x, y, batch_size=8, **QUICK)):
+        with pytest.raises(ExtractionError, match="call cannot run on symbolic inputs") as caught:
+            call()
+        message = str(caught.value)
+        assert "\n" not in message and "tfremat.value_and_grad" in message, message
+        assert "OperatorNotAllowedInGraphError" in message and "if keras.ops.mean(x) > 0:" in message, message
+    assert closeness(model.get_weights(), before).equal and model.built
 
 
 def _unbuilt_sequential():

@@ -321,7 +321,7 @@ class RematCallback(keras.callbacks.Callback):
         model = self.model
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         model._loss_tracker.update_state(loss, sample_weight=batch)
-        if len(model.outputs) > 1 and getattr(model, "_compile_loss", None) is not None:
+        if len(step.side_table.output_names) > 1 and getattr(model, "_compile_loss", None) is not None:
             # Keras records each output's own loss (``<output>_loss`` in the history) while
             # computing the total; the step returns only the total, so the per-output
             # losses are evaluated once more on its predictions (a reduction, no layer).

@@ -24,24 +24,20 @@ __all__ = [
 
 
 def check_keras_model(model) -> None:
-    """Raises unless ``model`` is a Functional or Sequential ``keras.Model``, before any work
-    (None got as far as the loss lookup and was told to compile itself; a subclassed model
-    reached ``model.inputs`` and failed there with an ``AttributeError``).
+    """Raises unless ``model`` is a ``keras.Model``, before any work (None got as far as the
+    loss lookup and was told to compile itself). A subclassed model passes: the extraction
+    wraps it from the batch (:func:`~tfremat.extract.layer_graph.functional_model`); so does
+    a Sequential model without an ``Input``, which :func:`sample_batch` builds.
 
     Raises:
         ArgumentError: ``model`` is no ``keras.Model``.
-        ExtractionError: a subclassed model (:func:`~tfremat.extract.layer_graph.require_functional`).
-            A Sequential model without an ``Input`` passes: :func:`sample_batch` builds it.
     """
     import keras
 
-    from tfremat.extract.layer_graph import require_functional
-
     if not isinstance(model, keras.Model):
         hint = "; a DFGraph is planned by tfremat.planner.plan_graph / compare_graph" if isinstance(model, DFGraph) else ""
-        raise ArgumentError(f"model must be a keras.Model (Functional or Sequential), got {type(model).__name__}{hint}")
-    if not isinstance(model, keras.Sequential):
-        require_functional(model)
+        raise ArgumentError(f"model must be a keras.Model (Functional, Sequential or subclassed), got "
+                            f"{type(model).__name__}{hint}")
 
 
 def sample_batch(model, x, y, batch_size: int | None):
@@ -119,10 +115,13 @@ def check_batch_ranks(model, x) -> None:
     """Raises ArgumentError when the batch ``x`` lacks the batch axis of ``model``'s inputs:
     an unbatched ``tf.data.Dataset`` yields single samples, whose first axis would
     otherwise be taken for the batch."""
+    import keras
     import tensorflow as tf
 
-    from tfremat.extract.layer_graph import require_functional
+    from tfremat.extract.layer_graph import functional_view, require_functional
 
+    if functional_view(model) is None and not isinstance(model, keras.Sequential):
+        return  # a subclassed model: its inputs are shaped by this batch (functional_model)
     for tensor, spec in zip(tf.nest.flatten(x), require_functional(model).inputs):
         if len(tensor.shape) == len(spec.shape) - 1:
             raise ArgumentError(

@@ -18,6 +18,7 @@ from tfremat.errors import ExtractionError
 from tfremat.extract.analysis import CallAnalysis, analyze_call
 from tfremat.extract.layer_graph import (
     LayerCall,
+    functional_view,
     regularized_variables,
     trainable_variables,
 )
@@ -34,7 +35,9 @@ def refuse_unmodelled_training(model) -> None:
     The step's graph has one loss node, computed from the outputs and labels with the
     compiled loss, and would silently train without the rest:
     - a ``train_step``, ``compute_loss`` or ``call`` of the model's own class (custom
-      training logic, an added penalty, a forward pass other than the layer graph);
+      training logic, an added penalty, a forward pass other than the layer graph; the
+      ``call`` of a subclassed model without a layer graph is its forward pass, which
+      :func:`~tfremat.extract.layer_graph.functional_model` wraps);
     - ``add_loss`` terms. (Activity regularizers appear only once a layer is called; the
       extraction's per-call check refuses those.)
 
@@ -47,6 +50,8 @@ def refuse_unmodelled_training(model) -> None:
             loss and listing all of them.
     """
     for method in ("train_step", "compute_loss", "call"):
+        if method == "call" and functional_view(model) is None:
+            continue  # a subclassed model's call is its forward pass, extracted through a wrapper
         if not getattr(type(model), method).__module__.startswith("keras."):
             way_in = ("or keep it and take its gradients from tfremat.value_and_grad(loss_fn, budget, ...) in "
                       "place of tf.GradientTape" if method != "call" else "or train this model without tfremat")

@@ -29,9 +29,9 @@ from tfremat.extract.checks import (
 )
 from tfremat.extract.layer_graph import (
     LayerCall,
+    functional_model,
     model_input_names,
     model_output_names,
-    require_functional,
     takes_training,
     walk_model,
 )
@@ -93,7 +93,11 @@ def extract(
     """Extracts the training graph of a Keras model.
 
     Args:
-        model: a built Functional or Sequential ``keras.Model`` (nested models are flattened).
+        model: a built Functional or Sequential ``keras.Model`` (nested models are flattened), or a
+            subclassed one, which is called on symbolic inputs shaped like the sample batch or
+            signature and extracted through that functional wrapper
+            (:func:`~tfremat.extract.layer_graph.functional_model`; the side table holds the
+            wrapper, whose variables are the model's).
         sample_batch: ``(x, y)`` arrays or tensors; their shapes and dtypes fix the signature.
         input_signature: instead of a sample batch, ``tf.TensorSpec`` per model input; labels
             are shaped like the model outputs. A ``None`` batch dimension needs ``batch_size``.
@@ -130,8 +134,8 @@ def extract(
         An :class:`Extraction`.
 
     Raises:
-        ExtractionError: naming the layer, when the model cannot be extracted (subclassed
-            model without functional graph, unknown static shapes, stateful RNNs, layers with
+        ExtractionError: naming the layer, when the model cannot be extracted (a subclassed
+            model whose call cannot run on symbolic inputs, unknown static shapes, stateful RNNs, layers with
             Python side effects, a bad loss or cost model).
 
     Example:
@@ -141,6 +145,7 @@ def extract(
     started = time.perf_counter()
     _check_arguments(model, sample_batch, input_signature, cost_model, weight_grads)
     optimizer = optimizer if optimizer is not None else keras.optimizers.SGD()
+    model = functional_model(model, sample_batch[0] if sample_batch is not None else input_signature)
     in_specs, label_specs = _input_specs(model, sample_batch, input_signature, batch_size)
     calls, output_refs = walk_model(model, granularity, [spec.shape for spec in in_specs])
     batch = int(in_specs[0].shape[0])
@@ -188,7 +193,7 @@ def _check_arguments(model, sample_batch, input_signature, cost_model: str, weig
 
     Raises:
         ExtractionError: an unknown cost model or weight-gradient lifetime, both a sample
-            batch and a signature, not a Keras model, no functional graph, or training the
+            batch and a signature, not a Keras model, or training the
             compiled loss does not describe (:func:`~tfremat.extract.checks.refuse_unmodelled_training`).
     """
     if cost_model not in COST_MODELS:
@@ -199,7 +204,6 @@ def _check_arguments(model, sample_batch, input_signature, cost_model: str, weig
         raise ExtractionError("pass either sample_batch or input_signature, not both")
     if not isinstance(model, keras.Model):
         raise ExtractionError(f"model must be a keras.Model, got {type(model).__name__}")
-    require_functional(model)
     refuse_unmodelled_training(model)
 
 

@@ -7,14 +7,19 @@ models appear as one call in their parent; they are flattened here so that every
 node is one call of one leaf layer, which is the granularity the compiled step recomputes.
 Layers that compose sublayers (a custom transformer block, ``MultiHeadAttention``) are
 opened the same way, as far as the granularity asks (:mod:`~tfremat.extract.opening`). A
-nested model without a functional graph (subclassed) stays one opaque call: it is still a
-correct layer call, only coarser.
+subclassed top-level model is walked through a functional wrapper built from a batch
+(:func:`functional_model`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import os
+import re
+import traceback
+import warnings
 
 import keras
 import tensorflow as tf
@@ -29,7 +34,8 @@ from tfremat.extract.opening import (
 from tfremat.extract.side_table import TensorRef
 
 __all__ = [
-    "LayerCall", "walk_model", "functional_view", "require_functional", "model_input_names", "model_output_names",
+    "LayerCall", "walk_model", "functional_view", "require_functional", "functional_model", "model_input_names",
+    "model_output_names",
     "trainable_variables", "regularized_variables", "takes_training",
 ]
 
@@ -71,9 +77,9 @@ def functional_view(model) -> object | None:
 
 
 def require_functional(model):
-    """The model's functional graph (:func:`functional_view`), for every entry point that
-    reads the layer DAG or ``model.inputs`` (a subclassed model has neither; without this
-    check it fails later with an ``AttributeError``).
+    """The model's functional graph (:func:`functional_view`), for the entry points that
+    read the layer DAG or ``model.inputs`` without a batch to build one from (a subclassed
+    model has neither until it is called: :func:`functional_model` wraps it from a batch).
 
     Raises:
         ExtractionError: a Sequential model not built yet (no ``keras.Input``, never
@@ -89,12 +95,75 @@ def require_functional(model):
         )
     raise ExtractionError(
         f"model {model.name!r} is a subclassed model without a functional graph (layers in __init__, logic in "
-        "call), which tfremat does not open yet: build the same layers with the functional API (keras.Input + "
-        "layer calls), or wrap it: inputs = keras.Input(shape); wrapped = keras.Model(inputs, model(inputs)), "
-        "then compile and train the wrapper (its call is opened into layer calls where they are plain layers and "
-        "keras.ops)",
+        "call), whose input shapes come from a batch only: plan it on your data (tfremat.fit, "
+        "tfremat.plan_model(model, budget, x, y), RematCallback), or wrap it: inputs = keras.Input(shape); "
+        "wrapped = keras.Model(inputs, model(inputs))",
         layer=model.name,
     )
+
+
+def functional_model(model, x):
+    """``model`` itself when it has a functional graph; for a subclassed model, the
+    functional model a user would wrap it in: one ``keras.Input`` per array of ``x``
+    (arrays or ``tf.TensorSpec`` s with the batch axis, in x's structure: one, a list, a
+    dict), the batch axis left open, and ``model`` called on them. The wrapper holds the
+    model as its one layer, so its variables are the model's and a step compiled from it
+    trains the user's model; the model's call is opened into its layer calls as any
+    subclassed model called in a functional one is (:mod:`~tfremat.extract.opening`).
+
+    Raises:
+        ExtractionError: an unbuilt Sequential model or no ``x`` for a subclassed one
+            (:func:`require_functional`), or a ``call`` that cannot run on symbolic inputs
+            (Python control flow on tensor values, a raw TensorFlow op that needs eager
+            values), naming the cause and the line; the model is left as it was.
+    """
+    if functional_view(model) is not None or isinstance(model, keras.Sequential) or x is None:
+        return require_functional(model)
+
+    def symbolic_input(array, name=None):
+        return keras.Input(shape=tuple(array.shape[1:]), dtype=tf.as_dtype(array.dtype).name, name=name)
+
+    if isinstance(x, dict):
+        inputs = {key: symbolic_input(array, key) for key, array in x.items()}
+    else:
+        inputs = tf.nest.map_structure(symbolic_input, x)
+    built = model.built
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Keras's "could not build" advice; the error says more
+            outputs = model(inputs)
+    except Exception as error:  # any error of the user's call: reported with its cause, never swallowed
+        model.built = built
+        raise ExtractionError(
+            f"model {model.name!r} is a subclassed model whose call cannot run on symbolic inputs "
+            f"({_error_cause(error)}{_user_line(model, error)}), so tfremat cannot open it into layer calls: write "
+            "that step with keras.ops (keras.ops.cond, keras.ops.where), or keep the model and take its gradients "
+            "from tfremat.value_and_grad(loss_fn, budget, x, y) in place of tf.GradientTape",
+            layer=model.name,
+        ) from error
+    return keras.Model(inputs, outputs, name=model.name)
+
+
+def _error_cause(error: Exception) -> str:
+    """The first sentence of what went wrong: Keras wraps a symbolic call's error in
+    several lines of advice after "Error encountered:"."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    text = text.split("Error encountered:", 1)[-1].strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(error).__name__}: {first.split('. ')[0].rstrip('.')}"
+
+
+def _user_line(model, error: Exception) -> str:
+    """``; in file line N: code`` of the innermost frame in the model class's source file, if any."""
+    try:
+        source = inspect.getsourcefile(type(model))
+    except TypeError:  # a class defined where its source is unknown (an interactive session)
+        return ""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename == source]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f"; in {os.path.basename(frame.filename)} line {frame.lineno}: {(frame.line or '').strip()}"
 
 
 def trainable_variables(layer) -> list:
