@@ -97,7 +97,8 @@ def recompute_columns(time_limit: float) -> list[Column]:
 LINKS = {"slow link": 10.0, "fast link": 2.0}
 # pofo_ap rather than pofo: on a chain its stages are pofo's, and on ResNet50 they are 17
 # blocks instead of 177 nodes (pofo's DP is O(N^3) in the stages). autocapper tries 8 limits
-# instead of the paper's 40 (each a rotor DP: 40 took 96 s per budget on ResNet50). Each
+# instead of the paper's 40, as in the committed results (40 were one rotor search each then;
+# benchmarks/offload_speed.py times 40 from one table). Each
 # offloading case stops at OFFLOADING_SECONDS (heuristic_deadline) with its best so far.
 OFFLOADING = [
     Column(f"{name} {link}", name, {"link": ratio, **({"limits": 8} if name == "autocapper" else {})})
