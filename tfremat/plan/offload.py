@@ -28,7 +28,8 @@ reads it goes to the host right after it is computed and comes back for its next
   stage, or the blocks between forward articulation points). Its compute sequence becomes a
   keep matrix as rotor's does; each stage input it offloads moves to the host across the loss
   (:func:`offload_gap`), and the plan places the prefetches. The chain model misses DAG edges,
-  so a few memory limits around the budget are solved, a schedule that overflows the budget
+  so a few memory limits around the budget are read from one DP table
+  (:func:`~tfremat.plan.pofo.solve_pofo_limits`), a schedule that overflows the budget
   gets capper's further offloads, and the fastest simulated schedule that fits is returned
   (rotor's own schedule among the candidates, so pofo is never slower than rotor).
 """
@@ -66,8 +67,9 @@ __all__ = ["check_bandwidth", "offload_gap", "capper", "autocapper", "opportunis
 AUTOCAPPER_LIMITS = 40
 
 # Sec. 4: "we systematically use 50 discretization steps"; fewer on chains too long for
-# MAX_POFO_CELLS. The memory limits pofo solves, as shares of the budget's activation bytes
-# (the chain model over- or under-counts what the simulator holds).
+# MAX_POFO_CELLS. The memory limits pofo reads from its table (in slots of the budget's
+# activation bytes), as shares of them (the chain model over- or under-counts what the
+# simulator holds).
 POFO_SLOTS = 50
 POFO_LIMITS = (1.0, 0.9, 1.1, 0.8, 1.25, 0.65)
 
