@@ -120,12 +120,14 @@ def main(argv=None):
         names = [n for n in names if any(w in n for w in wanted)]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("tfremat").setLevel(logging.ERROR)
-    rows = [row for name in names for row in measure_rows(name, args.steps, args.time_limit)]
-    text = render(rows, argv)
     out = args.out or DEFAULT_OUT
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(text + "\n")
+    rows = []
+    for name in names:
+        rows += measure_rows(name, args.steps, args.time_limit)
+        text = render(rows, argv)
+        with open(out, "w") as f:  # after every model: a run cut short keeps what it measured
+            f.write(text + "\n")
     sys.stdout.write(text + "\n")
 
 
