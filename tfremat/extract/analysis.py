@@ -30,9 +30,11 @@ one ``gradient`` call, as the step does
 (:func:`tfremat.runtime.tape.takes_one_gradient_call`).
 
 With ``profile=True`` the same functions are run on the target device. The cost is the
-least time of many runs after warm-up (:func:`_least_seconds`; on CPU the process's CPU
-time, :func:`_clock`): a busy machine only ever adds time to a run, so the least run is the
-one that repeats from profile to profile, where the median moves with the load. The forward and the forward-plus-backward are timed in turns,
+least wall time of many runs after warm-up (:func:`_least_seconds`): a busy machine only
+ever adds time to a run, so the least run is the one that repeats from profile to profile,
+where the median moves with the load. Wall time, not the process's CPU time, which was
+steadier under load but weighs a call by the threads it runs on: the step's time, what the
+plan predicts, is wall time. The forward and the forward-plus-backward are timed in turns,
 so the backward (their difference) is taken under one load, and every cost is rounded to a
 relative grid (:func:`_on_grid`) so that two profiles whose costs differ by noise give the
 solvers the same numbers. The peak of the bytes the run's operations request
@@ -201,30 +203,16 @@ def _least_seconds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup
     for _ in range(warmup):
         for fn, args in calls:
             synchronize(fn(*args))
-    clock = _clock()
     least = [math.inf] * len(calls)
     began = time.perf_counter()
     for round_ in range(1, _MAX_TIMED_RUNS + 1):
         for position, (fn, args) in enumerate(calls):
-            start = clock()
+            start = time.perf_counter()
             synchronize(fn(*args))
-            least[position] = min(least[position], clock() - start)
+            least[position] = min(least[position], time.perf_counter() - start)
         if round_ >= repeats and time.perf_counter() - began >= _MIN_TIMING_SECONDS:
             break
     return least
-
-
-def _clock() -> Callable[[], float]:
-    """The clock that times calls: the process's CPU time on a CPU device, wall time on an
-    accelerator (a GPU kernel's time is the wall time the host waits for it).
-
-    On CPU, other processes take cores away from the intra-op thread pool for stretches
-    longer than a node's timing, so even the least wall time of a convolution moved
-    severalfold between profiles on a loaded machine, where its CPU time stayed close
-    (benchmarks/results/profile_agreement.md). CPU time counts the work, not the waiting;
-    a call that runs on several threads at once costs their sum (how much of it a quiet
-    machine overlaps is not measured)."""
-    return time.process_time if default_device().startswith("CPU") else time.perf_counter
 
 
 def _on_grid(seconds: float) -> float:

@@ -107,7 +107,7 @@ def extract(
         loss_weights: as ``model.compile`` takes them (None: 1 for every output).
         optimizer: a Keras optimizer (default SGD); it is built on the model's trainable
             variables so that its slot variables are counted.
-        cost_model: ``"profile"`` (least seconds on the device, CPU time on CPU, plus allocator workspace) or
+        cost_model: ``"profile"`` (least wall-clock seconds on the device, plus allocator workspace) or
             ``"flops"`` (an analytic count; workspace 0).
         batch_size: the batch size when the signature leaves it open.
         repeats: timed runs per node when profiling.
