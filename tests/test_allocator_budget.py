@@ -40,7 +40,9 @@ def batch(seed=0):
     return x, np.eye(10, dtype="float32")[rng.integers(0, 10, BATCH)]
 
 
-@pytest.mark.parametrize("budget", ["85% of activations", "90%"])
+# With oneDNN off a convolution's backward takes Eigen's scratch, and no schedule fits below
+# about 87% of activations: the shares are feasible with either kernel library.
+@pytest.mark.parametrize("budget", ["95% of activations", "90%"])
 def test_a_share_is_held_for_the_allocator(budget, monkeypatch):
     measured = []
     real_peak = remat_keras.allocator_peak
