@@ -33,7 +33,7 @@ from tfremat.extract.checks import refuse_unmodelled_training
 from tfremat.extract.extractor import COST_MODELS
 from tfremat.extract.opening import DEFAULT_GRANULARITY, GRANULARITIES
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
-from tfremat.model_planning import extract_model, wants_implementations
+from tfremat.model_planning import loss_and_optimizer, wants_implementations
 from tfremat.plan.offload import check_bandwidth
 from tfremat.planner import PhaseProgress, check_cache_argument, plan_graph, plan_summary
 from tfremat.runtime.host_link import host_link_bandwidth
@@ -43,7 +43,15 @@ from tfremat.strategies import (
     solver_strategy_names,
 )
 
-__all__ = ["RematCallback"]
+__all__ = [
+    "RematCallback",
+    "DistributedTrainStep",
+    "check_distribute_strategy",
+    "is_distributed",
+    "replica_allocators",
+    "replica_batch",
+    "update_metrics",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +146,8 @@ class RematCallback(keras.callbacks.Callback):
         self._steps_belong_to: tuple = ()
         self._original_train_function = None
         self._batch_announced = False
+        # The model's tf.distribute strategy (None: the default one), read at on_train_begin.
+        self._strategy = None
         # The phase lines of a new step, the last closed after its first run (which traces it).
         self._tracing: PhaseProgress | None = None
 
@@ -159,8 +169,8 @@ class RematCallback(keras.callbacks.Callback):
         if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
             raise TfrematError("RematCallback needs a compiled model (model.compile(optimizer=..., loss=...))")
         refuse_unmodelled_training(model)
-        if model.distribute_strategy.num_replicas_in_sync > 1:
-            raise TfrematError("RematCallback runs on one device; use tfremat.static_graph.compile_step(strategy=...) for tf.distribute")
+        check_distribute_strategy(model.distribute_strategy)
+        self._strategy = model.distribute_strategy if is_distributed(model.distribute_strategy) else None
         if getattr(model, "steps_per_execution", 1) != 1:
             raise TfrematError("RematCallback runs one batch per step; compile the model with steps_per_execution=1")
         if model.jit_compile:
@@ -187,7 +197,10 @@ class RematCallback(keras.callbacks.Callback):
             self.model.train_function = self._original_train_function
             self._original_train_function = None
 
-    def _step_for(self, x, y, sample_weight=None):
+    def _step_for(self, x, y, sample_weight=None, strategy=None):
+        """The compiled step for the batch shape of ``x, y`` (one replica's batch under
+        ``strategy``), extracted, planned and compiled the first time the shape is met."""
+        from tfremat.extract.extractor import extract
         from tfremat.static_graph.compile import compile_step
 
         key = tuple(tuple(t.shape) for t in tf.nest.flatten((x, y)))
@@ -202,11 +215,14 @@ class RematCallback(keras.callbacks.Callback):
             phases = PhaseProgress(f"tfremat batch {shapes[0] if len(shapes) == 1 else shapes}", bool(self.verbose))
             self._tracing = phases  # closed after the first step, or when a phase raises
             phases.start("extracting the training graph and profiling its layers")
-            # The model's own loss, loss weights and optimizer, as tfremat.plan_model takes them.
-            extraction = extract_model(model, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]), loss=None,
-                                       optimizer=None, cost_model=self.cost_model, cache=self.cache,
-                                       granularity=self.granularity,
-                                       implementations=wants_implementations([self.strategy]))
+            # The model's own loss, loss weights and optimizer, as tfremat.plan_model takes
+            # them. Under a strategy the all-reduce holds every weight gradient until the
+            # updates, so the gradients are counted as resident for the whole step.
+            extraction = extract(model, sample_batch=(x, y), cost_model=self.cost_model,
+                                 use_cache=self.cache is not False and self.cache is not None,
+                                 granularity=self.granularity, implementations=wants_implementations([self.strategy]),
+                                 weight_grads="auto" if strategy is None else "fixed",
+                                 **loss_and_optimizer(model, None, None))
             phases.done(f"{extraction.graph.size} nodes (profiling {extraction.profile_seconds:.1f}s)"
                         if not extraction.cache_hit else f"{extraction.graph.size} nodes, profiles from the cache")
             phases.start(f"planning with {self.strategy}")
@@ -217,17 +233,27 @@ class RematCallback(keras.callbacks.Callback):
             phases.done(plan_summary(result))
             logger.info("batch shape %s: %s, %s", key, self.strategy, plan_summary(result))
             phases.start("compiling the step")
-            step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, return_outputs=True)
-            if self._checks_allocator(result):
-                result, step = self._within_allocator(result, step, x, y, sample_weight, options)
+            step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, strategy=strategy,
+                                return_outputs=True)
+            if self._checks_allocator(result, strategy):
+                result, step = self._within_allocator(result, step, x, y, sample_weight, options, strategy)
+            if strategy is not None:
+                step = DistributedTrainStep(model, step)
             self.plans[key] = result
             self._steps[key] = step
         return self._steps[key]
 
-    def _checks_allocator(self, result) -> bool:
+    def _checks_allocator(self, result, strategy=None) -> bool:
         """Whether ``result``'s step is held to its budget for the allocator's peak
-        (``allocator_check``; None: see the class docstring)."""
+        (``allocator_check``; None: see the class docstring; under a strategy whose replicas
+        share one allocator, never: :func:`replica_allocators`)."""
         if result.budget_bytes is None or self.allocator_check is False:
+            return False
+        if strategy is not None and replica_allocators(strategy) is None:
+            log = logger.warning if self.allocator_check else logger.info
+            log("allocator_check skipped: the %d replicas of %s share one allocator (logical devices of one CPU), "
+                "which cannot be read per device; the budget holds for each replica's requested bytes (the plan's "
+                "prediction)", strategy.num_replicas_in_sync, type(strategy).__name__)
             return False
         if self.allocator_check:
             return True
@@ -236,15 +262,20 @@ class RematCallback(keras.callbacks.Callback):
             return False
         return kind == "bytes" or result.budget_bytes < result.checkpoint_all_peak_bytes
 
-    def _within_allocator(self, result, step, x, y, sample_weight, options):
-        """Re-plans until the step's allocator peak is within the budget (``allocator_check``)."""
+    def _within_allocator(self, result, step, x, y, sample_weight, options, strategy=None):
+        """Re-plans until the step's allocator peak is within the budget (``allocator_check``);
+        under a strategy, the largest peak over the replicas' allocators, each replica
+        running the step on ``x, y`` (one replica's batch)."""
         from tfremat.static_graph.compile import compile_step
 
         model = self.model
         budget = result.budget_bytes
         planning_budget = budget
+        devices = [None] if strategy is None else replica_allocators(strategy)
         for _ in range(ALLOCATOR_ROUNDS):
-            peak = allocator_peak(step, model, x, y, sample_weight)
+            peaks = [allocator_peak(step, model, x, y, sample_weight, **({} if d is None else {"device": d}))
+                     for d in devices]
+            peak = None if None in peaks else max(peaks)
             if peak is None:
                 return result, step
             if peak <= budget:
@@ -271,7 +302,8 @@ class RematCallback(keras.callbacks.Callback):
                            "requested bytes only",
                 ) from error
             result = dataclasses.replace(replanned, extraction=result.extraction)
-            step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, return_outputs=True)
+            step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, strategy=strategy,
+                                return_outputs=True)
         raise InfeasibleBudgetError(
             budget, strategy=self.strategy,
             detail=f"the allocator's peak stayed above it after {ALLOCATOR_ROUNDS} plans (last {format_bytes(peak)}, "
@@ -313,33 +345,35 @@ class RematCallback(keras.callbacks.Callback):
                 "the batch has no labels (y is None): tfremat trains on (x, y) batches; pass y to model.fit, or x "
                 "as a tf.data.Dataset yielding (x, y)"
             )
-        step = self._step_for(x, y, sample_weight)
-        loss, y_pred = step(x, y, sample_weight)
+        model, strategy = self.model, self._strategy
+        if strategy is not None:
+            # Planned for one replica's batch; Keras's train function gets the distributed
+            # iterator, whose batches hold each replica's part (DistributedTrainStep).
+            step = self._step_for(*replica_batch(strategy, (x, y, sample_weight)), strategy=strategy)
+            logs = step(x, y, sample_weight)
+        else:
+            step = self._step_for(x, y, sample_weight)
+            loss, y_pred = step(x, y, sample_weight)
+            logs = update_metrics(model, step, loss, x, y, y_pred, sample_weight)
         if self._tracing is not None:
             self._tracing.done("traced and ran the first step")
             self._tracing = None
-        model = self.model
-        batch = tf.shape(tf.nest.flatten(x)[0])[0]
-        model._loss_tracker.update_state(loss, sample_weight=batch)
-        if len(step.side_table.output_names) > 1 and getattr(model, "_compile_loss", None) is not None:
-            # Keras records each output's own loss (``<output>_loss`` in the history) while
-            # computing the total; the step returns only the total, so the per-output
-            # losses are evaluated once more on its predictions (a reduction, no layer).
-            model._compile_loss(y, y_pred, sample_weight)
-        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return logs
 
 
 #: Plans tried by ``allocator_check`` before it gives up.
 ALLOCATOR_ROUNDS = 3
 
 
-def allocator_peak(step, model, x, y, sample_weight=None) -> int | None:
-    """The device allocator's peak over one run of ``step`` (after one untimed run that
-    traces it), in the graph's convention (:func:`tfremat.runtime.memory.measure_step_peak`),
-    with the state the runs change put back: the model's and the optimizer's variables,
-    Python's ``random`` and Keras's global seed generator (one that the trace created is
-    forgotten, as the extraction does, but the step keeps the state it advanced). None when
-    the allocator keeps no statistics (a warning says so).
+def allocator_peak(step, model, x, y, sample_weight=None, device: str | None = None) -> int | None:
+    """The allocator's peak of ``device`` (default: the default device's) over one run of
+    ``step`` (after one untimed run that traces it), in the graph's convention
+    (:func:`tfremat.runtime.memory.measure_step_peak`), with the state the runs change put
+    back: the model's and the optimizer's variables, Python's ``random`` and Keras's global
+    seed generator (one that the trace created is forgotten, as the extraction does, but the
+    step keeps the state it advanced). None when the allocator keeps no statistics (a
+    warning says so). A step compiled with a strategy gets ``x, y`` (one replica's batch)
+    on every replica, so each replica device's allocator sees one replica's step.
     """
     from tfremat.runtime.memory import measure_step_peak
     from tfremat.runtime.state import state_restored
@@ -350,7 +384,8 @@ def allocator_peak(step, model, x, y, sample_weight=None) -> int | None:
     variables = list(model.variables) + list(optimizer.variables)
     with state_restored(variables):
         try:
-            return measure_step_peak(lambda a, b: step(a, b, sample_weight), x, y, resident=variables, warmup=1)
+            return measure_step_peak(lambda a, b: step(a, b, sample_weight), x, y, resident=variables, device=device,
+                                     warmup=1)
         except CompileError as error:
             logger.warning("allocator_check skipped: %s", error)
             return None
@@ -363,3 +398,133 @@ def _training_setup(model) -> tuple:
     Keyed by the first three alone, a reused callback kept training a frozen layer and
     the old loss weights after a recompile."""
     return (model, model.optimizer, model.loss, getattr(model, "_compile_loss", None), *model.trainable_variables)
+
+
+def update_metrics(model, step, loss, x, y, y_pred, sample_weight=None) -> dict:
+    """Updates ``model``'s loss tracker and compiled metrics with one step's loss and
+    predictions, as Keras's ``train_step`` does, and returns the logs (metric results).
+
+    Runs eagerly after a one-device step, and in the replica context under a strategy
+    (:class:`DistributedTrainStep`), where Keras's metric variables sum the replicas'
+    updates as they do in ``model.fit``. ``loss`` is the step's (unscaled) loss.
+    """
+    batch = tf.shape(tf.nest.flatten(x)[0])[0]
+    model._loss_tracker.update_state(loss, sample_weight=batch)
+    if len(step.side_table.output_names) > 1 and getattr(model, "_compile_loss", None) is not None:
+        # Keras records each output's own loss (``<output>_loss`` in the history) while
+        # computing the total; the step returns only the total, so the per-output
+        # losses are evaluated once more on its predictions (a reduction, no layer).
+        model._compile_loss(y, y_pred, sample_weight)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+class DistributedTrainStep:
+    """A compiled step run on every replica of its strategy, with Keras's metrics: the
+    equivalent of the train function Keras 3 makes under a ``tf.distribute`` strategy
+    (``strategy.run`` of ``train_step`` in a ``tf.function``, logs averaged over the replicas).
+
+    Call it on one batch of a distributed dataset or iterator
+    (``strategy.experimental_distribute_dataset``), ``x, y`` and optional ``sample_weight``
+    as per-replica values: each replica runs :meth:`CompiledStep.replica_step` on its part,
+    the optimizer all-reduces the gradients, and :func:`update_metrics` runs on each
+    replica. Returns the logs, as ``model.train_function`` does. A loop of its own (one
+    that ``model.fit`` cannot run, e.g. under ``MultiWorkerMirroredStrategy``) calls it
+    once per distributed batch.
+
+    Attributes:
+        model: the Keras model, built and compiled in the strategy's scope.
+        step: the :class:`~tfremat.static_graph.CompiledStep`, compiled with ``strategy=``
+            from a plan for one replica's batch (:func:`replica_batch`).
+        strategy: the step's strategy.
+    """
+
+    def __init__(self, model, step):
+        if step.strategy is None or not step.return_outputs:
+            raise CompileError("DistributedTrainStep needs a step compiled with compile_step(..., strategy=..., "
+                               "return_outputs=True)")
+        self.model = model
+        self.step = step
+        self.strategy = step.strategy
+        self.function = tf.function(self._run, autograph=False)
+
+    def _replica(self, x, y, sample_weight):
+        loss, y_pred = self.step.replica_step(x, y, sample_weight)
+        return update_metrics(self.model, self.step, loss, x, y, y_pred, sample_weight)
+
+    def _run(self, x, y, sample_weight=None):
+        logs = self.strategy.run(self._replica, args=(x, y, sample_weight))
+        # Keras's metrics are equal on every replica (their variables sum the replicas'
+        # updates); their mean is what Keras's train function reports.
+        return tf.nest.map_structure(
+            lambda value: self.strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None), logs)
+
+    def __call__(self, x, y, sample_weight=None):
+        args = (x, y) if sample_weight is None else (x, y, sample_weight)
+        return self.function(*args)
+
+
+#: Strategies refused by :func:`check_distribute_strategy`, by the name their classes begin
+#: with (``TPUStrategy`` and ``ParameterServerStrategy`` cannot be built without their
+#: hardware or cluster), and why.
+_REFUSED_STRATEGIES = {
+    "TPUStrategy": "its step is compiled by XLA, which ignores the control dependencies that order "
+                   "recomputations and merges them back",
+    "ParameterServerStrategy": "its variables live on parameter servers and the workers step asynchronously, "
+                               "which the per-device memory model does not describe",
+    "CentralStorageStrategy": "its variables and gradient reductions live on one central device, which the "
+                              "per-device memory model does not describe",
+}
+
+
+def check_distribute_strategy(strategy) -> None:
+    """Raises :class:`TfrematError` in one line for a ``tf.distribute`` strategy tfremat
+    cannot train under, naming it and what works instead.
+
+    Accepted: none (the default strategy), ``OneDeviceStrategy``, ``MirroredStrategy`` (one
+    machine, several devices) and ``MultiWorkerMirroredStrategy`` (several machines): every
+    replica holds all the variables and runs the whole step on its part of the batch, so
+    one plan for one replica's batch holds on every device. Refused, by class name so that
+    strategies which cannot be built here are recognized too: ``TPUStrategy``,
+    ``ParameterServerStrategy`` and ``CentralStorageStrategy`` (:data:`_REFUSED_STRATEGIES`).
+    """
+    for cls in type(strategy).__mro__:
+        for name, reason in _REFUSED_STRATEGIES.items():
+            if cls.__name__.startswith(name):
+                raise TfrematError(
+                    f"tfremat does not train under {type(strategy).__name__}: {reason}; build and compile the model "
+                    "under tf.distribute.MirroredStrategy (one machine, several devices), MultiWorkerMirroredStrategy "
+                    "(several machines) or OneDeviceStrategy instead"
+                )
+
+
+def is_distributed(strategy) -> bool:
+    """Whether ``strategy`` is a ``tf.distribute`` strategy other than the default one (no
+    strategy), i.e. whether Keras's train function gets distributed batches."""
+    with strategy.scope():
+        return tf.distribute.has_strategy()
+
+
+def replica_batch(strategy, data):
+    """The first replica's part of a distributed batch ``data`` (any structure of
+    per-replica values; None left as is): the batch the plan is made for.
+
+    The budget is per device: each replica runs the step on its own part (the global batch
+    over the replicas), so one plan for that part holds on every replica. A global batch
+    that does not divide evenly gives the first replicas one sample more, so the first
+    replica's part is the largest and its plan bounds the others' memory.
+    """
+    return tf.nest.map_structure(
+        lambda value: value if value is None else strategy.experimental_local_results(value)[0], data)
+
+
+def replica_allocators(strategy) -> list[str] | None:
+    """The allocator of each replica's device under ``strategy`` (``"GPU:0"``, ...), for
+    ``allocator_check`` to hold each against the budget; None when replicas share one
+    allocator: TensorFlow serves every CPU device of a process, logical devices made with
+    ``tf.config.set_logical_device_configuration`` included, from one allocator, whose peak
+    is the sum of the replicas'. There the budget holds for the bytes each replica's step
+    requests (the plan's prediction), not for a measured peak."""
+    devices = [tf.DeviceSpec.from_string(d) for d in strategy.extended.worker_devices]
+    if len(devices) > 1 and any(d.device_type != "GPU" for d in devices):
+        return None
+    return [f"{d.device_type}:{d.device_index or 0}" for d in devices]

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
-from tfremat.plan.execution import ExecutionPlan, build_plan
+from tfremat.plan.execution import ExecutionPlan, Op, build_plan
 from tfremat.plan.schedule import Schedule, validate_schedule
 from tfremat.static_graph.interpreter import TraceReport, interpret_plan, order_updates
 
@@ -42,10 +42,11 @@ class CompiledStep:
         variables: the model's trainable variables, in the order gradients are listed.
         strategy: the ``tf.distribute`` strategy, or None.
         function: the underlying ``tf.function`` (for ``get_concrete_function``).
+        jit_compile: whether the step is compiled with XLA.
     """
 
     def __init__(self, graph: DFGraph, side_table: Any, schedule: Schedule, plan: ExecutionPlan, optimizer: Any,
-                 strategy: Any, return_outputs: bool, apply_gradients: bool = True):
+                 strategy: Any, return_outputs: bool, apply_gradients: bool = True, jit_compile: bool = False):
         self.graph = graph
         self.side_table = side_table
         self.schedule = schedule
@@ -54,13 +55,14 @@ class CompiledStep:
         self.strategy = strategy
         self.return_outputs = return_outputs
         self.apply_gradients = apply_gradients
+        self.jit_compile = jit_compile
         self._report: TraceReport | None = None
         self.variables = list(side_table.model.trainable_variables)
         self._regularized = [v for v in self.variables if getattr(v, "regularizer", None) is not None]
         # No AutoGraph: the interpreter has no tensor-dependent Python control flow, and
         # AutoGraph would wrap its CompileErrors in StagingError.
         self.function = tf.function(
-            self._distributed_step if strategy is not None else self._step, jit_compile=False, autograph=False
+            self._distributed_step if strategy is not None else self._step, jit_compile=jit_compile, autograph=False
         )
 
     def _replica_step(self, x, y, sample_weight, replicas: int):
@@ -68,7 +70,7 @@ class CompiledStep:
             # The gradients of the loss node's loss alone, as tape.gradient gives them: no
             # loss scale and no weight penalties, which the caller adds as it would to a tape's.
             loss, _, weight_grads, self._report = interpret_plan(self.graph, self.side_table, self.plan, x, y,
-                                                                 sample_weight=sample_weight)
+                                                                 sample_weight=sample_weight, xla=self.jit_compile)
             return loss, [weight_grads[id(v)][1] if id(v) in weight_grads else None for v in self.variables]
         # The loss to differentiate, as Keras's ``train_step`` forms it: multiplied by the
         # optimizer's loss scale (a ``LossScaleOptimizer`` under ``mixed_float16``, whose
@@ -76,7 +78,7 @@ class CompiledStep:
         # the number of replicas themselves in a replica context; dividing again here
         # halved the gradients on two replicas.
         loss, predictions, weight_grads, report = interpret_plan(
-            self.graph, self.side_table, self.plan, x, y, self.optimizer.scale_loss, sample_weight,
+            self.graph, self.side_table, self.plan, x, y, self.optimizer.scale_loss, sample_weight, self.jit_compile,
         )
         if self._regularized:
             loss = self._add_weight_penalties(loss, weight_grads)
@@ -142,6 +144,26 @@ class CompiledStep:
 
     def _step(self, x, y, sample_weight=None):
         return self._replica_step(x, y, sample_weight, 1)
+
+    def replica_step(self, x, y, sample_weight=None):
+        """One replica's part of the step, for a loop that calls ``strategy.run`` itself
+        (in a ``tf.function``, in the strategy's replica context), e.g. to update Keras
+        metrics on each replica as ``model.fit``'s ``train_step`` does
+        (:func:`tfremat.keras.distributed_train_function`).
+
+        Runs the plan on this replica's batch and the optimizer update, whose gradients the
+        strategy all-reduces. Returns what the step returns (the loss, or ``(loss,
+        y_pred)`` with ``return_outputs``), the loss being this replica's mean loss
+        unscaled, as Keras's loss tracker takes it: over equal shards, the replicas' mean
+        is the global batch's loss.
+
+        Raises:
+            CompileError: the step was compiled without ``strategy`` (call the step itself).
+        """
+        if self.strategy is None:
+            raise CompileError("replica_step runs under a tf.distribute strategy: compile with "
+                               "compile_step(..., strategy=...), or call the step itself on one device")
+        return self._replica_step(x, y, sample_weight, self.strategy.num_replicas_in_sync)
 
     def _distributed_step(self, x, y, sample_weight=None):
         replicas = self.strategy.num_replicas_in_sync
@@ -319,9 +341,14 @@ def compile_step(
             scope, and the extraction should count weight gradients as resident
             (``extract(..., weight_grads="fixed")``: the all-reduce holds every gradient
             until the updates; a warning says so otherwise). Default: none.
-        jit_compile: must be False. XLA ignores control dependencies and merges the
-            recomputations back into the first computation, so the schedule would not be
-            followed.
+        jit_compile: compile the step with XLA, as Keras's ``jit_compile=True`` does
+            (fused kernels). XLA keeps no control dependency and would merge recomputations
+            into their first computation, so the recomputations and the backward pass read
+            their values through optimization barriers tied to the previous statement
+            (:mod:`tfremat.static_graph.interpreter`): each still runs, and not before the
+            plan's previous statement. XLA then schedules and frees on its own, and the
+            peak can differ from the prediction (docs/compiled-step.md, "XLA"). Not with
+            ``strategy`` or a schedule that offloads.
         return_outputs: the step returns ``(loss, y_pred)``.
         apply_gradients: False: the step applies no optimizer and returns ``(loss,
             gradients)`` for a custom training loop (:func:`tfremat.value_and_grad`); the
@@ -332,20 +359,18 @@ def compile_step(
         A :class:`CompiledStep`.
 
     Raises:
-        CompileError: ``jit_compile=True``, ``apply_gradients=False`` with ``strategy`` or
-            ``return_outputs``, or the extraction or schedule is unusable.
+        CompileError: ``jit_compile=True`` with ``strategy`` or an offloading schedule,
+            ``apply_gradients=False`` with ``strategy`` or ``return_outputs``, or the
+            extraction or schedule is unusable.
         ScheduleError: the schedule is invalid for the graph.
 
     Example:
         >>> step = compile_step(extract(model, sample_batch=(x, y)), schedule)
         >>> loss = step(x, y)
     """
-    if jit_compile:
-        raise CompileError(
-            "jit_compile=True is not supported: XLA ignores the control dependencies that order "
-            "recomputations and merges them with the first computation, so the compiled step would "
-            "not follow the schedule; use jit_compile=False, or tf.recompute_grad for XLA"
-        )
+    if jit_compile and strategy is not None:
+        raise CompileError("jit_compile=True with a distribution strategy is not supported (Keras also compiles "
+                           "without XLA under one): leave jit_compile= or strategy= out")
     graph = getattr(extraction, "graph", None)
     side_table = getattr(extraction, "side_table", None)
     if not isinstance(graph, DFGraph) or side_table is None:
@@ -373,8 +398,13 @@ def compile_step(
             "for it", strategy.num_replicas_in_sync,
         )
     plan = build_plan(graph, schedule)
+    if jit_compile and any(statement.op is Op.OFFLOAD for statement in plan):
+        raise CompileError(f"schedule {schedule.strategy} offloads values to host memory, which an XLA-compiled step "
+                           "cannot do (XLA keeps every tensor on its device): use jit_compile=False with it, or a "
+                           "strategy that does not offload")
     logger.info(
         "compiling %s: %d statements, %d recomputations (strategy %s)",
         graph.name, len(plan), plan.recompute_count, schedule.strategy,
     )
-    return CompiledStep(graph, side_table, schedule, plan, optimizer, strategy, return_outputs, apply_gradients)
+    return CompiledStep(graph, side_table, schedule, plan, optimizer, strategy, return_outputs, apply_gradients,
+                        jit_compile)

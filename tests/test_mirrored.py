@@ -1,0 +1,188 @@
+"""tfremat.fit and RematCallback under tf.distribute (issue 35 items 1, 4 and 5).
+
+MirroredStrategy needs several devices, made here as two logical CPU devices
+(``tf.config.set_logical_device_configuration``), which must happen before TensorFlow
+initializes its devices: those checks run in one subprocess (:data:`_SCRIPT`, run once by
+the module fixture) that prints its findings as JSON. OneDeviceStrategy and the refused
+strategies need no extra device and run in the test process.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from models import small_convnet
+import tfremat
+from tfremat.errors import TfrematError
+from tfremat.keras import RematCallback, check_distribute_strategy, is_distributed, replica_allocators
+from tfremat.numerics import closeness
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, logging, os, sys
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    sys.path[:0] = [{tests!r}, {root!r}]
+    import numpy as np, tensorflow as tf, keras
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    from models import small_convnet
+    import tfremat
+    from tfremat.keras import replica_allocators
+    from tfremat.numerics import closeness
+
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("tfremat").addHandler(handler)
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(0)
+    # 20 samples in batches of 8: the last global batch (4) is 2 per replica.
+    x = rng.standard_normal((20, 16, 16, 3)).astype("float32")
+    y = np.eye(10, dtype="float32")[rng.integers(0, 10, 20)]
+
+    def build():
+        with strategy.scope():
+            model = small_convnet(input_shape=(16, 16, 3), channels=8)
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="categorical_crossentropy",
+                          metrics=["accuracy"])
+        return model
+
+    plain = build()
+    expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    callbacks = []
+
+    class FindRemat(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            callbacks.append(self.model.train_function.__self__)  # RematCallback._train_function
+
+    model = build()
+    history = tfremat.fit(model, "80% of activations", x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                          strategy="optimal", time_limit=20, cost_model="flops", cache=False, allocator_check=True,
+                          callbacks=[FindRemat()])
+    close = closeness([v.numpy() for v in model.variables], [v.numpy() for v in plain.variables])
+
+    # Every replica's traced step recomputes what its plan says: replica 1's operations are
+    # traced under the name scope replica_1/.
+    recomputed = {{}}
+    for key, train in callbacks[0]._steps.items():
+        batch = tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * key[0][0]).take(1)
+        dx, dy = next(iter(strategy.experimental_distribute_dataset(batch)))
+        names = [op.name for op in train.function.get_concrete_function(dx, dy).graph.get_operations()]
+        counts = [len({{n.split("/")[1] for n in names if n.startswith("replica_1/") and "/reforward_" in n}}),
+                  len({{n.split("/")[0] for n in names if n.startswith("reforward_")}})]
+        recomputed[str(key[0][0])] = counts
+    plans = {{str(key[0][0]): dict(weight_grads=plan.extraction.side_table.weight_grads, budget=plan.budget_bytes,
+                                  predicted=plan.predicted_peak_bytes, recomputations=plan.schedule.recompute_count)
+             for key, plan in history.plans.items()}}
+    print("RESULT", json.dumps(dict(
+        expected=expected, history=history.history, close=[close.max_tensor_error, close.global_error, close.equal],
+        plans=plans, recomputed=recomputed, warnings=warnings, allocators=replica_allocators(strategy),
+        replicas=strategy.num_replicas_in_sync)))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def mirrored(tmp_path_factory):
+    """What :data:`_SCRIPT` found, run once on two logical CPU devices."""
+    folder = tmp_path_factory.mktemp("mirrored")
+    script = folder / "mirrored.py"
+    script.write_text(_SCRIPT.format(tests=HERE, root=ROOT))
+    env = dict(os.environ, TFREMAT_CACHE_DIR=str(folder / "cache"))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_fit_under_mirrored_strategy_trains_as_model_fit(mirrored):
+    assert mirrored["replicas"] == 2
+    # The closeness rule for the weights; losses and metrics as floats the kernels may
+    # reorder (oneDNN on or off).
+    max_tensor_error, global_error, equal = mirrored["close"]
+    assert equal, (max_tensor_error, global_error)
+    assert mirrored["history"].keys() == mirrored["expected"].keys()
+    for name, values in mirrored["expected"].items():
+        np.testing.assert_allclose(mirrored["history"][name], values, rtol=1e-4, err_msg=name)
+
+
+def test_the_plan_is_per_replica_batch_with_resident_gradients(mirrored):
+    # Global batches of 8 and 4 (the last) on two replicas: planned for 4 and 2 samples.
+    assert sorted(mirrored["plans"]) == ["2", "4"]
+    for batch, plan in mirrored["plans"].items():
+        assert plan["weight_grads"] == "fixed", batch  # the all-reduce holds every gradient
+        assert plan["predicted"] <= plan["budget"], (batch, plan)
+        assert plan["recomputations"] > 0, (batch, plan)
+        # Both replicas' traced steps recompute the same forward nodes, as many as the plan.
+        replica_1, replica_0 = mirrored["recomputed"][batch]
+        assert replica_0 == replica_1 > 0, (batch, mirrored["recomputed"])
+
+
+def test_allocator_check_on_logical_cpus_says_it_holds_requested_bytes(mirrored):
+    assert mirrored["allocators"] is None  # one allocator for both logical CPU devices
+    skipped = [w for w in mirrored["warnings"] if w.startswith("allocator_check skipped")]
+    assert skipped and "share one allocator" in skipped[0] and "requested bytes" in skipped[0], mirrored["warnings"]
+
+
+def _data(n=12):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, 16, 16, 3)).astype("float32")
+    return x, np.eye(10, dtype="float32")[rng.integers(0, 10, n)]
+
+
+def _compiled(strategy):
+    with strategy.scope():
+        model = small_convnet(input_shape=(16, 16, 3), channels=8)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_one_device_strategy_trains_as_model_fit():
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    assert is_distributed(strategy) and replica_allocators(strategy) == ["CPU:0"]
+    assert not is_distributed(tf.distribute.get_strategy())
+    x, y = _data()
+    plain = _compiled(strategy)
+    expected = plain.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    model = _compiled(strategy)
+    history = tfremat.fit(model, "90%", x, y, batch_size=6, epochs=2, shuffle=False, verbose=0, strategy="chen_greedy",
+                          cost_model="flops", cache=False, allocator_check=False)
+    (plan,) = history.plans.values()
+    assert plan.extraction.side_table.weight_grads == "fixed" and plan.schedule.recompute_count > 0
+    close = closeness([v.numpy() for v in model.variables], [v.numpy() for v in plain.variables])
+    assert close.equal, close
+    for name, values in expected.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-4, err_msg=name)
+
+
+def test_central_storage_strategy_is_refused_before_any_work(caplog):
+    model = _compiled(tf.distribute.experimental.CentralStorageStrategy())
+    callback = RematCallback("90%", strategy="chen_greedy", cost_model="flops", cache=False, verbose=0)
+    x, y = _data(4)
+    with caplog.at_level(logging.INFO, logger="tfremat"), pytest.raises(TfrematError) as raised:
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback])
+    message = str(raised.value)
+    assert "\n" not in message and "CentralStorageStrategy" in message and "MirroredStrategy" in message
+    assert callback.plans == {} and not caplog.records  # nothing extracted or planned
+
+
+@pytest.mark.parametrize("name", ["TPUStrategy", "TPUStrategyV2", "ParameterServerStrategyV2"])
+def test_strategies_that_cannot_be_built_here_are_refused_by_class_name(name):
+    strategy = type(name, (), {})()
+    with pytest.raises(TfrematError, match=f"under {name}: .*MirroredStrategy"):
+        check_distribute_strategy(strategy)
+    check_distribute_strategy(tf.distribute.OneDeviceStrategy("/cpu:0"))  # accepted
