@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal", cost_model: str = "profile",
                    granularity: str = DEFAULT_GRANULARITY, cache: bool | str | ScheduleCache = True,
-                   verbose: int = 1, **options) -> ValueAndGrad:
+                   verbose: int = 1, jit_compile: bool = False, **options) -> ValueAndGrad:
     """Plans ``fn``'s gradient under ``budget``: ``g(*args)`` returns ``(loss, gradients)``.
 
     ``g`` replaces a ``tf.GradientTape`` block in a custom training loop or a ``train_step``::
@@ -74,6 +74,10 @@ def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal
         granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
         cache: the schedule cache; False also turns off the profile cache.
         verbose: 0 silences planning progress.
+        jit_compile: compile the planned step with XLA, recomputations kept
+            (:func:`tfremat.static_graph.compile.compile_step`'s ``jit_compile``), e.g.
+            when the ``train_step`` that calls ``g`` runs under a model compiled with
+            ``jit_compile=True``.
         **options: the strategy's solver options (``solver``, ``time_limit``, ...) or an
             offloading strategy's ``bandwidth``, as :func:`tfremat.fit` takes them.
 
@@ -82,7 +86,8 @@ def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal
 
     Raises:
         ArgumentError: ``fn`` is not callable, ``budget`` is None, no example arguments or
-            one that is no tensor, an unknown strategy, option or cost model.
+            one that is no tensor, an unknown strategy, option or cost model, or a
+            ``jit_compile`` that is not a bool.
         ExtractionError: ``fn`` cannot be traced on placeholders (see the module docstring);
             one line naming the cause.
         InfeasibleBudgetError: no schedule of the strategy fits ``budget``.
@@ -102,7 +107,10 @@ def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal
     if granularity not in GRANULARITIES:
         raise ArgumentError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
     check_cache_argument(cache)
-    settings = _Settings(budget, strategy, cost_model, granularity, cache, verbose, per_strategy.get(strategy, {}))
+    if not isinstance(jit_compile, bool):
+        raise ArgumentError(f"jit_compile must be True or False, got {jit_compile!r}")
+    settings = _Settings(budget, strategy, cost_model, granularity, cache, verbose, per_strategy.get(strategy, {}),
+                         jit_compile)
     return ValueAndGrad(fn, settings, example_args)
 
 
@@ -117,6 +125,7 @@ class _Settings:
     cache: object
     verbose: int
     options: dict
+    jit_compile: bool = False
 
 
 class ValueAndGrad:
@@ -187,7 +196,8 @@ class ValueAndGrad:
         result = plan_graph(extraction.graph, settings.budget, settings.strategy, cache=settings.cache,
                             verbose=settings.verbose, **settings.options)
         self.plans[key] = dataclasses.replace(result, extraction=extraction)
-        self._steps[key] = compile_step(extraction, result.schedule, apply_gradients=False)
+        self._steps[key] = compile_step(extraction, result.schedule, apply_gradients=False,
+                                        jit_compile=settings.jit_compile)
         return key
 
 

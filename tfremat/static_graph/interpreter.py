@@ -57,6 +57,19 @@ whose kernel read waited on the ``Pad``, and the merged operation then waited on
 "nodes in a cycle"). A data consumer blocks such merges; the token is kept from Grappler's
 dependency optimizer, which would otherwise turn it back into control edges.
 
+Under XLA (``jit_compile=True``, :func:`interpret_plan`'s ``xla``) control dependencies order
+nothing: XLA keeps only data dependencies, its common-subexpression elimination merges a
+recomputation with the first computation (the same operation on the same operands), and its
+scheduler is free to run a recomputation as soon as its inputs exist. So every statement
+that recomputes a node, and every statement from the loss on, reads its values through one
+``XlaOptimizationBarrier`` together with the tensors the previous statement produced
+(:meth:`_Interpreter._ordered`): the barrier's outputs are new values to XLA (nothing is
+merged through it, as JAX's ``remat`` uses it) and exist only once the previous statement's
+have, so the statement cannot run earlier. A recomputed layer's replayed state (a dropout
+seed) goes through the same barrier: a mask drawn from the same seed read is otherwise one
+random operation to XLA, kept from the forward pass to the backward. The first forward pass
+is left to XLA, which fuses across its layers. The barrier aliases its operands (no copy).
+
 Reading a value that the plan does not hold resident raises :class:`CompileError`: the
 interpreter cannot consume a tensor after its deallocate statement.
 """
@@ -148,7 +161,7 @@ class _Instance:
 
 class _Interpreter:
     def __init__(self, graph: DFGraph, side_table: Any, x, y, scale_loss: Callable[[Any], Any], sample_weight=None,
-                 implementations=None):
+                 implementations=None, xla: bool = False):
         # The graph under the plan's implementations: what each backward node reads.
         self.graph = graph
         # node -> the layer implementation its calls run (MONeT; tfremat.runtime.layer_variants)
@@ -166,6 +179,11 @@ class _Interpreter:
         self.generation: dict[int, int] = {}
         self.snapshots: dict[int, StateSnapshot | None] = {}
         self.token: list = []
+        self.xla = xla
+        # Under XLA: the previous compute statement's tensors, and those the running
+        # statement's reads are tied to (None: its reads are not tied; _ordered).
+        self.previous: list = []
+        self.tie: list | None = None
         # node -> (the offloaded instance, its host copies); the copies not yet waited for.
         self.host: dict[int, tuple[_Instance, list]] = {}
         self.copying: dict[int, list] = {}
@@ -219,6 +237,7 @@ class _Interpreter:
                 allocated.discard(node)
                 self.report.recompute_statements += statement.recompute
                 first_op = len(tf_graph.get_operations())
+                self.tie = self.previous if self.xla and statement.recompute else None
                 with tf.control_dependencies(self.token):
                     produced = self._compute(node, statement.recompute, last_compute[node] == position)
                 self.report.statement_ops.append(tf_graph.get_operations()[first_op:])
@@ -227,6 +246,7 @@ class _Interpreter:
                 held_bytes[position] = self._held_bytes(node)
                 if produced:
                     self.token = [_token(produced)]
+                    self.previous = produced
                     layer = self.table[self.table[node].forward_node].layer if self.table[node].kind != "loss" else None
                     for variable in getattr(layer, "trainable_variables", ()):
                         self.last_reader[id(variable)] = produced
@@ -410,7 +430,7 @@ class _Interpreter:
             first_op = len(graph.get_operations())
             with running(entry.layer, self.implementations.get(node)):
                 if node in self.snapshots:
-                    outputs = call_replaying(self.snapshots[node], call)
+                    outputs = call_replaying(self._ordered_snapshot(self.snapshots[node]), call)
                 else:
                     outputs, self.snapshots[node] = call_with_snapshot(entry.layer, call)
             if purpose != "forward":
@@ -442,8 +462,40 @@ class _Interpreter:
             )
         return outputs, tape, one_call
 
+    def _ordered(self, tensors: list, node: int | None = None) -> list:
+        """``tensors`` made new values to XLA that exist only after the previous statement
+        when the running statement is tied (a recomputation under XLA; module docstring),
+        else unchanged: each plus a zero that XLA cannot fold, read from the previous
+        statement's tensors (:func:`_runtime_zero`). With ``node``, only the inputs that
+        come from the first forward pass (model inputs and values never recomputed) are
+        changed: a recomputed value is a new value already, and has its own order."""
+        if self.tie is None:
+            return list(tensors)
+        zero = _runtime_zero(self.tie)
+        if zero is None:
+            return list(tensors)
+        refs = self.table[node].inputs if node is not None else [None] * len(tensors)
+        done: dict[int, Any] = {}
+        result = []
+        for ref, tensor in zip(refs, tensors):
+            first_pass = ref is None or ref.source == "model_input" or self.generation.get(ref.index, 0) == 0
+            if not first_pass or not isinstance(tensor, tf.Tensor) or not (tensor.dtype.is_floating or
+                                                                             tensor.dtype.is_integer):
+                result.append(tensor)
+                continue
+            if id(tensor) not in done:
+                done[id(tensor)] = tensor + tf.cast(zero, tensor.dtype)
+            result.append(done[id(tensor)])
+        return result
+
+    def _ordered_snapshot(self, snapshot: StateSnapshot | None) -> StateSnapshot | None:
+        """The state a recomputation replays, through the barrier when tied (:meth:`_ordered`)."""
+        if snapshot is None or self.tie is None:
+            return snapshot
+        return dataclasses.replace(snapshot, before=tuple(self._ordered(list(snapshot.before))))
+
     def _forward(self, node: int, entry, recompute: bool) -> list:
-        inputs = [self._tensor(ref, node) for ref in entry.inputs]
+        inputs = self._ordered([self._tensor(ref, node) for ref in entry.inputs], node)
         outputs, tape, one_call = self._call_layer(node, entry, inputs, "recompute" if recompute else "forward")
         generation = self.generation.get(node, -1) + 1
         self.generation[node] = generation
@@ -705,13 +757,27 @@ def _token(tensors):
     return token
 
 
+def _runtime_zero(tensors: list):
+    """A float32 scalar zero computed from one element of the first floating tensor of
+    ``tensors`` (None when there is none), which XLA cannot fold to a constant: the element
+    is replaced by 0 when not finite, then subtracted from itself. Adding it to a value
+    changes no bit of it (but the sign of a zero) and makes it depend on ``tensors``."""
+    for tensor in tensors:
+        values = getattr(tensor, "values", tensor)
+        if isinstance(values, tf.Tensor) and values.dtype.is_floating and values.shape.num_elements() != 0:
+            element = tf.cast(tf.reshape(values, [-1])[0], tf.float32)
+            finite = tf.where(tf.math.is_finite(element), element, tf.zeros_like(element))
+            return finite - finite
+    return None
+
+
 def _logits(tensor):
     """The logits Keras attached to a softmax/sigmoid output, else the tensor itself."""
     return getattr(tensor, "_keras_logits", tensor)
 
 
 def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
-                   scale_loss: Callable[[Any], Any] | None = None, sample_weight=None):
+                   scale_loss: Callable[[Any], Any] | None = None, sample_weight=None, xla: bool = False):
     """Emits the operations of one training step following ``plan`` (call while tracing).
 
     Args:
@@ -726,6 +792,9 @@ def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
             the number of replicas themselves under a distribution strategy).
         sample_weight: one weight per sample, applied to every output's loss as
             ``model.fit(sample_weight=...)`` applies it (None: unweighted).
+        xla: the step is compiled with XLA (``jit_compile=True``): recomputations and the
+            backward statements read their values through optimization barriers (module
+            docstring). The operations are otherwise the same.
 
     Returns:
         ``(loss, predictions, weight_grads, report)``: the scalar loss, the model outputs
@@ -733,6 +802,6 @@ def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
         and the :class:`TraceReport`.
     """
     interpreter = _Interpreter(graph.with_implementations(plan.implementations), side_table, x, y,
-                               scale_loss or (lambda loss: loss), sample_weight, plan.implementations)
+                               scale_loss or (lambda loss: loss), sample_weight, plan.implementations, xla)
     loss, predictions, weight_grads = interpreter.run(plan)
     return loss, predictions, weight_grads, interpreter.report
