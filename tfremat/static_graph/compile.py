@@ -343,12 +343,12 @@ def compile_step(
             until the updates; a warning says so otherwise). Default: none.
         jit_compile: compile the step with XLA, as Keras's ``jit_compile=True`` does
             (fused kernels). XLA keeps no control dependency and would merge recomputations
-            into their first computation, so the recomputations and the backward pass read
-            their values through optimization barriers tied to the previous statement
-            (:mod:`tfremat.static_graph.interpreter`): each still runs, and not before the
-            plan's previous statement. XLA then schedules and frees on its own, and the
-            peak can differ from the prediction (docs/compiled-step.md, "XLA"). Not with
-            ``strategy`` or a schedule that offloads.
+            into their first computation, so each recomputation reads its inputs through a
+            data dependency on the plan's previous statement
+            (:mod:`tfremat.static_graph.interpreter`): it still runs, and not earlier. XLA
+            schedules and frees the rest on its own, so the peak can differ from the
+            prediction (docs/compiled-step.md, "XLA"). Not with ``strategy`` or a schedule
+            that offloads.
         return_outputs: the step returns ``(loss, y_pred)``.
         apply_gradients: False: the step applies no optimizer and returns ``(loss,
             gradients)`` for a custom training loop (:func:`tfremat.value_and_grad`); the

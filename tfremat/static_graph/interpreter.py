@@ -59,16 +59,16 @@ dependency optimizer, which would otherwise turn it back into control edges.
 
 Under XLA (``jit_compile=True``, :func:`interpret_plan`'s ``xla``) control dependencies order
 nothing: XLA keeps only data dependencies, its common-subexpression elimination merges a
-recomputation with the first computation (the same operation on the same operands), and its
-scheduler is free to run a recomputation as soon as its inputs exist. So every statement
-that recomputes a node, and every statement from the loss on, reads its values through one
-``XlaOptimizationBarrier`` together with the tensors the previous statement produced
-(:meth:`_Interpreter._ordered`): the barrier's outputs are new values to XLA (nothing is
-merged through it, as JAX's ``remat`` uses it) and exist only once the previous statement's
-have, so the statement cannot run earlier. A recomputed layer's replayed state (a dropout
-seed) goes through the same barrier: a mask drawn from the same seed read is otherwise one
-random operation to XLA, kept from the forward pass to the backward. The first forward pass
-is left to XLA, which fuses across its layers. The barrier aliases its operands (no copy).
+recomputation with the first computation (the same operation on the same operands, so the
+first result stays alive until the backward pass), and its scheduler may run a
+recomputation as soon as its inputs exist. So a statement that recomputes a node reads each
+input that comes from the first forward pass, and the state a recomputed layer replays (a
+dropout seed), plus a zero computed from the previous statement's tensors
+(:func:`_runtime_zero`): to XLA a new value, which exists only once that statement has run.
+``XlaOptimizationBarrier`` (what JAX's ``remat`` uses) does not do it on XLA's CPU backend:
+the barrier is expanded before CSE runs, and ``exp(barrier(x))`` was merged with ``exp(x)``.
+The first forward pass and the backward statements are left to XLA, which fuses and
+schedules them (docs/compiled-step.md, "XLA").
 
 Reading a value that the plan does not hold resident raises :class:`CompileError`: the
 interpreter cannot consume a tensor after its deallocate statement.
@@ -489,7 +489,7 @@ class _Interpreter:
         return result
 
     def _ordered_snapshot(self, snapshot: StateSnapshot | None) -> StateSnapshot | None:
-        """The state a recomputation replays, through the barrier when tied (:meth:`_ordered`)."""
+        """The state a recomputation replays, made new values when tied (:meth:`_ordered`)."""
         if snapshot is None or self.tie is None:
             return snapshot
         return dataclasses.replace(snapshot, before=tuple(self._ordered(list(snapshot.before))))
@@ -792,8 +792,8 @@ def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
             the number of replicas themselves under a distribution strategy).
         sample_weight: one weight per sample, applied to every output's loss as
             ``model.fit(sample_weight=...)`` applies it (None: unweighted).
-        xla: the step is compiled with XLA (``jit_compile=True``): recomputations and the
-            backward statements read their values through optimization barriers (module
+        xla: the step is compiled with XLA (``jit_compile=True``): recomputations read
+            their first-pass inputs and replayed state plus a runtime zero (module
             docstring). The operations are otherwise the same.
 
     Returns:
