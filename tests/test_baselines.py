@@ -269,12 +269,17 @@ def test_portfolio_skips_heuristics_after_its_deadline(monkeypatch):
     """Issue 21: the heuristics seeding `optimal` took no deadline (minutes on a 5000-node
     chain). best_baseline starts none once its deadline has passed, and none whose
     predictable cost (the longest step seen) exceeds the time left."""
-    import time
+    import types
 
     from tfremat.ilp import portfolio
+    from tfremat.plan import baselines
     from tfremat.plan.baselines import cheapest_fitting, schedule_for_checkpoints
     from tfremat.plan.registry import as_strategy
 
+    # A clock that only the strategies advance: a loaded machine that stalls the test
+    # between setting the deadline and the first check cannot skip "first".
+    now = [100.0]
+    monkeypatch.setattr(baselines, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     graph = training_graph([(0, 1), (1, 2)], [4, 4, 4])
     calls = []
 
@@ -284,7 +289,7 @@ def test_portfolio_skips_heuristics_after_its_deadline(monkeypatch):
             calls.append(name)
 
             def candidates():
-                time.sleep(seconds)
+                now[0] += seconds
                 yield schedule_for_checkpoints(graph, graph.forward_nodes, name)
 
             return cheapest_fitting(graph, candidates(), budget, name)
@@ -295,10 +300,10 @@ def test_portfolio_skips_heuristics_after_its_deadline(monkeypatch):
     budget = checkpoint_all_peak(graph)
     graph_total = graph.total_cost
     monkeypatch.setattr(type(graph), "total_cost", property(lambda self: graph_total / 2))  # none is "optimal"
-    best, _ = portfolio.best_baseline(graph, budget, deadline=time.perf_counter() + 0.2)
+    best, _ = portfolio.best_baseline(graph, budget, deadline=now[0] + 0.2)
     assert calls == ["first"] and best is not None and best.strategy == "first"
     calls.clear()
-    best, _ = portfolio.best_baseline(graph, budget, deadline=time.perf_counter() - 1)
+    best, _ = portfolio.best_baseline(graph, budget, deadline=now[0] - 1)
     assert calls == [] and best is None
     calls.clear()
     # No deadline: all run.

@@ -2,6 +2,7 @@
 the same relative costs, within what a shared 2-core machine lets a test assert."""
 
 import math
+import types
 
 import keras
 import numpy as np
@@ -43,17 +44,26 @@ def test_two_profiles_agree_on_the_node_that_dominates_the_step():
         assert cost == 0 or math.isclose(analysis._on_grid(cost), cost, rel_tol=1e-12)
 
 
-def test_least_seconds_takes_many_runs_of_a_tiny_call_in_turns():
+def test_least_seconds_takes_many_runs_of_a_tiny_call_in_turns(monkeypatch):
+    # A clock that only the calls advance (a binary fraction of a millisecond each, so the
+    # sums are exact): a pause of the test process, which on a loaded machine ended the
+    # rounds early, cannot change how many run.
+    tick = 2.0**-10
+    now = [0.0]
+    monkeypatch.setattr(analysis, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     order = []
 
     def tiny(name):
         def run():
             order.append(name)
+            now[0] += tick
             return tf.constant(0.0)
         return run
 
     least = analysis._least_seconds([(tiny("a"), ()), (tiny("b"), ())], repeats=3, warmup=1)
-    assert all(0 < s < analysis._MIN_TIMING_SECONDS for s in least)
-    # A call of microseconds runs until the minimum time has passed: far more than 3 rounds.
-    assert len(order) > 20
+    assert least == [tick, tick]
+    # A call of a millisecond runs until the minimum time has passed: far more than 3 rounds.
+    rounds = min(math.ceil(analysis._MIN_TIMING_SECONDS / (2 * tick)), analysis._MAX_TIMED_RUNS)
+    assert rounds > 3
+    assert len(order) == 2 * (1 + rounds)
     assert order[:6] == ["a", "b", "a", "b", "a", "b"]
