@@ -32,7 +32,7 @@ from tfremat.planner import (
     strategy_options,
 )
 from tfremat.runtime.host_link import host_link_bandwidth
-from tfremat.strategies import offloading_strategy_names, strategy_names
+from tfremat.strategies import get_strategy, offloading_strategy_names, strategy_names
 
 __all__ = ["plan_model", "compare", "fit", "max_batch_size", "PlanResult"]
 
@@ -138,12 +138,44 @@ def fit(
     remat = RematCallback(budget, strategy=strategy, solver=solver, time_limit=time_limit, bandwidth=bandwidth,
                           cost_model=cost_model,
                           granularity=granularity, cache=cache, allocator_check=allocator_check, verbose=verbose)
+    if _multi_worker_strategy(model) is not None:
+        from tfremat.multi_worker import fit_multi_worker
+
+        if allocator_check:
+            raise ArgumentError("allocator_check=True: under MultiWorkerMirroredStrategy the budget holds for the "
+                                "bytes the step requests; leave allocator_check out")
+        # The strategy options RematCallback plans with (its arguments checked when it was built).
+        options = {"solver": solver, "time_limit": time_limit} if get_strategy(strategy).takes_solver_options else {}
+        if get_strategy(strategy).offloads:
+            options["bandwidth"] = remat.bandwidth
+        return fit_multi_worker(model, budget, x, y, batch_size=batch_size, epochs=epochs,
+                                validation_data=validation_data, callbacks=callbacks, strategy=strategy,
+                                options=options, cost_model=cost_model,
+                                granularity=granularity, cache=cache, verbose=verbose, **fit_kwargs)
     if isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]  # model.fit takes one callback as well as a list
     history = model.fit(x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,
                         callbacks=[remat, *(callbacks or [])], verbose=verbose, **fit_kwargs)
     history.plans = dict(remat.plans)
     return history
+
+
+def _multi_worker_strategy(model):
+    """The model's ``MultiWorkerMirroredStrategy``, or None when it trains otherwise.
+
+    Raises:
+        TfrematError: such a strategy is active but the model was not built in its scope.
+    """
+    import tensorflow as tf
+
+    from tfremat.multi_worker import is_multi_worker
+
+    if is_multi_worker(model.distribute_strategy):
+        return model.distribute_strategy
+    if tf.distribute.has_strategy() and is_multi_worker(tf.distribute.get_strategy()):
+        raise TfrematError("the model was built outside the active MultiWorkerMirroredStrategy's scope: build and "
+                           "compile it inside `with strategy.scope():`, then call tfremat.fit")
+    return None
 
 
 def _flat(data) -> list:

@@ -1,0 +1,184 @@
+"""tfremat.fit under MultiWorkerMirroredStrategy: two worker processes on 127.0.0.1.
+
+The test starts this file as a script twice (``--worker``), with ``TF_CONFIG`` naming two
+free local ports; each worker builds the model in the strategy's scope from the same
+initial weights, trains with ``tfremat.fit`` and writes its weights and history. Data
+parallel SGD on a mean loss computes the step a single process computes on the same
+global batches, so both workers must end with the weights of a plain ``model.fit`` in
+this process (closeness rule of :mod:`tfremat.numerics`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SAMPLES, FEATURES, OUTPUTS, BATCH, EPOCHS, LEARNING_RATE = 64, 8, 3, 16, 2, 0.05
+#: Seconds a worker pair may take (two TensorFlow imports, the cluster's start, an
+#: extraction and a few steps on a loaded 2-core machine take about 20-40 s).
+WORKER_TIMEOUT = 150
+#: Seconds the surviving worker may take to stop once its peer died.
+FAULT_BOUND = 30
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SAMPLES, FEATURES)).astype("float32")
+    y = rng.standard_normal((SAMPLES, OUTPUTS)).astype("float32")
+    return x, y
+
+
+def _model():
+    import keras
+
+    inputs = keras.Input((FEATURES,))
+    hidden = inputs
+    for width in (32, 32, 32, 32):
+        hidden = keras.layers.Dense(width, activation="tanh")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(OUTPUTS)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss="mse", metrics=["mae"])
+    return model
+
+
+def _worker(out: Path, index: int, die_at_batch: int | None, budget: str) -> None:
+    """One worker (TF_CONFIG set by the test): trains and writes ``worker{index}.json``."""
+    import keras
+    import tensorflow as tf
+
+    import tfremat
+    from tfremat.multi_worker import PlanMismatchError, WorkerLostError
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = _model()
+    model.set_weights(list(np.load(out / "initial.npz").values()))
+    x, y = _data()
+    callbacks = [keras.callbacks.EarlyStopping(monitor="val_loss", patience=10),
+                 keras.callbacks.ModelCheckpoint(str(out / f"checkpoint{index}.weights.h5"), save_weights_only=True)]
+    if die_at_batch is not None:
+        def die(batch, logs):
+            if batch == die_at_batch:
+                (out / "died").write_text(str(time.time()))
+                os._exit(9)
+
+        callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_end=die))
+    record = {}
+    try:
+        history = tfremat.fit(model, budget, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                              validation_data=(x[:32], y[:32]), callbacks=callbacks, strategy="chen_sqrtn",
+                              cost_model="flops", cache=False, verbose=0)
+        record.update(history=history.history, plans=[str(k) for k in history.plans],
+                      recomputations=[p.schedule.recompute_count for p in history.plans.values()])
+        np.savez(out / f"weights{index}.npz", *model.get_weights())
+    except (WorkerLostError, PlanMismatchError) as error:
+        record.update(error=type(error).__name__, message=str(error), at=time.time())
+    (out / f"worker{index}.json").write_text(json.dumps(record))
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _run_workers(out: Path, *, die_at_batch=None, budgets=("100%", "100%")) -> list[dict]:
+    """Runs two workers to their end (or WORKER_TIMEOUT), reaping both whatever happens."""
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    processes = []
+    try:
+        for index in range(2):
+            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+                       TF_CPP_MIN_LOG_LEVEL="2")
+            command = [sys.executable, __file__, "--worker", str(out), str(index), budgets[index]]
+            if die_at_batch is not None and index == 1:
+                command.append(str(die_at_batch))
+            processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                              cwd=Path(__file__).resolve().parents[1]))
+        deadline = time.monotonic() + WORKER_TIMEOUT
+        outputs = []
+        for process in processes:
+            try:
+                outputs.append(process.communicate(timeout=max(deadline - time.monotonic(), 1))[0].decode())
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"workers still running after {WORKER_TIMEOUT} s") from None
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    records = []
+    for index, output in enumerate(outputs):
+        path = out / f"worker{index}.json"
+        records.append(json.loads(path.read_text()) if path.exists() else {"exit": processes[index].returncode,
+                                                                             "log": output[-3000:]})
+    return records
+
+
+def _initial_weights(out: Path) -> list:
+    import keras
+
+    keras.utils.set_random_seed(0)
+    weights = _model().get_weights()
+    np.savez(out / "initial.npz", *weights)
+    return weights
+
+
+def test_two_workers_train_like_one_process(tmp_path):
+    from tfremat.numerics import closeness
+
+    weights = _initial_weights(tmp_path)
+    records = _run_workers(tmp_path)
+    for index, record in enumerate(records):
+        assert "history" in record, f"worker {index}: {record}"
+    plain = _model()
+    plain.set_weights(weights)
+    x, y = _data()
+    expected = plain.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, validation_data=(x[:32], y[:32]),
+                         verbose=0).history
+    trained = [list(np.load(tmp_path / f"weights{index}.npz").values()) for index in range(2)]
+    for a, b in zip(*trained):
+        np.testing.assert_array_equal(a, b)  # one all-reduced update on both: the same bits
+    assert closeness(trained[0], plain.get_weights()).equal, closeness(trained[0], plain.get_weights())
+    history = records[0]["history"]
+    assert records[1]["history"] == history
+    for key in ("loss", "mae", "val_loss", "val_mae"):
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-4, err_msg=key)
+    assert records[0]["plans"] == [str(((BATCH // 2, FEATURES), (BATCH // 2, OUTPUTS)))]
+    assert records[0]["recomputations"][0] > 0
+    assert (tmp_path / "checkpoint0.weights.h5").exists()  # the chief's ModelCheckpoint
+    assert not (tmp_path / "checkpoint1.weights.h5").exists()  # file-writing callbacks: the chief only
+
+
+def test_dead_worker_stops_the_other(tmp_path):
+    _initial_weights(tmp_path)
+    records = _run_workers(tmp_path, die_at_batch=1)
+    survivor = records[0]
+    assert survivor.get("error") == "WorkerLostError", survivor
+    assert "another worker stopped" in survivor["message"]
+    assert survivor["at"] - float((tmp_path / "died").read_text()) < FAULT_BOUND
+    assert records[1].get("exit") == 9
+
+
+def test_mismatched_worker_is_named(tmp_path):
+    _initial_weights(tmp_path)
+    records = _run_workers(tmp_path, budgets=("100%", "90%"))
+    for record in records:
+        assert record.get("error") == "PlanMismatchError", record
+        assert "worker 1 plans with other settings than the chief" in record["message"]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    _worker(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5]) if len(sys.argv) > 5 else None, sys.argv[4])

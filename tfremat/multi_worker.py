@@ -1,0 +1,431 @@
+"""Training under ``tf.distribute.MultiWorkerMirroredStrategy``: :func:`tfremat.fit`'s own loop.
+
+Keras 3's ``model.fit`` fails under this strategy before its first step (it converts the
+strategy's per-replica batch to one tensor, keras-team/keras#20585), so no callback can
+make it train there. :func:`fit_multi_worker` is the loop ``fit`` would run: the strategy's
+distributed dataset, one compiled step per per-replica batch shape run with
+``strategy.run`` (:func:`tfremat.static_graph.compile_step`, the loss mean-reduced over
+every replica), and Keras's ``CallbackList`` around it, so History, the progress bar (on
+the chief only), validation data and callbacks such as EarlyStopping behave as in
+``model.fit``. Every log value is reduced over all replicas, so callbacks that decide
+(EarlyStopping, ReduceLROnPlateau) decide alike on every worker; callbacks that write
+files (:data:`FILE_WRITING_CALLBACKS`) run on the chief only, so two workers never write
+one file.
+
+How the workers agree on one schedule, per per-replica batch shape:
+
+1. Every worker extracts the graph for the per-replica batch (each needs its own side
+   table to build the step). Profiled costs differ between machines and runs, so plans
+   made independently could differ; only the chief plans.
+2. The workers gather, through one collective, a fingerprint of what the schedule
+   depends on and must agree: the graph's structure (edges, tensor sizes, fixed bytes,
+   not the measured costs), the planning settings (budget, strategy, cost model,
+   granularity, ...) and the TensorFlow and Keras versions. A worker whose fingerprint
+   differs from the chief's is named in a :class:`PlanMismatchError` raised on every
+   worker (all see the same gathered values, so none is left waiting in a collective).
+3. The chief plans and broadcasts the schedule as its JSON document (an all-reduce to
+   which only the chief contributes); every worker compiles the same schedule. A chief
+   that cannot plan broadcasts its error instead, which every worker raises.
+
+A worker that dies makes the next collective of the others fail (TensorFlow aborts the
+collectives: at once when the peer's connection is reset, within its health check's
+interval otherwise); the loop turns that into a :class:`WorkerLostError`.
+
+The weight gradients live until the all-reduce, so the graph is extracted with
+``weight_grads="fixed"`` (every gradient resident until the updates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfremat.errors import ArgumentError, TfrematError
+from tfremat.graph import DFGraph
+from tfremat.planner import PlanResult, plan_graph, plan_summary
+
+__all__ = [
+    "FILE_WRITING_CALLBACKS", "PlanMismatchError", "WorkerLostError", "fit_multi_worker", "is_multi_worker",
+    "refuse_model_fit", "structure_fingerprint",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Callbacks that write files; on a worker other than the chief they are left out.
+FILE_WRITING_CALLBACKS = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore,
+                          keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
+
+#: The ``fit`` keyword arguments the multi-worker loop takes besides those it names.
+_FIT_KWARGS = ("shuffle", "initial_epoch")
+
+#: The seed of the shuffled order; the same on every worker, so the global batches of an
+#: epoch partition the data as one process's batches would.
+_SHUFFLE_SEED = 1337
+
+
+class PlanMismatchError(TfrematError):
+    """A worker's graph, planning settings or versions differ from the chief's."""
+
+
+class WorkerLostError(TfrematError):
+    """A collective failed because another worker stopped (died or was cut off)."""
+
+
+def is_multi_worker(strategy) -> bool:
+    """Whether ``strategy`` is a ``MultiWorkerMirroredStrategy``."""
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
+def refuse_model_fit(model) -> None:
+    """Raises :class:`TfrematError` when ``model`` belongs to a ``MultiWorkerMirroredStrategy``:
+    for a callback of ``model.fit``, which does not train there (module docstring)."""
+    if is_multi_worker(getattr(model, "distribute_strategy", None)):
+        raise TfrematError("model.fit does not train under MultiWorkerMirroredStrategy (keras-team/keras#20585); "
+                           "call tfremat.fit(model, budget, x, y, ...) instead of model.fit with RematCallback")
+
+
+def structure_fingerprint(graph: DFGraph) -> str:
+    """A hash of the graph's structure: edges, tensor and fixed bytes, which nodes are
+    backward and of what, implementation names; not the names (Keras numbers layers per
+    process) nor the measured costs and workspace (they differ between machines)."""
+    payload = graph.to_dict()
+    payload.pop("name")
+    for node in payload["nodes"]:
+        for key in ("name", "cost", "workspace_bytes"):
+            node.pop(key)
+        if "implementations" in node:
+            node["implementations"] = [variant.get("name") for variant in node["implementations"]]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _hash64(text: str) -> int:
+    """60 bits of ``text``'s SHA-256, an int64 a collective carries."""
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def _task(strategy) -> tuple[str, int]:
+    """This worker's task type and index in the cluster (``worker``, 0 for one process)."""
+    resolver = strategy.cluster_resolver
+    if resolver is None or resolver.task_type is None:
+        return "worker", 0
+    return resolver.task_type, int(resolver.task_id or 0)
+
+
+def _worker_name(strategy) -> tuple[str, bool]:
+    """This worker's name in the cluster ("worker 1") and whether it is the chief (the
+    ``chief`` task, else worker 0, as TensorFlow decides)."""
+    task_type, task_id = _task(strategy)
+    tasks = strategy.cluster_resolver.cluster_spec().as_dict() if strategy.cluster_resolver is not None else {}
+    chief = task_type == "chief" if "chief" in tasks else (task_type == "worker" and task_id == 0)
+    return ("the chief" if task_type == "chief" else f"{task_type} {task_id}"), chief
+
+
+class _Collectives:
+    """The small collectives the workers agree through, each a ``strategy.run`` in a
+    ``tf.function`` (traced once per shape)."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    def gather(self, row: list[int]) -> np.ndarray:
+        """Every replica's ``row`` (int64), in replica order: ``[replicas, len(row)]``."""
+        value = tf.constant([row], tf.int64)
+
+        @tf.function(autograph=False)
+        def run():
+            return self.strategy.run(lambda: tf.distribute.get_replica_context().all_gather(value, axis=0))
+
+        return self._local(run()).numpy()
+
+    def broadcast(self, data: bytes, source_replica: int, length: int) -> bytes:
+        """``data`` of the replica ``source_replica``, ``length`` bytes, on every replica."""
+        padded = np.zeros(length, np.int32)
+        padded[:len(data)] = np.frombuffer(data, np.uint8)
+        value = tf.constant(padded)
+
+        @tf.function(autograph=False)
+        def run():
+            def contribute():
+                context = tf.distribute.get_replica_context()
+                own = tf.equal(context.replica_id_in_sync_group, source_replica)
+                return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.where(own, value, tf.zeros_like(value)))
+            return self.strategy.run(contribute)
+
+        return self._local(run()).numpy().astype(np.uint8).tobytes()
+
+    def _local(self, value):
+        """One replica's copy of a value that is the same on every replica."""
+        return self.strategy.experimental_local_results(value)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """What fit plans with, for the fingerprint and the planning."""
+
+    budget: object
+    strategy: str
+    options: dict
+    cost_model: str
+    granularity: str
+    cache: object
+
+    def text(self) -> str:
+        return json.dumps({"budget": repr(self.budget), "strategy": self.strategy, "cost_model": self.cost_model,
+                           "granularity": self.granularity,
+                           "options": {k: repr(v) for k, v in sorted(self.options.items())}}, sort_keys=True)
+
+
+def _versions() -> str:
+    return f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
+
+
+def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1) -> PlanResult:
+    """The chief's plan for the per-replica batch ``(x, y)``, the same on every worker,
+    with this worker's extraction (module docstring, steps 1-3).
+
+    Raises:
+        PlanMismatchError: a worker's graph structure, settings or versions differ from
+            the chief's (named), or one could not extract its graph.
+        TfrematError: the chief could not plan (its error, on every worker).
+    """
+    from tfremat.extract.extractor import extract
+    from tfremat.model_planning import loss_and_optimizer, wants_implementations
+
+    name, chief = _worker_name(strategy)
+    collectives = _Collectives(strategy)
+    extraction, failure = None, ""
+    try:
+        extraction = extract(model, sample_batch=(x, y), cost_model=settings.cost_model,
+                             granularity=settings.granularity, weight_grads="fixed",
+                             use_cache=settings.cache is not False and settings.cache is not None,
+                             implementations=wants_implementations([settings.strategy]),
+                             **loss_and_optimizer(model, None, None))
+    except TfrematError as error:
+        failure = str(error)
+    task_type, task_id = _task(strategy)
+    row = [0 if extraction is None else 1,
+           0 if extraction is None else _hash64(structure_fingerprint(extraction.graph)),
+           _hash64(settings.text()), _hash64(_versions()), int(chief), int(task_type == "chief"), task_id]
+    rows = collectives.gather(row)
+    if failure:
+        raise PlanMismatchError(f"{name} could not extract its graph for the per-replica batch: {failure}")
+    chief_replica = int(np.flatnonzero(rows[:, 4])[0])
+    reference = rows[chief_replica]
+    problems = []
+    for other in rows:
+        worker = "the chief" if other[5] else f"worker {other[6]}"
+        if other[0] == 0:
+            problems.append(f"{worker} could not extract its graph (its own log says why)")
+        elif other[1] != reference[1]:
+            problems.append(f"{worker} extracted another training graph than the chief (edges or tensor sizes "
+                            "differ: another model, batch shape, TensorFlow or Keras version)")
+        elif other[2] != reference[2]:
+            problems.append(f"{worker} plans with other settings than the chief (budget, strategy, cost_model, "
+                            "granularity or solver options of tfremat.fit)")
+        elif other[3] != reference[3]:
+            problems.append(f"{worker} runs other TensorFlow or Keras versions than the chief "
+                            f"(this worker, {name}: {_versions()})")
+    if problems:
+        raise PlanMismatchError(f"{name}: " + "; ".join(dict.fromkeys(problems)) +
+                                "; run every worker with the same model, arguments and versions")
+    document = b""
+    if chief:
+        try:
+            result = plan_graph(extraction.graph, settings.budget, settings.strategy, cache=settings.cache,
+                                verbose=verbose, **settings.options)
+            document = json.dumps({"schedule": result.schedule.to_dict(), "budget_bytes": result.budget_bytes,
+                                   "solve_seconds": result.solve_seconds, "from_cache": result.from_cache}).encode()
+        except TfrematError as error:
+            document = json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
+    length = int(collectives.gather([len(document)])[:, 0].max())
+    data = json.loads(collectives.broadcast(document, chief_replica, length).decode())
+    if "error" in data:
+        raise TfrematError(f"the chief could not plan for the per-replica batch: {data['error']}")
+    return _plan_result(extraction, data, settings.strategy)
+
+
+def _plan_result(extraction, data: dict, strategy: str) -> PlanResult:
+    """A :class:`PlanResult` for this worker's graph from the chief's document."""
+    from tfremat.plan.schedule import Schedule, validate_schedule
+    from tfremat.plan.simulator import checkpoint_all_peak, simulate
+
+    graph = extraction.graph
+    schedule = Schedule.from_dict(data["schedule"])
+    validate_schedule(graph, schedule)
+    simulated = simulate(graph, schedule)
+    return PlanResult(strategy=strategy, schedule=schedule, graph=graph, budget_bytes=data["budget_bytes"],
+                      predicted_peak_bytes=simulated.peak_bytes, checkpoint_all_peak_bytes=checkpoint_all_peak(graph),
+                      overhead=simulated.makespan / graph.total_cost - 1 if graph.total_cost else 0.0,
+                      solve_seconds=float(data["solve_seconds"]), from_cache=bool(data["from_cache"]),
+                      extraction=extraction)
+
+
+def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation_data, callbacks, strategy: str,
+                     options: dict, cost_model: str, granularity: str, cache, verbose: int, **fit_kwargs):
+    """:func:`tfremat.fit` under the model's ``MultiWorkerMirroredStrategy`` (module docstring).
+
+    ``x, y`` are arrays of the whole data set, the same on every worker, batched by
+    ``batch_size`` global samples (split evenly over the replicas, each worker taking its
+    share of every global batch), or ``x`` a ``tf.data.Dataset`` of global ``(x, y)``
+    batches, distributed by ``strategy.experimental_distribute_dataset``. A last global
+    batch short of ``batch_size`` samples is left out (a warning says how many samples):
+    every replica's step must run on equal shares. ``shuffle`` (default True, as in
+    ``model.fit``) draws the same order on every worker.
+
+    Returns:
+        The Keras ``History`` with ``history.plans`` (``{per-replica batch shapes: PlanResult}``).
+
+    Raises:
+        ArgumentError: a ``fit`` argument the loop does not take, or a batch that does not
+            split evenly over the replicas.
+        PlanMismatchError, WorkerLostError: see the module docstring.
+    """
+    from tfremat.static_graph.compile import compile_step
+
+    unknown = sorted(set(fit_kwargs) - set(_FIT_KWARGS))
+    if unknown:
+        raise ArgumentError(f"{unknown[0]}= is not taken by tfremat.fit under MultiWorkerMirroredStrategy (it takes "
+                            f"x, y, batch_size, epochs, validation_data, callbacks, {', '.join(_FIT_KWARGS)}); leave "
+                            "it out")
+    distribution = model.distribute_strategy
+    replicas = distribution.num_replicas_in_sync
+    name, chief = _worker_name(distribution)
+    shuffle = fit_kwargs.get("shuffle", True)
+    train = _distributed(distribution, x, y, batch_size, shuffle=shuffle, argument="x")
+    validation = None
+    if validation_data is not None:
+        if isinstance(validation_data, tf.data.Dataset):
+            validation = _distributed(distribution, validation_data, None, None, shuffle=False,
+                                      argument="validation_data")
+        elif isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
+            validation = _distributed(distribution, *validation_data, batch_size, shuffle=False,
+                                      argument="validation_data")
+        else:
+            raise ArgumentError("validation_data must be (x_val, y_val) arrays or a tf.data.Dataset of (x, y) batches")
+    settings = _Settings(budget, strategy, options, cost_model, granularity, cache)
+    if isinstance(callbacks, keras.callbacks.Callback):
+        callbacks = [callbacks]
+    kept = [c for c in (callbacks or []) if chief or not isinstance(c, FILE_WRITING_CALLBACKS)]
+    if len(kept) < len(callbacks or []):
+        logger.info("%s leaves out the callbacks that write files (%s): the chief runs them", name,
+                    ", ".join(type(c).__name__ for c in callbacks if c not in kept))
+    callback_list = keras.callbacks.CallbackList(kept, add_history=True, add_progbar=bool(verbose) and chief,
+                                                 verbose=verbose if chief else 0, epochs=epochs,
+                                                 steps=train.steps, model=model)
+    steps: dict = {}
+    plans: dict = {}
+
+    def train_function(x_batch, y_batch):
+        local_x, local_y = tf.nest.map_structure(lambda v: distribution.experimental_local_results(v)[0],
+                                                 (x_batch, y_batch))
+        shapes = tuple(tuple(t.shape) for t in tf.nest.flatten((local_x, local_y)))
+        if shapes not in steps:
+            plan = agreed_plan(distribution, model, local_x, local_y, settings, verbose=verbose if chief else 0)
+            logger.info("%s, per-replica batch %s: %s", name, shapes, plan_summary(plan))
+            step = compile_step(plan.extraction, plan.schedule, optimizer=model.optimizer, strategy=distribution,
+                                return_outputs=True)
+            plans[shapes] = plan
+            steps[shapes] = tf.function(lambda a, b, step=step: _train_and_record(distribution, model, step, a, b),
+                                        autograph=False)
+        return steps[shapes](x_batch, y_batch)
+
+    test_function = tf.function(lambda a, b: distribution.run(model.test_step, args=((a, b),)), autograph=False)
+    model.stop_training = False
+    try:
+        callback_list.on_train_begin()
+        logs = {}
+        for epoch in range(fit_kwargs.get("initial_epoch", 0), epochs):
+            model.reset_metrics()
+            callback_list.on_epoch_begin(epoch)
+            for batch, (x_batch, y_batch) in enumerate(train.dataset):
+                callback_list.on_train_batch_begin(batch)
+                train_function(x_batch, y_batch)
+                logs = _logs(model)
+                callback_list.on_train_batch_end(batch, logs)
+                if model.stop_training:
+                    break
+            epoch_logs = _logs(model)
+            if validation is not None:
+                model.reset_metrics()
+                for x_batch, y_batch in validation.dataset:
+                    test_function(x_batch, y_batch)
+                epoch_logs.update({f"val_{k}": v for k, v in _logs(model).items()})
+            callback_list.on_epoch_end(epoch, epoch_logs)
+            if model.stop_training:
+                break
+        callback_list.on_train_end(logs)
+    except (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.DeadlineExceededError,
+            tf.errors.AbortedError) as error:
+        raise WorkerLostError(f"{name}: a collective failed, another worker stopped or cannot be reached "
+                              f"({type(error).__name__}: {error.message.strip().splitlines()[-1][:200]}); "
+                              "restart every worker (BackupAndRestore resumes from the last epoch)") from error
+    history = model.history
+    history.plans = dict(plans)
+    return history
+
+
+def _train_and_record(distribution, model, step, x, y):
+    """One compiled step and the loss tracker and metrics updated on every replica, as
+    ``model.fit``'s train step updates them (the loss is the global batch's, so each
+    replica records it for its share of the samples)."""
+    loss, predictions = step(x, y)
+
+    def record(x, y, predictions):
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        model._loss_tracker.update_state(loss, sample_weight=batch)
+        if len(step.side_table.output_names) > 1 and getattr(model, "_compile_loss", None) is not None:
+            model._compile_loss(y, predictions)  # records each output's own loss, as RematCallback does
+        return model.compute_metrics(x, y, predictions)
+
+    distribution.run(record, args=(x, y, predictions))
+    return loss
+
+
+def _logs(model) -> dict:
+    """The model's metric results as Python floats (each reduced over every replica)."""
+    return {key: float(value) for key, value in model.get_metrics_result().items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Data:
+    dataset: object
+    steps: int | None
+
+
+def _distributed(distribution, x, y, batch_size, *, shuffle: bool, argument: str) -> _Data:
+    """The strategy's distributed dataset of global batches (see :func:`fit_multi_worker`)."""
+    replicas = distribution.num_replicas_in_sync
+    if isinstance(x, tf.data.Dataset):
+        if y is not None:
+            raise ArgumentError(f"{argument}: a tf.data.Dataset yields (x, y) batches; leave y out")
+        return _Data(distribution.experimental_distribute_dataset(x), None)
+    if x is None or y is None:
+        raise ArgumentError(f"{argument}: pass x and y (arrays), or x as a tf.data.Dataset of (x, y) batches")
+    if batch_size is None or batch_size % replicas:
+        raise ArgumentError(f"batch_size={batch_size!r}: under MultiWorkerMirroredStrategy it is the global batch, "
+                            f"split evenly over the {replicas} replicas; pass a multiple of {replicas}")
+    samples = int(tf.nest.flatten(x)[0].shape[0])
+    steps = samples // batch_size
+    if samples % batch_size:
+        logger.warning("%s: the last %d of %d samples make a batch short of batch_size=%d, left out (every replica "
+                       "trains on an equal share)", argument, samples % batch_size, samples, batch_size)
+    if steps == 0:
+        raise ArgumentError(f"{argument} has {samples} samples, fewer than batch_size={batch_size}")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).take(steps * batch_size)
+    if shuffle:
+        data = data.shuffle(steps * batch_size, seed=_SHUFFLE_SEED, reshuffle_each_iteration=True)
+
+    def shard(context):
+        # Element k of the shuffled order goes to worker k mod W: global batch j is
+        # samples [j*B, (j+1)*B) of the order, split over the replicas.
+        per_replica = context.get_per_replica_batch_size(batch_size)
+        return data.shard(context.num_input_pipelines, context.input_pipeline_id).batch(per_replica,
+                                                                                          drop_remainder=True)
+
+    return _Data(distribution.distribute_datasets_from_function(shard), steps)
