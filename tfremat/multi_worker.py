@@ -51,7 +51,8 @@ from tfremat.graph import DFGraph
 from tfremat.planner import PlanResult, plan_graph, plan_summary
 
 __all__ = [
-    "FILE_WRITING_CALLBACKS", "PlanMismatchError", "WorkerLostError", "fit_multi_worker", "is_multi_worker",
+    "FILE_WRITING_CALLBACKS", "PlanMismatchError", "WorkerLostError", "agreed_plan", "disagreements",
+    "fit_multi_worker", "is_multi_worker",
     "refuse_model_fit", "structure_fingerprint",
 ]
 
@@ -185,6 +186,27 @@ def _versions() -> str:
     return f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
 
 
+def disagreements(rows: np.ndarray, chief_replica: int) -> list[str]:
+    """What the workers disagree on with the chief, one line per worker and cause, from the
+    gathered rows (one per replica: extracted, graph structure, settings and versions
+    hashes, chief flag, whether the task is ``chief``, task index); empty when they agree."""
+    reference = rows[chief_replica]
+    problems = []
+    for other in rows:
+        worker = "the chief" if other[5] else f"worker {other[6]}"
+        if other[0] == 0:
+            problems.append(f"{worker} could not extract its graph (its own log says why)")
+        elif other[1] != reference[1]:
+            problems.append(f"{worker} extracted another training graph than the chief (edges or tensor sizes "
+                            "differ: another model, batch shape, TensorFlow or Keras version)")
+        elif other[2] != reference[2]:
+            problems.append(f"{worker} plans with other settings than the chief (budget, strategy, cost_model, "
+                            "granularity or solver options of tfremat.fit)")
+        elif other[3] != reference[3]:
+            problems.append(f"{worker} runs other TensorFlow or Keras versions than the chief")
+    return list(dict.fromkeys(problems))
+
+
 def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1) -> PlanResult:
     """The chief's plan for the per-replica batch ``(x, y)``, the same on every worker,
     with this worker's extraction (module docstring, steps 1-3).
@@ -216,24 +238,11 @@ def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1)
     if failure:
         raise PlanMismatchError(f"{name} could not extract its graph for the per-replica batch: {failure}")
     chief_replica = int(np.flatnonzero(rows[:, 4])[0])
-    reference = rows[chief_replica]
-    problems = []
-    for other in rows:
-        worker = "the chief" if other[5] else f"worker {other[6]}"
-        if other[0] == 0:
-            problems.append(f"{worker} could not extract its graph (its own log says why)")
-        elif other[1] != reference[1]:
-            problems.append(f"{worker} extracted another training graph than the chief (edges or tensor sizes "
-                            "differ: another model, batch shape, TensorFlow or Keras version)")
-        elif other[2] != reference[2]:
-            problems.append(f"{worker} plans with other settings than the chief (budget, strategy, cost_model, "
-                            "granularity or solver options of tfremat.fit)")
-        elif other[3] != reference[3]:
-            problems.append(f"{worker} runs other TensorFlow or Keras versions than the chief "
-                            f"(this worker, {name}: {_versions()})")
+    problems = disagreements(rows, chief_replica)
     if problems:
-        raise PlanMismatchError(f"{name}: " + "; ".join(dict.fromkeys(problems)) +
-                                "; run every worker with the same model, arguments and versions")
+        raise PlanMismatchError(f"{name}: " + "; ".join(problems) +
+                                f"; run every worker with the same model, arguments and versions (this worker runs "
+                                f"{_versions()})")
     document = b""
     if chief:
         try:
