@@ -33,12 +33,15 @@ def test_two_profiles_agree_on_the_node_that_dominates_the_step():
     # and goes during one profile does move shares (CI saw a 12% node read as 25% with a
     # second test worker on the other core), so the test holds what such load cannot
     # change: which node dominates the step, and roughly by how much. The per-node
-    # agreement is measured in benchmarks/profile_agreement.py on a quiet machine.
+    # agreement is measured in benchmarks/profile_agreement.py on a quiet machine. Each
+    # layer is timed in its own window, so load moves shares between layers: on a 2-core
+    # machine at load 11 conv2_backward read 0.45 to 0.76 of the step over 9 profiles
+    # (oneDNN on and off) and the runner-up at most 0.27, hence the bounds below.
     share_first, share_second = first / first.sum(), second / second.sum()
     dominant = int(np.argmax(share_first))
-    assert share_first[dominant] >= 0.4, share_first
+    assert min(share_first[dominant], share_second[dominant]) >= 1 / 3, (share_first, share_second)
     assert int(np.argmax(share_second)) == dominant, (share_first, share_second)
-    assert abs(share_first[dominant] - share_second[dominant]) <= 0.25, (share_first, share_second)
+    assert abs(share_first[dominant] - share_second[dominant]) <= 0.35, (share_first, share_second)
     # Every cost lies on the grid, so equal up to noise below its step means equal.
     for cost in first:
         assert cost == 0 or math.isclose(analysis._on_grid(cost), cost, rel_tol=1e-12)
