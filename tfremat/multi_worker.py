@@ -243,7 +243,7 @@ def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1)
         raise PlanMismatchError(f"{name}: " + "; ".join(problems) +
                                 f"; run every worker with the same model, arguments and versions (this worker runs "
                                 f"{_versions()})")
-    document = b""
+    document, planning_error = b"", None
     if chief:
         try:
             result = plan_graph(extraction.graph, settings.budget, settings.strategy, cache=settings.cache,
@@ -251,9 +251,13 @@ def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1)
             document = json.dumps({"schedule": result.schedule.to_dict(), "budget_bytes": result.budget_bytes,
                                    "solve_seconds": result.solve_seconds, "from_cache": result.from_cache}).encode()
         except TfrematError as error:
+            # Shared before it is raised: the other workers wait for the schedule.
+            planning_error = error
             document = json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
     length = int(collectives.gather([len(document)])[:, 0].max())
     data = json.loads(collectives.broadcast(document, chief_replica, length).decode())
+    if planning_error is not None:
+        raise planning_error
     if "error" in data:
         raise TfrematError(f"the chief could not plan for the per-replica batch: {data['error']}")
     return _plan_result(extraction, data, settings.strategy)
@@ -303,7 +307,6 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
                             f"x, y, batch_size, epochs, validation_data, callbacks, {', '.join(_FIT_KWARGS)}); leave "
                             "it out")
     distribution = model.distribute_strategy
-    replicas = distribution.num_replicas_in_sync
     name, chief = _worker_name(distribution)
     shuffle = fit_kwargs.get("shuffle", True)
     train = _distributed(distribution, x, y, batch_size, shuffle=shuffle, argument="x")
