@@ -44,7 +44,7 @@ def worker(budget: str, strategy_name: str) -> None:
     with strategy.scope():
         inputs = keras.Input((32, 32, 3))
         hidden = inputs
-        for channels in (32, 32, 64, 64, 64, 64):
+        for channels in (32,) * 12:
             hidden = keras.layers.Conv2D(channels, 3, padding="same", activation="relu")(hidden)
         hidden = keras.layers.GlobalAveragePooling2D()(hidden)
         model = keras.Model(inputs, keras.layers.Dense(10)(hidden))
@@ -121,7 +121,7 @@ def main() -> None:
     text = "\n".join([
         "# Per-replica peak and step time under MultiWorkerMirroredStrategy",
         "",
-        "`python benchmarks/distributed.py`: a 6-conv net (32x32x3 input), per-replica batch "
+        "`python benchmarks/distributed.py`: a 12-conv net (32 channels, 32x32x3 input), per-replica batch "
         f"{PER_REPLICA_BATCH}, each replica a local worker process with its own BFC CPU allocator, "
         f"TF_NUM_INTEROP_THREADS=1, flops cost model, {STEPS} steps per epoch; peak and median step time over "
         f"the second epoch. Load average at the end: {load[0]:.1f} (2 cores, shared machine: times are noisy).",

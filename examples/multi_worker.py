@@ -3,7 +3,8 @@
 Run ``python examples/multi_worker.py``: it starts itself twice as workers on two free ports
 of 127.0.0.1 (``TF_CONFIG`` names the cluster and each worker's index, as on real machines),
 and each worker builds a small conv net inside the strategy's scope and trains it with
-``tfremat.fit`` at 50% of its activation memory. The chief (worker 0) plans the schedule for
+``tfremat.fit`` at 50% of its activation memory (the MILP on analytic costs, which
+every worker computes alike and quickly; the default profiled costs are the chief's). The chief (worker 0) plans the schedule for
 the per-replica batch and shares it; both print their final weights' checksum, which agree.
 On real machines run the ``--worker`` part on each, with ``TF_CONFIG`` listing every
 machine's address and its own index.
@@ -32,7 +33,7 @@ def worker() -> None:
     with strategy.scope():
         inputs = keras.Input((32, 32, 3))
         hidden = inputs
-        for channels in (16, 16, 32, 32):
+        for channels in (16,) * 12:
             hidden = keras.layers.Conv2D(channels, 3, padding="same", activation="relu")(hidden)
         hidden = keras.layers.GlobalAveragePooling2D()(hidden)
         model = keras.Model(inputs, keras.layers.Dense(10)(hidden))
@@ -42,7 +43,7 @@ def worker() -> None:
     x = rng.standard_normal((256, 32, 32, 3)).astype("float32")
     y = rng.integers(0, 10, 256)
     history = tfremat.fit(model, "50% of activations", x, y, batch_size=GLOBAL_BATCH, epochs=2,
-                          validation_data=(x[:64], y[:64]), strategy="chen_greedy",
+                          validation_data=(x[:64], y[:64]), cost_model="flops", time_limit=20,
                           callbacks=[keras.callbacks.EarlyStopping(monitor="val_loss", patience=2)])
     plan = next(iter(history.plans.values()))
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
