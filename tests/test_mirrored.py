@@ -75,6 +75,23 @@ _SCRIPT = textwrap.dedent(
                           callbacks=[FindRemat()])
     close = closeness([v.numpy() for v in model.variables], [v.numpy() for v in plain.variables])
 
+    # A custom loop over the same global batches with compile_step(strategy=...), extracted
+    # outside the scope with transient weight gradients (a warning says the all-reduce
+    # keeps them together). Keras losses divide by the replicas in a replica context; the
+    # step once divided again (half the gradients and the loss).
+    from tfremat.extract import extract
+    from tfremat.static_graph import compile_step
+    from tfremat.strategies import get_strategy
+    loop = build()
+    with strategy.scope():
+        loop.optimizer.build(loop.trainable_variables)  # its slots mirrored, as model.fit builds them
+    ex = extract(loop, (x[:4], y[:4]), optimizer=loop.optimizer, cost_model="flops", use_cache=False,
+                 weight_grads="transient")
+    step = compile_step(ex, get_strategy("chen_sqrtn")(ex.graph), strategy=strategy)
+    data = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat(2))
+    loop_losses = [float(step(a, b)) for a, b in data]
+    loop_close = closeness([v.numpy() for v in loop.variables], [v.numpy() for v in plain.variables])
+
     # Every replica's traced step recomputes what its plan says: replica 1's operations are
     # traced under the name scope replica_1/.
     recomputed = {{}}
@@ -90,6 +107,7 @@ _SCRIPT = textwrap.dedent(
              for key, plan in history.plans.items()}}
     print("RESULT", json.dumps(dict(
         expected=expected, history=history.history, close=[close.max_tensor_error, close.global_error, close.equal],
+        loop_close=[loop_close.max_tensor_error, loop_close.global_error, loop_close.equal], loop_losses=loop_losses,
         plans=plans, recomputed=recomputed, warnings=warnings, allocators=replica_allocators(strategy),
         replicas=strategy.num_replicas_in_sync)))
     """
@@ -118,6 +136,15 @@ def test_fit_under_mirrored_strategy_trains_as_model_fit(mirrored):
     assert mirrored["history"].keys() == mirrored["expected"].keys()
     for name, values in mirrored["expected"].items():
         np.testing.assert_allclose(mirrored["history"][name], values, rtol=1e-4, err_msg=name)
+
+
+def test_compile_step_with_strategy_in_a_custom_loop_trains_as_model_fit(mirrored):
+    max_tensor_error, global_error, equal = mirrored["loop_close"]
+    assert equal, (max_tensor_error, global_error)
+    # Keras's epoch loss is the mean over the epoch's batches (8, 8 and 4 samples) weighted by size.
+    losses = np.reshape(mirrored["loop_losses"], (2, 3))
+    np.testing.assert_allclose(losses @ [8, 8, 4] / 20, mirrored["expected"]["loss"], rtol=1e-4)
+    assert any("all-reduce every gradient" in w for w in mirrored["warnings"]), mirrored["warnings"]
 
 
 def test_the_plan_is_per_replica_batch_with_resident_gradients(mirrored):

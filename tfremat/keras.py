@@ -92,8 +92,22 @@ class RematCallback(keras.callbacks.Callback):
             (extraction, planning, compiling) with its seconds
             (:class:`~tfremat.planner.PhaseProgress`).
 
+    A model built and compiled in the scope of a ``tf.distribute.MirroredStrategy`` (one
+    machine, several devices) or ``OneDeviceStrategy`` trains on every replica as
+    ``model.fit`` does under it; other strategies are refused when training begins
+    (:func:`check_distribute_strategy`). The budget is per device: each batch shape is
+    planned for one replica's part of the global batch (:func:`replica_batch`), with the
+    weight gradients resident for the whole step (the all-reduce waits for all of them:
+    extraction with ``weight_grads="fixed"``), and every replica runs that plan
+    (:class:`DistributedTrainStep`). The all-reduce's own buffers are not in the memory
+    model. ``allocator_check`` holds each replica's GPU allocator to the budget; replicas
+    on the logical devices of one CPU share one allocator, so there it is skipped, with a
+    warning when asked for, and the budget holds for the bytes each replica requests
+    (:func:`replica_allocators`).
+
     Attributes:
-        plans: ``{batch shapes: PlanResult}`` for every shape trained so far.
+        plans: ``{batch shapes: PlanResult}`` for every shape trained so far (under a
+            strategy, the shapes of one replica's batch).
     """
 
     def __init__(self, budget, strategy: str = "optimal", solver: str | None = None, time_limit: float | None = None,
@@ -273,8 +287,7 @@ class RematCallback(keras.callbacks.Callback):
         planning_budget = budget
         devices = [None] if strategy is None else replica_allocators(strategy)
         for _ in range(ALLOCATOR_ROUNDS):
-            peaks = [allocator_peak(step, model, x, y, sample_weight, **({} if d is None else {"device": d}))
-                     for d in devices]
+            peaks = [allocator_peak(step, model, x, y, sample_weight, device=d) for d in devices]
             peak = None if None in peaks else max(peaks)
             if peak is None:
                 return result, step

@@ -340,7 +340,9 @@ def compile_step(
             step on each replica; the model and optimizer must have been created in its
             scope, and the extraction should count weight gradients as resident
             (``extract(..., weight_grads="fixed")``: the all-reduce holds every gradient
-            until the updates; a warning says so otherwise). Default: none.
+            until the updates; a warning says so otherwise). The step then takes
+            distributed batches; a loop that calls ``strategy.run`` itself runs
+            :meth:`CompiledStep.replica_step` instead. Default: none.
         jit_compile: compile the step with XLA, as Keras's ``jit_compile=True`` does
             (fused kernels). XLA keeps no control dependency and would merge recomputations
             into their first computation, so each recomputation reads its inputs through a
