@@ -8,11 +8,6 @@ and its live-bytes ledger equals the simulator's trace. Memory runs a deeper res
 whose activations dominate and checks the allocator peak against the prediction.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
@@ -32,8 +27,6 @@ from tfremat.static_graph.compile import check_acyclic  # noqa: E402
 from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
 from tfremat.strategies import get_strategy, solver_strategy_names, strategy_names  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 MILP = set(solver_strategy_names())
 # Budgets tried in order for a strategy that needs one: the first feasible one is used,
 # so that the schedule recomputes something where the strategy can.
@@ -343,66 +336,7 @@ def test_measured_peak_follows_the_prediction_and_the_budget():
     assert measured[-1] < measured[0], measured
 
 
-# ----- tf.distribute -----
-
-_MIRRORED = textwrap.dedent(
-    """
-    import os, sys
-    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    sys.path[:0] = [{tests!r}, {root!r}]
-    import numpy as np, tensorflow as tf, keras
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    from models import small_convnet
-    from tfremat.extract import extract
-    from tfremat.strategies import get_strategy
-    from tfremat.static_graph import compile_step
-
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((8, 16, 16, 3)).astype("float32")
-    y = np.eye(10, dtype="float32")[rng.integers(0, 10, 8)]
-
-    def train(compiled):
-        with strategy.scope():
-            model = small_convnet(input_shape=(16, 16, 3), channels=8)
-            optimizer = keras.optimizers.SGD(0.05)
-            model.compile(optimizer=optimizer, loss="categorical_crossentropy")
-            optimizer.build(model.trainable_variables)
-        if not compiled:
-            history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
-            return history.history["loss"], [v.numpy() for v in model.variables]
-        ex = extract(model, (x[:4], y[:4]), optimizer=optimizer, cost_model="flops", use_cache=False)
-        step = compile_step(ex, get_strategy("chen_sqrtn")(ex.graph), strategy=strategy)
-        data = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, y)).repeat(3))
-        losses = [float(step(a, b)) for a, b in data]
-        return losses, [v.numpy() for v in model.variables]
-
-    # Against model.fit under the same strategy: Keras losses divide by the replicas in a
-    # replica context, and the step divided once more (half the gradients and the loss).
-    # The closeness rule, not elementwise tolerances: with oneDNN off (TF_ENABLE_ONEDNN_OPTS=0)
-    # the kernels reorder sums differently and three steps drift past rtol 1e-5 in the loss.
-    from tfremat.numerics import closeness
-    compiled_losses, compiled_state = train(True)
-    plain_losses, plain_state = train(False)
-    np.testing.assert_allclose(compiled_losses, plain_losses, rtol=1e-4)
-    close = closeness(compiled_state, plain_state)
-    assert close.equal, close
-    print("MIRRORED_OK", strategy.num_replicas_in_sync, compiled_losses)
-    """
-)
-
-
-def test_mirrored_strategy_on_two_logical_cpus(tmp_path):
-    script = tmp_path / "mirrored.py"
-    script.write_text(_MIRRORED.format(tests=HERE, root=ROOT))
-    env = dict(os.environ, TFREMAT_CACHE_DIR=str(tmp_path / "cache"))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "MIRRORED_OK 2" in result.stdout
-    # Extracted with transient weight gradients, which the all-reduce keeps together.
-    assert "all-reduce every gradient" in result.stderr
+# compile_step(strategy=...) on two logical CPU devices: tests/test_mirrored.py
 
 
 @pytest.mark.parametrize("optimizer, strategy", [
