@@ -53,6 +53,7 @@ _SCRIPT = textwrap.dedent(
     # 20 samples in batches of 8: the last global batch (4) is 2 per replica.
     x = rng.standard_normal((20, 16, 16, 3)).astype("float32")
     y = np.eye(10, dtype="float32")[rng.integers(0, 10, 20)]
+    w = rng.uniform(0.5, 1.5, 20).astype("float32")  # sample weights, split over the replicas too
 
     def build():
         with strategy.scope():
@@ -62,7 +63,7 @@ _SCRIPT = textwrap.dedent(
         return model
 
     plain = build()
-    expected = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    expected = plain.fit(x, y, sample_weight=w, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     callbacks = []
 
     class FindRemat(keras.callbacks.Callback):
@@ -70,9 +71,9 @@ _SCRIPT = textwrap.dedent(
             callbacks.append(self.model.train_function.__self__)  # RematCallback._train_function
 
     model = build()
-    history = tfremat.fit(model, "80% of activations", x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-                          strategy="optimal", time_limit=20, cost_model="flops", cache=False, allocator_check=True,
-                          callbacks=[FindRemat()])
+    history = tfremat.fit(model, "80% of activations", x, y, sample_weight=w, batch_size=8, epochs=2, shuffle=False,
+                          verbose=0, strategy="optimal", time_limit=20, cost_model="flops", cache=False,
+                          allocator_check=True, callbacks=[FindRemat()])
     close = closeness([v.numpy() for v in model.variables], [v.numpy() for v in plain.variables])
 
     # A custom loop over the same global batches with compile_step(strategy=...), extracted
@@ -88,8 +89,8 @@ _SCRIPT = textwrap.dedent(
     ex = extract(loop, (x[:4], y[:4]), optimizer=loop.optimizer, cost_model="flops", use_cache=False,
                  weight_grads="transient")
     step = compile_step(ex, get_strategy("chen_sqrtn")(ex.graph), strategy=strategy)
-    data = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat(2))
-    loop_losses = [float(step(a, b)) for a, b in data]
+    data = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(8).repeat(2)
+    loop_losses = [float(step(a, b, c)) for a, b, c in strategy.experimental_distribute_dataset(data)]
     loop_close = closeness([v.numpy() for v in loop.variables], [v.numpy() for v in plain.variables])
 
     # Every replica's traced step recomputes what its plan says: replica 1's operations are
