@@ -214,3 +214,27 @@ def test_strategies_that_cannot_be_built_here_are_refused_by_class_name(name):
     with pytest.raises(TfrematError, match=f"under {name}: .*MirroredStrategy"):
         check_distribute_strategy(strategy)
     check_distribute_strategy(tf.distribute.OneDeviceStrategy("/cpu:0"))  # accepted
+
+
+def test_allocator_peak_of_a_replica_puts_back_the_state():
+    """allocator_check under a strategy runs the step on every replica with one replica's
+    batch and reads each replica device's allocator (here the one CPU device)."""
+    from tfremat.extract import extract
+    from tfremat.keras import allocator_peak
+    from tfremat.static_graph import compile_step
+    from tfremat.strategies import get_strategy
+
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    model = _compiled(strategy)
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    x, y = (tf.constant(a) for a in _data(4))
+    extraction = extract(model, (x, y), optimizer=model.optimizer, cost_model="flops", use_cache=False,
+                         weight_grads="fixed")
+    step = compile_step(extraction, get_strategy("chen_sqrtn")(extraction.graph), strategy=strategy,
+                        return_outputs=True)
+    before = [v.numpy() for v in list(model.variables) + list(model.optimizer.variables)]
+    (device,) = replica_allocators(strategy)
+    assert allocator_peak(step, model, x, y, device=device) > extraction.graph.fixed_bytes
+    after = [v.numpy() for v in list(model.variables) + list(model.optimizer.variables)]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))

@@ -3,7 +3,9 @@
 ``model.fit(x, y, callbacks=[RematCallback("50%")])`` replaces the model's train function
 for the duration of ``fit``: each batch shape met gets its own extraction, schedule and
 compiled step (a smaller last batch is planned separately, never run over budget), and
-the model's loss tracker and compiled metrics are updated as ``model.fit`` would.
+the model's loss tracker and compiled metrics are updated as ``model.fit`` would. A model
+built and compiled under ``tf.distribute.MirroredStrategy`` trains on every replica, each
+step planned for one replica's batch (:class:`RematCallback`, :class:`DistributedTrainStep`).
 
 Keras restores nothing when ``fit`` raises (``on_train_end`` does not run), so the
 rematerialized step puts the model's own train function back itself when it raises (a
