@@ -106,7 +106,8 @@ def test_xla_step_trains_like_plain_xla_training(name):
     model, batches = _case(name)
     extraction = extract(model, batches[0], cost_model="flops", use_cache=False)
     schedule = _recomputing_schedule(extraction.graph)
-    recomputed = {extraction.graph.names[i] for i in extraction.graph.forward_nodes if schedule.R[:, i].sum() > 1}
+    graph = extraction.graph
+    recomputed = {graph.names[i] for i in graph.forward_nodes if schedule.R[:, i].sum() > 1}
     initial = [v.numpy() for v in model.variables]
 
     plain = _plain_xla_step(model, extraction.side_table.loss_fn, _optimizer(model))
@@ -139,9 +140,11 @@ def _deep_chain(blocks=6, channels=8, side=32, seed=0):
     return keras.Model(x, layers.Dense(10, activation="softmax", name="head")(h), name="deep_chain")
 
 
-def _convolutions(step, x, y) -> int:
+def _recomputed_convolutions(step, x, y) -> int:
+    """Convolutions of the optimized HLO that come from a recompute statement (its name
+    scope is ``reforward_N``): XLA's CSE keeps the first computation's name when it merges."""
     hlo = step.function.experimental_get_compiler_ir(x, y, None)(stage="optimized_hlo")
-    return len(re.findall(r"\bconvolution\(", hlo))
+    return len(re.findall(r"\bconvolution\(.*op_name=\"reforward_", hlo))
 
 
 def test_recomputations_survive_xla_and_lower_its_peak():
@@ -157,7 +160,7 @@ def test_recomputations_survive_xla_and_lower_its_peak():
     all_step = compile_step(extraction, checkpoint_all, optimizer=optimizer, jit_compile=True)
     half_step = compile_step(extraction, half, optimizer=optimizer, jit_compile=True)
     # Without the runtime zero XLA merged every recomputed convolution into its first one.
-    assert _convolutions(half_step, x, y) > _convolutions(all_step, x, y)
+    assert _recomputed_convolutions(half_step, x, y) > 0
     # The bytes requested: XLA's buffers are one preallocated block per run, which BFC may
     # serve from a free chunk up to twice its size (tfremat.runtime.memory).
     all_peak = measure_step_peak(all_step, x, y, resident=resident, count="requested")
