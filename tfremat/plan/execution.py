@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
+import itertools
 from collections.abc import Mapping
 
 import numpy as np
@@ -118,8 +119,13 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
     n = graph.size
     R, S = schedule.R, schedule.S
     preds = graph.predecessors
-    needed_later = {i: parts_needed_later(graph, R, i) for i in range(n) if graph.residual_bytes[i]}
-    computed_before = np.zeros(n, dtype=bool)
+    # Per node: its parts, and per predecessor the part of it the node reads (the
+    # graph's accessors, looked up once: a plan reads them for every value in every stage).
+    parts = [graph.value_parts(i) for i in range(n)]
+    reads = [[(i, graph.part_read_by(i, k)) for i in preds[k]] for k in range(n)]
+    needed_later = {i: {part: flags.tolist() for part, flags in parts_needed_later(graph, R, i).items()}
+                    for i in range(n) if graph.residual_bytes[i]}
+    computed_before = [False] * n
     freed: set[tuple[int, str | None]] = set()  # parts freed since their node last ran
     statements: list[Statement] = []
 
@@ -128,31 +134,29 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
             freed.add((i, part))
             statements.append(Statement(Op.DEALLOCATE, i, t, part=part))
 
-    prefetched = prefetch_stages(R, S, schedule.H)
+    computed_in, kept_in = _rows(R), _rows(S)
+    prefetched = _rows(prefetch_stages(R, S, schedule.H))
     for t in range(n):
-        row_r = R[t]
-        keep_next = S[t + 1] if t + 1 < n else np.zeros(n, dtype=bool)
+        keep_next = S[t + 1].tolist() if t + 1 < n else [False] * n
         if t:
-            for i in np.flatnonzero(prefetched[t - 1]):  # a copy back from the host is freed anew
-                for part in graph.value_parts(int(i)):
-                    freed.discard((int(i), part))
+            for i in prefetched[t - 1]:  # a copy back from the host is freed anew
+                for part in parts[i]:
+                    freed.discard((i, part))
 
         def kept(i: int, part) -> bool:
-            return bool(keep_next[i]) and (part is None or bool(needed_later[i][part][t]))
+            return keep_next[i] and (part is None or needed_later[i][part][t])
 
-        computed = np.flatnonzero(row_r)
+        computed = computed_in[t]
         # last_use[(i, part)]: the last node of stage t that reads or produces that part of value i.
         last_use: dict[tuple[int, str | None], int] = {}
         for k in computed:
-            k = int(k)
-            for part in graph.value_parts(k):
+            for part in parts[k]:
                 last_use[(k, part)] = k
-            for i in preds[k]:
-                key = (i, graph.part_read_by(i, k))
-                last_use[key] = max(last_use.get(key, -1), k)
-        for i in np.flatnonzero(S[t]):
-            i = int(i)
-            for part in graph.value_parts(i):
+            for key in reads[k]:
+                if last_use.get(key, -1) < k:
+                    last_use[key] = k
+        for i in kept_in[t]:
+            for part in parts[i]:
                 if (i, part) not in last_use and not kept(i, part):
                     free(i, part, t)
         frees_after: dict[int, list[tuple[int, str | None]]] = {}
@@ -160,11 +164,10 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
             if not kept(i, part):
                 frees_after.setdefault(k, []).append((i, part))
         for k in computed:
-            k = int(k)
             statements.append(Statement(Op.ALLOCATE, k, t))
-            statements.append(Statement(Op.COMPUTE, k, t, recompute=bool(computed_before[k])))
+            statements.append(Statement(Op.COMPUTE, k, t, recompute=computed_before[k]))
             computed_before[k] = True
-            for part in graph.value_parts(k):
+            for part in parts[k]:
                 freed.discard((k, part))
             for i, part in sorted(frees_after.get(k, ()), key=lambda key: (key[0], key[1] or "")):
                 free(i, part, t)
@@ -186,12 +189,9 @@ def _place_transfers(graph: DFGraph, schedule: Schedule, statements: list[Statem
         raise ScheduleError("the schedule offloads values but names no host_bandwidth to time the copies by",
                             rule="host-link")
     bandwidth = float(schedule.host_bandwidth)
-    n = graph.size
     H = schedule.H
     out, cost = graph.output_bytes, graph.cost
-    starts = np.zeros(len(statements) + 1)
-    for position, statement in enumerate(statements):
-        starts[position + 1] = starts[position] + (cost[statement.node] if statement.op is Op.COMPUTE else 0.0)
+    starts = [0.0, *itertools.accumulate(cost[s.node] if s.op is Op.COMPUTE else 0.0 for s in statements)]
     computes = [p for p, s in enumerate(statements) if s.op is Op.COMPUTE]
     compute_starts = [starts[p] for p in computes]
     # Insertions keyed by (base position they precede, rank): offloads right after their
@@ -206,21 +206,42 @@ def _place_transfers(graph: DFGraph, schedule: Schedule, statements: list[Statem
     for t, i in np.argwhere(prefetch_stages(schedule.R, schedule.S, H)):
         need = stage_begins.get(int(t) + 1, len(statements))
         wanted.append((need, int(i), int(t)))
+    # Per node, the positions of its allocations and deallocations and the stage begins its
+    # prefetches must precede, in order: each offload looks up the next ones by bisection.
+    allocations: dict[int, list[int]] = {}
+    deallocations: dict[int, list[int]] = {}
+    for position, statement in enumerate(statements):
+        if statement.op is Op.ALLOCATE:
+            allocations.setdefault(statement.node, []).append(position)
+        elif statement.op is Op.DEALLOCATE:
+            deallocations.setdefault(statement.node, []).append(position)
+    needs: dict[int, list[int]] = {}
+    for need, i, _ in wanted:
+        needs.setdefault(i, []).append(need)
+    for positions in needs.values():
+        positions.sort()
+
+    def next_after(positions: list[int], position: int) -> int | None:
+        """The first of the sorted ``positions`` after ``position`` (None: none)."""
+        k = bisect.bisect_right(positions, position)
+        return positions[k] if k < len(positions) else None
+
+    # (t, i): a host copy of value i starts after stage t computes it.
+    copies = set(zip(*(axis.tolist() for axis in np.nonzero(H[1:] & ~H[:-1]))))
     link = 0.0
     for position, statement in enumerate(statements):
         i, t = statement.node, statement.stage
-        if statement.op is not Op.COMPUTE or t + 1 >= n or not H[t + 1, i] or H[t, i]:
+        if statement.op is not Op.COMPUTE or (t, i) not in copies:
             continue
         begin = max(starts[position + 1], link)
         link = begin + out[i] / bandwidth
         inserted.append(((position + 1, 0), Statement(Op.OFFLOAD, i, t)))
-        later = range(position + 1, len(statements))
-        free = next((p for p in later if statements[p].op is Op.DEALLOCATE and statements[p].node == i), None)
+        free = next_after(deallocations.get(i, []), position)
         if free is None:
             continue
         # Before the node is computed again or its host copy comes back.
-        again = min([p for p in later if statements[p].op is Op.ALLOCATE and statements[p].node == i][:1]
-                    + [need for need, v, _ in wanted if v == i and need > position] + [len(statements)])
+        again = min(p for p in (next_after(allocations.get(i, []), position), next_after(needs.get(i, []), position),
+                                len(statements)) if p is not None)
         landed = bisect.bisect_left(compute_starts, link)
         target = computes[landed] if landed < len(computes) else len(statements)
         target = min(max(target, free), again)
@@ -249,6 +270,14 @@ def _place_transfers(graph: DFGraph, schedule: Schedule, statements: list[Statem
             result.append(statement)
     result.extend(statement for _, statement in inserted[cursor:])
     return result
+
+
+def _rows(matrix: np.ndarray) -> list[list[int]]:
+    """The columns of each row's nonzero entries, in order (one ``nonzero`` for the matrix)."""
+    rows, columns = np.nonzero(matrix)
+    bounds = np.searchsorted(rows, np.arange(matrix.shape[0] + 1)).tolist()
+    columns = columns.tolist()
+    return [columns[bounds[t] : bounds[t + 1]] for t in range(matrix.shape[0])]
 
 
 def _stage_at(statements: list[Statement], position: int) -> int:
