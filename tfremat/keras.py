@@ -36,6 +36,7 @@ from tfremat.extract.extractor import COST_MODELS
 from tfremat.extract.opening import DEFAULT_GRANULARITY, GRANULARITIES
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.model_planning import loss_and_optimizer, wants_implementations
+from tfremat.multi_worker import refuse_model_fit
 from tfremat.plan.offload import check_bandwidth
 from tfremat.planner import PhaseProgress, check_cache_argument, plan_graph, plan_summary
 from tfremat.runtime.host_link import host_link_bandwidth
@@ -97,7 +98,8 @@ class RematCallback(keras.callbacks.Callback):
     A model built and compiled in the scope of a ``tf.distribute.MirroredStrategy`` (one
     machine, several devices) or ``OneDeviceStrategy`` trains on every replica as
     ``model.fit`` does under it; other strategies are refused when training begins
-    (:func:`check_distribute_strategy`). The budget is per device: each batch shape is
+    (:func:`check_distribute_strategy`), ``MultiWorkerMirroredStrategy`` pointing to
+    :func:`tfremat.fit` (Keras's ``model.fit`` does not train under it). The budget is per device: each batch shape is
     planned for one replica's part of the global batch (:func:`replica_batch`), with the
     weight gradients resident for the whole step (the all-reduce waits for all of them:
     extraction with ``weight_grads="fixed"``), and every replica runs that plan
@@ -186,6 +188,7 @@ class RematCallback(keras.callbacks.Callback):
             raise TfrematError("RematCallback needs a compiled model (model.compile(optimizer=..., loss=...))")
         refuse_unmodelled_training(model)
         check_distribute_strategy(model.distribute_strategy)
+        refuse_model_fit(model)  # MultiWorkerMirroredStrategy: tfremat.fit trains in a loop of its own
         self._strategy = model.distribute_strategy if is_distributed(model.distribute_strategy) else None
         if getattr(model, "steps_per_execution", 1) != 1:
             raise TfrematError("RematCallback runs one batch per step; compile the model with steps_per_execution=1")
@@ -496,9 +499,10 @@ def check_distribute_strategy(strategy) -> None:
     cannot train under, naming it and what works instead.
 
     Accepted: none (the default strategy), ``OneDeviceStrategy``, ``MirroredStrategy`` (one
-    machine, several devices) and ``MultiWorkerMirroredStrategy`` (several machines): every
-    replica holds all the variables and runs the whole step on its part of the batch, so
-    one plan for one replica's batch holds on every device. Refused, by class name so that
+    machine, several devices) and ``MultiWorkerMirroredStrategy`` (several machines, trained
+    by :func:`tfremat.fit`'s own loop, :mod:`tfremat.multi_worker`): every replica holds all
+    the variables and runs the whole step on its part of the batch, so one plan for one
+    replica's batch holds on every device. Refused, by class name so that
     strategies which cannot be built here are recognized too: ``TPUStrategy``,
     ``ParameterServerStrategy`` and ``CentralStorageStrategy`` (:data:`_REFUSED_STRATEGIES`).
     """
