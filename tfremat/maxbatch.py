@@ -197,6 +197,12 @@ def max_batch_size(
     return evaluate.result(good, max_batch, method="search")
 
 
+# A solver strategy's time limit on a scaled graph: an estimate only guides which batches
+# are measured, and each of the several estimates a search makes would otherwise take as
+# long as a real solve.
+_ESTIMATE_SECONDS = 10.0
+
+
 class _Evaluator:
     """Whether a batch's graph fits: the strategy's cheapest schedule within the budget,
     costing at most the overhead cap. Remembers each batch's outcome, the schedule of those
@@ -255,13 +261,13 @@ class _Evaluator:
         # With offloading, the step's time includes its waits for host copies.
         return simulate(graph, schedule).makespan if schedule.offloads else schedule.cost(graph)
 
-    def estimate(self, batch: int, graph: DFGraph) -> bool:
+    def estimate(self, batch: int, graph: DFGraph, time_limit: float | None = _ESTIMATE_SECONDS) -> bool:
         """Whether a scaled ``graph`` (at ``batch``) fits, as an estimate: refused below the
         memory lower bound; for a solver strategy, which finds the cheapest schedule within
         the budget, accepted when a schedule fitting an earlier estimate, or the best of
         the heuristics that warm-start the solver (:func:`~tfremat.ilp.portfolio.best_baseline`),
         fits within the cap (the optimum costs no more); else the strategy, for at most
-        ``_ESTIMATE_SECONDS``."""
+        ``time_limit`` seconds (None: its own limit)."""
         if memory_lower_bound(graph) > self.budget:
             return False
         if self.solve.takes_solver_options:
@@ -275,7 +281,7 @@ class _Evaluator:
             if baseline is not None and baseline.cost(graph) <= cap:
                 self._sketches.append((structure, baseline))
                 return True
-        return self(batch, graph, record=False, time_limit=_ESTIMATE_SECONDS)
+        return self(batch, graph, record=False, time_limit=time_limit)
 
     def largest_estimate(self, at: Callable[[int], DFGraph], low: int, high: int) -> int:
         """The largest batch in [low, high] that fits on the scaled graphs ``at`` by
@@ -329,10 +335,6 @@ def _bisect(fits: Callable[[int], bool], good: int, bad: int) -> int:
     return good
 
 
-# A solver strategy's time limit on a scaled graph: an estimate only guides which batches
-# are measured, and each of the several estimates a search makes would otherwise take as
-# long as a real solve.
-_ESTIMATE_SECONDS = 10.0
 # Batches the scaled search measures at its estimates before it gallops from what is known
 # to fit, measuring every batch it tries.
 _SCALED_ROUNDS = 4
@@ -349,9 +351,10 @@ def _scaled(graph_for_batch, sizes_for_batch, evaluate: _Evaluator, min_batch: i
     is the search's), ``sizes_for_batch`` (or ``graph_for_batch`` without it) two more
     batches to draw the size lines through, and the search runs on the scaled graphs
     (:meth:`_Evaluator.largest_estimate`). Its answer ``B`` is then measured: when it fits,
-    the lines are redrawn through it, and ``B + 1`` judged on them decides whether the
-    search goes on above (an estimate next to a measured graph, whose workspaces and costs
-    it scales by ``(B + 1) / B``); when it does not, the search repeats below it. Typically
+    the lines are redrawn through it, and ``B + 1`` judged on them (with the strategy's own
+    time limit) decides whether the search goes on above (a graph next to a measured one,
+    whose workspaces and costs it scales by ``(B + 1) / B``); when ``B`` does not fit, the
+    search repeats below it. Typically
     two graphs are measured, ``min_batch`` and the answer; after ``_SCALED_ROUNDS``
     estimates without an answer, every batch tried is measured (:func:`_gallop`).
 
@@ -400,7 +403,8 @@ def _scaled(graph_for_batch, sizes_for_batch, evaluate: _Evaluator, min_batch: i
             break
         if exact(estimate):
             following = estimate + 1
-            settled = following >= high or not evaluate.estimate(following, scaled_graphs(measured, shapes)(following))
+            settled = following >= high or not evaluate.estimate(following, scaled_graphs(measured, shapes)(following),
+                                                                  time_limit=None)
             if settled:
                 break
     if not settled:
