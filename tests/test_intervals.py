@@ -20,6 +20,9 @@ from tfremat.plan.schedule import (
 )
 from tfremat.plan.simulator import simulate, stage_peaks
 
+# A time limit no run reaches, for tests whose answer must not depend on the machine's load.
+_UNHURRIED = 600.0
+
 
 def test_model_memory_is_an_upper_bound_on_the_simulated_memory():
     """Without workspace, every stage's simulated peak is at most the checkpoint-all peak
@@ -78,24 +81,30 @@ def test_a_budget_that_fits_checkpoint_all_recomputes_nothing():
 
 @pytest.mark.skipif(not SHARED_GRAPHS.is_dir(), reason=f"benchmark graphs not found at {SHARED_GRAPHS}")
 def test_500_node_random_graph_at_80_percent():
-    """Measured 1.0805x the no-remat cost in about 10 s (repair: 1.223x in 60 s)."""
+    """Measured 1.0805x the no-remat cost in about 10 s (repair: 1.223x in 60 s). The
+    default 60 s limit nearly ran out at a load of 10 (51 s): the test gives it room."""
     graph = load_graph(SHARED_GRAPHS / "random_layered_n500.json", order="topological")
     budget = int(0.8 * checkpoint_all_peak(graph))
-    schedule = intervals(graph, budget, threads=2)
+    schedule = intervals(graph, budget, threads=2, time_limit=_UNHURRIED)
     assert simulate(graph, schedule).peak_bytes <= budget
     assert schedule.cost(graph) <= 1.09 * graph.total_cost
     assert np.array_equal(schedule.R.diagonal(), np.ones(graph.size, dtype=bool))
 
 
 @pytest.mark.skipif(not SHARED_GRAPHS.is_dir(), reason=f"benchmark graphs not found at {SHARED_GRAPHS}")
-def test_repair_competes_with_intervals_when_both_fit():
+def test_repair_competes_with_intervals_when_both_fit(monkeypatch):
     """On the 250-node random graph at 80%, repair (1.072x in about 1.5 s) beats intervals
-    (1.083x); optimal's warm start must not stop at the first heuristic that fits."""
+    (1.083x); optimal's warm start must not stop at the first heuristic that fits. Both
+    run without time pressure: at a load of 10 repair needed more than the 6 s it gets
+    next to a fitting heuristic, and intervals won."""
+    from tfremat.ilp import portfolio
+
+    monkeypatch.setattr(portfolio, "_COMPETING_SECONDS", _UNHURRIED)
     graph = load_graph(SHARED_GRAPHS / "random_layered_n250.json", order="topological")
     budget = int(0.8 * checkpoint_all_peak(graph))
-    best, _ = best_baseline(graph, budget, fallback_seconds=30.0, threads=2)
+    best, _ = best_baseline(graph, budget, fallback_seconds=_UNHURRIED, threads=2)
     assert best.strategy == "repair"
-    assert best.cost(graph) < intervals(graph, budget, threads=2).cost(graph)
+    assert best.cost(graph) < intervals(graph, budget, threads=2, time_limit=_UNHURRIED).cost(graph)
 
 
 def test_intervals_refuses_a_model_too_large_for_its_time_limit():
