@@ -970,7 +970,8 @@ def test_interrupted_optimal_without_a_schedule_raises_a_keyboard_interrupt():
 def test_optimal_time_limit_bounds_a_3000_node_chain():
     """Issue 21: with time_limit=10 a 5000-node chain took 387 s (heuristics without a
     deadline). Now the heuristics stop by the deadline, overrunning it by at most one
-    candidate (about a second here); the margin is for a loaded 2-core machine."""
+    candidate (about a second here). The bound tells seconds from minutes: the call took
+    13.7 s at a load of 10 on 2 cores, where each candidate is slower too."""
     graph = training_chain(1500)
     budget = checkpoint_all_peak(graph) // 2
     began = time.perf_counter()
@@ -978,7 +979,7 @@ def test_optimal_time_limit_bounds_a_3000_node_chain():
         schedule = solve_optimal(graph, budget, time_limit=5)
     except SolverTimeLimitError:
         schedule = None  # no heuristic fitted in time on a slow machine: still within the limit
-    assert time.perf_counter() - began < 5 + 10
+    assert time.perf_counter() - began < 60
     if schedule is not None:
         assert peak(graph, schedule) <= budget
         assert schedule.facts.status == "time_limit"
