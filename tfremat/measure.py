@@ -28,10 +28,13 @@ import tensorflow as tf
 from tfremat.errors import ArgumentError, is_int
 from tfremat.extract.plain_step import plain_train_step
 from tfremat.model_planning import (
+    check_exact_gradients,
     check_keras_model,
+    exact_only_options,
     loss_and_optimizer,
     synthetic_batch,
     wants_implementations,
+    with_rounding,
 )
 from tfremat.numerics import closeness
 from tfremat.planner import plan_graph
@@ -157,6 +160,28 @@ def _compare_gradients(model, extraction, schedule, x, y, saved):
     return closeness([p for p, _ in compared], [e for _, e in compared]) if compared else None
 
 
+def _rounding_by_implementation(model, extraction, result, x, y, saved) -> list[dict]:
+    """Per implementation name among ``result.inexact_implementations``: the nodes that
+    run it and the largest per-variable normwise error of the gradients (against a plain
+    tape's) of the checkpoint-all step with only those nodes under it, so that each
+    implementation's rounding is told apart from the others' and from the schedule's."""
+    from tfremat.strategies import get_strategy
+
+    graph = extraction.graph
+    nodes_of: dict[str, list[int]] = {}
+    for node, name in (result.schedule.implementations or {}).items():
+        if (graph.names[node], name) in result.inexact_implementations:
+            nodes_of.setdefault(name, []).append(node)
+    rows = []
+    for name, nodes in sorted(nodes_of.items()):
+        choice = {node: name for node in nodes}
+        alone = get_strategy("checkpoint_all")(graph.with_implementations(choice)).with_implementations(choice)
+        gradients = _compare_gradients(model, extraction, alone, x, y, saved)
+        rows.append({"implementation": name, "nodes": [graph.names[node] for node in sorted(nodes)],
+                     "grad_error": None if gradients is None else gradients.max_tensor_error})
+    return rows
+
+
 def _restore(model, saved) -> None:
     for variable, value in zip(model.variables, saved):
         variable.assign(value)
@@ -164,7 +189,7 @@ def _restore(model, saved) -> None:
 
 def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", steps: int = 5, loss=None,
                   optimizer=None, cost_model: str = "profile", granularity: str = "sublayer", seed: int = 0,
-                  verbose: int = 1, cache=True, **strategy_options) -> dict:
+                  verbose: int = 1, cache=True, exact_gradients: bool = False, **strategy_options) -> dict:
     """Plans, compiles and runs ``model``'s step under ``budget``, and a plain training step.
 
     The model is measured as it trains: with its compiled loss (and loss weights) and a
@@ -187,6 +212,8 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         verbose: 0 silences the solver's progress line.
         cache: the schedule cache, as for :func:`tfremat.planner.plan_graph`; False (or
             None) also turns off the profile cache.
+        exact_gradients: as for :func:`tfremat.plan_model` (``monet`` then chooses only
+            implementations whose gradients are bit-exact with the layer's default).
 
     Returns:
         the loss and optimizer (class) measured with,
@@ -198,7 +225,11 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         normwise error), grad_global_error and gradients_match (both within tolerance),
         and the ratios measured/predicted, requested/predicted, peak/plain and time/plain
         (time_over_plain: the median of the per-round ratios; time_over_plain_quartiles:
-        their first and third quartile, the spread the machine's load left; timed_rounds).
+        their first and third quartile, the spread the machine's load left; timed_rounds),
+        and inexact_implementations: per implementation the schedule chose that is not
+        bit-exact with its layer's default, its name, its nodes and grad_error, the
+        gradients' largest per-variable normwise error with only those nodes under it
+        (checkpoint-all step): which implementations change rounding, and by how much.
 
     Raises:
         ArgumentError: ``model`` is no ``keras.Model``, ``steps`` or ``batch_size`` not an
@@ -212,6 +243,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if not is_int(value) or value < 1:
             raise ArgumentError(f"{name}={value!r} must be an int >= 1")
+    check_exact_gradients(exact_gradients)
     training = loss_and_optimizer(model, loss, optimizer)
     if training["optimizer"] is None:
         raise ArgumentError("no optimizer: compile the model or pass optimizer= (a Keras optimizer or its name)")
@@ -222,8 +254,11 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
                              use_cache=cache is not False and cache is not None,
                              implementations=wants_implementations([strategy]),
                              **{**training, "optimizer": _fresh(training["optimizer"])})
+        strategy_options = exact_only_options(extraction, strategy, exact_gradients, strategy_options)
         result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **strategy_options)
+        result = with_rounding(dataclasses.replace(result, extraction=extraction))
         gradients = _compare_gradients(model, extraction, result.schedule, x, y, saved)
+        rounding = _rounding_by_implementation(model, extraction, result, x, y, saved)
 
         step_optimizer = _fresh(training["optimizer"])
         step_optimizer.build(model.trainable_variables)
@@ -267,6 +302,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             "time_over_plain_quartiles": [round(q, 4) for q in timing.ratio_quartiles],
             "timed_rounds": timing.rounds,
             "predicted_overhead": round(result.overhead, 4),
+            "inexact_implementations": rounding,
             "device": default_device(),
         }
     finally:

@@ -19,7 +19,7 @@ from tfremat.strategies import get_strategy
 __all__ = [
     "plan_model", "extract_model", "wants_implementations", "check_keras_model", "sample_batch", "build_from_batch",
     "check_batch_ranks", "loss_and_optimizer",
-    "keras_optimizer", "synthetic_batch",
+    "keras_optimizer", "synthetic_batch", "check_exact_gradients", "exact_only_options", "with_rounding",
 ]
 
 
@@ -181,6 +181,7 @@ def plan_model(
     granularity: str = "sublayer",
     cache: bool | str | ScheduleCache = True,
     verbose: int = 1,
+    exact_gradients: bool = False,
     **options,
 ) -> PlanResult:
     """Extracts ``model``'s training graph and chooses a schedule, without training.
@@ -197,24 +198,69 @@ def plan_model(
         granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
         cache: the schedule cache, as for :func:`plan_graph`; False (or None) also turns
             off the extraction's profile cache (nothing read from or written to disk).
-        **options: strategy options (``time_limit``, ``solver``, ...).
+        exact_gradients: for a strategy that chooses layer implementations (``monet``),
+            offer only those whose gradients are bit-exact with the layer's default
+            (:func:`exact_only_options`), so training rounds as plain Keras does. Either
+            way the result names the chosen ones that change rounding
+            (``PlanResult.inexact_implementations``).
+        **options: strategy options (``time_limit``, ``solver``, ``exclude_implementations``, ...).
 
     Returns:
         A :class:`PlanResult` whose ``extraction`` holds the graph and side table.
 
     Raises:
         ArgumentError: ``model`` is no ``keras.Model``, data that are no arrays, fewer
-            samples in x or y than ``batch_size``, or an argument of :func:`plan_graph`.
+            samples in x or y than ``batch_size``, ``exact_gradients`` not a bool, or an
+            argument of :func:`plan_graph`.
     """
     # The arguments that need no graph are checked before the extraction, which takes
     # seconds to minutes.
     check_keras_model(model)
     get_strategy(strategy)
+    check_exact_gradients(exact_gradients)
     extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
                                cost_model=cost_model, cache=cache, granularity=granularity,
                                implementations=wants_implementations([strategy]))
+    options = exact_only_options(extraction, strategy, exact_gradients, options)
     result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **options)
-    return dataclasses.replace(result, extraction=extraction)
+    return with_rounding(dataclasses.replace(result, extraction=extraction))
+
+
+def check_exact_gradients(exact_gradients) -> None:
+    """Raises ArgumentError unless ``exact_gradients`` is a bool."""
+    if not isinstance(exact_gradients, bool):
+        raise ArgumentError(f"exact_gradients={exact_gradients!r} must be True (monet chooses only layer "
+                            "implementations whose gradients are bit-exact with the layer's default) or False "
+                            "(any implementation; the plan names those that change rounding)")
+
+
+def exact_only_options(extraction, strategy: str, exact_gradients: bool, options: dict) -> dict:
+    """``options`` for ``strategy``, with ``exact_gradients`` turned into the
+    strategy's ``exclude_implementations``: the ``(node, name)`` pairs of the graph's
+    alternatives that are not bit-exact with their layer's default
+    (:func:`tfremat.runtime.layer_variants.inexact_choices`), added to any given. Other
+    strategies, and ``exact_gradients=False``, get ``options`` unchanged."""
+    from tfremat.runtime.layer_variants import inexact_choices
+
+    if not exact_gradients or not get_strategy(strategy).chooses_implementations:
+        return options
+    graph, table = extraction.graph, extraction.side_table
+    excluded = sorted((node, alternative.name) for node, alternatives in graph.implementations.items()
+                      for alternative in alternatives
+                      if inexact_choices(table, {node: alternative.name}))
+    given = list(options.get("exclude_implementations") or ())
+    return {**options, "exclude_implementations": given + [list(pair) for pair in excluded]}
+
+
+def with_rounding(result: PlanResult) -> PlanResult:
+    """``result`` (planned from a model: its ``extraction`` set) with
+    ``inexact_implementations``: the chosen implementations that change the gradients'
+    rounding, by node name."""
+    from tfremat.runtime.layer_variants import inexact_choices
+
+    chosen = inexact_choices(result.extraction.side_table, result.schedule.implementations)
+    named = tuple((result.graph.names[node], name) for node, name in sorted(chosen.items()))
+    return dataclasses.replace(result, inexact_implementations=named)
 
 
 def wants_implementations(strategies) -> bool:

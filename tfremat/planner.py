@@ -92,6 +92,11 @@ class PlanResult:
         solve_seconds: wall-clock seconds spent choosing the schedule (0 on a cache hit).
         from_cache: the schedule came from the on-disk cache.
         extraction: the model's extraction (graph + side table) when planned from a model.
+        inexact_implementations: the implementations the schedule chose (``monet``) whose
+            gradients are not bit-exact with their layer's default, as ``(node name,
+            implementation name)`` pairs: they change the gradients' rounding (filled by
+            ``plan_model``, which knows the layers; ``exact_gradients=True`` leaves them
+            out of the choice).
     """
 
     strategy: str
@@ -104,6 +109,7 @@ class PlanResult:
     solve_seconds: float
     from_cache: bool
     extraction: Any = None
+    inexact_implementations: tuple[tuple[str, str], ...] = ()
 
     @property
     def facts(self) -> SolverFacts | None:
@@ -226,6 +232,10 @@ def plan_summary(result: PlanResult) -> str:
             f"{format_bytes(result.predicted_peak_bytes)}{budget} (checkpoint all "
             f"{format_bytes(result.checkpoint_all_peak_bytes)}), predicted overhead {100 * result.overhead:+.1f}%")
     facts = result.facts
+    if result.inexact_implementations:
+        named = sorted({name for _, name in result.inexact_implementations})
+        line += (f", {len(result.inexact_implementations)} implementations that change rounding "
+                 f"({', '.join(named)}; exact_gradients=True excludes them)")
     if result.from_cache:
         line += ", from the schedule cache"
     elif facts is not None and facts.status == "optimal":

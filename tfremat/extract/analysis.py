@@ -44,7 +44,8 @@ bytes beyond the node's output, residuals and gradients. Profiling runs the laye
 ``training=True``, which would move batch-norm statistics and dropout seeds, so the layer's
 non-trainable variables are restored afterwards: extraction leaves the model exactly as it
 found it. The backward workspace of a call that runs a while loop is the largest over a few
-traces (see :func:`_other_orders_peak`).
+traces (see :func:`_other_orders_peak`), and that of a call whose gradient reads residuals
+only the largest over three orders of its operations (:func:`_run_greediest`).
 
 The ``flops`` cost model sums TensorFlow's registered per-op flop statistics over the traced
 ops (``Conv2D``, ``MatMul``, ...), and the element count of every other computing op. A
@@ -323,17 +324,18 @@ class _CallTracer:
         self.one_call = one_call
         self.records: dict[str, dict] = {}
 
-    def trace(self, fetch: str, specs: Sequence[tf.TensorSpec] | None = None, gated: bool = True):
+    def trace(self, fetch: str, specs: Sequence[tf.TensorSpec] | None = None, gated: bool = True,
+              greediest: bool = False):
         """A fresh concrete function of :meth:`forward_backward` (a new ``tf.function``
         each time, so each call traces again) on ``specs`` (default: the call's inputs)."""
 
         def run(flat_inputs, seed):
-            return self.forward_backward(flat_inputs, seed, fetch, gated)
+            return self.forward_backward(flat_inputs, seed, fetch, gated, greediest)
 
         specs = self.input_specs if specs is None else specs
         return tf.function(run, autograph=False).get_concrete_function(list(specs), _SEED_SPEC)
 
-    def forward_backward(self, flat_inputs, seed, fetch: str, gated: bool = True):
+    def forward_backward(self, flat_inputs, seed, fetch: str, gated: bool = True, greediest: bool = False):
         """The call and its VJP as the compiled step runs them (the trace the analysis
         reads, and the run the backward's time and workspace come from).
 
@@ -368,6 +370,10 @@ class _CallTracer:
         too (``profile``): the order of the gradient's own ops follows what is ready when,
         and batch norm's gradient can hold one more batch-sized buffer that way, as in
         some of the step's backward statements.
+
+        ``greediest``: the backward's operations run one at a time in the order that holds
+        the most of its temporaries at once (:func:`_run_greediest`); the step's executor
+        may pick it where the isolated run does not.
         """
         one_call, variables = self.one_call, self.variables
         graph = tf.compat.v1.get_default_graph()
@@ -409,6 +415,8 @@ class _CallTracer:
         # filter gradient of a convolution when only its input gradient is taken), which
         # the step's graph prunes; the flops count only what runs.
         running = _needed_ops([g for g in (*input_part, *weight_part) if g is not None], mark)
+        if greediest:
+            _run_greediest(running, [g for g in (*input_part, *weight_part) if g is not None] + upstream)
         self.records[fetch] = {"forward_ops": operations[:mark], "backward_ops": operations[mark:],
                                "running_backward_ops": running, "reads": reads,
                                "grad_positions": sorted(distinct.values()), "input_ops": input_ops,
@@ -417,7 +425,7 @@ class _CallTracer:
             return [t for t in reads[2] if t.dtype == tf.variant]
         grads = [g for g in (*input_part, *weight_part) if g is not None]
         if fetch == "consumed":
-            return grads + outputs + upstream
+            return grads + upstream
         return grads + outputs + upstream + [t for t in reads[2] if t.dtype != tf.variant]
 
 
@@ -563,25 +571,31 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     value; for the backward the forward value, the upstream gradients, the small
     residuals, the input gradients and the weight gradients. For a call whose gradient
     reads residuals but not its output, the backward's peak is measured with the residuals
-    dying as they are read (the ``"consumed"`` trace), as in the step: kept to the end, a
-    GELU Dense's four residuals were counted once as the forward value and again in the
-    workspace.
+    dying as they are read and the output dead (the ``"consumed"`` trace), as in the step:
+    kept to the end, a GELU Dense's four residuals were counted once as the forward value
+    and again in the workspace; and the output, which the step frees before the backward
+    when nothing else reads it, held a buffer that the gradient's temporaries take there.
+    That peak is the largest over three orders of the gradient's operations: gated, ungated
+    and the greediest one (:func:`_run_greediest`).
     """
     inputs = [_sample(s) for s in tracer.input_specs]
     weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in tracer.variables)
     timed_forward = (held_concrete, (inputs, tf.constant(1.0))) if held_concrete is not None else (forward_concrete, (inputs,))
     fwd_peak = _requested_peak(*timed_forward, warmup)
     args = (inputs, tf.constant(1.0))
-    if analysis.residual_bytes and not analysis.reads_output and held_concrete is None:
+    consumed = analysis.residual_bytes and not analysis.reads_output and held_concrete is None
+    if consumed:
         # The residuals die as the gradient reads them: the node's residual part has no
         # other reader, and the simulator counts it as resident for the whole backward node.
-        fb_peak = max(_requested_peak(tracer.trace("consumed", gated=gated), args, warmup) for gated in (True, False))
+        fb_peak = max(_requested_peak(tracer.trace("consumed", gated=gated, greediest=greedy), args, warmup)
+                      for gated, greedy in ((True, False), (False, False), (True, True)))
     else:
         fb_peak = max(_requested_peak(fb_concrete, args, warmup),
                       _other_orders_peak(tracer, held_concrete is not None, inputs, warmup))
     dispatch, fwd_seconds, fb_seconds = _least_seconds(
         [(_dispatch_only(timed_forward[1]), timed_forward[1]), timed_forward, (fb_concrete, args)], repeats, warmup)
-    held_bytes = analysis.output_bytes + upstream_bytes + analysis.residual_bytes + analysis.small_residual_bytes
+    held_bytes = (0 if consumed else analysis.output_bytes) + upstream_bytes + analysis.residual_bytes \
+        + analysis.small_residual_bytes
     return dataclasses.replace(
         analysis,
         forward_seconds=_on_grid(_less_dispatch(fwd_seconds, dispatch)),
@@ -607,6 +621,58 @@ def _other_orders_peak(tracer: _CallTracer, loop: bool, inputs, warmup: int) -> 
         retraced = [tracer.trace("step") for _ in range(_LOOP_TRACES - 1)]
         return max(_requested_peak(fn, args, warmup) for fn in retraced)
     return _requested_peak(tracer.trace("ungated", gated=False), args, warmup)
+
+
+def _run_greediest(ops, kept) -> None:
+    """Makes ``ops`` (operations of the graph being traced, in creation order) run one at a
+    time in the order that holds the most bytes at once, as far as a greedy choice finds
+    it: of the operations ready to run, the one that adds the most bytes (its outputs)
+    less those it frees (inputs it is the last reader of, other than ``kept``: what the
+    trace returns), creation order among equals; each waits on the one before through a
+    control edge.
+
+    A backward's peak depends on the order its operations run in: a GELU gradient's
+    elementwise branches each make an input-sized temporary, and when every branch starts
+    before any is summed, all of them are live at once (four in GPT-2's feed-forward
+    backward inside the step, where the isolated run, which finished one branch before
+    starting the next, had three). The executor's order in the step follows the whole
+    step's graph and cannot be replayed in isolation; this order keeps the most
+    temporaries open, so its peak covers the step's (``tests/test_requested_bytes.py``)."""
+    inside = {id(op) for op in ops}
+    kept_names = {t.name for t in kept}
+    readers: dict[str, int] = {}
+    for op in ops:
+        for t in op.inputs:
+            readers[t.name] = readers.get(t.name, 0) + 1
+    waits = {id(op): {id(b) for b in [t.op for t in op.inputs] + list(op.control_inputs) if id(b) in inside}
+             for op in ops}
+
+    def growth(op) -> int:
+        made = sum(_static_bytes(t) for t in op.outputs)
+        freed = sum(_static_bytes(t) for t in op.inputs
+                    if readers[t.name] == 1 and t.name not in kept_names and t.op.type not in _NOT_RESIDUAL_OPS)
+        return made - freed
+
+    done: set[int] = set()
+    ordered = []
+    pending = list(ops)
+    while pending:
+        ready = [op for op in pending if waits[id(op)] <= done]
+        chosen = max(ready, key=growth)  # the first of the largest: creation order among equals
+        pending.remove(chosen)
+        done.add(id(chosen))
+        for t in chosen.inputs:
+            readers[t.name] -= 1
+        ordered.append(chosen)
+    for previous, op in zip(ordered, ordered[1:]):
+        op._add_control_input(previous)  # pylint: disable=protected-access
+
+
+def _static_bytes(tensor) -> int:
+    """Bytes of a graph tensor with a static shape; 0 otherwise (a shape-only tensor)."""
+    if tensor.dtype in (tf.resource, tf.variant) or not tensor.shape.is_fully_defined():
+        return 0
+    return int(np.prod(tensor.shape.as_list(), dtype=np.int64)) * tensor.dtype.size
 
 
 def _function_graph(graph, name: str):

@@ -24,6 +24,9 @@ Checkmate's, and ``monet`` is ``optimal``.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+from tfremat.errors import ArgumentError, is_int
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import cheapest_implementations, implementation_modes
 from tfremat.ilp.milp import MilpProblem, solve_milp
@@ -31,7 +34,7 @@ from tfremat.ilp.solvers import DEFAULT_SOLVER, ProgressFn
 from tfremat.plan.registry import as_strategy
 from tfremat.plan.schedule import Schedule
 
-__all__ = ["solve_monet", "leanest_implementations"]
+__all__ = ["solve_monet", "leanest_implementations", "without_implementations"]
 
 
 def leanest_implementations(graph: DFGraph) -> dict[int, str]:
@@ -62,6 +65,35 @@ def _starts(graph: DFGraph) -> list[dict[int, str]]:
     return starts
 
 
+def without_implementations(graph: DFGraph, excluded: Collection) -> DFGraph:
+    """``graph`` without the alternatives ``excluded`` names: an implementation name (not
+    offered on any node) or a ``(node, name)`` pair (not offered on that node). A user
+    excludes the implementations that change the gradients' rounding this way
+    (``plan_model(..., exact_gradients=True)`` names them per node), and the MILP never
+    sees them.
+
+    Raises:
+        ArgumentError: an item that is neither a name nor a ``(node id, name)`` pair.
+    """
+    names, pairs = set(), set()
+    for item in excluded:
+        if isinstance(item, str):
+            names.add(item)
+        elif isinstance(item, (tuple, list)) and len(item) == 2 and is_int(item[0]) and isinstance(item[1], str):
+            pairs.add((int(item[0]), item[1]))
+        else:
+            raise ArgumentError(f"exclude_implementations: {item!r} is neither an implementation name (such as "
+                                "'fused') nor a (node id, name) pair; pass e.g. exclude_implementations=['fused'], "
+                                "or exact_gradients=True to plan_model")
+    if not names and not pairs:
+        return graph
+    kept = {node: [i for i in alternatives if i.name not in names and (node, i.name) not in pairs]
+            for node, alternatives in graph.implementations.items()}
+    return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes, graph.is_backward,
+                   graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, graph.name,
+                   residual_bytes=graph.residual_bytes, implementations=kept)
+
+
 _MONET = MilpProblem("monet", choose_implementations=True, starts=_starts)
 
 
@@ -78,6 +110,7 @@ def solve_monet(
     warm_start: bool = True,
     progress: ProgressFn | None = None,
     stall_time: float | None = None,
+    exclude_implementations: Collection = (),
 ) -> Schedule:
     """The minimum-cost schedule within a memory budget, with one implementation chosen
     for every node that has alternatives (``DFGraph.implementations``; MONeT, sec. 4).
@@ -101,6 +134,12 @@ def solve_monet(
             cheapest implementations (least forward plus backward cost), which is the least
             cost any schedule can have.
         solver, time_limit, mip_gap, threads, seed, progress, stall_time: as for ``optimal``.
+        exclude_implementations: implementations the schedule may not choose: names
+            (``"fused"``, not on any node) or ``(node id, name)`` pairs
+            (:func:`without_implementations`). ``plan_model(..., exact_gradients=True)``
+            and ``measure_model`` fill it with the alternatives that are not bit-exact with
+            their layer's default (``tfremat.runtime.layer_variants``), so the step's
+            gradients round as plain Keras's.
         warm_start: start from the cheapest of ``optimal``'s schedules on the graph's own
             numbers, under the cheapest and under the leanest implementations
             (:func:`_starts`; together half the ``time_limit``), the rounding of the relaxation's LP and RINS,
@@ -113,6 +152,7 @@ def solve_monet(
     Raises:
         InfeasibleBudgetError: no schedule fits under any choice (proven by the solver, or
             the budget is below the peak every choice needs while one node runs).
+        ArgumentError: an item of ``exclude_implementations`` is neither a name nor a pair.
         SolverTimeLimitError, SolveInterrupted, ArgumentError, SolverUnavailableError,
             SolverLicenseError: as for ``optimal``.
 
@@ -122,5 +162,6 @@ def solve_monet(
         >>> schedule.implementations  # doctest: +SKIP
         {3: 'mask', 7: 'output_activated'}
     """
+    graph = without_implementations(graph, exclude_implementations)
     return solve_milp(graph, budget, _MONET, solver=solver, time_limit=time_limit, mip_gap=mip_gap,
                       threads=threads, seed=seed, warm_start=warm_start, progress=progress, stall_time=stall_time)

@@ -33,12 +33,22 @@ their exactness). It runs through the layer's own ``__call__`` (dtype policy, na
 
 Which bytes each keeps is measured by the extraction (the same call analysis as the
 layer's own implementation), not taken from this list.
+
+Each alternative declares whether its gradients are bit-exact with the layer's default
+(``LayerImplementation.exact``; ``tests/test_variant_rounding.py`` checks every
+declaration over several shapes, with oneDNN on and off): the ReLU and leaky ReLU masks,
+the regenerated dropout mask and the recomputed GELU, mish and layer norm run the same
+arithmetic; ``window_index`` does where no input element is the maximum of three or more
+windows (oneDNN sums those contributions in another order); the recomputed ``hard_silu``
+and both batch norms round differently. ``plan_model(..., exact_gradients=True)``
+leaves the others out of ``monet``'s choice (:func:`inexact_choices`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 
 import keras
@@ -53,7 +63,7 @@ from tfremat.runtime.variants import (
     relu_with_mask,
 )
 
-__all__ = ["LayerImplementation", "layer_implementations", "running"]
+__all__ = ["LayerImplementation", "layer_implementations", "running", "inexact_choices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +74,14 @@ class LayerImplementation:
         name: the implementation's name in the graph and the schedule.
         attribute: the layer attribute replaced while a call runs under it.
         replacement: ``replacement(layer)`` is the value that attribute takes.
+        exact: its gradients are bit-identical to the default's (same operations in the
+            same order); False where they differ by float rounding.
     """
 
     name: str
     attribute: str
     replacement: Callable[[object], object]
+    exact: bool
 
 
 def _relu_max_value(layer):
@@ -96,7 +109,8 @@ def _relu_alternatives(layer) -> list[LayerImplementation]:
     if not applies:
         return []
     attribute = "call" if isinstance(layer, keras.layers.ReLU) else "activation"
-    return [LayerImplementation(f"relu_{mask}", attribute, _masked(mask, max_value)) for mask in ("bool", "bits")]
+    return [LayerImplementation(f"relu_{mask}", attribute, _masked(mask, max_value), exact=True)
+            for mask in ("bool", "bits")]
 
 
 def _leaky_relu_alternatives(layer) -> list[LayerImplementation]:
@@ -111,21 +125,25 @@ def _leaky_relu_alternatives(layer) -> list[LayerImplementation]:
 
     def replacement(layer):
         return lambda x: relu_with_mask(x, "bits", negative_slope=slope)
-    return [LayerImplementation("relu_bits", attribute, replacement)]
+    return [LayerImplementation("relu_bits", attribute, replacement, exact=True)]
 
 
-# Activations whose registered gradients keep more than their input (variants.recomputed_in_backward).
-_RECOMPUTED_ACTIVATIONS = (keras.activations.gelu, keras.activations.mish, keras.activations.hard_silu)
+# Activations whose registered gradients keep more than their input (variants.recomputed_in_backward),
+# and whether recomputing one inside the backward leaves its gradient bit-exact (hard_silu's
+# rounds differently, by about 2e-7 relative).
+_RECOMPUTED_ACTIVATIONS = ((keras.activations.gelu, True), (keras.activations.mish, True),
+                           (keras.activations.hard_silu, False))
 
 
 def _recomputed_activation_alternatives(layer) -> list[LayerImplementation]:
     activation = getattr(layer, "activation", None)
-    if not any(activation is known for known in _RECOMPUTED_ACTIVATIONS):
+    exact = [bit_exact for known, bit_exact in _RECOMPUTED_ACTIVATIONS if activation is known]
+    if not exact:
         return []
 
     def replacement(layer):
         return lambda x: recomputed_in_backward(activation, x)
-    return [LayerImplementation("recomputed", "activation", replacement)]
+    return [LayerImplementation("recomputed", "activation", replacement, exact=exact[0])]
 
 
 def _layer_norm_call(layer):
@@ -148,7 +166,7 @@ def _layer_norm_call(layer):
 
 def _layer_norm_alternatives(layer) -> list[LayerImplementation]:
     if type(layer) is keras.layers.LayerNormalization and layer.built and layer.compute_dtype == "float32":
-        return [LayerImplementation("recomputed", "call", _layer_norm_call)]
+        return [LayerImplementation("recomputed", "call", _layer_norm_call, exact=True)]
     return []
 
 
@@ -161,7 +179,10 @@ def _pool_call(layer):
 def _pool_alternatives(layer) -> list[LayerImplementation]:
     if (type(layer) is keras.layers.MaxPooling2D and layer.data_format == "channels_last"
             and layer.pool_size[0] * layer.pool_size[1] <= 256):
-        return [LayerImplementation("window_index", "call", _pool_call)]
+        # Exact unless an input element can be the maximum of three or more windows, whose
+        # gradient contributions oneDNN's MaxPoolGrad adds in another order (variants.py).
+        overlaps = math.prod(-(-k // s) for k, s in zip(layer.pool_size, layer.strides))
+        return [LayerImplementation("window_index", "call", _pool_call, exact=overlaps <= 2)]
     return []
 
 
@@ -183,7 +204,7 @@ def _dropout_call(layer):
 
 def _dropout_alternatives(layer) -> list[LayerImplementation]:
     if type(layer) is keras.layers.Dropout and layer.noise_shape is None and 0 < layer.rate < 1:
-        return [LayerImplementation("regenerated", "call", _dropout_call)]
+        return [LayerImplementation("regenerated", "call", _dropout_call, exact=True)]
     return []
 
 
@@ -231,9 +252,9 @@ def _batch_norm_alternatives(layer) -> list[LayerImplementation]:
     if not (channels_last and layer.scale and layer.center and not layer.renorm
             and not getattr(layer, "synchronized", False) and hasattr(layer, "_moments")):
         return []
-    alternatives = [LayerImplementation("output_activated", "call", _batch_norm_call)]
+    alternatives = [LayerImplementation("output_activated", "call", _batch_norm_call, exact=False)]
     if rank in (2, 4):
-        alternatives.append(LayerImplementation("fused", "call", _fused_batch_norm_call))
+        alternatives.append(LayerImplementation("fused", "call", _fused_batch_norm_call, exact=False))
     return alternatives
 
 
@@ -269,3 +290,19 @@ def running(layer, name: str | None):
             object.__setattr__(layer, chosen.attribute, previous)
         else:
             object.__delattr__(layer, chosen.attribute)
+
+
+def inexact_choices(side_table, choice) -> dict[int, str]:
+    """Of ``choice`` (node -> implementation name, as ``Schedule.implementations``), the
+    nodes whose implementation is not bit-exact with their layer's default
+    (``LayerImplementation.exact``), with its name; ``side_table`` maps a node to its
+    layer. With every alternative of a graph as ``choice`` (``{node: name}`` per pair), it
+    names what ``exact_gradients=True`` leaves out."""
+    inexact = {}
+    for node, name in (choice or {}).items():
+        if name in (None, "default"):
+            continue
+        declared = {i.name: i.exact for i in layer_implementations(side_table[node].layer)}
+        if not declared.get(name, False):
+            inexact[node] = name
+    return inexact
