@@ -286,3 +286,53 @@ def test_offloading_fits_a_larger_batch_without_recomputation():
     assert simulate(offload.graph, offload.schedule).makespan <= offload.cost_cap
     with pytest.raises(ArgumentError, match="bandwidth"):
         max_batch_size(chain, budget, strategy="autocapper", max_batch=64)
+
+
+def _scratch_chain(batch: int, measured: bool = True):
+    """A training chain whose last node needs scratch in proportion to the batch, which only
+    a measured graph shows (as a profile shows a convolution's scratch): the unmeasured one
+    has no workspace and unit costs, as ``cost_model="flops"`` leaves them."""
+    from tfremat.graph import DFGraph
+
+    chain = training_chain(4, batch)
+    workspace = [0] * chain.size
+    if measured:
+        workspace[chain.size - 1] = 8 * batch
+    cost = chain.cost if measured else [1.0] * chain.size
+    return DFGraph(chain.names, chain.edges, cost, [4 * batch + 2] * chain.size, workspace, chain.is_backward,
+                   chain.loss_node, dict(chain.forward_of), 16 + 3 * batch, chain.name)
+
+
+@pytest.mark.parametrize("budget", [150, 333, 900])
+@pytest.mark.parametrize("strategy", ["chen_greedy", "optimal"])
+def test_the_scaled_search_measures_only_the_smallest_batch_and_its_answer(strategy, budget):
+    """With an unmeasured builder for the sizes, ``scaled`` measures ``min_batch`` and its
+    answer (the measured scratch decides it), and answers as ``search`` does."""
+    measured = []
+
+    def graph_for_batch(batch):
+        measured.append(batch)
+        return _scratch_chain(batch)
+
+    options = {"threads": 1} if strategy == "optimal" else {}
+    search = max_batch_size(_scratch_chain, budget, method="search", max_batch=512, strategy=strategy, **options)
+    scaled = max_batch_size(graph_for_batch, budget, method="scaled", max_batch=512, strategy=strategy,
+                            sizes_for_batch=lambda b: _scratch_chain(b, measured=False), **options)
+    assert scaled.batch_size == search.batch_size
+    assert simulate(scaled.graph, scaled.schedule).peak_bytes <= budget
+    assert measured[0] == 1 and scaled.batch_size in measured and len(set(measured)) <= 3, measured
+
+
+def test_scaled_graphs_scale_a_single_measurement_by_the_batch():
+    """One measured graph and two unmeasured ones: sizes on the unmeasured graphs' line,
+    the measured workspace beyond theirs and the measured costs in proportion to the batch."""
+    from tfremat.maxbatch import scaled_graphs
+
+    at = scaled_graphs({2: _scratch_chain(2)}, {4: _scratch_chain(4, False), 8: _scratch_chain(8, False)})
+    for batch in (3, 40):
+        assert at(batch).output_bytes == _scratch_chain(batch).output_bytes
+        assert at(batch).fixed_bytes == _scratch_chain(batch).fixed_bytes
+        assert at(batch).workspace_bytes == _scratch_chain(batch).workspace_bytes
+        assert at(batch).cost == pytest.approx([c * batch / 2 for c in _scratch_chain(2).cost])
+    assert scaled_graphs({}, {4: _scratch_chain(4, False), 8: _scratch_chain(8, False)}) is None
+    assert scaled_graphs({2: _scratch_chain(2)}, {}) is None

@@ -480,7 +480,7 @@ def scaled_graphs(measured: Mapping[int, DFGraph], sizes: Mapping[int, DFGraph])
     structure farthest apart, measured or not: they follow from the tensors' shapes, which
     are affine in the batch. Costs and workspaces are on the line through the two measured
     graphs farthest apart (which may differ in edges from the others); with one measured at
-    ``p``, its costs and the workspace it adds to the sizes graphs' are scaled by
+    ``p``, its costs and the workspace it holds beyond the unmeasured graphs' are scaled by
     ``batch / p``: kernels' time and scratch grow with the batch, and the per-node constants
     the proportion misses are small (on ResNet50 at 64x64, a workspace scaled from batch 2
     to 96 is at most 1.5 MB above the measured one, never more than 12 kB below).
@@ -495,33 +495,43 @@ def scaled_graphs(measured: Mapping[int, DFGraph], sizes: Mapping[int, DFGraph])
     if not known:
         return None
     if len(known) >= 2:
-        return _scaled_at(reference, near, everything[far], far, (measured[known[0]], known[0], measured[known[-1]],
-                                                                   known[-1]))
-    return _scaled_at(reference, near, everything[far], far, (measured[known[0]], known[0], None, None))
+        return _scaled_at(reference, near, everything[far], far,
+                          (measured[known[0]], known[0], measured[known[-1]], known[-1]))
+    # The workspace the unmeasured graphs hold (none without them), which the measured one includes.
+    unmeasured = sorted(b for b, graph in sizes.items() if _same_nodes(graph, reference) and b not in measured)
+    if len(unmeasured) >= 2:
+        base = _line(sizes[unmeasured[0]].workspace_bytes, unmeasured[0], sizes[unmeasured[-1]].workspace_bytes,
+                     unmeasured[-1])
+    else:
+        values = np.asarray(sizes[unmeasured[0]].workspace_bytes if unmeasured else [0] * reference.size, dtype=float)
+        base = lambda batch: values  # noqa: E731
+    return _scaled_at(reference, near, everything[far], far, (measured[known[0]], known[0], base, None))
 
 
 def _scaled_at(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int, measured) -> Callable[[int], DFGraph]:
-    """Graphs whose nodes, edges and sizes are on the line through ``graph_a`` and ``graph_b``,
-    costs and workspaces on the line through the two measured graphs of ``measured``, or
-    scaled from its one (:func:`scaled_graphs`); None: from ``graph_a`` and ``graph_b`` too."""
+    """Graphs whose nodes, edges and sizes are on the line through ``graph_a`` and ``graph_b``;
+    costs and workspaces on the line through the two measured graphs of ``measured``
+    ``(graph, batch, graph, batch)``, or scaled from its one ``(graph, batch, base, None)``
+    beyond the ``base(batch)`` workspace of the unmeasured graphs (:func:`scaled_graphs`);
+    None: from ``graph_a`` and ``graph_b`` too."""
     output = _line(graph_a.output_bytes, batch_a, graph_b.output_bytes, batch_b)
     residual = _line(graph_a.residual_bytes, batch_a, graph_b.residual_bytes, batch_b)
     fixed = _line([graph_a.fixed_bytes], batch_a, [graph_b.fixed_bytes], batch_b)
-    sized_workspace = _line(graph_a.workspace_bytes, batch_a, graph_b.workspace_bytes, batch_b)
     if measured is None:
         measured = (graph_a, batch_a, graph_b, batch_b)
     first, p, second, q = measured
-    if second is not None:
+    if q is not None:
         cost, workspace = _line(first.cost, p, second.cost, q), _line(first.workspace_bytes, p, second.workspace_bytes, q)
     else:
+        base = second
         costs = np.asarray(first.cost, dtype=float)
-        added = np.maximum(np.asarray(first.workspace_bytes, dtype=float) - sized_workspace(p), 0.0)
+        added = np.maximum(np.asarray(first.workspace_bytes, dtype=float) - base(p), 0.0)
 
         def cost(batch):
             return costs * batch / p
 
         def workspace(batch):
-            return sized_workspace(batch) + added * batch / p
+            return base(batch) + added * batch / p
 
     def at(batch: int) -> DFGraph:
         outputs = output(batch)
