@@ -230,3 +230,24 @@ def test_autocapper_skipping_slow_starts_finds_the_fastest_of_all_starts(seed, f
         assert not makespans
         return
     assert found == pytest.approx(min(makespans), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_capper_yields_the_start_then_schedules_that_fit_only_at_the_end(seed):
+    """capper simulates only where a schedule may fit: with a budget every schedule it
+    yields after the start overflows but the last, which fits when any move is left; each
+    one offloads more than the one before, and stays valid."""
+    from tfremat.plan import offload, rotor
+
+    graph = random_training_graph(seed, 12)
+    budget = int(0.45 * checkpoint_all_peak(graph))
+    bandwidth = float(np.mean(graph.output_bytes) / np.mean(graph.cost))
+    start = rotor.rotor(graph, checkpoint_all_peak(graph))
+    schedules = list(offload.capper(graph, start, budget, bandwidth))
+    assert schedules[0] is start
+    peaks = [simulate(graph, schedule).peak_bytes for schedule in schedules]
+    assert all(peak > budget for peak in peaks[:-1])
+    offloaded = [0 if s.H is None else int(s.H.sum()) for s in schedules]
+    assert offloaded == sorted(offloaded) and len(set(offloaded)) == len(offloaded)
+    for schedule in schedules[1:]:
+        validate_schedule(graph, schedule)

@@ -141,24 +141,40 @@ def _offloaded(graph: DFGraph, S: np.ndarray, H: np.ndarray, strategy: str, band
 def capper(graph: DFGraph, schedule: Schedule, budget: int | None, bandwidth: float, strategy: str = "capper",
            most: int | None = None) -> Iterator[Schedule]:
     """Beaumont et al.'s capper (sec. 5.1) on a training graph: yields ``schedule`` and then
-    each schedule made by offloading, at the stage of the simulated peak, the lowest-indexed
+    schedules made by offloading, at the stage of the simulated peak, the lowest-indexed
     value kept there unread (:func:`offload_gap`), until one fits ``budget`` (None: until no
     value can be offloaded at the peak), at most ``most`` moves (default: one per forward
-    node)."""
+    node).
+
+    With a budget, the moves at one peak go on without simulating the schedules between
+    them until the bytes moved reach the peak's excess over the budget: a move lowers the
+    peak by at most its value's bytes, so none of those schedules fits, and simulating each
+    (most of capper's time) would only pick the next value, usually at the same stage.
+    Those schedules are not yielded."""
     most = len(graph.forward_nodes) if most is None else most
     yield schedule
-    for _ in range(most):
+    moves = 0
+    while moves < most:
         result = known_simulation(graph, schedule)
         if budget is not None and result.peak_bytes <= budget:
             return
         stage = result.plan.statements[result.peak_statement].stage
-        for node in np.flatnonzero(schedule.S[stage]):
-            moved = offload_gap(graph, schedule, int(node), stage)
-            if moved is not None:
+        excess = 0 if budget is None else result.peak_bytes - budget
+        moved = 0
+        while moves < most:
+            for node in np.flatnonzero(schedule.S[stage]):
+                gap = offload_gap(graph, schedule, int(node), stage)
+                if gap is not None:
+                    break
+            else:
                 break
-        else:
+            schedule = _offloaded(graph, *gap, strategy, bandwidth)
+            moves += 1
+            moved += graph.output_bytes[int(node)]
+            if moved >= excess:
+                break
+        if not moved:
             return
-        schedule = _offloaded(graph, *moved, strategy, bandwidth)
         yield schedule
 
 
