@@ -502,9 +502,9 @@ def check_distribute_strategy(strategy) -> None:
     machine, several devices) and ``MultiWorkerMirroredStrategy`` (several machines, trained
     by :func:`tfremat.fit`'s own loop, :mod:`tfremat.multi_worker`): every replica holds all
     the variables and runs the whole step on its part of the batch, so one plan for one
-    replica's batch holds on every device. Refused, by class name so that
-    strategies which cannot be built here are recognized too: ``TPUStrategy``,
-    ``ParameterServerStrategy`` and ``CentralStorageStrategy`` (:data:`_REFUSED_STRATEGIES`).
+    replica's batch holds on every device. Refused, by class name so that strategies which
+    cannot be built here are recognized too: ``TPUStrategy``, ``ParameterServerStrategy``
+    and ``CentralStorageStrategy`` (:data:`_REFUSED_STRATEGIES`).
     """
     for cls in type(strategy).__mro__:
         for name, reason in _REFUSED_STRATEGIES.items():
@@ -529,8 +529,9 @@ def replica_batch(strategy, data):
 
     The budget is per device: each replica runs the step on its own part (the global batch
     over the replicas), so one plan for that part holds on every replica. A global batch
-    that does not divide evenly gives the first replicas one sample more, so the first
-    replica's part is the largest and its plan bounds the others' memory.
+    that does not divide evenly is split with the first replicas taking
+    ``ceil(global / replicas)`` samples and the last the rest (7 over 3: 3, 3, 1), so the
+    first replica's part is the largest and its plan bounds the others' memory.
     """
     return tf.nest.map_structure(
         lambda value: value if value is None else strategy.experimental_local_results(value)[0], data)
@@ -544,6 +545,6 @@ def replica_allocators(strategy) -> list[str] | None:
     is the sum of the replicas'. There the budget holds for the bytes each replica's step
     requests (the plan's prediction), not for a measured peak."""
     devices = [tf.DeviceSpec.from_string(d) for d in strategy.extended.worker_devices]
-    if len(devices) > 1 and any(d.device_type != "GPU" for d in devices):
+    if sum(d.device_type == "CPU" for d in devices) > 1:
         return None
     return [f"{d.device_type}:{d.device_index or 0}" for d in devices]
