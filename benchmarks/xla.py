@@ -27,6 +27,8 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+# Ops one at a time, the execution the simulator models (as execution.py runs them).
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 
 import argparse  # noqa: E402
 import re  # noqa: E402
