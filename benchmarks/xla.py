@@ -53,7 +53,7 @@ from tfremat.static_graph import interpreter  # noqa: E402
 from tfremat.strategies import get_strategy  # noqa: E402
 
 DEFAULT_OUT = os.path.join(HERE, "results", "xla.md")
-# Checkmate's heuristics; the cheapest schedule that fits the budget is run.
+# Heuristics that need no solver; the cheapest schedule that fits the budget is run.
 STRATEGIES = ("chen_greedy", "chen_greedy_ap", "griewank_logn", "griewank_logn_ap", "chen_sqrtn", "rotor")
 MIB = 2**20
 
@@ -213,7 +213,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     lines = ["# XLA: the compiled step with jit_compile=True", "", header(argv), "",
              f"TensorFlow {tf.__version__}, Keras {keras.__version__}. Load average at the start: "
-             f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs). Schedules: the cheapest of Checkmate's heuristics "
+             f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs). Schedules: the cheapest of {', '.join(STRATEGIES)} "
              "that fits (flops cost model). See the module docstring for what each column measures.", ""]
     sections = [("CPU", CPU_CASES, "CPU:0")]
     if tf.config.list_physical_devices("GPU"):
