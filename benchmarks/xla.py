@@ -196,12 +196,12 @@ def table(rows):
     lines = ["| step | predicted MiB | requested MiB | allocator MiB | requested / predicted | ms | "
              "time / plain (same compiler) [q1, q3] | recomputed ops in HLO |", "|---|---|---|---|---|---|---|---|"]
     for label, predicted, requested, allocator, seconds, timing, in_hlo in rows:
+        ratio = "" if timing is None else f"{timing.ratio:.2f} [{timing.ratio_quartiles[0]:.2f}, " \
+                                          f"{timing.ratio_quartiles[1]:.2f}]"
         lines.append(
             f"| {label} | {'' if predicted is None else f'{predicted / MIB:.1f}'} | {requested / MIB:.1f} | "
             f"{allocator / MIB:.1f} | {'' if predicted is None else f'{requested / predicted:.2f}'} | "
-            f"{seconds * 1e3:.0f} | "
-            f"{'' if timing is None else f'{timing.ratio:.2f} [{timing.ratio_quartiles[0]:.2f}, {timing.ratio_quartiles[1]:.2f}]'}"
-            f" | {'' if in_hlo is None else in_hlo} |")
+            f"{seconds * 1e3:.0f} | {ratio} | {'' if in_hlo is None else in_hlo} |")
     return lines
 
 
