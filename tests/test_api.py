@@ -119,21 +119,27 @@ def test_the_callback_refuses_a_bad_budget_or_strategy_at_once():
         RematCallback("50%").budget = "90%"
 
 
-def test_the_callback_takes_a_host_link_only_for_offloading():
+def test_the_callback_takes_a_host_link_only_for_offloading(monkeypatch):
     """An offloading strategy needs the link in bytes per second, so profiled costs, and
     a bandwidth where no GPU's link can be measured; the others refuse one."""
     import tensorflow as tf
 
+    import tfremat.keras as remat_keras
     from tfremat.runtime.host_link import host_link_bandwidth
 
     measured = host_link_bandwidth(size_bytes=1 << 20, repeats=2)
     if tf.config.list_logical_devices("GPU"):
         assert measured > 0
-        assert RematCallback("50%", strategy="pofo", verbose=0).bandwidth == pytest.approx(measured, rel=0.9)
+        assert RematCallback("50%", strategy="pofo", verbose=0).bandwidth > 0
     else:
         assert measured is None
         with pytest.raises(ArgumentError, match="pass bandwidth="):
             RematCallback("50%", strategy="pofo")
+    # Without bandwidth= the callback takes the measured link (compared with a second
+    # measurement it would depend on the load and on the copy size: 1 MiB against 64 MiB).
+    with monkeypatch.context() as patched:
+        patched.setattr(remat_keras, "host_link_bandwidth", lambda: 7e9)
+        assert RematCallback("50%", strategy="pofo", verbose=0).bandwidth == 7e9
     assert RematCallback("50%", strategy="pofo", bandwidth=12e9).bandwidth == 12e9
     with pytest.raises(ArgumentError, match="cost_model='profile'"):
         RematCallback("50%", strategy="autocapper", bandwidth=12e9, cost_model="flops")
