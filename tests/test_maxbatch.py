@@ -336,3 +336,13 @@ def test_scaled_graphs_scale_a_single_measurement_by_the_batch():
         assert at(batch).cost == pytest.approx([c * batch / 2 for c in _scratch_chain(2).cost])
     assert scaled_graphs({}, {4: _scratch_chain(4, False), 8: _scratch_chain(8, False)}) is None
     assert scaled_graphs({2: _scratch_chain(2)}, {}) is None
+
+
+def test_the_scaled_search_measures_when_the_sizes_builder_has_other_nodes(caplog):
+    sizes = lambda b: training_chain(5, b)  # noqa: E731
+    with caplog.at_level("WARNING", logger="tfremat.maxbatch"):
+        scaled = max_batch_size(lambda b: training_chain(4, b), 333, method="scaled", max_batch=512,
+                                strategy="chen_greedy", sizes_for_batch=sizes)
+    search = max_batch_size(lambda b: training_chain(4, b), 333, method="search", max_batch=512, strategy="chen_greedy")
+    assert scaled.batch_size == search.batch_size
+    assert any("other nodes" in r.message for r in caplog.records)

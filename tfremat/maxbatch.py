@@ -386,10 +386,14 @@ def _scaled(graph_for_batch, sizes_for_batch, evaluate: _Evaluator, min_batch: i
         # A second graph of the same nodes and edges to draw the lines through (batch 1 can
         # differ: a batch-norm gradient that reads its output at batch 1 only).
         batch *= 2
+        if sizes_for_batch is not None:
+            shapes[batch] = sizes_for_batch(batch)
+            if not _same_nodes(shapes[batch], measured[min_batch]):
+                logger.warning("sizes_for_batch(%d) has other nodes than graph_for_batch(%d); measuring instead",
+                               batch, min_batch)
+                sizes_for_batch, shapes = None, {}
         if sizes_for_batch is None:
             exact(batch)
-        else:
-            shapes[batch] = sizes_for_batch(batch)
     settled = False
     for _ in range(_SCALED_ROUNDS):
         at = scaled_graphs(measured, shapes)
