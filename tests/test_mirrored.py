@@ -70,10 +70,13 @@ _SCRIPT = textwrap.dedent(
         def on_train_begin(self, logs=None):
             callbacks.append(self.model.train_function.__self__)  # RematCallback._train_function
 
+    # Called inside the scope, where Keras's own fit trains too (the extraction once failed
+    # there: a mirrored variable's gradient needs a replica context).
     model = build()
-    history = tfremat.fit(model, "80% of activations", x, y, sample_weight=w, batch_size=8, epochs=2, shuffle=False,
-                          verbose=0, strategy="optimal", time_limit=20, cost_model="flops", cache=False,
-                          allocator_check=True, callbacks=[FindRemat()])
+    with strategy.scope():
+        history = tfremat.fit(model, "80% of activations", x, y, sample_weight=w, batch_size=8, epochs=2,
+                              shuffle=False, verbose=0, strategy="optimal", time_limit=20, cost_model="flops",
+                              cache=False, allocator_check=True, callbacks=[FindRemat()])
     close = closeness([v.numpy() for v in model.variables], [v.numpy() for v in plain.variables])
 
     # A custom loop over the same global batches with compile_step(strategy=...), extracted

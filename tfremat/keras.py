@@ -18,6 +18,7 @@ train function, so a call without that announcement is a plain ``model.fit``'s.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -236,12 +237,17 @@ class RematCallback(keras.callbacks.Callback):
             phases.start("extracting the training graph and profiling its layers")
             # The model's own loss, loss weights and optimizer, as tfremat.plan_model takes
             # them. Under a strategy the all-reduce holds every weight gradient until the
-            # updates, so the gradients are counted as resident for the whole step.
-            extraction = extract(model, sample_batch=(x, y), cost_model=self.cost_model,
-                                 use_cache=self.cache is not False and self.cache is not None,
-                                 granularity=self.granularity, implementations=wants_implementations([self.strategy]),
-                                 weight_grads="auto" if strategy is None else "fixed",
-                                 **loss_and_optimizer(model, None, None))
+            # updates, so the gradients are counted as resident for the whole step; and the
+            # model is extracted as replica 0 sees it: a mirrored variable's gradient needs a
+            # replica context, which a fit called inside ``strategy.scope()`` is not in.
+            as_replica = contextlib.nullcontext() if strategy is None else tf.distribute.ReplicaContext(strategy, 0)
+            with as_replica:
+                extraction = extract(model, sample_batch=(x, y), cost_model=self.cost_model,
+                                     use_cache=self.cache is not False and self.cache is not None,
+                                     granularity=self.granularity,
+                                     implementations=wants_implementations([self.strategy]),
+                                     weight_grads="auto" if strategy is None else "fixed",
+                                     **loss_and_optimizer(model, None, None))
             phases.done(f"{extraction.graph.size} nodes (profiling {extraction.profile_seconds:.1f}s)"
                         if not extraction.cache_hit else f"{extraction.graph.size} nodes, profiles from the cache")
             phases.start(f"planning with {self.strategy}")
