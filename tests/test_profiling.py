@@ -21,26 +21,33 @@ def _conv_net():
     return keras.Model(x, keras.layers.Dense(10, activation="softmax", name="head")(h))
 
 
-def test_two_profiles_agree_on_the_node_that_dominates_the_step():
+def test_two_profiles_agree_on_the_layer_that_dominates_the_step():
     model = _conv_net()
     x = tf.random.stateless_normal((16, 32, 32, 16), seed=(1, 2))
     y = tf.one_hot(tf.range(16) % 10, 10)
-    first, second = (
-        np.array(extract(model, (x, y), cost_model="profile", use_cache=False).graph.cost) for _ in range(2)
-    )
+    graphs = [extract(model, (x, y), cost_model="profile", use_cache=False).graph for _ in range(2)]
+    first, second = (np.array(graph.cost) for graph in graphs)
     # Shares of the step: a load that slows the whole second profile moves no share, and
     # the solvers' choices depend on costs only up to a common factor. A load that comes
     # and goes during one profile does move shares (CI saw a 12% node read as 25% with a
-    # second test worker on the other core), so the test holds what such load cannot
-    # change: which node dominates the step, and roughly by how much. The per-node
-    # agreement is measured in benchmarks/profile_agreement.py on a quiet machine. Each
-    # layer is timed in its own window, so load moves shares between layers: on a 2-core
-    # machine at load 11 conv2_backward read 0.45 to 0.76 of the step over 9 profiles
-    # (oneDNN on and off) and the runner-up at most 0.27, hence the bounds below.
-    share_first, share_second = first / first.sum(), second / second.sum()
+    # second test worker on the other core). Each layer's forward and forward-backward are
+    # timed in turns in one window, and its backward node costs their difference: at a
+    # load of 16 on 2 cores that split flipped (conv2_backward read 0.41, then 0.14 of the
+    # step), while a layer's two nodes together read 0.66 to 0.89 over 14 profiles with
+    # oneDNN on and off. So the test holds what such load cannot change: which layer
+    # dominates the step, and roughly by how much. The per-node agreement is measured in
+    # benchmarks/profile_agreement.py on a quiet machine.
+    graph = graphs[0]
+    layer_of = [graph.forward_of.get(node, node) for node in range(graph.size)]
+    layers = sorted(set(layer_of))
+    share_first, share_second = (
+        np.array([sum(cost[n] for n in range(graph.size) if layer_of[n] == layer) for layer in layers]) / cost.sum()
+        for cost in (first, second)
+    )
     dominant = int(np.argmax(share_first))
-    assert min(share_first[dominant], share_second[dominant]) >= 1 / 3, (share_first, share_second)
+    assert graph.names[layers[dominant]] == "conv2", (share_first, share_second)
     assert int(np.argmax(share_second)) == dominant, (share_first, share_second)
+    assert min(share_first[dominant], share_second[dominant]) >= 0.5, (share_first, share_second)
     assert abs(share_first[dominant] - share_second[dominant]) <= 0.35, (share_first, share_second)
     # Every cost lies on the grid, so equal up to noise below its step means equal.
     for cost in first:
