@@ -68,7 +68,16 @@ def _cells(row: dict) -> str:
             f"{row['requested_over_predicted']:.3f} | {row['measured_over_predicted']:.3f} | "
             f"{row['measured_peak_bytes'] / row['budget_bytes']:.3f} | {planned:.3f} | "
             f"{row['time_over_plain']:.3f} ({low:.2f}-{high:.2f}) | {row['time_over_plain'] / planned:.3f} | "
-            f"{'' if row['gradients_match'] in (True, None) else 'gradients differ'} |")
+            f"{_notes(row)} |")
+
+
+def _notes(row: dict) -> str:
+    """The gradients' verdict, and the chosen implementations that change rounding with
+    their measured gradient error (``measure_model``'s ``inexact_implementations``)."""
+    notes = [] if row["gradients_match"] in (True, None) else ["gradients differ"]
+    notes += [f"{r['implementation']} x{len(r['nodes'])}: {r['grad_error']:.1e}"
+              for r in row.get("inexact_implementations") or ()]
+    return "; ".join(notes)
 
 
 def render(rows: list[dict], argv) -> str:
