@@ -21,7 +21,7 @@ def _conv_net():
     return keras.Model(x, keras.layers.Dense(10, activation="softmax", name="head")(h))
 
 
-def test_two_profiles_agree_on_the_layer_that_dominates_the_step():
+def test_two_profiles_agree_that_the_convolutions_dominate_the_step():
     model = _conv_net()
     x = tf.random.stateless_normal((16, 32, 32, 16), seed=(1, 2))
     y = tf.one_hot(tf.range(16) % 10, 10)
@@ -29,26 +29,18 @@ def test_two_profiles_agree_on_the_layer_that_dominates_the_step():
     first, second = (np.array(graph.cost) for graph in graphs)
     # Shares of the step: a load that slows the whole second profile moves no share, and
     # the solvers' choices depend on costs only up to a common factor. A load that comes
-    # and goes during one profile does move shares (CI saw a 12% node read as 25% with a
-    # second test worker on the other core). Each layer's forward and forward-backward are
-    # timed in turns in one window, and its backward node costs their difference: at a
-    # load of 16 on 2 cores that split flipped (conv2_backward read 0.41, then 0.14 of the
-    # step), while a layer's two nodes together read 0.66 to 0.89 over 14 profiles with
-    # oneDNN on and off. So the test holds what such load cannot change: which layer
-    # dominates the step, and roughly by how much. The per-node agreement is measured in
-    # benchmarks/profile_agreement.py on a quiet machine.
+    # and goes during one profile does move shares, by more than any agreement between
+    # comparable nodes could allow: CI saw a 12% node read as 25% with a second test
+    # worker on the other core; at loads of 13 to 16 on 2 cores conv2_backward read 0.41
+    # then 0.14 of the step, and the conv1 layer 0.14 then 0.56. The test holds what such
+    # load cannot change: the two convolutions (nearly all the step's flops) outweigh the
+    # pooling, dense head and loss, at least 0.93 of the step in every profile seen. The
+    # per-node agreement is measured in benchmarks/profile_agreement.py on a quiet machine.
     graph = graphs[0]
-    layer_of = [graph.forward_of.get(node, node) for node in range(graph.size)]
-    layers = sorted(set(layer_of))
-    share_first, share_second = (
-        np.array([sum(cost[n] for n in range(graph.size) if layer_of[n] == layer) for layer in layers]) / cost.sum()
-        for cost in (first, second)
-    )
-    dominant = int(np.argmax(share_first))
-    assert graph.names[layers[dominant]] == "conv2", (share_first, share_second)
-    assert int(np.argmax(share_second)) == dominant, (share_first, share_second)
-    assert min(share_first[dominant], share_second[dominant]) >= 0.5, (share_first, share_second)
-    assert abs(share_first[dominant] - share_second[dominant]) <= 0.35, (share_first, share_second)
+    convolutions = [n for n in range(graph.size) if graph.names[graph.forward_of.get(n, n)] in ("conv1", "conv2")]
+    assert len(convolutions) == 4
+    for cost in (first, second):
+        assert cost[convolutions].sum() >= 0.75 * cost.sum(), (first / first.sum(), second / second.sum())
     # Every cost lies on the grid, so equal up to noise below its step means equal.
     for cost in first:
         assert cost == 0 or math.isclose(analysis._on_grid(cost), cost, rel_tol=1e-12)
