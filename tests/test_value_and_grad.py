@@ -153,6 +153,27 @@ def test_contrastive_encoder_called_on_two_views():
     _assert_like_tape(g, fn, [encoder], [view1, view2])
 
 
+@pytest.mark.parametrize("activation, loss", [
+    ("softmax", keras.losses.CategoricalCrossentropy()),
+    ("sigmoid", keras.losses.BinaryCrossentropy()),
+])
+def test_a_cross_entropy_on_a_softmax_or_sigmoid_output(activation, loss):
+    """Keras's cross-entropies read the logits the activation attaches to its output; the
+    gradient then reaches the model through them (it was zero before)."""
+    keras.utils.set_random_seed(5)
+    x, h = _conv_trunk((16, 16, 3))
+    model = keras.Model(x, keras.layers.Dense(5, activation=activation)(h))
+
+    def fn(images, targets):
+        return loss(targets, model(images, training=True))
+
+    images, = _batch((32, 16, 16, 3))
+    targets = np.eye(5, dtype="float32")[np.arange(32) % 5]
+    g = tfremat.value_and_grad(fn, BUDGET, images, targets, **FAST)
+    _assert_like_tape(g, fn, [model], [images, targets])
+    assert g._steps[g._example_key].recomputed_layer_calls > 0
+
+
 def test_a_new_batch_shape_plans_again():
     keras.utils.set_random_seed(4)
     encoder = _encoder()

@@ -189,9 +189,10 @@ class _Interpreter:
         self.copying: dict[int, list] = {}
         self.loss = None
         self.predictions: list = []
-        # Per loss input: whether the loss's gradient is taken at the output's logits
-        # (see ``_loss``); the backward node of that output must take the same target.
-        self.loss_reads_logits: list[bool] = []
+        # (node, input position) -> whether the gradient that node gives the input is
+        # taken at the input's logits (see ``_loss`` and ``_input_gradients``); the
+        # backward node of the node that made the input must take the same target.
+        self.reads_logits: dict[tuple[int, int], bool] = {}
         # Per variable: the variable and its gradient contributions, one per backward node
         # of a layer that owns it (several for a layer called more than once).
         self.weight_grads: dict[int, tuple[Any, list]] = {}
@@ -421,7 +422,9 @@ class _Interpreter:
         with tape:
             for tensor, needs in zip(inputs, entry.input_needs_grad or [False] * len(inputs)):
                 if needs:
-                    tape.watch(tensor)
+                    # The logits a softmax/sigmoid input carries too: a cross-entropy reads
+                    # them instead of the input (``_input_gradients``).
+                    tape.watch([tensor, _logits(tensor)])
 
             def call():
                 return entry.layer(*args, **kwargs)
@@ -511,28 +514,13 @@ class _Interpreter:
         # it follows the same path (the backward node picks the logits up again). Other
         # losses (mse on a sigmoid output) read the output itself, and the logits get no
         # gradient: the output is the target then.
-        logits = [_logits(p) for p in predictions]
         with tf.GradientTape() as tape:
-            tape.watch(predictions + logits)
+            tape.watch(predictions + [_logits(p) for p in predictions])
             # SideTable.loss_fn takes lists (one entry per model output) in every case.
             loss = self.table.loss_fn(list(self.y), list(predictions), self.sample_weight)
             scaled = self.scale_loss(loss)
-        distinct = [l for l, p in zip(logits, predictions) if l is not p]
-        gradients = _gradient_once_per_tensor(tape, scaled, distinct + predictions)
-        of_logits = iter(gradients[:len(distinct)])
-        at_logits = [next(of_logits) if l is not p else None for l, p in zip(logits, predictions)]
-        at_outputs = gradients[len(distinct):]
-        for k, (g, o) in enumerate(zip(at_logits, at_outputs)):
-            if g is not None and o is not None:
-                raise CompileError(
-                    f"the loss reads model output {k} both through its softmax/sigmoid and through the logits Keras "
-                    "attached to it (BinaryFocalCrossentropy on a sigmoid output, or a sum of a cross-entropy and "
-                    "another loss); the rematerialized step supports one of the two per output. Give the output "
-                    "layer no activation and compile losses with from_logits=True (apply the activation inside a "
-                    "custom loss), or use one loss per output"
-                )
-        self.loss_reads_logits = [g is not None for g in at_logits]
-        grads = [g if reads else o for g, o, reads in zip(at_logits, at_outputs, self.loss_reads_logits)]
+        grads = self._input_gradients(node, "the loss reads model output", tape, scaled, predictions, list(range(len(predictions))),
+                                      unconnected_gradients=tf.UnconnectedGradients.NONE)
         self.loss = loss
         self.predictions = predictions
         self.resident[node] = _Instance(grads, tape, predictions, [])
@@ -541,13 +529,12 @@ class _Interpreter:
     def _upstream(self, node: int, entry, outputs: list) -> tuple[list, list]:
         """Targets and output gradients for ``tape.gradient``, summed per target."""
         sums: dict[int, tuple[Any, list]] = {}
-        loss_node = self.table.loss_node
         for k, contributions in enumerate(entry.output_grads):
             for ref in contributions:
                 grad = self._value(ref.node, node).outputs[ref.input_index]
                 if grad is None:
                     continue
-                reads_logits = ref.node == loss_node and self.loss_reads_logits[ref.input_index]
+                reads_logits = self.reads_logits.get((ref.node, ref.input_index), False)
                 target = _logits(outputs[k]) if reads_logits else outputs[k]
                 sums.setdefault(id(target), (target, []))[1].append(grad)
         targets = [target for target, _ in sums.values()]
@@ -600,17 +587,24 @@ class _Interpreter:
         elif instance.one_gradient_call:
             # A while loop's backward is one loop for all gradients (takes_one_gradient_call).
             instance.differentiated = True
-            grads = _gradient_once_per_tensor(
-                instance.tape, targets, sources + variables, output_gradients=dys,
-                unconnected_gradients=tf.UnconnectedGradients.NONE,
-            )
+            if any(_logits(s) is not s for s in sources):
+                grads = self._input_gradients(node, f"{entry.name} reads input", instance.tape, targets, sources,
+                                              grad_positions, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.NONE)
+                grads += instance.tape.gradient(targets, variables, output_gradients=dys,
+                                                unconnected_gradients=tf.UnconnectedGradients.NONE) if variables else []
+            else:
+                grads = _gradient_once_per_tensor(
+                    instance.tape, targets, sources + variables, output_gradients=dys,
+                    unconnected_gradients=tf.UnconnectedGradients.NONE,
+                )
             grads[:len(sources)] = [tf.zeros_like(s) if g is None else g for s, g in zip(sources, grads)]
         else:
             # Input gradients first, weight gradients after them: one gradient call would
             # let TensorFlow run e.g. a convolution's input and filter gradients together,
             # each with its own scratch buffer, which the memory model does not count.
-            input_part = _gradient_once_per_tensor(
-                instance.tape, targets, sources, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            input_part = self._input_gradients(
+                node, f"{entry.name} reads input", instance.tape, targets, sources, grad_positions, output_gradients=dys,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
             ) if sources else []
             # A variable the training forward does not use gets no gradient, as in
             # model.fit (a zero one would let weight decay change it; and a zero for a Keras
@@ -633,6 +627,47 @@ class _Interpreter:
         self.resident[node] = _Instance(input_grads, instance.tape, [], [])
         return produced
 
+
+    def _input_gradients(self, node: int, reader: str, tape, targets, sources: list, positions: list, **options) -> list:
+        """``tape``'s gradients of ``targets`` at ``sources`` (inputs ``positions`` of
+        ``node``), taken at a source's logits where the node's computation reads them.
+
+        Keras's cross-entropies read the logits a softmax/sigmoid output carries
+        (``_keras_logits``) instead of the output, as plain training does, and so does a
+        loss traced into the graph by ``value_and_grad``: the gradient then exists at the
+        logits only, and the backward node of the node that made the input continues from
+        there (``_upstream``), as Keras's own gradient does. Without it the gradient at
+        the output was zero. The flags are recorded in ``reads_logits``.
+
+        Raises:
+            CompileError: the node reads one input both through its activation and through
+                its logits; the two gradients would need two targets in one backward call.
+        """
+        logits = [_logits(s) for s in sources]
+        distinct = [l for l, s in zip(logits, sources) if l is not s]
+        if not distinct:
+            return _gradient_once_per_tensor(tape, targets, sources, **options)
+        unconnected = options.pop("unconnected_gradients")
+        gradients = _gradient_once_per_tensor(tape, targets, distinct + sources,
+                                              unconnected_gradients=tf.UnconnectedGradients.NONE, **options)
+        of_logits = iter(gradients[:len(distinct)])
+        at_logits = [next(of_logits) if l is not s else None for l, s in zip(logits, sources)]
+        grads = []
+        for position, source, at_logit, at_source in zip(positions, sources, at_logits, gradients[len(distinct):]):
+            if at_logit is not None and at_source is not None:
+                raise CompileError(
+                    f"{reader} {position} both through its softmax/sigmoid and through the logits Keras "
+                    "attached to it (BinaryFocalCrossentropy on a sigmoid output, or a sum of a cross-entropy and "
+                    "another loss); the rematerialized step supports one of the two per output. Give the output "
+                    "layer no activation and compute losses with from_logits=True (apply the activation inside a "
+                    "custom loss), or use one loss per output"
+                )
+            self.reads_logits[(node, position)] = at_logit is not None
+            gradient = at_logit if at_logit is not None else at_source
+            if gradient is None and unconnected == tf.UnconnectedGradients.ZERO:
+                gradient = tf.zeros_like(source)
+            grads.append(gradient)
+        return grads
 
     def _inputs_read(self, node: int, entry, forward_entry) -> tuple[int, ...]:
         """Positions of the forward call's inputs that backward ``node`` reads: as measured
