@@ -145,3 +145,22 @@ def test_plans_name_inexact_choices_and_exact_gradients_excludes_them():
     assert {(node, row["implementation"]) for row in rows for node in row["nodes"]} == inexact
     for row in rows:
         assert 0 <= row["grad_error"] < 1e-3
+
+
+def test_fit_and_the_callback_take_exact_gradients():
+    """The callback plans with the same exclusions as plan_model, and its plans name what
+    monet chose (nothing inexact with exact_gradients=True)."""
+    import tfremat
+    from tfremat.keras import RematCallback
+
+    model = _batch_norm_net()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 12, 12, 4)).astype(np.float32)
+    y = np.eye(3, dtype=np.float32)[rng.integers(0, 3, 4)]
+    options = dict(strategy="monet", cost_model="flops", verbose=0, time_limit=20, allocator_check=False)
+    history = tfremat.fit(model, "60%", x, y, batch_size=4, epochs=1, exact_gradients=True, **options)
+    (plan,) = history.plans.values()
+    assert plan.inexact_implementations == ()
+    assert not {name for name in (plan.schedule.implementations or {}).values()} & {"output_activated", "fused"}
+    with pytest.raises(ArgumentError, match="exact_gradients"):
+        RematCallback("60%", exact_gradients="yes")

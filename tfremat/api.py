@@ -87,6 +87,7 @@ def fit(
     allocator_check: bool | None = None,
     verbose: int = 1,
     bandwidth: float | None = None,
+    exact_gradients: bool = False,
     **fit_kwargs,
 ):
     """Trains ``model`` like ``model.fit``, with every step following a schedule under ``budget``.
@@ -113,6 +114,8 @@ def fit(
             activations to host memory (``pofo``, ``pofo_ap``, ``autocapper``,
             ``opportunist``); None measures it on a GPU (required without one); refused for
             the other strategies.
+        exact_gradients: ``monet`` chooses only layer implementations that round gradients
+            as the layer's own does (see :class:`tfremat.keras.RematCallback`).
 
     Returns:
         The Keras ``History``, with the plans it trained with as ``history.plans``
@@ -137,13 +140,17 @@ def fit(
         raise TfrematError("compile the model first (model.compile(optimizer=..., loss=..., metrics=...)); fit uses its loss, optimizer and metrics")
     remat = RematCallback(budget, strategy=strategy, solver=solver, time_limit=time_limit, bandwidth=bandwidth,
                           cost_model=cost_model,
-                          granularity=granularity, cache=cache, allocator_check=allocator_check, verbose=verbose)
+                          granularity=granularity, cache=cache, allocator_check=allocator_check, verbose=verbose,
+                          exact_gradients=exact_gradients)
     if _multi_worker_strategy(model) is not None:
         from tfremat.multi_worker import fit_multi_worker
 
         if allocator_check:
             raise ArgumentError("allocator_check=True: under MultiWorkerMirroredStrategy the budget holds for the "
                                 "bytes the step requests; leave allocator_check out")
+        if exact_gradients:
+            raise ArgumentError("exact_gradients=True is not supported under MultiWorkerMirroredStrategy yet; leave it "
+                                "out, or plan with a strategy other than monet (the others keep each layer's own implementation)")
         # The strategy options RematCallback plans with (its arguments checked when it was built).
         options = {"solver": solver, "time_limit": time_limit} if get_strategy(strategy).takes_solver_options else {}
         if get_strategy(strategy).offloads:

@@ -36,7 +36,13 @@ from tfremat.extract.checks import refuse_unmodelled_training
 from tfremat.extract.extractor import COST_MODELS
 from tfremat.extract.opening import DEFAULT_GRANULARITY, GRANULARITIES
 from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
-from tfremat.model_planning import loss_and_optimizer, wants_implementations
+from tfremat.model_planning import (
+    check_exact_gradients,
+    exact_only_options,
+    loss_and_optimizer,
+    wants_implementations,
+    with_rounding,
+)
 from tfremat.multi_worker import refuse_model_fit
 from tfremat.plan.offload import check_bandwidth
 from tfremat.planner import PhaseProgress, check_cache_argument, plan_graph, plan_summary
@@ -92,6 +98,9 @@ class RematCallback(keras.callbacks.Callback):
             the GPU (:func:`~tfremat.runtime.host_link.host_link_bandwidth`), required on a
             machine without one. Refused for the other strategies. Offloading needs
             ``cost_model="profile"`` (costs in seconds).
+        exact_gradients: for a strategy that chooses layer implementations (``monet``),
+            choose only those that round gradients exactly as the layer's own does (each
+            plan names the others it chose: ``PlanResult.inexact_implementations``).
         verbose: 0 silences the lines written to stderr for a new batch shape, one per phase
             (extraction, planning, compiling) with its seconds
             (:class:`~tfremat.planner.PhaseProgress`).
@@ -117,7 +126,8 @@ class RematCallback(keras.callbacks.Callback):
 
     def __init__(self, budget, strategy: str = "optimal", solver: str | None = None, time_limit: float | None = None,
                  cost_model: str = "profile", granularity: str = DEFAULT_GRANULARITY, cache=True,
-                 allocator_check: bool | None = None, verbose: int = 1, bandwidth: float | None = None):
+                 allocator_check: bool | None = None, verbose: int = 1, bandwidth: float | None = None,
+                 exact_gradients: bool = False):
         super().__init__()
         # Refuse a malformed budget or an unknown strategy here, not at the first step.
         check_budget(budget)
@@ -145,6 +155,8 @@ class RematCallback(keras.callbacks.Callback):
         if granularity not in GRANULARITIES:
             raise ArgumentError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
         check_cache_argument(cache)
+        check_exact_gradients(exact_gradients)
+        self.exact_gradients = exact_gradients
         self.budget = budget
         self.strategy = strategy
         self.solver = solver
@@ -165,15 +177,17 @@ class RematCallback(keras.callbacks.Callback):
         self._steps_belong_to: tuple = ()
         self._original_train_function = None
         self._batch_announced = False
-        # The model's tf.distribute strategy (None: the default one), read at on_train_begin.
+        # The model's tf.distribute strategy (None: the default one) and whether the step
+        # is compiled with XLA, read at on_train_begin.
         self._strategy = None
+        self._jit_compile = False
         # The phase lines of a new step, the last closed after its first run (which traces it).
         self._tracing: PhaseProgress | None = None
 
     # What the compiled steps were planned with; changing one later would leave steps
     # planned for the old value in use, so they are fixed when the callback is built.
     _SETTINGS = ("budget", "strategy", "solver", "time_limit", "bandwidth", "cost_model", "granularity", "cache",
-                 "allocator_check")
+                 "allocator_check", "exact_gradients")
 
     def __setattr__(self, name, value):
         if name in self._SETTINGS and name in self.__dict__:
@@ -193,9 +207,17 @@ class RematCallback(keras.callbacks.Callback):
         self._strategy = model.distribute_strategy if is_distributed(model.distribute_strategy) else None
         if getattr(model, "steps_per_execution", 1) != 1:
             raise TfrematError("RematCallback runs one batch per step; compile the model with steps_per_execution=1")
-        if model.jit_compile:
-            logger.warning("the rematerialized step runs without XLA (jit_compile=True, Keras's default on a GPU, is "
-                           "not applied): XLA would merge the recomputations with the values they replace")
+        # XLA (jit_compile=True, Keras's default on a GPU) compiles the planned step too; its
+        # recompute statements are kept apart from the values they replace
+        # (docs/compiled-step.md). compile_step does not combine it with a distribution
+        # strategy (nor does Keras's "auto") or with offloading.
+        self._jit_compile = bool(model.jit_compile)
+        if self._jit_compile and (self._strategy is not None or get_strategy(self.strategy).offloads):
+            self._jit_compile = False
+            reason = (f"under {type(self._strategy).__name__}" if self._strategy is not None
+                      else f"with the offloading strategy {self.strategy!r}")
+            logger.warning("the rematerialized step runs without XLA %s (jit_compile=True is not applied there); "
+                           "compile the model with jit_compile=False to silence this", reason)
         if model.run_eagerly:
             logger.warning("the rematerialized step runs as a tf.function (run_eagerly=True is not applied); "
                            "train with model.fit alone to debug eagerly")
@@ -252,14 +274,15 @@ class RematCallback(keras.callbacks.Callback):
                         if not extraction.cache_hit else f"{extraction.graph.size} nodes, profiles from the cache")
             phases.start(f"planning with {self.strategy}")
             progress = {"progress": phases.solver_progress(extraction.graph.total_cost)} if takes_solver_options else {}
+            options = exact_only_options(extraction, self.strategy, self.exact_gradients, options)
             result = plan_graph(extraction.graph, self.budget, self.strategy, cache=self.cache, verbose=0,
                                 **options, **progress)
-            result = dataclasses.replace(result, extraction=extraction)
+            result = with_rounding(dataclasses.replace(result, extraction=extraction))
             phases.done(plan_summary(result))
             logger.info("batch shape %s: %s, %s", key, self.strategy, plan_summary(result))
             phases.start("compiling the step")
             step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, strategy=strategy,
-                                return_outputs=True)
+                                return_outputs=True, jit_compile=self._jit_compile)
             if self._checks_allocator(result, strategy):
                 result, step = self._within_allocator(result, step, x, y, sample_weight, options, strategy)
             if strategy is not None:
@@ -298,7 +321,10 @@ class RematCallback(keras.callbacks.Callback):
         planning_budget = budget
         devices = [None] if strategy is None else replica_allocators(strategy)
         for _ in range(ALLOCATOR_ROUNDS):
-            peaks = [allocator_peak(step, model, x, y, sample_weight, device=d) for d in devices]
+            # XLA takes one block for all of a step's temporaries, which the allocator may
+            # serve from a chunk up to twice its size: what XLA requests is held instead.
+            count = "requested" if self._jit_compile else "allocator"
+            peaks = [allocator_peak(step, model, x, y, sample_weight, device=d, count=count) for d in devices]
             peak = None if None in peaks else max(peaks)
             if peak is None:
                 return result, step
@@ -325,9 +351,9 @@ class RematCallback(keras.callbacks.Callback):
                            f"fits {format_bytes(max(planning_budget, 0))}; allocator_check=False holds the budget for "
                            "requested bytes only",
                 ) from error
-            result = dataclasses.replace(replanned, extraction=result.extraction)
+            result = with_rounding(dataclasses.replace(replanned, extraction=result.extraction))
             step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, strategy=strategy,
-                                return_outputs=True)
+                                return_outputs=True, jit_compile=self._jit_compile)
         raise InfeasibleBudgetError(
             budget, strategy=self.strategy,
             detail=f"the allocator's peak stayed above it after {ALLOCATOR_ROUNDS} plans (last {format_bytes(peak)}, "
@@ -389,7 +415,8 @@ class RematCallback(keras.callbacks.Callback):
 ALLOCATOR_ROUNDS = 3
 
 
-def allocator_peak(step, model, x, y, sample_weight=None, device: str | None = None) -> int | None:
+def allocator_peak(step, model, x, y, sample_weight=None, device: str | None = None,
+                   count: str = "allocator") -> int | None:
     """The allocator's peak of ``device`` (default: the default device's) over one run of
     ``step`` (after one untimed run that traces it), in the graph's convention
     (:func:`tfremat.runtime.memory.measure_step_peak`), with the state the runs change put
@@ -397,7 +424,8 @@ def allocator_peak(step, model, x, y, sample_weight=None, device: str | None = N
     seed generator (one that the trace created is forgotten, as the extraction does, but the
     step keeps the state it advanced). None when the allocator keeps no statistics (a
     warning says so). A step compiled with a strategy gets ``x, y`` (one replica's batch)
-    on every replica, so each replica device's allocator sees one replica's step.
+    on every replica, so each replica device's allocator sees one replica's step. ``count``
+    as :func:`~tfremat.runtime.memory.measure_step_peak` takes it.
     """
     from tfremat.runtime.memory import measure_step_peak
     from tfremat.runtime.state import state_restored
@@ -409,7 +437,7 @@ def allocator_peak(step, model, x, y, sample_weight=None, device: str | None = N
     with state_restored(variables):
         try:
             return measure_step_peak(lambda a, b: step(a, b, sample_weight), x, y, resident=variables, device=device,
-                                     warmup=1)
+                                     warmup=1, count=count)
         except CompileError as error:
             logger.warning("allocator_check skipped: %s", error)
             return None

@@ -105,10 +105,12 @@ def best_baseline(
             cost = schedule.cost(graph)
             if best is None or cost < best_cost:
                 best, best_cost = schedule, cost
-                if not quiet:
-                    report_incumbent(progress, began, cost, graph.total_cost)
+                # Offered before it is reported: a Ctrl-C while the report is written
+                # must find the schedule the user has just been told about.
                 if offer is not None:
                     offer(schedule, peak)
+                if not quiet:
+                    report_incumbent(progress, began, cost, graph.total_cost)
     if skipped and not quiet:
         logger.info("heuristics: the deadline left no time for %s (after %.1fs)", ", ".join(skipped),
                     time.perf_counter() - began)
