@@ -47,7 +47,18 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
 * **Fixed bytes** = parameters (+ parameter gradients with ``weight_grads="fixed"``) +
   optimizer slot variables + non-trainable variables (batch-norm statistics, dropout
   seeds) + the input batch + the labels + the residuals that do not grow with the batch
-  (per-channel statistics). Each part is in ``SideTable.fixed_bytes_breakdown``.
+  (per-channel statistics) + the all-reduce's buffers when several replicas of a
+  ``tf.distribute`` strategy train (below). Each part is in ``SideTable.fixed_bytes_breakdown``.
+* **All-reduce** (``replicas > 1``): the graph describes one replica; after the backward
+  pass the replicas sum their gradients, and each replica receives the reduced gradients
+  in new buffers while its own are still resident (``weight_grads="fixed"``), until the
+  optimizer updates. One copy of the parameter gradients per replica is counted
+  (``all_reduce``). On two logical CPU devices (``MirroredStrategy``'s
+  ``ReductionToOneDevice``) the mirrored step held 0.6-0.85 gradient copies per replica
+  beyond two single-replica steps (``benchmarks/mirrored_allreduce.py`` ->
+  ``benchmarks/results/mirrored_allreduce.md``). The buffers exist only at the end of the
+  step, when the activations are freed; counting them as fixed keeps the planning core
+  unchanged and over-predicts by at most that copy while the activations peak.
 
 Node order: forward calls in Keras execution order, the loss, then the backward nodes in
 reverse forward order (the order plain backpropagation runs them), a split backward's
@@ -145,11 +156,12 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
              analyses: Sequence[CallAnalysis], loss_analysis: CallAnalysis, in_specs, label_specs,
              loss_fn, optimizer, batch: int, cost_model: str, weight_grads: str,
              alternatives: Sequence[Mapping[str, CallAnalysis]] | None = None,
-             split_backward: bool = False) -> tuple[DFGraph, SideTable]:
+             split_backward: bool = False, replicas: int = 1) -> tuple[DFGraph, SideTable]:
     """Numbers the nodes, wires the edges and builds the graph and the side table;
     ``alternatives``: per call, its layer's alternatives measured by name, which the graph
     carries as :class:`~tfremat.graph.Implementation` s of the call's forward node;
-    ``split_backward``: split the backward of every call that allows it (module doc)."""
+    ``split_backward``: split the backward of every call that allows it (module doc);
+    ``replicas``: how many replicas all-reduce their gradients (module doc, "All-reduce")."""
     loss_node = len(calls)
     backward_calls = [c.position for c in reversed(calls) if needs_backward[c.position]]
     split = {c.position for c in calls if split_backward and needs_backward[c.position]
@@ -178,7 +190,7 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
                 for name, a in alternatives[call.position].items()
             ]
     _add_loss(nodes, loss_node, output_refs, loss_analysis, flops)
-    breakdown = _fixed_bytes(model, optimizer, in_specs, label_specs, small_total, weight_grads)
+    breakdown = _fixed_bytes(model, optimizer, in_specs, label_specs, small_total, weight_grads, replicas)
     graph = DFGraph(
         names=nodes.names, edges=nodes.edges, cost=nodes.cost, output_bytes=nodes.out_bytes,
         workspace_bytes=nodes.work, is_backward=nodes.is_bwd, loss_node=loss_node, forward_of=nodes.forward_of,
@@ -349,7 +361,8 @@ def _add_loss(nodes: _Nodes, loss_node: int, output_refs: Sequence[TensorRef], l
     )
 
 
-def _fixed_bytes(model, optimizer, in_specs, label_specs, small_residuals: int, weight_grads: str) -> dict[str, int]:
+def _fixed_bytes(model, optimizer, in_specs, label_specs, small_residuals: int, weight_grads: str,
+                 replicas: int) -> dict[str, int]:
     """The parts of the fixed bytes (module docstring), as ``SideTable.fixed_bytes_breakdown``."""
     trainable = _variables_bytes(model.trainable_variables)
     return {
@@ -360,6 +373,7 @@ def _fixed_bytes(model, optimizer, in_specs, label_specs, small_residuals: int, 
         "inputs": sum(tensor_bytes(s.shape, s.dtype, "the input batch", "input") for s in in_specs),
         "labels": sum(tensor_bytes(s.shape, s.dtype, "the labels", "labels") for s in label_specs),
         "small_residuals": small_residuals,
+        "all_reduce": trainable if replicas > 1 else 0,
     }
 
 

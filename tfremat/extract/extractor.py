@@ -10,6 +10,7 @@ resolve the loss (:mod:`~tfremat.extract.losses`), measure every distinct call a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -19,8 +20,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.errors import ExtractionError
-from tfremat.extract.analysis import CallAnalysis, analyze_loss
+from tfremat.errors import ExtractionError, is_int
+from tfremat.extract.analysis import CallAnalysis, analyze_loss, xla_costs
 from tfremat.extract.assembly import assemble, backward_flags, weight_gradient_lifetime
 from tfremat.extract.checks import (
     analyze_checked,
@@ -89,6 +90,8 @@ def extract(
     weight_grads: str = "auto",
     granularity: str = DEFAULT_GRANULARITY,
     implementations: bool = False,
+    replicas: int | None = None,
+    xla: bool = False,
 ) -> Extraction:
     """Extracts the training graph of a Keras model.
 
@@ -129,6 +132,22 @@ def extract(
             convolution or Dense layer without activation into a weight-gradient node and
             an input-gradient node (MONeT appendix D; :mod:`~tfremat.extract.assembly`),
             so a schedule frees the layer's input before its input gradient is made.
+        replicas: how many replicas of a ``tf.distribute`` strategy run the step and
+            all-reduce their gradients; the graph describes one replica (its batch is one
+            replica's). With more than one, the weight gradients are resident for the whole
+            step (``"auto"`` gives ``"fixed"``: the all-reduce waits for all of them) and the
+            fixed bytes hold the all-reduce's buffers (``all_reduce`` in
+            ``SideTable.fixed_bytes_breakdown``, see :mod:`~tfremat.extract.assembly`). None:
+            the replicas of the strategy ``model`` was built under (Keras records it as
+            ``model.distribute_strategy``; 1 outside any strategy).
+        xla: the step will be compiled by XLA (``jit_compile=True``): the ``"profile"``
+            cost model times every call compiled by XLA, where fused pointwise operations
+            cost little to recompute (:func:`~tfremat.extract.analysis.xla_costs`); the
+            workspaces are measured as without it. Cached apart from the costs without XLA.
+
+    Under a strategy's scope (a cross-replica context) the model is extracted as replica 0
+    sees it, inside ``tf.distribute.ReplicaContext(strategy, 0)``: a mirrored variable has
+    no single value outside a replica context (``DistributedVariable.handle`` raises).
 
     Returns:
         An :class:`Extraction`.
@@ -136,49 +155,80 @@ def extract(
     Raises:
         ExtractionError: naming the layer, when the model cannot be extracted (a subclassed
             model whose call cannot run on symbolic inputs, unknown static shapes, stateful RNNs, layers with
-            Python side effects, a bad loss or cost model).
+            Python side effects, a bad loss, cost model or number of replicas).
 
     Example:
         >>> ex = extract(model, (x, y), loss="categorical_crossentropy", cost_model="flops")
         >>> ex.graph.size, ex.side_table.loss_node
     """
     started = time.perf_counter()
-    _check_arguments(model, sample_batch, input_signature, cost_model, weight_grads)
+    _check_arguments(model, sample_batch, input_signature, cost_model, weight_grads, replicas)
     optimizer = optimizer if optimizer is not None else keras.optimizers.SGD()
+    strategy = model.distribute_strategy
+    replicas = strategy.num_replicas_in_sync if replicas is None else replicas
+    # Variables are made where the caller is (in a strategy's scope they are mirrored, as
+    # model.fit makes them), not in the replica context entered below: a subclassed model's
+    # by its wrapper's call, the optimizer's slots by building it.
     model = functional_model(model, sample_batch[0] if sample_batch is not None else input_signature)
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    with _as_replica(strategy):
+        return _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer, cost_model, batch_size,
+                        repeats, use_cache, weight_grads, granularity, implementations, replicas, started,
+                        xla and cost_model == "profile")
+
+
+def _as_replica(strategy):
+    """``tf.distribute.ReplicaContext(strategy, 0)`` in a cross-replica context of a
+    strategy other than the default one (``extract``'s docstring), else no context."""
+    if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
+        return tf.distribute.ReplicaContext(tf.distribute.get_strategy(), 0)
+    return contextlib.nullcontext()
+
+
+def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer, cost_model: str,
+             batch_size: int | None, repeats: int, use_cache: bool, weight_grads: str, granularity: str,
+             implementations: bool, replicas: int, started: float, xla: bool) -> Extraction:
+    """:func:`extract` once the arguments are checked, the model wrapped, the optimizer
+    built and the replica context entered; ``xla``: the calls are timed compiled by XLA."""
     in_specs, label_specs = _input_specs(model, sample_batch, input_signature, batch_size)
     calls, output_refs = walk_model(model, granularity, [spec.shape for spec in in_specs])
     batch = int(in_specs[0].shape[0])
     loss_name = loss_cache_name(loss, loss_weights)
     loss_fn = resolve_loss(loss, len(output_refs), model_output_names(model), loss_weights)
-    key = cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, default_device(), implementations)
+    key = cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, default_device(), implementations,
+                    xla)
     cached = load_cache(key, len(calls)) if use_cache else None
     needs_backward = backward_flags(calls)
 
     profile_started = time.perf_counter()
     if cached is not None:
         logger.info("extract %s: profile cache hit %s", model.name, key)
-    analyses, out_specs = _analyze_calls(
-        calls, needs_backward, in_specs, None if cached is None else cached[0], batch, cost_model, repeats,
-    )
-    if cached is not None:
-        loss_analysis, alternatives = cached[1], cached[2]
-    else:
-        pred_specs = [out_specs[r.index][r.output_index] for r in output_refs]
-        loss_analysis = analyze_loss(loss_fn, pred_specs, label_specs, cost_model == "profile", repeats)
-        alternatives = _analyze_alternatives(calls, needs_backward, in_specs, out_specs, batch, cost_model, repeats,
-                                             implementations)
+    with xla_costs(xla):
+        analyses, out_specs = _analyze_calls(
+            calls, needs_backward, in_specs, None if cached is None else cached[0], batch, cost_model, repeats,
+        )
+        if cached is not None:
+            loss_analysis, alternatives = cached[1], cached[2]
+        else:
+            pred_specs = [out_specs[r.index][r.output_index] for r in output_refs]
+            loss_analysis = analyze_loss(loss_fn, pred_specs, label_specs, cost_model == "profile", repeats)
+            alternatives = _analyze_alternatives(calls, needs_backward, in_specs, out_specs, batch, cost_model,
+                                                 repeats, implementations)
     profile_seconds = 0.0 if cached is not None else time.perf_counter() - profile_started
     if cached is None and use_cache:
         store_cache(key, analyses, loss_analysis, alternatives)
 
-    if not optimizer.built:
-        optimizer.build(model.trainable_variables)
-    if weight_grads == "auto":
+    if weight_grads == "auto" and replicas > 1:
+        logger.info("weight gradients are counted as resident for the whole step (%d replicas all-reduce them)",
+                    replicas)
+        weight_grads = "fixed"
+    elif weight_grads == "auto":
         weight_grads = weight_gradient_lifetime(optimizer, [call.layer for call in calls])
     graph, table = assemble(
         model, calls, output_refs, needs_backward, analyses, loss_analysis, in_specs, label_specs,
         loss_fn, optimizer, batch, cost_model, weight_grads, alternatives, split_backward=implementations,
+        replicas=replicas,
     )
     seconds = time.perf_counter() - started
     logger.info(
@@ -188,11 +238,13 @@ def extract(
     return Extraction(graph, table, seconds, profile_seconds, cached is not None)
 
 
-def _check_arguments(model, sample_batch, input_signature, cost_model: str, weight_grads: str) -> None:
+def _check_arguments(model, sample_batch, input_signature, cost_model: str, weight_grads: str,
+                     replicas: int | None) -> None:
     """Refuses bad arguments and a model the graph cannot model, before anything is traced.
 
     Raises:
-        ExtractionError: an unknown cost model or weight-gradient lifetime, both a sample
+        ExtractionError: an unknown cost model or weight-gradient lifetime, a number of
+            replicas that is no positive int, both a sample
             batch and a signature, not a Keras model, or training the
             compiled loss does not describe (:func:`~tfremat.extract.checks.refuse_unmodelled_training`).
     """
@@ -200,6 +252,9 @@ def _check_arguments(model, sample_batch, input_signature, cost_model: str, weig
         raise ExtractionError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
     if weight_grads not in ("auto", "transient", "fixed"):
         raise ExtractionError(f"weight_grads must be 'auto', 'transient' or 'fixed', got {weight_grads!r}")
+    if replicas is not None and (not is_int(replicas) or replicas < 1):
+        raise ExtractionError(f"replicas must be a positive int (the strategy's num_replicas_in_sync) or None (the "
+                              f"strategy the model was built under), got {replicas!r}")
     if sample_batch is not None and input_signature is not None:
         raise ExtractionError("pass either sample_batch or input_signature, not both")
     if not isinstance(model, keras.Model):
