@@ -47,6 +47,17 @@ found it. The backward workspace of a call that runs a while loop is the largest
 traces (see :func:`_other_orders_peak`), and that of a call whose gradient reads residuals
 only the largest over three orders of its operations (:func:`_run_greediest`).
 
+Within :func:`xla_costs` (``extract(..., xla=True)``, for a step compiled with
+``jit_compile=True``) the seconds are those of the same calls compiled by XLA: the timed
+forward and forward-plus-backward functions are ``tf.function(jit_compile=True)``, so a
+chain of pointwise operations costs one fused kernel, as in the compiled step, where it
+costs a kernel per operation without XLA. The dispatch subtracted is that of an XLA
+function that computes nothing. A while loop's forward is timed without its tape there (an
+XLA function cannot return a loop's accumulators): the accumulators' pushes count in its
+backward. The workspaces stay those of TensorFlow's kernels: XLA's buffer assignment of one
+call says little of the whole step's, whose requested bytes the graph's other numbers are
+held to.
+
 The ``flops`` cost model sums TensorFlow's registered per-op flop statistics over the traced
 ops (``Conv2D``, ``MatMul``, ...), and the element count of every other computing op. A
 while loop counts its body's ops times the iterations it ran on a sample batch (the length
@@ -56,6 +67,8 @@ ops; a loop nested in a loop's body counts its body once per outer iteration.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -76,7 +89,7 @@ from tfremat.runtime.memory import (
 )
 from tfremat.runtime.tape import takes_one_gradient_call
 
-__all__ = ["CallAnalysis", "analyze_call", "analyze_loss", "tensor_bytes"]
+__all__ = ["CallAnalysis", "analyze_call", "analyze_loss", "tensor_bytes", "xla_costs"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +111,22 @@ _NO_COMPUTE_OPS = frozenset(
      "Size", "Rank", "Reshape", "StopGradient", "VarHandleOp", "AssignVariableOp", "AssignAddVariableOp",
      "AssignSubVariableOp", "BroadcastGradientArgs", "ZerosLike", "OnesLike"}
 )
+# Whether profiled seconds are those of XLA-compiled calls (xla_costs).
+_XLA_COSTS = contextvars.ContextVar("tfremat_xla_costs", default=False)
+
+
+@contextlib.contextmanager
+def xla_costs(enabled: bool = True):
+    """Within it, :func:`analyze_call` and :func:`analyze_loss` time the calls compiled by
+    XLA (module docstring): the costs of a step compiled with ``jit_compile=True``, where
+    fused pointwise operations cost little to recompute. A context, not an argument, so
+    that every caller between :func:`~tfremat.extract.extractor.extract` and the analysis
+    passes it on unchanged."""
+    token = _XLA_COSTS.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _XLA_COSTS.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,11 +245,17 @@ def _least_seconds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup
     return least
 
 
-def _dispatch_only(args: tuple):
+def _dispatch_only(args: tuple, xla: bool = False):
     """A concrete function that takes ``args`` and computes nothing: its time is what
     calling a concrete function costs from Python (hundreds of microseconds on CPU, more
     than a small layer's kernels), which a profiled call pays and the compiled step, one
-    function for the whole step, does not pay per node."""
+    function for the whole step, does not pay per node.
+
+    With ``xla`` an XLA function that returns a scalar: launching an executable costs
+    more than calling a graph function, and an XLA identity would copy its inputs (its
+    outputs cannot share the caller's buffers), which is computing."""
+    if xla:
+        return tf.function(lambda *xs: tf.zeros([]), autograph=False, jit_compile=True).get_concrete_function(*args)
     return tf.function(lambda *xs: tf.nest.map_structure(tf.identity, xs)).get_concrete_function(*args)
 
 
@@ -325,15 +360,16 @@ class _CallTracer:
         self.records: dict[str, dict] = {}
 
     def trace(self, fetch: str, specs: Sequence[tf.TensorSpec] | None = None, gated: bool = True,
-              greediest: bool = False):
+              greediest: bool = False, jit_compile: bool = False):
         """A fresh concrete function of :meth:`forward_backward` (a new ``tf.function``
-        each time, so each call traces again) on ``specs`` (default: the call's inputs)."""
+        each time, so each call traces again) on ``specs`` (default: the call's inputs),
+        compiled by XLA with ``jit_compile``."""
 
         def run(flat_inputs, seed):
             return self.forward_backward(flat_inputs, seed, fetch, gated, greediest)
 
         specs = self.input_specs if specs is None else specs
-        return tf.function(run, autograph=False).get_concrete_function(list(specs), _SEED_SPEC)
+        return tf.function(run, autograph=False, jit_compile=jit_compile).get_concrete_function(list(specs), _SEED_SPEC)
 
     def forward_backward(self, flat_inputs, seed, fetch: str, gated: bool = True, greediest: bool = False):
         """The call and its VJP as the compiled step runs them (the trace the analysis
@@ -495,11 +531,13 @@ def analyze_call(
     upstream_bytes = sum(tensor_bytes(s, d, "an output gradient", layer_name) for s, d in output_specs
                          if _is_float(tf.as_dtype(d)))
     return _profile_call(analysis, tracer, forward_concrete, fb_concrete, held_concrete, upstream_bytes,
-                         repeats, warmup)
+                         repeats, warmup, layer_name)
 
 
-def _trace_forward(call_layer: Callable[[list], object], input_specs: Sequence[tf.TensorSpec]):
-    """``(concrete function, output specs, one_gradient_call)`` of a forward-only trace.
+def _trace_forward(call_layer: Callable[[list], object], input_specs: Sequence[tf.TensorSpec],
+                   jit_compile: bool = False):
+    """``(concrete function, output specs, one_gradient_call)`` of a forward-only trace
+    (compiled by XLA with ``jit_compile``).
 
     The output specs come from it, and whether the backward takes one gradient call: the
     interpreter decides on the same forward-only trace (its trial trace).
@@ -508,7 +546,7 @@ def _trace_forward(call_layer: Callable[[list], object], input_specs: Sequence[t
     def forward(flat_inputs):
         return call_layer(list(flat_inputs))
 
-    concrete = tf.function(forward, autograph=False).get_concrete_function(list(input_specs))
+    concrete = tf.function(forward, autograph=False, jit_compile=jit_compile).get_concrete_function(list(input_specs))
     out_tensors = tf.nest.flatten(concrete.structured_outputs)
     output_specs = tuple((tuple(t.shape.as_list()), t.dtype.name) for t in out_tensors)
     return concrete, output_specs, takes_one_gradient_call(concrete.graph.get_operations())
@@ -562,7 +600,7 @@ def _loop_residuals(tracer: _CallTracer, read_tensors, layer_name: str):
 
 
 def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete, fb_concrete, held_concrete,
-                  upstream_bytes: int, repeats: int, warmup: int) -> CallAnalysis:
+                  upstream_bytes: int, repeats: int, warmup: int, layer_name: str) -> CallAnalysis:
     """``analysis`` with the seconds and the workspaces measured on the device.
 
     The forward is timed alone, or for a loop with the tape filling its accumulators (the
@@ -577,6 +615,9 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     when nothing else reads it, held a buffer that the gradient's temporaries take there.
     That peak is the largest over three orders of the gradient's operations: gated, ungated
     and the greediest one (:func:`_run_greediest`).
+
+    Within :func:`xla_costs` the seconds are timed on the forward and the step's trace
+    compiled by XLA (:func:`_xla_seconds`); the workspaces are measured as above.
     """
     inputs = [_sample(s) for s in tracer.input_specs]
     weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in tracer.variables)
@@ -592,8 +633,11 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     else:
         fb_peak = max(_requested_peak(fb_concrete, args, warmup),
                       _other_orders_peak(tracer, held_concrete is not None, inputs, warmup))
-    dispatch, fwd_seconds, fb_seconds = _least_seconds(
-        [(_dispatch_only(timed_forward[1]), timed_forward[1]), timed_forward, (fb_concrete, args)], repeats, warmup)
+    if _XLA_COSTS.get():
+        dispatch, fwd_seconds, fb_seconds = _xla_seconds(tracer, inputs, repeats, warmup, layer_name)
+    else:
+        dispatch, fwd_seconds, fb_seconds = _least_seconds(
+            [(_dispatch_only(timed_forward[1]), timed_forward[1]), timed_forward, (fb_concrete, args)], repeats, warmup)
     held_bytes = (0 if consumed else analysis.output_bytes) + upstream_bytes + analysis.residual_bytes \
         + analysis.small_residual_bytes
     return dataclasses.replace(
@@ -603,6 +647,37 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
         forward_workspace=max(0, fwd_peak - analysis.output_bytes - analysis.residual_bytes),
         backward_workspace=max(0, fb_peak - held_bytes - analysis.input_grad_bytes - weight_grad_bytes),
     )
+
+
+def _xla_seconds(tracer: _CallTracer, inputs, repeats: int, warmup: int, layer_name: str) -> list[float]:
+    """The least seconds of an XLA function that computes nothing, of the call's forward
+    and of the step's trace of its forward and backward, all compiled by XLA and timed in
+    turns (:func:`_compiled_least_seconds`).
+
+    Raises:
+        ExtractionError: XLA cannot compile the call.
+    """
+    args = (inputs, tf.constant(1.0))
+    forward = _trace_forward(tracer.call_layer, tracer.input_specs, jit_compile=True)[0]
+    calls = [(_dispatch_only(args, xla=True), args), (forward, (inputs,)), (tracer.trace("step", jit_compile=True), args)]
+    return _compiled_least_seconds(calls, repeats, warmup, layer_name)
+
+
+def _compiled_least_seconds(calls, repeats: int, warmup: int, layer_name: str) -> list[float]:
+    """:func:`_least_seconds` of XLA functions, at least one warm-up run (it compiles).
+
+    Raises:
+        ExtractionError: XLA cannot compile one of them (an operation without an XLA
+            kernel, a shape XLA needs static).
+    """
+    try:
+        return _least_seconds(calls, repeats, max(1, warmup))
+    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
+        raise ExtractionError(
+            f"layer {layer_name!r}: XLA cannot compile it or its gradient ({str(error).splitlines()[0][:200]}); "
+            "compile the model with jit_compile=False, or extract without xla=True",
+            layer=layer_name,
+        ) from error
 
 
 def _other_orders_peak(tracer: _CallTracer, loop: bool, inputs, warmup: int) -> int:
@@ -832,6 +907,7 @@ def analyze_loss(
 
     The loss node's value is the scalar loss plus the gradient of the loss with respect to
     every model output; the loss reads the predictions it differentiates (its inputs).
+    Within :func:`xla_costs` its seconds are those of the same function compiled by XLA.
     """
 
     def loss_and_grads(preds, labels):
@@ -869,7 +945,11 @@ def analyze_loss(
     preds = [_sample(s) for s in pred_specs]
     labels = [_sample(s) for s in label_specs]
     peak = _requested_peak(concrete, (preds, labels), warmup)
-    dispatch, seconds = _least_seconds([(_dispatch_only((preds, labels)), (preds, labels)), (concrete, (preds, labels))],
-                                       repeats, warmup)
+    xla = _XLA_COSTS.get()
+    timed = tf.function(loss_and_grads, autograph=False, jit_compile=True).get_concrete_function(
+        list(pred_specs), list(label_specs)) if xla else concrete
+    calls = [(_dispatch_only((preds, labels), xla=xla), (preds, labels)), (timed, (preds, labels))]
+    dispatch, seconds = _compiled_least_seconds(calls, repeats, warmup, "loss") if xla \
+        else _least_seconds(calls, repeats, warmup)
     return dataclasses.replace(analysis, forward_seconds=_on_grid(_less_dispatch(seconds, dispatch)),
                                forward_workspace=max(0, peak - output_bytes))

@@ -4,7 +4,8 @@ An entry is ``<cache_dir>/<key>.json`` holding ``{"calls": [CallAnalysis dict, .
 "loss": CallAnalysis dict, "implementations": [{name: CallAnalysis dict}, ...]}`` (per call,
 its layer's alternatives when they were measured). The key hashes the cache version, the
 TensorFlow version, the device, the inter-op thread setting, the cost model, whether
-alternatives are measured, the loss, the input and label specs,
+alternatives are measured, whether the calls were timed compiled by XLA
+(``extract(..., xla=True)``), the loss, the input and label specs,
 the dtype policy and every call's layer signature and wiring. A layer's signature includes
 a fingerprint of its class's code (:func:`code_fingerprint`), so editing a user layer or
 loss between two runs does not reuse the first run's numbers.
@@ -123,7 +124,8 @@ def _hash_code(code, digest) -> None:
             digest.update(repr(constant).encode())
 
 
-def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device, implementations: bool = False) -> str:
+def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device, implementations: bool = False,
+              xla: bool = False) -> str:
     """The entry's name: a digest of everything the measurements depend on (module docstring)."""
     payload = {
         "version": _CACHE_VERSION,
@@ -132,6 +134,7 @@ def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device
         "inter_op_threads": (tf.config.threading.get_inter_op_parallelism_threads(), os.environ.get("TF_NUM_INTEROP_THREADS")),
         "cost_model": cost_model,
         "implementations": implementations,
+        "xla": xla,
         "loss": loss_name,
         "inputs": [(list(s.shape), s.dtype.name) for s in in_specs],
         "labels": [(list(s.shape), s.dtype.name) for s in label_specs],
