@@ -54,8 +54,8 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   in new buffers while its own are still resident (``weight_grads="fixed"``), until the
   optimizer updates. One copy of the parameter gradients per replica is counted
   (``all_reduce``). On two logical CPU devices (``MirroredStrategy``'s
-  ``ReductionToOneDevice``) the mirrored step held 0.6-0.85 gradient copies per replica
-  beyond two single-replica steps (``benchmarks/mirrored_allreduce.py`` ->
+  ``ReductionToOneDevice``) the mirrored step held 0.45-0.96 gradient copies per replica
+  beyond two single-replica steps over ten runs (``benchmarks/mirrored_allreduce.py`` ->
   ``benchmarks/results/mirrored_allreduce.md``). The buffers exist only at the end of the
   step, when the activations are freed; counting them as fixed keeps the planning core
   unchanged and over-predicts by at most that copy while the activations peak.
