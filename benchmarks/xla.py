@@ -18,6 +18,16 @@ compiler, in turns (:func:`tfremat.measure.time_in_turns`); the ratio is the med
 per-round ratios. Recomputed ops in the HLO: instructions of the optimized HLO named from a
 recompute statement (``reforward_N``); CSE keeps the first computation's name when it merges.
 
+The cost model under XLA (second table per model): the 50% schedule planned on costs
+profiled without XLA (TensorFlow's kernels) and under XLA (``extract(..., xla=True)``: every
+layer call timed compiled by XLA, as ``RematCallback`` profiles a model compiled with
+``jit_compile=True``), each compiled with XLA and timed against plain XLA training. Planned:
+the schedule's total cost on its own graph, and its overhead, that cost over
+checkpoint-all's on the same graph; "plan's XLA cost" evaluates each schedule on the XLA
+costs, so the two plans are compared under one cost model. Measured overhead: the step's
+time over plain XLA training's, in turns; measured / planned: that over the planned
+overhead (1 when the costs predict what recomputing adds).
+
 A GPU section runs when TensorFlow sees a GPU (larger models).
 
 Run: ``python benchmarks/xla.py`` (writes ``benchmarks/results/xla.md``).
@@ -192,6 +202,43 @@ def measure_case(build, batch, rounds, device):
     return rows
 
 
+def measure_costs(build, batch, rounds):
+    """The 50% schedule planned on costs profiled without and with XLA, each step compiled
+    with XLA (module docstring); rows of (costs, schedule, graph, timing)."""
+    model = build()
+    x, y = batch_for(model, batch)
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+    optimizer.build(model.trainable_variables)
+    planned = []
+    for xla in (False, True):
+        extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", xla=xla, use_cache=False)
+        half = cheapest_fitting(extraction.graph, parse_graph_budget(extraction.graph, "50% of activations"))
+        planned.append((xla, extraction, half))
+    plain = plain_step(model, planned[0][1].side_table.loss_fn, optimizer, True)
+    xla_graph = planned[1][1].graph
+    rows = []
+    for xla, extraction, half in planned:
+        step = compile_step(extraction, half, optimizer=optimizer, jit_compile=True)
+        timing = time_in_turns(lambda: step(x, y), lambda: plain(x, y), rounds)
+        rows.append((xla, half, extraction.graph, xla_graph, timing))
+    return rows
+
+
+def cost_table(rows):
+    lines = ["| costs profiled | schedule | recomputations | planned ms | planned overhead | plan's XLA cost ms | "
+             "step ms | measured overhead [q1, q3] | measured / planned overhead |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for xla, schedule, graph, xla_graph, timing in rows:
+        every = get_strategy("checkpoint_all")(graph).cost(graph)
+        overhead = schedule.cost(graph) / every
+        lines.append(
+            f"| {'under XLA' if xla else 'without XLA'} | {schedule.strategy} | {schedule.recompute_count} | "
+            f"{schedule.cost(graph) * 1e3:.0f} | {overhead:.2f} | {schedule.cost(xla_graph) * 1e3:.0f} | "
+            f"{timing.seconds * 1e3:.0f} | {timing.ratio:.2f} [{timing.ratio_quartiles[0]:.2f}, "
+            f"{timing.ratio_quartiles[1]:.2f}] | {timing.ratio / overhead:.2f} |")
+    return lines
+
+
 def table(rows):
     lines = ["| step | predicted MiB | requested MiB | allocator MiB | requested / predicted | ms | "
              "time / plain (same compiler) [q1, q3] | recomputed ops in HLO |", "|---|---|---|---|---|---|---|---|"]
@@ -210,6 +257,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=15, help="timing rounds per step")
     parser.add_argument("--models", nargs="*", default=list(CPU_CASES), help="models to run")
     parser.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write")
+    parser.add_argument("--no-costs", action="store_true", help="skip the cost-model table (profiling)")
     args = parser.parse_args(argv)
     lines = ["# XLA: the compiled step with jit_compile=True", "", header(argv), "",
              f"TensorFlow {tf.__version__}, Keras {keras.__version__}. Load average at the start: "
@@ -224,8 +272,14 @@ def main(argv=None):
             build, batch, description = cases[name]
             with tf.device(device):
                 rows = measure_case(build, batch, args.rounds, device)
+            first = len(lines)
             lines += [f"### {name}: {description}", "", *table(rows), ""]
-            print("\n".join(lines[-len(rows) - 4:]), flush=True)
+            if not args.no_costs:
+                with tf.device(device):
+                    cost_rows = measure_costs(build, batch, args.rounds)
+                lines += ["Cost model under XLA (50% of activations, every step compiled with XLA):", "",
+                          *cost_table(cost_rows), ""]
+            print("\n".join(lines[first:]), flush=True)
     if len(sections) == 1:
         lines += ["## GPU", "", "No GPU in this run: the section runs when TensorFlow sees one.", ""]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

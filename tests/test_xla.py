@@ -238,3 +238,57 @@ def test_fit_on_a_model_compiled_with_jit_compile_trains_like_keras_with_xla():
     remat_loss, remat_state = trained(True)
     np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-4)
     assert closeness(remat_state, plain_state).equal
+
+
+def _pointwise_chain(features=64, seed=0):
+    """A Dense layer and pointwise layers after it (GELU, layer norm, a sigmoid-gated
+    product): each is several TensorFlow kernels and one fused XLA loop."""
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+    x = keras.Input((features,), name="x")
+    h = layers.Dense(features, name="dense")(x)
+    h = layers.Activation("gelu", name="gelu")(h)
+    h = layers.LayerNormalization(name="norm")(h)
+    h = layers.Multiply(name="gate")([h, layers.Activation("sigmoid", name="sigmoid")(h)])
+    return keras.Model(x, layers.Dense(4, activation="softmax", name="head")(h), name="pointwise_chain")
+
+
+def test_xla_costs_are_timed_on_functions_compiled_by_xla(monkeypatch):
+    """``extract(..., xla=True)`` times every layer call, its gradient and the loss as
+    functions compiled by XLA (``_XlaMustCompile``), and without it none; the workspaces
+    are measured as without XLA (the same bytes), and the two profiles are cached apart.
+    The mechanism is checked, not a timing: which is cheaper depends on the machine."""
+    from tfremat.extract import analysis
+
+    timed = []
+    least_seconds = analysis._least_seconds
+
+    def recording(calls, repeats, warmup):
+        timed.extend(fn for fn, _ in calls)
+        return least_seconds(calls, repeats, warmup)
+
+    monkeypatch.setattr(analysis, "_least_seconds", recording)
+    monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
+
+    def compiled_by_xla(fn) -> bool:
+        attr = fn.function_def.attr.get("_XlaMustCompile")
+        return attr is not None and attr.b
+
+    model = _pointwise_chain()
+    x = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    y = np.eye(4, dtype=np.float32)[np.arange(32) % 4]
+    profiles = {}
+    for xla in (False, True, True):
+        timed.clear()
+        extraction = extract(model, (x, y), cost_model="profile", repeats=1, xla=xla)
+        assert extraction.cache_hit == (xla and xla in profiles), xla
+        if not extraction.cache_hit:
+            # six layer calls (four kinds of pointwise layer, two Dense of their own
+            # shapes) and the loss: a dispatch-only function with each
+            assert len(timed) >= 2 * 7
+            assert all(compiled_by_xla(fn) == xla for fn in timed), xla
+        profiles[xla] = extraction.graph
+    plain, compiled = profiles[False], profiles[True]
+    assert plain.size == compiled.size
+    assert plain.workspace_bytes == compiled.workspace_bytes
+    assert all(c > 0 for c in compiled.cost)
