@@ -107,12 +107,58 @@ _SCRIPT = textwrap.dedent(
                   len({{n.split("/")[0] for n in names if n.startswith("reforward_")}})]
         recomputed[str(key[0][0])] = counts
     plans = {{str(key[0][0]): dict(weight_grads=plan.extraction.side_table.weight_grads, budget=plan.budget_bytes,
-                                  predicted=plan.predicted_peak_bytes, recomputations=plan.schedule.recompute_count)
+                                  predicted=plan.predicted_peak_bytes, recomputations=plan.schedule.recompute_count,
+                                  fixed=plan.graph.fixed_bytes,
+                                  parts=dict(plan.extraction.side_table.fixed_bytes_breakdown))
              for key, plan in history.plans.items()}}
+
+    # Planned inside the scope (a cross-replica context, where the extraction once failed:
+    # DistributedVariable.handle), then each replica's requested bytes against the plan. A
+    # plain SGD on a weight-heavy MLP: the gradients and the all-reduce's buffers outweigh
+    # the activations, and the update needs no buffer of its own.
+    from tfremat.runtime.memory import requested_peak
+
+    def mlp():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((128,))
+        hidden = inputs
+        for _ in range(3):
+            hidden = keras.layers.Dense(128, activation="relu")(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="categorical_crossentropy")
+        return model
+
+    xm = rng.standard_normal((8, 128)).astype("float32")
+    ym = np.eye(10, dtype="float32")[rng.integers(0, 10, 8)]
+
+    def requested(step, batch):
+        run = lambda: tf.nest.flatten(step(*batch))[0].numpy()
+        run()
+        run()
+        return max(requested_peak(run, "CPU:0") for _ in range(3))
+
+    with strategy.scope():
+        dense = mlp()
+        scoped = tfremat.plan_model(dense, None, xm, ym, batch_size=4, strategy="checkpoint_all", cost_model="flops",
+                                    cache=False, verbose=0)
+    mirrored_step = compile_step(scoped.extraction, scoped.schedule, strategy=strategy)
+    both = requested(mirrored_step, next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensors((xm, ym))))))
+    alone = mlp()
+    single = extract(alone, (xm[:4], ym[:4]), optimizer=alone.optimizer, cost_model="flops", use_cache=False,
+                     weight_grads="fixed")
+    single_step = compile_step(single, get_strategy("checkpoint_all")(single.graph))
+    parts = dict(scoped.extraction.side_table.fixed_bytes_breakdown)
+    resident = sum(parts[name] for name in ("params", "optimizer_slots", "non_trainable", "inputs", "labels"))
+    scoped_plan = dict(weight_grads=scoped.extraction.side_table.weight_grads, parts=parts,
+                       fixed=scoped.graph.fixed_bytes, moving=scoped.predicted_peak_bytes - resident,
+                       per_replica=both / 2, single=requested(single_step, (tf.constant(xm[:4]), tf.constant(ym[:4]))),
+                       single_parts=dict(single.side_table.fixed_bytes_breakdown))
     print("RESULT", json.dumps(dict(
         expected=expected, history=history.history, close=[close.max_tensor_error, close.global_error, close.equal],
         loop_close=[loop_close.max_tensor_error, loop_close.global_error, loop_close.equal], loop_losses=loop_losses,
-        plans=plans, recomputed=recomputed, warnings=warnings, allocators=replica_allocators(strategy),
+        plans=plans, scoped=scoped_plan, recomputed=recomputed, warnings=warnings,
+        allocators=replica_allocators(strategy),
         replicas=strategy.num_replicas_in_sync)))
     """
 )
@@ -161,6 +207,30 @@ def test_the_plan_is_per_replica_batch_with_resident_gradients(mirrored):
         # Both replicas' traced steps recompute forward nodes, the same number.
         replica_1, replica_0 = mirrored["recomputed"][batch]
         assert replica_0 == replica_1 > 0, (batch, mirrored["recomputed"])
+
+
+def test_the_replica_plan_counts_the_all_reduce_buffers(mirrored):
+    """Each replica receives the reduced gradients in new buffers while its own are still
+    resident: one gradient copy per replica in the fixed bytes (tfremat.extract.assembly)."""
+    for batch, plan in mirrored["plans"].items():
+        parts = plan["parts"]
+        assert parts["all_reduce"] == parts["param_grads"] == parts["params"] > 0, (batch, parts)
+        assert plan["fixed"] == sum(parts.values()) <= plan["predicted"], (batch, plan)
+
+
+def test_planning_inside_the_scope_counts_what_each_replica_requests(mirrored):
+    """plan_model in a MirroredStrategy scope (a cross-replica context) extracts as replica
+    0 with resident gradients and the all-reduce term. The two logical CPU devices share one
+    allocator, so the requested bytes of both replicas' step are measured and halved: within
+    the prediction, and beyond what it would be without the all-reduce term; one replica's
+    step alone (extracted without a strategy: no term) requests less."""
+    scoped = mirrored["scoped"]
+    parts = scoped["parts"]
+    assert scoped["weight_grads"] == "fixed"
+    assert parts["all_reduce"] == parts["params"] > 0 and scoped["fixed"] == sum(parts.values())
+    assert scoped["single_parts"]["all_reduce"] == 0
+    assert scoped["moving"] - parts["all_reduce"] < scoped["per_replica"] <= scoped["moving"], scoped
+    assert scoped["single"] < scoped["per_replica"], scoped
 
 
 def test_allocator_check_on_logical_cpus_says_it_holds_requested_bytes(mirrored):
@@ -241,3 +311,41 @@ def test_allocator_peak_of_a_replica_puts_back_the_state():
     assert allocator_peak(step, model, x, y, device=device) > extraction.graph.fixed_bytes
     after = [v.numpy() for v in list(model.variables) + list(model.optimizer.variables)]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def _dense_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    return keras.Model(inputs, keras.layers.Dense(4, activation="softmax")(keras.layers.Dense(32)(inputs)))
+
+
+def test_replicas_put_the_all_reduce_buffers_in_the_fixed_bytes():
+    from tfremat.extract import extract
+
+    model = _dense_model()
+    batch = (np.zeros((8, 16), "float32"), np.eye(4, dtype="float32")[np.zeros(8, int)])
+    gradients = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    alone = extract(model, batch, cost_model="flops", use_cache=False)  # the default strategy: one replica
+    two = extract(model, batch, cost_model="flops", use_cache=False, replicas=2)
+    assert alone.side_table.weight_grads == "transient" and alone.side_table.fixed_bytes_breakdown["all_reduce"] == 0
+    # "auto" gradients are resident: the all-reduce waits for all of them.
+    assert two.side_table.weight_grads == "fixed"
+    parts = two.side_table.fixed_bytes_breakdown
+    assert parts["all_reduce"] == parts["param_grads"] == gradients
+    assert two.graph.fixed_bytes == alone.graph.fixed_bytes + 2 * gradients
+    for bad in (0, True, 1.5):
+        with pytest.raises(TfrematError, match=r"^replicas must be a positive int .*got"):
+            extract(model, batch, cost_model="flops", use_cache=False, replicas=bad)
+
+
+def test_plan_model_inside_a_one_device_strategy_scope():
+    """Inside a strategy's scope the extraction runs as replica 0; one replica all-reduces nothing."""
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    model = _compiled(strategy)
+    x, y = _data(4)
+    with strategy.scope():
+        result = tfremat.plan_model(model, None, x, y, batch_size=4, strategy="checkpoint_all", cost_model="flops",
+                                    cache=False, verbose=0)
+        assert tf.distribute.in_cross_replica_context()  # the replica context was left
+    parts = result.extraction.side_table.fixed_bytes_breakdown
+    assert parts["all_reduce"] == 0 and parts["params"] > 0 and model.optimizer.built
