@@ -186,6 +186,11 @@ def plan_model(
 ) -> PlanResult:
     """Extracts ``model``'s training graph and chooses a schedule, without training.
 
+    A model built in a ``tf.distribute`` strategy's scope is planned for one replica, inside
+    the scope or outside it: give one replica's batch (``batch_size`` per replica); with
+    several replicas the gradients are resident and the all-reduce's buffers are counted
+    (:func:`tfremat.extract.extract`, ``replicas``).
+
     Args:
         model: a Keras Functional or Sequential model (a Sequential one without ``Input`` is
             built from the first batch, as ``model.fit`` builds it).
