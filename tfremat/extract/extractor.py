@@ -164,21 +164,20 @@ def extract(
     started = time.perf_counter()
     _check_arguments(model, sample_batch, input_signature, cost_model, weight_grads, replicas)
     optimizer = optimizer if optimizer is not None else keras.optimizers.SGD()
-    strategy = model.distribute_strategy
-    replicas = strategy.num_replicas_in_sync if replicas is None else replicas
+    replicas = model.distribute_strategy.num_replicas_in_sync if replicas is None else replicas
     # Variables are made where the caller is (in a strategy's scope they are mirrored, as
     # model.fit makes them), not in the replica context entered below: a subclassed model's
     # by its wrapper's call, the optimizer's slots by building it.
     model = functional_model(model, sample_batch[0] if sample_batch is not None else input_signature)
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
-    with _as_replica(strategy):
+    with _as_replica():
         return _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer, cost_model, batch_size,
                         repeats, use_cache, weight_grads, granularity, implementations, replicas, started,
                         xla and cost_model == "profile")
 
 
-def _as_replica(strategy):
+def _as_replica():
     """``tf.distribute.ReplicaContext(strategy, 0)`` in a cross-replica context of a
     strategy other than the default one (``extract``'s docstring), else no context."""
     if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
