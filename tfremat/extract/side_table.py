@@ -205,7 +205,8 @@ class SideTable:
         batch_size: the batch size the sizes were measured for.
         fixed_bytes_breakdown: the parts of the graph's fixed bytes (``params``,
             ``param_grads``, ``optimizer_slots``, ``inputs``, ``labels``,
-            ``small_residuals``, ``non_trainable``).
+            ``small_residuals``, ``non_trainable``, and under a strategy with several
+            replicas ``all_reduce``: the all-reduce's buffers, :func:`tfremat.extract.assembly.assemble`).
         weight_grads: ``"transient"``: the graph counts a layer's weight gradients in its
             backward node's workspace, so the step must hand them to the optimizer right
             after that node (apply the update or free them); ``"fixed"``: they are
