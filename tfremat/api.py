@@ -213,11 +213,10 @@ def max_batch_size(
 
     Checkmate's criterion by default: the schedule may cost at most one extra forward
     pass; ``max_overhead`` (e.g. 0.3 for 30%) sets another cap. By default
-    (``method="scaled"``) the search runs on graphs whose sizes come from unprofiled
-    (flops) extractions and whose costs and workspace are scaled from the profiled
-    smallest batch; only the batch it settles on is profiled again, and only profiled
-    graphs decide that a batch fits (:func:`tfremat.maxbatch.max_batch_size`);
-    ``"search"`` profiles every batch size tried. The default "profile" cost model measures each node's
+    (``method="scaled"``) the graph is extracted at the smallest batch and twice it, the
+    search runs on graphs scaled from those, and the answer is checked by extracting the
+    batches on either side of it (:func:`tfremat.maxbatch.max_batch_size`); ``"search"``
+    extracts every batch size tried. The default "profile" cost model measures each node's
     workspace (on CPU a convolution's gradient can need tens of MiB of scratch), which
     "flops" leaves at zero, so keep "profile" when the answer must fit.
 
@@ -276,20 +275,10 @@ def max_batch_size(
             logger.info("batch %d: checkpoint-all peak %s", batch, format_bytes(checkpoint_all_peak(graphs[batch])))
         return graphs[batch]
 
-    def sizes_for_batch(batch: int) -> DFGraph:
-        # The graph's nodes and sizes at ``batch`` without profiling (flops costs): what
-        # the scaled search needs at the batches it does not profile.
-        sample = synthetic_batch(model, batch, loss=training["loss"])
-        return extract(model, sample_batch=sample, cost_model="flops", granularity=granularity,
-                       use_cache=cache is not False and cache is not None,
-                       implementations=wants_implementations(names), **training).graph
-
-    scaled_from_sizes = method == "scaled" and cost_model == "profile"
     results = {}
     for name in names:
         results[name] = search(graph_for_batch, budget_bytes, strategy=name, max_overhead=max_overhead,
                                min_batch=min_batch, max_batch=max_batch, method=method,
-                               sizes_for_batch=sizes_for_batch if scaled_from_sizes else None,
                                batch_progress=BatchProgress(f"tfremat max_batch_size {name}") if verbose else None,
                                **(strategy_options(name, **per_strategy[name]) if name in per_strategy else {}))
     return results

@@ -35,7 +35,6 @@ from tfremat.errors import (
 )
 from tfremat.graph import DFGraph
 from tfremat.ilp.formulation import build_milp, memory_lower_bound
-from tfremat.ilp.portfolio import best_baseline
 from tfremat.ilp.solvers import (
     DEFAULT_SOLVER,
     ProgressFn,
@@ -104,7 +103,6 @@ def max_batch_size(
     max_batch: int = 1 << 16,
     method: str = "search",
     batch_progress: Callable[[int, bool], object] | None = None,
-    sizes_for_batch: Callable[[int], DFGraph] | None = None,
     **strategy_options,
 ) -> MaxBatchResult:
     """The largest batch whose schedule fits ``budget`` within the compute overhead limit.
@@ -124,17 +122,12 @@ def max_batch_size(
             None uses Checkmate's criterion, one extra forward pass.
         min_batch: the smallest batch to consider.
         max_batch: the largest batch to consider.
-        method: ``"search"``, ``"scaled"`` (the search on graphs scaled from few built
-            ones, its answer checked on a built graph: few calls of ``graph_for_batch``,
+        method: ``"search"``, ``"scaled"`` (the search on graphs scaled from two built ones,
+            checked on built graphs around the answer: few calls of ``graph_for_batch``,
             see :func:`_scaled`) or ``"direct"``.
         batch_progress: called as ``batch_progress(batch, fits)`` after each batch size
             the search evaluates (``direct`` evaluates none), e.g. to show progress;
             each is also logged at INFO.
-        sizes_for_batch: with ``scaled``, builds the graph at a batch size without
-            measuring costs or workspaces (nodes, edges and sizes exact: an extraction with
-            ``cost_model="flops"``, seconds where profiling takes a minute); the scaled
-            search then measures (``graph_for_batch``) only ``min_batch`` and its answers.
-            None: ``graph_for_batch`` builds those graphs too.
         **strategy_options: passed to the strategy (for example ``time_limit``); with
             ``direct``, to :func:`min_peak_within_cost` (``strategy`` must stay
             ``"optimal"``).
@@ -190,17 +183,11 @@ def max_batch_size(
         return ok
 
     if method == "scaled":
-        return _scaled(graph_for_batch, sizes_for_batch, evaluate, min_batch, max_batch, batch_progress)
+        return _scaled(graph_for_batch, evaluate, min_batch, max_batch, batch_progress)
     if not fits(min_batch):
         raise evaluate.refused(min_batch, graph_for_batch(min_batch))
     good = _largest(fits, min_batch, max_batch)
     return evaluate.result(good, max_batch, method="search")
-
-
-# A solver strategy's time limit on a scaled graph: an estimate only guides which batches
-# are measured, and each of the several estimates a search makes would otherwise take as
-# long as a real solve.
-_ESTIMATE_SECONDS = 10.0
 
 
 class _Evaluator:
@@ -216,9 +203,6 @@ class _Evaluator:
         # Why a batch was refused: "memory" (proven: no schedule fits), "schedule" (the
         # strategy found none), or "overhead" (its schedule costs more than the cap).
         self.refusal: dict[int, str] = {}
-        # Schedules that fitted estimates, with the structure of their graphs: a later
-        # estimate on a graph of that structure tries them before solving.
-        self._sketches: list[tuple[tuple, Schedule]] = []
 
     def __call__(self, batch: int, graph: DFGraph, record: bool = True, time_limit: float | None = None) -> bool:
         """Whether ``graph`` (at ``batch``) fits; ``record=False`` for an estimate, which is
@@ -243,7 +227,8 @@ class _Evaluator:
                            "batch %d counts as not fitting: %s found no schedule (%s)", batch, self.strategy, exc)
                 schedule = None
             if schedule is not None:
-                cost = self._cost(graph, schedule)
+                # With offloading, the step's time includes its waits for host copies.
+                cost = simulate(graph, schedule).makespan if schedule.offloads else schedule.cost(graph)
                 ok = cost <= cap * (1 + 1e-12)
                 refusal = "overhead"
                 found = (schedule, graph, cost, cap)
@@ -252,44 +237,7 @@ class _Evaluator:
             if ok:
                 self.found[batch] = found
             logger.info("batch %d: %s", batch, "fits" if ok else "does not fit")
-        elif ok:
-            self._sketches.append((_structure(graph), found[0]))
         return ok
-
-    @staticmethod
-    def _cost(graph: DFGraph, schedule: Schedule) -> float:
-        # With offloading, the step's time includes its waits for host copies.
-        return simulate(graph, schedule).makespan if schedule.offloads else schedule.cost(graph)
-
-    def estimate(self, batch: int, graph: DFGraph, time_limit: float | None = _ESTIMATE_SECONDS) -> bool:
-        """Whether a scaled ``graph`` (at ``batch``) fits, as an estimate: refused below the
-        memory lower bound; for a solver strategy, which finds the cheapest schedule within
-        the budget, accepted when a schedule fitting an earlier estimate, or the best of
-        the heuristics that warm-start the solver (:func:`~tfremat.ilp.portfolio.best_baseline`),
-        fits within the cap (the optimum costs no more); else the strategy, for at most
-        ``time_limit`` seconds (None: its own limit)."""
-        if memory_lower_bound(graph) > self.budget:
-            return False
-        if self.solve.takes_solver_options:
-            cap = _cost_cap(graph, self.max_overhead) * (1 + 1e-12)
-            structure = _structure(graph)
-            for known, schedule in reversed(self._sketches):
-                if known == structure and simulate(graph, schedule).peak_bytes <= self.budget \
-                        and self._cost(graph, schedule) <= cap:
-                    return True
-            baseline, _ = best_baseline(graph, self.budget, 0.0, quiet=True)
-            if baseline is not None and baseline.cost(graph) <= cap:
-                self._sketches.append((structure, baseline))
-                return True
-        return self(batch, graph, record=False, time_limit=time_limit)
-
-    def largest_estimate(self, at: Callable[[int], DFGraph], low: int, high: int) -> int:
-        """The largest batch in [low, high] that fits on the scaled graphs ``at`` by
-        :meth:`estimate`, given that ``low`` does: first the largest whose memory lower bound
-        is within the budget (it grows with the batch; no solve), then doubling and bisection below it."""
-        if memory_lower_bound(at(high)) > self.budget:
-            high = _bisect(lambda b: memory_lower_bound(at(b)) <= self.budget, low, high)
-        return _largest(lambda b: self.estimate(b, at(b)), low, high)
 
     def refused(self, batch: int, graph: DFGraph) -> InfeasibleBudgetError:
         """The error for a smallest batch that does not fit."""
@@ -335,84 +283,77 @@ def _bisect(fits: Callable[[int], bool], good: int, bad: int) -> int:
     return good
 
 
-# Batches the scaled search measures at its estimates before it gallops from what is known
-# to fit, measuring every batch it tries.
+# A solver strategy's time limit on a scaled graph: an estimate only guides which batches
+# are extracted, and each of the several estimates a search makes would otherwise take as
+# long as a real solve.
+_ESTIMATE_SECONDS = 10.0
+# Estimates the scaled search makes (each refitted through the previous, too optimistic
+# one) before it gallops from what is known to fit.
 _SCALED_ROUNDS = 4
 
 
-def _scaled(graph_for_batch, sizes_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: int,
-            batch_progress) -> MaxBatchResult:
-    """``method="scaled"``: the search on graphs scaled from few built ones, its answer
-    measured.
+def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: int, batch_progress) -> MaxBatchResult:
+    """``method="scaled"``: the search on graphs scaled from two extracted ones, checked by
+    extracting the graphs on either side of the answer.
 
-    Measuring a graph (profiling every node: tens of seconds, more at large batches) is what
-    makes a search slow, and a graph's sizes, workspaces and costs are nearly affine in the
-    batch (:func:`scaled_graphs`). So ``graph_for_batch`` builds ``min_batch`` (its refusal
-    is the search's), ``sizes_for_batch`` (or ``graph_for_batch`` without it) two more
-    batches to draw the size lines through, and the search runs on the scaled graphs
-    (:meth:`_Evaluator.largest_estimate`). Its answer ``B`` is then measured: when it fits,
-    the lines are redrawn through it, and ``B + 1`` judged on them (with the strategy's own
-    time limit) decides whether the search goes on above (a graph next to a measured one,
-    whose workspaces and costs it scales by ``(B + 1) / B``); when ``B`` does not fit, the
-    search repeats below it. Typically
-    two graphs are measured, ``min_batch`` and the answer; after ``_SCALED_ROUNDS``
-    estimates without an answer, every batch tried is measured (:func:`_gallop`).
-
-    Only measured graphs decide that a batch fits, so the result always fits; the batch
-    above it is decided on scaled graphs, which is why the answer may be one batch below
-    ``method="search"``'s where a measured graph would fit and its estimate does not.
+    Extraction (profiling every layer) is what makes a search slow, and a graph's sizes
+    and costs are nearly affine in the batch; so graphs are extracted at ``min_batch`` and
+    twice it, the search runs on their affine extension (:func:`affine_graphs`), and the
+    answer ``B`` is checked by extracting it: when it does not fit, the line is refitted
+    through it and the search repeats below it; from the largest extracted batch that fits,
+    extracted batches above it are tried in doubling steps and the gap bisected
+    (:func:`_gallop`), so an estimate a few batches off costs a few extractions. A solver
+    strategy gets at most ``_ESTIMATE_SECONDS`` per estimate, where it often finds only a
+    heuristic's schedule: estimates tend to be low, and the gallop corrects them. Only extracted graphs decide: the result is the same as
+    ``method="search"`` wherever feasibility is monotone in the batch.
     """
-    measured: dict[int, DFGraph] = {}
-    shapes: dict[int, DFGraph] = {}
-    low, high = min_batch, max_batch + 1  # low fits; high does not (max_batch + 1: not searched)
+    extracted: dict[int, DFGraph] = {}
 
     def exact(batch: int) -> bool:
-        nonlocal low, high
-        if batch not in measured:
-            measured[batch] = graph_for_batch(batch)
-            ok = evaluate(batch, measured[batch])
-            if batch_progress is not None:
-                batch_progress(batch, ok)
-        if evaluate.tried[batch]:
-            low = max(low, batch)
-        else:
-            high = min(high, batch)
-        return evaluate.tried[batch]
+        if batch in extracted:
+            return evaluate.tried[batch]
+        extracted[batch] = graph_for_batch(batch)
+        ok = evaluate(batch, extracted[batch])
+        if batch_progress is not None:
+            batch_progress(batch, ok)
+        return ok
 
     if not exact(min_batch):
-        raise evaluate.refused(min_batch, measured[min_batch])
-    batch = min_batch
-    while scaled_graphs(measured, shapes) is None and 2 * batch < high:
-        # A second graph of the same nodes and edges to draw the lines through (batch 1 can
-        # differ: a batch-norm gradient that reads its output at batch 1 only).
-        batch *= 2
-        if sizes_for_batch is not None:
-            shapes[batch] = sizes_for_batch(batch)
-            if not _same_nodes(shapes[batch], measured[min_batch]):
-                logger.warning("sizes_for_batch(%d) has other nodes than graph_for_batch(%d); measuring instead",
-                               batch, min_batch)
-                sizes_for_batch, shapes = None, {}
-        if sizes_for_batch is None:
-            exact(batch)
-    settled = False
+        raise evaluate.refused(min_batch, extracted[min_batch])
+    low, high = min_batch, max_batch + 1  # low fits; high does not (max_batch + 1: not searched)
+    second = min(2 * min_batch, max_batch)
+    if second > low:
+        if exact(second):
+            low = second
+        else:
+            high = second
     for _ in range(_SCALED_ROUNDS):
-        at = scaled_graphs(measured, shapes)
-        if at is None or high - low <= 1:
-            settled = high - low <= 1
+        if high - low <= 1:
             break
-        estimate = evaluate.largest_estimate(at, low, high - 1)
-        logger.info("batch %d fits on scaled graphs (measured: %s)", estimate, sorted(measured))
+        pair = _anchors(extracted)
+        if pair is None:
+            # No two extracted graphs share their structure (batch 1 can differ: a batch-norm
+            # gradient that reads its output at batch 1 only): extract the next doubling.
+            candidate = 2 * max(extracted)
+            if candidate >= high:
+                break
+            if exact(candidate):
+                low = candidate
+            else:
+                high = candidate
+            continue
+        near, far = pair
+        scaled = affine_graphs(extracted[near], near, extracted[far], far)
+        estimate = _largest(lambda b: evaluate(b, scaled(b), record=False, time_limit=_ESTIMATE_SECONDS),
+                            low, high - 1)
+        logger.info("batch %d fits on graphs scaled from batches %d and %d", estimate, near, far)
         if estimate == low:
-            settled = True
             break
         if exact(estimate):
-            following = estimate + 1
-            settled = following >= high or not evaluate.estimate(following, scaled_graphs(measured, shapes)(following),
-                                                                  time_limit=None)
-            if settled:
-                break
-    if not settled:
-        _gallop(exact, low, high)
+            low = estimate
+            break
+        high = estimate  # too optimistic: estimate again, through this batch too
+    low = _gallop(exact, low, high)
     return evaluate.result(low, max_batch, method="scaled")
 
 
@@ -430,31 +371,17 @@ def _gallop(fits: Callable[[int], bool], low: int, high: int) -> int:
     return _bisect(fits, low, high)
 
 
-def _structure(graph: DFGraph) -> tuple:
-    return graph.names, graph.edges, graph.is_backward
+def _same_structure(a: DFGraph, b: DFGraph) -> bool:
+    return (a.names, a.edges, a.is_backward) == (b.names, b.edges, b.is_backward)
 
 
-def _same_nodes(a: DFGraph, b: DFGraph) -> bool:
-    return (a.names, a.is_backward) == (b.names, b.is_backward)
-
-
-def _anchors(graphs: Mapping[int, DFGraph]) -> tuple[int, int] | None:
-    """The two batches farthest apart whose graphs share nodes and edges (the line through
-    them is the best estimate), or None."""
-    batches = sorted(graphs)
+def _anchors(extracted: Mapping[int, DFGraph]) -> tuple[int, int] | None:
+    """The two extracted batches farthest apart whose graphs share nodes and edges (the
+    line through them is the best estimate), or None."""
+    batches = sorted(extracted)
     pairs = [(near, far) for far in batches for near in batches
-             if near < far and _structure(graphs[near]) == _structure(graphs[far])]
+             if near < far and _same_structure(extracted[near], extracted[far])]
     return max(pairs, key=lambda pair: pair[1] - pair[0]) if pairs else None
-
-
-def _line(a, batch_a: int, b, batch_b: int) -> Callable[[int], np.ndarray]:
-    """The values on the line through ``a`` (at ``batch_a``) and ``b`` (at ``batch_b``), never below zero."""
-    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    return lambda batch: np.maximum(a + (b - a) * (batch - batch_a) / (batch_b - batch_a), 0.0)
-
-
-def _whole(values: np.ndarray) -> list[int]:
-    return np.rint(values).astype(np.int64).tolist()
 
 
 def affine_graphs(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int) -> Callable[[int], DFGraph]:
@@ -466,84 +393,27 @@ def affine_graphs(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int
         ArgumentError: the two graphs differ in nodes or edges (a model whose structure
             depends on the batch cannot be scaled).
     """
-    if _structure(graph_a) != _structure(graph_b):
+    if not _same_structure(graph_a, graph_b):
         raise ArgumentError(f"graphs at batch {batch_a} and {batch_b} differ in nodes or edges; they cannot be "
                             "scaled to other batch sizes (use method='search')")
     if batch_a == batch_b:
         raise ArgumentError("affine_graphs needs two different batch sizes")
-    return _scaled_at(graph_a, batch_a, graph_b, batch_b, None)
 
-
-def scaled_graphs(measured: Mapping[int, DFGraph], sizes: Mapping[int, DFGraph]) -> Callable[[int], DFGraph] | None:
-    """The graph at any batch from graphs built at a few: ``measured`` ones (their costs and
-    workspaces measured, as profiling does) and ``sizes`` ones (exact nodes, edges and sizes,
-    costs and workspaces not measured), or None when no two of them share nodes and edges
-    or none measured shares their nodes.
-
-    Sizes (outputs, residuals, fixed bytes) are on the line through the two graphs of one
-    structure farthest apart, measured or not: they follow from the tensors' shapes, which
-    are affine in the batch. Costs and workspaces are on the line through the two measured
-    graphs farthest apart (which may differ in edges from the others); with one measured at
-    ``p``, its costs and the workspace it holds beyond the unmeasured graphs' are scaled by
-    ``batch / p``: kernels' time and scratch grow with the batch, and the per-node constants
-    the proportion misses are small (on ResNet50 at 64x64, a workspace scaled from batch 2
-    to 96 is at most 1.5 MB above the measured one, never more than 12 kB below).
-    """
-    everything = {**sizes, **measured}
-    pair = _anchors(everything)
-    if pair is None:
-        return None
-    near, far = pair
-    reference = everything[near]
-    known = sorted(b for b, graph in measured.items() if _same_nodes(graph, reference))
-    if not known:
-        return None
-    if len(known) >= 2:
-        return _scaled_at(reference, near, everything[far], far,
-                          (measured[known[0]], known[0], measured[known[-1]], known[-1]))
-    # The workspace the unmeasured graphs hold (none without them), which the measured one includes.
-    unmeasured = sorted(b for b, graph in sizes.items() if _same_nodes(graph, reference) and b not in measured)
-    if len(unmeasured) >= 2:
-        base = _line(sizes[unmeasured[0]].workspace_bytes, unmeasured[0], sizes[unmeasured[-1]].workspace_bytes,
-                     unmeasured[-1])
-    else:
-        values = np.asarray(sizes[unmeasured[0]].workspace_bytes if unmeasured else [0] * reference.size, dtype=float)
-        base = lambda batch: values  # noqa: E731
-    return _scaled_at(reference, near, everything[far], far, (measured[known[0]], known[0], base, None))
-
-
-def _scaled_at(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int, measured) -> Callable[[int], DFGraph]:
-    """Graphs whose nodes, edges and sizes are on the line through ``graph_a`` and ``graph_b``;
-    costs and workspaces on the line through the two measured graphs of ``measured``
-    ``(graph, batch, graph, batch)``, or scaled from its one ``(graph, batch, base, None)``
-    beyond the ``base(batch)`` workspace of the unmeasured graphs (:func:`scaled_graphs`);
-    None: from ``graph_a`` and ``graph_b`` too."""
-    output = _line(graph_a.output_bytes, batch_a, graph_b.output_bytes, batch_b)
-    residual = _line(graph_a.residual_bytes, batch_a, graph_b.residual_bytes, batch_b)
-    fixed = _line([graph_a.fixed_bytes], batch_a, [graph_b.fixed_bytes], batch_b)
-    if measured is None:
-        measured = (graph_a, batch_a, graph_b, batch_b)
-    first, p, second, q = measured
-    if q is not None:
-        cost, workspace = _line(first.cost, p, second.cost, q), _line(first.workspace_bytes, p, second.workspace_bytes, q)
-    else:
-        base = second
-        costs = np.asarray(first.cost, dtype=float)
-        added = np.maximum(np.asarray(first.workspace_bytes, dtype=float) - base(p), 0.0)
-
-        def cost(batch):
-            return costs * batch / p
-
-        def workspace(batch):
-            return base(batch) + added * batch / p
+    def line(a, b, batch, whole: bool):
+        a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+        value = np.maximum(a + (b - a) * (batch - batch_a) / (batch_b - batch_a), 0.0)
+        return np.rint(value).astype(np.int64).tolist() if whole else value.tolist()
 
     def at(batch: int) -> DFGraph:
-        outputs = output(batch)
         return DFGraph(
-            graph_a.names, graph_a.edges, cost(batch).tolist(), _whole(outputs), _whole(workspace(batch)),
-            graph_a.is_backward, graph_a.loss_node, dict(graph_a.forward_of), _whole(fixed(batch))[0],
+            graph_a.names, graph_a.edges, line(graph_a.cost, graph_b.cost, batch, whole=False),
+            line(graph_a.output_bytes, graph_b.output_bytes, batch, whole=True),
+            line(graph_a.workspace_bytes, graph_b.workspace_bytes, batch, whole=True),
+            graph_a.is_backward, graph_a.loss_node, dict(graph_a.forward_of),
+            int(line([graph_a.fixed_bytes], [graph_b.fixed_bytes], batch, whole=True)[0]),
             name=f"{graph_a.name} (batch {batch}, scaled)",
-            residual_bytes=_whole(np.minimum(residual(batch), outputs)),
+            residual_bytes=np.minimum(line(graph_a.residual_bytes, graph_b.residual_bytes, batch, whole=True),
+                                      line(graph_a.output_bytes, graph_b.output_bytes, batch, whole=True)).tolist(),
         )
 
     return at
