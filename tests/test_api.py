@@ -844,7 +844,7 @@ def test_a_reused_callback_plans_again_after_model_compile():
 def test_a_callback_left_on_the_model_by_a_failed_fit_does_not_run_in_a_plain_fit(caplog):
     """When another callback raised between steps, on_train_end did not run and the model
     kept the callback's train function: a later plain model.fit trained through tfremat.
-    jit_compile=True and run_eagerly=True, which the step cannot apply, are warned about."""
+    run_eagerly=True, which the step cannot apply, is warned about."""
     class Failing(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             raise RuntimeError("user callback failed")
@@ -852,11 +852,11 @@ def test_a_callback_left_on_the_model_by_a_failed_fit_does_not_run_in_a_plain_fi
     x, y = data(32)
     x = x.reshape(32, -1)[:, :8]
     model = _dense_model()
-    model.compile(optimizer="sgd", loss="categorical_crossentropy", jit_compile=True)
+    model.compile(optimizer="sgd", loss="categorical_crossentropy", run_eagerly=True)
     callback = RematCallback("100%", strategy="checkpoint_all", cost_model="flops", verbose=0)
     with caplog.at_level("WARNING", logger="tfremat.keras"), pytest.raises(RuntimeError, match="user callback"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[callback, Failing()])
-    assert "without XLA" in caplog.text
+    assert "run_eagerly=True is not applied" in caplog.text
     assert list(callback.plans) == [((16, 8), (16, 10))]
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert list(callback.plans) == [((16, 8), (16, 10))]  # no plan for the plain fit's batch of 8

@@ -39,7 +39,7 @@ from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
 from tfremat.model_planning import (
     check_exact_gradients,
     exact_only_options,
-    loss_and_optimizer,
+    extract_model,
     wants_implementations,
     with_rounding,
 )
@@ -242,7 +242,6 @@ class RematCallback(keras.callbacks.Callback):
     def _step_for(self, x, y, sample_weight=None, strategy=None):
         """The compiled step for the batch shape of ``x, y`` (one replica's batch under
         ``strategy``), extracted, planned and compiled the first time the shape is met."""
-        from tfremat.extract.extractor import extract
         from tfremat.static_graph.compile import compile_step
 
         key = tuple(tuple(t.shape) for t in tf.nest.flatten((x, y)))
@@ -264,13 +263,12 @@ class RematCallback(keras.callbacks.Callback):
             # replica context, which a fit called inside ``strategy.scope()`` is not in.
             as_replica = contextlib.nullcontext() if strategy is None else tf.distribute.ReplicaContext(strategy, 0)
             with as_replica:
-                extraction = extract(model, sample_batch=(x, y), cost_model=self.cost_model,
-                                     use_cache=self.cache is not False and self.cache is not None,
-                                     granularity=self.granularity,
-                                     implementations=wants_implementations([self.strategy]),
-                                     weight_grads="auto" if strategy is None else "fixed",
-                                     replicas=1 if strategy is None else strategy.num_replicas_in_sync,
-                                     **loss_and_optimizer(model, None, None))
+                extraction = extract_model(model, x, y, batch_size=int(tf.nest.flatten(x)[0].shape[0]), loss=None,
+                                           optimizer=None, cost_model=self.cost_model, cache=self.cache,
+                                           granularity=self.granularity,
+                                           implementations=wants_implementations([self.strategy]),
+                                           weight_grads="auto" if strategy is None else "fixed",
+                                           replicas=1 if strategy is None else strategy.num_replicas_in_sync)
             phases.done(f"{extraction.graph.size} nodes (profiling {extraction.profile_seconds:.1f}s)"
                         if not extraction.cache_hit else f"{extraction.graph.size} nodes, profiles from the cache")
             phases.start(f"planning with {self.strategy}")

@@ -587,7 +587,7 @@ class _Interpreter:
         elif instance.one_gradient_call:
             # A while loop's backward is one loop for all gradients (takes_one_gradient_call).
             instance.differentiated = True
-            if any(_logits(s) is not s for s in sources):
+            if any(_logits_read_apart(s, sources) is not s for s in sources):
                 grads = self._input_gradients(node, f"{entry.name} reads input", instance.tape, targets, sources,
                                               grad_positions, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.NONE)
                 grads += instance.tape.gradient(targets, variables, output_gradients=dys,
@@ -643,7 +643,9 @@ class _Interpreter:
             CompileError: the node reads one input both through its activation and through
                 its logits; the two gradients would need two targets in one backward call.
         """
-        logits = [_logits(s) for s in sources]
+        # Logits that are themselves an input of the node (a swish: ``x * sigmoid(x)``)
+        # get their gradient as that input.
+        logits = [_logits_read_apart(s, sources) for s in sources]
         distinct = [l for l, s in zip(logits, sources) if l is not s]
         if not distinct:
             return _gradient_once_per_tensor(tape, targets, sources, **options)
@@ -809,6 +811,14 @@ def _runtime_zero(tensors: list):
 def _logits(tensor):
     """The logits Keras attached to a softmax/sigmoid output, else the tensor itself."""
     return getattr(tensor, "_keras_logits", tensor)
+
+
+def _logits_read_apart(tensor, inputs: list):
+    """``tensor``'s logits when a node with ``inputs`` can read them only through the
+    attribute, else ``tensor``: logits that are one of the inputs themselves are read as
+    that input."""
+    logits = _logits(tensor)
+    return tensor if any(logits is other for other in inputs) else logits
 
 
 def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
