@@ -48,8 +48,10 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # the test models (residual_chain)
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's tfremat, not an installed one
 
+from models import residual_chain  # noqa: E402
 from provenance import header  # noqa: E402
 
 from tfremat.errors import InfeasibleBudgetError  # noqa: E402
@@ -68,22 +70,6 @@ STRATEGIES = ("chen_greedy", "chen_greedy_ap", "griewank_logn", "griewank_logn_a
 MIB = 2**20
 
 
-def residual_chain(blocks, channels, side, seed=0):
-    """Conv-BN-ReLU-dropout residual blocks: activations dominate the step's memory."""
-    keras.utils.set_random_seed(seed)
-    layers = keras.layers
-    x = keras.Input((side, side, 3))
-    h = layers.Conv2D(channels, 3, padding="same", name="stem")(x)
-    for b in range(blocks):
-        r = layers.Conv2D(channels, 3, padding="same", name=f"b{b}_conv")(h)
-        r = layers.BatchNormalization(name=f"b{b}_bn")(r)
-        r = layers.ReLU(name=f"b{b}_relu")(r)
-        r = layers.Dropout(0.1, seed=b, name=f"b{b}_drop")(r)
-        h = layers.Add(name=f"b{b}_add")([h, r])
-    h = layers.GlobalAveragePooling2D(name="pool")(h)
-    return keras.Model(x, layers.Dense(10, activation="softmax", name="head")(h), name="residual_chain")
-
-
 def transformer(blocks, tokens, width, heads, vocab=256, seed=0):
     """Post-norm encoder blocks (attention and residual dropout, a GELU feed-forward)."""
     keras.utils.set_random_seed(seed)
@@ -100,11 +86,13 @@ def transformer(blocks, tokens, width, heads, vocab=256, seed=0):
 
 
 CPU_CASES = {
-    "residual_chain": (lambda: residual_chain(8, 8, 48), 32, "8 blocks, 8 channels, 48x48, batch 32"),
+    "residual_chain": (lambda: residual_chain(input_shape=(48, 48, 3), channels=8, blocks=8), 32,
+                       "8 blocks, 8 channels, 48x48, batch 32"),
     "transformer": (lambda: transformer(4, 128, 128, 4), 16, "4 blocks, width 128, 128 tokens, batch 16"),
 }
 GPU_CASES = {
-    "residual_chain": (lambda: residual_chain(16, 32, 128), 64, "16 blocks, 32 channels, 128x128, batch 64"),
+    "residual_chain": (lambda: residual_chain(input_shape=(128, 128, 3), channels=32, blocks=16), 64,
+                       "16 blocks, 32 channels, 128x128, batch 64"),
     "transformer": (lambda: transformer(6, 1024, 768, 12, vocab=1024), 8,
                     "6 blocks, width 768, 1024 tokens, batch 8 (GPT-2-shaped)"),
 }

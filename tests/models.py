@@ -90,3 +90,20 @@ def token_mlp_net(tokens=16, width=32, classes=10, seed=0):
     pooled = layers.GlobalAveragePooling1D(name="pool")(mish)
     out = layers.Dense(classes, activation="softmax", name="head")(pooled)
     return keras.Model(x, out, name="token_mlp_net")
+
+
+def residual_chain(input_shape=(48, 48, 3), channels=8, blocks=12, classes=10, seed=0):
+    """A residual chain whose activations dominate its memory: conv-BN-ReLU-dropout blocks
+    added to the running sum, average pooling and a softmax head."""
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+    x = keras.Input(input_shape)
+    h = layers.Conv2D(channels, 3, padding="same", name="stem")(x)
+    for b in range(blocks):
+        r = layers.Conv2D(channels, 3, padding="same", name=f"b{b}_conv")(h)
+        r = layers.BatchNormalization(name=f"b{b}_bn")(r)
+        r = layers.ReLU(name=f"b{b}_relu")(r)
+        r = layers.Dropout(0.1, seed=b, name=f"b{b}_drop")(r)
+        h = layers.Add(name=f"b{b}_add")([h, r])
+    h = layers.GlobalAveragePooling2D(name="pool")(h)
+    return keras.Model(x, layers.Dense(classes, activation="softmax", name="head")(h), name="residual_chain")

@@ -13,7 +13,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
-from models import small_convnet, unet  # noqa: E402
+from models import residual_chain, small_convnet, unet  # noqa: E402
 from training_case import TrainingCase, training_batch  # noqa: E402
 
 from tfremat.errors import CompileError, InfeasibleBudgetError  # noqa: E402
@@ -241,22 +241,6 @@ def test_recomputing_a_layer_with_unreplayable_randomness_is_refused():
 # ----- memory, measured by the allocator -----
 
 
-def deep_resnet(input_shape=(48, 48, 3), channels=8, blocks=12, classes=10, seed=0):
-    """A residual chain whose activations dominate its memory: conv-BN-ReLU-dropout blocks."""
-    keras.utils.set_random_seed(seed)
-    layers = keras.layers
-    x = keras.Input(input_shape)
-    h = layers.Conv2D(channels, 3, padding="same", name="stem")(x)
-    for b in range(blocks):
-        r = layers.Conv2D(channels, 3, padding="same", name=f"b{b}_conv")(h)
-        r = layers.BatchNormalization(name=f"b{b}_bn")(r)
-        r = layers.ReLU(name=f"b{b}_relu")(r)
-        r = layers.Dropout(0.1, seed=b, name=f"b{b}_drop")(r)
-        h = layers.Add(name=f"b{b}_add")([h, r])
-    h = layers.GlobalAveragePooling2D(name="pool")(h)
-    return keras.Model(x, layers.Dense(classes, activation="softmax", name="head")(h), name="deep_resnet")
-
-
 # The memory test's 10% tolerance was validated on schedules of Checkmate's baselines.
 # Schedules of the later eviction/repair strategies measured 0.95x to 1.12x their
 # prediction on this model at 60% in different processes (the same schedule), so they
@@ -296,7 +280,7 @@ def _cheapest_fitting(graph, budget):
 
 
 def test_measured_peak_follows_the_prediction_and_the_budget():
-    model = deep_resnet()
+    model = residual_chain()
     x, y = training_batch(model, 32)
     optimizer = keras.optimizers.SGD(0.01)
     extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", repeats=1)

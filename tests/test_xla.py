@@ -15,7 +15,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
-from models import small_convnet  # noqa: E402
+from models import residual_chain, small_convnet  # noqa: E402
 from training_case import training_batch  # noqa: E402
 
 from tfremat.errors import ArgumentError, CompileError  # noqa: E402
@@ -124,22 +124,6 @@ def test_xla_step_trains_like_plain_xla_training(name):
     assert step.report.recomputed_layer_calls > 0
 
 
-def _deep_chain(blocks=6, channels=8, side=32, seed=0):
-    """Conv-BN-ReLU-dropout residual blocks whose activations dominate the step's memory."""
-    keras.utils.set_random_seed(seed)
-    layers = keras.layers
-    x = keras.Input((side, side, 3))
-    h = layers.Conv2D(channels, 3, padding="same", name="stem")(x)
-    for b in range(blocks):
-        r = layers.Conv2D(channels, 3, padding="same", name=f"b{b}_conv")(h)
-        r = layers.BatchNormalization(name=f"b{b}_bn")(r)
-        r = layers.ReLU(name=f"b{b}_relu")(r)
-        r = layers.Dropout(0.1, seed=b, name=f"b{b}_drop")(r)
-        h = layers.Add(name=f"b{b}_add")([h, r])
-    h = layers.GlobalAveragePooling2D(name="pool")(h)
-    return keras.Model(x, layers.Dense(10, activation="softmax", name="head")(h), name="deep_chain")
-
-
 def _recomputed_convolutions(step, x, y) -> int:
     """Convolutions of the optimized HLO that come from a recompute statement (its name
     scope is ``reforward_N``): XLA's CSE keeps the first computation's name when it merges."""
@@ -148,7 +132,7 @@ def _recomputed_convolutions(step, x, y) -> int:
 
 
 def test_recomputations_survive_xla_and_lower_its_peak():
-    model = _deep_chain()
+    model = residual_chain(input_shape=(32, 32, 3), blocks=6)
     x, y = training_batch(model, 16)
     optimizer = keras.optimizers.SGD(0.01)
     extraction = extract(model, (x, y), optimizer=optimizer, cost_model="flops", use_cache=False)

@@ -3,9 +3,9 @@
 Keras 3's ``model.fit`` fails under this strategy before its first step (it converts the
 strategy's per-replica batch to one tensor, keras-team/keras#20585), so no callback can
 make it train there. :func:`fit_multi_worker` is the loop ``fit`` would run: the strategy's
-distributed dataset, one compiled step per per-replica batch shape run with
-``strategy.run`` (:func:`tfremat.static_graph.compile_step`, the loss mean-reduced over
-every replica), and Keras's ``CallbackList`` around it, so History, the progress bar (on
+distributed dataset, one compiled step per per-replica batch shape run on every
+replica with Keras's metrics (:class:`~tfremat.static_graph.train_step.DistributedTrainStep`,
+as ``RematCallback`` runs it under ``MirroredStrategy``), and Keras's ``CallbackList`` around it, so History, the progress bar (on
 the chief only), validation data and callbacks such as EarlyStopping behave as in
 ``model.fit``. Every log value is reduced over all replicas, so callbacks that decide
 (EarlyStopping, ReduceLROnPlateau) decide alike on every worker; callbacks that write
@@ -300,6 +300,7 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
         PlanMismatchError, WorkerLostError: see the module docstring.
     """
     from tfremat.static_graph.compile import compile_step
+    from tfremat.static_graph.train_step import DistributedTrainStep
 
     unknown = sorted(set(fit_kwargs) - set(_FIT_KWARGS))
     if unknown:
@@ -343,8 +344,7 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
             step = compile_step(plan.extraction, plan.schedule, optimizer=model.optimizer, strategy=distribution,
                                 return_outputs=True)
             plans[shapes] = plan
-            steps[shapes] = tf.function(lambda a, b, step=step: _train_and_record(distribution, model, step, a, b),
-                                        autograph=False)
+            steps[shapes] = DistributedTrainStep(model, step)
         return steps[shapes](x_batch, y_batch)
 
     test_function = tf.function(lambda a, b: distribution.run(model.test_step, args=((a, b),)), autograph=False)
@@ -380,23 +380,6 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
     history = model.history
     history.plans = dict(plans)
     return history
-
-
-def _train_and_record(distribution, model, step, x, y):
-    """One compiled step and the loss tracker and metrics updated on every replica, as
-    ``model.fit``'s train step updates them (the loss is the global batch's, so each
-    replica records it for its share of the samples)."""
-    loss, predictions = step(x, y)
-
-    def record(x, y, predictions):
-        batch = tf.shape(tf.nest.flatten(x)[0])[0]
-        model._loss_tracker.update_state(loss, sample_weight=batch)
-        if len(step.side_table.output_names) > 1 and getattr(model, "_compile_loss", None) is not None:
-            model._compile_loss(y, predictions)  # records each output's own loss, as RematCallback does
-        return model.compute_metrics(x, y, predictions)
-
-    distribution.run(record, args=(x, y, predictions))
-    return loss
 
 
 def _logs(model) -> dict:
