@@ -1,18 +1,29 @@
-"""Per-replica peak and step time under MultiWorkerMirroredStrategy, 1 and 2 replicas (issue 35 item 7).
+"""Per-replica memory and step time under MultiWorkerMirroredStrategy, 1 and 2 replicas (issue 35 items 4 and 7).
 
 Each replica is a local worker process (``TF_CONFIG`` on 127.0.0.1) with its own CPU
-allocator, so the allocator's peak is per replica: what a budget per device must hold.
-Every configuration trains a conv net with ``tfremat.fit`` at the same per-replica batch
-(weak scaling: the global batch grows with the replicas) at checkpoint-all ("100%",
-``checkpoint_all``) and at "50% of activations" (``optimal``, flops cost model). A worker
-resets the allocator's statistics after the first epoch (which plans and traces) and
-reports the peak over the second epoch and the median step time of its batches; the
-table holds the chief's numbers and the largest peak over the replicas.
+allocator, so every number is per replica: what a budget per device must hold. Every
+configuration trains a conv net with ``tfremat.fit`` at the same per-replica batch (weak
+scaling: the global batch grows with the replicas) at checkpoint-all ("100%",
+``checkpoint_all``) and at "50% of activations" (``optimal``), profiled costs by default
+(the convolutions' scratch measured; ``--cost-model flops`` for analytic costs).
+
+Per worker, over the second epoch (the first plans and traces), in the convention of the
+prediction (:mod:`tfremat.runtime.memory`: above what the allocator held when the step
+began, plus the variables, optimizer slots and this replica's batch):
+
+* requested: the bytes the step's operations requested at their peak, from the profiler's
+  allocation events of one step (the quantity the plan predicts);
+* allocator: the allocator's peak over each step, the largest over the epoch (whole BFC chunks);
+* outside the step: what the allocator held at a step's start beyond the variables and the
+  batch (the data set's tensors and prefetched batches: not the step's, never planned);
+* at the requested peak, the live buffers by the operation that allocated them, so that an
+  excess over the prediction is named (``--detail``).
 
 Run: ``python benchmarks/distributed.py`` (writes ``benchmarks/results/distributed.md``).
 Ops run one at a time (``TF_NUM_INTEROP_THREADS=1``), as the simulator models.
 """
 
+import argparse
 import json
 import os
 
@@ -28,15 +39,63 @@ import time  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 PER_REPLICA_BATCH = 32
 STEPS = 8  # per epoch
+PROFILED_BATCH = 3  # the step of the second epoch whose allocations are replayed
 CONFIGS = [("checkpoint-all", "100%", "checkpoint_all"), ("50% of activations", "50% of activations", "optimal")]
 
 
-def worker(budget: str, strategy_name: str) -> None:
+def live_at_peak(logdir: str) -> tuple[int, list[tuple[str, int]]]:
+    """The peak of the requested CPU bytes in a profile (allocations before it ignored)
+    and the buffers live at that peak, summed by (operation, region, shape)."""
+    import glob
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    events = []
+    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            names = {k: v.name for k, v in plane.stat_metadata.items()}
+            kinds = {k: v.name == "MemoryAllocation" for k, v in plane.event_metadata.items()
+                     if v.name in ("MemoryAllocation", "MemoryDeallocation")}
+            for line in plane.lines:
+                for event in line.events:
+                    if event.metadata_id not in kinds:
+                        continue
+                    stats = {}
+                    for stat in event.stats:
+                        name = names.get(stat.metadata_id)
+                        stats[name] = (names.get(stat.ref_value, "") if stat.ref_value else stat.str_value) \
+                            or stat.uint64_value or stat.int64_value
+                    if "cpu" in str(stats.get("allocator_name", "")).lower():
+                        events.append((line.timestamp_ns * 1000 + event.offset_ps, kinds[event.metadata_id], stats))
+    events.sort(key=lambda e: (e[0], not e[1]))
+    live, current, peak, at_peak = {}, 0, 0, {}
+    for _, allocation, stats in events:
+        if allocation:
+            live[stats["addr"]] = stats
+            current += stats.get("requested_bytes", 0)
+            if current > peak:
+                peak, at_peak = current, dict(live)
+        elif stats["addr"] in live:
+            current -= live.pop(stats["addr"]).get("requested_bytes", 0)
+    groups: dict = {}
+    for stats in at_peak.values():
+        key = f"{stats.get('tf_op', '?')} {stats.get('region_type', '')} {stats.get('shape', '')}"
+        groups[key] = groups.get(key, 0) + stats.get("requested_bytes", 0)
+    return peak, sorted(groups.items(), key=lambda kv: -kv[1])
+
+
+def worker(budget: str, strategy_name: str, cost_model: str) -> None:
+    import tempfile
+
     import keras
     import numpy as np
     import tensorflow as tf
 
     import tfremat
+    from tfremat.runtime.memory import resident_bytes
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     replicas = strategy.num_replicas_in_sync
@@ -53,31 +112,53 @@ def worker(budget: str, strategy_name: str) -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch * STEPS, 32, 32, 3)).astype("float32")
     y = rng.integers(0, 10, batch * STEPS)
-    times, peaks = [], []
+    # One replica's batch, as the step holds it (labels as int64, as the data set yields them).
+    batch_bytes = PER_REPLICA_BATCH * (32 * 32 * 3 * 4 + 8)
+    record = {"times": [], "allocator": [], "outside": [], "process": []}
+    logdir = tempfile.mkdtemp(prefix="distributed_")
 
-    class Timer(keras.callbacks.Callback):
+    class Probe(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            tf.config.experimental.reset_memory_stats("CPU:0")
+            self.epoch = epoch
 
         def on_train_batch_begin(self, step, logs=None):
+            if self.epoch == 1:
+                info = tf.config.experimental.get_memory_info("CPU:0")
+                self.start = info["current"]
+                tf.config.experimental.reset_memory_stats("CPU:0")
+                if step == PROFILED_BATCH:
+                    tf.profiler.experimental.start(logdir)
             self.started = time.perf_counter()
 
         def on_train_batch_end(self, step, logs=None):
-            times.append(time.perf_counter() - self.started)
-
-        def on_epoch_end(self, epoch, logs=None):
-            peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+            elapsed = time.perf_counter() - self.started
+            if self.epoch == 1:
+                if step == PROFILED_BATCH:
+                    tf.profiler.experimental.stop()
+                else:
+                    record["times"].append(elapsed)
+                resident = resident_bytes(model.variables) + resident_bytes(model.optimizer.variables)
+                peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+                record["process"].append(peak)
+                record["allocator"].append(peak - self.start + resident + batch_bytes)
+                record["outside"].append(self.start - resident - batch_bytes)
 
     options = {"time_limit": 30} if strategy_name == "optimal" else {}
     history = tfremat.fit(model, budget, x, y, batch_size=batch, epochs=2, shuffle=False, strategy=strategy_name,
-                          cost_model="flops", callbacks=[Timer()], verbose=0, **options)
+                          cost_model=cost_model, callbacks=[Probe()], verbose=0, **options)
     plan = next(iter(history.plans.values()))
-    print("RESULT " + json.dumps({"peak": peaks[-1], "step": float(np.median(times[STEPS:])),
-                                  "predicted": plan.predicted_peak_bytes, "budget": plan.budget_bytes,
-                                  "recomputations": plan.schedule.recompute_count}), flush=True)
+    resident = resident_bytes(model.variables) + resident_bytes(model.optimizer.variables) + batch_bytes
+    requested, live = live_at_peak(logdir)
+    print("RESULT " + json.dumps({
+        "allocator": max(record["allocator"]), "requested": requested + resident,
+        "outside": int(np.median(record["outside"])), "outside_range": [min(record["outside"]), max(record["outside"])],
+        "process": max(record["process"]), "step": float(np.median(record["times"])),
+        "predicted": plan.predicted_peak_bytes, "budget": plan.budget_bytes,
+        "all_reduce": plan.extraction.side_table.fixed_bytes_breakdown.get("all_reduce", 0),
+        "recomputations": plan.schedule.recompute_count, "live": live[:24]}), flush=True)
 
 
-def run(replicas: int, budget: str, strategy_name: str) -> list[dict]:
+def run(replicas: int, budget: str, strategy_name: str, cost_model: str) -> list[dict]:
     sockets = [socket.socket() for _ in range(replicas)]
     for s in sockets:
         s.bind(("127.0.0.1", 0))
@@ -88,8 +169,8 @@ def run(replicas: int, budget: str, strategy_name: str) -> list[dict]:
     try:
         for index in range(replicas):
             env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
-            processes.append(subprocess.Popen([sys.executable, __file__, "--worker", budget, strategy_name], env=env,
-                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            processes.append(subprocess.Popen([sys.executable, __file__, "--worker", budget, strategy_name, cost_model],
+                                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = [process.communicate(timeout=900)[0] for process in processes]
     finally:
         for process in processes:
@@ -106,39 +187,62 @@ def run(replicas: int, budget: str, strategy_name: str) -> list[dict]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cost-model", default="profile", choices=("profile", "flops"))
+    parser.add_argument("--detail", action="store_true", help="print the live buffers at each worker's requested peak")
+    parser.add_argument("--only", help="run only the configuration with this label (e.g. checkpoint-all)")
+    parser.add_argument("--output", default=os.path.join(HERE, "results", "distributed.md"))
+    args = parser.parse_args()
     from tfremat.budget import format_bytes
+
+    def mib(value):
+        return format_bytes(value).replace(" MiB", "")
 
     rows = []
     for label, budget, strategy_name in CONFIGS:
+        if args.only and args.only != label:
+            continue
         for replicas in (1, 2):
-            results = run(replicas, budget, strategy_name)
-            chief = results[0]
-            rows.append(f"| {label} | {replicas} | {PER_REPLICA_BATCH * replicas} | {chief['recomputations']} | "
-                        f"{format_bytes(chief['budget'])} | {format_bytes(chief['predicted'])} | "
-                        f"{format_bytes(max(r['peak'] for r in results))} | {chief['step'] * 1000:.0f} |")
-            print(rows[-1], flush=True)
+            results = run(replicas, budget, strategy_name, args.cost_model)
+            for index, result in enumerate(results):
+                rows.append(f"| {label} | {replicas} | {index} | {result['recomputations']} | "
+                            f"{mib(result['predicted'])} | {mib(result['all_reduce'])} | {mib(result['requested'])} | "
+                            f"{result['requested'] / result['predicted']:.2f} | {mib(result['allocator'])} | "
+                            f"{result['allocator'] / result['predicted']:.2f} | {mib(result['outside'])} | "
+                            f"{result['step'] * 1000:.0f} |")
+                print(rows[-1], flush=True)
+                if args.detail:
+                    print(f"    process peak {mib(result['process'])}, outside the step "
+                          f"{mib(result['outside_range'][0])} to {mib(result['outside_range'][1])}")
+                    for key, value in result["live"]:
+                        print(f"    {value / 2**20:8.2f} MiB  {key}")
     load = os.getloadavg()
     text = "\n".join([
-        "# Per-replica peak and step time under MultiWorkerMirroredStrategy",
+        "# Per-replica memory and step time under MultiWorkerMirroredStrategy",
         "",
-        "`python benchmarks/distributed.py`: a 12-conv net (32 channels, 32x32x3 input), per-replica batch "
-        f"{PER_REPLICA_BATCH}, each replica a local worker process with its own BFC CPU allocator, "
-        f"TF_NUM_INTEROP_THREADS=1, flops cost model, {STEPS} steps per epoch; peak and median step time over "
-        f"the second epoch. Load average at the end: {load[0]:.1f} (2 cores, shared machine: times are noisy).",
+        f"`python benchmarks/distributed.py{'' if args.cost_model == 'profile' else ' --cost-model flops'}`: "
+        f"a 12-conv net (32 channels, 32x32x3 input), per-replica batch {PER_REPLICA_BATCH}, each replica a local "
+        f"worker process with its own BFC CPU allocator, TF_NUM_INTEROP_THREADS=1, {args.cost_model} cost model, "
+        f"{STEPS} steps per epoch, measured over the second epoch. Memory in MiB, per worker, in the prediction's "
+        "convention (above the allocator's state at the step's start, plus variables, optimizer slots and the "
+        "replica's batch): requested from the profiler's allocation events of one step, allocator the largest "
+        "peak over the epoch's steps; outside the step: what the allocator held at a step's start beyond "
+        f"variables and batch (the data set). Load average at the end: {load[0]:.1f} (2 cores, shared machine: "
+        "times are noisy).",
         "",
-        "| budget | replicas | global batch | recomputations | budget bytes | predicted peak | allocator peak "
-        "(largest replica) | step ms (chief) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| budget | replicas | worker | recomputations | predicted | of which all_reduce | requested | "
+        "requested / predicted | allocator | allocator / predicted | outside the step | step ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
     ])
-    with open(os.path.join(HERE, "results", "distributed.md"), "w") as f:
+    with open(args.output, "w") as f:
         f.write(text)
     print(text)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2], sys.argv[3])
+        worker(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
         main()
