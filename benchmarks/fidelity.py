@@ -10,7 +10,12 @@ plain steps (median per-round ratio, quartiles beside it). A budget no schedule 
 a row that says so.
 
 Run: ``python benchmarks/fidelity.py`` (writes ``benchmarks/results/fidelity.md``; ``--only``
-takes model names or substrings, comma separated, and then needs ``--out``).
+takes model names, exact, or substrings, comma separated, and then needs ``--out``).
+``--batch`` and ``--image_size`` change the conformance batch and the applications' input
+(never below an application's smallest); ``--explain`` logs, for each row requesting more
+than 1.02x its prediction, :func:`tfremat.measure.explain_requested_peak`'s account: the
+statement at the requested peak and the nodes whose live buffers differ most from the
+simulator's at that statement.
 """
 
 import os
@@ -40,20 +45,40 @@ PLANS = (("checkpoint_all", "100%"), ("optimal", "60% of activations"), ("optima
 MiB = 2**20
 
 
-def measure_rows(name: str, steps: int, time_limit: float) -> list[dict]:
+EXPLAIN_ABOVE = 1.02  # requested over predicted above which --explain accounts for the peak
+
+
+def build(name: str, image_size: int | None):
+    """The conformance model ``name``; an application at ``image_size`` (at least its smallest)."""
+    if image_size is None or name not in conformance.APPLICATIONS:
+        return conformance.build(name)
+    import keras
+
+    keras.utils.set_random_seed(0)
+    size = max(image_size, conformance.APPLICATION_SIZES.get(name, 32))
+    return getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=conformance.CLASSES)
+
+
+def measure_rows(name: str, steps: int, time_limit: float, batch: int = conformance.BATCH,
+                 image_size: int | None = None, explain: bool = False) -> list[dict]:
     """One row per plan of :data:`PLANS` for the conformance model ``name``."""
-    model = conformance.build(name)
+    model = build(name, image_size)
     model.compile(optimizer="sgd", loss="categorical_crossentropy")
+    size = model.inputs[0].shape[1] if name in conformance.APPLICATIONS else None
     rows = []
     for strategy, budget in PLANS:
-        row = {"model": name, "strategy": strategy, "budget": budget}
+        row = {"model": name if size is None else f"{name} {size}x{size}", "strategy": strategy, "budget": budget}
         options = {"time_limit": time_limit} if strategy == "optimal" else {}
         try:
-            row.update(measure_model(model, budget, batch_size=conformance.BATCH, strategy=strategy, steps=steps,
-                                     verbose=0, **options))
+            row.update(measure_model(model, budget, batch_size=batch, strategy=strategy, steps=steps,
+                                     verbose=0, explain=explain, **options))
         except (InfeasibleBudgetError, SolverTimeLimitError) as error:
             row["error"] = conformance.first_line(error)
+        explained = row.pop("requested_explained", None)
+        row["model"] = name if size is None else f"{name} {size}x{size}"
         logger.info("%s", row)
+        if explained and row["requested_over_predicted"] > EXPLAIN_ABOVE:
+            logger.info("requested peak of %s %s at %s: %s", row["model"], budget, explained.pop("at"), explained)
         rows.append(row)
     return rows
 
@@ -80,7 +105,7 @@ def _notes(row: dict) -> str:
     return "; ".join(notes)
 
 
-def render(rows: list[dict], argv) -> str:
+def render(rows: list[dict], argv, batch: int = conformance.BATCH) -> str:
     measured = [r for r in rows if "error" not in r]
     worst = []
     for key, label in (("requested_over_predicted", "requested / predicted"),
@@ -97,7 +122,7 @@ def render(rows: list[dict], argv) -> str:
         "",
         header(argv),
         "",
-        f"Batch {conformance.BATCH}, SGD, categorical cross-entropy, `cost_model=\"profile\"`, CPU "
+        f"Batch {batch}, SGD, categorical cross-entropy, `cost_model=\"profile\"`, CPU "
         "(2 cores shared with other jobs: time ratios are per-round ratios of steps timed in turns "
         "with plain steps, quartiles in brackets). `req/pred`: bytes the step requests over the "
         "prediction; `alloc/pred`: the allocator's peak over the prediction; `alloc/budget`: over "
@@ -118,6 +143,11 @@ def main(argv=None):
     parser.add_argument("--only", default=None, help="model names or substrings, comma separated")
     parser.add_argument("--steps", type=int, default=7, help="timed rounds per measurement")
     parser.add_argument("--time_limit", type=float, default=30.0, help="seconds per optimal solve")
+    parser.add_argument("--batch", type=int, default=conformance.BATCH, help="batch size")
+    parser.add_argument("--image_size", type=int, default=None,
+                        help="the applications' input side (default: the smallest each accepts)")
+    parser.add_argument("--explain", action="store_true",
+                        help=f"log the account of each requested peak above {EXPLAIN_ABOVE}x its prediction")
     parser.add_argument("--out", default=None, help=f"markdown file to write (default {DEFAULT_OUT}; "
                         "required with --only)")
     args = parser.parse_args(argv)
@@ -126,15 +156,16 @@ def main(argv=None):
     names = conformance.model_names()
     if args.only:
         wanted = args.only.split(",")
-        names = [n for n in names if any(w in n for w in wanted)]
+        # An exact model name means that model only (ResNet50, not also ResNet50V2).
+        names = [n for n in names if any(w == n or (w not in names and w in n) for w in wanted)]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("tfremat").setLevel(logging.ERROR)
     out = args.out or DEFAULT_OUT
     os.makedirs(os.path.dirname(out), exist_ok=True)
     rows = []
     for name in names:
-        rows += measure_rows(name, args.steps, args.time_limit)
-        text = render(rows, argv)
+        rows += measure_rows(name, args.steps, args.time_limit, args.batch, args.image_size, args.explain)
+        text = render(rows, argv, args.batch)
         with open(out, "w") as f:  # after every model: a run cut short keeps what it measured
             f.write(text + "\n")
     sys.stdout.write(text + "\n")

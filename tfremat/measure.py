@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -41,10 +42,13 @@ from tfremat.planner import plan_graph
 from tfremat.runtime.memory import (
     default_device,
     measure_step_peak,
+    requested_peak_live,
     reset_allocator_peak,
+    resident_bytes,
+    synchronize,
 )
 
-__all__ = ["TurnTiming", "measure_model", "time_in_turns"]
+__all__ = ["TurnTiming", "explain_requested_peak", "measure_model", "time_in_turns"]
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +186,91 @@ def _rounding_by_implementation(model, extraction, result, x, y, saved) -> list[
     return rows
 
 
+# The compiled step runs each plan statement under this name scope (static_graph/interpreter.py).
+_STATEMENT_SCOPE = re.compile(r"(?:^|/)(re)?(forward|backward|loss)_(\d+)(?:/|$)")
+
+
+def explain_requested_peak(extraction, schedule, step, x, y, resident=(), *, top: int = 8) -> dict:
+    """Where the compiled step's requested peak falls and what is live there, against the
+    simulator at the same statement: which node's buffers make a step request more than its
+    prediction (``benchmarks/fidelity.py --explain``; docs/memory-model.md).
+
+    The requested peak is replayed from the profiler's allocation events
+    (:func:`tfremat.runtime.memory.requested_peak_live`); each live buffer is charged to the
+    plan statement whose name scope allocated it (``forward_<node>``, ``backward_<node>``,
+    ``reforward_<node>``), others to ``other``. The statement that made the peak is the last
+    live allocation's; the simulator's live values at that statement's compute (the first
+    one, or the first recompute for ``re``) are the prediction it is compared with. A
+    gradient op is named ``gradient_tape/forward_<node>/...`` after the call it differentiates;
+    it is charged to that node's backward node.
+
+    Returns:
+        ``requested_bytes`` and ``predicted_bytes`` (both with the fixed bytes), ``at`` (the
+        statement's scope and node name), ``predicted_peak_bytes`` (the simulator's own peak,
+        elsewhere perhaps), and ``differences``: up to ``top`` ``(scope, requested,
+        predicted)`` with the largest requested-minus-predicted bytes, a scope's predicted
+        bytes being its node's live output (and, for the running node, its workspace).
+    """
+    from tfremat.plan.execution import Op, build_plan
+    from tfremat.plan.simulator import simulate
+
+    graph = extraction.graph
+    plan = build_plan(graph, schedule)
+    simulation = simulate(graph, plan)
+    device = default_device()
+    synchronize(step(x, y))
+    peak, live = requested_peak_live(lambda: synchronize(step(x, y)), device)
+    fixed = (resident_bytes(list(resident)) + resident_bytes(tf.nest.flatten(x))
+             + resident_bytes(tf.nest.flatten(y)))
+
+    def scope_of(op: str) -> tuple[str, int | None, bool]:
+        match = _STATEMENT_SCOPE.search(op)
+        if match is None:
+            return "other", None, False
+        node = int(match.group(3))
+        if "gradient_tape/" in op[:match.start() + 1]:
+            # A gradient op is named after the forward call it differentiates, under the
+            # backward statement's tape: it belongs to that node's backward node.
+            node = graph.backward_of.get(node, node)
+            return f"backward_{node}", node, False
+        return match.group(0).strip("/"), node, bool(match.group(1))
+
+    requested_by_node: dict[int | None, int] = {}
+    for buffer in live:
+        node = scope_of(buffer["op"])[1]
+        requested_by_node[node] = requested_by_node.get(node, 0) + buffer["bytes"]
+    at_scope, at_node, at_recompute = scope_of(live[-1]["op"]) if live else ("other", None, False)
+
+    implemented = graph.with_implementations(plan.implementations)
+    resident_values: dict[int, int] = {}
+    predicted_by_node: dict[int, int] = {}
+    predicted = None
+    for index, statement in enumerate(plan.statements):
+        node = statement.node
+        if statement.op in (Op.ALLOCATE, Op.PREFETCH):
+            resident_values[node] = resident_values.get(node, 0) + implemented.output_bytes[node]
+        elif statement.op is Op.DEALLOCATE:
+            freed = (implemented.output_bytes[node] if statement.part is None
+                     else implemented.part_bytes(node, statement.part))
+            resident_values[node] = resident_values.get(node, 0) - freed
+        elif (statement.op is Op.COMPUTE and node == at_node and statement.recompute == at_recompute
+              and predicted is None):
+            predicted = int(simulation.trace_bytes[index])
+            predicted_by_node = {n: b for n, b in resident_values.items() if b > 0}
+            predicted_by_node[node] = predicted_by_node.get(node, 0) + implemented.workspace_bytes[node]
+
+    rows = [("other" if node is None else f"{node} {graph.names[node]}", requested_by_node.get(node, 0),
+             predicted_by_node.get(node, 0)) for node in set(requested_by_node) | set(predicted_by_node)]
+    rows.sort(key=lambda r: r[2] - r[1])
+    return {
+        "requested_bytes": int(peak + fixed),
+        "predicted_bytes": predicted,
+        "predicted_peak_bytes": int(simulation.peak_bytes),
+        "at": at_scope if at_node is None else f"{at_scope} ({graph.names[at_node]})",
+        "differences": rows[:top],
+    }
+
+
 def _restore(model, saved) -> None:
     for variable, value in zip(model.variables, saved):
         variable.assign(value)
@@ -189,7 +278,8 @@ def _restore(model, saved) -> None:
 
 def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", steps: int = 5, loss=None,
                   optimizer=None, cost_model: str = "profile", granularity: str = "sublayer", seed: int = 0,
-                  verbose: int = 1, cache=True, exact_gradients: bool = False, **strategy_options) -> dict:
+                  verbose: int = 1, cache=True, exact_gradients: bool = False, explain: bool = False,
+                  **strategy_options) -> dict:
     """Plans, compiles and runs ``model``'s step under ``budget``, and a plain training step.
 
     The model is measured as it trains: with its compiled loss (and loss weights) and a
@@ -214,6 +304,8 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             None) also turns off the profile cache.
         exact_gradients: as for :func:`tfremat.plan_model` (``monet`` then chooses only
             implementations whose gradients are bit-exact with the layer's default).
+        explain: also return ``requested_explained``, :func:`explain_requested_peak`'s
+            account of the requested peak (one more profiled run of the step).
 
     Returns:
         the loss and optimizer (class) measured with,
@@ -271,6 +363,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         # depends on what the process allocated before (the demo: 47.70 MiB requested,
         # exactly the prediction, 52.70 MiB allocator).
         requested = measure_step_peak(step, x, y, resident=resident, warmup=0, count="requested")
+        explained = explain_requested_peak(extraction, result.schedule, step, x, y, resident) if explain else None
         _restore(model, saved)
 
         plain_optimizer = _fresh(training["optimizer"])
@@ -304,6 +397,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             "predicted_overhead": round(result.overhead, 4),
             "inexact_implementations": rounding,
             "device": default_device(),
+            **({"requested_explained": explained} if explain else {}),
         }
     finally:
         # Also when planning or a run raises: the docstring promises the weights back.

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tfremat.errors import CompileError, ExtractionError
 
-__all__ = ["measure_step_peak", "requested_peak", "reset_allocator_peak", "resident_bytes", "default_device", "synchronize"]
+__all__ = ["measure_step_peak", "requested_peak", "requested_peak_live", "reset_allocator_peak", "resident_bytes", "default_device", "synchronize"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,11 @@ def requested_peak(run: Callable[[], None], device: str, *, allow_empty: bool = 
     """Peak of the bytes requested from ``device``'s allocator by allocations made in ``run()``.
 
     Replays the profiler's ``MemoryAllocation``/``MemoryDeallocation`` events in time order;
-    frees of tensors allocated before the run are ignored (the peak is above the start).
+    the peak is above the start. A tensor allocated before the run and freed in it counts
+    by its requested bytes: a slot variable assigned a new value (momentum, RMSprop) takes
+    the new buffer and frees its old one, and ignoring those frees counted the slots again
+    (an SGD-momentum MLP read 11.4 MiB where the allocator peaked at 9.8 MiB;
+    ``benchmarks/optimizer_update.py``).
 
     Args:
         run: what to measure (it must finish its device work before it returns).
@@ -144,17 +148,57 @@ def requested_peak(run: Callable[[], None], device: str, *, allow_empty: bool = 
         CompileError: no allocation event and not ``allow_empty``, or the profiler protos
             are missing from this TensorFlow build.
     """
+    return requested_peak_live(run, device, allow_empty=allow_empty)[0]
+
+
+def requested_peak_live(run: Callable[[], None], device: str, *,
+                        allow_empty: bool = False) -> tuple[int, list[dict]]:
+    """:func:`requested_peak` and what is live at that peak: which operations' buffers make
+    the step request more than its prediction (fidelity diagnostics, benchmarks/fidelity.py).
+
+    Returns:
+        ``(peak, live)``: ``live`` holds one dict per allocation made in ``run()`` and not
+        freed at the peak's first moment, in allocation order: ``op`` (the allocating
+        operation's name, name scope included: the compiled step's statements are scoped
+        ``forward_<node>``, ``backward_<node>``, ``reforward_<node>``), ``region``
+        (``output`` or ``temp``), ``shape`` and ``bytes`` (requested); the peak is their sum.
+
+    Raises:
+        CompileError: as :func:`requested_peak`.
+    """
+    events = _allocation_events(run, device)
+    if not events and not allow_empty:
+        raise CompileError(f"the profiler recorded no allocation on {device}")
+    events.sort(key=lambda e: (e[0], not e[1]))
+    live: dict = {}
+    current = peak = 0
+    at_peak: list = []
+    for _, allocation, addr, requested, info in events:
+        if allocation:
+            live[addr] = (requested, info)
+            current += requested
+            if current > peak:
+                peak = current
+                at_peak = list(live.values())
+        else:
+            current -= live.pop(addr, (requested, None))[0]
+    return peak, [{**info, "bytes": requested} for requested, info in at_peak]
+
+
+def _allocation_events(run: Callable[[], None], device: str) -> list[tuple]:
+    """The profiler's allocation events on ``device`` during ``run()``: ``(time_ps,
+    is_allocation, addr, requested_bytes, {op, region, shape})``, unsorted."""
     try:
         from tensorflow.tsl.profiler.protobuf import xplane_pb2
     except ImportError as error:  # pragma: no cover - depends on the TensorFlow build
         raise CompileError(f"count='requested' needs TensorFlow's profiler protos: {error}") from error
+    events = []
     with tempfile.TemporaryDirectory(prefix="tfremat_memory_") as logdir:
         tf.profiler.experimental.start(logdir)
         try:
             run()
         finally:
             tf.profiler.experimental.stop()
-        events = []
         for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
             space = xplane_pb2.XSpace()
             with open(path, "rb") as f:
@@ -175,23 +219,13 @@ def requested_peak(run: Callable[[], None], device: str, *, allow_empty: bool = 
                         stats = {}
                         for stat in event.stats:
                             name = stat_names.get(stat.metadata_id)
-                            if name == "allocator_name":
+                            if name in ("allocator_name", "tf_op", "region_type", "shape"):
                                 stats[name] = stat_names.get(stat.ref_value, "") if stat.ref_value else stat.str_value
                             elif name in ("addr", "requested_bytes"):
                                 stats[name] = stat.uint64_value or stat.int64_value
                         if _allocator_matches(stats.get("allocator_name", ""), device):
+                            info = {"op": stats.get("tf_op", ""), "region": stats.get("region_type", ""),
+                                    "shape": stats.get("shape", "")}
                             events.append((line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation",
-                                           stats.get("addr"), stats.get("requested_bytes", 0)))
-    if not events and not allow_empty:
-        raise CompileError(f"the profiler recorded no allocation on {device}")
-    events.sort(key=lambda e: (e[0], not e[1]))
-    live: dict = {}
-    current = peak = 0
-    for _, allocation, addr, requested in events:
-        if allocation:
-            live[addr] = requested
-            current += requested
-            peak = max(peak, current)
-        else:
-            current -= live.pop(addr, 0)
-    return peak
+                                           stats.get("addr"), stats.get("requested_bytes", 0), info))
+    return events
