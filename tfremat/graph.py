@@ -103,6 +103,14 @@ class DFGraph:
         name: a label for reports.
         implementations: per forward node that has a backward node, its alternative
             :class:`Implementation` s (the graph's numbers are the default); none by default.
+        weight_grad_bytes: per forward node, the bytes of the weight gradients its backward
+            node makes, counted in that node's workspace (every backward node's, for a split
+            backward); default all 0 (weight gradients counted in ``fixed_bytes``, or none).
+            They live on after the backward node when the node or its backward nodes run
+            again: the layer's optimizer update waits for the layer's last statement, since
+            a later forward run must read the weights it was planned with
+            (:func:`tfremat.static_graph.interpreter.order_updates`). The simulator counts
+            them until then (:func:`tfremat.plan.simulator.simulate`).
 
     Raises:
         GraphError: naming the node, for a cycle, an edge against the order, a dangling
@@ -123,6 +131,7 @@ class DFGraph:
         "fixed_bytes",
         "name",
         "implementations",
+        "weight_grad_bytes",
         "__dict__",
     )
 
@@ -140,6 +149,7 @@ class DFGraph:
         name: str = "graph",
         residual_bytes: Sequence[int] | None = None,
         implementations: Mapping[int, Sequence[Implementation]] | None = None,
+        weight_grad_bytes: Sequence[int] | None = None,
     ):
         names = tuple(str(x) for x in names)
         n = len(names)
@@ -168,6 +178,9 @@ class DFGraph:
             _node_id(node, "implementations"): tuple(_implementation(i) for i in alternatives)
             for node, alternatives in (implementations or {}).items() if alternatives
         }))
+        set_(self, "weight_grad_bytes", _per_node(
+            "weight_grad_bytes", weight_grad_bytes if weight_grad_bytes is not None else [0] * n, names, whole=True,
+        ))
         self._validate()
 
     def __setattr__(self, key, value):
@@ -220,6 +233,22 @@ class DFGraph:
                                  "it (forward_of and an edge to it)", node=i)
         if self.loss_node is not None and not self.is_backward[self.loss_node]:
             raise GraphError(f"loss node {self.loss_node} must be flagged backward (Checkmate's convention)", node=self.loss_node)
+        for node, grads in enumerate(self.weight_grad_bytes):
+            if not grads:
+                continue
+            if node not in self.backward_nodes_of:
+                raise GraphError(f"node {node} ({self.names[node]}) has weight_grad_bytes {grads} but is not a forward "
+                                 "node with a backward node (forward_of)", node=node)
+            nodes = self.backward_nodes_of[node]
+            if len(nodes) > 1 and nodes != tuple(range(nodes[0], nodes[0] + len(nodes))):
+                raise GraphError(f"node {node} ({self.names[node]}) has weight_grad_bytes and a split backward "
+                                 f"{list(nodes)} whose nodes are not consecutive; number them one after the other",
+                                 node=node)
+            short = [b for b in nodes if self.workspace_bytes[b] < grads]
+            if short:
+                raise GraphError(f"node {node} ({self.names[node]}) has weight_grad_bytes {grads}, more than the "
+                                 f"workspace_bytes {self.workspace_bytes[short[0]]} of its backward node {short[0]}, "
+                                 "which counts them", node=node)
         for node, alternatives in self.implementations.items():
             if not (0 <= node < n) or self.is_backward[node] or node not in self.backward_of:
                 raise GraphError(f"implementations: node {node} is not a forward node with a backward node", node=node)
@@ -263,7 +292,8 @@ class DFGraph:
             _check_order(order, digraph)
         position = {node: i for i, node in enumerate(order)}
         source_index = {node: i for i, node in enumerate(node_ids)}
-        per_node = ("names", "cost", "output_bytes", "workspace_bytes", "is_backward", "residual_bytes")
+        per_node = ("names", "cost", "output_bytes", "workspace_bytes", "is_backward", "residual_bytes",
+                    "weight_grad_bytes")
         reordered = {}
         for key, value in fields.items():
             if key in per_node and value is not None:
@@ -391,7 +421,8 @@ class DFGraph:
             cost[node], cost[backward] = chosen.cost, chosen.backward_cost
             work[node], work[backward] = chosen.workspace_bytes, chosen.backward_workspace_bytes
         return DFGraph(self.names, sorted(edges), cost, output, work, self.is_backward, self.loss_node,
-                       dict(self.forward_of), self.fixed_bytes, self.name, residual_bytes=residual)
+                       dict(self.forward_of), self.fixed_bytes, self.name, residual_bytes=residual,
+                       weight_grad_bytes=self.weight_grad_bytes)
 
     @functools.cached_property
     def total_cost(self) -> float:
@@ -448,6 +479,7 @@ class DFGraph:
                     **({"residual_bytes": self.residual_bytes[i]} if self.residual_bytes[i] else {}),
                     **({"implementations": [dataclasses.asdict(a) for a in self.implementations[i]]}
                        if i in self.implementations else {}),
+                    **({"weight_grad_bytes": self.weight_grad_bytes[i]} if self.weight_grad_bytes[i] else {}),
                 }
                 for i in range(self.size)
             ],
@@ -622,6 +654,7 @@ def _from_tfremat_dict(data: dict, label: str) -> DFGraph:
         name=data.get("name", "graph"),
         residual_bytes=[node.get("residual_bytes", 0) for node in nodes],
         implementations={node["id"]: node["implementations"] for node in nodes if node.get("implementations")},
+        weight_grad_bytes=[node.get("weight_grad_bytes", 0) for node in nodes],
     )
 
 

@@ -23,6 +23,18 @@ reasoning behind it):
   so value i is never computed or kept after stage ``last_descendant[i]``; a value
   without readers is never kept.
 
+Weight gradients (``DFGraph.weight_grad_bytes``) are counted in the workspace of the
+backward node that makes them; the simulator holds them on while the layer runs again
+after that node (its optimizer update waits for the layer's last statement). The model
+forbids what would hold them instead of counting them: a forward node with weight
+gradients is not computed after the stage of its weight-gradient node (its ``R`` columns
+there are fixed at 0, :func:`weight_gradient_stages`), and a split backward
+(weight-gradient node w, input-gradient node w+1) recomputes w+1 only right after w, and
+runs nothing else in stage w+1 unless it recomputes w there too. A forward node runs
+after its backward only to recompute a later node that was kept neither (a backward
+node), so little is given up; graphs without weight gradients (Checkmate's) are
+unchanged.
+
 Rows (each valid for some optimal schedule, since dropping a useless computation or keep
 never adds cost or memory; together they make the memory accounting exact):
 
@@ -120,6 +132,7 @@ __all__ = [
     "overflowing_stages",
     "memory_lower_bound",
     "last_descendants",
+    "weight_gradient_stages",
     "r_column_count",
     "implementation_modes",
     "cheapest_implementations",
@@ -213,6 +226,17 @@ def last_descendants(graph: DFGraph) -> np.ndarray:
     return _last_descendants(graph.successors)
 
 
+def weight_gradient_stages(graph: DFGraph) -> np.ndarray:
+    """The last stage in which the model may compute each node: that of its
+    weight-gradient node for a forward node with ``weight_grad_bytes`` (module doc), the
+    last stage otherwise."""
+    until = np.full(graph.size, graph.size - 1)
+    for f, grads in enumerate(graph.weight_grad_bytes):
+        if grads:
+            until[f] = max(f, graph.backward_nodes_of[f][0])
+    return until
+
+
 def _last_descendants(successors) -> np.ndarray:
     n = len(successors)
     last = np.arange(n)
@@ -280,6 +304,7 @@ class _Layout:
                 successors[source] = sorted(edges)
         self.values = tuple(self._values_of(i, successors[i]) for i in range(n))
         self.last = _last_descendants([sorted({k for v in values for k, _ in v.readers}) for values in self.values])
+        self.until = weight_gradient_stages(graph)
         self.most_values = max(map(len, self.values))
         # Per node, the bytes it makes by the mode that makes them (None: every computation).
         self.made = []
@@ -787,7 +812,7 @@ def _schedule_columns(b: SparseBuilder, layout: _Layout, cost_scale: float, mini
                 fixed = 1.0 if i == t else 0.0
                 modes = mode_index.get(i)
                 objective = 0.0 if minimize_peak or modes is not None else graph.cost[i] / cost_scale
-                r_index[t, i] = b.column(objective, fixed, 1.0, True)
+                r_index[t, i] = b.column(objective, fixed, 1.0 if t <= layout.until[i] else 0.0, True)
                 for a in range(0 if modes is None else len(modes)):
                     # R_a = R * delta[a] is integral whenever R and delta are: no integrality needed.
                     objective = 0.0 if minimize_peak else layout.mode_of(i, a, "cost") / cost_scale
@@ -867,6 +892,27 @@ def _implementation_rows(b: SparseBuilder, cols: _Columns) -> None:
                     b.row([(value.keep[t], 1.0), (output.keep[t], -1.0)], -math.inf, 0.0)
                     b.row([(output.keep[t], 1.0), (value.keep[t], -1.0), (cols.delta_index[f][value.mode], 1.0)],
                           -math.inf, 1.0)
+
+
+def _split_weight_gradient_rows(b: SparseBuilder, cols: _Columns) -> None:
+    """For each split backward (w, w+1) of a forward node with ``weight_grad_bytes``: a
+    stage after w+1 computes w+1 only with w (``R[t, w+1] <= R[t, w]``), and stage w+1
+    computes nothing before w unless it computes w (``R[w+1, k] <= R[w+1, w]``), so no
+    statement runs between the last run of w, which takes the weight gradients, and that
+    of w+1, which ends the layer (module doc)."""
+    graph, r_index = cols.layout.graph, cols.r_index
+    for f, grads in enumerate(graph.weight_grad_bytes):
+        nodes = graph.backward_nodes_of.get(f, ())
+        if not grads or len(nodes) < 2:
+            continue
+        w, last = nodes[0], nodes[-1]
+        pairs = [(t, last, t) for t in range(last + 1, graph.size)] + [(last, k, last) for k in range(w)]
+        for t, k, stage in pairs:
+            if r_index[t, k] >= 0:
+                terms = [(r_index[t, k], 1.0)]
+                if r_index[stage, w] >= 0:
+                    terms.append((r_index[stage, w], -1.0))
+                b.row(terms, -math.inf, 0.0)
 
 
 def _free_rows(b: SparseBuilder, cols: _Columns, t: int, free_keys: list, frees_after: dict) -> None:
@@ -1096,6 +1142,7 @@ def build_milp(
         _dependency_rows(b, cols, t)
         _keep_or_recompute_rows(b, layout, t, cols.r_index)
     _implementation_rows(b, cols)
+    _split_weight_gradient_rows(b, cols)
 
     exact_stage = np.ones(n, dtype=bool) if exact_stages is None else np.isin(np.arange(n), list(exact_stages))
     free_start = len(b.cost)

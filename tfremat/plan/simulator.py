@@ -11,6 +11,14 @@ Convention (Checkmate's memory accounting plus per-node workspace):
   k and that is not kept into stage t+1 is freed (see :mod:`tfremat.plan.execution`);
   a node's output and its residuals are freed each on its own.
 
+* A forward node's weight gradients (``DFGraph.weight_grad_bytes``), which its backward
+  node makes and counts in its workspace, stay after the last run of that backward node
+  (the one that takes them, the first of a split backward) until the last run of the
+  node or its backward nodes: the layer's optimizer update waits for the layer's last
+  statement (:mod:`tfremat.static_graph.interpreter`). They count at every statement in
+  between, except in the workspace of the layer's own backward nodes, which holds them.
+  A schedule that recomputes a forward node after its backward node keeps them that long.
+
 The peak is the largest memory during any node's run. With offloading (Beaumont et al.
 2021, sec. 3), a ``prefetch`` allocates its device copy where the plan issues it and a
 ``deallocate`` of an offloaded copy frees it where it stands, so memory still follows the
@@ -36,7 +44,7 @@ from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op, build_plan
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix
 
-__all__ = ["SimulationResult", "simulate", "stage_peaks", "checkpoint_all_peak"]
+__all__ = ["SimulationResult", "simulate", "stage_peaks", "checkpoint_all_peak", "held_weight_gradients"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +96,7 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
     work = graph.workspace_bytes
     costs = graph.cost
     live = graph.fixed_bytes
+    held = held_weight_gradients(graph, plan)
     total_cost = 0.0
     trace = np.empty(len(plan.statements), dtype=np.int64)
     peak = live
@@ -101,7 +110,7 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
             current = live
         elif statement.op is Op.COMPUTE:
             link.compute(node)
-            current = live + work[node]
+            current = live + work[node] + held[index]
             total_cost += costs[node]
             recomputes += statement.recompute
             if current > peak:
@@ -117,10 +126,49 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
             link.free(node)
             live -= out[node] if statement.part is None else graph.part_bytes(node, statement.part)
             current = live
+        if statement.op is not Op.COMPUTE:
+            current += held[index]
         trace[index] = current
     trace.setflags(write=False)
     return SimulationResult(int(peak), total_cost, recomputes, trace, peak_at, plan, link.clock,
                             max(0.0, link.clock - total_cost), link.moved, link.host_peak)
+
+
+def held_weight_gradients(graph: DFGraph, plan: ExecutionPlan) -> np.ndarray:
+    """Per statement of ``plan``, the weight-gradient bytes held beyond the workspaces
+    (module docstring): a forward node's ``weight_grad_bytes`` from after the last compute
+    of its weight-gradient node to its layer's last compute, the computes of its backward
+    nodes left out (their workspace holds them)."""
+    held = np.zeros(len(plan.statements) + 1, dtype=np.int64)
+    layers = [f for f, grads in enumerate(graph.weight_grad_bytes) if grads]
+    if not layers:
+        return held[:-1]
+    layer_of = {}
+    for f in layers:
+        layer_of[f] = f
+        for b in graph.backward_nodes_of[f]:
+            layer_of[b] = f
+    taken: dict[int, int] = {}  # layer -> index of the last compute that takes its weight gradients
+    last: dict[int, int] = {}  # layer -> index of its last compute
+    own: list[tuple[int, int]] = []  # (index, layer) of the computes of a layer's backward nodes
+    for index, statement in enumerate(plan.statements):
+        f = layer_of.get(statement.node)
+        if f is None or statement.op is not Op.COMPUTE:
+            continue
+        last[f] = index
+        if statement.node == graph.backward_nodes_of[f][0]:
+            taken[f] = index
+        if statement.node != f:
+            own.append((index, f))
+    for f, start in taken.items():
+        if last[f] > start:
+            held[start + 1] += graph.weight_grad_bytes[f]
+            held[last[f] + 1] -= graph.weight_grad_bytes[f]
+    held = np.cumsum(held)
+    for index, f in own:
+        if taken.get(f, index) < index <= last[f]:
+            held[index] -= graph.weight_grad_bytes[f]
+    return held[:-1]
 
 
 class _HostLink:
