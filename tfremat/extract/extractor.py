@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import ExtractionError, is_int
-from tfremat.extract.analysis import CallAnalysis, analyze_loss, xla_costs
+from tfremat.extract.analysis import CallAnalysis, analyze_loss, xla_costs, xla_layouts
 from tfremat.extract.assembly import assemble, backward_flags, weight_gradient_lifetime
 from tfremat.extract.checks import (
     analyze_checked,
@@ -91,7 +91,7 @@ def extract(
     granularity: str = DEFAULT_GRANULARITY,
     implementations: bool = False,
     replicas: int | None = None,
-    xla: bool = False,
+    xla: bool | str = False,
 ) -> Extraction:
     """Extracts the training graph of a Keras model.
 
@@ -140,10 +140,14 @@ def extract(
             ``SideTable.fixed_bytes_breakdown``, see :mod:`~tfremat.extract.assembly`). None:
             the replicas of the strategy ``model`` was built under (Keras records it as
             ``model.distribute_strategy``; 1 outside any strategy).
-        xla: the step will be compiled by XLA (``jit_compile=True``): the ``"profile"``
-            cost model times every call compiled by XLA, where fused pointwise operations
-            cost little to recompute (:func:`~tfremat.extract.analysis.xla_costs`); the
-            workspaces are measured as without it. Cached apart from the costs without XLA.
+        xla: the step will be compiled by XLA (``jit_compile=True``). ``"memory"``: the
+            layout copies XLA makes of a call's inputs for its gradient (a convolution's
+            filter gradient on CPU) count as the call's residuals, read from an XLA compile
+            of each call (:func:`~tfremat.extract.analysis.xla_layouts`); costs and
+            workspaces come from TensorFlow's kernels. ``True``: that, and the
+            ``"profile"`` cost model times every call compiled by XLA, where fused
+            pointwise operations cost little to recompute
+            (:func:`~tfremat.extract.analysis.xla_costs`). Cached apart from each other.
 
     Under a strategy's scope (a cross-replica context) the model is extracted as replica 0
     sees it, inside ``tf.distribute.ReplicaContext(strategy, 0)``: a mirrored variable has
@@ -163,6 +167,8 @@ def extract(
     """
     started = time.perf_counter()
     _check_arguments(model, sample_batch, input_signature, cost_model, weight_grads, replicas)
+    if xla not in (False, True, "memory"):
+        raise ExtractionError(f"xla must be False, 'memory' or True, got {xla!r}")
     optimizer = optimizer if optimizer is not None else keras.optimizers.SGD()
     replicas = model.distribute_strategy.num_replicas_in_sync if replicas is None else replicas
     # Variables are made where the caller is (in a strategy's scope they are mirrored, as
@@ -174,7 +180,7 @@ def extract(
     with _as_replica():
         return _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer, cost_model, batch_size,
                         repeats, use_cache, weight_grads, granularity, implementations, replicas, started,
-                        xla and cost_model == "profile")
+                        "timed" if xla is True and cost_model == "profile" else "memory" if xla else "")
 
 
 def _as_replica():
@@ -187,23 +193,24 @@ def _as_replica():
 
 def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer, cost_model: str,
              batch_size: int | None, repeats: int, use_cache: bool, weight_grads: str, granularity: str,
-             implementations: bool, replicas: int, started: float, xla: bool) -> Extraction:
+             implementations: bool, replicas: int, started: float, xla: str) -> Extraction:
     """:func:`extract` once the arguments are checked, the model wrapped, the optimizer
-    built and the replica context entered; ``xla``: the calls are timed compiled by XLA."""
+    built and the replica context entered; ``xla``: ``"memory"`` counts XLA's layout copies,
+    ``"timed"`` that and the calls are timed compiled by XLA, ``""`` neither."""
     in_specs, label_specs = _input_specs(model, sample_batch, input_signature, batch_size)
     calls, output_refs = walk_model(model, granularity, [spec.shape for spec in in_specs])
     batch = int(in_specs[0].shape[0])
     loss_name = loss_cache_name(loss, loss_weights)
     loss_fn = resolve_loss(loss, len(output_refs), model_output_names(model), loss_weights)
     key = cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, default_device(), implementations,
-                    xla)
+                    ("layouts", xla) if xla else False)
     cached = load_cache(key, len(calls)) if use_cache else None
     needs_backward = backward_flags(calls)
 
     profile_started = time.perf_counter()
     if cached is not None:
         logger.info("extract %s: profile cache hit %s", model.name, key)
-    with xla_costs(xla):
+    with xla_costs(xla == "timed"), xla_layouts(bool(xla)):
         analyses, out_specs = _analyze_calls(
             calls, needs_backward, in_specs, None if cached is None else cached[0], batch, cost_model, repeats,
         )
