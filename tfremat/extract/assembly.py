@@ -37,6 +37,15 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   ``benchmarks/results/extraction.md``, the plain "requested" column against the "tfremat
   step" column). ``weight_grads="fixed"`` keeps them resident for the whole step;
   :func:`weight_gradient_lifetime` chooses between the two for ``"auto"``.
+* **Optimizer update** temporaries: the weight-sized buffers an update requests beyond
+  the variable, its gradient and its slots (``m * momentum``, RMSprop's two), measured per
+  optimizer on probe variables (:mod:`tfremat.extract.optimizer_update`). With
+  ``weight_grads="transient"`` a layer's update runs right after its backward node (its
+  input-gradient node when split), so the temporaries of the layer's variables count in
+  that node's workspace. With ``"fixed"`` the updates run after the backward pass, so the
+  temporaries of all variables updated together count in the last node's workspace: that
+  covers the end of the step without raising the activation peak. Each node's share is in
+  ``SideTable.update_bytes``.
 * **Workspace** = the peak of the bytes the node's operations request while it runs in
   isolation, minus its value and what it reads (see :mod:`tfremat.extract.analysis`); 0
   with ``cost_model="flops"``. The simulator runs one node at a time, so workspace is meant
@@ -84,6 +93,7 @@ from tfremat.extract.layer_graph import (
     takes_training,
     trainable_variables,
 )
+from tfremat.extract.optimizer_update import UpdateTemporaries, update_temporaries
 from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef
 from tfremat.graph import DFGraph, Implementation
 
@@ -176,13 +186,18 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
     flops = cost_model == "flops"
     implementations: dict[int, list[Implementation]] = {}
     small_total = 0
+    temporaries = update_temporaries(optimizer) if model.trainable_variables else UpdateTemporaries(0.0, 0.0)
+    update_bytes: dict[int, int] = {}
     for call in calls:
         small_total += analyses[call.position].small_residual_bytes if needs_backward[call.position] else 0
-        _add_call(nodes, call, analyses[call.position], backward_id.get(call.position), output_grads[call.position],
-                  needs_backward, flops, weight_grads)
+        b = backward_id.get(call.position)
+        if b is not None and weight_grads == "transient":
+            update_bytes[b] = temporaries.bytes_for(_variable_sizes(trainable_variables(call.layer)))
+        _add_call(nodes, call, analyses[call.position], b, output_grads[call.position],
+                  needs_backward, flops, weight_grads, update_bytes.get(b, 0))
         if call.position in split:
             _split_backward(nodes, call, analyses[call.position], weight_id[call.position],
-                            backward_id[call.position])
+                            backward_id[call.position], update_bytes.get(b, 0))
         if alternatives and alternatives[call.position] and call.position in backward_id:
             implementations[call.position] = [
                 _implementation(name, a, len(call.inputs), flops, nodes.work[backward_id[call.position]]
@@ -190,6 +205,11 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
                 for name, a in alternatives[call.position].items()
             ]
     _add_loss(nodes, loss_node, output_refs, loss_analysis, flops)
+    if weight_grads == "fixed":
+        last = next_id - 1
+        update_bytes[last] = temporaries.bytes_for(_variable_sizes(model.trainable_variables))
+        nodes.work[last] += update_bytes[last]
+        nodes.entries[last] = dataclasses.replace(nodes.entries[last], workspace_bytes=nodes.work[last])
     breakdown = _fixed_bytes(model, optimizer, in_specs, label_specs, small_total, weight_grads, replicas)
     graph = DFGraph(
         names=nodes.names, edges=nodes.edges, cost=nodes.cost, output_bytes=nodes.out_bytes,
@@ -201,6 +221,7 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
         model=model, entries=tuple(nodes.entries), input_specs=tuple(in_specs), label_specs=tuple(label_specs),
         outputs=tuple(output_refs), loss_node=loss_node, loss_fn=loss_fn, optimizer=optimizer, batch_size=batch,
         fixed_bytes_breakdown=MappingProxyType(breakdown), weight_grads=weight_grads,
+        update_bytes=MappingProxyType({node: size for node, size in update_bytes.items() if size}),
         input_names=tuple(model_input_names(model)), output_names=tuple(model_output_names(model)),
     )
     return graph, table
@@ -224,9 +245,10 @@ def _output_gradients(calls, output_refs, needs_backward, loss_node: int,
 
 
 def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, output_grads: list[list[GradRef]],
-              needs_backward: Sequence[bool], flops: bool, weight_grads: str) -> None:
+              needs_backward: Sequence[bool], flops: bool, weight_grads: str, update_bytes: int = 0) -> None:
     """Fills in the forward node of ``call`` and, when ``b`` is not None, its backward node
-    ``b``: names, costs, values, workspaces, edges and side-table entries."""
+    ``b``: names, costs, values, workspaces, edges and side-table entries; ``update_bytes``:
+    the temporaries of the layer's optimizer update, counted in ``b``'s workspace."""
     i = call.position
     layer = call.layer
     nodes.names[i] = call.name
@@ -260,7 +282,7 @@ def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, ou
     nodes.out_bytes[b] = a.input_grad_bytes
     nodes.work[b] = a.backward_workspace
     if weight_grads == "transient":
-        nodes.work[b] += _variables_bytes(trainable_variables(layer))
+        nodes.work[b] += _variables_bytes(trainable_variables(layer)) + update_bytes
     nodes.work[b] += _PENALTY_BUFFERS * _variables_bytes(regularized_variables(layer))
     grads = tuple(tuple(g) for g in output_grads)
     for contributions in grads:
@@ -291,10 +313,11 @@ def _splits(call: LayerCall, a: CallAnalysis, alternatives: Mapping[str, CallAna
             and not alternatives)
 
 
-def _split_backward(nodes: _Nodes, call: LayerCall, a: CallAnalysis, w: int, b: int) -> None:
+def _split_backward(nodes: _Nodes, call: LayerCall, a: CallAnalysis, w: int, b: int, update_bytes: int) -> None:
     """Splits the backward node ``b`` that :func:`_add_call` made into the weight-gradient
     node ``w`` (reads the inputs, makes the weight gradients) and ``b``, which makes the
-    input gradients and reads the upstream gradients only (module doc)."""
+    input gradients and reads the upstream gradients only (module doc); the update's
+    temporaries (``update_bytes``) stay with ``b``, after which the update runs."""
     entry = nodes.entries[b]
     forward_inputs = {ref.index for ref in call.inputs if ref.source == "node"}
     for source, target in list(nodes.edges):
@@ -312,7 +335,7 @@ def _split_backward(nodes: _Nodes, call: LayerCall, a: CallAnalysis, w: int, b: 
     nodes.out_bytes[w] = 0
     # The weight gradients live on through the input-gradient node: the layer's optimizer
     # update waits for the layer's last statement (interpreter.order_updates).
-    nodes.work[w] = nodes.work[b]
+    nodes.work[w] = nodes.work[b] - update_bytes
     nodes.entries[w] = dataclasses.replace(entry, node=w, name=nodes.names[w], gradient_part="weights", output_bytes=0,
                                            workspace_bytes=nodes.work[w], cost=nodes.cost[w])
     nodes.entries[b] = dataclasses.replace(entry, gradient_part="inputs", reads_inputs=(),
@@ -378,4 +401,8 @@ def _fixed_bytes(model, optimizer, in_specs, label_specs, small_residuals: int, 
 
 
 def _variables_bytes(variables) -> int:
-    return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
+    return sum(_variable_sizes(variables))
+
+
+def _variable_sizes(variables) -> list[int]:
+    return [int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables]

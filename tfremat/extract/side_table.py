@@ -213,6 +213,9 @@ class SideTable:
             resident for the whole step (``param_grads`` in the breakdown).
         input_names, output_names: the model's input and output names, in model order; a
             dict of inputs or labels is matched by them (:meth:`flat_inputs`).
+        update_bytes: per node, the optimizer update's temporaries counted in its
+            workspace (:mod:`tfremat.extract.optimizer_update`): a backward node's layer's
+            with transient weight gradients, all variables' in the last node with fixed ones.
     """
 
     model: Any
@@ -228,6 +231,7 @@ class SideTable:
     weight_grads: str = "transient"
     input_names: tuple[str, ...] = ()
     output_names: tuple[str, ...] = ()
+    update_bytes: Mapping[int, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     def flat_inputs(self, x) -> list:
         """A batch of inputs as one tensor per model input, a dict matched by input name."""
