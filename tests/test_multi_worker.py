@@ -47,13 +47,33 @@ def _model():
     return model
 
 
-def _worker(out: Path, index: int, die_at_batch: int | None, budget: str) -> None:
-    """One worker (TF_CONFIG set by the test): trains and writes ``worker{index}.json``."""
+def _worker(out: Path, index: int, die_at_batch: int | None, budget: str, check: str) -> None:
+    """One worker (TF_CONFIG set by the test): trains and writes ``worker{index}.json``.
+
+    ``check``: ``allocator_check`` ("None", "True", "False"), or "inflated": True, with
+    worker 1's first allocator peak reported 1 KiB over the checkpoint-all peak (an
+    allocator that rounds more than the chief's), planned with ``rotor``."""
     import keras
     import tensorflow as tf
 
     import tfremat
+    import tfremat.keras
+    from tfremat.errors import InfeasibleBudgetError
     from tfremat.multi_worker import PlanMismatchError, WorkerLostError
+    from tfremat.plan.simulator import checkpoint_all_peak
+
+    allocator_check = {"None": None, "True": True, "False": False, "inflated": True}[check]
+    if check == "inflated" and index == 1:
+        measure, calls = tfremat.keras.allocator_peak, []
+
+        def inflated(step, *args, **kwargs):
+            peak = measure(step, *args, **kwargs)
+            calls.append(peak)
+            return checkpoint_all_peak(step.graph) + 1024 if len(calls) == 1 else peak
+
+        tfremat.keras.allocator_peak = inflated
+    else:
+        calls = []
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
@@ -72,12 +92,17 @@ def _worker(out: Path, index: int, die_at_batch: int | None, budget: str) -> Non
     record = {}
     try:
         history = tfremat.fit(model, budget, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
-                              validation_data=(x[:32], y[:32]), callbacks=callbacks, strategy="chen_sqrtn",
-                              cost_model="flops", cache=False, verbose=0)
+                              validation_data=(x[:32], y[:32]), callbacks=callbacks,
+                              strategy="rotor" if check == "inflated" else "chen_sqrtn",
+                              cost_model="flops", cache=False, verbose=0, allocator_check=allocator_check)
         record.update(history=history.history, plans=[str(k) for k in history.plans],
-                      recomputations=[p.schedule.recompute_count for p in history.plans.values()])
+                      recomputations=[p.schedule.recompute_count for p in history.plans.values()],
+                      schedules=[p.schedule.to_dict() for p in history.plans.values()],
+                      predicted=[p.predicted_peak_bytes for p in history.plans.values()],
+                      budgets=[p.budget_bytes for p in history.plans.values()],
+                      allocator_peaks=[history.allocator_peaks.get(k) for k in history.plans], measured=len(calls))
         np.savez(out / f"weights{index}.npz", *model.get_weights())
-    except (WorkerLostError, PlanMismatchError) as error:
+    except (WorkerLostError, PlanMismatchError, InfeasibleBudgetError) as error:
         record.update(error=type(error).__name__, message=str(error), at=time.time())
     (out / f"worker{index}.json").write_text(json.dumps(record))
 
@@ -93,7 +118,7 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _run_workers(out: Path, *, die_at_batch=None, budgets=("100%", "100%")) -> list[dict]:
+def _run_workers(out: Path, *, die_at_batch=None, budgets=("100%", "100%"), allocator_check=None) -> list[dict]:
     # Budgets per worker: two that differ make every worker raise PlanMismatchError naming
     # worker 1 (checked by hand; test_disagreeing_workers_are_named tests the naming).
     """Runs two workers to their end (or WORKER_TIMEOUT), reaping both whatever happens."""
@@ -102,9 +127,11 @@ def _run_workers(out: Path, *, die_at_batch=None, budgets=("100%", "100%")) -> l
     processes = []
     try:
         for index in range(2):
+            # The BFC CPU allocator keeps the statistics allocator_check reads (set before
+            # TensorFlow is imported).
             env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
-                       TF_CPP_MIN_LOG_LEVEL="2")
-            command = [sys.executable, __file__, "--worker", str(out), str(index), budgets[index]]
+                       TF_CPP_MIN_LOG_LEVEL="2", TF_CPU_ALLOCATOR_USE_BFC="true")
+            command = [sys.executable, __file__, "--worker", str(out), str(index), budgets[index], str(allocator_check)]
             if die_at_batch is not None and index == 1:
                 command.append(str(die_at_batch))
             processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -164,6 +191,36 @@ def test_two_workers_train_like_one_process(tmp_path):
     assert not (tmp_path / "checkpoint1.weights.h5").exists()  # file-writing callbacks: the chief only
 
 
+def test_allocator_check_replans_for_the_largest_peak(tmp_path):
+    # Worker 1 (not the chief) reports its first peak 1 KiB over the budget ("100%", the
+    # checkpoint-all peak, where rotor recomputes nothing): every worker takes that
+    # largest peak, the chief plans again under the budget less the excess, and both
+    # train with its schedule, measured again within the budget. The measuring runs put
+    # the weights back: training still matches model.fit.
+    from tfremat.numerics import closeness
+
+    weights = _initial_weights(tmp_path)
+    records = _run_workers(tmp_path, allocator_check="inflated")
+    for index, record in enumerate(records):
+        assert "history" in record, f"worker {index}: {record}"
+    chief, other = records
+    assert other["measured"] == 2  # the inflated peak, then the new plan's own
+    assert chief["schedules"] == other["schedules"]
+    assert chief["recomputations"][0] > 0
+    budget = chief["budgets"][0]
+    assert chief["predicted"][0] <= budget - 1024
+    assert chief["allocator_peaks"] == other["allocator_peaks"]  # one agreed peak
+    assert 0 < chief["allocator_peaks"][0] <= budget
+    trained = [list(np.load(tmp_path / f"weights{index}.npz").values()) for index in range(2)]
+    for a, b in zip(*trained):
+        np.testing.assert_array_equal(a, b)
+    plain = _model()
+    plain.set_weights(weights)
+    x, y = _data()
+    plain.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    assert closeness(trained[0], plain.get_weights()).equal, closeness(trained[0], plain.get_weights())
+
+
 def test_dead_worker_stops_the_other(tmp_path):
     _initial_weights(tmp_path)
     records = _run_workers(tmp_path, die_at_batch=1)
@@ -192,4 +249,5 @@ def test_disagreeing_workers_are_named():
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5]) if len(sys.argv) > 5 else None, sys.argv[4])
+    _worker(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[6]) if len(sys.argv) > 6 else None, sys.argv[4],
+            sys.argv[5])

@@ -145,9 +145,6 @@ def fit(
     if _multi_worker_strategy(model) is not None:
         from tfremat.multi_worker import fit_multi_worker
 
-        if allocator_check:
-            raise ArgumentError("allocator_check=True: under MultiWorkerMirroredStrategy the budget holds for the "
-                                "bytes the step requests; leave allocator_check out")
         if exact_gradients:
             raise ArgumentError("exact_gradients=True is not supported under MultiWorkerMirroredStrategy yet; leave it "
                                 "out, or plan with a strategy other than monet (the others keep each layer's own implementation)")
@@ -158,7 +155,8 @@ def fit(
         return fit_multi_worker(model, budget, x, y, batch_size=batch_size, epochs=epochs,
                                 validation_data=validation_data, callbacks=callbacks, strategy=strategy,
                                 options=options, cost_model=cost_model,
-                                granularity=granularity, cache=cache, verbose=verbose, **fit_kwargs)
+                                granularity=granularity, cache=cache, verbose=verbose,
+                                allocator_check=allocator_check, **fit_kwargs)
     if isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]  # model.fit takes one callback as well as a list
     history = model.fit(x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,

@@ -62,6 +62,7 @@ __all__ = [
     "replica_allocators",
     "replica_batch",
     "update_metrics",
+    "wants_allocator_check",
 ]
 
 logger = logging.getLogger(__name__)
@@ -295,7 +296,7 @@ class RematCallback(keras.callbacks.Callback):
         """Whether ``result``'s step is held to its budget for the allocator's peak
         (``allocator_check``; None: see the class docstring; under a strategy whose replicas
         share one allocator, never: :func:`replica_allocators`)."""
-        if result.budget_bytes is None or self.allocator_check is False:
+        if not wants_allocator_check(self.allocator_check, self.budget, result):
             return False
         if strategy is not None and replica_allocators(strategy) is None:
             log = logger.warning if self.allocator_check else logger.info
@@ -303,12 +304,7 @@ class RematCallback(keras.callbacks.Callback):
                 "which cannot be read per device; the budget holds for each replica's requested bytes (the plan's "
                 "prediction)", strategy.num_replicas_in_sync, type(strategy).__name__)
             return False
-        if self.allocator_check:
-            return True
-        kind = budget_kind(self.budget)
-        if kind == "min":
-            return False
-        return kind == "bytes" or result.budget_bytes < result.checkpoint_all_peak_bytes
+        return True
 
     def _within_allocator(self, result, step, x, y, sample_weight, options, strategy=None):
         """Re-plans until the step's allocator peak is within the budget (``allocator_check``);
@@ -413,6 +409,21 @@ class RematCallback(keras.callbacks.Callback):
 
 #: Plans tried by ``allocator_check`` before it gives up.
 ALLOCATOR_ROUNDS = 3
+
+
+def wants_allocator_check(allocator_check: bool | None, budget, result) -> bool:
+    """Whether a plan for ``budget`` is held to it for the allocator's peak:
+    ``allocator_check`` True or False as given; None (the default) for every budget but
+    ``"min"`` (no smaller plan to fall back on) and shares at or above the checkpoint-all
+    peak (nothing recomputed: the step is ``model.fit``'s own). Never without a budget."""
+    if result.budget_bytes is None or allocator_check is False:
+        return False
+    if allocator_check:
+        return True
+    kind = budget_kind(budget)
+    if kind == "min":
+        return False
+    return kind == "bytes" or result.budget_bytes < result.checkpoint_all_peak_bytes
 
 
 def allocator_peak(step, model, x, y, sample_weight=None, device: str | None = None,

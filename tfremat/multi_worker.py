@@ -27,6 +27,12 @@ How the workers agree on one schedule, per per-replica batch shape:
    which only the chief contributes); every worker compiles the same schedule. A chief
    that cannot plan broadcasts its error instead, which every worker raises.
 
+With ``allocator_check``, each worker runs the compiled step once more on its replica's
+batch and reads its own allocator's peak (a process per worker, an allocator per
+process); the workers take the largest peak through one collective, so all decide alike
+whether to plan again under the budget less the excess, and the chief plans again as in
+step 3 (:func:`allocator_checked`).
+
 A worker that dies makes the next collective of the others fail (TensorFlow aborts the
 collectives: at once when the peer's connection is reset, within its health check's
 interval otherwise); the loop turns that into a :class:`WorkerLostError`.
@@ -51,7 +57,8 @@ from tfremat.graph import DFGraph
 from tfremat.planner import PlanResult, plan_graph, plan_summary
 
 __all__ = [
-    "FILE_WRITING_CALLBACKS", "PlanMismatchError", "WorkerLostError", "agreed_plan", "disagreements",
+    "FILE_WRITING_CALLBACKS", "PlanMismatchError", "WorkerLostError", "agreed_plan", "allocator_checked",
+    "disagreements",
     "fit_multi_worker", "is_multi_worker",
     "refuse_model_fit", "structure_fingerprint",
 ]
@@ -175,10 +182,12 @@ class _Settings:
     cost_model: str
     granularity: str
     cache: object
+    allocator_check: bool | None = None
 
     def text(self) -> str:
+        # allocator_check is agreed too: the workers measure their peaks together.
         return json.dumps({"budget": repr(self.budget), "strategy": self.strategy, "cost_model": self.cost_model,
-                           "granularity": self.granularity,
+                           "granularity": self.granularity, "allocator_check": repr(self.allocator_check),
                            "options": {k: repr(v) for k, v in sorted(self.options.items())}}, sort_keys=True)
 
 
@@ -201,7 +210,7 @@ def disagreements(rows: np.ndarray, chief_replica: int) -> list[str]:
                             "differ: another model, batch shape, TensorFlow or Keras version)")
         elif other[2] != reference[2]:
             problems.append(f"{worker} plans with other settings than the chief (budget, strategy, cost_model, "
-                            "granularity or solver options of tfremat.fit)")
+                            "granularity, allocator_check or solver options of tfremat.fit)")
         elif other[3] != reference[3]:
             problems.append(f"{worker} runs other TensorFlow or Keras versions than the chief")
     return list(dict.fromkeys(problems))
@@ -243,11 +252,25 @@ def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1)
         raise PlanMismatchError(f"{name}: " + "; ".join(problems) +
                                 f"; run every worker with the same model, arguments and versions (this worker runs "
                                 f"{_versions()})")
+    data = _chief_plan(collectives, extraction.graph, settings.budget, settings, chief, chief_replica,
+                       verbose=verbose)
+    return _plan_result(extraction, data, settings.strategy)
+
+
+def _chief_plan(collectives: _Collectives, graph: DFGraph, budget, settings: _Settings, chief: bool,
+                chief_replica: int, *, verbose: int) -> dict:
+    """The chief's plan of ``graph`` under ``budget`` as its JSON document, on every worker
+    (module docstring, step 3; every worker calls it at the same point).
+
+    Raises:
+        TfrematError: the chief could not plan: its own error on the chief, the error's
+            text on the other workers.
+    """
     document, planning_error = b"", None
     if chief:
         try:
-            result = plan_graph(extraction.graph, settings.budget, settings.strategy, cache=settings.cache,
-                                verbose=verbose, **settings.options)
+            result = plan_graph(graph, budget, settings.strategy, cache=settings.cache, verbose=verbose,
+                                **settings.options)
             document = json.dumps({"schedule": result.schedule.to_dict(), "budget_bytes": result.budget_bytes,
                                    "solve_seconds": result.solve_seconds, "from_cache": result.from_cache}).encode()
         except TfrematError as error:
@@ -260,7 +283,7 @@ def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1)
         raise planning_error
     if "error" in data:
         raise TfrematError(f"the chief could not plan for the per-replica batch: {data['error']}")
-    return _plan_result(extraction, data, settings.strategy)
+    return data
 
 
 def _plan_result(extraction, data: dict, strategy: str) -> PlanResult:
@@ -279,8 +302,91 @@ def _plan_result(extraction, data: dict, strategy: str) -> PlanResult:
                       extraction=extraction)
 
 
+def allocator_checked(distribution, model, plan: PlanResult, step, x, y, settings: _Settings, *,
+                      verbose: int = 0) -> tuple[PlanResult, object, int | None]:
+    """``plan`` and its compiled ``step``, planned again until the largest allocator peak
+    over the workers is within the budget (``allocator_check``, as
+    :class:`tfremat.keras.RematCallback` does on one machine), and that peak (None when not
+    checked).
+
+    Each worker runs the step on its replica's batch ``x, y`` (every replica at once: the
+    step's all-reduce is a collective) and reads its own allocator's peak; the workers
+    gather the peaks and all take the largest, so they decide alike whether to plan again
+    and under what budget (the budget less the excess). The chief plans and broadcasts
+    the schedule, as for the first plan, so every worker keeps one schedule. Skipped on
+    every worker when one cannot read its allocator (a CPU allocator without statistics,
+    or replicas sharing one: :func:`tfremat.keras.replica_allocators`).
+
+    Raises:
+        InfeasibleBudgetError: no plan within :data:`tfremat.keras.ALLOCATOR_ROUNDS` kept
+            the largest peak within the budget, or the chief could not plan under the
+            reduced budget (on every worker).
+    """
+    from tfremat.budget import format_bytes
+    from tfremat.errors import InfeasibleBudgetError
+    from tfremat.keras import ALLOCATOR_ROUNDS, allocator_peak, replica_allocators, wants_allocator_check
+    from tfremat.static_graph.compile import compile_step
+
+    if settings.allocator_check is False or plan.budget_bytes is None:
+        return plan, step, None  # the same on every worker (the settings are agreed): no collective
+    name, chief = _worker_name(distribution)
+    collectives = _Collectives(distribution)
+    devices = replica_allocators(distribution)
+    # The default decision reads this worker's checkpoint-all peak, which profiled costs
+    # move between workers: the workers check when any wants to, and all can.
+    rows = collectives.gather([int(wants_allocator_check(settings.allocator_check, settings.budget, plan)),
+                               int(devices is not None), int(chief)])
+    if not rows[:, 0].any():
+        return plan, step, None
+    if not rows[:, 1].all():
+        (logger.warning if settings.allocator_check else logger.info)(
+            "%s: allocator_check skipped: a worker's replicas share one allocator (logical devices of one CPU), "
+            "which cannot be read per device; the budget holds for each replica's requested bytes", name)
+        return plan, step, None
+    chief_replica = int(np.flatnonzero(rows[:, 2])[0])
+    budget = planning_budget = plan.budget_bytes
+    for _ in range(ALLOCATOR_ROUNDS):
+        local = [allocator_peak(step, model, x, y, device=device) for device in devices]
+        peaks = collectives.gather([-1 if None in local else max(local)])[:, 0]
+        if (peaks < 0).any():
+            logger.warning("%s: allocator_check skipped: a worker's allocator keeps no statistics (its log says why)",
+                           name)
+            return plan, step, None
+        peak = int(peaks.max())
+        if peak <= budget:
+            if planning_budget != budget:
+                logger.info("%s: planned under %s so that the largest allocator peak over the workers (%s) stays "
+                            "within the budget %s", name, format_bytes(planning_budget), format_bytes(peak),
+                            format_bytes(budget))
+            return dataclasses.replace(plan, budget_bytes=budget), step, peak
+        planning_budget -= peak - budget
+        logger.info("%s: the largest allocator peak over the workers %s exceeds the budget %s (prediction %s); "
+                    "planning again under %s", name, format_bytes(peak), format_bytes(budget),
+                    format_bytes(plan.predicted_peak_bytes), format_bytes(planning_budget))
+        detail = (f"the largest allocator peak over the workers was {format_bytes(peak)}, "
+                  f"{format_bytes(peak - plan.predicted_peak_bytes)} above the {format_bytes(plan.predicted_peak_bytes)} "
+                  f"predicted, and no schedule fits {format_bytes(max(planning_budget, 0))}; allocator_check=False holds "
+                  "the budget for requested bytes only")
+        if planning_budget <= 0:
+            raise InfeasibleBudgetError(budget, strategy=settings.strategy, detail=detail)
+        try:
+            data = _chief_plan(collectives, plan.extraction.graph, planning_budget, settings, chief, chief_replica,
+                               verbose=verbose)
+        except TfrematError as error:
+            raise InfeasibleBudgetError(budget, strategy=settings.strategy, detail=f"{detail} ({error})") from error
+        plan = _plan_result(plan.extraction, data, settings.strategy)
+        step = compile_step(plan.extraction, plan.schedule, optimizer=model.optimizer, strategy=distribution,
+                            return_outputs=True)
+    raise InfeasibleBudgetError(
+        budget, strategy=settings.strategy,
+        detail=f"the largest allocator peak over the workers stayed above it after {ALLOCATOR_ROUNDS} plans (last "
+               f"{format_bytes(peak)}, planned under {format_bytes(planning_budget)}); allocator_check=False holds the "
+               "budget for requested bytes only")
+
+
 def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation_data, callbacks, strategy: str,
-                     options: dict, cost_model: str, granularity: str, cache, verbose: int, **fit_kwargs):
+                     options: dict, cost_model: str, granularity: str, cache, verbose: int,
+                     allocator_check: bool | None = None, **fit_kwargs):
     """:func:`tfremat.fit` under the model's ``MultiWorkerMirroredStrategy`` (module docstring).
 
     ``x, y`` are arrays of the whole data set, the same on every worker, batched by
@@ -291,8 +397,13 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
     every replica's step must run on equal shares. ``shuffle`` (default True, as in
     ``model.fit``) draws the same order on every worker.
 
+    ``allocator_check`` holds the largest allocator peak over the workers to the budget,
+    each worker measuring its own (:func:`allocator_checked`).
+
     Returns:
-        The Keras ``History`` with ``history.plans`` (``{per-replica batch shapes: PlanResult}``).
+        The Keras ``History`` with ``history.plans`` (``{per-replica batch shapes: PlanResult}``)
+        and ``history.allocator_peaks`` (``{per-replica batch shapes: bytes}``, the largest
+        allocator peak over the workers, for the shapes ``allocator_check`` measured).
 
     Raises:
         ArgumentError: a ``fit`` argument the loop does not take, or a batch that does not
@@ -321,7 +432,7 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
                                       argument="validation_data")
         else:
             raise ArgumentError("validation_data must be (x_val, y_val) arrays or a tf.data.Dataset of (x, y) batches")
-    settings = _Settings(budget, strategy, options, cost_model, granularity, cache)
+    settings = _Settings(budget, strategy, options, cost_model, granularity, cache, allocator_check)
     if isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]
     kept = [c for c in (callbacks or []) if chief or not isinstance(c, FILE_WRITING_CALLBACKS)]
@@ -333,6 +444,7 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
                                                  steps=train.steps, model=model)
     steps: dict = {}
     plans: dict = {}
+    allocator_peaks: dict = {}
 
     def train_function(x_batch, y_batch):
         local_x, local_y = tf.nest.map_structure(lambda v: distribution.experimental_local_results(v)[0],
@@ -343,6 +455,10 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
             logger.info("%s, per-replica batch %s: %s", name, shapes, plan_summary(plan))
             step = compile_step(plan.extraction, plan.schedule, optimizer=model.optimizer, strategy=distribution,
                                 return_outputs=True)
+            plan, step, peak = allocator_checked(distribution, model, plan, step, local_x, local_y, settings,
+                                                 verbose=verbose if chief else 0)
+            if peak is not None:
+                allocator_peaks[shapes] = peak
             plans[shapes] = plan
             steps[shapes] = DistributedTrainStep(model, step)
         return steps[shapes](x_batch, y_batch)
@@ -379,6 +495,7 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
                               "restart every worker (BackupAndRestore resumes from the last epoch)") from error
     history = model.history
     history.plans = dict(plans)
+    history.allocator_peaks = dict(allocator_peaks)
     return history
 
 
