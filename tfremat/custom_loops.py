@@ -192,7 +192,8 @@ class ValueAndGrad:
         extraction = extract(model, sample_batch=(samples, np.zeros((), np.float32)), loss=_output_is_loss,
                              cost_model=settings.cost_model, granularity=settings.granularity,
                              use_cache=settings.cache is not False and settings.cache is not None,
-                             weight_grads="fixed", implementations=wants_implementations([settings.strategy]))
+                             weight_grads="fixed", implementations=wants_implementations([settings.strategy]),
+                             xla="memory" if settings.jit_compile else False)
         result = plan_graph(extraction.graph, settings.budget, settings.strategy, cache=settings.cache,
                             verbose=settings.verbose, **settings.options)
         self.plans[key] = dataclasses.replace(result, extraction=extraction)

@@ -277,13 +277,15 @@ def wants_implementations(strategies) -> bool:
 
 
 def extract_model(model, x, y, *, batch_size, loss, optimizer, cost_model: str, cache, granularity: str = "sublayer",
-                  implementations: bool = False, weight_grads: str = "auto", replicas: int | None = None):
+                  implementations: bool = False, weight_grads: str = "auto", replicas: int | None = None,
+                  xla: bool | str = False):
     """``model``'s extraction on the first batch of ``x, y``, with its (or the given) loss and
     optimizer; ``cache`` False or None turns the profile cache off as well as the schedule
     cache; ``granularity``, ``weight_grads`` and ``replicas`` as :func:`tfremat.extract.extract`
     takes them (the levels: :mod:`tfremat.extract.opening`). The model, the cache argument
     and the data are checked before anything runs, and a Sequential model without an
-    ``Input`` is built from the batch (:func:`sample_batch`)."""
+    ``Input`` is built from the batch (:func:`sample_batch`). ``xla="memory"`` for a step
+    compiled with ``jit_compile=True`` (:func:`tfremat.extract.extract`'s ``xla``)."""
     from tfremat.extract.extractor import extract
 
     check_keras_model(model)
@@ -292,7 +294,7 @@ def extract_model(model, x, y, *, batch_size, loss, optimizer, cost_model: str, 
     batch = sample_batch(model, x, y, batch_size)
     return extract(model, sample_batch=batch, cost_model=cost_model, granularity=granularity,
                    use_cache=cache is not False and cache is not None, implementations=implementations,
-                   weight_grads=weight_grads, replicas=replicas, **training)
+                   weight_grads=weight_grads, replicas=replicas, xla=xla, **training)
 
 
 # Losses, by normalized name (lower case, no underscores), whose labels are not a

@@ -61,7 +61,8 @@ held to.
 Within :func:`xla_layouts` (``extract(..., xla=...)``) an input that the gradient reads
 through a layout copy XLA makes of it (a convolution's filter gradient on XLA's CPU
 backend, :mod:`tfremat.extract.xla_layouts`) is read as a residual of the copy's size
-instead, found in the optimized HLO of the call and its gradient compiled by XLA
+instead, found in the optimized HLO of the call and its gradient compiled by XLA, and the
+copy XLA makes of each trainable variable it updates counts as a small residual
 (:func:`_with_xla_layouts`); everything else is measured as without it.
 
 The ``flops`` cost model sums TensorFlow's registered per-op flop statistics over the traced
@@ -558,17 +559,27 @@ def analyze_call(
 
 
 def _with_xla_layouts(analysis: CallAnalysis, tracer: _CallTracer, layer_name: str) -> CallAnalysis:
-    """``analysis`` with each input that the gradient reads only through a layout copy XLA
-    makes of it (:func:`~tfremat.extract.xla_layouts.backward_layout_copies`, on the call
-    and its gradient compiled by XLA) read as a batch-sized residual of the copy's bytes.
+    """``analysis`` with what XLA holds beyond TensorFlow's kernels for the call in a step
+    compiled with ``jit_compile=True``:
 
-    Measured on the residual chain of ``benchmarks/xla.py``: with the convolutions'
-    copies counted, the step at 50% of the activations requested 0.92x its prediction,
-    against 1.17x without.
+    * each input that the gradient reads only through a layout copy XLA makes of it
+      (:func:`~tfremat.extract.xla_layouts.backward_layout_copies`, on the call and its
+      gradient compiled by XLA) is read as a batch-sized residual of the copy's bytes;
+    * a copy of each trainable variable, as a small residual (fixed bytes): XLA updates a
+      variable in its own buffer and copies it at the start of the step for the reads of
+      the old value (``copy(argN)`` of every kernel in the optimized HLO of both steps of
+      ``benchmarks/xla.py``'s residual chain and of the small conv net of
+      ``tests/test_xla.py``, where the head's 160 KiB kernel was a fifth of the peak).
+
+    Measured with ``benchmarks/xla.py``: the residual chain's step at 50% of its
+    activations requested 1.17x its prediction without the layout copies (five 2.25 MiB
+    copies live at its peak) and 0.92x with them.
 
     Raises:
         ExtractionError: XLA cannot compile the call or its gradient.
     """
+    variable_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in tracer.variables)
+    analysis = dataclasses.replace(analysis, small_residual_bytes=analysis.small_residual_bytes + variable_bytes)
     if not analysis.reads_inputs:
         return analysis
     inputs = [_sample(s) for s in tracer.input_specs]
