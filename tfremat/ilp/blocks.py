@@ -136,8 +136,11 @@ def unit_graph(graph: DFGraph, unit: list[int], last: bool, hold_bytes: int) -> 
                 edges.add((gradient_in, j))
     forward_of = {local[b]: local[f] for b, f in graph.forward_of.items() if b in local and f in local}
     loss = local.get(graph.loss_node) if last and graph.loss_node is not None else gradient_in
+    weight_grads = [0] * len(nodes)
+    for f in set(forward_of.values()):
+        weight_grads[f] = graph.weight_grad_bytes[nodes[f]]
     sub = DFGraph(names, sorted(edges), cost, out, work, is_backward, loss_node=loss, forward_of=forward_of,
-                  residual_bytes=residual, name=f"{graph.name}/unit")
+                  residual_bytes=residual, name=f"{graph.name}/unit", weight_grad_bytes=weight_grads)
     return UnitGraph(sub, tuple(nodes), hold)
 
 

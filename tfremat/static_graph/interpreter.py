@@ -272,7 +272,8 @@ class _Interpreter:
         # every read of its variable in this step (training drifted after a few steps);
         # gate each gradient on the last statement that used the variable's layer instead.
         # For a layer that is not recomputed after its backward node, that is the backward
-        # node itself, so weight gradients still die right after it.
+        # node itself, so weight gradients still die right after it; otherwise they live
+        # until the recomputation, as the simulator counts (DFGraph.weight_grad_bytes).
         gated = {}
         for key, (variable, parts) in self.weight_grads.items():
             grad = parts[0] if len(parts) == 1 else _add_gradients(parts)
@@ -685,7 +686,8 @@ def order_updates(report: TraceReport, update_ops: dict[int, tuple[Any, list]]) 
 
     Call it while the step is traced, after the optimizer's update operations exist. The
     graph's memory model frees a layer's weight gradients right after its backward node
-    (``weight_grads="transient"``), but the updates hang off the statement chain and
+    (``weight_grads="transient"``), or after the layer's last recomputation
+    (``DFGraph.weight_grad_bytes``), but the updates hang off the statement chain and
     TensorFlow's executor runs them last (see the module docstring), so the edge is added
     to the statement's first operations (those that read nothing else of it).
 
