@@ -140,32 +140,33 @@ class _Collectives:
 
     def __init__(self, strategy):
         self.strategy = strategy
+        self._gather = tf.function(self._gather_replicas, autograph=False)
+        self._broadcast = tf.function(self._broadcast_replicas, autograph=False)
 
     def gather(self, row: list[int]) -> np.ndarray:
         """Every replica's ``row`` (int64), in replica order: ``[replicas, len(row)]``."""
-        value = tf.constant([row], tf.int64)
-
-        @tf.function(autograph=False)
-        def run():
-            return self.strategy.run(lambda: tf.distribute.get_replica_context().all_gather(value, axis=0))
-
-        return self._local(run()).numpy()
+        return self._local(self._gather(tf.constant([row], tf.int64))).numpy()
 
     def broadcast(self, data: bytes, source_replica: int, length: int) -> bytes:
         """``data`` of the replica ``source_replica``, ``length`` bytes, on every replica."""
         padded = np.zeros(length, np.int32)
         padded[:len(data)] = np.frombuffer(data, np.uint8)
-        value = tf.constant(padded)
+        value = self._broadcast(tf.constant(padded), tf.constant(source_replica))
+        return self._local(value).numpy().astype(np.uint8).tobytes()
 
-        @tf.function(autograph=False)
-        def run():
-            def contribute():
-                context = tf.distribute.get_replica_context()
-                own = tf.equal(context.replica_id_in_sync_group, source_replica)
-                return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.where(own, value, tf.zeros_like(value)))
-            return self.strategy.run(contribute)
+    # The arguments are copied in the replica context (tf.identity): a collective places
+    # its result by its input's device, which a tf.function argument lacks.
+    def _gather_replicas(self, value):
+        return self.strategy.run(lambda: tf.distribute.get_replica_context().all_gather(tf.identity(value), axis=0))
 
-        return self._local(run()).numpy().astype(np.uint8).tobytes()
+    def _broadcast_replicas(self, value, source_replica):
+        def contribute():
+            context = tf.distribute.get_replica_context()
+            own = tf.equal(context.replica_id_in_sync_group, source_replica)
+            mine = tf.identity(value)
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.where(own, mine, tf.zeros_like(mine)))
+
+        return self.strategy.run(contribute)
 
     def _local(self, value):
         """One replica's copy of a value that is the same on every replica."""
@@ -317,6 +318,14 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
     every worker when one cannot read its allocator (a CPU allocator without statistics,
     or replicas sharing one: :func:`tfremat.keras.replica_allocators`).
 
+    ``allocator_check=None`` (the default) checks as :class:`tfremat.keras.RematCallback`
+    does, but only on GPU replicas: a CPU replica's allocator also serves the input
+    pipeline, whose batches, prefetched while the step runs, split the step's free chunks,
+    so the step's peak in whole chunks exceeds what it requests by an amount no plan
+    controls (a 12-conv net at 50% of activations: 29.0 MiB requested, 36-40 MiB allocator
+    peak with the distributed iterator running, 29.0 MiB without; ``benchmarks/distributed.py``).
+    ``allocator_check=True`` checks there too.
+
     Raises:
         InfeasibleBudgetError: no plan within :data:`tfremat.keras.ALLOCATOR_ROUNDS` kept
             the largest peak within the budget, or the chief could not plan under the
@@ -332,10 +341,12 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
     name, chief = _worker_name(distribution)
     collectives = _Collectives(distribution)
     devices = replica_allocators(distribution)
+    wants = wants_allocator_check(settings.allocator_check, settings.budget, plan)
+    if settings.allocator_check is None and devices is not None and any(d.startswith("CPU") for d in devices):
+        wants = False  # the input pipeline shares a CPU replica's allocator (docstring)
     # The default decision reads this worker's checkpoint-all peak, which profiled costs
     # move between workers: the workers check when any wants to, and all can.
-    rows = collectives.gather([int(wants_allocator_check(settings.allocator_check, settings.budget, plan)),
-                               int(devices is not None), int(chief)])
+    rows = collectives.gather([int(wants), int(devices is not None), int(chief)])
     if not rows[:, 0].any():
         return plan, step, None
     if not rows[:, 1].all():
