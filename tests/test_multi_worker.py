@@ -35,6 +35,10 @@ def _data():
     return x, y
 
 
+def _sample_weights():
+    return np.random.default_rng(1).uniform(0.2, 2.0, SAMPLES).astype("float32")
+
+
 def _model():
     import keras
 
@@ -52,7 +56,8 @@ def _worker(out: Path, index: int, die_at_batch: int | None, budget: str, check:
 
     ``check``: ``allocator_check`` ("None", "True", "False"), or "inflated": True, with
     worker 1's first allocator peak reported 1 KiB over the checkpoint-all peak (an
-    allocator that rounds more than the chief's), planned with ``rotor``."""
+    allocator that rounds more than the chief's), planned with ``rotor``, trained with
+    sample weights."""
     import keras
     import tensorflow as tf
 
@@ -94,6 +99,7 @@ def _worker(out: Path, index: int, die_at_batch: int | None, budget: str, check:
         history = tfremat.fit(model, budget, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
                               validation_data=(x[:32], y[:32]), callbacks=callbacks,
                               strategy="rotor" if check == "inflated" else "chen_sqrtn",
+                              sample_weight=_sample_weights() if check == "inflated" else None,
                               cost_model="flops", cache=False, verbose=0, allocator_check=allocator_check)
         record.update(history=history.history, plans=[str(k) for k in history.plans],
                       recomputations=[p.schedule.recompute_count for p in history.plans.values()],
@@ -196,7 +202,7 @@ def test_allocator_check_replans_for_the_largest_peak(tmp_path):
     # checkpoint-all peak, where rotor recomputes nothing): every worker takes that
     # largest peak, the chief plans again under the budget less the excess, and both
     # train with its schedule, measured again within the budget. The measuring runs put
-    # the weights back: training still matches model.fit.
+    # the weights back: training, with sample weights, still matches model.fit.
     from tfremat.numerics import closeness
 
     weights = _initial_weights(tmp_path)
@@ -217,8 +223,11 @@ def test_allocator_check_replans_for_the_largest_peak(tmp_path):
     plain = _model()
     plain.set_weights(weights)
     x, y = _data()
-    plain.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    expected = plain.fit(x, y, sample_weight=_sample_weights(), batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                         verbose=0).history
     assert closeness(trained[0], plain.get_weights()).equal, closeness(trained[0], plain.get_weights())
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(chief["history"][key], expected[key], rtol=1e-4, err_msg=key)
 
 
 def test_dead_worker_stops_the_other(tmp_path):

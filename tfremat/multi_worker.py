@@ -70,7 +70,7 @@ FILE_WRITING_CALLBACKS = (keras.callbacks.ModelCheckpoint, keras.callbacks.Backu
                           keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
 
 #: The ``fit`` keyword arguments the multi-worker loop takes besides those it names.
-_FIT_KWARGS = ("shuffle", "initial_epoch")
+_FIT_KWARGS = ("sample_weight", "shuffle", "initial_epoch")
 
 #: The seed of the shuffled order; the same on every worker, so the global batches of an
 #: epoch partition the data as one process's batches would.
@@ -304,7 +304,7 @@ def _plan_result(extraction, data: dict, strategy: str) -> PlanResult:
 
 
 def allocator_checked(distribution, model, plan: PlanResult, step, x, y, settings: _Settings, *,
-                      verbose: int = 0) -> tuple[PlanResult, object, int | None]:
+                      sample_weight=None, verbose: int = 0) -> tuple[PlanResult, object, int | None]:
     """``plan`` and its compiled ``step``, planned again until the largest allocator peak
     over the workers is within the budget (``allocator_check``, as
     :class:`tfremat.keras.RematCallback` does on one machine), and that peak (None when not
@@ -357,7 +357,7 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
     chief_replica = int(np.flatnonzero(rows[:, 2])[0])
     budget = planning_budget = plan.budget_bytes
     for _ in range(ALLOCATOR_ROUNDS):
-        local = [allocator_peak(step, model, x, y, device=device) for device in devices]
+        local = [allocator_peak(step, model, x, y, sample_weight, device=device) for device in devices]
         peaks = collectives.gather([-1 if None in local else max(local)])[:, 0]
         if (peaks < 0).any():
             logger.warning("%s: allocator_check skipped: a worker's allocator keeps no statistics (its log says why)",
@@ -406,7 +406,11 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
     batches, distributed by ``strategy.experimental_distribute_dataset``. A last global
     batch short of ``batch_size`` samples is left out (a warning says how many samples):
     every replica's step must run on equal shares. ``shuffle`` (default True, as in
-    ``model.fit``) draws the same order on every worker.
+    ``model.fit``) draws the same order on every worker. ``sample_weight`` (one weight per
+    sample of ``x``, or a third element of the data set's and ``validation_data``'s
+    batches) weights every output's loss as in ``model.fit``: each replica's loss is its
+    weighted sum over its share divided by the share's size, and the all-reduce averages
+    the replicas, which is Keras's weighted mean over the global batch.
 
     ``allocator_check`` holds the largest allocator peak over the workers to the budget,
     each worker measuring its own (:func:`allocator_checked`).
@@ -432,17 +436,20 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
     distribution = model.distribute_strategy
     name, chief = _worker_name(distribution)
     shuffle = fit_kwargs.get("shuffle", True)
-    train = _distributed(distribution, x, y, batch_size, shuffle=shuffle, argument="x")
+    train = _distributed(distribution, x, y, batch_size, shuffle=shuffle, argument="x",
+                         sample_weight=fit_kwargs.get("sample_weight"))
     validation = None
     if validation_data is not None:
         if isinstance(validation_data, tf.data.Dataset):
             validation = _distributed(distribution, validation_data, None, None, shuffle=False,
                                       argument="validation_data")
-        elif isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
-            validation = _distributed(distribution, *validation_data, batch_size, shuffle=False,
-                                      argument="validation_data")
+        elif isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
+            validation = _distributed(distribution, *validation_data[:2], batch_size, shuffle=False,
+                                      argument="validation_data",
+                                      sample_weight=validation_data[2] if len(validation_data) == 3 else None)
         else:
-            raise ArgumentError("validation_data must be (x_val, y_val) arrays or a tf.data.Dataset of (x, y) batches")
+            raise ArgumentError("validation_data must be (x_val, y_val) or (x_val, y_val, sample_weight_val) arrays, "
+                                "or a tf.data.Dataset of (x, y) or (x, y, sample_weight) batches")
     settings = _Settings(budget, strategy, options, cost_model, granularity, cache, allocator_check)
     if isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]
@@ -457,9 +464,9 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
     plans: dict = {}
     allocator_peaks: dict = {}
 
-    def train_function(x_batch, y_batch):
-        local_x, local_y = tf.nest.map_structure(lambda v: distribution.experimental_local_results(v)[0],
-                                                 (x_batch, y_batch))
+    def train_function(x_batch, y_batch, w_batch):
+        local_x, local_y, local_w = tf.nest.map_structure(
+            lambda v: v if v is None else distribution.experimental_local_results(v)[0], (x_batch, y_batch, w_batch))
         shapes = tuple(tuple(t.shape) for t in tf.nest.flatten((local_x, local_y)))
         if shapes not in steps:
             plan = agreed_plan(distribution, model, local_x, local_y, settings, verbose=verbose if chief else 0)
@@ -467,14 +474,14 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
             step = compile_step(plan.extraction, plan.schedule, optimizer=model.optimizer, strategy=distribution,
                                 return_outputs=True)
             plan, step, peak = allocator_checked(distribution, model, plan, step, local_x, local_y, settings,
-                                                 verbose=verbose if chief else 0)
+                                                 sample_weight=local_w, verbose=verbose if chief else 0)
             if peak is not None:
                 allocator_peaks[shapes] = peak
             plans[shapes] = plan
             steps[shapes] = DistributedTrainStep(model, step)
-        return steps[shapes](x_batch, y_batch)
+        return steps[shapes](x_batch, y_batch, w_batch)
 
-    test_function = tf.function(lambda a, b: distribution.run(model.test_step, args=((a, b),)), autograph=False)
+    test_function = tf.function(lambda data: distribution.run(model.test_step, args=(data,)), autograph=False)
     model.stop_training = False
     try:
         callback_list.on_train_begin()
@@ -482,9 +489,9 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
         for epoch in range(fit_kwargs.get("initial_epoch", 0), epochs):
             model.reset_metrics()
             callback_list.on_epoch_begin(epoch)
-            for batch, (x_batch, y_batch) in enumerate(train.dataset):
+            for batch, data in enumerate(train.dataset):
                 callback_list.on_train_batch_begin(batch)
-                train_function(x_batch, y_batch)
+                train_function(*_unpacked(data))
                 logs = _logs(model)
                 callback_list.on_train_batch_end(batch, logs)
                 if model.stop_training:
@@ -492,8 +499,8 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
             epoch_logs = _logs(model)
             if validation is not None:
                 model.reset_metrics()
-                for x_batch, y_batch in validation.dataset:
-                    test_function(x_batch, y_batch)
+                for data in validation.dataset:
+                    test_function(tuple(data))
                 epoch_logs.update({f"val_{k}": v for k, v in _logs(model).items()})
             callback_list.on_epoch_end(epoch, epoch_logs)
             if model.stop_training:
@@ -521,12 +528,26 @@ class _Data:
     steps: int | None
 
 
-def _distributed(distribution, x, y, batch_size, *, shuffle: bool, argument: str) -> _Data:
-    """The strategy's distributed dataset of global batches (see :func:`fit_multi_worker`)."""
+def _unpacked(data) -> tuple:
+    """``(x, y, sample_weight)`` of a distributed batch of 2 or 3 elements (None: no weights)."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tuple(data))
+    if y is None:
+        raise ArgumentError("the data set yields batches without labels: tfremat.fit trains on (x, y) or "
+                            "(x, y, sample_weight) batches")
+    if tf.nest.is_nested(sample_weight):
+        raise ArgumentError("sample weights given per output (a list or dict) are not supported by the rematerialized "
+                            "step; pass one array of sample weights, which weights every output's loss")
+    return x, y, sample_weight
+
+
+def _distributed(distribution, x, y, batch_size, *, shuffle: bool, argument: str, sample_weight=None) -> _Data:
+    """The strategy's distributed dataset of global batches (see :func:`fit_multi_worker`),
+    of ``(x, y)`` or, with ``sample_weight``, ``(x, y, sample_weight)``."""
     replicas = distribution.num_replicas_in_sync
     if isinstance(x, tf.data.Dataset):
-        if y is not None:
-            raise ArgumentError(f"{argument}: a tf.data.Dataset yields (x, y) batches; leave y out")
+        if y is not None or sample_weight is not None:
+            raise ArgumentError(f"{argument}: a tf.data.Dataset yields (x, y) or (x, y, sample_weight) batches; leave "
+                                "y and sample_weight out")
         return _Data(distribution.experimental_distribute_dataset(x), None)
     if x is None or y is None:
         raise ArgumentError(f"{argument}: pass x and y (arrays), or x as a tf.data.Dataset of (x, y) batches")
@@ -540,7 +561,11 @@ def _distributed(distribution, x, y, batch_size, *, shuffle: bool, argument: str
                        "trains on an equal share)", argument, samples % batch_size, samples, batch_size)
     if steps == 0:
         raise ArgumentError(f"{argument} has {samples} samples, fewer than batch_size={batch_size}")
-    data = tf.data.Dataset.from_tensor_slices((x, y)).take(steps * batch_size)
+    if sample_weight is not None and len(sample_weight) != samples:
+        raise ArgumentError(f"{argument}: sample_weight has {len(sample_weight)} weights for {samples} samples; pass "
+                            "one weight per sample")
+    elements = (x, y) if sample_weight is None else (x, y, sample_weight)
+    data = tf.data.Dataset.from_tensor_slices(elements).take(steps * batch_size)
     if shuffle:
         data = data.shuffle(steps * batch_size, seed=_SHUFFLE_SEED, reshuffle_each_iteration=True)
 
