@@ -111,6 +111,13 @@ class DFGraph:
             a later forward run must read the weights it was planned with
             (:func:`tfremat.static_graph.interpreter.order_updates`). The simulator counts
             them until then (:func:`tfremat.plan.simulator.simulate`).
+        view_of: maps a view node to the node whose output buffer its output shares (a
+            ``Flatten`` or ``Reshape``: TensorFlow's reshape allocates nothing). The view
+            reads that node, has the size of its output part (the whole value when it has
+            no residual bytes) and neither residual bytes nor implementations, nor does
+            its source have implementations. A buffer counts once while any value sharing
+            it is resident; a source computed again while an older view of it is resident
+            makes a new buffer (:func:`tfremat.plan.simulator.simulate`). Default: none.
 
     Raises:
         GraphError: naming the node, for a cycle, an edge against the order, a dangling
@@ -132,6 +139,7 @@ class DFGraph:
         "name",
         "implementations",
         "weight_grad_bytes",
+        "view_of",
         "__dict__",
     )
 
@@ -150,6 +158,7 @@ class DFGraph:
         residual_bytes: Sequence[int] | None = None,
         implementations: Mapping[int, Sequence[Implementation]] | None = None,
         weight_grad_bytes: Sequence[int] | None = None,
+        view_of: Mapping[int, int] | None = None,
     ):
         names = tuple(str(x) for x in names)
         n = len(names)
@@ -181,6 +190,9 @@ class DFGraph:
         set_(self, "weight_grad_bytes", _per_node(
             "weight_grad_bytes", weight_grad_bytes if weight_grad_bytes is not None else [0] * n, names, whole=True,
         ))
+        set_(self, "view_of", MappingProxyType({
+            _node_id(k, "view_of"): _node_id(v, "view_of") for k, v in (view_of or {}).items()
+        }))
         self._validate()
 
     def __setattr__(self, key, value):
@@ -249,6 +261,17 @@ class DFGraph:
                 raise GraphError(f"node {node} ({self.names[node]}) has weight_grad_bytes {grads}, more than the "
                                  f"workspace_bytes {self.workspace_bytes[short[0]]} of its backward node {short[0]}, "
                                  "which counts them", node=node)
+        for view, source in self.view_of.items():
+            if not (0 <= view < n and 0 <= source < n) or source not in self.predecessors[view]:
+                raise GraphError(f"view_of maps {view} -> {source}: a view must read the node it is a view of",
+                                 node=view if 0 <= view < n else None)
+            if self.residual_bytes[view] or view in self.implementations or source in self.implementations:
+                raise GraphError(f"view_of: node {view} ({self.names[view]}) is a view of node {source}; a view has "
+                                 "no residual bytes and neither it nor its source has implementations", node=view)
+            shared = self.part_bytes(source, self.shared_part(source))
+            if self.output_bytes[view] != shared:
+                raise GraphError(f"view_of: node {view} ({self.names[view]}) has {self.output_bytes[view]} output "
+                                 f"bytes, but the buffer of node {source} it shares has {shared}", node=view)
         for node, alternatives in self.implementations.items():
             if not (0 <= node < n) or self.is_backward[node] or node not in self.backward_of:
                 raise GraphError(f"implementations: node {node} is not a forward node with a backward node", node=node)
@@ -310,6 +333,10 @@ class DFGraph:
         if reordered.get("forward_of"):
             reordered["forward_of"] = {
                 position[node_ids[b]]: position[node_ids[f]] for b, f in reordered["forward_of"].items()
+            }
+        if reordered.get("view_of"):
+            reordered["view_of"] = {
+                position[node_ids[v]]: position[node_ids[u]] for v, u in reordered["view_of"].items()
             }
         return cls(edges=[(position[u], position[v]) for u, v in digraph.edges], **reordered)
 
@@ -374,6 +401,11 @@ class DFGraph:
             return self.residual_bytes[node]
         return self.output_bytes[node] - self.residual_bytes[node]
 
+    def shared_part(self, node: int) -> str | None:
+        """The part of ``node``'s value that views of it share (:attr:`view_of`): its
+        output part when it has residual bytes, else the whole value (None)."""
+        return "output" if self.residual_bytes[node] else None
+
     def value_parts(self, node: int) -> tuple:
         """The parts of ``node``'s value that are freed separately: ``("output", "residual")``
         when it has residual bytes, else ``(None,)`` (the whole value)."""
@@ -422,7 +454,7 @@ class DFGraph:
             work[node], work[backward] = chosen.workspace_bytes, chosen.backward_workspace_bytes
         return DFGraph(self.names, sorted(edges), cost, output, work, self.is_backward, self.loss_node,
                        dict(self.forward_of), self.fixed_bytes, self.name, residual_bytes=residual,
-                       weight_grad_bytes=self.weight_grad_bytes)
+                       weight_grad_bytes=self.weight_grad_bytes, view_of=dict(self.view_of))
 
     @functools.cached_property
     def total_cost(self) -> float:
@@ -480,6 +512,7 @@ class DFGraph:
                     **({"implementations": [dataclasses.asdict(a) for a in self.implementations[i]]}
                        if i in self.implementations else {}),
                     **({"weight_grad_bytes": self.weight_grad_bytes[i]} if self.weight_grad_bytes[i] else {}),
+                    **({"view_of": self.view_of[i]} if i in self.view_of else {}),
                 }
                 for i in range(self.size)
             ],
@@ -655,6 +688,7 @@ def _from_tfremat_dict(data: dict, label: str) -> DFGraph:
         residual_bytes=[node.get("residual_bytes", 0) for node in nodes],
         implementations={node["id"]: node["implementations"] for node in nodes if node.get("implementations")},
         weight_grad_bytes=[node.get("weight_grad_bytes", 0) for node in nodes],
+        view_of={node["id"]: node["view_of"] for node in nodes if node.get("view_of") is not None},
     )
 
 

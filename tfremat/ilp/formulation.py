@@ -23,6 +23,13 @@ reasoning behind it):
   so value i is never computed or kept after stage ``last_descendant[i]``; a value
   without readers is never kept.
 
+Views (``DFGraph.view_of``: a ``Flatten`` sharing its input's buffer) count once: the
+view's value has no bytes, its readers are also readers of its source's output (so the
+source stays resident while they run), and the view is kept only with its source
+(``S[t, v] <= S[t, u]``). That gives up nothing: keeping the source beside a view of it
+holds no more memory, and recomputing the source while an older view lives would make a
+second buffer. With it the model's memory is the simulator's.
+
 Weight gradients (``DFGraph.weight_grad_bytes``) are counted in the workspace of the
 backward node that makes them; the simulator holds them on while the layer runs again
 after that node (its optimizer update waits for the layer's last statement). The model
@@ -302,6 +309,11 @@ class _Layout:
                 if reading:
                     edges.append((backward, None if len(reading) == len(modes) else reading))
                 successors[source] = sorted(edges)
+        # A view's readers read its source's buffer too (module doc): they keep the source
+        # resident; the view's own value has no bytes. Later views first, for chains.
+        for view in sorted(graph.view_of, reverse=True):
+            source = graph.view_of[view]
+            successors[source] = sorted(set(successors[source]) | set(successors[view]))
         self.values = tuple(self._values_of(i, successors[i]) for i in range(n))
         self.last = _last_descendants([sorted({k for v in values for k, _ in v.readers}) for values in self.values])
         self.until = weight_gradient_stages(graph)
@@ -327,7 +339,8 @@ class _Layout:
     def _values_of(self, i: int, readers: list) -> tuple[_Value, ...]:
         graph = self.graph
         residual = graph.residual_bytes[i]
-        output = _Value(i, graph.output_bytes[i] - residual, None, False, (), self.s_index[:, i])
+        size = 0 if i in graph.view_of else graph.output_bytes[i] - residual
+        output = _Value(i, size, None, False, (), self.s_index[:, i])
         if i in self.modes:
             backward = graph.backward_of[i]
             output = dataclasses.replace(output, readers=tuple(readers))
@@ -624,7 +637,7 @@ class CheckmateModel(SparseMILP):
             value = layout.values[i][place]
             kept = t + 1 < n and keeps[id(value)][t + 1]
             x[column] = float(kept or (made(value) and (modes is None or mode(t) in modes)))
-        out = under.output_bytes
+        out = [0 if k in under.view_of else size for k, size in enumerate(under.output_bytes)]
         previous = None
         for offset, (t, k) in enumerate(self.u_keys):
             if previous is None or previous[0] != t:
@@ -915,6 +928,15 @@ def _split_weight_gradient_rows(b: SparseBuilder, cols: _Columns) -> None:
                 b.row(terms, -math.inf, 0.0)
 
 
+def _view_rows(b: SparseBuilder, layout: _Layout) -> None:
+    """``S[t, v] <= S[t, u]`` for a view v of u: a view is kept only with its source,
+    which holds the buffer they share (module doc)."""
+    for view, source in layout.graph.view_of.items():
+        kept, holder = layout.values[view][0].keep, layout.values[source][0].keep
+        for t in np.flatnonzero(kept >= 0):
+            b.row([(kept[t], 1.0)] + ([(holder[t], -1.0)] if holder[t] >= 0 else []), -math.inf, 0.0)
+
+
 def _free_rows(b: SparseBuilder, cols: _Columns, t: int, free_keys: list, frees_after: dict) -> None:
     """Stage t's ``FREE[t, i, k]`` columns (free value i right after node k runs) and the
     rows that make them Checkmate's deallocation indicator (sec. 4.4, eqs. (4)-(6c)).
@@ -1143,6 +1165,7 @@ def build_milp(
         _keep_or_recompute_rows(b, layout, t, cols.r_index)
     _implementation_rows(b, cols)
     _split_weight_gradient_rows(b, cols)
+    _view_rows(b, layout)
 
     exact_stage = np.ones(n, dtype=bool) if exact_stages is None else np.isin(np.arange(n), list(exact_stages))
     free_start = len(b.cost)

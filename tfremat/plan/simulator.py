@@ -19,6 +19,11 @@ Convention (Checkmate's memory accounting plus per-node workspace):
   between, except in the workspace of the layer's own backward nodes, which holds them.
   A schedule that recomputes a forward node after its backward node keeps them that long.
 
+* A view (``DFGraph.view_of``: a ``Flatten``, a ``Reshape``) shares its source's output
+  buffer: the buffer counts once while any value sharing it is resident, and is freed
+  with the last of them. Computing the source again makes a new buffer, so a view kept
+  from the older computation still holds the old one.
+
 The peak is the largest memory during any node's run. With offloading (Beaumont et al.
 2021, sec. 3), a ``prefetch`` allocates its device copy where the plan issues it and a
 ``deallocate`` of an offloaded copy frees it where it stands, so memory still follows the
@@ -97,6 +102,7 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
     costs = graph.cost
     live = graph.fixed_bytes
     held = held_weight_gradients(graph, plan)
+    buffers = _Buffers(graph)
     total_cost = 0.0
     trace = np.empty(len(plan.statements), dtype=np.int64)
     peak = live
@@ -106,7 +112,7 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
     for index, statement in enumerate(plan.statements):
         node = statement.node
         if statement.op is Op.ALLOCATE:
-            live += out[node]
+            live += buffers.allocate(node)
             current = live
         elif statement.op is Op.COMPUTE:
             link.compute(node)
@@ -120,11 +126,11 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
             current = live
         elif statement.op is Op.PREFETCH:
             link.prefetch(node, index)
-            live += out[node]
+            live += buffers.allocate(node, share=False)
             current = live
         else:
             link.free(node)
-            live -= out[node] if statement.part is None else graph.part_bytes(node, statement.part)
+            live -= buffers.free(node, statement.part)
             current = live
         if statement.op is not Op.COMPUTE:
             current += held[index]
@@ -169,6 +175,48 @@ def held_weight_gradients(graph: DFGraph, plan: ExecutionPlan) -> np.ndarray:
         if taken.get(f, index) < index <= last[f]:
             held[index] -= graph.weight_grad_bytes[f]
     return held[:-1]
+
+
+class _Buffers:
+    """The device buffers of resident values, so that a view and its source count once
+    (module docstring). Without views every value part has a buffer of its own, and
+    allocating and freeing add and subtract its bytes."""
+
+    def __init__(self, graph: DFGraph):
+        self.graph = graph
+        self.views = graph.view_of
+        self.holder: dict[tuple[int, str | None], list[int]] = {}  # (node, part) -> [bytes, references]
+
+    def allocate(self, node: int, share: bool = True) -> int:
+        """Makes ``node``'s value resident; returns the bytes newly allocated. A view
+        computed from its resident source shares the source's buffer (``share``; a
+        prefetched copy never does)."""
+        if not self.views:
+            return self.graph.output_bytes[node]
+        source = self.views.get(node) if share else None
+        shared = self.holder.get((source, self.graph.shared_part(source))) if source is not None else None
+        if shared is not None:
+            shared[1] += 1
+            self.holder[(node, None)] = shared
+            return 0
+        for part in self.graph.value_parts(node):
+            self.holder[(node, part)] = [self.graph.part_bytes(node, part), 1]
+        return self.graph.output_bytes[node]
+
+    def free(self, node: int, part: str | None) -> int:
+        """Drops ``node``'s value (``part``: one part, None: all of it); returns the bytes
+        freed, those of the buffers nothing else holds."""
+        if not self.views:
+            return self.graph.output_bytes[node] if part is None else self.graph.part_bytes(node, part)
+        freed = 0
+        for each in (self.graph.value_parts(node) if part is None else (part,)):
+            buffer = self.holder.pop((node, each), None)
+            if buffer is None:
+                continue
+            buffer[1] -= 1
+            if not buffer[1]:
+                freed += buffer[0]
+        return freed
 
 
 class _HostLink:
