@@ -134,3 +134,28 @@ def test_strategies_fit_their_budget_on_views(strategy):
     except InfeasibleBudgetError:
         pytest.skip(f"{strategy} finds no schedule within {budget}")
     assert simulate(graph, schedule).peak_bytes <= budget
+
+
+def test_with_views_keeps_the_candidates_the_graph_allows():
+    graph = training_graph([(0, 1), (1, 2)], sizes=[100, 100, 10])
+    viewed = graph.with_views({1: 0, 2: 1, 3: 0})  # 2 has other bytes; 3 (the loss) does not read 0
+    assert dict(viewed.view_of) == {1: 0}
+    assert viewed.with_views({}) is viewed
+
+
+def test_view_input_finds_reshapes_and_nothing_else():
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    from tfremat.extract.views import view_input
+
+    spec = [tf.TensorSpec([2, 8, 8, 3], tf.float32)]
+    views = {"flatten": keras.layers.Flatten(), "reshape": keras.layers.Reshape((64, 3)),
+             "identity": keras.layers.Identity()}
+    others = {"relu": keras.layers.ReLU(), "permute": keras.layers.Permute((2, 1, 3)),
+              "dropout": keras.layers.Dropout(0.5), "dense": keras.layers.Dense(4)}
+    for name, layer in views.items():
+        assert view_input(lambda xs, layer=layer: layer(xs[0], training=True), spec) == 0, name
+    for name, layer in others.items():
+        assert view_input(lambda xs, layer=layer: layer(xs[0], training=True), spec) is None, name
+    add = keras.layers.Add()
+    assert view_input(lambda xs: add(list(xs)), spec * 2) is None

@@ -411,6 +411,26 @@ class DFGraph:
         when it has residual bytes, else ``(None,)`` (the whole value)."""
         return ("output", "residual") if self.residual_bytes[node] else (None,)
 
+    def with_views(self, candidates: Mapping[int, int]) -> "DFGraph":
+        """The graph with those of ``candidates`` (view node -> the node it may share the
+        buffer of, e.g. from :func:`tfremat.extract.views.view_input`) that :attr:`view_of`
+        allows: the view reads the node, has the bytes of its output part and no residual
+        bytes, and neither has implementations. The others are left out, so their values
+        keep buffers of their own (conservative)."""
+        views = dict(self.view_of)
+        for view, source in candidates.items():
+            if (0 <= view < self.size and 0 <= source < self.size and source in self.predecessors[view]
+                    and not self.residual_bytes[view] and view not in self.implementations
+                    and source not in self.implementations
+                    and self.output_bytes[view] == self.part_bytes(source, self.shared_part(source))):
+                views[view] = source
+        if views == dict(self.view_of):
+            return self
+        return DFGraph(self.names, self.edges, self.cost, self.output_bytes, self.workspace_bytes, self.is_backward,
+                       self.loss_node, dict(self.forward_of), self.fixed_bytes, self.name,
+                       residual_bytes=self.residual_bytes, implementations=self.implementations,
+                       weight_grad_bytes=self.weight_grad_bytes, view_of=views)
+
     def with_implementations(self, choice: Mapping[int, str] | None) -> "DFGraph":
         """The graph under ``choice`` (node -> implementation name; a node not named, or
         named ``"default"``, keeps the graph's own numbers), without alternatives.

@@ -92,7 +92,7 @@ def without_implementations(graph: DFGraph, excluded: Collection) -> DFGraph:
     return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes, graph.is_backward,
                    graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, graph.name,
                    residual_bytes=graph.residual_bytes, implementations=kept,
-                   weight_grad_bytes=graph.weight_grad_bytes)
+                   weight_grad_bytes=graph.weight_grad_bytes, view_of=dict(graph.view_of))
 
 
 _MONET = MilpProblem("monet", choose_implementations=True, starts=_starts)
