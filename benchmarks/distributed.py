@@ -17,7 +17,14 @@ began, plus the variables, optimizer slots and this replica's batch):
 * outside the step: what the allocator held at a step's start beyond the variables and the
   batch (the data set's tensors and prefetched batches: not the step's, never planned);
 * at the requested peak, the live buffers by the operation that allocated them, so that an
-  excess over the prediction is named (``--detail``).
+  excess over the prediction is named (``--detail``);
+* with ``allocator_check``, the largest allocator peak over the workers that the check
+  agreed on, or the error every worker raised. By default the multi-worker loop checks
+  only GPU replicas (:func:`tfremat.multi_worker.allocator_checked`); the last
+  configuration asks for the check on any device.
+
+On a machine with a GPU every worker uses it (one process each, memory growth on) and the
+numbers are its allocator's.
 
 Run: ``python benchmarks/distributed.py`` (writes ``benchmarks/results/distributed.md``).
 Ops run one at a time (``TF_NUM_INTEROP_THREADS=1``), as the simulator models.
@@ -30,6 +37,8 @@ import os
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Worker processes sharing one GPU each take only what they use.
+os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -40,12 +49,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PER_REPLICA_BATCH = 32
 STEPS = 8  # per epoch
 PROFILED_BATCH = 3  # the step of the second epoch whose allocations are replayed
-CONFIGS = [("checkpoint-all", "100%", "checkpoint_all"), ("50% of activations", "50% of activations", "optimal")]
+#: (label, budget, strategy, allocator_check): by default (None) the multi-worker loop
+#: checks the allocator only on GPU replicas and below the checkpoint-all peak.
+CONFIGS = [("checkpoint-all", "100%", "checkpoint_all", None),
+           ("50% of activations", "50% of activations", "optimal", None),
+           ("50% of activations, allocator_check=True", "50% of activations", "optimal", True)]
 
 
-def live_at_peak(logdir: str) -> tuple[int, list[tuple[str, int]]]:
-    """The peak of the requested CPU bytes in a profile (allocations before it ignored)
-    and the buffers live at that peak, summed by (operation, region, shape)."""
+def live_at_peak(logdir: str, device: str) -> tuple[int, list[tuple[str, int]]]:
+    """The peak of the bytes requested from ``device``'s allocator in a profile
+    (allocations before it ignored) and the buffers live at that peak, summed by
+    (operation, region, shape)."""
+    from tfremat.runtime.memory import _allocator_matches
+
     import glob
 
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
@@ -68,7 +84,7 @@ def live_at_peak(logdir: str) -> tuple[int, list[tuple[str, int]]]:
                         name = names.get(stat.metadata_id)
                         stats[name] = (names.get(stat.ref_value, "") if stat.ref_value else stat.str_value) \
                             or stat.uint64_value or stat.int64_value
-                    if "cpu" in str(stats.get("allocator_name", "")).lower():
+                    if _allocator_matches(str(stats.get("allocator_name", "")), device):
                         events.append((line.timestamp_ns * 1000 + event.offset_ps, kinds[event.metadata_id], stats))
     events.sort(key=lambda e: (e[0], not e[1]))
     live, current, peak, at_peak = {}, 0, 0, {}
@@ -87,7 +103,7 @@ def live_at_peak(logdir: str) -> tuple[int, list[tuple[str, int]]]:
     return peak, sorted(groups.items(), key=lambda kv: -kv[1])
 
 
-def worker(budget: str, strategy_name: str, cost_model: str) -> None:
+def worker(budget: str, strategy_name: str, cost_model: str, allocator_check: bool | None) -> None:
     import tempfile
 
     import keras
@@ -95,9 +111,11 @@ def worker(budget: str, strategy_name: str, cost_model: str) -> None:
     import tensorflow as tf
 
     import tfremat
-    from tfremat.runtime.memory import resident_bytes
+    from tfremat.errors import InfeasibleBudgetError
+    from tfremat.runtime.memory import default_device, resident_bytes
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    device = default_device()
     replicas = strategy.num_replicas_in_sync
     keras.utils.set_random_seed(0)
     with strategy.scope():
@@ -123,9 +141,9 @@ def worker(budget: str, strategy_name: str, cost_model: str) -> None:
 
         def on_train_batch_begin(self, step, logs=None):
             if self.epoch == 1:
-                info = tf.config.experimental.get_memory_info("CPU:0")
+                info = tf.config.experimental.get_memory_info(device)
                 self.start = info["current"]
-                tf.config.experimental.reset_memory_stats("CPU:0")
+                tf.config.experimental.reset_memory_stats(device)
                 if step == PROFILED_BATCH:
                     tf.profiler.experimental.start(logdir)
             self.started = time.perf_counter()
@@ -138,27 +156,33 @@ def worker(budget: str, strategy_name: str, cost_model: str) -> None:
                 else:
                     record["times"].append(elapsed)
                 resident = resident_bytes(model.variables) + resident_bytes(model.optimizer.variables)
-                peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+                peak = tf.config.experimental.get_memory_info(device)["peak"]
                 record["process"].append(peak)
                 record["allocator"].append(peak - self.start + resident + batch_bytes)
                 record["outside"].append(self.start - resident - batch_bytes)
 
     options = {"time_limit": 30} if strategy_name == "optimal" else {}
-    history = tfremat.fit(model, budget, x, y, batch_size=batch, epochs=2, shuffle=False, strategy=strategy_name,
-                          cost_model=cost_model, callbacks=[Probe()], verbose=0, **options)
+    try:
+        history = tfremat.fit(model, budget, x, y, batch_size=batch, epochs=2, shuffle=False, strategy=strategy_name,
+                              cost_model=cost_model, callbacks=[Probe()], verbose=0, allocator_check=allocator_check,
+                              **options)
+    except InfeasibleBudgetError as error:
+        print("RESULT " + json.dumps({"error": str(error), "device": device}), flush=True)
+        return
     plan = next(iter(history.plans.values()))
     resident = resident_bytes(model.variables) + resident_bytes(model.optimizer.variables) + batch_bytes
-    requested, live = live_at_peak(logdir)
+    requested, live = live_at_peak(logdir, device)
     print("RESULT " + json.dumps({
         "allocator": max(record["allocator"]), "requested": requested + resident,
         "outside": int(np.median(record["outside"])), "outside_range": [min(record["outside"]), max(record["outside"])],
         "process": max(record["process"]), "step": float(np.median(record["times"])),
         "predicted": plan.predicted_peak_bytes, "budget": plan.budget_bytes,
         "all_reduce": plan.extraction.side_table.fixed_bytes_breakdown.get("all_reduce", 0),
-        "recomputations": plan.schedule.recompute_count, "live": live[:24]}), flush=True)
+        "recomputations": plan.schedule.recompute_count, "checked": next(iter(history.allocator_peaks.values()), None),
+        "device": device, "live": live[:24]}), flush=True)
 
 
-def run(replicas: int, budget: str, strategy_name: str, cost_model: str) -> list[dict]:
+def run(replicas: int, budget: str, strategy_name: str, cost_model: str, allocator_check) -> list[dict]:
     sockets = [socket.socket() for _ in range(replicas)]
     for s in sockets:
         s.bind(("127.0.0.1", 0))
@@ -169,7 +193,8 @@ def run(replicas: int, budget: str, strategy_name: str, cost_model: str) -> list
     try:
         for index in range(replicas):
             env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
-            processes.append(subprocess.Popen([sys.executable, __file__, "--worker", budget, strategy_name, cost_model],
+            processes.append(subprocess.Popen([sys.executable, __file__, "--worker", budget, strategy_name, cost_model,
+                                               str(allocator_check)],
                                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = [process.communicate(timeout=900)[0] for process in processes]
     finally:
@@ -191,6 +216,7 @@ def main() -> None:
     parser.add_argument("--cost-model", default="profile", choices=("profile", "flops"))
     parser.add_argument("--detail", action="store_true", help="print the live buffers at each worker's requested peak")
     parser.add_argument("--only", help="run only the configuration with this label (e.g. checkpoint-all)")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--output", default=os.path.join(HERE, "results", "distributed.md"))
     args = parser.parse_args()
     from tfremat.budget import format_bytes
@@ -198,18 +224,27 @@ def main() -> None:
     def mib(value):
         return format_bytes(value).replace(" MiB", "")
 
-    rows = []
-    for label, budget, strategy_name in CONFIGS:
+    rows, notes, devices = [], [], set()
+    for label, budget, strategy_name, allocator_check in CONFIGS:
         if args.only and args.only != label:
             continue
-        for replicas in (1, 2):
-            results = run(replicas, budget, strategy_name, args.cost_model)
+        for replicas in args.replicas:
+            results = run(replicas, budget, strategy_name, args.cost_model, allocator_check)
             for index, result in enumerate(results):
-                rows.append(f"| {label} | {replicas} | {index} | {result['recomputations']} | "
+                if "error" in result:
+                    notes.append(f"- {label}, {replicas} replica{'s' * (replicas > 1)}, worker {index}: "
+                                 f"{result['error']}")
+                    print(notes[-1], flush=True)
+                    continue
+                devices.add(result["device"])
+                rows.append(f"| {label} | {replicas} | {index} | {result['recomputations']} | {mib(result['budget'])} | "
                             f"{mib(result['predicted'])} | {mib(result['all_reduce'])} | {mib(result['requested'])} | "
                             f"{result['requested'] / result['predicted']:.2f} | {mib(result['allocator'])} | "
                             f"{result['allocator'] / result['predicted']:.2f} | {mib(result['outside'])} | "
                             f"{result['step'] * 1000:.0f} |")
+                if result["checked"] is not None:
+                    notes.append(f"- {label}, {replicas} replica{'s' * (replicas > 1)}, worker {index}: "
+                                 f"allocator_check agreed on a largest peak of {mib(result['checked'])} MiB")
                 print(rows[-1], flush=True)
                 if args.detail:
                     print(f"    process peak {mib(result['process'])}, outside the step "
@@ -217,12 +252,13 @@ def main() -> None:
                     for key, value in result["live"]:
                         print(f"    {value / 2**20:8.2f} MiB  {key}")
     load = os.getloadavg()
-    text = "\n".join([
+    text = "\n".join(line for line in [
         "# Per-replica memory and step time under MultiWorkerMirroredStrategy",
         "",
         f"`python benchmarks/distributed.py{'' if args.cost_model == 'profile' else ' --cost-model flops'}`: "
         f"a 12-conv net (32 channels, 32x32x3 input), per-replica batch {PER_REPLICA_BATCH}, each replica a local "
-        f"worker process with its own BFC CPU allocator, TF_NUM_INTEROP_THREADS=1, {args.cost_model} cost model, "
+        f"worker process with its own BFC allocator on {', '.join(sorted(devices))}, TF_NUM_INTEROP_THREADS=1, "
+        f"{args.cost_model} cost model, "
         f"{STEPS} steps per epoch, measured over the second epoch. Memory in MiB, per worker, in the prediction's "
         "convention (above the allocator's state at the step's start, plus variables, optimizer slots and the "
         "replica's batch): requested from the profiler's allocation events of one step, allocator the largest "
@@ -230,12 +266,14 @@ def main() -> None:
         f"variables and batch (the data set). Load average at the end: {load[0]:.1f} (2 cores, shared machine: "
         "times are noisy).",
         "",
-        "| budget | replicas | worker | recomputations | predicted | of which all_reduce | requested | "
+        "| budget | replicas | worker | recomputations | budget MiB | predicted | of which all_reduce | requested | "
         "requested / predicted | allocator | allocator / predicted | outside the step | step ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
-    ])
+        *notes,
+        "" if notes else None,
+    ] if line is not None)
     with open(args.output, "w") as f:
         f.write(text)
     print(text)
@@ -243,6 +281,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2], sys.argv[3], sys.argv[4])
+        worker(sys.argv[2], sys.argv[3], sys.argv[4], {"None": None, "True": True, "False": False}[sys.argv[5]])
     else:
         main()
