@@ -6,6 +6,11 @@ checkpoint-all and at 50% of the activation memory, with XLA and without; and, a
 evidence of what XLA does to an unmarked schedule, the 50% step under XLA with the
 recomputations' runtime zero turned off (:mod:`tfremat.static_graph.interpreter`).
 
+The XLA steps are planned on the graph that counts the copies XLA makes
+(``extract(..., xla="memory")``: a convolution's input transposed for its filter gradient,
+each trainable variable), the steps without XLA on TensorFlow's kernels; one row plans the
+XLA step on TensorFlow's kernels, as before that option.
+
 Memory: the bytes the step requests from the allocator (profiler allocation events,
 ``count="requested"``) and the allocator's own peak, both in the graph's convention
 (:func:`tfremat.runtime.memory.measure_step_peak`). On CPU XLA's buffers go through
@@ -19,7 +24,8 @@ per-round ratios. Recomputed ops in the HLO: instructions of the optimized HLO n
 recompute statement (``reforward_N``); CSE keeps the first computation's name when it merges.
 
 The cost model under XLA (second table per model): the 50% schedule planned on costs
-profiled without XLA (TensorFlow's kernels) and under XLA (``extract(..., xla=True)``: every
+profiled without XLA (TensorFlow's kernels, ``xla="memory"``) and under XLA
+(``extract(..., xla=True)``: every
 layer call timed compiled by XLA, as ``RematCallback`` profiles a model compiled with
 ``jit_compile=True``), each compiled with XLA and timed against plain XLA training. Planned:
 the schedule's total cost on its own graph, and its overhead, that cost over
@@ -154,17 +160,23 @@ def measure_case(build, batch, rounds, device):
     x, y = batch_for(model, batch)
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     optimizer.build(model.trainable_variables)
-    extraction = extract(model, (x, y), optimizer=optimizer, cost_model="flops", use_cache=False)
-    graph = extraction.graph
+    # The XLA steps are planned on the graph that counts XLA's copies (extract(xla="memory")),
+    # the others on TensorFlow's kernels; the row "planned on TensorFlow's kernels" is the step
+    # under XLA as it was planned before.
+    kernels = extract(model, (x, y), optimizer=optimizer, cost_model="flops", use_cache=False)
+    copies = extract(model, (x, y), optimizer=optimizer, cost_model="flops", use_cache=False, xla="memory")
     resident = list(model.variables) + list(optimizer.variables)
-    loss_fn = extraction.side_table.loss_fn
-    checkpoint_all = get_strategy("checkpoint_all")(graph)
-    half = cheapest_fitting(graph, parse_graph_budget(graph, "50% of activations"))
+    loss_fn = kernels.side_table.loss_fn
     rows = []
 
     def peaks(step):
         return (measure_step_peak(step, x, y, resident=resident, device=device, count="requested"),
                 measure_step_peak(step, x, y, resident=resident, device=device))
+
+    def plans(extraction):
+        graph = extraction.graph
+        return (get_strategy("checkpoint_all")(graph),
+                cheapest_fitting(graph, parse_graph_budget(graph, "50% of activations")))
 
     for jit in (True, False):
         plain = plain_step(model, loss_fn, optimizer, jit)
@@ -172,21 +184,26 @@ def measure_case(build, batch, rounds, device):
         label = "plain, XLA" if jit else "plain, no XLA"
         timing = time_in_turns(lambda: plain(x, y), lambda: plain(x, y), rounds)
         rows.append((label, None, requested, allocator, timing.reference_seconds, None, None))
-        variants = [("checkpoint-all", checkpoint_all, False), ("50% of activations", half, False)]
+        checkpoint_all, half = plans(copies if jit else kernels)
+        extraction = copies if jit else kernels
+        variants = [("checkpoint-all", extraction, checkpoint_all, False),
+                    ("50% of activations", extraction, half, False)]
         if jit:
-            variants.append(("50% of activations, recomputations unmarked", half, True))
-        for what, schedule, unmarked in variants:
+            variants += [("50% of activations, planned on TensorFlow's kernels", kernels, plans(kernels)[1], False),
+                         ("50% of activations, recomputations unmarked", extraction, half, True)]
+        for what, planned_on, schedule, unmarked in variants:
             if unmarked:
                 with _Unmarked():
-                    step = compile_step(extraction, schedule, optimizer=optimizer, jit_compile=jit)
+                    step = compile_step(planned_on, schedule, optimizer=optimizer, jit_compile=jit)
                     step.trace()
             else:
-                step = compile_step(extraction, schedule, optimizer=optimizer, jit_compile=jit)
+                step = compile_step(planned_on, schedule, optimizer=optimizer, jit_compile=jit)
             requested, allocator = peaks(step)
             timing = time_in_turns(lambda: step(x, y), lambda: plain(x, y), rounds)
             in_hlo = recomputed_in_hlo(step, x, y) if jit and schedule.recompute_count else None
             rows.append((f"tfremat {what}, {'XLA' if jit else 'no XLA'} ({schedule.strategy})",
-                         simulate(graph, schedule).peak_bytes, requested, allocator, timing.seconds, timing, in_hlo))
+                         simulate(planned_on.graph, schedule).peak_bytes, requested, allocator, timing.seconds, timing,
+                         in_hlo))
     return rows
 
 
@@ -199,7 +216,8 @@ def measure_costs(build, batch, rounds):
     optimizer.build(model.trainable_variables)
     planned = []
     for xla in (False, True):
-        extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", xla=xla, use_cache=False)
+        extraction = extract(model, (x, y), optimizer=optimizer, cost_model="profile", xla=xla or "memory",
+                             use_cache=False)
         half = cheapest_fitting(extraction.graph, parse_graph_budget(extraction.graph, "50% of activations"))
         planned.append((xla, extraction, half))
     plain = plain_step(model, planned[0][1].side_table.loss_fn, optimizer, True)
