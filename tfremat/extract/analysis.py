@@ -573,7 +573,7 @@ def _with_xla_layouts(analysis: CallAnalysis, tracer: _CallTracer, layer_name: s
 
     Measured with ``benchmarks/xla.py``: the residual chain's step at 50% of its
     activations requested 1.17x its prediction without the layout copies (five 2.25 MiB
-    copies live at its peak) and 0.92x with them.
+    copies live at its peak) and 0.91x with them.
 
     Raises:
         ExtractionError: XLA cannot compile the call or its gradient.
