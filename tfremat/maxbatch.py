@@ -414,7 +414,8 @@ def affine_graphs(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int
             name=f"{graph_a.name} (batch {batch}, scaled)",
             residual_bytes=np.minimum(line(graph_a.residual_bytes, graph_b.residual_bytes, batch, whole=True),
                                       line(graph_a.output_bytes, graph_b.output_bytes, batch, whole=True)).tolist(),
-        )
+            weight_grad_bytes=graph_a.weight_grad_bytes,
+        ).with_views(graph_a.view_of)
 
     return at
 

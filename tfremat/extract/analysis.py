@@ -87,6 +87,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import ExtractionError
+from tfremat.extract.views import view_position
 from tfremat.extract.xla_layouts import backward_layout_copies
 from tfremat.runtime.internals import node_flops, resource_handle_data
 from tfremat.runtime.memory import (
@@ -178,6 +179,8 @@ class CallAnalysis:
             the backward can be split into a weight-gradient node that reads the forward
             values and an input-gradient node after it that reads none (MONeT appendix D).
         input_gradient_flops: the flops of the operations the input gradients need.
+        view_input: the position of the input whose buffer the output shares (a reshape:
+            :func:`tfremat.extract.views.view_position`), or None.
     """
 
     output_specs: tuple
@@ -197,6 +200,7 @@ class CallAnalysis:
     one_gradient_call: bool = False
     input_gradient_reads_forward: bool = True
     input_gradient_flops: float = 0.0
+    view_input: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -547,6 +551,7 @@ def analyze_call(
         one_gradient_call=one_call,
         input_gradient_reads_forward=record["input_reads"] is None or any(record["input_reads"]),
         input_gradient_flops=0.0 if record["input_ops"] is None else _flops(graph, record["input_ops"], iterations),
+        view_input=view_position(forward_concrete, input_specs),
     )
     if profile:
         upstream_bytes = sum(tensor_bytes(s, d, "an output gradient", layer_name) for s, d in output_specs

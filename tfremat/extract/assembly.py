@@ -69,6 +69,13 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   step, when the activations are freed; counting them as fixed keeps the planning core
   unchanged and over-predicts by at most that copy while the activations peak.
 
+* **Views**: a call whose output is its input reshaped (``CallAnalysis.view_input``: a
+  ``Flatten``, a ``Reshape``) shares that input's buffer, so the graph marks it as a view
+  (``DFGraph.view_of``) and the simulator and the MILP count the buffer once.
+* **Held weight gradients** (``DFGraph.weight_grad_bytes``): with transient gradients, a
+  layer whose forward node a schedule computes after its backward node holds its weight
+  gradients until then (its update waits for the recompute's read of the weights).
+
 Node order: forward calls in Keras execution order, the loss, then the backward nodes in
 reverse forward order (the order plain backpropagation runs them), a split backward's
 weight-gradient node right before its input-gradient node.
@@ -216,7 +223,14 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
         workspace_bytes=nodes.work, is_backward=nodes.is_bwd, loss_node=loss_node, forward_of=nodes.forward_of,
         fixed_bytes=sum(breakdown.values()), name=model.name, residual_bytes=nodes.residual,
         implementations=implementations,
-    )
+        # What a held layer's weight gradients add while its update waits for a recompute of
+        # its forward node (the simulator's ``held_weight_gradients``); they are in the
+        # backward node's workspace only with transient gradients.
+        weight_grad_bytes=[_variables_bytes(trainable_variables(call.layer))
+                           if weight_grads == "transient" and call.position in backward_id else 0
+                           for call in calls] + [0] * (next_id - len(calls)),
+    ).with_views({call.position: call.inputs[a.view_input].index for call, a in zip(calls, analyses)
+                  if a.view_input is not None and call.inputs[a.view_input].source == "node"})
     table = SideTable(
         model=model, entries=tuple(nodes.entries), input_specs=tuple(in_specs), label_specs=tuple(label_specs),
         outputs=tuple(output_refs), loss_node=loss_node, loss_fn=loss_fn, optimizer=optimizer, batch_size=batch,

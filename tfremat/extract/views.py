@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-__all__ = ["view_input"]
+__all__ = ["view_input", "view_position"]
 
 # Operations whose output is their first input's buffer.
 _FORWARDING = frozenset({"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
@@ -25,11 +25,21 @@ _BOOKKEEPING = frozenset({"Placeholder", "Const", "NoOp"})
 
 
 def view_input(call_layer: Callable[[list], object], input_specs: Sequence[tf.TensorSpec]) -> int | None:
+    """:func:`view_position` of the call traced on ``input_specs`` (``call_layer`` runs the
+    layer on the flattened input tensors, as for
+    :func:`tfremat.extract.analysis.analyze_call`)."""
+    def forward(flat_inputs):
+        return call_layer(list(flat_inputs))
+
+    return view_position(tf.function(forward, autograph=False).get_concrete_function(list(input_specs)), input_specs)
+
+
+def view_position(concrete, input_specs: Sequence[tf.TensorSpec]) -> int | None:
     """The position of the input whose buffer the call's one output shares, or None.
 
     Args:
-        call_layer: runs the layer on the flattened input tensors (as for
-            :func:`tfremat.extract.analysis.analyze_call`).
+        concrete: the call's forward trace, a concrete function of the flattened inputs
+            (the analysis's forward-only trace).
         input_specs: the flattened inputs, batch included.
 
     Returns:
@@ -37,10 +47,6 @@ def view_input(call_layer: Callable[[list], object], input_specs: Sequence[tf.Te
         buffer-forwarding operations only, with as many bytes, and every other operation
         of the call only computes shapes; None otherwise.
     """
-    def forward(flat_inputs):
-        return call_layer(list(flat_inputs))
-
-    concrete = tf.function(forward, autograph=False).get_concrete_function(list(input_specs))
     outputs = tf.nest.flatten(concrete.structured_outputs)
     if len(outputs) != 1 or not outputs[0].shape.is_fully_defined():
         return None
