@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from tfremat.errors import CompileError
 from tfremat.runtime.memory import default_device, requested_peak
+from tfremat.runtime.optimizer import apply_gated
 
 __all__ = ["UpdateTemporaries", "update_temporaries"]
 
@@ -110,7 +111,7 @@ def _probe(optimizer, count: int) -> int:
         gradients = [seed * 2.0 for seed in seeds]
         with tf.control_dependencies(gradients):
             gradients = [tf.identity(g) for g in gradients]
-        _apply_gated(clone, list(zip(gradients, variables)))
+        _apply(clone, list(zip(gradients, variables)))
         return tf.constant(0.0)
 
     step(seeds)
@@ -118,29 +119,12 @@ def _probe(optimizer, count: int) -> int:
     return max(peak - count * int(np.prod(_PROBE_SHAPE)) * 4, 0)
 
 
-def _apply_gated(optimizer, pairs) -> None:
-    """``optimizer.apply_gradients(pairs)`` as the compiled step applies gradients on one
-    replica (``tfremat.static_graph.compile._apply_without_barrier``, which extraction may
-    not import): without the all-reduce, each variable's weight decay and update step under
-    a control dependency on its own gradient."""
+def _apply(optimizer, pairs) -> None:
+    """The update as the compiled step applies gradients on one replica (its
+    ``_apply_without_barrier``): :func:`~tfremat.runtime.optimizer.apply_gated` where the
+    optimizer has Keras's TensorFlow all-reduce to skip, else unchanged."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if not hasattr(inner, "_all_reduce_sum_gradients"):
+    if hasattr(inner, "_all_reduce_sum_gradients"):
+        apply_gated(optimizer, pairs)
+    else:
         optimizer.apply_gradients(pairs)
-        return
-    update_step = inner.update_step
-    weight_decay = inner._apply_weight_decay
-
-    def gated_update_step(gradient, variable, learning_rate):
-        with tf.control_dependencies([gradient]):
-            weight_decay([variable])
-            return update_step(gradient, variable, learning_rate)
-
-    inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
-    inner.update_step = gated_update_step
-    inner._apply_weight_decay = lambda variables: None
-    try:
-        optimizer.apply_gradients(pairs)
-    finally:
-        del inner._all_reduce_sum_gradients
-        del inner.update_step
-        del inner._apply_weight_decay

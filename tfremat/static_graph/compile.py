@@ -13,6 +13,7 @@ from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op, build_plan
 from tfremat.plan.schedule import Schedule, validate_schedule
+from tfremat.runtime.optimizer import apply_gated
 from tfremat.static_graph.interpreter import TraceReport, interpret_plan, order_updates
 
 __all__ = ["CompiledStep", "compile_step", "check_acyclic"]
@@ -288,36 +289,7 @@ def _apply_without_barrier(optimizer, pairs) -> dict[int, tuple[Any, list]]:
     if tf.distribute.has_strategy() or not hasattr(inner, "_all_reduce_sum_gradients"):
         optimizer.apply_gradients(pairs)
         return {}
-    update_step = inner.update_step
-    weight_decay = inner._apply_weight_decay
-    created: dict[int, tuple[Any, list]] = {}
-    # The update step gets the TensorFlow variable behind a Keras variable: keyed back.
-    keras_id = {}
-    for _, variable in pairs:
-        value = getattr(variable, "value", None)
-        keras_id[id(value if isinstance(value, tf.Variable) else variable)] = id(variable)
-
-    def gated_update_step(gradient, variable, learning_rate):
-        gate = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
-        graph = tf.compat.v1.get_default_graph()
-        first = len(graph.get_operations())
-        with tf.control_dependencies([gate]):
-            weight_decay([variable])
-            result = update_step(gradient, variable, learning_rate)
-        created[keras_id.get(id(variable), id(variable))] = (variable, graph.get_operations()[first:])
-        return result
-
-    # Instance attributes shadow the two methods while apply_gradients traces.
-    inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
-    inner.update_step = gated_update_step
-    inner._apply_weight_decay = lambda variables: None
-    try:
-        optimizer.apply_gradients(pairs)
-    finally:
-        del inner._all_reduce_sum_gradients
-        del inner.update_step
-        del inner._apply_weight_decay
-    return created
+    return apply_gated(optimizer, pairs)
 
 
 def compile_step(
