@@ -435,6 +435,11 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
                             "it out")
     distribution = model.distribute_strategy
     name, chief = _worker_name(distribution)
+    if not model.optimizer.built:
+        # Its slots are mirrored variables, made in the strategy's scope (as model.fit
+        # builds them); the extraction, outside the scope, would fail to build them.
+        with distribution.scope():
+            model.optimizer.build(model.trainable_variables)
     shuffle = fit_kwargs.get("shuffle", True)
     train = _distributed(distribution, x, y, batch_size, shuffle=shuffle, argument="x",
                          sample_weight=fit_kwargs.get("sample_weight"))
