@@ -57,7 +57,9 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   optimizer slot variables + non-trainable variables (batch-norm statistics, dropout
   seeds) + the input batch + the labels + the residuals that do not grow with the batch
   (per-channel statistics) + the all-reduce's buffers when several replicas of a
-  ``tf.distribute`` strategy train (below). Each part is in ``SideTable.fixed_bytes_breakdown``.
+  ``tf.distribute`` strategy train (below) + with fixed weight gradients, the optimizer
+  update's temporaries (:mod:`tfremat.extract.optimizer_update`; the updates run after the
+  backward pass). Each part is in ``SideTable.fixed_bytes_breakdown``.
 * **All-reduce** (``replicas > 1``): the graph describes one replica; after the backward
   pass the replicas sum their gradients, and each replica receives the reduced gradients
   in new buffers while its own are still resident (``weight_grads="fixed"``), until the
@@ -212,12 +214,13 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
                 for name, a in alternatives[call.position].items()
             ]
     _add_loss(nodes, loss_node, output_refs, loss_analysis, flops)
-    if weight_grads == "fixed":
-        last = next_id - 1
-        update_bytes[last] = temporaries.bytes_for(_variable_sizes(model.trainable_variables))
-        nodes.work[last] += update_bytes[last]
-        nodes.entries[last] = dataclasses.replace(nodes.entries[last], workspace_bytes=nodes.work[last])
     breakdown = _fixed_bytes(model, optimizer, in_specs, label_specs, small_total, weight_grads, replicas)
+    if weight_grads == "fixed":
+        # The updates run after the backward pass, when the activations are freed: counted
+        # as fixed like the all-reduce's buffers (module docstring). In the last node's
+        # workspace they made small nets' shares of activations infeasible, the node's own
+        # upstream gradient being counted beside them.
+        breakdown["update_temporaries"] = temporaries.bytes_for(_variable_sizes(model.trainable_variables))
     graph = DFGraph(
         names=nodes.names, edges=nodes.edges, cost=nodes.cost, output_bytes=nodes.out_bytes,
         workspace_bytes=nodes.work, is_backward=nodes.is_bwd, loss_node=loss_node, forward_of=nodes.forward_of,
@@ -411,6 +414,7 @@ def _fixed_bytes(model, optimizer, in_specs, label_specs, small_residuals: int, 
         "labels": sum(tensor_bytes(s.shape, s.dtype, "the labels", "labels") for s in label_specs),
         "small_residuals": small_residuals,
         "all_reduce": trainable if replicas > 1 else 0,
+        "update_temporaries": 0,
     }
 
 

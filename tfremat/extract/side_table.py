@@ -215,7 +215,8 @@ class SideTable:
             dict of inputs or labels is matched by them (:meth:`flat_inputs`).
         update_bytes: per node, the optimizer update's temporaries counted in its
             workspace (:mod:`tfremat.extract.optimizer_update`): a backward node's layer's
-            with transient weight gradients, all variables' in the last node with fixed ones.
+            with transient weight gradients (with fixed ones they are fixed bytes,
+            ``fixed_bytes_breakdown["update_temporaries"]``).
     """
 
     model: Any
