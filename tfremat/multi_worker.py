@@ -52,6 +52,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfremat.allocator_check import ALLOCATOR_ROUNDS, allocator_peak, replica_allocators, wants_allocator_check
 from tfremat.errors import ArgumentError, TfrematError
 from tfremat.graph import DFGraph
 from tfremat.planner import PlanResult, plan_graph, plan_summary
@@ -316,7 +317,7 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
     and under what budget (the budget less the excess). The chief plans and broadcasts
     the schedule, as for the first plan, so every worker keeps one schedule. Skipped on
     every worker when one cannot read its allocator (a CPU allocator without statistics,
-    or replicas sharing one: :func:`tfremat.keras.replica_allocators`).
+    or replicas sharing one: :func:`tfremat.allocator_check.replica_allocators`).
 
     ``allocator_check=None`` (the default) checks as :class:`tfremat.keras.RematCallback`
     does, but only on GPU replicas: a CPU replica's allocator also serves the input
@@ -327,13 +328,12 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
     ``allocator_check=True`` checks there too.
 
     Raises:
-        InfeasibleBudgetError: no plan within :data:`tfremat.keras.ALLOCATOR_ROUNDS` kept
+        InfeasibleBudgetError: no plan within :data:`tfremat.allocator_check.ALLOCATOR_ROUNDS` kept
             the largest peak within the budget, or the chief could not plan under the
             reduced budget (on every worker).
     """
     from tfremat.budget import format_bytes
     from tfremat.errors import InfeasibleBudgetError
-    from tfremat.keras import ALLOCATOR_ROUNDS, allocator_peak, replica_allocators, wants_allocator_check
     from tfremat.static_graph.compile import compile_step
 
     if settings.allocator_check is False or plan.budget_bytes is None:
