@@ -106,7 +106,8 @@ def _worker(out: Path, index: int, die_at_batch: int | None, budget: str, check:
                               validation_data=(x[:32], y[:32]), callbacks=callbacks,
                               strategy="rotor" if check == "inflated" else "chen_sqrtn",
                               sample_weight=_sample_weights() if check == "inflated" else None,
-                              cost_model="flops", cache=False, verbose=0, allocator_check=allocator_check)
+                              cost_model="flops", cache=False, verbose=0, allocator_check=allocator_check,
+                              exact_gradients=True)
         record.update(history=history.history, plans=[str(k) for k in history.plans],
                       recomputations=[p.schedule.recompute_count for p in history.plans.values()],
                       schedules=[p.schedule.to_dict() for p in history.plans.values()],

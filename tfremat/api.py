@@ -109,7 +109,9 @@ def fit(
         granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
         allocator_check: hold the budget for the device allocator's peak, not only for
             the bytes the step requests; None: for every budget but ``"min"`` and shares at
-            or above the checkpoint-all peak (see :class:`tfremat.keras.RematCallback`).
+            or above the checkpoint-all peak (see :class:`tfremat.keras.RematCallback`); under
+            ``MultiWorkerMirroredStrategy``, None checks GPU replicas only (a CPU worker's
+            input pipeline shares its allocator).
         bandwidth: the host link, in bytes per second, for a strategy that offloads
             activations to host memory (``pofo``, ``pofo_ap``, ``autocapper``,
             ``opportunist``); None measures it on a GPU (required without one); refused for
@@ -145,9 +147,6 @@ def fit(
     if _multi_worker_strategy(model) is not None:
         from tfremat.multi_worker import fit_multi_worker
 
-        if exact_gradients:
-            raise ArgumentError("exact_gradients=True is not supported under MultiWorkerMirroredStrategy yet; leave it "
-                                "out, or plan with a strategy other than monet (the others keep each layer's own implementation)")
         # The strategy options RematCallback plans with (its arguments checked when it was built).
         options = {"solver": solver, "time_limit": time_limit} if get_strategy(strategy).takes_solver_options else {}
         if get_strategy(strategy).offloads:
@@ -156,7 +155,7 @@ def fit(
                                 validation_data=validation_data, callbacks=callbacks, strategy=strategy,
                                 options=options, cost_model=cost_model,
                                 granularity=granularity, cache=cache, verbose=verbose,
-                                allocator_check=allocator_check, **fit_kwargs)
+                                allocator_check=allocator_check, exact_gradients=exact_gradients, **fit_kwargs)
     if isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]  # model.fit takes one callback as well as a list
     history = model.fit(x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,

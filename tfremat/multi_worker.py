@@ -185,11 +185,13 @@ class _Settings:
     granularity: str
     cache: object
     allocator_check: bool | None = None
+    exact_gradients: bool = False
 
     def text(self) -> str:
         # allocator_check is agreed too: the workers measure their peaks together.
         return json.dumps({"budget": repr(self.budget), "strategy": self.strategy, "cost_model": self.cost_model,
                            "granularity": self.granularity, "allocator_check": repr(self.allocator_check),
+                           "exact_gradients": self.exact_gradients,
                            "options": {k: repr(v) for k, v in sorted(self.options.items())}}, sort_keys=True)
 
 
@@ -212,7 +214,7 @@ def disagreements(rows: np.ndarray, chief_replica: int) -> list[str]:
                             "differ: another model, batch shape, TensorFlow or Keras version)")
         elif other[2] != reference[2]:
             problems.append(f"{worker} plans with other settings than the chief (budget, strategy, cost_model, "
-                            "granularity, allocator_check or solver options of tfremat.fit)")
+                            "granularity, allocator_check, exact_gradients or solver options of tfremat.fit)")
         elif other[3] != reference[3]:
             problems.append(f"{worker} runs other TensorFlow or Keras versions than the chief")
     return list(dict.fromkeys(problems))
@@ -228,7 +230,7 @@ def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1)
         TfrematError: the chief could not plan (its error, on every worker).
     """
     from tfremat.extract.extractor import extract
-    from tfremat.model_planning import loss_and_optimizer, wants_implementations
+    from tfremat.model_planning import exact_only_options, loss_and_optimizer, wants_implementations
 
     name, chief = _worker_name(strategy)
     collectives = _Collectives(strategy)
@@ -254,6 +256,9 @@ def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1)
         raise PlanMismatchError(f"{name}: " + "; ".join(problems) +
                                 f"; run every worker with the same model, arguments and versions (this worker runs "
                                 f"{_versions()})")
+    # exact_gradients leaves out the layer implementations that change rounding, as on one device.
+    settings = dataclasses.replace(settings, options=exact_only_options(
+        extraction, settings.strategy, settings.exact_gradients, settings.options))
     data = _chief_plan(collectives, extraction.graph, settings.budget, settings, chief, chief_replica,
                        verbose=verbose)
     return _plan_result(extraction, data, settings.strategy)
@@ -397,7 +402,7 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
 
 def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation_data, callbacks, strategy: str,
                      options: dict, cost_model: str, granularity: str, cache, verbose: int,
-                     allocator_check: bool | None = None, **fit_kwargs):
+                     allocator_check: bool | None = None, exact_gradients: bool = False, **fit_kwargs):
     """:func:`tfremat.fit` under the model's ``MultiWorkerMirroredStrategy`` (module docstring).
 
     ``x, y`` are arrays of the whole data set, the same on every worker, batched by
@@ -455,7 +460,7 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
         else:
             raise ArgumentError("validation_data must be (x_val, y_val) or (x_val, y_val, sample_weight_val) arrays, "
                                 "or a tf.data.Dataset of (x, y) or (x, y, sample_weight) batches")
-    settings = _Settings(budget, strategy, options, cost_model, granularity, cache, allocator_check)
+    settings = _Settings(budget, strategy, options, cost_model, granularity, cache, allocator_check, exact_gradients)
     if isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]
     kept = [c for c in (callbacks or []) if chief or not isinstance(c, FILE_WRITING_CALLBACKS)]
