@@ -286,3 +286,77 @@ def test_offloading_fits_a_larger_batch_without_recomputation():
     assert simulate(offload.graph, offload.schedule).makespan <= offload.cost_cap
     with pytest.raises(ArgumentError, match="bandwidth"):
         max_batch_size(chain, budget, strategy="autocapper", max_batch=64)
+
+
+@pytest.mark.parametrize("budget", [64, 150, 333])
+@pytest.mark.parametrize("factory", [training_chain, _irregular_chain])
+def test_the_scaled_search_with_optimal_answers_as_the_search(factory, budget):
+    """With ``optimal`` the scaled search brackets its estimates by the keep-everything
+    schedule and the memory lower bound and skips the solver where keep-everything fits;
+    only built graphs decide, so it answers as ``search`` does."""
+    results, built = {}, {"search": set(), "scaled": set()}
+    for method in ("search", "scaled"):
+        def graph_for_batch(batch, method=method):
+            built[method].add(batch)
+            return factory(4, batch)
+
+        results[method] = max_batch_size(graph_for_batch, budget, method=method, max_batch=512, threads=1,
+                                         mip_gap=0.0)
+    assert results["scaled"].batch_size == results["search"].batch_size
+    best = results["scaled"]
+    assert simulate(best.graph, best.schedule).peak_bytes <= budget and best.cost <= best.cost_cap
+    if best.batch_size > 8:
+        assert len(built["scaled"]) < len(built["search"]), built
+
+
+def test_the_scaled_search_does_not_solve_where_keeping_everything_fits(monkeypatch):
+    """Keeping every value runs each node once, the least cost there is: a batch where it
+    fits needs no solve (``optimal`` spent 18 s on such a ResNet50 batch)."""
+    import tfremat.maxbatch as maxbatch
+    from tfremat.plan.simulator import checkpoint_all_peak
+
+    solved = []
+    real = maxbatch.get_strategy("optimal")
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, graph, budget, **options):
+            solved.append(graph.name)
+            return real(graph, budget, **options)
+
+    monkeypatch.setattr(maxbatch, "get_strategy", lambda name: Counting())
+    budget = checkpoint_all_peak(training_chain(4, 10))  # keep-everything fits up to batch 10
+    result = max_batch_size(lambda b: training_chain(4, b), budget, method="scaled", max_batch=512, threads=1,
+                            mip_gap=0.0)
+    assert all(result.tried[b] for b in (1, 2))
+    assert result.batch_size >= 10 and result.cost <= result.cost_cap
+    assert simulate(result.graph, result.schedule).peak_bytes <= budget
+    # Batches 1 and 2 and the scaled ones up to 10 fit without the solver.
+    scaled = [int(name.split("batch ")[1].split(",")[0]) for name in solved if "scaled" in name]
+    assert scaled and min(scaled) > 10, solved
+    assert solved.count("chain4") == sum(1 for batch in result.tried if batch > 10), solved
+
+
+def test_affine_graphs_keep_a_backward_nodes_workspace_above_its_weight_gradients():
+    """A backward node's workspace counts its forward node's weight gradients, which do not
+    grow with the batch; a line through two noisy profiles (less scratch at the larger
+    batch) must not take it below them."""
+    from tfremat.graph import DFGraph
+    from tfremat.maxbatch import affine_graphs
+
+    def chain(batch, scratch):
+        base = training_chain(3, batch)
+        workspace = [0] * base.size
+        backward = base.size - 1  # the backward node of forward node 0
+        workspace[backward] = 40 + scratch
+        return DFGraph(base.names, base.edges, base.cost, base.output_bytes, workspace, base.is_backward,
+                       base.loss_node, dict(base.forward_of), base.fixed_bytes, base.name,
+                       weight_grad_bytes=[40] + [0] * (base.size - 1))
+
+    at = affine_graphs(chain(2, 30), 2, chain(4, 10), 4)
+    for batch in (3, 8, 100):
+        graph = at(batch)
+        assert graph.workspace_bytes[graph.size - 1] >= 40 and graph.weight_grad_bytes[0] == 40
+    assert at(3).workspace_bytes[at(3).size - 1] == 60

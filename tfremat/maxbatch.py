@@ -183,6 +183,7 @@ def max_batch_size(
         return ok
 
     if method == "scaled":
+        evaluate.keep_all_certifies = strategy == "optimal"
         return _scaled(graph_for_batch, evaluate, min_batch, max_batch, batch_progress)
     if not fits(min_batch):
         raise evaluate.refused(min_batch, graph_for_batch(min_batch))
@@ -203,11 +204,32 @@ class _Evaluator:
         # Why a batch was refused: "memory" (proven: no schedule fits), "schedule" (the
         # strategy found none), or "overhead" (its schedule costs more than the cap).
         self.refusal: dict[int, str] = {}
+        # ``optimal`` without offloading: a batch whose keep-everything schedule fits is
+        # judged without the solver (set by the scaled search).
+        self.keep_all_certifies = False
 
     def __call__(self, batch: int, graph: DFGraph, record: bool = True, time_limit: float | None = None) -> bool:
         """Whether ``graph`` (at ``batch``) fits; ``record=False`` for an estimate, which is
         not remembered; ``time_limit`` caps a solver strategy's own limit."""
+        ok, refusal, found = self.judge(batch, graph, record, time_limit)
+        if record:
+            self.tried[batch], self.refusal[batch] = ok, refusal
+            if ok:
+                self.found[batch] = found
+            logger.info("batch %d: %s", batch, "fits" if ok else "does not fit")
+        return ok
+
+    def judge(self, batch: int, graph: DFGraph, record: bool = False, time_limit: float | None = None):
+        """``(fits, refusal, found)`` for ``graph``: ``found`` is ``(schedule, graph, cost,
+        cap)`` when the strategy returned a schedule, else None."""
         cap = _cost_cap(graph, self.max_overhead)
+        if self.keep_all_certifies:
+            # The keep-everything schedule runs every node once, the least cost there is, so
+            # when it fits it is what ``optimal`` returns (at once, or after its portfolio
+            # and LP when round-off puts its cost a hair above the floor: 18 s on ResNet50).
+            keep_all = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")
+            if simulate(graph, keep_all).peak_bytes <= self.budget and keep_all.cost(graph) <= cap * (1 + 1e-12):
+                return True, "overhead", (keep_all, graph, keep_all.cost(graph), cap)
         ok, refusal, found = False, "memory", None
         if memory_lower_bound(graph) <= self.budget:
             refusal = "schedule"
@@ -232,12 +254,13 @@ class _Evaluator:
                 ok = cost <= cap * (1 + 1e-12)
                 refusal = "overhead"
                 found = (schedule, graph, cost, cap)
-        if record:
-            self.tried[batch], self.refusal[batch] = ok, refusal
-            if ok:
-                self.found[batch] = found
-            logger.info("batch %d: %s", batch, "fits" if ok else "does not fit")
-        return ok
+        return ok, refusal, found
+
+    def fits_as_is(self, schedule: Schedule, graph: DFGraph) -> bool:
+        """Whether ``schedule`` run on ``graph`` peaks within the budget and costs at most
+        the cap (a schedule of another batch of the same structure, no solver)."""
+        return (simulate(graph, schedule).peak_bytes <= self.budget
+                and schedule.cost(graph) <= _cost_cap(graph, self.max_overhead) * (1 + 1e-12))
 
     def refused(self, batch: int, graph: DFGraph) -> InfeasibleBudgetError:
         """The error for a smallest batch that does not fit."""
@@ -304,8 +327,11 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
     extracted batches above it are tried in doubling steps and the gap bisected
     (:func:`_gallop`), so an estimate a few batches off costs a few extractions. A solver
     strategy gets at most ``_ESTIMATE_SECONDS`` per estimate, where it often finds only a
-    heuristic's schedule: estimates tend to be low, and the gallop corrects them. Only extracted graphs decide: the result is the same as
-    ``method="search"`` wherever feasibility is monotone in the batch.
+    heuristic's schedule: estimates tend to be low, and the gallop corrects them. With
+    ``optimal`` a batch whose keep-everything schedule fits is judged without a solve, and
+    the estimates search only between the bounds of :func:`_bracketed_estimate`. Only
+    extracted graphs decide: the result is the same as ``method="search"`` wherever
+    feasibility is monotone in the batch.
     """
     extracted: dict[int, DFGraph] = {}
 
@@ -344,8 +370,11 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
             continue
         near, far = pair
         scaled = affine_graphs(extracted[near], near, extracted[far], far)
-        estimate = _largest(lambda b: evaluate(b, scaled(b), record=False, time_limit=_ESTIMATE_SECONDS),
-                            low, high - 1)
+        if evaluate.strategy == "optimal":
+            estimate = _bracketed_estimate(scaled, evaluate, low, high)
+        else:
+            estimate = _largest(lambda b: evaluate(b, scaled(b), record=False, time_limit=_ESTIMATE_SECONDS),
+                                low, high - 1)
         logger.info("batch %d fits on graphs scaled from batches %d and %d", estimate, near, far)
         if estimate == low:
             break
@@ -355,6 +384,27 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
         high = estimate  # too optimistic: estimate again, through this batch too
     low = _gallop(exact, low, high)
     return evaluate.result(low, max_batch, method="scaled")
+
+
+def _bracketed_estimate(scaled: Callable[[int], DFGraph], evaluate: "_Evaluator", low: int, high: int) -> int:
+    """The largest batch in ``[low, high)`` that fits on the scaled graphs, solving only
+    between two bounds that cost no solve: the keep-everything schedule's peak grows with
+    the batch, so the batches it fits fit (:func:`_reach`, simulations only; its cost is
+    the least there is); above the largest batch whose :func:`memory_lower_bound` is
+    within the budget none does. Each probe between them solves for at most
+    ``_ESTIMATE_SECONDS``."""
+    keep_all = schedule_from_keep_matrix(scaled(low), checkpoint_all_s(scaled(low)), "checkpoint_all")
+    if evaluate.fits_as_is(keep_all, scaled(low)):
+        low = _reach(keep_all, scaled, evaluate, low, high)
+    high = min(high, _gallop(lambda b: memory_lower_bound(scaled(b)) <= evaluate.budget, low, high) + 1)
+    return _bisect(lambda b: evaluate(b, scaled(b), record=False, time_limit=_ESTIMATE_SECONDS), low, high)
+
+
+def _reach(schedule: Schedule, scaled: Callable[[int], DFGraph], evaluate: "_Evaluator", low: int, high: int) -> int:
+    """The largest batch below ``high`` at which ``schedule`` fits the scaled graph, given
+    that it fits at ``low``. Its peak is a maximum of affine functions of the batch (convex),
+    so the batches it fits form an interval; simulations only, no solver."""
+    return _gallop(lambda batch: evaluate.fits_as_is(schedule, scaled(batch)), low, high)
 
 
 def _gallop(fits: Callable[[int], bool], low: int, high: int) -> int:
@@ -404,11 +454,18 @@ def affine_graphs(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int
         value = np.maximum(a + (b - a) * (batch - batch_a) / (batch_b - batch_a), 0.0)
         return np.rint(value).astype(np.int64).tolist() if whole else value.tolist()
 
+    # A backward node's workspace counts its forward node's weight gradients, which do not
+    # scale with the batch: a line through two noisy profiles must not fall below them.
+    floor = np.zeros(graph_a.size, dtype=np.int64)
+    for node, grads in enumerate(graph_a.weight_grad_bytes):
+        for backward in graph_a.backward_nodes_of.get(node, ()) if grads else ():
+            floor[backward] = max(floor[backward], grads)
+
     def at(batch: int) -> DFGraph:
+        workspace = np.maximum(line(graph_a.workspace_bytes, graph_b.workspace_bytes, batch, whole=True), floor)
         return DFGraph(
             graph_a.names, graph_a.edges, line(graph_a.cost, graph_b.cost, batch, whole=False),
-            line(graph_a.output_bytes, graph_b.output_bytes, batch, whole=True),
-            line(graph_a.workspace_bytes, graph_b.workspace_bytes, batch, whole=True),
+            line(graph_a.output_bytes, graph_b.output_bytes, batch, whole=True), workspace.tolist(),
             graph_a.is_backward, graph_a.loss_node, dict(graph_a.forward_of),
             int(line([graph_a.fixed_bytes], [graph_b.fixed_bytes], batch, whole=True)[0]),
             name=f"{graph_a.name} (batch {batch}, scaled)",
