@@ -360,3 +360,37 @@ def test_affine_graphs_keep_a_backward_nodes_workspace_above_its_weight_gradient
         graph = at(batch)
         assert graph.workspace_bytes[graph.size - 1] >= 40 and graph.weight_grad_bytes[0] == 40
     assert at(3).workspace_bytes[at(3).size - 1] == 60
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "chen_greedy"])
+@pytest.mark.parametrize("budget", [40, 64, 150, 333])
+@pytest.mark.parametrize("factory", [training_chain, _irregular_chain])
+def test_the_quick_search_answers_within_a_batch_of_the_search_from_fewer_graphs(factory, budget, strategy):
+    """``quick`` judges the batch above its answer on a graph scaled through the answer's:
+    on an affine family (training_chain) that is the built graph, so it answers exactly as
+    ``search``; where the graphs are not affine, within one batch. It skips batch 1 and the
+    graph above the answer."""
+    results, built = {}, {"search": set(), "quick": set()}
+    for method in ("search", "quick"):
+        def graph_for_batch(batch, method=method):
+            built[method].add(batch)
+            return factory(4, batch)
+
+        try:
+            options = {"threads": 1, "mip_gap": 0.0} if strategy == "optimal" else {}
+            results[method] = max_batch_size(graph_for_batch, budget, method=method, max_batch=512,
+                                             strategy=strategy, **options)
+        except InfeasibleBudgetError:
+            results[method] = None
+    if results["search"] is None:
+        assert results["quick"] is None
+        return
+    quick, search = results["quick"], results["search"]
+    assert quick.method == "quick" and quick.tried[quick.batch_size] is True
+    assert simulate(quick.graph, quick.schedule).peak_bytes <= budget and quick.cost <= quick.cost_cap
+    if factory is training_chain:
+        assert quick.batch_size == search.batch_size
+    else:
+        assert abs(quick.batch_size - search.batch_size) <= 1
+    if search.batch_size > 8:
+        assert len(built["quick"]) < len(built["search"]) and 1 not in built["quick"], built

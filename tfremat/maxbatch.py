@@ -69,7 +69,7 @@ class MaxBatchResult:
         cost_cap: the largest cost allowed at that batch.
         tried: every batch size evaluated on its built graph, mapped to whether it fit
             (``search``, ``scaled``), or the batches whose graphs were built (``direct``).
-        method: ``"search"``, ``"scaled"`` or ``"direct"``.
+        method: ``"search"``, ``"scaled"``, ``"quick"`` or ``"direct"``.
         upper_bound: a proven upper bound on the largest batch (``direct`` only; equal
             to ``batch_size`` when the peak MILP was solved to optimality).
         reached_max_batch: ``batch_size`` is the ``max_batch`` the search was capped at,
@@ -124,7 +124,9 @@ def max_batch_size(
         max_batch: the largest batch to consider.
         method: ``"search"``, ``"scaled"`` (the search on graphs scaled from two built ones,
             checked on built graphs around the answer: few calls of ``graph_for_batch``,
-            see :func:`_scaled`) or ``"direct"``.
+            see :func:`_scaled`), ``"quick"`` (``scaled`` with the batch above the answer
+            judged on a graph scaled through the answer's, not built: one large graph fewer)
+            or ``"direct"``.
         batch_progress: called as ``batch_progress(batch, fits)`` after each batch size
             the search evaluates (``direct`` evaluates none), e.g. to show progress;
             each is also logged at INFO.
@@ -160,8 +162,8 @@ def max_batch_size(
             raise ArgumentError("method='direct' extrapolates from two batch sizes; it needs max_batch > min_batch")
         check_options(min_peak_within_cost, strategy_options, "method='direct' (min_peak_within_cost)")
         return _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, strategy_options)
-    if method not in ("search", "scaled"):
-        raise ArgumentError(f"method must be 'search', 'scaled' or 'direct', got {method!r}")
+    if method not in ("search", "scaled", "quick"):
+        raise ArgumentError(f"method must be 'search', 'scaled', 'quick' or 'direct', got {method!r}")
     solve = get_strategy(strategy)
     check_options(solve, strategy_options, f"strategy {strategy!r}")
     if solve.offloads:
@@ -182,9 +184,9 @@ def max_batch_size(
             batch_progress(batch, ok)
         return ok
 
-    if method == "scaled":
+    if method in ("scaled", "quick"):
         evaluate.keep_all_certifies = strategy == "optimal"
-        return _scaled(graph_for_batch, evaluate, min_batch, max_batch, batch_progress)
+        return _scaled(graph_for_batch, evaluate, min_batch, max_batch, batch_progress, quick=method == "quick")
     if not fits(min_batch):
         raise evaluate.refused(min_batch, graph_for_batch(min_batch))
     good = _largest(fits, min_batch, max_batch)
@@ -315,7 +317,8 @@ _ESTIMATE_SECONDS = 10.0
 _SCALED_ROUNDS = 4
 
 
-def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: int, batch_progress) -> MaxBatchResult:
+def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: int, batch_progress,
+            quick: bool = False) -> MaxBatchResult:
     """``method="scaled"``: the search on graphs scaled from two extracted ones, checked by
     extracting the graphs on either side of the answer.
 
@@ -325,7 +328,15 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
     answer ``B`` is checked by extracting it: when it does not fit, the line is refitted
     through it and the search repeats below it; from the largest extracted batch that fits,
     extracted batches above it are tried in doubling steps and the gap bisected
-    (:func:`_gallop`), so an estimate a few batches off costs a few extractions. A solver
+    (:func:`_gallop`), so an estimate a few batches off costs a few extractions.
+
+    ``quick``: the line starts from twice and four times ``min_batch`` (``min_batch``
+    itself is built only when twice it does not fit: at batch 1 a batch-norm gradient can
+    differ, so batch 1 was built in vain), and once ``B`` fits the batch above it is
+    judged, at the strategy's full time limit, on the graph scaled through ``B``'s and the
+    other anchor's, not built; only when it fits there does the gallop build graphs. One
+    large and one small extraction fewer; profiling noise between two adjacent batches
+    can make the answer one batch off what ``scaled`` finds. A solver
     strategy gets at most ``_ESTIMATE_SECONDS`` per estimate, where it often finds only a
     heuristic's schedule: estimates tend to be low, and the gallop corrects them. With
     ``optimal`` a batch whose keep-everything schedule fits is judged without a solve, and
@@ -344,15 +355,29 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
             batch_progress(batch, ok)
         return ok
 
-    if not exact(min_batch):
-        raise evaluate.refused(min_batch, extracted[min_batch])
     low, high = min_batch, max_batch + 1  # low fits; high does not (max_batch + 1: not searched)
-    second = min(2 * min_batch, max_batch)
-    if second > low:
-        if exact(second):
-            low = second
+    if quick and 2 * min_batch <= max_batch:
+        # Whether min_batch fits is judged only when twice it does not (monotone feasibility).
+        if exact(2 * min_batch):
+            low = 2 * min_batch
+            if 4 * min_batch <= max_batch:
+                if exact(4 * min_batch):
+                    low = 4 * min_batch
+                else:
+                    high = 4 * min_batch
         else:
-            high = second
+            high = 2 * min_batch
+            if not exact(min_batch):
+                raise evaluate.refused(min_batch, extracted[min_batch])
+    else:
+        if not exact(min_batch):
+            raise evaluate.refused(min_batch, extracted[min_batch])
+        second = min(2 * min_batch, max_batch)
+        if second > low:
+            if exact(second):
+                low = second
+            else:
+                high = second
     for _ in range(_SCALED_ROUNDS):
         if high - low <= 1:
             break
@@ -382,8 +407,22 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
             low = estimate
             break
         high = estimate  # too optimistic: estimate again, through this batch too
+    if quick and low + 1 < high and low == max(extracted):
+        anchor = _anchor_for(extracted, low)
+        if anchor is not None:
+            above = affine_graphs(extracted[anchor], anchor, extracted[low], low)(low + 1)
+            if not evaluate(low + 1, above, record=False):
+                logger.info("batch %d does not fit on the graph scaled through batches %d and %d", low + 1,
+                            anchor, low)
+                return evaluate.result(low, max_batch, method="quick")
     low = _gallop(exact, low, high)
-    return evaluate.result(low, max_batch, method="scaled")
+    return evaluate.result(low, max_batch, method="quick" if quick else "scaled")
+
+
+def _anchor_for(extracted: Mapping[int, DFGraph], batch: int) -> int | None:
+    """The extracted batch farthest from ``batch`` whose graph has its structure, or None."""
+    same = [b for b in extracted if b != batch and _same_structure(extracted[b], extracted[batch])]
+    return max(same, key=lambda b: abs(b - batch)) if same else None
 
 
 def _bracketed_estimate(scaled: Callable[[int], DFGraph], evaluate: "_Evaluator", low: int, high: int) -> int:
