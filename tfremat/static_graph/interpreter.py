@@ -374,21 +374,34 @@ class _Interpreter:
                 allocate_bytes[position] = upcoming[statement.node]
             elif statement.op is Op.PREFETCH:
                 allocate_bytes[position] = held_bytes[position]
+        # node -> {part: [bytes, holders]}: a view computed from its resident source holds
+        # the source's buffer (TensorFlow's reshape forwards it), which is freed with its
+        # last holder; a prefetched copy has a buffer of its own.
         live, holding, ledger = self.graph.fixed_bytes, {}, []
         for position, statement in enumerate(plan):
+            node = statement.node
             if statement.op in (Op.ALLOCATE, Op.PREFETCH):
-                holding[statement.node] = dict(allocate_bytes[position])
-                live += sum(holding[statement.node].values())
+                source = self.graph.view_of.get(node) if statement.op is Op.ALLOCATE else None
+                shared = holding.get(source, {}).get(self.graph.shared_part(source)) if source is not None else None
+                if shared is not None:
+                    shared[1] += 1
+                    holding[node] = {None: shared}
+                else:
+                    holding[node] = {part: [size, 1] for part, size in allocate_bytes[position].items()}
+                    live += sum(allocate_bytes[position].values())
                 ledger.append(live)
             elif statement.op is Op.OFFLOAD:
                 ledger.append(live)
             elif statement.op is Op.COMPUTE:
                 ledger.append(live + self.graph.workspace_bytes[statement.node])
             else:
-                parts = holding[statement.node]
-                live -= sum(parts.values()) if statement.part is None else parts.pop(statement.part)
+                parts = holding[node]
+                for buffer in (list(parts.values()) if statement.part is None else [parts.pop(statement.part, None)]):
+                    if buffer is not None:
+                        buffer[1] -= 1
+                        live -= buffer[0] if not buffer[1] else 0
                 if statement.part is None or not parts:
-                    del holding[statement.node]
+                    del holding[node]
                 ledger.append(live)
         return ledger
 
