@@ -74,6 +74,8 @@ flags.DEFINE_list("strategies", None, "Comma-separated strategy names (default: 
 flags.DEFINE_list("budgets", None, "Comma-separated budgets for `plot` (default: 30%..100% of the checkpoint-all peak).")
 flags.DEFINE_float("max_overhead", None, "maxbatch: allowed extra compute as a fraction (0.3 = 30%); default one extra forward pass.")
 flags.DEFINE_integer("max_batch", None, "maxbatch: the largest batch size searched (default 4096).")
+flags.DEFINE_enum("method", None, ["quick", "scaled", "search"],
+                  "maxbatch: how batches are searched (tfremat.max_batch_size's method; default: its default).")
 flags.DEFINE_string("solver", None, "MILP solver: highs (default) or gurobi (needs a licensed gurobipy).")
 flags.DEFINE_float("bandwidth", None, "Host link in bytes per unit of the graph's cost (bytes per second for profiled "
                    "graphs) for the strategies that offload to host memory (pofo, pofo_ap, autocapper, opportunist); compare and plot "
@@ -99,7 +101,7 @@ COMMAND_FLAGS = {
     "graph": _MODEL_FLAGS + ["out", "cache", "json"],
     "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "bandwidth", "schedule_out", "cache", "json"],
     "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "bandwidth", "cache", "json"],
-    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "granularity", "loss", "optimizer", "custom_objects", "budget", "strategies", "max_overhead", "max_batch", "solver", "time_limit", "bandwidth", "cache", "json"],
+    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "granularity", "loss", "optimizer", "custom_objects", "budget", "strategies", "max_overhead", "max_batch", "method", "solver", "time_limit", "bandwidth", "cache", "json"],
     "plot": ["graph", "order", "out", "strategies", "budgets", "solver", "time_limit", "bandwidth", "cache"] + _MODEL_FLAGS,
     "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "bandwidth", "steps", "cache", "json"],
 }
@@ -381,6 +383,8 @@ def cmd_maxbatch() -> None:
     _require("budget")
     names = FLAGS.strategies or ["optimal"]
     bounds = {"max_batch": FLAGS.max_batch} if FLAGS.max_batch is not None else {}
+    if FLAGS.method is not None:
+        bounds["method"] = FLAGS.method
     model = _keras_model()
     training = _training(model)
     results = max_batch_size(model, FLAGS.budget, strategies=names, max_overhead=FLAGS.max_overhead,
