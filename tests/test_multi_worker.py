@@ -68,7 +68,7 @@ def _worker(out: Path, index: int, die_at_batch: int | None, budget: str, check:
     import tensorflow as tf
 
     import tfremat
-    import tfremat.keras
+    import tfremat.multi_worker
     from tfremat.errors import InfeasibleBudgetError
     from tfremat.multi_worker import PlanMismatchError, WorkerLostError
     from tfremat.plan.simulator import checkpoint_all_peak, simulate
@@ -76,7 +76,7 @@ def _worker(out: Path, index: int, die_at_batch: int | None, budget: str, check:
     allocator_check = {"None": None, "True": True, "False": False, "inflated": True}[check]
     calls = []
     if check == "inflated":
-        measure = tfremat.keras.allocator_peak
+        measure = tfremat.multi_worker.allocator_peak  # the name the multi-worker loop calls
 
         def reported(step, *args, **kwargs):
             calls.append(measure(step, *args, **kwargs))  # the step runs, its state put back
@@ -84,7 +84,7 @@ def _worker(out: Path, index: int, die_at_batch: int | None, budget: str, check:
                 return checkpoint_all_peak(step.graph) + 1024
             return simulate(step.graph, step.schedule).peak_bytes
 
-        tfremat.keras.allocator_peak = reported
+        tfremat.multi_worker.allocator_peak = reported
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
