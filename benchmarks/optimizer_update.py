@@ -18,11 +18,18 @@ import pathlib
 
 os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 
+import sys  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # the test models (dense_mlp)
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's tfremat, not an installed one
+
 import tfremat  # noqa: E402,F401  (sets the BFC allocator before TensorFlow)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from models import dense_mlp  # noqa: E402
 from tfremat.extract import extract  # noqa: E402
 from tfremat.extract.optimizer_update import update_temporaries  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
@@ -47,18 +54,9 @@ OPTIMIZERS = {
 MIB = 2**20
 
 
-def _mlp():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((256,))
-    hidden = inputs
-    for _ in range(4):
-        hidden = keras.layers.Dense(512, activation="relu")(hidden)
-    return keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
-
-
 def _row(name: str, make) -> str:
     temporaries = update_temporaries(make())
-    model = _mlp()
+    model = dense_mlp()
     rng = np.random.default_rng(0)
     x = tf.constant(rng.standard_normal((64, 256)).astype("float32"))
     y = tf.constant(np.eye(10, dtype="float32")[rng.integers(0, 10, 64)])

@@ -107,3 +107,14 @@ def residual_chain(input_shape=(48, 48, 3), channels=8, blocks=12, classes=10, s
         h = layers.Add(name=f"b{b}_add")([h, r])
     h = layers.GlobalAveragePooling2D(name="pool")(h)
     return keras.Model(x, layers.Dense(classes, activation="softmax", name="head")(h), name="residual_chain")
+
+
+def dense_mlp(features=256, width=512, depth=4, classes=10, seed=0):
+    """A weight-heavy MLP (ReLU Dense layers and a softmax head): its optimizer's update
+    temporaries are large next to its activations (benchmarks/optimizer_update.py)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((features,))
+    hidden = inputs
+    for _ in range(depth):
+        hidden = keras.layers.Dense(width, activation="relu")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(classes, activation="softmax")(hidden), name="dense_mlp")

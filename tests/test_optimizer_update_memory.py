@@ -14,7 +14,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
-from models import small_convnet  # noqa: E402
+from models import dense_mlp, small_convnet  # noqa: E402
 from training_case import training_batch  # noqa: E402
 
 from tfremat.errors import InfeasibleBudgetError  # noqa: E402
@@ -46,12 +46,7 @@ def _private_cache(tmp_path, monkeypatch):
 
 
 def _mlp():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((256,))
-    hidden = inputs
-    for _ in range(4):
-        hidden = keras.layers.Dense(512, activation="relu")(hidden)
-    model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+    model = dense_mlp()
     return model, *training_batch(model, 64)
 
 

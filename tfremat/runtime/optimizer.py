@@ -17,7 +17,8 @@ __all__ = ["apply_gated"]
 def apply_gated(optimizer, pairs) -> dict[int, tuple[Any, list]]:
     """``optimizer.apply_gradients(pairs)`` on one replica: without Keras's all-reduce (a
     sum over one replica that makes every update wait for the last gradient), each
-    variable's weight decay and update step under a control dependency on its own gradient.
+    variable's weight decay and update step under a control dependency on its own gradient,
+    the update after the decay.
     The optimizer (or its ``inner_optimizer``) must have ``_all_reduce_sum_gradients``.
 
     Returns:
@@ -40,6 +41,10 @@ def apply_gated(optimizer, pairs) -> dict[int, tuple[Any, list]]:
         first = len(graph.get_operations())
         with tf.control_dependencies([gate]):
             weight_decay([variable])
+            decay = graph.get_operations()[first:]
+        # The update after the decay has written the variable: in either order the
+        # executor could hold the decay's product and the update's temporaries at once.
+        with tf.control_dependencies([gate, *decay]):
             result = update_step(gradient, variable, learning_rate)
         created[keras_id.get(id(variable), id(variable))] = (variable, graph.get_operations()[first:])
         return result
