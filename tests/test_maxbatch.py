@@ -394,3 +394,26 @@ def test_the_quick_search_answers_within_a_batch_of_the_search_from_fewer_graphs
         assert abs(quick.batch_size - search.batch_size) <= 1
     if search.batch_size > 8:
         assert len(built["quick"]) < len(built["search"]) and 1 not in built["quick"], built
+
+
+def test_the_quick_search_corrects_a_low_estimate_on_the_line_through_its_answer():
+    """Batch 2's graph is leaner than the line through the others (as a profile's noise can
+    make it), so the line through 2 and 4 undershoots; the line through 4 and the first
+    answer is exact, and the gallop on it reaches the search's answer building one graph
+    more, not one per batch tried."""
+    from tfremat.graph import DFGraph
+
+    def graph_for_batch(batch, built=None):
+        if built is not None:
+            built.append(batch)
+        chain = training_chain(4, batch)
+        size = 2 * batch if batch <= 2 else 4 * batch + 6
+        return DFGraph(chain.names, chain.edges, chain.cost, [size] * chain.size, chain.workspace_bytes,
+                       chain.is_backward, chain.loss_node, dict(chain.forward_of), chain.fixed_bytes, chain.name)
+
+    built = []
+    search = max_batch_size(graph_for_batch, 600, method="search", max_batch=512, threads=1, mip_gap=0.0)
+    quick = max_batch_size(lambda b: graph_for_batch(b, built), 600, method="quick", max_batch=512, threads=1,
+                           mip_gap=0.0)
+    assert quick.batch_size == search.batch_size > 8
+    assert len(built) == 4 and built[:2] == [2, 4] and built[2] < built[3] == quick.batch_size, built

@@ -332,11 +332,14 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
 
     ``quick``: the line starts from twice and four times ``min_batch`` (``min_batch``
     itself is built only when twice it does not fit: at batch 1 a batch-norm gradient can
-    differ, so batch 1 was built in vain), and once ``B`` fits the batch above it is
-    judged, at the strategy's full time limit, on the graph scaled through ``B``'s and the
-    other anchor's, not built; only when it fits there does the gallop build graphs. One
-    large and one small extraction fewer; profiling noise between two adjacent batches
-    can make the answer one batch off what ``scaled`` finds. A solver
+    differ, so batch 1 was built in vain), and once ``B`` fits the batches above it are
+    judged at the strategy's full time limit on the graphs scaled through ``B``'s and an
+    anchor (:func:`_anchor_for`), galloping up from ``B``, not built; only the largest that
+    fits there is built, and the line redrawn through it, until the batch above the last
+    built one does not fit on its line (when a built one does not fit, the gallop between
+    it and the last that did builds graphs).
+    A graph built per answer, not per batch tried near it; profiling noise between two
+    adjacent batches can make the answer one batch off what ``scaled`` finds. A solver
     strategy gets at most ``_ESTIMATE_SECONDS`` per estimate, where it often finds only a
     heuristic's schedule: estimates tend to be low, and the gallop corrects them. With
     ``optimal`` a batch whose keep-everything schedule fits is judged without a solve, and
@@ -407,22 +410,35 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
             low = estimate
             break
         high = estimate  # too optimistic: estimate again, through this batch too
-    if quick and low + 1 < high and low == max(extracted):
+    for _ in range(_SCALED_ROUNDS if quick else 0):
         anchor = _anchor_for(extracted, low)
-        if anchor is not None:
-            above = affine_graphs(extracted[anchor], anchor, extracted[low], low)(low + 1)
-            if not evaluate(low + 1, above, record=False):
-                logger.info("batch %d does not fit on the graph scaled through batches %d and %d", low + 1,
-                            anchor, low)
-                return evaluate.result(low, max_batch, method="quick")
+        if low + 1 >= high or low != max(extracted) or anchor is None:
+            break
+        # The line through the answer's own graph, solved at the strategy's full time limit:
+        # the short estimates undershoot by a few batches near the boundary.
+        line = affine_graphs(extracted[anchor], anchor, extracted[low], low)
+        top = _gallop(lambda batch: evaluate(batch, line(batch), record=False), low, high)
+        logger.info("batch %d fits and %d does not on graphs scaled through batches %d and %d", top, top + 1,
+                    anchor, low)
+        if top == low:
+            return evaluate.result(low, max_batch, method="quick")
+        if not exact(top):
+            high = top
+            break
+        low = top
     low = _gallop(exact, low, high)
     return evaluate.result(low, max_batch, method="quick" if quick else "scaled")
 
 
 def _anchor_for(extracted: Mapping[int, DFGraph], batch: int) -> int | None:
-    """The extracted batch farthest from ``batch`` whose graph has its structure, or None."""
-    same = [b for b in extracted if b != batch and _same_structure(extracted[b], extracted[batch])]
-    return max(same, key=lambda b: abs(b - batch)) if same else None
+    """The other end of the line through ``batch``'s graph: the largest extracted batch of
+    its structure at most half of it (far enough that profiling noise barely tilts the
+    line, near enough that the smallest batches' noise does not), else the smallest; or None."""
+    same = sorted(b for b in extracted if b < batch and _same_structure(extracted[b], extracted[batch]))
+    if not same:
+        return None
+    halves = [b for b in same if 2 * b <= batch]
+    return halves[-1] if halves else same[0]
 
 
 def _bracketed_estimate(scaled: Callable[[int], DFGraph], evaluate: "_Evaluator", low: int, high: int) -> int:
