@@ -335,9 +335,8 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
     differ, so batch 1 was built in vain), and once ``B`` fits the batches above it are
     judged at the strategy's full time limit on the graphs scaled through ``B``'s and an
     anchor (:func:`_anchor_for`), galloping up from ``B``, not built; only the largest that
-    fits there is built, and the line redrawn through it, until the batch above the last
-    built one does not fit on its line (when a built one does not fit, the gallop between
-    it and the last that did builds graphs).
+    fits there is built and checked (when it does not fit, the gallop between it and ``B``
+    builds graphs).
     A graph built per answer, not per batch tried near it; profiling noise between two
     adjacent batches can make the answer one batch off what ``scaled`` finds. A solver
     strategy gets at most ``_ESTIMATE_SECONDS`` per estimate, where it often finds only a
@@ -410,22 +409,17 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
             low = estimate
             break
         high = estimate  # too optimistic: estimate again, through this batch too
-    for _ in range(_SCALED_ROUNDS if quick else 0):
-        anchor = _anchor_for(extracted, low)
-        if low + 1 >= high or low != max(extracted) or anchor is None:
-            break
+    anchor = _anchor_for(extracted, low)
+    if quick and low + 1 < high and low == max(extracted) and anchor is not None:
         # The line through the answer's own graph, solved at the strategy's full time limit:
         # the short estimates undershoot by a few batches near the boundary.
         line = affine_graphs(extracted[anchor], anchor, extracted[low], low)
         top = _gallop(lambda batch: evaluate(batch, line(batch), record=False), low, high)
         logger.info("batch %d fits and %d does not on graphs scaled through batches %d and %d", top, top + 1,
                     anchor, low)
-        if top == low:
-            return evaluate.result(low, max_batch, method="quick")
-        if not exact(top):
-            high = top
-            break
-        low = top
+        if top == low or exact(top):
+            return evaluate.result(top, max_batch, method="quick")
+        high = top
     low = _gallop(exact, low, high)
     return evaluate.result(low, max_batch, method="quick" if quick else "scaled")
 
