@@ -3,11 +3,13 @@
 Activation memory and compute grow with the batch, so a larger batch fits a fixed memory
 budget only by rematerializing more. Checkmate asks for the largest batch whose training
 step fits the budget at the cost of at most one extra forward pass; :func:`max_batch_size`
-answers that in one of two ways:
+answers that in one of these ways:
 
 * ``method="search"`` (default): over batch sizes, asking a strategy for the cheapest
   schedule that fits at each size. Works for any ``batch -> graph`` function (profiled
   costs and CPU convolution scratch do not scale linearly) and any strategy.
+* ``method="scaled"`` / ``"quick"``: the search on graphs scaled from few built ones
+  (:func:`_scaled`), for when building a graph (profiling it) is what costs.
 * ``method="direct"``: Checkmate's formulation. When every output and workspace size is
   proportional to the batch, the fixed bytes are affine in it and the costs scale
   together, the largest batch follows from one MILP, the smallest peak among schedules
