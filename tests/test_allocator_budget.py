@@ -41,8 +41,10 @@ def batch(seed=0):
 
 
 # With oneDNN off a convolution's backward takes Eigen's scratch, and no schedule fits below
-# about 87% of activations: the shares are feasible with either kernel library.
-@pytest.mark.parametrize("budget", ["95% of activations", "90%"])
+# about 87% of activations (37.7 MiB of the 43.7 MiB checkpoint-all peak), while the
+# allocator's chunks add up to 3 MiB to a plan: the shares leave that room with either
+# kernel library ("90%" did not, with oneDNN off).
+@pytest.mark.parametrize("budget", ["97% of activations", "96%"])
 def test_a_share_is_held_for_the_allocator(budget, monkeypatch):
     measured = []
     real_peak = remat_keras.allocator_peak

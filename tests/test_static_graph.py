@@ -175,7 +175,8 @@ def test_the_ledger_counts_the_traced_tensors_not_the_graph(cases):
     doubled[relu] *= 2
     wrong = DFGraph(graph.names, graph.edges, graph.cost, doubled, graph.workspace_bytes, graph.is_backward,
                     graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, graph.name,
-                    residual_bytes=graph.residual_bytes)
+                    residual_bytes=graph.residual_bytes, weight_grad_bytes=graph.weight_grad_bytes,
+                    view_of=graph.view_of)
     schedule = get_strategy("checkpoint_all")(graph)
     case.reset()
     right = compile_step(case.extraction, schedule, optimizer=case.optimizer()).ledger_bytes

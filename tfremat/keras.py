@@ -25,7 +25,13 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfremat.allocator_check import ALLOCATOR_ROUNDS, allocator_peak, replica_allocators, wants_allocator_check
+from tfremat.allocator_check import (
+    ALLOCATOR_ROUNDS,
+    allocator_peak,
+    next_planning_budget,
+    replica_allocators,
+    wants_allocator_check,
+)
 from tfremat.budget import budget_kind, check_budget, format_bytes
 from tfremat.errors import (
     ArgumentError,
@@ -331,7 +337,7 @@ class RematCallback(keras.callbacks.Callback):
                     logger.info("planned under %s so that the allocator's peak (%s) stays within the budget %s",
                                 format_bytes(planning_budget), format_bytes(peak), format_bytes(budget))
                 return dataclasses.replace(result, budget_bytes=budget), step
-            planning_budget -= peak - budget
+            planning_budget = next_planning_budget(planning_budget, budget, peak, result.predicted_peak_bytes)
             logger.info("the allocator's peak %s exceeds the budget %s (prediction %s); planning again under %s",
                         format_bytes(peak), format_bytes(budget), format_bytes(result.predicted_peak_bytes),
                         format_bytes(planning_budget))

@@ -52,7 +52,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.allocator_check import ALLOCATOR_ROUNDS, allocator_peak, replica_allocators, wants_allocator_check
+from tfremat.allocator_check import (
+    ALLOCATOR_ROUNDS,
+    allocator_peak,
+    next_planning_budget,
+    replica_allocators,
+    wants_allocator_check,
+)
 from tfremat.errors import ArgumentError, TfrematError
 from tfremat.graph import DFGraph
 from tfremat.planner import PlanResult, plan_graph, plan_summary
@@ -375,7 +381,7 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
                             "within the budget %s", name, format_bytes(planning_budget), format_bytes(peak),
                             format_bytes(budget))
             return dataclasses.replace(plan, budget_bytes=budget), step, peak
-        planning_budget -= peak - budget
+        planning_budget = next_planning_budget(planning_budget, budget, peak, plan.predicted_peak_bytes)
         logger.info("%s: the largest allocator peak over the workers %s exceeds the budget %s (prediction %s); "
                     "planning again under %s", name, format_bytes(peak), format_bytes(budget),
                     format_bytes(plan.predicted_peak_bytes), format_bytes(planning_budget))
