@@ -315,8 +315,10 @@ def _solve_optimal(graph, budget_bytes, incumbent, problem, *, began, solver, ti
     elif warm_start:
         baseline, smallest_peak = _optimal_starts(graph, budget_bytes, starts, incumbent, problem, began=began,
                                                   time_limit=time_limit, progress=progress, **options)
-    # The no-remat cost bounds every schedule's cost from below.
-    if baseline is not None and baseline.cost(graph) * (1 - (mip_gap or 0.0)) <= problem.cost_floor(graph):
+    # The no-remat cost bounds every schedule's cost from below; the two sums add the same
+    # costs in other orders (a keep-everything baseline read 6e-17 above the floor).
+    floor = problem.cost_floor(graph) * (1 + 1e-12)
+    if baseline is not None and baseline.cost(graph) * (1 - (mip_gap or 0.0)) <= floor:
         return _baseline_result(graph, baseline, SolveStatus.OPTIMAL, began, budget_bytes, problem)
     if too_large:
         if baseline is None:
