@@ -27,15 +27,11 @@ def _with_views(graph: DFGraph, views: dict[int, int]) -> DFGraph:
     output = list(graph.output_bytes)
     for view, source in sorted(views.items()):
         output[view] = output[source] - graph.residual_bytes[source]
-    return DFGraph(graph.names, graph.edges, graph.cost, output, graph.workspace_bytes, graph.is_backward,
-                   graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, graph.name,
-                   residual_bytes=graph.residual_bytes, view_of=views)
+    return graph.replaced(output_bytes=output, view_of=views)
 
 
 def _without_views(graph: DFGraph) -> DFGraph:
-    return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes, graph.is_backward,
-                   graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, graph.name,
-                   residual_bytes=graph.residual_bytes)
+    return graph.replaced(view_of=None)
 
 
 def _chain():

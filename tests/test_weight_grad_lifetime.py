@@ -36,16 +36,12 @@ def _with_weight_grads(graph: DFGraph, grads: dict[int, int]) -> DFGraph:
         per_node[f] = size
         for b in graph.backward_nodes_of.get(f, ()):
             work[b] += size
-    return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, work, graph.is_backward,
-                   graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, graph.name,
-                   residual_bytes=graph.residual_bytes, weight_grad_bytes=per_node)
+    return graph.replaced(workspace_bytes=work, weight_grad_bytes=per_node)
 
 
 def _without_weight_grads(graph: DFGraph) -> DFGraph:
     """The same graph (workspaces included) as the memory model saw it before."""
-    return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes, graph.is_backward,
-                   graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, graph.name,
-                   residual_bytes=graph.residual_bytes)
+    return graph.replaced(weight_grad_bytes=None)
 
 
 def _computes(plan) -> list[tuple[int, int, int]]:

@@ -411,6 +411,22 @@ class DFGraph:
         when it has residual bytes, else ``(None,)`` (the whole value)."""
         return ("output", "residual") if self.residual_bytes[node] else (None,)
 
+    def replaced(self, **changes) -> "DFGraph":
+        """The graph with the constructor arguments ``changes`` and every other field as it
+        is, checked again: a rebuild that lists the fields by hand drops those it forgets
+        (a test graph without ``view_of`` counted a view twice)."""
+        fields = dict(
+            names=self.names, edges=self.edges, cost=self.cost, output_bytes=self.output_bytes,
+            workspace_bytes=self.workspace_bytes, is_backward=self.is_backward, loss_node=self.loss_node,
+            forward_of=dict(self.forward_of), fixed_bytes=self.fixed_bytes, name=self.name,
+            residual_bytes=self.residual_bytes, implementations=self.implementations,
+            weight_grad_bytes=self.weight_grad_bytes, view_of=dict(self.view_of),
+        )
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise GraphError(f"DFGraph has no field {', '.join(unknown)}")
+        return DFGraph(**{**fields, **changes})
+
     def with_views(self, candidates: Mapping[int, int]) -> "DFGraph":
         """The graph with those of ``candidates`` (view node -> the node it may share the
         buffer of, e.g. from :func:`tfremat.extract.views.view_input`) that :attr:`view_of`
@@ -426,10 +442,7 @@ class DFGraph:
                 views[view] = source
         if views == dict(self.view_of):
             return self
-        return DFGraph(self.names, self.edges, self.cost, self.output_bytes, self.workspace_bytes, self.is_backward,
-                       self.loss_node, dict(self.forward_of), self.fixed_bytes, self.name,
-                       residual_bytes=self.residual_bytes, implementations=self.implementations,
-                       weight_grad_bytes=self.weight_grad_bytes, view_of=views)
+        return self.replaced(view_of=views)
 
     def with_implementations(self, choice: Mapping[int, str] | None) -> "DFGraph":
         """The graph under ``choice`` (node -> implementation name; a node not named, or

@@ -595,17 +595,11 @@ def _with_xla_layouts(analysis: CallAnalysis, tracer: _CallTracer, layer_name: s
     def forward(flat_inputs):
         return tracer.call_layer(list(flat_inputs))
 
-    try:
+    with _xla_compiled(layer_name):
         step_hlo = tf.function(step, autograph=False, jit_compile=True).experimental_get_compiler_ir(
             inputs, tf.constant(1.0))(stage="optimized_hlo")
         forward_hlo = tf.function(forward, autograph=False, jit_compile=True).experimental_get_compiler_ir(
             inputs)(stage="optimized_hlo")
-    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
-        raise ExtractionError(
-            f"layer {layer_name!r}: XLA cannot compile it or its gradient ({str(error).splitlines()[0][:200]}); "
-            "compile the model with jit_compile=False, or extract without xla",
-            layer=layer_name,
-        ) from error
     copied = {p: elements for p, elements in backward_layout_copies(step_hlo, forward_hlo, len(inputs)).items()
               if p in analysis.reads_inputs}
     if not copied:
@@ -753,12 +747,20 @@ def _compiled_least_seconds(calls, repeats: int, warmup: int, layer_name: str) -
         ExtractionError: XLA cannot compile one of them (an operation without an XLA
             kernel, a shape XLA needs static).
     """
-    try:
+    with _xla_compiled(layer_name):
         return _least_seconds(calls, repeats, max(1, warmup))
+
+
+@contextlib.contextmanager
+def _xla_compiled(layer_name: str):
+    """Turns XLA's refusal to compile a call or its gradient (an operation without an XLA
+    kernel, a shape XLA needs static) into one :class:`ExtractionError` naming the layer."""
+    try:
+        yield
     except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
         raise ExtractionError(
             f"layer {layer_name!r}: XLA cannot compile it or its gradient ({str(error).splitlines()[0][:200]}); "
-            "compile the model with jit_compile=False, or extract without xla=True",
+            "compile the model with jit_compile=False, or extract without xla",
             layer=layer_name,
         ) from error
 

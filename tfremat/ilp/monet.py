@@ -89,10 +89,7 @@ def without_implementations(graph: DFGraph, excluded: Collection) -> DFGraph:
         return graph
     kept = {node: [i for i in alternatives if i.name not in names and (node, i.name) not in pairs]
             for node, alternatives in graph.implementations.items()}
-    return DFGraph(graph.names, graph.edges, graph.cost, graph.output_bytes, graph.workspace_bytes, graph.is_backward,
-                   graph.loss_node, dict(graph.forward_of), graph.fixed_bytes, graph.name,
-                   residual_bytes=graph.residual_bytes, implementations=kept,
-                   weight_grad_bytes=graph.weight_grad_bytes, view_of=dict(graph.view_of))
+    return graph.replaced(implementations=kept)
 
 
 _MONET = MilpProblem("monet", choose_implementations=True, starts=_starts)
