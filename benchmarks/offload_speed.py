@@ -56,7 +56,7 @@ def former_pofo_ap(graph, budget, bandwidth):
                 for node in mapped.forward_units[op.stage - 2]:
                     moved = offload.offload_gap(graph, schedule, node, loss_stage)
                     if moved is not None:
-                        schedule = offload._offloaded(graph, *moved, "pofo_ap", bandwidth)
+                        schedule = offload._offloaded(graph, schedule, moved, "pofo_ap", bandwidth, settled=False)
         return schedule
 
     def candidates() -> Iterator:

@@ -251,3 +251,34 @@ def test_capper_yields_the_start_then_schedules_that_fit_only_at_the_end(seed):
     assert offloaded == sorted(offloaded) and len(set(offloaded)) == len(offloaded)
     for schedule in schedules[1:]:
         validate_schedule(graph, schedule)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_move_on_a_settled_schedule_equals_its_full_completion(seed):
+    """capper's moves skip schedule_from_keep_matrix's passes on a schedule that is its own
+    completion (offload._offloaded): every move, chained as capper chains them, gives the
+    R, S and H the full completion gives."""
+    from tfremat.plan import offload, rotor
+
+    graph = random_training_graph(seed, 14)
+    bandwidth = float(np.mean(graph.output_bytes) / np.mean(graph.cost))
+    starts = [rotor.rotor(graph, int(share * checkpoint_all_peak(graph))) for share in (1.0, 0.8)]
+    starts.append(schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "all"))
+    compared = 0
+    for start in starts:
+        start = schedule_from_keep_matrix(graph, start.S, "start", start.H, bandwidth)
+        schedule = start
+        for stage in range(graph.size):
+            for node in range(graph.size):
+                gap = offload_gap(graph, schedule, node, stage)
+                if gap is None:
+                    continue
+                fast = offload._offloaded(graph, schedule, gap, "x", bandwidth, settled=True)
+                full = offload._offloaded(graph, schedule, gap, "x", bandwidth, settled=False)
+                assert np.array_equal(fast.R, full.R) and np.array_equal(fast.S, full.S)
+                assert np.array_equal(fast.H, full.H)
+                validate_schedule(graph, fast)
+                compared += 1
+                if (stage + node) % 3 == 0:  # chain some moves, as capper does
+                    schedule = fast
+    assert compared >= 10

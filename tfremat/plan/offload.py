@@ -134,12 +134,27 @@ def offload_gap(graph: DFGraph, schedule: Schedule, node: int, stage: int) -> tu
     return S, H
 
 
-def _offloaded(graph: DFGraph, S: np.ndarray, H: np.ndarray, strategy: str, bandwidth: float) -> Schedule:
+def _offloaded(graph: DFGraph, schedule: Schedule, gap: tuple[np.ndarray, np.ndarray], strategy: str,
+               bandwidth: float, settled: bool) -> Schedule:
+    """``schedule`` with :func:`offload_gap`'s move ``gap = (S, H)`` applied, completed as
+    :func:`schedule_from_keep_matrix` completes it.
+
+    ``settled``: ``schedule`` is its own completion (it came from ``schedule_from_keep_matrix``
+    or from this function). Then the completion keeps ``schedule.R`` and the moved S and H:
+    the move clears the value's keeps only over stages where nothing reads it, so
+    ``solve_r_given_s`` adds no computation, ``prune_s`` drops no keep (the last read before
+    the gap and the stages from the next read on keep theirs) and ``prune_h`` keeps the host
+    run, which ends with the prefetch for the next read. That skips the completion's
+    O(n^2 + edges) passes, most of capper's time on ResNet50 (benchmarks/offload_speed.py);
+    tests/test_offload.py checks it against the full completion move by move."""
+    S, H = gap
+    if settled:
+        return Schedule(schedule.R, S, strategy, None, H, bandwidth)
     return schedule_from_keep_matrix(graph, S, strategy, H, bandwidth)
 
 
 def capper(graph: DFGraph, schedule: Schedule, budget: int | None, bandwidth: float, strategy: str = "capper",
-           most: int | None = None) -> Iterator[Schedule]:
+           most: int | None = None, settled: bool = False) -> Iterator[Schedule]:
     """Beaumont et al.'s capper (sec. 5.1) on a training graph: yields ``schedule`` and then
     schedules made by offloading, at the stage of the simulated peak, the lowest-indexed
     value kept there unread (:func:`offload_gap`), until one fits ``budget`` (None: until no
@@ -150,7 +165,9 @@ def capper(graph: DFGraph, schedule: Schedule, budget: int | None, bandwidth: fl
     them until the bytes moved reach the peak's excess over the budget: a move lowers the
     peak by at most its value's bytes, so none of those schedules fits, and simulating each
     (most of capper's time) would only pick the next value, usually at the same stage.
-    Those schedules are not yielded."""
+    Those schedules are not yielded. ``settled``: ``schedule`` came from
+    :func:`~tfremat.plan.schedule.schedule_from_keep_matrix` (see :func:`_offloaded`);
+    otherwise the first move completes the schedule in full."""
     most = len(graph.forward_nodes) if most is None else most
     yield schedule
     moves = 0
@@ -168,7 +185,8 @@ def capper(graph: DFGraph, schedule: Schedule, budget: int | None, bandwidth: fl
                     break
             else:
                 break
-            schedule = _offloaded(graph, *gap, strategy, bandwidth)
+            schedule = _offloaded(graph, schedule, gap, strategy, bandwidth, settled)
+            settled = True
             moves += 1
             moved += graph.output_bytes[int(node)]
             if moved >= excess:
@@ -261,13 +279,15 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
             # rotor's DP sequence at every limit, from one table; then the rotor strategy's own
             # schedule at the budget (its DP and its search on the graph), so that autocapper
             # is never slower than it.
-            starts = itertools.chain(_rotor_starts(graph, base == "rotor_ap", tried, high),
-                                     [_base_schedule(graph, base_strategy, int(budget))])
+            # The DP's starts come from schedule_from_keep_matrix (capper's moves skip its passes).
+            dp_starts = _rotor_starts(graph, base == "rotor_ap", tried, high)
+            starts = itertools.chain(((start, True) for start in dp_starts),
+                                     [(_base_schedule(graph, base_strategy, int(budget)), False)])
         else:
-            starts = (_base_schedule(graph, base_strategy, int(limit)) for limit in tried)
+            starts = ((_base_schedule(graph, base_strategy, int(limit)), False) for limit in tried)
         started = set()
         fastest = math.inf  # the least makespan among the schedules found that fit
-        for start in starts:
+        for start, settled in starts:
             if time_is_up():
                 return
             # Neighbouring limits often give the base's same schedule: capper would repeat itself.
@@ -278,7 +298,8 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
             # fitting schedule takes, nothing it makes can be faster.
             if start.cost(graph) > fastest:
                 continue
-            for schedule in capper(graph, start.with_facts(None, "autocapper"), budget, bandwidth, "autocapper"):
+            for schedule in capper(graph, start.with_facts(None, "autocapper"), budget, bandwidth, "autocapper",
+                                   settled=settled):
                 yield schedule
                 result = known_simulation(graph, schedule)
                 if result.peak_bytes <= budget:
@@ -333,7 +354,7 @@ def opportunist(graph: DFGraph, budget: int | None = None, bandwidth: float | No
             for node in chosen:
                 moved = offload_gap(graph, schedule, node, loss_stage)
                 if moved is not None:
-                    schedule = _offloaded(graph, *moved, "opportunist", bandwidth)
+                    schedule = _offloaded(graph, schedule, moved, "opportunist", bandwidth, settled=True)
             yield schedule
             if budget is not None and known_peak(graph, schedule) <= budget:
                 return
@@ -372,7 +393,7 @@ def _pofo(graph: DFGraph, budget: int | None, bandwidth, memory_slots: int | Non
             for node in mapped.forward_units[op.stage - 2]:
                 moved = offload_gap(graph, schedule, node, loss_stage)
                 if moved is not None:
-                    schedule = _offloaded(graph, *moved, name, bandwidth)
+                    schedule = _offloaded(graph, schedule, moved, name, bandwidth, settled=True)
         return schedule
 
     def candidates() -> Iterator[Schedule]:
@@ -393,7 +414,7 @@ def _pofo(graph: DFGraph, budget: int | None, bandwidth, memory_slots: int | Non
             if solution is not None:
                 # Where the graph holds more than the chain model sees, capper offloads
                 # further values at the simulated peak until it fits.
-                yield from capper(graph, schedule_of(solution.ops), budget, bandwidth, name)
+                yield from capper(graph, schedule_of(solution.ops), budget, bandwidth, name, settled=True)
         # The DP contains the recompute-only sequences; on the graph, rotor's own search
         # around the budget keeps pofo at least as good as rotor.
         if budget is not None:
