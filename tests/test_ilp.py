@@ -983,3 +983,53 @@ def test_optimal_time_limit_bounds_a_3000_node_chain():
     if schedule is not None:
         assert peak(graph, schedule) <= budget
         assert schedule.facts.status == "time_limit"
+
+
+def _views_and_residuals(seed: int) -> DFGraph:
+    """A random training graph with residual bytes, each forward node that reads exactly one
+    forward node made a view of it one time in two (keras-hub's reshapes of a layer's
+    output, whose source may hold residuals too)."""
+    graph = with_residuals(random_training_graph(seed, 10), seed)
+    rng = np.random.default_rng(seed)
+    views = {}
+    for node in graph.forward_nodes:
+        inputs = [p for p in graph.predecessors[node] if not graph.is_backward[p]]
+        if len(inputs) == 1 and inputs[0] not in views and not graph.residual_bytes[node] and rng.random() < 0.5:
+            views[node] = inputs[0]
+    output = list(graph.output_bytes)
+    for view, source in views.items():
+        output[view] = output[source] - graph.residual_bytes[source]
+    return graph.replaced(output_bytes=output, view_of=views)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_schedules_that_keep_a_view_but_not_its_source_are_warm_starts(seed):
+    """prune_s drops a source's keep when only its view is read, so the schedules of
+    heuristics and the MILP's own decoded solutions keep the view alone; the model keeps the
+    source with it. Every such schedule that fits must encode (it did not: the MILP and RINS
+    started from nothing on the keras-hub graphs), with the simulator's memory, unless it
+    keeps a view past a recomputation of its source, which the model does not hold."""
+    graph = _views_and_residuals(seed)
+    low, high = memory_lower_bound(graph), checkpoint_all_peak(graph)
+    encoded_alone = 0
+    for budget in (low + (high - low) // 3, (low + high) // 2, high):
+        model = build_milp(graph, budget)
+        schedules = [_try(name, graph, budget) for name in ("checkpoint_all", "eviction", "chen_greedy")]
+        solved = solve_model(model, threads=1)
+        if solved.x is not None:
+            schedules.append(model.schedule(solved.x, "optimal"))
+        for schedule in schedules:
+            if schedule is None or peak(graph, schedule) > budget or any(
+                    (schedule.S[:, view] & schedule.R[:, source]).any() for view, source in graph.view_of.items()):
+                continue  # over the budget, or two buffers of one source (a view kept past its recomputation)
+            x = model.encode(schedule)
+            assert x is not None, schedule.strategy
+            alone = any((schedule.S[:, view] & ~schedule.S[:, source]).any() for view, source in graph.view_of.items())
+            encoded_alone += alone
+            simulation = simulate(graph, schedule)
+            simulated = {(s.stage, s.node): int(simulation.trace_bytes[j])
+                         for j, s in enumerate(simulation.plan.statements) if s.op is Op.COMPUTE}
+            modelled = model.memory_while_running(x)
+            for key, value in simulated.items():
+                assert modelled[key] == pytest.approx(value), (schedule.strategy, key)
+    assert encoded_alone, "the case under test: a schedule keeping a view without its source"

@@ -596,6 +596,17 @@ class CheckmateModel(SparseMILP):
         R, S = schedule.R, schedule.S
         if (R & (self.r_index < 0)).any():
             return None
+        # A kept view holds its source's buffer (the simulator's convention), and the model
+        # keeps the source with it (_view_rows); prune_s drops the source's keep when only
+        # the view is read, and parts_needed_later counts the view, not its readers, as
+        # the output's reader. Without both, no schedule of a graph with views (keras-hub's
+        # reshapes) was a MIP start, and the MILP started from nothing.
+        S = S.copy()
+        for view in sorted(graph.view_of, reverse=True):
+            S[:, graph.view_of[view]] |= S[:, view]
+        held_by_views: dict[int, np.ndarray] = {}
+        for view, source in graph.view_of.items():
+            held_by_views[source] = held_by_views.get(source, np.zeros(n, dtype=bool)) | S[:, view]
 
         def mode(node: int) -> int | None:
             family = layout.family.get(node)
@@ -621,6 +632,8 @@ class CheckmateModel(SparseMILP):
                 kept = S[:, i].copy() if made(value) else np.zeros(n, dtype=bool)
                 if needed is not None:
                     kept &= np.concatenate([[False], needed["residual" if value.residual else "output"][:-1]])
+                    if not value.residual and i in held_by_views and made(value):
+                        kept |= held_by_views[i]
                 if (kept & (value.keep < 0)).any():
                     return None
                 x[value.keep[kept]] = 1.0
