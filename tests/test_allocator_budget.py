@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import tfremat
 import tfremat.keras as remat_keras
+from tfremat import allocator_check
 from tfremat.keras import RematCallback
 from tfremat.plan.simulator import simulate
 
@@ -87,3 +88,75 @@ def test_a_share_is_planned_again_under_the_allocator_excess(monkeypatch):
     (result,) = callback.plans.values()
     assert len(planned) >= 2 and planned[0].recompute_count < planned[-1].recompute_count
     assert result.predicted_peak_bytes + excess <= result.budget_bytes
+
+
+def test_the_held_peak_has_a_margin_for_the_runs_not_read(monkeypatch):
+    """The check holds the largest of its reads plus their spread (the peak moves between
+    runs of one step), reads each run with fresh statistics after one warm-up run, and
+    reads a step measured by requested bytes once."""
+    import tfremat.runtime.memory as memory
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss="mse")
+    reads = iter([100, 130, 110])
+    warmups = []
+
+    def fake_measure(step, x, y, resident=(), device=None, warmup=1, count="allocator"):
+        warmups.append(warmup)
+        return next(reads)
+
+    monkeypatch.setattr(memory, "measure_step_peak", fake_measure)
+    x, y = tf.zeros((2, 4)), tf.zeros((2, 2))
+    assert remat_keras.allocator_peak(None, model, x, y) == 130 + (130 - 100)
+    assert warmups == [1, 0, 0]
+    reads = iter([100, 130])
+    assert remat_keras.allocator_peak(None, model, x, y, count="requested") == 100
+    assert allocator_check.held_peak([7, 7, 7]) == 7
+
+
+def test_planning_budgets_fall_on_a_grid():
+    budget = 256 * 1000
+    planning = allocator_check.next_planning_budget(budget, budget, budget + 12_345, budget - 3_000)
+    assert planning % 1000 == 0 and budget - 15_345 - 1000 < planning <= budget - 15_345
+    # Reads a little apart give the same budget.
+    assert allocator_check.next_planning_budget(budget, budget, budget + 12_100, budget - 3_000) == planning
+
+
+def test_a_second_process_plans_from_the_cache(tmp_path, monkeypatch):
+    """The planning budget the check accepted is kept next to the schedule cache: a second
+    callback (a new process, its reads a little different) plans under it first, finds its
+    schedule cached, holds it and solves nothing."""
+    plans = []
+    real_plan_graph = remat_keras.plan_graph
+
+    def recording_plan_graph(*args, **kwargs):
+        plans.append(real_plan_graph(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(remat_keras, "plan_graph", recording_plan_graph)
+    accepted = []
+    for excess_share in (100, 95):  # per mille; the second process's reads a little lower
+        model, (x, y) = five_conv_net(), batch()
+        reference = tfremat.plan_model(model, None, x, y, batch_size=BATCH, strategy="checkpoint_all",
+                                       cost_model="flops", cache=False, verbose=0)
+        excess = (reference.checkpoint_all_peak_bytes - reference.graph.fixed_bytes) * excess_share // 1000
+
+        def chunky_peak(step, *_args, **_kwargs):
+            return simulate(step.graph, step.schedule).peak_bytes + excess
+
+        monkeypatch.setattr(remat_keras, "allocator_peak", chunky_peak)
+        callback = RematCallback("90% of activations", time_limit=20, cost_model="flops", cache=str(tmp_path),
+                                 allocator_check=True, verbose=0)
+        callback.set_model(model)
+        first = len(plans)
+        callback._step_for(tf.constant(x), tf.constant(y))
+        (result,) = callback.plans.values()
+        accepted.append((result.predicted_peak_bytes, result.budget_bytes))
+        solved = [plan for plan in plans[first:] if not plan.from_cache]
+        if excess_share == 100:
+            assert len(plans) - first >= 2 and solved, "the first process did not plan again"
+        else:
+            assert not solved, [plan.budget_bytes for plan in solved]
+        assert result.predicted_peak_bytes + excess <= result.budget_bytes
+    assert accepted[0] == accepted[1]

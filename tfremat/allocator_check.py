@@ -2,25 +2,45 @@
 
 The plan bounds the bytes the step requests; TensorFlow's BFC allocator can peak above them
 (whole chunks, docs/memory-model.md). :class:`tfremat.keras.RematCallback` and
-:func:`tfremat.multi_worker.fit_multi_worker` run the planned step once, read the peak of each
-replica's allocator and plan again under the excess; these are the pieces both use.
+:func:`tfremat.multi_worker.fit_multi_worker` run the planned step a few times, hold each
+replica's allocator peak with a margin for the steps not read (:func:`held_peak`) and plan
+again under the excess; these are the pieces both use. The planning budget a check accepted
+is remembered next to the schedule cache (:func:`remember_planning_budget`), so another
+process with the same graph and budget plans under it first and finds its schedule cached.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
 
 import tensorflow as tf
 
 from tfremat.budget import budget_kind
+from tfremat.cache import ScheduleCache, default_cache_dir, read_entry, warn_once, write_atomically
 from tfremat.errors import CompileError
 
-__all__ = ["ALLOCATOR_ROUNDS", "wants_allocator_check", "allocator_peak", "replica_allocators", "next_planning_budget"]
+__all__ = ["ALLOCATOR_ROUNDS", "ALLOCATOR_READS", "PLANNING_GRID", "wants_allocator_check", "allocator_peak",
+           "held_peak", "replica_allocators", "next_planning_budget", "remembered_planning_budget",
+           "remember_planning_budget"]
 
 logger = logging.getLogger(__name__)
 
 #: Plans tried by ``allocator_check`` before it gives up.
 ALLOCATOR_ROUNDS = 3
+
+#: Runs of a step the check reads, after one warm-up run. The allocator's peak of one compiled
+#: step moves from run to run (the executor's parallel operations allocate in a different
+#: order each time, so BFC splits different chunks): DenseNet121 64x64 batch 8 read
+#: 118.6-123.1 MiB over 12 training steps of one plan (benchmarks/allocator_check.py).
+ALLOCATOR_READS = 3
+
+#: Planning budgets after a check are rounded down to a multiple of the budget over this, so
+#: that processes whose reads differ by less land on the same budget and schedule cache entry.
+PLANNING_GRID = 256
 
 
 def wants_allocator_check(allocator_check: bool | None, budget, result) -> bool:
@@ -39,16 +59,18 @@ def wants_allocator_check(allocator_check: bool | None, budget, result) -> bool:
 
 
 def allocator_peak(step, model, x, y, sample_weight=None, device: str | None = None,
-                   count: str = "allocator") -> int | None:
-    """The allocator's peak of ``device`` (default: the default device's) over one run of
-    ``step`` (after one untimed run that traces it), in the graph's convention
+                   count: str = "allocator", reads: int = ALLOCATOR_READS) -> int | None:
+    """The allocator's peak of ``device`` (default: the default device's) that a plan is held
+    to: :func:`held_peak` of ``reads`` runs of ``step``, each read with fresh statistics, after
+    one untimed run that traces it; in the graph's convention
     (:func:`tfremat.runtime.memory.measure_step_peak`), with the state the runs change put
     back: the model's and the optimizer's variables, Python's ``random`` and Keras's global
     seed generator (one that the trace created is forgotten, as the extraction does, but the
     step keeps the state it advanced). None when the allocator keeps no statistics (a
     warning says so). A step compiled with a strategy gets ``x, y`` (one replica's batch)
     on every replica, so each replica device's allocator sees one replica's step. ``count``
-    as :func:`~tfremat.runtime.memory.measure_step_peak` takes it.
+    as :func:`~tfremat.runtime.memory.measure_step_peak` takes it; ``"requested"`` is read
+    once (the profiler's events, the same every run).
     """
     from tfremat.runtime.memory import measure_step_peak
     from tfremat.runtime.state import state_restored
@@ -57,13 +79,25 @@ def allocator_peak(step, model, x, y, sample_weight=None, device: str | None = N
     if not optimizer.built:
         optimizer.build(model.trainable_variables)  # its slots exist before the runs, as in training
     variables = list(model.variables) + list(optimizer.variables)
+    runs = 1 if count == "requested" else max(1, reads)
     with state_restored(variables):
         try:
-            return measure_step_peak(lambda a, b: step(a, b, sample_weight), x, y, resident=variables, device=device,
-                                     warmup=1, count=count)
+            peaks = [measure_step_peak(lambda a, b: step(a, b, sample_weight), x, y, resident=variables,
+                                       device=device, warmup=1 if run == 0 else 0, count=count)
+                     for run in range(runs)]
         except CompileError as error:
             logger.warning("allocator_check skipped: %s", error)
             return None
+    return held_peak(peaks)
+
+
+def held_peak(peaks: Sequence[int]) -> int:
+    """The peak a plan is held to from the allocator's peaks over a few runs of its step: the
+    largest plus their spread (largest less smallest), a margin for the runs not read. One
+    read bounded no later step: an accepted DenseNet121 64x64 plan read 1.016x its budget
+    after training; its steps' peaks spread over 4% of it (benchmarks/allocator_check.py). A
+    step that peaks alike on every run (a chain of convolutions) pays nothing."""
+    return max(peaks) + (max(peaks) - min(peaks))
 
 
 def replica_allocators(strategy) -> list[str] | None:
@@ -83,7 +117,57 @@ def next_planning_budget(planning_budget: int, budget: int, peak: int, predicted
     """The budget to plan under after a plan predicted at ``predicted`` bytes, planned under
     ``planning_budget``, peaked at ``peak`` in the allocator against ``budget``: less by the
     excess over the budget, and at most the budget less what the chunks added to the plan's
-    bytes (``peak - predicted``). A plan a little under the last one often lands in the same
+    bytes (``peak - predicted``), rounded down to a multiple of ``budget / PLANNING_GRID``
+    (:data:`PLANNING_GRID`). A plan a little under the last one often lands in the same
     chunks, so stepping by the excess over the budget alone could spend every round
     (a five-conv net at "95% of activations": 0.12 MiB a round for 3 rounds)."""
-    return min(planning_budget - (peak - budget), budget - (peak - predicted))
+    step = max(1, budget // PLANNING_GRID)
+    return min(planning_budget - (peak - budget), budget - (peak - predicted)) // step * step
+
+
+def _record_path(cache, graph, budget_bytes: int, strategy: str, options: dict) -> Path | None:
+    """Where the planning budget accepted for ``graph`` under ``budget_bytes`` is kept: next to
+    the schedule cache's entries (``cache`` as :func:`tfremat.planner.plan_graph` takes it;
+    None when it is off), named by the schedule key with ``allocator-`` before it."""
+    if cache is False or cache is None:
+        return None
+    directory = (cache.directory if isinstance(cache, ScheduleCache)
+                 else default_cache_dir() if cache is True else Path(os.fspath(cache)))
+    return directory / f"allocator-{ScheduleCache.key(graph, budget_bytes, strategy, options)}.json"
+
+
+def remembered_planning_budget(cache, graph, budget_bytes: int, strategy: str, options: dict) -> int | None:
+    """The planning budget a check accepted for ``graph`` under ``budget_bytes`` with
+    ``strategy`` and ``options`` (:func:`remember_planning_budget`), in this process or
+    another; None when none was, the cache is off, or the record cannot be read or trusted
+    (a number below the budget, for this graph and budget)."""
+    path = _record_path(cache, graph, budget_bytes, strategy, options)
+    text = None if path is None else read_entry(path)
+    if text is None:
+        return None
+    try:
+        document = json.loads(text)
+        planning = document["planning_budget"]
+        trusted = (document["graph"] == graph.fingerprint and document["budget"] == budget_bytes
+                   and isinstance(planning, int) and 0 < planning < budget_bytes)
+    except (ValueError, TypeError, KeyError):
+        trusted = False
+    if not trusted:
+        logger.warning("allocator_check record %s is not trusted; checking from the budget", path)
+        return None
+    return planning
+
+
+def remember_planning_budget(cache, graph, budget_bytes: int, strategy: str, options: dict,
+                             planning_budget: int) -> None:
+    """Keeps ``planning_budget``, under which a plan for ``graph`` held the allocator's peak
+    to ``budget_bytes``, for :func:`remembered_planning_budget` (written atomically; a
+    directory that cannot be written is logged once, as the schedule cache's)."""
+    path = _record_path(cache, graph, budget_bytes, strategy, options)
+    if path is None:
+        return
+    text = json.dumps({"graph": graph.fingerprint, "budget": budget_bytes, "planning_budget": planning_budget})
+    try:
+        write_atomically(path, text)
+    except OSError as error:
+        warn_once(path.parent, "written", error)

@@ -29,6 +29,8 @@ from tfremat.allocator_check import (
     ALLOCATOR_ROUNDS,
     allocator_peak,
     next_planning_budget,
+    remember_planning_budget,
+    remembered_planning_budget,
     replica_allocators,
     wants_allocator_check,
 )
@@ -317,12 +319,23 @@ class RematCallback(keras.callbacks.Callback):
     def _within_allocator(self, result, step, x, y, sample_weight, options, strategy=None):
         """Re-plans until the step's allocator peak is within the budget (``allocator_check``);
         under a strategy, the largest peak over the replicas' allocators, each replica
-        running the step on ``x, y`` (one replica's batch)."""
-        from tfremat.static_graph.compile import compile_step
-
+        running the step on ``x, y`` (one replica's batch). Starts from the planning budget a
+        check accepted before for this graph and budget, in this process or another
+        (:func:`~tfremat.allocator_check.remembered_planning_budget`): its schedule is cached,
+        so a second process solves nothing."""
         model = self.model
         budget = result.budget_bytes
+        graph = result.extraction.graph
         planning_budget = budget
+        remembered = remembered_planning_budget(self.cache, graph, budget, self.strategy, options)
+        if remembered is not None:
+            try:
+                result, step = self._replanned(result, remembered, options, strategy)
+                planning_budget = remembered
+                logger.info("planning under %s, where a plan held the allocator's peak to the budget %s before",
+                            format_bytes(remembered), format_bytes(budget))
+            except InfeasibleBudgetError:
+                pass  # a record from other solver settings' luck: check from the budget
         devices = [None] if strategy is None else replica_allocators(strategy)
         for _ in range(ALLOCATOR_ROUNDS):
             # XLA takes one block for all of a step's temporaries, which the allocator may
@@ -334,36 +347,47 @@ class RematCallback(keras.callbacks.Callback):
                 return result, step
             if peak <= budget:
                 if planning_budget != budget:
-                    logger.info("planned under %s so that the allocator's peak (%s) stays within the budget %s",
+                    logger.info("planned under %s so that the allocator's peak (%s held) stays within the budget %s",
                                 format_bytes(planning_budget), format_bytes(peak), format_bytes(budget))
+                    if planning_budget != remembered:
+                        remember_planning_budget(self.cache, graph, budget, self.strategy, options, planning_budget)
                 return dataclasses.replace(result, budget_bytes=budget), step
             planning_budget = next_planning_budget(planning_budget, budget, peak, result.predicted_peak_bytes)
-            logger.info("the allocator's peak %s exceeds the budget %s (prediction %s); planning again under %s",
+            logger.info("the allocator's peak %s held exceeds the budget %s (prediction %s); planning again under %s",
                         format_bytes(peak), format_bytes(budget), format_bytes(result.predicted_peak_bytes),
                         format_bytes(planning_budget))
             try:
                 if planning_budget <= 0:
                     raise InfeasibleBudgetError(planning_budget, strategy=self.strategy)
-                replanned = plan_graph(result.extraction.graph, planning_budget, self.strategy, cache=self.cache,
-                                       verbose=self.verbose, **options)
+                replanned, step = self._replanned(result, planning_budget, options, strategy)
             except InfeasibleBudgetError as error:
                 raise InfeasibleBudgetError(
                     budget, error.min_feasible_bytes, error.lower_bound_bytes, self.strategy,
-                    detail=f"the allocator's peak was {format_bytes(peak)}: its chunks add "
+                    detail=f"the allocator's peak was {format_bytes(peak)} held: its chunks add "
                            f"{format_bytes(peak - result.predicted_peak_bytes)} to the "
                            f"{format_bytes(result.predicted_peak_bytes)} predicted, and no schedule "
                            f"fits {format_bytes(max(planning_budget, 0))}; allocator_check=False holds the budget for "
                            "requested bytes only",
                 ) from error
-            result = with_rounding(dataclasses.replace(replanned, extraction=result.extraction))
-            step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, strategy=strategy,
-                                return_outputs=True, jit_compile=self._jit_compile)
+            result = replanned
         raise InfeasibleBudgetError(
             budget, strategy=self.strategy,
-            detail=f"the allocator's peak stayed above it after {ALLOCATOR_ROUNDS} plans (last {format_bytes(peak)}, "
-                   f"planned under {format_bytes(planning_budget)}); allocator_check=False holds the budget for "
+            detail=f"the allocator's peak stayed above it after {ALLOCATOR_ROUNDS} plans (last {format_bytes(peak)} "
+                   f"held, planned under {format_bytes(planning_budget)}); allocator_check=False holds the budget for "
                    "requested bytes only",
         )
+
+    def _replanned(self, result, planning_budget: int, options: dict, strategy=None):
+        """``result``'s graph planned under ``planning_budget`` (its budget stays
+        ``result.budget_bytes``'s until the check accepts it), and its compiled step."""
+        from tfremat.static_graph.compile import compile_step
+
+        replanned = plan_graph(result.extraction.graph, planning_budget, self.strategy, cache=self.cache,
+                               verbose=self.verbose, **options)
+        replanned = with_rounding(dataclasses.replace(replanned, extraction=result.extraction))
+        step = compile_step(replanned.extraction, replanned.schedule, optimizer=self.model.optimizer,
+                            strategy=strategy, return_outputs=True, jit_compile=self._jit_compile)
+        return replanned, step
 
     def _train_function(self, iterator):
         if not self._batch_announced:
