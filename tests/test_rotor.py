@@ -431,3 +431,18 @@ def test_bad_chains_and_limits_raise_argument_errors():
         table.sequence(11)
     with pytest.raises(ArgumentError, match="no sequence fits in 2 slots"):
         table.sequence(2)
+
+
+def test_the_staircase_mask_is_the_full_mask(monkeypatch):
+    """solve_chain masks the infeasible splits by slices, one per rise of their memory
+    need; on random chains its table (costs and choices) is the one a full mask gives."""
+    rng = random.Random(11)
+    for case in range(6):
+        chain = random_chain(rng, rng.randint(20, 40), split_overheads=case % 2 == 0)
+        top = total_bytes(chain)
+        sliced = solve_chain(chain, top, top)
+        monkeypatch.setattr(rotor_module, "_MASK_STEPS", -1)
+        masked = solve_chain(chain, top, top)
+        monkeypatch.undo()
+        assert np.array_equal(sliced.cost, masked.cost) and np.array_equal(sliced._choice, masked._choice)
+        assert np.isfinite(sliced.cost).sum() > 10

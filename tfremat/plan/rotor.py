@@ -124,6 +124,10 @@ MIN_DEFAULT_SLOTS = 50
 # With a budget the table reaches this share above the budget's activation memory, so that
 # the search can try limits above it where the model over-counts what the simulator holds.
 _HEADROOM = 0.25
+
+# solve_chain masks a staircase of at most this many steps by slices, more with a mask.
+_MASK_STEPS = 16
+
 # With a budget, memory limits tried on a grid over the table, then bisections between the
 # largest that fitted and the next above it (each a schedule built and simulated, milliseconds
 # on the Checkmate graphs against seconds for the DP).
@@ -490,11 +494,18 @@ def solve_chain(chain: RotorChain, memory_limit: float, memory_slots: int | None
                 # C_ck: one row per i' = i .. j-1.
                 need = delta[j] + np.maximum.accumulate(np.concatenate([[x[i] + of[i]], no_need[i + 1 : j]]))
                 low = int(need[0])
-                if low < width:
-                    left = cost[offsets[i] : offsets[i] + j - i, low:]
-                    right = shifted[i:j, low:]
-                    total = left + right + (forward_prefix[i:j] - forward_prefix[i - 1])[:, None]
-                    total[m[None, low:] < need[:, None]] = math.inf
+                # need rises with i': only the first `count` rows fit some limit, and row r
+                # is infeasible below need[r], a staircase masked one step at a time.
+                count = int(np.searchsorted(need, width))
+                if count:
+                    total = cost[offsets[i] : offsets[i] + count, low:] + shifted[i : i + count, low:]
+                    total += (forward_prefix[i : i + count] - forward_prefix[i - 1])[:, None]
+                    steps = np.flatnonzero(np.diff(need[:count])) + 1
+                    if len(steps) <= _MASK_STEPS:
+                        for start, stop in zip(steps.tolist(), [*steps[1:].tolist(), count]):
+                            total[start:stop, : int(need[start]) - low] = math.inf
+                    else:
+                        np.copyto(total, math.inf, where=m[None, low:] < need[:count, None])
                     rows = np.argmin(total, axis=0)
                     values = total[rows, np.arange(width - low)]
                     better = values < best[low:]
