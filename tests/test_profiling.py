@@ -1,6 +1,7 @@
 """Repeatable profiles (issue 33 item 3): the same model profiled twice gives the solvers
 the same relative costs, within what a shared 2-core machine lets a test assert."""
 
+import dataclasses
 import math
 import types
 
@@ -69,3 +70,65 @@ def test_least_seconds_takes_many_runs_of_a_tiny_call_in_turns(monkeypatch):
     assert rounds > 3
     assert len(order) == 2 * (1 + rounds)
     assert order[:6] == ["a", "b", "a", "b", "a", "b"]
+
+
+def _scripted_least_seconds(monkeypatch, passes):
+    """``_least_seconds`` answering each timing from ``passes`` in turn (in seconds)."""
+    answered = []
+
+    def scripted(calls, repeats, warmup):
+        least = passes[len(answered)]
+        assert len(least) == len(calls)
+        answered.append(least)
+        return list(least)
+
+    monkeypatch.setattr(analysis, "_least_seconds", scripted)
+    return answered
+
+
+def test_each_call_keeps_its_quietest_timing_pass(monkeypatch):
+    """Within timing_passes a call is timed once per pass, and its seconds are those of the
+    pass whose forward-and-backward ran fastest, all three timings from that one pass."""
+    layer = keras.layers.Dense(4)
+    layer.build((2, 3))
+    spec = tf.TensorSpec([2, 3], tf.float32)
+    # (dispatch, forward, forward and backward) per pass: the second pass is the quietest.
+    answered = _scripted_least_seconds(monkeypatch, [(1.0, 3.0, 10.0), (0.5, 2.0, 6.0), (0.1, 4.0, 8.0)])
+    with analysis.timing_passes(3) as passes:
+        first = analysis.analyze_call(lambda xs: layer(xs[0]), "dense", [spec], [True], layer.trainable_variables,
+                                      2, profile=True)
+        assert len(answered) == 1
+        assert first.forward_seconds == analysis._on_grid(2.0) and first.backward_seconds == analysis._on_grid(7.0)
+        final = passes.final(first)
+    assert len(answered) == 3
+    assert final.forward_seconds == analysis._on_grid(1.5)
+    assert final.backward_seconds == analysis._on_grid(4.0)
+    assert passes.final(first) is final
+    assert dataclasses.replace(final, forward_seconds=0.0, backward_seconds=0.0) == \
+        dataclasses.replace(first, forward_seconds=0.0, backward_seconds=0.0)
+    # An analysis that was not timed within the passes (read from the cache) stays as it is.
+    assert passes.final(final) is final
+
+
+def test_an_extraction_times_every_call_in_every_pass(monkeypatch):
+    """extract() times each distinct call and the loss _TIMING_PASSES times, in passes over
+    all of them (the second pass starts after the last call's first)."""
+    timed = []
+    least_seconds = analysis._least_seconds
+
+    def recording(calls, repeats, warmup):
+        timed.append(calls[-1][0])
+        return least_seconds(calls, repeats, warmup)
+
+    monkeypatch.setattr(analysis, "_least_seconds", recording)
+    monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    model = keras.Model(x, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(5, activation="relu")(x)))
+    batch = (np.ones((4, 6), np.float32), np.eye(3, dtype=np.float32)[[0, 1, 2, 0]])
+    extract(model, batch, cost_model="profile", use_cache=False)
+    groups = len(timed) // analysis._TIMING_PASSES
+    assert analysis._TIMING_PASSES >= 2 and len(timed) == analysis._TIMING_PASSES * groups and groups >= 3
+    first_pass = [id(fn) for fn in timed[:groups]]
+    for k in range(1, analysis._TIMING_PASSES):
+        assert [id(fn) for fn in timed[k * groups:(k + 1) * groups]] == first_pass
