@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import ExtractionError, is_int
-from tfremat.extract.analysis import CallAnalysis, analyze_loss, xla_costs, xla_layouts
+from tfremat.extract.analysis import CallAnalysis, analyze_loss, timing_passes, xla_costs, xla_layouts
 from tfremat.extract.assembly import assemble, backward_flags, weight_gradient_lifetime
 from tfremat.extract.checks import (
     analyze_checked,
@@ -210,7 +210,7 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
     profile_started = time.perf_counter()
     if cached is not None:
         logger.info("extract %s: profile cache hit %s", model.name, key)
-    with xla_costs(xla == "timed"), xla_layouts(bool(xla)):
+    with xla_costs(xla == "timed"), xla_layouts(bool(xla)), timing_passes() as passes:
         analyses, out_specs = _analyze_calls(
             calls, needs_backward, in_specs, None if cached is None else cached[0], batch, cost_model, repeats,
         )
@@ -221,6 +221,10 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
             loss_analysis = analyze_loss(loss_fn, pred_specs, label_specs, cost_model == "profile", repeats)
             alternatives = _analyze_alternatives(calls, needs_backward, in_specs, out_specs, batch, cost_model,
                                                  repeats, implementations)
+        # Every call timed again, in passes over all of them (timing_passes).
+        analyses = [passes.final(a) for a in analyses]
+        loss_analysis = passes.final(loss_analysis)
+        alternatives = [{name: passes.final(a) for name, a in measured.items()} for measured in alternatives]
     profile_seconds = 0.0 if cached is not None else time.perf_counter() - profile_started
     if cached is None and use_cache:
         store_cache(key, analyses, loss_analysis, alternatives)
