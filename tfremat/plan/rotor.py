@@ -507,10 +507,10 @@ def solve_chain(chain: RotorChain, memory_limit: float, memory_slots: int | None
                     else:
                         np.copyto(total, math.inf, where=m[None, low:] < need[:count, None])
                     rows = np.argmin(total, axis=0)
-                    values = total[rows, np.arange(width - low)]
+                    values = np.take_along_axis(total, rows[None], 0)[0]
                     better = values < best[low:]
-                    best[low:] = np.where(better, values, best[low:])
-                    picked[low:] = np.where(better, i + rows, -1)
+                    np.copyto(best[low:], values, where=better)
+                    np.copyto(picked[low:], i + rows, where=better, casting="unsafe")
             row = offsets[i] + j - i
             cost[row] = best
             choice[row] = picked
