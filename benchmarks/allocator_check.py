@@ -24,8 +24,8 @@ import time
 
 MODELS = {
     # name: (budget, batch, default steps)
-    "densenet121": ("45% of activations", 8, 12),
-    "five_conv": ("96%", 16, 20),
+    "densenet121": ("45% of activations", 8, 20),
+    "five_conv": ("95% of activations", 16, 20),
 }
 
 
@@ -56,6 +56,7 @@ def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> 
     import tensorflow as tf
 
     import tfremat.keras as remat_keras
+    import tfremat.runtime.memory as memory
     from tfremat.runtime.memory import measure_step_peak
 
     budget, batch, _ = MODELS[name]
@@ -66,14 +67,26 @@ def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> 
         x = rng.standard_normal((n, *shape)).astype("float32")
         return x, np.eye(10, dtype="float32")[rng.integers(0, 10, n)]
 
-    reads = []
-    real_peak = remat_keras.allocator_peak
+    # What the check holds (one per plan it measured), the reads behind it, and each plan
+    # with whether it came from the schedule cache.
+    held, reads, plans = [], [], []
+    real_peak, real_measure, real_plan = remat_keras.allocator_peak, memory.measure_step_peak, remat_keras.plan_graph
 
     def recording_peak(*args, **kwargs):
-        reads.append(real_peak(*args, **kwargs))
+        held.append(real_peak(*args, **kwargs))
+        return held[-1]
+
+    def recording_measure(*args, **kwargs):
+        reads.append(real_measure(*args, **kwargs))
         return reads[-1]
 
-    remat_keras.allocator_peak = recording_peak
+    def recording_plan(*args, **kwargs):
+        result = real_plan(*args, **kwargs)
+        plans.append([result.budget_bytes, result.predicted_peak_bytes, result.from_cache])
+        return result
+
+    remat_keras.allocator_peak, memory.measure_step_peak = recording_peak, recording_measure
+    remat_keras.plan_graph = recording_plan
     times = {}
 
     class FirstStep(keras.callbacks.Callback):
@@ -97,7 +110,8 @@ def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> 
         bx, by = (tf.constant(a) for a in data(batch))
         per_step.append(measure_step_peak(lambda a, b: step(a, b, None), bx, by, resident=variables, warmup=0))
     return {"model": name, "check": check, "budget": plan.budget_bytes, "predicted": plan.predicted_peak_bytes,
-            "checkpoint_all": plan.checkpoint_all_peak_bytes, "reads": reads, "per_step": per_step,
+            "checkpoint_all": plan.checkpoint_all_peak_bytes, "held": held, "reads": reads, "plans": plans,
+            "per_step": per_step,
             "first_s": times["first"], "first_cpu_s": times["first_cpu"], "load": os.getloadavg()[0]}
 
 
@@ -143,12 +157,16 @@ def main() -> None:
                 row["label"] = label
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    table = ["| model | allocator_check | budget MiB | prediction MiB | check reads MiB | peak per step MiB "
-             "(min-max over steps) | max/budget | first step s (wall/CPU) | load |", "|---|---|---|---|---|---|---|---|---|"]
+    table = ["| model | allocator_check | budget MiB | plans (planning budget MiB, prediction MiB, cached?) | "
+             "check: reads MiB -> held | peak per step MiB (min-max) | max/budget | first step s (wall/CPU) | load |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         steps = row["per_step"]
-        table.append(f"| {row['model']} | {row['label']} | {mib(row['budget'])} | {mib(row['predicted'])} | "
-                     f"{', '.join(mib(r) for r in row['reads']) or '-'} | {mib(min(steps))}-{mib(max(steps))} "
+        plans = "; ".join(f"{mib(b)}, {mib(p)}, {'hit' if c else 'solved'}" for b, p, c in row["plans"])
+        reads = ", ".join(mib(r) for r in row["reads"])
+        held = ", ".join(mib(h) for h in row["held"])
+        table.append(f"| {row['model']} | {row['label']} | {mib(row['budget'])} | {plans} | "
+                     f"{f'{reads} -> {held}' if row['held'] else '-'} | {mib(min(steps))}-{mib(max(steps))} "
                      f"({len(steps)} steps) | {max(steps) / row['budget']:.3f} | {row['first_s']:.1f} / "
                      f"{row['first_cpu_s']:.1f} | {row['load']:.1f} |")
     text = "\n".join(table)

@@ -96,9 +96,13 @@ class RematCallback(keras.callbacks.Callback):
             out-of-memory happens, not only for the bytes the step's operations request
             (what the prediction counts; TensorFlow's BFC allocator hands a free chunk out
             whole when it is less than twice the request; docs/memory-model.md). Each
-            new step is run twice before training (its state put back) and, while the
-            allocator's peak exceeds the budget, planned again under the budget less the
-            excess, up to :data:`ALLOCATOR_ROUNDS` plans, else :class:`InfeasibleBudgetError`.
+            new step is run four times before training (its state put back): one warm-up,
+            then three reads (:data:`~tfremat.allocator_check.ALLOCATOR_READS`), held as the
+            largest plus their spread (the peak moves from run to run); while that exceeds
+            the budget, the step is planned
+            again under the budget less the excess, up to :data:`ALLOCATOR_ROUNDS` plans, else
+            :class:`InfeasibleBudgetError`. The planning budget accepted is kept with the
+            schedule cache, where another process with the same model and budget starts.
             None (default): for every budget but ``"min"`` (the least memory within an
             overhead bound, which has no smaller plan to fall back on) and a share at or
             above the checkpoint-all peak (nothing is recomputed: the step is

@@ -27,8 +27,8 @@ How the workers agree on one schedule, per per-replica batch shape:
    which only the chief contributes); every worker compiles the same schedule. A chief
    that cannot plan broadcasts its error instead, which every worker raises.
 
-With ``allocator_check``, each worker runs the compiled step once more on its replica's
-batch and reads its own allocator's peak (a process per worker, an allocator per
+With ``allocator_check``, each worker runs the compiled step a few more times on its
+replica's batch and holds its own allocator's peak (:func:`tfremat.allocator_check.allocator_peak`) (a process per worker, an allocator per
 process); the workers take the largest peak through one collective, so all decide alike
 whether to plan again under the budget less the excess, and the chief plans again as in
 step 3 (:func:`allocator_checked`).
