@@ -160,3 +160,22 @@ def test_a_second_process_plans_from_the_cache(tmp_path, monkeypatch):
             assert not solved, [plan.budget_bytes for plan in solved]
         assert result.predicted_peak_bytes + excess <= result.budget_bytes
     assert accepted[0] == accepted[1]
+
+
+def test_a_planning_budget_record_is_trusted_only_for_its_graph_and_budget(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    graph, other = SimpleNamespace(fingerprint="g1"), SimpleNamespace(fingerprint="g2")
+    options = {"time_limit": 20}
+    assert allocator_check.remembered_planning_budget(str(tmp_path), graph, 1000, "optimal", options) is None
+    allocator_check.remember_planning_budget(str(tmp_path), graph, 1000, "optimal", options, 900)
+    assert allocator_check.remembered_planning_budget(str(tmp_path), graph, 1000, "optimal", options) == 900
+    for args in ((other, 1000, "optimal", options), (graph, 1001, "optimal", options),
+                 (graph, 1000, "chen_sqrtn", options), (graph, 1000, "optimal", {"time_limit": 5})):
+        assert allocator_check.remembered_planning_budget(str(tmp_path), *args) is None
+    assert allocator_check.remembered_planning_budget(False, graph, 1000, "optimal", options) is None
+    (record,) = tmp_path.glob("allocator-*.json")
+    for text in ("not json", '{"graph": "g1", "budget": 1000, "planning_budget": 1000}', "[1]"):
+        record.write_text(text)
+        assert allocator_check.remembered_planning_budget(str(tmp_path), graph, 1000, "optimal", options) is None
+    assert "not trusted" in caplog.text

@@ -39,6 +39,7 @@ from tfremat.errors import (
     ArgumentError,
     CompileError,
     InfeasibleBudgetError,
+    SolverTimeLimitError,
     TfrematError,
 )
 from tfremat.extract.checks import refuse_unmodelled_training
@@ -99,10 +100,10 @@ class RematCallback(keras.callbacks.Callback):
             new step is run four times before training (its state put back): one warm-up,
             then three reads (:data:`~tfremat.allocator_check.ALLOCATOR_READS`), held as the
             largest plus their spread (the peak moves from run to run); while that exceeds
-            the budget, the step is planned
-            again under the budget less the excess, up to :data:`ALLOCATOR_ROUNDS` plans, else
-            :class:`InfeasibleBudgetError`. The planning budget accepted is kept with the
-            schedule cache, where another process with the same model and budget starts.
+            the budget, the step is planned again under the budget less the excess, up to
+            :data:`ALLOCATOR_ROUNDS` plans, else :class:`InfeasibleBudgetError`. The planning
+            budget accepted is kept with the schedule cache, where another process with the
+            same model and budget starts.
             None (default): for every budget but ``"min"`` (the least memory within an
             overhead bound, which has no smaller plan to fall back on) and a share at or
             above the checkpoint-all peak (nothing is recomputed: the step is
@@ -338,8 +339,8 @@ class RematCallback(keras.callbacks.Callback):
                 planning_budget = remembered
                 logger.info("planning under %s, where a plan held the allocator's peak to the budget %s before",
                             format_bytes(remembered), format_bytes(budget))
-            except InfeasibleBudgetError:
-                pass  # a record from other solver settings' luck: check from the budget
+            except (InfeasibleBudgetError, SolverTimeLimitError):
+                pass  # its schedule left the cache and was not found again: check from the budget
         devices = [None] if strategy is None else replica_allocators(strategy)
         for _ in range(ALLOCATOR_ROUNDS):
             # XLA takes one block for all of a step's temporaries, which the allocator may
@@ -382,8 +383,8 @@ class RematCallback(keras.callbacks.Callback):
         )
 
     def _replanned(self, result, planning_budget: int, options: dict, strategy=None):
-        """``result``'s graph planned under ``planning_budget`` (its budget stays
-        ``result.budget_bytes``'s until the check accepts it), and its compiled step."""
+        """``result``'s graph planned under ``planning_budget`` (the new result's budget
+        until the check accepts it) and its compiled step."""
         from tfremat.static_graph.compile import compile_step
 
         replanned = plan_graph(result.extraction.graph, planning_budget, self.strategy, cache=self.cache,
