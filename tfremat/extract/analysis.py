@@ -34,7 +34,10 @@ least wall time of many runs after warm-up (:func:`_least_seconds`): a busy mach
 ever adds time to a run, so the least run is the one that repeats from profile to profile,
 where the median moves with the load. Wall time, not the process's CPU time, which was
 steadier under load but weighs a call by the threads it runs on: the step's time, what the
-plan predicts, is wall time. The forward and the forward-plus-backward are timed in turns,
+plan predicts, is wall time. A busy machine also slows every run for a second or two at a
+time, longer than one call's timing, so within an extraction every call is timed in
+:data:`_TIMING_PASSES` passes over all the calls and keeps its quietest pass
+(:func:`timing_passes`). The forward and the forward-plus-backward are timed in turns,
 so the backward (their difference) is taken under one load, and every cost is rounded to a
 relative grid (:func:`_on_grid`) so that two profiles whose costs differ by noise give the
 solvers the same numbers. The peak of the bytes the run's operations request
@@ -816,7 +819,9 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     else:
         fb_peak = max(_requested_peak(fb_concrete, args, warmup),
                       _other_orders_peak(tracer, held_concrete is not None, inputs, warmup))
-    hidden = 0 if _XLA_LAYOUTS.get() else _hidden_residual_bytes(fb_concrete, args, tracer.records["step"], warmup)
+    # A loop's accumulators, which its forward allocates, are counted by _held_bytes already.
+    hidden = 0 if _XLA_LAYOUTS.get() or held_concrete is not None else _hidden_residual_bytes(
+        fb_concrete, args, tracer.records["step"], warmup)
     if hidden:
         logger.debug("layer %s: its kernels keep %d bytes from the forward to the backward", layer_name, hidden)
         analysis = dataclasses.replace(analysis, residual_bytes=analysis.residual_bytes + hidden)
@@ -865,7 +870,9 @@ def _hidden_residual_bytes(fb_concrete, args, record: dict, warmup: int) -> int:
     before the backward's first, and freed before the run ends, is one the backward kept
     alive (the outputs and the traced residuals are returned, so they are not freed; the
     forward's own temporaries are freed before the backward starts). Counted as growing
-    with the batch.
+    with the batch. Not measured for a call that runs a while loop (its accumulators are
+    sized by :func:`_held_bytes`) nor for a step compiled by XLA, which runs no oneDNN
+    kernel.
     """
     forward = {op.name for op in record["forward_ops"]}
     backward = {op.name for op in record["backward_ops"]}
