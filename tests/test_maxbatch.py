@@ -188,7 +188,7 @@ def test_max_batch_reports_each_batch_and_says_when_it_reached_max_batch(caplog)
 
 
 def test_keras_max_batch_size_labels_for_its_loss_shows_progress_and_checks_first(capsys):
-    """A sparse loss got one-hot labels (a Keras rank error); each batch tried is shown; an
+    """A sparse loss got one-hot labels (a Keras rank error); each batch built is shown; an
     empty strategy list returned {} where compare_graph ran every strategy."""
     from tests.test_cache_api import dense_classifier
     from tfremat.api import max_batch_size as keras_max_batch_size
@@ -199,7 +199,7 @@ def test_keras_max_batch_size_labels_for_its_loss_shows_progress_and_checks_firs
     assert results["checkpoint_all"].batch_size == 4 and results["checkpoint_all"].reached_max_batch
     lines = capsys.readouterr().err.splitlines()
     assert [line.split("s ", 1)[1] for line in lines if "tfremat max_batch_size checkpoint_all" in line] == [
-        "batch 1 fits", "batch 2 fits", "batch 4 fits"]
+        "batch 2 fits", "batch 4 fits"]  # the graphs built; the scaled search judges batch 3 on their line
     keras_max_batch_size(model, "1MiB", strategies=["checkpoint_all"], max_batch=2, cost_model="flops", verbose=0)
     assert "tfremat max_batch_size" not in capsys.readouterr().err
     for bad, match in ((dict(strategies=[]), "strategies is empty"), (dict(min_batch="1"), "min_batch must be"),
@@ -223,26 +223,56 @@ def _irregular_chain(layers: int, batch: int):
                    chain.loss_node, dict(chain.forward_of), 16 + 3 * batch, chain.name)
 
 
+def _built_counting(factory, built):
+    def graph_for_batch(batch):
+        built.append(batch)
+        return factory(4, batch)
+
+    return graph_for_batch
+
+
 @pytest.mark.parametrize("budget", [64, 150, 333, 900])
-@pytest.mark.parametrize("factory", [training_chain, _irregular_chain])
-def test_the_scaled_search_finds_the_searchs_answer_from_few_graphs(factory, budget):
-    """Extraction is what makes a search slow: ``scaled`` builds few graphs and, since only
-    built graphs decide, answers as ``search`` does."""
+def test_the_scaled_search_finds_the_searchs_answer_from_two_graphs(budget):
+    """Building a graph is what makes a search slow: ``scaled`` builds batches 2 and 4 and
+    judges the others on their affine extension, which on an affine family is the built
+    graph, so it answers as ``search`` does."""
     built = {"search": [], "scaled": []}
     results = {}
     for method in ("search", "scaled"):
-        def graph_for_batch(batch, method=method):
-            built[method].append(batch)
-            return factory(4, batch)
-
         try:
-            results[method] = max_batch_size(graph_for_batch, budget, method=method, max_batch=512,
-                                             strategy="chen_greedy").batch_size
+            results[method] = max_batch_size(_built_counting(training_chain, built[method]), budget, method=method,
+                                             max_batch=512, strategy="chen_greedy").batch_size
         except InfeasibleBudgetError:
             results[method] = None
     assert results["scaled"] == results["search"]
     if results["search"] is not None and results["search"] > 8:
-        assert len(set(built["scaled"])) <= 6 < len(set(built["search"])), built
+        assert built["scaled"] == [2, 4] and len(set(built["search"])) > 6, built
+
+
+def test_the_scaled_search_judges_on_the_line_through_its_two_graphs():
+    """Where sizes are not affine in the batch (a scratch buffer that grows in steps, none
+    at batches 2 and 4), the scaled answer is the largest batch that fits on the line
+    through the two built graphs, the next one does not fit there, and the built graphs
+    (``search``) disagree: the rule ``scaled`` keeps, not the built graph's verdict."""
+    from tfremat.maxbatch import affine_graphs
+    from tfremat.strategies import get_strategy
+
+    def stepped(batch):
+        chain = training_chain(4, batch)
+        return chain.replaced(workspace_bytes=[0] * (chain.size - 1) + [64 * (batch // 5)])
+
+    result = max_batch_size(stepped, 333, method="scaled", max_batch=512, strategy="chen_greedy")
+    line = affine_graphs(stepped(2), 2, stepped(4), 4)
+    assert result.graph.workspace_bytes == line(result.batch_size).workspace_bytes
+    assert simulate(result.graph, result.schedule).peak_bytes <= 333 and result.cost <= result.cost_cap
+    above = line(result.batch_size + 1)
+    try:
+        schedule = get_strategy("chen_greedy")(above, 333)
+    except InfeasibleBudgetError:
+        schedule = None
+    assert schedule is None or schedule.cost(above) > one_extra_forward_cap(above)
+    search = max_batch_size(stepped, 333, method="search", max_batch=512, strategy="chen_greedy")
+    assert search.batch_size < result.batch_size
 
 
 def test_affine_graphs_pass_through_both_graphs_and_refuse_other_structures():
@@ -309,13 +339,10 @@ def test_the_scaled_search_with_optimal_answers_as_the_search(factory, budget):
         assert len(built["scaled"]) < len(built["search"]), built
 
 
-def test_the_scaled_search_does_not_solve_where_keeping_everything_fits(monkeypatch):
-    """Keeping every value runs each node once, the least cost there is: a batch where it
-    fits needs no solve (``optimal`` spent 18 s on such a ResNet50 batch)."""
+def _counting_optimal(monkeypatch, solved):
+    """Makes the search's ``optimal`` record the name of each graph it solves."""
     import tfremat.maxbatch as maxbatch
-    from tfremat.plan.simulator import checkpoint_all_peak
 
-    solved = []
     real = maxbatch.get_strategy("optimal")
 
     class Counting:
@@ -323,20 +350,69 @@ def test_the_scaled_search_does_not_solve_where_keeping_everything_fits(monkeypa
             return getattr(real, name)
 
         def __call__(self, graph, budget, **options):
-            solved.append(graph.name)
+            solved.append((graph.name, options))
             return real(graph, budget, **options)
 
     monkeypatch.setattr(maxbatch, "get_strategy", lambda name: Counting())
+
+
+def _batch_of(name: str) -> int:
+    return int(name.split("batch ")[1].split(",")[0])
+
+
+def test_the_scaled_search_does_not_solve_where_keeping_everything_fits(monkeypatch):
+    """Keeping every value runs each node once, the least cost there is: a batch where it
+    fits needs no solve (``optimal`` spent 18 s on such a ResNet50 batch)."""
+    from tfremat.plan.simulator import checkpoint_all_peak
+
+    solved = []
+    _counting_optimal(monkeypatch, solved)
     budget = checkpoint_all_peak(training_chain(4, 10))  # keep-everything fits up to batch 10
     result = max_batch_size(lambda b: training_chain(4, b), budget, method="scaled", max_batch=512, threads=1,
                             mip_gap=0.0)
-    assert all(result.tried[b] for b in (1, 2))
+    assert all(result.tried[b] for b in (2, 4, 10))
     assert result.batch_size >= 10 and result.cost <= result.cost_cap
     assert simulate(result.graph, result.schedule).peak_bytes <= budget
-    # Batches 1 and 2 and the scaled ones up to 10 fit without the solver.
-    scaled = [int(name.split("batch ")[1].split(",")[0]) for name in solved if "scaled" in name]
-    assert scaled and min(scaled) > 10, solved
-    assert solved.count("chain4") == sum(1 for batch in result.tried if batch > 10), solved
+    assert all("scaled" in name and _batch_of(name) > 10 for name, _ in solved), solved
+
+
+@pytest.mark.parametrize("budget", [100, 150, 333])
+def test_the_scaled_search_solves_only_above_the_heuristics_reach(monkeypatch, budget):
+    """``optimal`` on the scaled graphs: the keep-everything and eviction schedules certify
+    what they fit, the memory lower bound refuses what it can, and the MILP is asked only at
+    the batch above the best certificate, capped in time and stopped at the first schedule
+    within the overhead cap; on an affine family it answers as the search on built graphs."""
+    from tfremat.maxbatch import affine_graphs
+    from tfremat.plan.eviction import eviction
+
+    solved = []
+    _counting_optimal(monkeypatch, solved)
+    result = max_batch_size(lambda b: training_chain(4, b), budget, method="scaled", max_batch=512, threads=1,
+                            time_limit=600, probe_seconds=30)
+    search = max_batch_size(lambda b: training_chain(4, b), budget, method="search", max_batch=512, threads=1,
+                            mip_gap=0.0)
+    assert result.batch_size == search.batch_size
+    assert simulate(result.graph, result.schedule).peak_bytes <= budget and result.cost <= result.cost_cap
+    probes = [(_batch_of(name), options) for name, options in solved if "scaled" in name]
+    assert probes and probes[-1][0] == result.batch_size + 1, probes  # the last probe refused the next batch
+    line = affine_graphs(training_chain(4, 2), 2, training_chain(4, 4), 4)
+    for batch, options in probes:
+        assert options["time_limit"] == 30 and options["mip_gap"] > 0
+        assert result.tried[batch - 1]  # asked only above a batch that fits
+        try:
+            cheap = eviction(line(batch), budget).cost(line(batch))
+        except InfeasibleBudgetError:
+            cheap = None
+        assert cheap is None or cheap > one_extra_forward_cap(line(batch))  # no heuristic certificate there
+
+
+def test_the_scaled_search_refuses_a_bad_probe_time_and_the_old_quick_method():
+    from tfremat.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="probe_seconds must be"):
+        max_batch_size(lambda b: training_chain(4, b), 64, method="scaled", probe_seconds=0)
+    with pytest.raises(ArgumentError, match="'search', 'scaled' or 'direct'"):
+        max_batch_size(lambda b: training_chain(4, b), 64, method="quick")
 
 
 def test_affine_graphs_keep_a_backward_nodes_workspace_above_its_weight_gradients():
@@ -360,60 +436,3 @@ def test_affine_graphs_keep_a_backward_nodes_workspace_above_its_weight_gradient
         graph = at(batch)
         assert graph.workspace_bytes[graph.size - 1] >= 40 and graph.weight_grad_bytes[0] == 40
     assert at(3).workspace_bytes[at(3).size - 1] == 60
-
-
-@pytest.mark.parametrize("strategy", ["optimal", "chen_greedy"])
-@pytest.mark.parametrize("budget", [40, 64, 150, 333])
-@pytest.mark.parametrize("factory", [training_chain, _irregular_chain])
-def test_the_quick_search_answers_within_a_batch_of_the_search_from_fewer_graphs(factory, budget, strategy):
-    """``quick`` judges the batch above its answer on a graph scaled through the answer's:
-    on an affine family (training_chain) that is the built graph, so it answers exactly as
-    ``search``; where the graphs are not affine, within one batch. It skips batch 1 and the
-    graph above the answer."""
-    results, built = {}, {"search": set(), "quick": set()}
-    for method in ("search", "quick"):
-        def graph_for_batch(batch, method=method):
-            built[method].add(batch)
-            return factory(4, batch)
-
-        try:
-            options = {"threads": 1, "mip_gap": 0.0} if strategy == "optimal" else {}
-            results[method] = max_batch_size(graph_for_batch, budget, method=method, max_batch=512,
-                                             strategy=strategy, **options)
-        except InfeasibleBudgetError:
-            results[method] = None
-    if results["search"] is None:
-        assert results["quick"] is None
-        return
-    quick, search = results["quick"], results["search"]
-    assert quick.method == "quick" and quick.tried[quick.batch_size] is True
-    assert simulate(quick.graph, quick.schedule).peak_bytes <= budget and quick.cost <= quick.cost_cap
-    if factory is training_chain:
-        assert quick.batch_size == search.batch_size
-    else:
-        assert abs(quick.batch_size - search.batch_size) <= 1
-    if search.batch_size > 8:
-        assert len(built["quick"]) < len(built["search"]) and 1 not in built["quick"], built
-
-
-def test_the_quick_search_corrects_a_low_estimate_on_the_line_through_its_answer():
-    """Batch 2's graph is leaner than the line through the others (as a profile's noise can
-    make it), so the line through 2 and 4 undershoots; the line through 4 and the first
-    answer is exact, and the gallop on it reaches the search's answer building one graph
-    more, not one per batch tried."""
-    from tfremat.graph import DFGraph
-
-    def graph_for_batch(batch, built=None):
-        if built is not None:
-            built.append(batch)
-        chain = training_chain(4, batch)
-        size = 2 * batch if batch <= 2 else 4 * batch + 6
-        return DFGraph(chain.names, chain.edges, chain.cost, [size] * chain.size, chain.workspace_bytes,
-                       chain.is_backward, chain.loss_node, dict(chain.forward_of), chain.fixed_bytes, chain.name)
-
-    built = []
-    search = max_batch_size(graph_for_batch, 600, method="search", max_batch=512, threads=1, mip_gap=0.0)
-    quick = max_batch_size(lambda b: graph_for_batch(b, built), 600, method="quick", max_batch=512, threads=1,
-                           mip_gap=0.0)
-    assert quick.batch_size == search.batch_size > 8
-    assert len(built) == 4 and built[:2] == [2, 4] and built[2] < built[3] == quick.batch_size, built

@@ -74,8 +74,9 @@ flags.DEFINE_list("strategies", None, "Comma-separated strategy names (default: 
 flags.DEFINE_list("budgets", None, "Comma-separated budgets for `plot` (default: 30%..100% of the checkpoint-all peak).")
 flags.DEFINE_float("max_overhead", None, "maxbatch: allowed extra compute as a fraction (0.3 = 30%); default one extra forward pass.")
 flags.DEFINE_integer("max_batch", None, "maxbatch: the largest batch size searched (default 4096).")
-flags.DEFINE_enum("method", None, ["quick", "scaled", "search"],
-                  "maxbatch: how batches are searched (tfremat.max_batch_size's method; default: its default).")
+flags.DEFINE_enum("method", None, ["scaled", "search"],
+                  "maxbatch: scaled (default: two graphs built, the rest judged on their line) or search (every batch "
+                  "tried built and solved).")
 flags.DEFINE_string("solver", None, "MILP solver: highs (default) or gurobi (needs a licensed gurobipy).")
 flags.DEFINE_float("bandwidth", None, "Host link in bytes per unit of the graph's cost (bytes per second for profiled "
                    "graphs) for the strategies that offload to host memory (pofo, pofo_ap, autocapper, opportunist); compare and plot "

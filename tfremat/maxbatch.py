@@ -8,8 +8,11 @@ answers that in one of these ways:
 * ``method="search"`` (default): over batch sizes, asking a strategy for the cheapest
   schedule that fits at each size. Works for any ``batch -> graph`` function (profiled
   costs and CPU convolution scratch do not scale linearly) and any strategy.
-* ``method="scaled"`` / ``"quick"``: the search on graphs scaled from few built ones
-  (:func:`_scaled`), for when building a graph (profiling it) is what costs.
+* ``method="scaled"``: two graphs built, every larger batch judged on their affine
+  extension (:func:`_scaled`), for when building a graph (profiling it) is what costs.
+  With ``optimal`` a batch is settled by certificates where they reach (a heuristic's
+  schedule that fits, the memory lower bound) and the MILP is asked only in the gap
+  between them, for any schedule within the overhead cap (:func:`_climb`).
 * ``method="direct"``: Checkmate's formulation. When every output and workspace size is
   proportional to the batch, the fixed bytes are affine in it and the costs scale
   together, the largest batch follows from one MILP, the smallest peak among schedules
@@ -51,6 +54,7 @@ from tfremat.plan.schedule import (
     checkpoint_all_s,
     schedule_from_keep_matrix,
 )
+from tfremat.plan.eviction import eviction
 from tfremat.plan.simulator import simulate
 from tfremat.strategies import get_strategy
 
@@ -69,9 +73,9 @@ class MaxBatchResult:
         graph: its graph.
         cost: the schedule's total cost.
         cost_cap: the largest cost allowed at that batch.
-        tried: every batch size evaluated on its built graph, mapped to whether it fit
-            (``search``, ``scaled``), or the batches whose graphs were built (``direct``).
-        method: ``"search"``, ``"scaled"``, ``"quick"`` or ``"direct"``.
+        tried: every batch size judged, mapped to whether it fit (``scaled``: on its built
+            graph or the scaled one), or the batches whose graphs were built (``direct``).
+        method: ``"search"``, ``"scaled"`` or ``"direct"``.
         upper_bound: a proven upper bound on the largest batch (``direct`` only; equal
             to ``batch_size`` when the peak MILP was solved to optimality).
         reached_max_batch: ``batch_size`` is the ``max_batch`` the search was capped at,
@@ -105,6 +109,7 @@ def max_batch_size(
     max_batch: int = 1 << 16,
     method: str = "search",
     batch_progress: Callable[[int, bool], object] | None = None,
+    probe_seconds: float | None = None,
     **strategy_options,
 ) -> MaxBatchResult:
     """The largest batch whose schedule fits ``budget`` within the compute overhead limit.
@@ -124,14 +129,14 @@ def max_batch_size(
             None uses Checkmate's criterion, one extra forward pass.
         min_batch: the smallest batch to consider.
         max_batch: the largest batch to consider.
-        method: ``"search"``, ``"scaled"`` (the search on graphs scaled from two built ones,
-            checked on built graphs around the answer: few calls of ``graph_for_batch``,
-            see :func:`_scaled`), ``"quick"`` (``scaled`` with the batch above the answer
-            judged on a graph scaled through the answer's, not built: one large graph fewer)
-            or ``"direct"``.
-        batch_progress: called as ``batch_progress(batch, fits)`` after each batch size
-            the search evaluates (``direct`` evaluates none), e.g. to show progress;
-            each is also logged at INFO.
+        method: ``"search"``, ``"scaled"`` (two graphs built, the other batches judged on
+            graphs scaled from them, see :func:`_scaled`; the result's ``graph`` is the
+            scaled one) or ``"direct"``.
+        batch_progress: called as ``batch_progress(batch, fits)`` after each batch whose
+            graph is built (``direct`` reports none), e.g. to show progress; each batch
+            judged is also logged at INFO.
+        probe_seconds: ``scaled`` with ``optimal``: the most seconds a MILP probe above
+            the heuristics' reach gets (None: 20 s, and never more than ``time_limit``).
         **strategy_options: passed to the strategy (for example ``time_limit``); with
             ``direct``, to :func:`min_peak_within_cost` (``strategy`` must stay
             ``"optimal"``).
@@ -164,8 +169,10 @@ def max_batch_size(
             raise ArgumentError("method='direct' extrapolates from two batch sizes; it needs max_batch > min_batch")
         check_options(min_peak_within_cost, strategy_options, "method='direct' (min_peak_within_cost)")
         return _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, strategy_options)
-    if method not in ("search", "scaled", "quick"):
-        raise ArgumentError(f"method must be 'search', 'scaled', 'quick' or 'direct', got {method!r}")
+    if method not in ("search", "scaled"):
+        raise ArgumentError(f"method must be 'search', 'scaled' or 'direct', got {method!r}")
+    if probe_seconds is not None and not (is_number(probe_seconds) and probe_seconds > 0):
+        raise ArgumentError(f"probe_seconds must be a number of seconds > 0 or None, got {probe_seconds!r}")
     solve = get_strategy(strategy)
     check_options(solve, strategy_options, f"strategy {strategy!r}")
     if solve.offloads:
@@ -186,9 +193,10 @@ def max_batch_size(
             batch_progress(batch, ok)
         return ok
 
-    if method in ("scaled", "quick"):
+    if method == "scaled":
         evaluate.keep_all_certifies = strategy == "optimal"
-        return _scaled(graph_for_batch, evaluate, min_batch, max_batch, batch_progress, quick=method == "quick")
+        return _scaled(graph_for_batch, evaluate, min_batch, max_batch, batch_progress,
+                       _PROBE_SECONDS if probe_seconds is None else probe_seconds)
     if not fits(min_batch):
         raise evaluate.refused(min_batch, graph_for_batch(min_batch))
     good = _largest(fits, min_batch, max_batch)
@@ -212,18 +220,27 @@ class _Evaluator:
         # judged without the solver (set by the scaled search).
         self.keep_all_certifies = False
 
-    def __call__(self, batch: int, graph: DFGraph, record: bool = True, time_limit: float | None = None) -> bool:
-        """Whether ``graph`` (at ``batch``) fits; ``record=False`` for an estimate, which is
-        not remembered; ``time_limit`` caps a solver strategy's own limit."""
-        ok, refusal, found = self.judge(batch, graph, record, time_limit)
-        if record:
-            self.tried[batch], self.refusal[batch] = ok, refusal
-            if ok:
-                self.found[batch] = found
-            logger.info("batch %d: %s", batch, "fits" if ok else "does not fit")
+    def __call__(self, batch: int, graph: DFGraph, *, heuristic: Callable | None = None,
+                 time_limit: float | None = None, first_within_cap: bool = False) -> bool:
+        """Whether ``graph`` (at ``batch``) fits, remembered. ``heuristic``: judged by that
+        strategy (called with the graph and budget alone) instead; ``time_limit`` caps a
+        solver strategy's own limit; ``first_within_cap``: the solver may stop at the first
+        schedule within the overhead cap (its ``mip_gap`` is the cap's)."""
+        ok, refusal, found = self.judge(batch, graph, heuristic, time_limit, first_within_cap)
+        self.tried[batch], self.refusal[batch] = ok, refusal
+        if ok:
+            self.found[batch] = found
+        logger.info("batch %d: %s", batch, "fits" if ok else "does not fit")
         return ok
 
-    def judge(self, batch: int, graph: DFGraph, record: bool = False, time_limit: float | None = None):
+    def certify(self, batch: int, schedule: Schedule, graph: DFGraph) -> None:
+        """Records that ``schedule`` fits ``graph`` at ``batch`` (checked by the caller)."""
+        cap = _cost_cap(graph, self.max_overhead)
+        self.tried[batch], self.refusal[batch] = True, "overhead"
+        self.found[batch] = (schedule, graph, schedule.cost(graph), cap)
+
+    def judge(self, batch: int, graph: DFGraph, heuristic: Callable | None = None, time_limit: float | None = None,
+              first_within_cap: bool = False):
         """``(fits, refusal, found)`` for ``graph``: ``found`` is ``(schedule, graph, cost,
         cap)`` when the strategy returned a schedule, else None."""
         cap = _cost_cap(graph, self.max_overhead)
@@ -238,19 +255,24 @@ class _Evaluator:
         if memory_lower_bound(graph) <= self.budget:
             refusal = "schedule"
             try:
-                options = dict(self.options)
-                if time_limit is not None and self.solve.takes_solver_options:
-                    given = options.get("time_limit")
-                    options["time_limit"] = time_limit if given is None else min(given, time_limit)
-                schedule = self.solve(graph, self.budget, **options)
+                options = {} if heuristic is not None else dict(self.options)
+                if heuristic is None and self.solve.takes_solver_options:
+                    if time_limit is not None:
+                        given = options.get("time_limit")
+                        options["time_limit"] = time_limit if given is None else min(given, time_limit)
+                    if first_within_cap and graph.total_cost > 0:
+                        # HiGHS stops at a gap g once cost <= bound / (1 - g); the bound is at
+                        # least the no-remat cost, so this g stops no later than the cap.
+                        extra = max(cap / graph.total_cost - 1, 0.0)
+                        options["mip_gap"] = extra / (1 + extra)
+                schedule = (heuristic or self.solve)(graph, self.budget, **options)
             except InfeasibleBudgetError as exc:
                 refusal = "memory" if exc.proven else "schedule"
                 schedule = None
             except SolverTimeLimitError as exc:
                 # Counted as not fitting, though nothing proved it: say so where it shows (an
                 # estimate only guides the search, so it is not shown).
-                logger.log(logging.WARNING if record else logging.DEBUG,
-                           "batch %d counts as not fitting: %s found no schedule (%s)", batch, self.strategy, exc)
+                logger.warning("batch %d counts as not fitting: %s found no schedule (%s)", batch, self.strategy, exc)
                 schedule = None
             if schedule is not None:
                 # With offloading, the step's time includes its waits for host copies.
@@ -310,145 +332,102 @@ def _bisect(fits: Callable[[int], bool], good: int, bad: int) -> int:
     return good
 
 
-# A solver strategy's time limit on a scaled graph: an estimate only guides which batches
-# are extracted, and each of the several estimates a search makes would otherwise take as
-# long as a real solve.
-_ESTIMATE_SECONDS = 10.0
-# Estimates the scaled search makes (each refitted through the previous, too optimistic
-# one) before it gallops from what is known to fit.
-_SCALED_ROUNDS = 4
+# Seconds an ``optimal`` probe of the scaled search gets above the heuristics' reach (at most
+# the strategy's own time_limit). On ResNet50 at 64x64 and 400 MB (benchmarks/maxbatch.py)
+# eviction reaches batch 156 and the MILP found no schedule within the cap at 157-160 in
+# 420 s per batch either: a longer probe buys minutes, not batches.
+_PROBE_SECONDS = 20.0
 
 
 def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: int, batch_progress,
-            quick: bool = False) -> MaxBatchResult:
-    """``method="scaled"``: the search on graphs scaled from two extracted ones, checked by
-    extracting the graphs on either side of the answer.
+            probe_seconds: float) -> MaxBatchResult:
+    """``method="scaled"``: the search on graphs scaled from two built ones.
 
-    Extraction (profiling every layer) is what makes a search slow, and a graph's sizes
-    and costs are nearly affine in the batch; so graphs are extracted at ``min_batch`` and
-    twice it, the search runs on their affine extension (:func:`affine_graphs`), and the
-    answer ``B`` is checked by extracting it: when it does not fit, the line is refitted
-    through it and the search repeats below it; from the largest extracted batch that fits,
-    extracted batches above it are tried in doubling steps and the gap bisected
-    (:func:`_gallop`), so an estimate a few batches off costs a few extractions.
-
-    ``quick``: the line starts from twice and four times ``min_batch`` (``min_batch``
-    itself is built only when twice it does not fit: at batch 1 a batch-norm gradient can
-    differ, so batch 1 was built in vain), and once ``B`` fits the batches above it are
-    judged at the strategy's full time limit on the graphs scaled through ``B``'s and an
-    anchor (:func:`_anchor_for`), galloping up from ``B``, not built; only the largest that
-    fits there is built and checked (when it does not fit, the gallop between it and ``B``
-    builds graphs).
-    A graph built per answer, not per batch tried near it; profiling noise between two
-    adjacent batches can make the answer one batch off what ``scaled`` finds. A solver
-    strategy gets at most ``_ESTIMATE_SECONDS`` per estimate, where it often finds only a
-    heuristic's schedule: estimates tend to be low, and the gallop corrects them. With
-    ``optimal`` a batch whose keep-everything schedule fits is judged without a solve, and
-    the estimates search only between the bounds of :func:`_bracketed_estimate`. Only
-    extracted graphs decide: the result is the same as ``method="search"`` wherever
-    feasibility is monotone in the batch.
+    Building a graph (profiling every layer) is what makes a search slow, and a graph's
+    sizes and costs are nearly affine in the batch (on ResNet50 the bytes of the line
+    through batches 2 and 4 match batch 150's built graph to 0.02%; costs drift, which moves
+    only the overhead cap's verdict). So graphs are built at twice and four times
+    ``min_batch`` (``min_batch`` itself only when twice it does not fit: at batch 1 a
+    batch-norm gradient can differ) and every larger batch is judged on their affine
+    extension (:func:`affine_graphs`), by :func:`_climb` for ``optimal`` and by the
+    strategy itself otherwise. The answer ``B`` fits on its scaled graph; ``B + 1`` is
+    refused there (for ``optimal``: proven by the memory lower bound, or no schedule within
+    the cap found by the heuristics nor by a probe of ``probe_seconds``).
     """
     extracted: dict[int, DFGraph] = {}
 
     def exact(batch: int) -> bool:
-        if batch in extracted:
-            return evaluate.tried[batch]
-        extracted[batch] = graph_for_batch(batch)
-        ok = evaluate(batch, extracted[batch])
-        if batch_progress is not None:
-            batch_progress(batch, ok)
-        return ok
+        if batch not in extracted:
+            extracted[batch] = graph_for_batch(batch)
+            ok = evaluate(batch, extracted[batch])
+            if batch_progress is not None:
+                batch_progress(batch, ok)
+        return evaluate.tried[batch]
 
     low, high = min_batch, max_batch + 1  # low fits; high does not (max_batch + 1: not searched)
-    if quick and 2 * min_batch <= max_batch:
-        # Whether min_batch fits is judged only when twice it does not (monotone feasibility).
-        if exact(2 * min_batch):
-            low = 2 * min_batch
-            if 4 * min_batch <= max_batch:
-                if exact(4 * min_batch):
-                    low = 4 * min_batch
-                else:
-                    high = 4 * min_batch
-        else:
-            high = 2 * min_batch
-            if not exact(min_batch):
-                raise evaluate.refused(min_batch, extracted[min_batch])
-    else:
-        if not exact(min_batch):
-            raise evaluate.refused(min_batch, extracted[min_batch])
-        second = min(2 * min_batch, max_batch)
-        if second > low:
-            if exact(second):
-                low = second
-            else:
-                high = second
-    for _ in range(_SCALED_ROUNDS):
-        if high - low <= 1:
+    for batch in (2 * min_batch, 4 * min_batch):
+        if batch > max_batch:
             break
-        pair = _anchors(extracted)
-        if pair is None:
-            # No two extracted graphs share their structure (batch 1 can differ: a batch-norm
-            # gradient that reads its output at batch 1 only): extract the next doubling.
-            candidate = 2 * max(extracted)
-            if candidate >= high:
-                break
-            if exact(candidate):
-                low = candidate
-            else:
-                high = candidate
-            continue
+        if not exact(batch):
+            high = batch
+            break
+        low = batch
+    if low == min_batch and not exact(min_batch):
+        raise evaluate.refused(min_batch, extracted[min_batch])
+    while high - low > 1 and _anchors(extracted) is None:
+        # No two built graphs share their structure (batch 1 can differ): build the next doubling.
+        candidate = 2 * max(extracted)
+        if candidate >= high:
+            break
+        if exact(candidate):
+            low = candidate
+        else:
+            high = candidate
+    pair = _anchors(extracted)
+    if high - low > 1 and pair is not None:
         near, far = pair
         scaled = affine_graphs(extracted[near], near, extracted[far], far)
+        judge = lambda batch: evaluate(batch, scaled(batch))  # noqa: E731
         if evaluate.strategy == "optimal":
-            estimate = _bracketed_estimate(scaled, evaluate, low, high)
+            low = _climb(scaled, evaluate, low, high, probe_seconds)
         else:
-            estimate = _largest(lambda b: evaluate(b, scaled(b), record=False, time_limit=_ESTIMATE_SECONDS),
-                                low, high - 1)
-        logger.info("batch %d fits on graphs scaled from batches %d and %d", estimate, near, far)
-        if estimate == low:
-            break
-        if exact(estimate):
-            low = estimate
-            break
-        high = estimate  # too optimistic: estimate again, through this batch too
-    anchor = _anchor_for(extracted, low)
-    if quick and low + 1 < high and low == max(extracted) and anchor is not None:
-        # The line through the answer's own graph, solved at the strategy's full time limit:
-        # the short estimates undershoot by a few batches near the boundary.
-        line = affine_graphs(extracted[anchor], anchor, extracted[low], low)
-        top = _gallop(lambda batch: evaluate(batch, line(batch), record=False), low, high)
-        logger.info("batch %d fits and %d does not on graphs scaled through batches %d and %d", top, top + 1,
-                    anchor, low)
-        if top == low or exact(top):
-            return evaluate.result(top, max_batch, method="quick")
-        high = top
-    low = _gallop(exact, low, high)
-    return evaluate.result(low, max_batch, method="quick" if quick else "scaled")
+            low = _largest(judge, low, high - 1)
+        logger.info("batch %d fits on graphs scaled from batches %d and %d", low, near, far)
+    return evaluate.result(low, max_batch, method="scaled")
 
 
-def _anchor_for(extracted: Mapping[int, DFGraph], batch: int) -> int | None:
-    """The other end of the line through ``batch``'s graph: the largest extracted batch of
-    its structure at most half of it (far enough that profiling noise barely tilts the
-    line, near enough that the smallest batches' noise does not), else the smallest; or None."""
-    same = sorted(b for b in extracted if b < batch and _same_structure(extracted[b], extracted[batch]))
-    if not same:
-        return None
-    halves = [b for b in same if 2 * b <= batch]
-    return halves[-1] if halves else same[0]
+def _climb(scaled: Callable[[int], DFGraph], evaluate: "_Evaluator", low: int, high: int,
+           probe_seconds: float) -> int:
+    """The largest batch in ``[low, high)`` that ``optimal`` fits on the scaled graphs, given
+    that ``low`` fits, found from certificates and solving only where they leave a gap.
 
+    From below: the keep-everything schedule (the least cost there is) and then
+    ``eviction``'s schedule (the portfolio's best on training graphs, and ``optimal``
+    starts from it) certify the batches they fit, each carried up as far as it fits
+    (:func:`_reach`: a fixed schedule's peak is convex in the batch); from above, no batch
+    whose :func:`memory_lower_bound` exceeds the budget fits. In the gap, the batch above
+    the best certificate gets one ``optimal`` probe of at most ``probe_seconds``, stopped at
+    the first schedule within the overhead cap (Checkmate sec. 6.3 asks only for a schedule
+    that fits, not the cheapest); each schedule found is carried up and the next batch
+    probed, until a probe finds none. Every batch judged is recorded.
+    """
+    def carry(schedule: Schedule, start: int) -> int:
+        top = _reach(schedule, scaled, evaluate, start, high)
+        if top > start:
+            evaluate.certify(top, schedule, scaled(top))
+        return top
 
-def _bracketed_estimate(scaled: Callable[[int], DFGraph], evaluate: "_Evaluator", low: int, high: int) -> int:
-    """The largest batch in ``[low, high)`` that fits on the scaled graphs, solving only
-    between two bounds that cost no solve: the keep-everything schedule's peak grows with
-    the batch, so the batches it fits fit (:func:`_reach`, simulations only; its cost is
-    the least there is); above the largest batch whose :func:`memory_lower_bound` is
-    within the budget none does. Each probe between them solves for at most
-    ``_ESTIMATE_SECONDS``."""
     keep_all = schedule_from_keep_matrix(scaled(low), checkpoint_all_s(scaled(low)), "checkpoint_all")
     if evaluate.fits_as_is(keep_all, scaled(low)):
-        low = _reach(keep_all, scaled, evaluate, low, high)
+        low = carry(keep_all, low)
     high = min(high, _gallop(lambda b: memory_lower_bound(scaled(b)) <= evaluate.budget, low, high) + 1)
-    return _bisect(lambda b: evaluate(b, scaled(b), record=False, time_limit=_ESTIMATE_SECONDS), low, high)
+    if low in evaluate.found:
+        low = carry(evaluate.found[low][0], low)  # a built batch's schedule, carried up the line
+    low = _bisect(lambda b: evaluate(b, scaled(b), heuristic=eviction), low, high)
+    low = carry(evaluate.found[low][0], low)
+    while low + 1 < high and evaluate(low + 1, scaled(low + 1), time_limit=probe_seconds, first_within_cap=True):
+        low = carry(evaluate.found[low + 1][0], low + 1)
+    return low
 
 
 def _reach(schedule: Schedule, scaled: Callable[[int], DFGraph], evaluate: "_Evaluator", low: int, high: int) -> int:
