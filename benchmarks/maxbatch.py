@@ -1,16 +1,17 @@
-"""Batch-size search on a Keras model: extracting every batch tried against scaling two.
+"""Batch-size search on a Keras model: how long ``tfremat.max_batch_size`` takes and what it answers.
 
-``tfremat.max_batch_size`` with ``method="search"`` extracts (profiles) the model's graph at
-every batch size the doubling-then-bisection tries; ``method="scaled"`` extracts two, searches
-on graphs scaled from them and extracts only the batches around the answer; ``"quick"``
-extracts batches 2 and 4 and the answer, judging the batches above it on graphs scaled through
-the answer's. Each method runs in its own process with its own empty cache directory, one
-after the other, and the table gives the answer, the wall and CPU time (the process's, solver
-threads included), the load average before the run and the batches extracted. Profiled costs
-vary between runs, so near the boundary a batch can fit in one run and not in the other.
+Each run is ``tfremat.max_batch_size(model, budget, strategies=[strategy], method=M)`` in a fresh
+process, timed from the call (wall and process CPU seconds, solver threads included), with the
+time spent building graphs (``extract``) and every batch the search judged, in order, with its
+verdict and the second it was settled. A run ``scaled:S`` is the careful reference: the same
+search whose MILP probes (and time limit) get S seconds. Runs share one profile cache
+directory (fresh unless ``--cache`` names one), so a later run reads the graphs the first one
+profiled: the runs then differ in the search alone. The machine's load average is recorded
+before and after each run.
 
-Run: ``python benchmarks/maxbatch.py`` (writes ``benchmarks/results/maxbatch.md``);
-``--methods scaled,quick --out benchmarks/results/maxbatch_quick.md`` for the two fast ones.
+Run: ``python benchmarks/maxbatch.py`` (the default ``scaled``, writes
+``benchmarks/results/maxbatch.md``); ``--runs scaled,scaled:900`` adds the reference whose
+probes get 900 s; ``--runs search`` builds every batch tried.
 """
 
 from __future__ import annotations
@@ -28,31 +29,54 @@ sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
 
 from provenance import header  # noqa: E402
 
-# One run of one method, in a fresh process (its own profile cache, no warm state).
+# One run in a fresh process: extraction timed by wrapping it, judged batches read from the log.
 _RUN = """
-import json, os, sys, time
+import json, logging, os, sys, time
 sys.path.insert(0, {root!r})
 import tfremat
+import tfremat.extract.extractor as extractor
 from tfremat.applications import build_application
 model = build_application({model!r}, {shape!r}, num_classes=10)
 model.compile(optimizer="sgd", loss="categorical_crossentropy")
+built, judged, real = [], [], extractor.extract
+def timed(*args, **kwargs):
+    began = time.perf_counter()
+    out = real(*args, **kwargs)
+    built.append((int(kwargs["sample_batch"][0].shape[0]), time.perf_counter() - began))
+    return out
+extractor.extract = timed
+class Judged(logging.Handler):
+    def emit(self, record):
+        if record.msg == "batch %d: %s":
+            judged.append((record.args[0], record.args[1] == "fits", round(time.perf_counter() - started, 1)))
+logging.getLogger("tfremat.maxbatch").addHandler(Judged())
+logging.getLogger("tfremat.maxbatch").setLevel(logging.INFO)
+options = {options!r}
+if {probe!r} is not None:
+    import tfremat.maxbatch
+    tfremat.maxbatch._PROBE_SECONDS = {probe!r}  # tfremat.max_batch_size passes no probe_seconds
 load = os.getloadavg()[0]
 started, cpu = time.perf_counter(), time.process_time()
-result = tfremat.max_batch_size(model, {budget!r}, strategies=[{strategy!r}], method={method!r}, verbose=1)[{strategy!r}]
+result = tfremat.max_batch_size(model, {budget!r}, strategies=[{strategy!r}], method={method!r}, verbose=0,
+                                **options)[{strategy!r}]
 print(json.dumps({{"batch": result.batch_size, "seconds": time.perf_counter() - started,
-                  "cpu": time.process_time() - cpu, "load": load,
-                  "extracted": sorted(result.tried), "fits": [b for b, ok in sorted(result.tried.items()) if ok]}}))
+                  "cpu": time.process_time() - cpu, "load": load, "load_after": os.getloadavg()[0],
+                  "built": built, "judged": judged, "cost": result.cost / result.graph.total_cost,
+                  "cap": result.cost_cap / result.graph.total_cost}}))
 """
 
 
-def run(method: str, args) -> dict:
-    with tempfile.TemporaryDirectory() as cache:
-        code = _RUN.format(root=ROOT, model=args.model, shape=tuple(args.input_shape), budget=args.budget,
-                           strategy=args.strategy, method=method)
-        env = {**os.environ, "TFREMAT_CACHE_DIR": cache, "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+def run(spec: str, args, cache: str) -> dict:
+    """``spec``: a method, or ``scaled:S`` for probes (and the time limit) of S seconds."""
+    method, _, seconds = spec.partition(":")
+    options = {"time_limit": float(seconds)} if seconds else {}
+    probe = float(seconds) if seconds else args.probe_seconds
+    code = _RUN.format(root=ROOT, model=args.model, shape=tuple(args.input_shape), budget=args.budget,
+                       strategy=args.strategy, method=method, options=options, probe=probe)
+    env = {**os.environ, "TFREMAT_CACHE_DIR": cache, "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise SystemExit(f"{method} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{spec} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -62,24 +86,33 @@ def main(argv=None):
     parser.add_argument("--input_shape", default="64,64,3", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--budget", default="400MB")
     parser.add_argument("--strategy", default="optimal")
-    parser.add_argument("--methods", default="search,scaled,quick", type=lambda s: s.split(","))
+    parser.add_argument("--runs", default="scaled", type=lambda s: s.split(","),
+                        help="methods to run in turn; scaled:S is scaled with S-second probes and time limit")
+    parser.add_argument("--probe_seconds", type=float, default=None, help="probe seconds of plain scaled runs")
+    parser.add_argument("--cache", default=None, help="profile cache directory (default: a fresh one)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "maxbatch.md"))
     args = parser.parse_args(argv)
-    rows = {method: run(method, args) for method in args.methods}
+    with tempfile.TemporaryDirectory() as fresh:
+        cache = args.cache or fresh
+        rows = []
+        for spec in args.runs:
+            rows.append((spec, run(spec, args, cache)))
+            print(spec, json.dumps(rows[-1][1]), flush=True)
     shape = ",".join(map(str, args.input_shape))
     lines = [
-        "# Batch-size search: every batch extracted, or two scaled", "", header(argv), "",
+        "# Batch-size search: time and answer", "", header(argv), "",
         f"{args.model} at {shape}, budget {args.budget}, strategy {args.strategy}, the default overhead cap "
-        "(one extra forward pass), 60 s per solve, cold caches.", "",
-        "| method | largest batch | wall s | CPU s | load before | batches extracted | extracted |",
+        "(one extra forward pass). Runs in turn, sharing one profile cache (the first run profiles cold).", "",
+        "| run | largest batch | wall s | CPU s | load before / after | built (batch: s) | cost / cap |",
         "|---|---|---|---|---|---|---|",
     ]
-    for method, row in rows.items():
-        lines.append(f"| {method} | {row['batch']} | {row['seconds']:.0f} | {row['cpu']:.0f} | {row['load']:.1f} | "
-                     f"{len(row['extracted'])} | {', '.join(map(str, row['extracted']))} |")
-    first = next(iter(rows))
-    lines += [""] + [f"{method} / {first} wall time: {row['seconds'] / rows[first]['seconds']:.2f}."
-                     for method, row in rows.items() if method != first]
+    for spec, row in rows:
+        built = ", ".join(f"{b}: {s:.0f}" for b, s in row["built"])
+        lines.append(f"| {spec} | {row['batch']} | {row['seconds']:.0f} | {row['cpu']:.0f} | "
+                     f"{row['load']:.1f} / {row['load_after']:.1f} | {built} | {row['cost']:.3f} / {row['cap']:.3f} |")
+    lines += ["", "Batches judged, in order (batch, fits, seconds into the run):", ""]
+    lines += [f"- {spec}: " + ", ".join(f"{b} {'y' if ok else 'n'} {s:g}" for b, ok, s in row["judged"])
+              for spec, row in rows]
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -210,10 +210,9 @@ def max_batch_size(
 
     Checkmate's criterion by default: the schedule may cost at most one extra forward
     pass; ``max_overhead`` (e.g. 0.3 for 30%) sets another cap. By default
-    (``method="scaled"``) the graph is extracted at the smallest batch and twice it, the
-    search runs on graphs scaled from those, and the answer is checked by extracting the
-    batches on either side of it (:func:`tfremat.maxbatch.max_batch_size`); ``"search"``
-    extracts every batch size tried. The default "profile" cost model measures each node's
+    (``method="scaled"``) the graph is extracted at twice and four times the smallest
+    batch and every other batch is judged on graphs scaled from those
+    (:func:`tfremat.maxbatch.max_batch_size`); ``"search"`` extracts every batch size tried. The default "profile" cost model measures each node's
     workspace (on CPU a convolution's gradient can need tens of MiB of scratch), which
     "flops" leaves at zero, so keep "profile" when the answer must fit.
 
@@ -228,8 +227,7 @@ def max_batch_size(
         min_batch, max_batch: the batch sizes searched. When ``max_batch`` itself fits,
             the result's ``reached_max_batch`` is True and a warning is logged: the
             largest batch may be larger.
-        method: ``"scaled"`` (default) or ``"search"``; only extracted graphs decide
-            either way.
+        method: ``"scaled"`` (default) or ``"search"`` (only extracted graphs decide).
         granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
         cache: False (or None) turns the profile cache off (the search uses no schedule
             cache); True or a directory leaves it on.
