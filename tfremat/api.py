@@ -213,8 +213,9 @@ def max_batch_size(
     (``method="scaled"``) the graph is extracted at twice and four times the smallest
     batch and every other batch is judged on graphs scaled from those
     (:func:`tfremat.maxbatch.max_batch_size`); ``"search"`` extracts every batch size
-    tried. The default "profile" cost model measures each node's workspace (on CPU a convolution's gradient can need tens of MiB of scratch), which
-    "flops" leaves at zero, so keep "profile" when the answer must fit.
+    tried. The default "profile" cost model measures each node's workspace (on CPU a
+    convolution's gradient can need tens of MiB of scratch), which "flops" leaves at zero,
+    so keep "profile" when the answer must fit.
 
     Args:
         model: a Keras model whose inputs have static shapes apart from the batch.
