@@ -71,6 +71,26 @@ def test_stall_time_ends_optimal_early_never_worse_than_the_best_heuristic():
         assert facts.gap > 1e-4
 
 
+@pytest.mark.parametrize("stall_time, milp_runs", [(1e-3, False), (1e6, True)])
+def test_the_milp_is_skipped_when_its_root_lp_would_outlast_the_stall_rule(monkeypatch, stall_time, milp_runs):
+    """With stall_time, an LP that took half of it in CPU seconds means the MILP's root LP
+    (not interruptible) would too, and the rule would stop the search right after it: the
+    best start comes back with the LP's bound and the relaxation's size."""
+    import tfremat.ilp.milp as milp
+
+    solves = []
+    solve = milp.solve_model
+    monkeypatch.setattr(milp, "solve_model", lambda *a, **k: solves.append(k) or solve(*a, **k))
+    graph, budget = tight_case()
+    schedule = solve_optimal(graph, budget, threads=1, time_limit=60, stall_time=stall_time)
+    facts = schedule.facts
+    assert bool(solves) == milp_runs
+    assert facts.num_vars == build_milp(graph, budget, exact_stages=()).num_vars
+    assert facts.best_bound > graph.total_cost  # the LP's bound, above the no-remat floor
+    best, _ = best_baseline(graph, budget, 0.0)
+    assert schedule.cost(graph) <= best.cost(graph) * (1 + 1e-9)
+
+
 def test_stall_time_is_checked_and_defaulted_by_the_high_level_api():
     with pytest.raises(ArgumentError, match="stall_time must be a positive number"):
         solve_optimal(random_training_graph(0, 4), None, stall_time=0)

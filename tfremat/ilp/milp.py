@@ -89,6 +89,10 @@ _PRESOLVE_MAX_COLUMNS = 20_000
 UNITS_TIME_SHARE = 0.6
 # Share of monet's time_limit for optimal's schedules that start its MILP (_optimal_starts).
 STARTS_TIME_SHARE = 0.5
+# With stall_time, the MILP is skipped when the relaxation's LP took at least this share of
+# it in CPU seconds: the MILP's root LP, which the stall rule cannot interrupt, takes about
+# as long, and the rule stops the search right after it (benchmarks/latency.py).
+ROOT_STALL_SHARE = 0.5
 # Seconds kept after the MILP for simulating its solution.
 _FINISH_SECONDS = 0.5
 # Seconds kept after the heuristics for returning the best of them.
@@ -233,7 +237,8 @@ def solve_optimal(
         stall_time: stop RINS and the MILP once this many seconds of CPU time pass without
             a better solution (:func:`~tfremat.ilp.solvers.solve_model`), skip the MILP when the
             relaxation's LP did not finish in its share of the time (the MILP's root LP would
-            not either), and return the best schedule that fits, status ``feasible`` with its
+            not either) or took half of ``stall_time`` in CPU seconds (the rule would stop
+            the MILP right after its root LP), and return the best schedule that fits, status ``feasible`` with its
             gap (``optimal`` when within ``mip_gap`` of the bound). None or ``math.inf``: run
             to the time limit.
 
@@ -371,6 +376,16 @@ def _solve_optimal(graph, budget_bytes, incumbent, problem, *, began, solver, ti
                              threads=threads, seed=seed, stall_time=stall_time)
             incumbent.offer(baseline)
             report_incumbent(progress, began, baseline.cost(graph), lp_bound)
+        if baseline is not None and stall_time is not None and lp.cpu_seconds >= ROOT_STALL_SHARE * stall_time:
+            # HiGHS solves the root LP again, without the stall rule's check, and the rule
+            # stops the MILP soon after: it searched for nothing (gpt2_hub_6 at 30%,
+            # benchmarks/latency.py: 8 of 23 CPU seconds, no better schedule).
+            logger.info("%s: the relaxation's LP took %.1f CPU s, at least %.0f%% of stall_time=%ss; the MILP is "
+                        "skipped and the best start returned", problem.strategy, lp.cpu_seconds,
+                        100 * ROOT_STALL_SHARE, stall_time)
+            return _baseline_result(graph, baseline, SolveStatus.FEASIBLE, began, budget_bytes, problem,
+                                    bound=lp_bound, mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap,
+                                    model=model, solver=solver)
     return _solve_with_stage_rows(
         graph, model, baseline, smallest_peak, lp.best_bound if lp is not None else None, problem, began=began,
         solver=solver, time_limit=time_limit, mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap,
@@ -551,14 +566,20 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, prob
     ), strategy=problem.strategy)
 
 
-def _baseline_result(graph, baseline, status, began, budget_bytes, problem) -> Schedule:
-    """A baseline returned without a solver, bounded by the no-remat cost."""
+def _baseline_result(graph, baseline, status, began, budget_bytes, problem, bound=None, mip_gap=None, model=None,
+                     solver=None) -> Schedule:
+    """A baseline returned without the MILP, bounded by ``bound`` (default: the no-remat
+    cost); optimal when within ``mip_gap`` of it. ``model``: the relaxation whose LP gave
+    ``bound``, for its size in the facts."""
     cost = baseline.cost(graph)
+    bound = problem.cost_floor(graph) if bound is None else bound
+    if mip_gap is not None and relative_gap(cost, bound) <= mip_gap:
+        status = SolveStatus.OPTIMAL
     return baseline.with_facts(SolverFacts(
-        status=status, objective=cost, best_bound=min(problem.cost_floor(graph), cost),
-        seconds=time.perf_counter() - began, solve_seconds=0.0, num_vars=0, num_constraints=0, solver=None,
-        warm_start=baseline.strategy, peak_bytes=known_peak(graph, baseline), budget_bytes=budget_bytes,
-        exact_stages=0,
+        status=status, objective=cost, best_bound=min(bound, cost),
+        seconds=time.perf_counter() - began, solve_seconds=0.0, num_vars=model.num_vars if model else 0,
+        num_constraints=model.num_constraints if model else 0, solver=solver, warm_start=baseline.strategy,
+        peak_bytes=known_peak(graph, baseline), budget_bytes=budget_bytes, exact_stages=0,
     ), strategy=problem.strategy)
 
 

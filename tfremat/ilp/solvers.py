@@ -98,6 +98,8 @@ class SolveResult:
         solver: backend name.
         stalled: the MILP was stopped by its ``stall_time`` (status ``feasible``, or
             ``no_solution`` without one).
+        cpu_seconds: the process's CPU seconds during the solve (the stall rule's clock;
+            set by :func:`solve_model`, None from a backend alone).
     """
 
     x: np.ndarray | None
@@ -108,6 +110,7 @@ class SolveResult:
     seconds: float
     solver: str
     stalled: bool = False
+    cpu_seconds: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "status", SolveStatus(self.status))
@@ -207,6 +210,7 @@ def solve_model(
         )
         report_progress(progress, scaled)
 
+    cpu_began = time.process_time()
     if lp_method in _STOPPABLE_LP_METHODS and relax:
         result = _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit, presolve, None,
                               lp_method)
@@ -216,6 +220,7 @@ def solve_model(
         result,
         objective=None if result.objective is None else result.objective * unit,
         best_bound=None if result.best_bound is None else result.best_bound * unit,
+        cpu_seconds=time.process_time() - cpu_began,
     )
 
 
