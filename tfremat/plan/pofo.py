@@ -398,6 +398,10 @@ class _Pofo:
         self.cd = np.full((rows, S + 2, S + 1), math.inf)
         self.cd_choice = np.full((rows, S + 1, S + 1), -1, dtype=np.int16)
         A, D = np.arange(S + 1)[:, None], np.arange(S + 1)[None, :]
+        # Case 2 is evaluated only where A + Delta <= S (Lemma 1: elsewhere inf), about half
+        # of the (A, Delta) grid: `packed` holds each row at those pairs, in row-major order.
+        pair_a, pair_d = np.nonzero(A + D <= S)
+        packed = np.full((rows, len(pair_a)), math.inf)
         for j in range(1, n + 1):
             if time_is_up(allow_step=False):
                 raise _OutOfTime
@@ -408,15 +412,17 @@ class _Pofo:
                 else:
                     best = self._cd_all(i, j, A, D)[0]
                     # C_Delta(i, s) for s = i .. j-1 are consecutive rows of the table.
-                    left = self.cd[self.cd_offsets[i] : self.cd_offsets[i] + j - i, : S + 1]
-                    total = self._cd_ck(i, j, np.arange(i, j)[:, None, None], A[None], D[None], left)[0]
+                    left = packed[self.cd_offsets[i] : self.cd_offsets[i] + j - i]
+                    total = self._cd_ck(i, j, np.arange(i, j)[:, None], pair_a[None], pair_d[None], left)[0]
                     split = np.argmin(total, axis=0)
-                    values = total.min(axis=0)
-                    better = values < best
-                    best = np.where(better, values, best)
-                    self.cd_choice[row] = np.where(better, i + split, -1)
+                    values = np.take_along_axis(total, split[None], 0)[0]
+                    better = values < best[pair_a, pair_d]
+                    at = (pair_a[better], pair_d[better])
+                    best[at] = values[better]
+                    self.cd_choice[row][at] = i + split[better]
                 best[A + D > S] = math.inf  # Lemma 1's m_min = M_GPU - A - Delta >= 0
                 self.cd[row, : S + 1] = best
+                packed[row] = best[pair_a, pair_d]
 
     # ----- forward phase: OC_x (appendix B.1, B.2) -----
 
