@@ -6,7 +6,9 @@ two profiles (``|a - b| / min(a, b)``; median, 90th percentile and worst, over a
 and over the large nodes: the fewest, largest first, that make half the step), the largest difference as a share of the
 step (what moves a plan), the ratio of the two steps' total costs, the profiling seconds,
 whether ``optimal`` at 60% of activations picks the same schedule from both graphs, and
-the share of the checkpoint-all peak that ``"min"`` resolves to on each.
+the share of the checkpoint-all peak that ``"min"`` resolves to on each. The large nodes are
+also compared by their shares of each profile's step, which a load that slows a whole
+profile does not move.
 
 Run: ``python benchmarks/profile_agreement.py`` (writes
 ``benchmarks/results/profile_agreement.md``; ``--only`` takes model names, comma separated,
@@ -37,7 +39,7 @@ import models  # noqa: E402
 from provenance import header  # noqa: E402
 
 from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError  # noqa: E402
-from tfremat.extract import extract  # noqa: E402
+from tfremat.extract import analysis, extract  # noqa: E402
 from tfremat.planner import plan_graph  # noqa: E402
 
 logger = logging.getLogger("benchmarks.profile_agreement")
@@ -84,6 +86,10 @@ def agreement(name, time_limit):
         seconds.append(extraction.profile_seconds)
     a, b = (np.asarray(g.cost, dtype=float) for g in graphs)
     rel = np.abs(a - b) / np.maximum(np.minimum(a, b), 1e-12)
+    # The same on shares of each profile's step: what the solvers see (their choices do not
+    # change when every cost is scaled by one factor, as a load that slows a whole profile does).
+    share_a, share_b = a / a.sum(), b / b.sum()
+    rel_share = np.abs(share_a - share_b) / np.maximum(np.minimum(share_a, share_b), 1e-12)
     order = np.argsort(-a)
     large = np.zeros(len(a), bool)
     large[order[:int(np.searchsorted(np.cumsum(a[order]), LARGE_SHARE * a.sum())) + 1]] = True
@@ -96,6 +102,7 @@ def agreement(name, time_limit):
         "model": name, "nodes": len(a), "median": np.median(rel), "p90": np.quantile(rel, 0.9), "worst": rel.max(),
         "worst_node": graphs[0].names[int(rel.argmax())], "large": int(large.sum()),
         "large_median": np.median(rel[large]), "large_worst": rel[large].max(),
+        "share_median": np.median(rel_share[large]), "share_worst": rel_share[large].max(),
         "step_share": (np.abs(a - b) / a.sum()).max(), "totals": b.sum() / a.sum(), "seconds": seconds,
         "same_schedule": same, "min": mins, "load": os.getloadavg()[0],
     }
@@ -113,19 +120,24 @@ def render(rows, argv):
         "`|a - b| / min(a, b)` per node; `large`: the fewest nodes, largest first, that make "
         f"{100 * LARGE_SHARE:.0f}% of the step; `step`: the largest `|a - b|` as a share of the step; "
         "`totals`: second step's total cost over the first's; `schedule`: `optimal` at "
-        f"{BUDGET} picks the same R and S from both; `min`: the share of the checkpoint-all peak "
+        f"{BUDGET} picks the same R and S from both; `large shares`: `rel` of the large nodes' "
+        "shares of their profile's step (the solvers' choices do not change when every cost is scaled by "
+        "one factor); `min`: the share of the checkpoint-all peak "
         "`\"min\"` resolves to, first and second profile; `load`: the 1-minute load average "
-        "when the row finished (2 cores, shared with other jobs).",
+        "when the row finished (2 cores, shared with other jobs). Timing: every call timed in "
+        f"{analysis._TIMING_PASSES} passes of at least {analysis._MIN_TIMING_SECONDS:g} s over all the calls, "
+        "the quietest pass kept (`tfremat.extract.analysis.timing_passes`).",
         "",
         "| model | nodes | rel median | rel p90 | rel worst (node) | large | large median | large worst "
-        "| step | totals | profile s | schedule | min | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| large shares median / worst | step | totals | profile s | schedule | min | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['nodes']} | {100 * r['median']:.1f}% | {100 * r['p90']:.1f}% | "
             f"{100 * r['worst']:.0f}% ({r['worst_node']}) | {r['large']} | {100 * r['large_median']:.1f}% | "
-            f"{100 * r['large_worst']:.1f}% | {100 * r['step_share']:.1f}% | {r['totals']:.3f} | "
+            f"{100 * r['large_worst']:.1f}% | {100 * r['share_median']:.1f}% / {100 * r['share_worst']:.1f}% | "
+            f"{100 * r['step_share']:.1f}% | {r['totals']:.3f} | "
             f"{r['seconds'][0]:.1f} / {r['seconds'][1]:.1f} | {'same' if r['same_schedule'] else 'differs'} | "
             f"{r['min'][0]} / {r['min'][1]} | {r['load']:.1f} |"
         )

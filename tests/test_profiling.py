@@ -79,7 +79,7 @@ def _scripted_least_seconds(monkeypatch, passes):
     def scripted(calls, repeats, warmup):
         least = passes[len(answered)]
         assert len(least) == len(calls)
-        answered.append(least)
+        answered.append((repeats, warmup))
         return list(least)
 
     monkeypatch.setattr(analysis, "_least_seconds", scripted)
@@ -96,11 +96,12 @@ def test_each_call_keeps_its_quietest_timing_pass(monkeypatch):
     answered = _scripted_least_seconds(monkeypatch, [(1.0, 3.0, 10.0), (0.5, 2.0, 6.0), (0.1, 4.0, 8.0)])
     with analysis.timing_passes(3) as passes:
         first = analysis.analyze_call(lambda xs: layer(xs[0]), "dense", [spec], [True], layer.trainable_variables,
-                                      2, profile=True)
+                                      2, profile=True, repeats=5, warmup=2)
         assert len(answered) == 1
         assert first.forward_seconds == analysis._on_grid(2.0) and first.backward_seconds == analysis._on_grid(7.0)
         final = passes.final(first)
-    assert len(answered) == 3
+    # The fewest rounds are shared among the passes; the passes after the first warm up once.
+    assert answered == [(2, 2), (2, 1), (2, 1)]
     assert final.forward_seconds == analysis._on_grid(1.5)
     assert final.backward_seconds == analysis._on_grid(4.0)
     assert passes.final(first) is final

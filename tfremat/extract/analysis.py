@@ -175,10 +175,12 @@ class _Timing:
 
     def run_pass(self) -> None:
         """Times the calls once more, on fresh sample inputs (no pass keeps the inputs of
-        every call alive while the others run)."""
+        every call alive while the others run), after one warm-up round once the first
+        pass has warmed them up as asked."""
         calls = self.make_calls()
-        self.passes.append(_compiled_least_seconds(calls, self.repeats, self.warmup, self.layer_name) if self.xla
-                           else _least_seconds(calls, self.repeats, self.warmup))
+        warmup = 1 if self.passes else self.warmup
+        self.passes.append(_compiled_least_seconds(calls, self.repeats, warmup, self.layer_name) if self.xla
+                           else _least_seconds(calls, self.repeats, warmup))
 
     def chosen(self) -> list[float]:
         """The pass whose last call (the forward and backward, or the loss) was fastest:
@@ -230,9 +232,10 @@ class TimingPasses:
 @contextlib.contextmanager
 def timing_passes(passes: int | None = None):
     """Within it, every call :func:`analyze_call` and :func:`analyze_loss` profile is timed
-    once, and ``passes - 1`` (default :data:`_TIMING_PASSES` ``- 1``) more times over all of them when the first analysis is asked
-    for its final form (:meth:`TimingPasses.final`); each call keeps the pass whose
-    forward and backward ran fastest.
+    once, and ``passes - 1`` more times (``passes`` defaults to :data:`_TIMING_PASSES`) over
+    all of them when the first analysis is asked for its final form
+    (:meth:`TimingPasses.final`); each call keeps the pass whose forward and backward ran
+    fastest.
 
     A busy machine slows every run for seconds at a time (on the 2-core machine at a load
     of 7, all runs of a call were 25-35% slower for a second or two, and least over a
@@ -249,11 +252,16 @@ def timing_passes(passes: int | None = None):
 def _timed(make_calls: Callable[[], list], repeats: int, warmup: int, layer_name: str, xla: bool,
            finish: Callable[[list[float]], "CallAnalysis"]) -> "CallAnalysis":
     """``finish`` of the least seconds of ``make_calls()``'s calls, timed in turns; within
-    :func:`timing_passes` the call is registered to be timed again there."""
+    :func:`timing_passes` the call is registered to be timed again there, and the fewest
+    rounds ``repeats`` are shared among the passes (a call of many milliseconds, timed by
+    its rounds rather than by :data:`_MIN_TIMING_SECONDS`, takes about as long as in one
+    window)."""
+    passes = _TIMING.get()
+    if passes is not None:
+        repeats = max(2, math.ceil(repeats / passes.passes))
     timing = _Timing(make_calls, repeats, warmup, layer_name, xla, finish)
     timing.run_pass()
     analysis = finish(timing.chosen())
-    passes = _TIMING.get()
     if passes is not None:
         passes.add(analysis, timing)
     return analysis
@@ -838,8 +846,10 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     else:
         functions = (_dispatch_only(timed_forward[1]), timed_forward[0], fb_concrete)
 
+    specs = tracer.input_specs  # not the tracer: the passes keep this closure to the end
+
     def make_calls():
-        fresh = [_sample(s) for s in tracer.input_specs]
+        fresh = [_sample(s) for s in specs]
         step_args = (fresh, tf.constant(1.0))
         forward_args = (fresh,) if xla or held_concrete is None else step_args
         return list(zip(functions, (step_args if xla else forward_args, forward_args, step_args)))
