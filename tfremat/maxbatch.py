@@ -344,9 +344,9 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
     """``method="scaled"``: the search on graphs scaled from two built ones.
 
     Building a graph (profiling every layer) is what makes a search slow, and a graph's
-    sizes and costs are nearly affine in the batch (on ResNet50 the bytes of the line
-    through batches 2 and 4 match batch 150's built graph to 0.02%; costs drift, which moves
-    only the overhead cap's verdict). So graphs are built at twice and four times
+    bytes are affine in the batch wherever its shapes are (CPU convolution scratch can
+    step), its profiled costs nearly so (their drift moves only the overhead cap's
+    verdict). So graphs are built at twice and four times
     ``min_batch`` (``min_batch`` itself only when twice it does not fit: at batch 1 a
     batch-norm gradient can differ) and every larger batch is judged on their affine
     extension (:func:`affine_graphs`), by :func:`_climb` for ``optimal`` and by the
