@@ -126,7 +126,7 @@ def render(rows, argv):
         "`\"min\"` resolves to, first and second profile; `load`: the 1-minute load average "
         "when the row finished (2 cores, shared with other jobs). Timing: every call timed in "
         f"{analysis._TIMING_PASSES} passes of at least {analysis._MIN_TIMING_SECONDS:g} s over all the calls, "
-        "the quietest pass kept (`tfremat.extract.analysis.timing_passes`).",
+        "the least of each timed function over them kept (`tfremat.extract.analysis.timing_passes`).",
         "",
         "| model | nodes | rel median | rel p90 | rel worst (node) | large | large median | large worst "
         "| large shares median / worst | step | totals | profile s | schedule | min | load |",

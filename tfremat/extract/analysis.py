@@ -36,8 +36,8 @@ where the median moves with the load. Wall time, not the process's CPU time, whi
 steadier under load but weighs a call by the threads it runs on: the step's time, what the
 plan predicts, is wall time. A busy machine also slows every run for a second or two at a
 time, longer than one call's timing, so within an extraction every call is timed in
-:data:`_TIMING_PASSES` passes over all the calls and keeps its quietest pass
-(:func:`timing_passes`). The forward and the forward-plus-backward are timed in turns,
+:data:`_TIMING_PASSES` passes over all the calls, each timed function keeping its least
+seconds over them (:func:`timing_passes`). The forward and the forward-plus-backward are timed in turns,
 so the backward (their difference) is taken under one load, and every cost is rounded to a
 relative grid (:func:`_on_grid`) so that two profiles whose costs differ by noise give the
 solvers the same numbers. The peak of the bytes the run's operations request
@@ -118,7 +118,7 @@ _CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
 _LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (_other_orders_peak)
 # Timing (_least_seconds): runs go on until they took this long and numbered `repeats`, or
 # this many; the least run of those is the cost. Within timing_passes every call is timed
-# this many times, in passes over all the calls, and the quietest pass counts.
+# this many times, in passes over all the calls, and each keeps its least.
 _MIN_TIMING_SECONDS = 0.05
 _MAX_TIMED_RUNS = 400
 _TIMING_PASSES = 3
@@ -183,9 +183,10 @@ class _Timing:
                            else _least_seconds(calls, self.repeats, warmup))
 
     def chosen(self) -> list[float]:
-        """The pass whose last call (the forward and backward, or the loss) was fastest:
-        the quietest, its seconds all taken under one load."""
-        return min(self.passes, key=lambda least: least[-1])
+        """Each function's least seconds over the passes: a stall that slows every run of
+        one window (the process waiting for a core for 50 ms on a loaded machine) costs
+        that window only, for each of the timed functions apart."""
+        return [min(seconds) for seconds in zip(*self.passes)]
 
 
 class TimingPasses:
@@ -212,7 +213,7 @@ class TimingPasses:
             self._timings[id(derived)] = (derived, entry[1], seconds_of)
 
     def final(self, analysis: "CallAnalysis") -> "CallAnalysis":
-        """``analysis`` with the seconds of its quietest pass; the remaining passes run on
+        """``analysis`` with the least seconds over the passes; the remaining passes run on
         the first call. An analysis not timed here (read from the cache) is returned as is."""
         if not self._done:
             self._done = True
@@ -234,8 +235,8 @@ def timing_passes(passes: int | None = None):
     """Within it, every call :func:`analyze_call` and :func:`analyze_loss` profile is timed
     once, and ``passes - 1`` more times (``passes`` defaults to :data:`_TIMING_PASSES`) over
     all of them when the first analysis is asked for its final form
-    (:meth:`TimingPasses.final`); each call keeps the pass whose forward and backward ran
-    fastest.
+    (:meth:`TimingPasses.final`); each timed function keeps its least seconds over the
+    passes.
 
     A busy machine slows every run for seconds at a time (on the 2-core machine at a load
     of 7, all runs of a call were 25-35% slower for a second or two, and least over a
