@@ -283,24 +283,31 @@ def test_affine_graphs_pass_through_both_graphs_and_refuse_other_structures():
     for batch in (2, 6, 40):
         assert at(batch).output_bytes == training_chain(4, batch).output_bytes
         assert at(batch).fixed_bytes == training_chain(4, batch).fixed_bytes
-    with pytest.raises(ArgumentError, match="differ in nodes or edges"):
+    with pytest.raises(ArgumentError, match="differ in nodes"):
         affine_graphs(training_chain(4, 2), 2, training_chain(5, 6), 6)
 
 
-def test_the_scaled_search_skips_a_batch_whose_graph_differs():
-    """At batch 1 a batch-norm gradient can read its forward output (an edge other batches
-    lack): the line is drawn through graphs that agree, never through that one."""
+def test_the_scaled_search_draws_its_line_through_the_union_of_edges():
+    """A gradient kernel can read a forward output at one batch and not another (ResNet50's
+    batch-norm gradients at batches 2 and 4 did): the line keeps every edge of either
+    built graph, so its answer is never above the search's, and building graphs until two
+    agree (six ResNet50 graphs, minutes each) is not needed."""
     from tfremat.graph import DFGraph
 
+    built = []
+
     def graph_for_batch(batch):
+        built.append(batch)
         chain = training_chain(4, batch)
-        extra = [(0, chain.size - 2)] if batch == 1 else []
+        extra = [(0, chain.size - 2)] if batch == 2 else []
         return DFGraph(chain.names, [*chain.edges, *extra], chain.cost, chain.output_bytes, chain.workspace_bytes,
                        chain.is_backward, chain.loss_node, dict(chain.forward_of), chain.fixed_bytes, chain.name)
 
     search = max_batch_size(graph_for_batch, 900, method="search", max_batch=512, strategy="chen_greedy")
+    built.clear()
     scaled = max_batch_size(graph_for_batch, 900, method="scaled", max_batch=512, strategy="chen_greedy")
-    assert scaled.batch_size == search.batch_size and len(scaled.tried) < len(search.tried)
+    assert built == [2, 4] and (0, scaled.graph.size - 2) in scaled.graph.edges
+    assert search.batch_size - 1 <= scaled.batch_size <= search.batch_size
 
 
 def test_offloading_fits_a_larger_batch_without_recomputation():

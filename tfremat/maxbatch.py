@@ -452,12 +452,13 @@ def _gallop(fits: Callable[[int], bool], low: int, high: int) -> int:
 
 
 def _same_structure(a: DFGraph, b: DFGraph) -> bool:
-    return (a.names, a.edges, a.is_backward) == (b.names, b.edges, b.is_backward)
+    """Same nodes in the same order (the edges may differ: see :func:`affine_graphs`)."""
+    return (a.names, a.is_backward) == (b.names, b.is_backward)
 
 
 def _anchors(extracted: Mapping[int, DFGraph]) -> tuple[int, int] | None:
-    """The two extracted batches farthest apart whose graphs share nodes and edges (the
-    line through them is the best estimate), or None."""
+    """The two extracted batches farthest apart whose graphs share their nodes (the line
+    through them is the best estimate), or None."""
     batches = sorted(extracted)
     pairs = [(near, far) for far in batches for near in batches
              if near < far and _same_structure(extracted[near], extracted[far])]
@@ -469,13 +470,19 @@ def affine_graphs(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int
     fixed bytes, on the line through their values in ``graph_a`` (at ``batch_a``) and
     ``graph_b`` (at ``batch_b``), rounded to whole bytes and never below zero.
 
+    Its edges are those of either graph: a gradient kernel can read a forward output at
+    one batch and not at another (ResNet50's batch-norm gradients at batches 2 and 4), and
+    a value read by more nodes lives at least as long, so a schedule that fits the union
+    fits either graph's edges.
+
     Raises:
-        ArgumentError: the two graphs differ in nodes or edges (a model whose structure
-            depends on the batch cannot be scaled).
+        ArgumentError: the two graphs differ in nodes (a model whose structure depends on
+            the batch cannot be scaled).
     """
     if not _same_structure(graph_a, graph_b):
-        raise ArgumentError(f"graphs at batch {batch_a} and {batch_b} differ in nodes or edges; they cannot be "
+        raise ArgumentError(f"graphs at batch {batch_a} and {batch_b} differ in nodes; they cannot be "
                             "scaled to other batch sizes (use method='search')")
+    edges = sorted(set(graph_a.edges) | set(graph_b.edges))
     if batch_a == batch_b:
         raise ArgumentError("affine_graphs needs two different batch sizes")
 
@@ -494,7 +501,7 @@ def affine_graphs(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int
     def at(batch: int) -> DFGraph:
         workspace = np.maximum(line(graph_a.workspace_bytes, graph_b.workspace_bytes, batch, whole=True), floor)
         return DFGraph(
-            graph_a.names, graph_a.edges, line(graph_a.cost, graph_b.cost, batch, whole=False),
+            graph_a.names, edges, line(graph_a.cost, graph_b.cost, batch, whole=False),
             line(graph_a.output_bytes, graph_b.output_bytes, batch, whole=True), workspace.tolist(),
             graph_a.is_backward, graph_a.loss_node, dict(graph_a.forward_of),
             int(line([graph_a.fixed_bytes], [graph_b.fixed_bytes], batch, whole=True)[0]),
