@@ -91,6 +91,20 @@ def test_the_milp_is_skipped_when_its_root_lp_would_outlast_the_stall_rule(monke
     assert schedule.cost(graph) <= best.cost(graph) * (1 + 1e-9)
 
 
+def test_stall_time_inf_runs_the_milp_however_long_its_lp_took(monkeypatch):
+    """``stall_time=math.inf`` is no rule at all: neither of the MILP skips that the rule
+    makes applies (it read as a rule, and the "no stall" plans skipped the MILP)."""
+    import tfremat.ilp.milp as milp
+
+    solves = []
+    solve = milp.solve_model
+    monkeypatch.setattr(milp, "solve_model", lambda *a, **k: solves.append(k) or solve(*a, **k))
+    monkeypatch.setattr(milp, "ROOT_STALL_SHARE", 0.0)  # every LP would skip the MILP under a rule
+    graph, budget = tight_case()
+    solve_optimal(graph, budget, threads=1, time_limit=60, stall_time=math.inf)
+    assert solves and all(k["stall_time"] is None for k in solves)
+
+
 def test_stall_time_is_checked_and_defaulted_by_the_high_level_api():
     with pytest.raises(ArgumentError, match="stall_time must be a positive number"):
         solve_optimal(random_training_graph(0, 4), None, stall_time=0)

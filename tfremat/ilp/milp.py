@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -271,6 +272,9 @@ def solve_milp(graph: DFGraph, budget: int | None, problem: MilpProblem, *, solv
     began = time.perf_counter()
     time_limit = check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed,
                                       stall_time=stall_time)
+    # math.inf turns the rule off here too: its MILP skips read it as a rule (the latency
+    # benchmark's "no stall" plan of gpt2_hub_6 skipped the MILP as the stalled one did).
+    stall_time = None if stall_time == math.inf else stall_time
     if budget is None:
         implementations = cheapest_implementations(graph) if problem.choose_implementations else None
         return no_budget_schedule(graph, problem.strategy, began, implementations)
