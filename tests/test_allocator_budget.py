@@ -179,3 +179,40 @@ def test_a_planning_budget_record_is_trusted_only_for_its_graph_and_budget(tmp_p
         record.write_text(text)
         assert allocator_check.remembered_planning_budget(str(tmp_path), graph, 1000, "optimal", options) is None
     assert "not trusted" in caplog.text
+
+
+def test_a_training_step_over_the_budget_has_the_step_planned_again(monkeypatch):
+    """The check's reads run before training; the first training steps are read too, and one
+    over the budget (made up here: the third step reads a tenth of the activations over the
+    prediction) has the step planned again from the next step on, and read again after."""
+    model, (x, y) = five_conv_net(), batch()
+    reference = tfremat.plan_model(model, None, x, y, batch_size=BATCH, strategy="checkpoint_all",
+                                   cost_model="flops", cache=False, verbose=0)
+    excess = (reference.checkpoint_all_peak_bytes - reference.graph.fixed_bytes) // 10
+    checked, steps = [], []
+    monkeypatch.setattr(remat_keras, "allocator_peak",
+                        lambda step, *_a, **_k: checked.append(step) or simulate(step.graph, step.schedule).peak_bytes)
+
+    def read_step(run, device, resident):
+        outputs = run()
+        steps.append(len(steps))
+        predicted = simulate(callback._steps[remat_keras._shape_key(x, y)].graph,
+                             callback._steps[remat_keras._shape_key(x, y)].schedule).peak_bytes
+        return outputs, predicted + (excess if len(steps) == 3 else 0)
+
+    monkeypatch.setattr(remat_keras, "training_step_peak", read_step)
+    callback = RematCallback("90% of activations", time_limit=20, cost_model="flops", cache=False,
+                             allocator_check=True, verbose=0)
+    x_all, y_all = np.concatenate([x] * 15), np.concatenate([y] * 15)
+    plans = []
+    recorder = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda *_, **__: plans.append(next(iter(callback.plans.values()))))
+    model.fit(x_all, y_all, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback, recorder])
+    assert len(checked) == 2  # the first plan, then the plan made after the third step
+    # The third step ran the first plan's step, which was replaced before the fourth.
+    assert all(plan is plans[0] for plan in plans[:2]) and all(plan is plans[2] for plan in plans[2:])
+    assert plans[2] is not plans[0]
+    assert plans[2].predicted_peak_bytes + excess <= plans[2].budget_bytes == plans[0].budget_bytes
+    # Read for 3 steps, then for WATCHED_STEPS steps after the new plan, then no more.
+    assert len(steps) == 3 + allocator_check.WATCHED_STEPS < len(plans)
+    assert not callback._watched

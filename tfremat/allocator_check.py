@@ -23,7 +23,7 @@ from tfremat.budget import budget_kind
 from tfremat.cache import ScheduleCache, default_cache_dir, read_entry, warn_once, write_atomically
 from tfremat.errors import CompileError
 
-__all__ = ["ALLOCATOR_ROUNDS", "ALLOCATOR_READS", "PLANNING_GRID", "wants_allocator_check", "allocator_peak",
+__all__ = ["ALLOCATOR_ROUNDS", "ALLOCATOR_READS", "PLANNING_GRID", "WATCHED_STEPS", "training_step_peak", "wants_allocator_check", "allocator_peak",
            "held_peak", "replica_allocators", "next_planning_budget", "remembered_planning_budget",
            "remember_planning_budget"]
 
@@ -37,6 +37,13 @@ ALLOCATOR_ROUNDS = 3
 #: order each time, so BFC splits different chunks): DenseNet121 64x64 batch 8 read
 #: 118.6-123.1 MiB over 12 training steps of one plan (benchmarks/allocator_check.py).
 ALLOCATOR_READS = 3
+
+#: Training steps after a check accepted a plan whose allocator peak is read (statistics reset
+#: before each) and held to the budget, a plan exceeding it planned again between two steps.
+#: The check's reads run before training, and the allocator's free chunks then differ from
+#: training's: an accepted DenseNet121 64x64 plan held at 108.8 MiB read 109.5-110.1 MiB over
+#: 20 later steps (benchmarks/allocator_check.py).
+WATCHED_STEPS = 10
 
 #: Planning budgets after a check are rounded down to a multiple of the budget over this, so
 #: that processes whose reads differ by less land on the same budget and schedule cache entry.
@@ -98,6 +105,21 @@ def held_peak(peaks: Sequence[int]) -> int:
     after training; its steps' peaks spread over 4% of it (benchmarks/allocator_check.py). A
     step that peaks alike on every run (a chain of convolutions) pays nothing."""
     return max(peaks) + (max(peaks) - min(peaks))
+
+
+def training_step_peak(run, device: str | None, resident: Sequence) -> tuple:
+    """``run()``'s result (a training step's, waited for) and the allocator's peak of ``device``
+    (None: the default device) over it, in the graph's convention (above what was allocated
+    when it started, plus the bytes of ``resident``: variables and the batch)."""
+    from tfremat.runtime.memory import default_device, resident_bytes, synchronize
+
+    device = device or default_device()
+    tf.config.experimental.reset_memory_stats(device)
+    start = tf.config.experimental.get_memory_info(device)["current"]
+    result = run()
+    synchronize(result)
+    peak = tf.config.experimental.get_memory_info(device)["peak"] - start
+    return result, int(peak + resident_bytes(resident))
 
 
 def replica_allocators(strategy) -> list[str] | None:

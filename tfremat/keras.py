@@ -27,11 +27,13 @@ import tensorflow as tf
 
 from tfremat.allocator_check import (
     ALLOCATOR_ROUNDS,
+    WATCHED_STEPS,
     allocator_peak,
     next_planning_budget,
     remember_planning_budget,
     remembered_planning_budget,
     replica_allocators,
+    training_step_peak,
     wants_allocator_check,
 )
 from tfremat.budget import budget_kind, check_budget, format_bytes
@@ -101,9 +103,11 @@ class RematCallback(keras.callbacks.Callback):
             then three reads (:data:`~tfremat.allocator_check.ALLOCATOR_READS`), held as the
             largest plus their spread (the peak moves from run to run); while that exceeds
             the budget, the step is planned again under the budget less the excess, up to
-            :data:`ALLOCATOR_ROUNDS` plans, else :class:`InfeasibleBudgetError`. The planning
-            budget accepted is kept with the schedule cache, where another process with the
-            same model and budget starts.
+            :data:`ALLOCATOR_ROUNDS` plans, else :class:`InfeasibleBudgetError`. The first
+            :data:`~tfremat.allocator_check.WATCHED_STEPS` training steps are read too (not
+            under a strategy or XLA), and one over the budget has the step planned again from
+            the next on. The planning budget accepted is kept with the schedule cache, where
+            another process with the same model and budget starts.
             None (default): for every budget but ``"min"`` (the least memory within an
             overhead bound, which has no smaller plan to fall back on) and a share at or
             above the checkpoint-all peak (nothing is recomputed: the step is
@@ -188,6 +192,9 @@ class RematCallback(keras.callbacks.Callback):
         self.verbose = verbose
         self.plans: dict = {}
         self._steps: dict = {}
+        # Per batch shape checked: [training steps still read, planning budget, plan options]
+        # (allocator_check.WATCHED_STEPS).
+        self._watched: dict = {}
         # What the compiled steps belong to (_training_setup): a callback reused on another
         # model, or on the same model compiled anew, must not run stale steps.
         self._steps_belong_to: tuple = ()
@@ -239,7 +246,7 @@ class RematCallback(keras.callbacks.Callback):
                            "train with model.fit alone to debug eagerly")
         setup = _training_setup(model)
         if len(setup) != len(self._steps_belong_to) or any(a is not b for a, b in zip(setup, self._steps_belong_to)):
-            self._steps, self.plans, self._steps_belong_to = {}, {}, setup
+            self._steps, self.plans, self._watched, self._steps_belong_to = {}, {}, {}, setup
         if model.train_function != self._train_function:  # else left over from a fit stopped between steps
             self._original_train_function = model.train_function
         model.train_function = self._train_function
@@ -260,7 +267,7 @@ class RematCallback(keras.callbacks.Callback):
         ``strategy``), extracted, planned and compiled the first time the shape is met."""
         from tfremat.static_graph.compile import compile_step
 
-        key = tuple(tuple(t.shape) for t in tf.nest.flatten((x, y)))
+        key = _shape_key(x, y)
         if key not in self._steps:
             model = self.model
             takes_solver_options = get_strategy(self.strategy).takes_solver_options
@@ -300,7 +307,9 @@ class RematCallback(keras.callbacks.Callback):
             step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, strategy=strategy,
                                 return_outputs=True, jit_compile=self._jit_compile)
             if self._checks_allocator(result, strategy):
-                result, step = self._within_allocator(result, step, x, y, sample_weight, options, strategy)
+                result, step, planning = self._within_allocator(result, step, x, y, sample_weight, options, strategy)
+                if planning is not None and strategy is None and not self._jit_compile:
+                    self._watched[key] = [WATCHED_STEPS, planning, options]
             if strategy is not None:
                 step = DistributedTrainStep(model, step)
             self.plans[key] = result
@@ -321,18 +330,25 @@ class RematCallback(keras.callbacks.Callback):
             return False
         return True
 
-    def _within_allocator(self, result, step, x, y, sample_weight, options, strategy=None):
+    def _within_allocator(self, result, step, x, y, sample_weight, options, strategy=None, exceeded=None):
         """Re-plans until the step's allocator peak is within the budget (``allocator_check``);
         under a strategy, the largest peak over the replicas' allocators, each replica
         running the step on ``x, y`` (one replica's batch). Starts from the planning budget a
         check accepted before for this graph and budget, in this process or another
         (:func:`~tfremat.allocator_check.remembered_planning_budget`): its schedule is cached,
-        so a second process solves nothing."""
+        so a second process solves nothing. ``exceeded``: ``(planning budget, peak)`` of a
+        plan that a training step found over the budget, planned again first.
+
+        Returns ``(result, step, planning budget)``; the planning budget is None when the
+        allocator keeps no statistics (nothing was held)."""
         model = self.model
         budget = result.budget_bytes
         graph = result.extraction.graph
-        planning_budget = budget
-        remembered = remembered_planning_budget(self.cache, graph, budget, self.strategy, options)
+        planning_budget, peak, remembered = budget, None, None
+        if exceeded is not None:
+            planning_budget, peak = exceeded
+        else:
+            remembered = remembered_planning_budget(self.cache, graph, budget, self.strategy, options)
         if remembered is not None:
             try:
                 result, step = self._replanned(result, remembered, options, strategy)
@@ -342,21 +358,26 @@ class RematCallback(keras.callbacks.Callback):
             except (InfeasibleBudgetError, SolverTimeLimitError):
                 pass  # its schedule left the cache and was not found again: check from the budget
         devices = [None] if strategy is None else replica_allocators(strategy)
+        last = peak
         for _ in range(ALLOCATOR_ROUNDS):
-            # XLA takes one block for all of a step's temporaries, which the allocator may
-            # serve from a chunk up to twice its size: what XLA requests is held instead.
-            count = "requested" if self._jit_compile else "allocator"
-            peaks = [allocator_peak(step, model, x, y, sample_weight, device=d, count=count) for d in devices]
-            peak = None if None in peaks else max(peaks)
             if peak is None:
-                return result, step
-            if peak <= budget:
-                if planning_budget != budget:
-                    logger.info("planned under %s so that the allocator's peak (%s held) stays within the budget %s",
-                                format_bytes(planning_budget), format_bytes(peak), format_bytes(budget))
-                    if planning_budget != remembered:
-                        remember_planning_budget(self.cache, graph, budget, self.strategy, options, planning_budget)
-                return dataclasses.replace(result, budget_bytes=budget), step
+                # XLA takes one block for all of a step's temporaries, which the allocator may
+                # serve from a chunk up to twice its size: what XLA requests is held instead.
+                count = "requested" if self._jit_compile else "allocator"
+                peaks = [allocator_peak(step, model, x, y, sample_weight, device=d, count=count) for d in devices]
+                peak = None if None in peaks else max(peaks)
+                if peak is None:
+                    return result, step, None
+                last = peak
+                if peak <= budget:
+                    if planning_budget != budget:
+                        logger.info("planned under %s so that the allocator's peak (%s held) stays within the "
+                                    "budget %s", format_bytes(planning_budget), format_bytes(peak),
+                                    format_bytes(budget))
+                        if planning_budget != remembered:
+                            remember_planning_budget(self.cache, graph, budget, self.strategy, options,
+                                                     planning_budget)
+                    return dataclasses.replace(result, budget_bytes=budget), step, planning_budget
             planning_budget = next_planning_budget(planning_budget, budget, peak, result.predicted_peak_bytes)
             logger.info("the allocator's peak %s held exceeds the budget %s (prediction %s); planning again under %s",
                         format_bytes(peak), format_bytes(budget), format_bytes(result.predicted_peak_bytes),
@@ -374,13 +395,39 @@ class RematCallback(keras.callbacks.Callback):
                            f"fits {format_bytes(max(planning_budget, 0))}; allocator_check=False holds the budget for "
                            "requested bytes only",
                 ) from error
-            result = replanned
+            result, peak = replanned, None
         raise InfeasibleBudgetError(
             budget, strategy=self.strategy,
-            detail=f"the allocator's peak stayed above it after {ALLOCATOR_ROUNDS} plans (last {format_bytes(peak)} "
+            detail=f"the allocator's peak stayed above it after {ALLOCATOR_ROUNDS} plans (last {format_bytes(last)} "
                    f"held, planned under {format_bytes(planning_budget)}); allocator_check=False holds the budget for "
                    "requested bytes only",
         )
+
+    def _watched_step(self, step, x, y, sample_weight):
+        """Runs ``step`` on a batch whose shape a check accepted a plan for, during the first
+        :data:`~tfremat.allocator_check.WATCHED_STEPS` steps: reads the step's allocator peak
+        and, over the budget, plans again (from the next step on) under the budget less the
+        excess, as the check does. The check's runs before training see other free chunks
+        than training's steps, which can peak higher (docs/memory-model.md)."""
+        key = _shape_key(x, y)
+        remaining, planning, options = self._watched[key]
+        model = self.model
+        resident = [*model.variables, *model.optimizer.variables, *tf.nest.flatten((x, y))]
+        outputs, peak = training_step_peak(lambda: step(x, y, sample_weight), None, resident)
+        result = self.plans[key]
+        if peak <= result.budget_bytes:
+            if remaining > 1:
+                self._watched[key][0] = remaining - 1
+            else:
+                del self._watched[key]
+            return outputs
+        logger.info("a training step's allocator peak %s exceeds the budget %s: planning again",
+                    format_bytes(peak), format_bytes(result.budget_bytes))
+        result, new_step, planning = self._within_allocator(result, step, x, y, sample_weight, options,
+                                                            exceeded=(planning, peak))
+        self.plans[key], self._steps[key] = result, new_step
+        self._watched[key] = [WATCHED_STEPS, planning, options]
+        return outputs
 
     def _replanned(self, result, planning_budget: int, options: dict, strategy=None):
         """``result``'s graph planned under ``planning_budget`` (the new result's budget
@@ -436,12 +483,20 @@ class RematCallback(keras.callbacks.Callback):
             logs = step(x, y, sample_weight)
         else:
             step = self._step_for(x, y, sample_weight)
-            loss, y_pred = step(x, y, sample_weight)
+            if _shape_key(x, y) in self._watched:
+                loss, y_pred = self._watched_step(step, x, y, sample_weight)
+            else:
+                loss, y_pred = step(x, y, sample_weight)
             logs = update_metrics(model, step, loss, x, y, y_pred, sample_weight)
         if self._tracing is not None:
             self._tracing.done("traced and ran the first step")
             self._tracing = None
         return logs
+
+
+def _shape_key(x, y) -> tuple:
+    """The batch shapes a step is planned and compiled for."""
+    return tuple(tuple(t.shape) for t in tf.nest.flatten((x, y)))
 
 
 def _training_setup(model) -> tuple:
