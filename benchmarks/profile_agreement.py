@@ -12,7 +12,8 @@ profile does not move.
 
 Run: ``python benchmarks/profile_agreement.py`` (writes
 ``benchmarks/results/profile_agreement.md``; ``--only`` takes model names, comma separated,
-and then needs ``--out``). Ops run one at a time (``TF_NUM_INTEROP_THREADS=1``), as the
+and then needs ``--out``; ``--passes 1 --window 0.1`` times as before the timing passes, and
+then also needs ``--out``). Ops run one at a time (``TF_NUM_INTEROP_THREADS=1``), as the
 profiles are taken for the planner.
 """
 
@@ -148,11 +149,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help="model names, comma separated")
     parser.add_argument("--time_limit", type=float, default=20.0, help="seconds per optimal solve")
+    parser.add_argument("--passes", type=int, default=None,
+                        help=f"timing passes per extraction (default {analysis._TIMING_PASSES}; 1: one window per call)")
+    parser.add_argument("--window", type=float, default=None,
+                        help=f"least seconds of one timing window (default {analysis._MIN_TIMING_SECONDS:g})")
     parser.add_argument("--out", default=None, help=f"markdown file to write (default {DEFAULT_OUT}; "
                         "required with --only)")
     args = parser.parse_args(argv)
-    if args.only is not None and args.out is None:
-        parser.error(f"--only runs some models only; give --out (the default {DEFAULT_OUT} holds all of them)")
+    if any(v is not None for v in (args.only, args.passes, args.window)) and args.out is None:
+        parser.error(f"--only, --passes and --window need --out (the default {DEFAULT_OUT} holds the defaults)")
+    if args.passes is not None:
+        analysis._TIMING_PASSES = args.passes
+    if args.window is not None:
+        analysis._MIN_TIMING_SECONDS = args.window
     names = args.only.split(",") if args.only else [*TEST_MODELS, *CONFORMANCE_MODELS]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("tfremat").setLevel(logging.ERROR)
