@@ -239,9 +239,9 @@ def solve_optimal(
             a better solution (:func:`~tfremat.ilp.solvers.solve_model`), skip the MILP when the
             relaxation's LP did not finish in its share of the time (the MILP's root LP would
             not either) or took half of ``stall_time`` in CPU seconds (the rule would stop
-            the MILP right after its root LP), and return the best schedule that fits, status ``feasible`` with its
-            gap (``optimal`` when within ``mip_gap`` of the bound). None or ``math.inf``: run
-            to the time limit.
+            the MILP right after its root LP), and return the best schedule that fits,
+            status ``feasible`` with its gap (``optimal`` when within ``mip_gap`` of the
+            bound). None or ``math.inf``: run to the time limit.
 
     Returns:
         The schedule, with :class:`~tfremat.plan.schedule.SolverFacts`.
