@@ -483,7 +483,11 @@ def affine_graphs(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int
     if not _same_structure(graph_a, graph_b):
         raise ArgumentError(f"graphs at batch {batch_a} and {batch_b} differ in nodes; they cannot be "
                             "scaled to other batch sizes (use method='search')")
-    edges = sorted(set(graph_a.edges) & set(graph_b.edges))
+    shared = set(graph_a.edges) & set(graph_b.edges)
+    edges = sorted(shared)
+    # A residual is the part of an output that only its backward node reads: none where
+    # that read is dropped.
+    unread = np.array([(i, graph_a.backward_of.get(i)) not in shared for i in range(graph_a.size)])
     if batch_a == batch_b:
         raise ArgumentError("affine_graphs needs two different batch sizes")
 
@@ -507,8 +511,9 @@ def affine_graphs(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int
             graph_a.is_backward, graph_a.loss_node, dict(graph_a.forward_of),
             int(line([graph_a.fixed_bytes], [graph_b.fixed_bytes], batch, whole=True)[0]),
             name=f"{graph_a.name} (batch {batch}, scaled)",
-            residual_bytes=np.minimum(line(graph_a.residual_bytes, graph_b.residual_bytes, batch, whole=True),
-                                      line(graph_a.output_bytes, graph_b.output_bytes, batch, whole=True)).tolist(),
+            residual_bytes=np.where(unread, 0, np.minimum(
+                line(graph_a.residual_bytes, graph_b.residual_bytes, batch, whole=True),
+                line(graph_a.output_bytes, graph_b.output_bytes, batch, whole=True))).tolist(),
             weight_grad_bytes=graph_a.weight_grad_bytes,
         ).with_views(graph_a.view_of)
 
