@@ -71,7 +71,7 @@ def test_stall_time_ends_optimal_early_never_worse_than_the_best_heuristic():
         assert facts.gap > 1e-4
 
 
-@pytest.mark.parametrize("stall_time, milp_runs", [(1e-3, False), (1e6, True)])
+@pytest.mark.parametrize("stall_time, milp_runs", [(1e-3, False), (2.0, True)])
 def test_the_milp_is_skipped_when_its_root_lp_would_outlast_the_stall_rule(monkeypatch, stall_time, milp_runs):
     """With stall_time, an LP that took half of it in CPU seconds means the MILP's root LP
     (not interruptible) would too, and the rule would stop the search right after it: the
@@ -101,7 +101,7 @@ def test_stall_time_inf_runs_the_milp_however_long_its_lp_took(monkeypatch):
     monkeypatch.setattr(milp, "solve_model", lambda *a, **k: solves.append(k) or solve(*a, **k))
     monkeypatch.setattr(milp, "ROOT_STALL_SHARE", 0.0)  # every LP would skip the MILP under a rule
     graph, budget = tight_case()
-    solve_optimal(graph, budget, threads=1, time_limit=60, stall_time=math.inf)
+    solve_optimal(graph, budget, threads=1, time_limit=10, stall_time=math.inf)
     assert solves and all(k["stall_time"] is None for k in solves)
 
 
