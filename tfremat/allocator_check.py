@@ -4,7 +4,8 @@ The plan bounds the bytes the step requests; TensorFlow's BFC allocator can peak
 (whole chunks, docs/memory-model.md). :class:`tfremat.keras.RematCallback` and
 :func:`tfremat.multi_worker.fit_multi_worker` run the planned step a few times, hold each
 replica's allocator peak with a margin for the steps not read (:func:`held_peak`) and plan
-again under the excess; these are the pieces both use. The planning budget a check accepted
+again under the excess; these are the pieces both use (the callback also reads its first
+training steps: :data:`WATCHED_STEPS`). The planning budget a check accepted
 is remembered next to the schedule cache (:func:`remember_planning_budget`), so another
 process with the same graph and budget plans under it first and finds its schedule cached.
 """
@@ -23,9 +24,9 @@ from tfremat.budget import budget_kind
 from tfremat.cache import ScheduleCache, default_cache_dir, read_entry, warn_once, write_atomically
 from tfremat.errors import CompileError
 
-__all__ = ["ALLOCATOR_ROUNDS", "ALLOCATOR_READS", "PLANNING_GRID", "WATCHED_STEPS", "training_step_peak", "wants_allocator_check", "allocator_peak",
-           "held_peak", "replica_allocators", "next_planning_budget", "remembered_planning_budget",
-           "remember_planning_budget"]
+__all__ = ["ALLOCATOR_ROUNDS", "ALLOCATOR_READS", "PLANNING_GRID", "WATCHED_STEPS", "wants_allocator_check",
+           "allocator_peak", "held_peak", "training_step_peak", "replica_allocators", "next_planning_budget",
+           "remembered_planning_budget", "remember_planning_budget"]
 
 logger = logging.getLogger(__name__)
 
