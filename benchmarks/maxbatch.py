@@ -11,7 +11,8 @@ before and after each run.
 
 Run: ``python benchmarks/maxbatch.py`` (the default ``scaled``, writes
 ``benchmarks/results/maxbatch.md``); ``--runs scaled,scaled:900`` adds the reference whose
-probes get 900 s; ``--runs search`` builds every batch tried.
+probes get 900 s; ``--runs search`` builds every batch tried; ``--check`` builds the graph at each
+answer and runs the answer's schedule on it.
 """
 
 from __future__ import annotations
@@ -59,10 +60,21 @@ load = os.getloadavg()[0]
 started, cpu = time.perf_counter(), time.process_time()
 result = tfremat.max_batch_size(model, {budget!r}, strategies=[{strategy!r}], method={method!r}, verbose=0,
                                 **options)[{strategy!r}]
-print(json.dumps({{"batch": result.batch_size, "seconds": time.perf_counter() - started,
-                  "cpu": time.process_time() - cpu, "load": load, "load_after": os.getloadavg()[0],
-                  "built": built, "judged": judged, "cost": result.cost / result.graph.total_cost,
-                  "cap": result.cost_cap / result.graph.total_cost}}))
+out = {{"batch": result.batch_size, "seconds": time.perf_counter() - started,
+       "cpu": time.process_time() - cpu, "load": load, "load_after": os.getloadavg()[0],
+       "built": built, "judged": judged, "cost": result.cost / result.graph.total_cost,
+       "cap": result.cost_cap / result.graph.total_cost}}
+if {check!r}:
+    # The answer's schedule on the graph built at the answer (after the timed search).
+    from tfremat.maxbatch import one_extra_forward_cap
+    from tfremat.model_planning import loss_and_optimizer, synthetic_batch
+    from tfremat.plan.simulator import simulate
+    training = loss_and_optimizer(model, None, None)
+    graph = real(model, sample_batch=synthetic_batch(model, result.batch_size, loss=training["loss"]),
+                 cost_model="profile", granularity="sublayer", **training).graph
+    out["check"] = {{"peak": simulate(graph, result.schedule).peak_bytes, "cost": result.schedule.cost(graph) /
+                    graph.total_cost, "cap": one_extra_forward_cap(graph) / graph.total_cost}}
+print(json.dumps(out))
 """
 
 
@@ -72,7 +84,8 @@ def run(spec: str, args, cache: str) -> dict:
     options = {"time_limit": float(seconds)} if seconds else {}
     probe = float(seconds) if seconds else args.probe_seconds
     code = _RUN.format(root=ROOT, model=args.model, shape=tuple(args.input_shape), budget=args.budget,
-                       strategy=args.strategy, method=method, options=options, probe=probe)
+                       strategy=args.strategy, method=method, options=options, probe=probe,
+                       check=args.check)
     env = {**os.environ, "TFREMAT_CACHE_DIR": cache, "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -89,6 +102,8 @@ def main(argv=None):
     parser.add_argument("--runs", default="scaled", type=lambda s: s.split(","),
                         help="methods to run in turn; scaled:S is scaled with S-second probes and time limit")
     parser.add_argument("--probe_seconds", type=float, default=None, help="probe seconds of plain scaled runs")
+    parser.add_argument("--check", action="store_true",
+                        help="after each run, build the answer's graph and run the answer's schedule on it")
     parser.add_argument("--cache", default=None, help="profile cache directory (default: a fresh one)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "maxbatch.md"))
     args = parser.parse_args(argv)
@@ -110,6 +125,11 @@ def main(argv=None):
         built = ", ".join(f"{b}: {s:.0f}" for b, s in row["built"])
         lines.append(f"| {spec} | {row['batch']} | {row['seconds']:.0f} | {row['cpu']:.0f} | "
                      f"{row['load']:.1f} / {row['load_after']:.1f} | {built} | {row['cost']:.3f} / {row['cap']:.3f} |")
+    checked = [(spec, row["check"]) for spec, row in rows if "check" in row]
+    if checked:
+        lines += ["", "The answer's schedule on the graph built at the answer (`--check`):", "",
+                  "| run | peak MB | cost / cap |", "|---|---|---|"]
+        lines += [f"| {spec} | {c['peak'] / 1e6:.1f} | {c['cost']:.3f} / {c['cap']:.3f} |" for spec, c in checked]
     lines += ["", "Batches judged, in order (batch, fits, seconds into the run):", ""]
     lines += [f"- {spec}: " + ", ".join(f"{b} {'y' if ok else 'n'} {s:g}" for b, ok, s in row["judged"])
               for spec, row in rows]
