@@ -4,7 +4,8 @@ Each run is ``tfremat.max_batch_size(model, budget, strategies=[strategy], metho
 process, timed from the call (wall and process CPU seconds, solver threads included), with the
 time spent building graphs (``extract``) and every batch the search judged, in order, with its
 verdict and the second it was settled. A run ``scaled:S`` is the careful reference: the same
-search whose MILP probes (and time limit) get S seconds. Runs share one profile cache
+search whose MILP probes (and time limit) get S seconds and HiGHS's default gap (1e-4), not
+the cap's. Runs share one profile cache
 directory (fresh unless ``--cache`` names one), so a later run reads the graphs the first one
 profiled: the runs then differ in the search alone. The machine's load average is recorded
 before and after each run.
@@ -81,7 +82,7 @@ print(json.dumps(out))
 def run(spec: str, args, cache: str) -> dict:
     """``spec``: a method, or ``scaled:S`` for probes (and the time limit) of S seconds."""
     method, _, seconds = spec.partition(":")
-    options = {"time_limit": float(seconds)} if seconds else {}
+    options = {"time_limit": float(seconds), "mip_gap": 1e-4} if seconds else {}
     probe = float(seconds) if seconds else args.probe_seconds
     code = _RUN.format(root=ROOT, model=args.model, shape=tuple(args.input_shape), budget=args.budget,
                        strategy=args.strategy, method=method, options=options, probe=probe,

@@ -224,8 +224,8 @@ class _Evaluator:
                  time_limit: float | None = None, first_within_cap: bool = False) -> bool:
         """Whether ``graph`` (at ``batch``) fits, remembered. ``heuristic``: judged by that
         strategy (called with the graph and budget alone) instead; ``time_limit`` caps a
-        solver strategy's own limit; ``first_within_cap``: the solver may stop at the first
-        schedule within the overhead cap (its ``mip_gap`` is the cap's)."""
+        solver strategy's own limit; ``first_within_cap``: unless a ``mip_gap`` was given, the
+        solver may stop at the first schedule within the overhead cap (its gap is the cap's)."""
         ok, refusal, found = self.judge(batch, graph, heuristic, time_limit, first_within_cap)
         self.tried[batch], self.refusal[batch] = ok, refusal
         if ok:
@@ -260,7 +260,7 @@ class _Evaluator:
                     if time_limit is not None:
                         given = options.get("time_limit")
                         options["time_limit"] = time_limit if given is None else min(given, time_limit)
-                    if first_within_cap and graph.total_cost > 0:
+                    if first_within_cap and options.get("mip_gap") is None and graph.total_cost > 0:
                         # HiGHS stops at a gap g once cost <= bound / (1 - g); the bound is at
                         # least the no-remat cost, so this g stops no later than the cap.
                         extra = max(cap / graph.total_cost - 1, 0.0)
