@@ -333,9 +333,8 @@ def _bisect(fits: Callable[[int], bool], good: int, bad: int) -> int:
 
 
 # Seconds an ``optimal`` probe of the scaled search gets above the heuristics' reach (at most
-# the strategy's own time_limit). On ResNet50 at 64x64 and 400 MB (benchmarks/maxbatch.py)
-# eviction reaches batch 156 and the MILP found no schedule within the cap at 157-160 in
-# 420 s per batch either: a longer probe buys minutes, not batches.
+# the strategy's own time_limit). On ResNet50 at 64x64 and 400 MB the same search with 600 s
+# probes answered as with these (benchmarks/results/maxbatch.md).
 _PROBE_SECONDS = 20.0
 
 
