@@ -48,6 +48,7 @@ from tfremat.extract.side_table import SideTable, TensorRef, flatten_by_name
 from tfremat.graph import DFGraph
 from tfremat.runtime.layer_variants import layer_implementations
 from tfremat.runtime.memory import default_device
+from tfremat.runtime.state import state_restored
 
 __all__ = ["Extraction", "extract", "COST_MODELS"]
 
@@ -210,7 +211,10 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
     profile_started = time.perf_counter()
     if cached is not None:
         logger.info("extract %s: profile cache hit %s", model.name, key)
-    with xla_costs(xla == "timed"), xla_layouts(bool(xla)), timing_passes() as passes:
+    # The timing passes run the calls again after analyze_checked restored each layer's
+    # state: without this, a cold profile moved batch-norm statistics and dropout seeds.
+    with state_restored(model.non_trainable_variables), xla_costs(xla == "timed"), xla_layouts(bool(xla)), \
+            timing_passes() as passes:
         analyses, out_specs = _analyze_calls(
             calls, needs_backward, in_specs, None if cached is None else cached[0], batch, cost_model, repeats,
         )
