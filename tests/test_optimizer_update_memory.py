@@ -124,3 +124,42 @@ def test_fixed_weight_gradients_count_the_updates_as_fixed_bytes():
     requested = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables),
                                   count="requested")
     assert requested <= predicted, (requested, predicted)
+
+
+def test_the_count_is_stored_and_read_by_a_later_process(monkeypatch, tmp_path):
+    """Every process counts the same (module docstring of optimizer_update): the first
+    stores its count, a later one (here: the in-memory cache emptied) reads it and
+    measures nothing; a damaged entry is measured again and overwritten."""
+    from tfremat.extract import optimizer_update
+
+    monkeypatch.setattr(optimizer_update, "_cache", {})
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+    first = update_temporaries(optimizer)
+    entries = list((tmp_path / "cache" / "optimizer_update").glob("*.json"))
+    assert len(entries) == 1
+
+    def measure(_):
+        raise AssertionError("measured again despite a stored count")
+
+    monkeypatch.setattr(optimizer_update, "_cache", {})
+    monkeypatch.setattr(optimizer_update, "_measure", measure)
+    assert update_temporaries(keras.optimizers.SGD(0.01, momentum=0.9)) == first
+    # Another config is another key.
+    monkeypatch.setattr(optimizer_update, "_measure", lambda _: optimizer_update.UpdateTemporaries(5.0, 0.0))
+    assert update_temporaries(keras.optimizers.SGD(0.02, momentum=0.9)).first == 5.0
+    monkeypatch.setattr(optimizer_update, "_cache", {})
+    entries[0].write_text("{not json")
+    assert update_temporaries(keras.optimizers.SGD(0.01, momentum=0.9)).first == 5.0
+    assert '"first": 5.0' in entries[0].read_text()
+
+
+def test_the_probe_takes_the_largest_of_its_runs(monkeypatch):
+    """With several inter-op threads one run of Adam's update read 1 weight-sized buffer
+    and another 2; the probe keeps the largest of its runs."""
+    from tfremat.extract import optimizer_update
+
+    variable_bytes = int(np.prod(optimizer_update._PROBE_SHAPE)) * 4
+    reads = iter([2 * variable_bytes, 3 * variable_bytes] + [2 * variable_bytes] * (optimizer_update._RUNS - 2))
+    monkeypatch.setattr(optimizer_update, "requested_peak", lambda run, device: (run(), next(reads))[1])
+    assert optimizer_update._probe(keras.optimizers.Adam(1e-3), 1) == 2 * variable_bytes
+    assert next(reads, None) is None  # every run was read

@@ -13,21 +13,35 @@ its own variables, so the user's optimizer state does not move) updates one, the
 variables whose gradients exist before the update starts, in a ``tf.function`` traced as
 the compiled step applies gradients (no all-reduce), and the profiler's requested bytes
 above the gradients give the two ratios of :class:`UpdateTemporaries`, the largest over
-:data:`_TRACES` traces. Results are cached per optimizer class and config.
+:data:`_RUNS` runs of each of :data:`_TRACES` traces.
+
+With several inter-op threads (TensorFlow's default) an update's independent operations
+overlap differently from run to run: Adam's single-variable update read 1 weight-sized
+buffer in 10 of 40 runs and 2 in 30, RMSprop with momentum 3 or 4. A probe of a few runs
+then gave each process its own count, so the same model's graph (its backward workspaces,
+fingerprint and share budgets) differed between processes and no cached schedule was found
+(``benchmarks/results/allocator_check.md``). Hence the largest over many runs, and the
+result is stored with the profiles (``<cache dir>/optimizer_update/``, keyed by the
+optimizer's class, code and config, TensorFlow, the device and the inter-op setting): a
+later process reads the first one's count.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
+import os
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tfremat.cache import read_entry, warn_once, write_atomically
 from tfremat.errors import CompileError
+from tfremat.extract.profile_cache import cache_dir, code_fingerprint
 from tfremat.runtime.memory import default_device, requested_peak
 from tfremat.runtime.optimizer import apply_gated
 
@@ -47,6 +61,12 @@ _UNMEASURED = 3.0
 # operations can differ between traces, and the step's own trace may take either (AdamW read
 # 1 or 2 buffers until :func:`~tfremat.runtime.optimizer.apply_gated` ordered its decay first).
 _TRACES = 2
+# Runs of each trace, each read on its own: with several inter-op threads the overlap of an
+# update's operations differs from run to run (module docstring); Adam's larger count came
+# in 3 of 4 runs, RMSprop with momentum's in 7 of 40.
+_RUNS = 24
+# Part of the on-disk key: a change of the probe gives every stored count a new key.
+_PROBE_VERSION = 1
 
 _cache: dict[str, "UpdateTemporaries"] = {}
 
@@ -74,22 +94,87 @@ class UpdateTemporaries:
 
 
 def update_temporaries(optimizer) -> UpdateTemporaries:
-    """The update temporaries of ``optimizer`` (module docstring), measured once per class
-    and config."""
+    """The update temporaries of ``optimizer`` (module docstring): measured once per class
+    and config, and stored on disk so that every process counts the same."""
     key = _config_key(optimizer)
     if key not in _cache:
-        _cache[key] = _measure(optimizer)
-        logger.info("optimizer %s: its update requests %.2fx the largest variable + %.2fx the others",
-                    type(optimizer).__name__, _cache[key].first, _cache[key].concurrent)
+        stored = _load(key)
+        if stored is not None:
+            _cache[key] = stored
+        else:
+            measured = _measure(optimizer)
+            if measured is not None:
+                _store(key, measured)
+            _cache[key] = measured if measured is not None else UpdateTemporaries(_UNMEASURED, 0.0)
+        logger.info("optimizer %s: its update requests %.2fx the largest variable + %.2fx the others%s",
+                    type(optimizer).__name__, _cache[key].first, _cache[key].concurrent,
+                    " (stored)" if stored is not None else "")
     return _cache[key]
 
 
 def _config_key(optimizer) -> str:
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}:" + json.dumps(
-        keras.optimizers.serialize(optimizer), sort_keys=True, default=str)
+    """What the count depends on: the optimizer's class, its code and config (the inner
+    optimizer's with a loss-scale wrapper) but not its name, the probe, and where and how
+    it runs."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    payload = {
+        "probe": _PROBE_VERSION,
+        "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "code": [code_fingerprint(type(optimizer)), code_fingerprint(type(inner)), code_fingerprint(apply_gated)],
+        "config": _without_names(keras.optimizers.serialize(optimizer)),
+        "tf": tf.__version__,
+        "keras": keras.__version__,
+        "device": default_device(),
+        "inter_op_threads": (tf.config.threading.get_inter_op_parallelism_threads(),
+                             os.environ.get("TF_NUM_INTEROP_THREADS")),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def _measure(optimizer) -> UpdateTemporaries:
+def _without_names(config):
+    """``config`` less the optimizers' names, which Keras numbers per process ("sgd",
+    "sgd_1") and which change nothing in the update."""
+    if isinstance(config, dict):
+        return {k: _without_names(v) for k, v in config.items() if k != "name"}
+    if isinstance(config, list):
+        return [_without_names(v) for v in config]
+    return config
+
+
+def _path(key: str) -> str:
+    return os.path.join(cache_dir(), "optimizer_update", f"{key}.json")
+
+
+def _load(key: str) -> UpdateTemporaries | None:
+    """The stored count, or None (none stored, or an entry that does not parse: logged,
+    measured again and overwritten)."""
+    text = read_entry(_path(key))
+    if text is None:
+        return None
+    try:
+        data = json.loads(text)
+        stored = UpdateTemporaries(float(data["first"]), float(data["concurrent"]))
+        if not (stored.first >= 0 and stored.concurrent >= 0):
+            raise ValueError(f"negative count {stored}")
+    except Exception as error:  # noqa: BLE001 - whatever an entry holds, it is a miss, never the user's error
+        logger.warning("optimizer update entry %s is damaged (%s: %s); measuring again", _path(key),
+                       type(error).__name__, str(error)[:300])
+        return None
+    return stored
+
+
+def _store(key: str, temporaries: UpdateTemporaries) -> None:
+    """Writes the count atomically; a directory that cannot be written is logged once."""
+    path = _path(key)
+    try:
+        write_atomically(path, json.dumps(dataclasses.asdict(temporaries)))
+    except OSError as error:
+        warn_once(os.path.dirname(path), "written", error)
+
+
+def _measure(optimizer) -> UpdateTemporaries | None:
+    """The probe's count, or None where the profiler records nothing (logged; the caller
+    counts :data:`_UNMEASURED` buffers in this process and stores nothing)."""
     variable_bytes = int(np.prod(_PROBE_SHAPE)) * 4
     try:
         one = max(_probe(optimizer, 1) for _ in range(_TRACES)) / variable_bytes
@@ -97,13 +182,14 @@ def _measure(optimizer) -> UpdateTemporaries:
     except CompileError as error:
         logger.warning("could not measure %s's update temporaries (%s); counting %.0f weight-sized buffers",
                        type(optimizer).__name__, error, _UNMEASURED)
-        return UpdateTemporaries(_UNMEASURED, 0.0)
+        return None
     # To 1/100 of a variable: the update's scalars are a few hundred bytes.
     return UpdateTemporaries(round(one, 2), round(max(two - one, 0.0), 2))
 
 
 def _probe(optimizer, count: int) -> int:
-    """Bytes ``count`` probe updates request above their gradients, all updated at once."""
+    """Bytes ``count`` probe updates request above their gradients, all updated at once:
+    the most of :data:`_RUNS` runs of one trace."""
     clone = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
     variables = [keras.Variable(np.zeros(_PROBE_SHAPE, "float32"), name=f"probe_{i}") for i in range(count)]
     clone.build(variables)
@@ -120,7 +206,7 @@ def _probe(optimizer, count: int) -> int:
         return tf.constant(0.0)
 
     step(seeds)
-    peak = requested_peak(lambda: step(seeds).numpy(), default_device())
+    peak = max(requested_peak(lambda: step(seeds).numpy(), default_device()) for _ in range(_RUNS))
     return max(peak - count * int(np.prod(_PROBE_SHAPE)) * 4, 0)
 
 
