@@ -129,7 +129,8 @@ def test_fixed_weight_gradients_count_the_updates_as_fixed_bytes():
 def test_the_count_is_stored_and_read_by_a_later_process(monkeypatch, tmp_path):
     """Every process counts the same (module docstring of optimizer_update): the first
     stores its count, a later one (here: the in-memory cache emptied) reads it and
-    measures nothing; a damaged entry is measured again and overwritten."""
+    measures nothing, whatever the optimizer's name; a damaged entry is measured again and
+    overwritten."""
     from tfremat.extract import optimizer_update
 
     monkeypatch.setattr(optimizer_update, "_cache", {})
@@ -150,6 +151,11 @@ def test_the_count_is_stored_and_read_by_a_later_process(monkeypatch, tmp_path):
     monkeypatch.setattr(optimizer_update, "_cache", {})
     entries[0].write_text("{not json")
     assert update_temporaries(keras.optimizers.SGD(0.01, momentum=0.9)).first == 5.0
+    assert '"first": 5.0' in entries[0].read_text()
+    # extract(use_cache=False) neither reads nor writes the store.
+    monkeypatch.setattr(optimizer_update, "_cache", {})
+    monkeypatch.setattr(optimizer_update, "_measure", lambda _: optimizer_update.UpdateTemporaries(7.0, 0.0))
+    assert update_temporaries(keras.optimizers.SGD(0.01, momentum=0.9), use_cache=False).first == 7.0
     assert '"first": 5.0' in entries[0].read_text()
 
 

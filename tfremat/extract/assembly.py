@@ -175,12 +175,13 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
              analyses: Sequence[CallAnalysis], loss_analysis: CallAnalysis, in_specs, label_specs,
              loss_fn, optimizer, batch: int, cost_model: str, weight_grads: str,
              alternatives: Sequence[Mapping[str, CallAnalysis]] | None = None,
-             split_backward: bool = False, replicas: int = 1) -> tuple[DFGraph, SideTable]:
+             split_backward: bool = False, replicas: int = 1, use_cache: bool = True) -> tuple[DFGraph, SideTable]:
     """Numbers the nodes, wires the edges and builds the graph and the side table;
     ``alternatives``: per call, its layer's alternatives measured by name, which the graph
     carries as :class:`~tfremat.graph.Implementation` s of the call's forward node;
     ``split_backward``: split the backward of every call that allows it (module doc);
-    ``replicas``: how many replicas all-reduce their gradients (module doc, "All-reduce")."""
+    ``replicas``: how many replicas all-reduce their gradients (module doc, "All-reduce");
+    ``use_cache``: read and store the optimizer's update temporaries on disk."""
     loss_node = len(calls)
     backward_calls = [c.position for c in reversed(calls) if needs_backward[c.position]]
     split = {c.position for c in calls if split_backward and needs_backward[c.position]
@@ -195,7 +196,8 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
     flops = cost_model == "flops"
     implementations: dict[int, list[Implementation]] = {}
     small_total = 0
-    temporaries = update_temporaries(optimizer) if model.trainable_variables else UpdateTemporaries(0.0, 0.0)
+    temporaries = (update_temporaries(optimizer, use_cache=use_cache) if model.trainable_variables
+                   else UpdateTemporaries(0.0, 0.0))
     update_bytes: dict[int, int] = {}
     for call in calls:
         small_total += analyses[call.position].small_residual_bytes if needs_backward[call.position] else 0

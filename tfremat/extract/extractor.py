@@ -242,7 +242,7 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
     graph, table = assemble(
         model, calls, output_refs, needs_backward, analyses, loss_analysis, in_specs, label_specs,
         loss_fn, optimizer, batch, cost_model, weight_grads, alternatives, split_backward=implementations,
-        replicas=replicas,
+        replicas=replicas, use_cache=use_cache,
     )
     seconds = time.perf_counter() - started
     logger.info(

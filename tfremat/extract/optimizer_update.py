@@ -93,17 +93,18 @@ class UpdateTemporaries:
         return int(math.ceil(self.first * largest + self.concurrent * (sum(sizes) - largest)))
 
 
-def update_temporaries(optimizer) -> UpdateTemporaries:
+def update_temporaries(optimizer, *, use_cache: bool = True) -> UpdateTemporaries:
     """The update temporaries of ``optimizer`` (module docstring): measured once per class
-    and config, and stored on disk so that every process counts the same."""
+    and config in a process, and with ``use_cache`` (``extract``'s) read from and stored on
+    disk, so that every process counts the same."""
     key = _config_key(optimizer)
     if key not in _cache:
-        stored = _load(key)
+        stored = _load(key) if use_cache else None
         if stored is not None:
             _cache[key] = stored
         else:
             measured = _measure(optimizer)
-            if measured is not None:
+            if measured is not None and use_cache:
                 _store(key, measured)
             _cache[key] = measured if measured is not None else UpdateTemporaries(_UNMEASURED, 0.0)
         logger.info("optimizer %s: its update requests %.2fx the largest variable + %.2fx the others%s",
