@@ -20,9 +20,9 @@ import keras  # noqa: E402
 from training_case import TrainingCase  # noqa: E402
 
 from tfremat.numerics import closeness  # noqa: E402
+from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix, validate_schedule  # noqa: E402
 from tfremat.static_graph import compile_step  # noqa: E402
 from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
-from tfremat.plan.schedule import Schedule, checkpoint_all_s, schedule_from_keep_matrix, validate_schedule  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
