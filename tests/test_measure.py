@@ -57,3 +57,26 @@ def test_time_in_turns_reports_the_spread_and_refuses_bad_rounds(monkeypatch):
     for bad in ({"rounds": 0}, {"rounds": 1.5}, {"rounds": 2, "warmup": -1}):
         with pytest.raises(ArgumentError, match="rounds|warmup"):
             measure.time_in_turns(noisy, noisy, **{"warmup": 0, **bad})
+
+
+def test_a_gradient_mismatch_keeps_its_graph_and_schedule_for_a_report(tmp_path, monkeypatch, caplog):
+    """A schedule whose gradients differ from plain training's depends on the run's profile:
+    measure keeps the graph and schedule, readable back, and names where in a warning."""
+    import json
+
+    from graph_factories import random_training_graph
+    from tfremat.graph import load_graph
+    from tfremat.numerics import closeness
+    from tfremat.plan.schedule import Schedule
+    from tfremat.strategies import get_strategy
+
+    graph = random_training_graph(3, 6)
+    schedule = get_strategy("checkpoint_all")(graph, None)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with caplog.at_level("WARNING", logger="tfremat.measure"):
+        measure._keep_mismatch(graph, schedule, closeness([[1.0, 2.0]], [[0.0, 0.0]]))
+    (kept,) = tmp_path.iterdir()
+    assert str(kept) in caplog.text and "please report" in caplog.text
+    read_back = Schedule.from_dict(json.loads((kept / "schedule.json").read_text()), graph)
+    assert (read_back.R == schedule.R).all() and (read_back.S == schedule.S).all()
+    assert load_graph(kept / "graph.json").fingerprint == graph.fingerprint

@@ -164,6 +164,22 @@ def _compare_gradients(model, extraction, schedule, x, y, saved):
     return closeness([p for p, _ in compared], [e for _, e in compared]) if compared else None
 
 
+def _keep_mismatch(graph, schedule, gradients) -> None:
+    """Writes the graph and schedule whose gradients differ from plain training's to a new
+    temporary directory and names it in a warning: such a schedule depends on the profile
+    the run measured, so it is kept for a bug report rather than lost with the process."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    directory = Path(tempfile.mkdtemp(prefix="tfremat_mismatch_"))
+    graph.to_json(directory / "graph.json")
+    (directory / "schedule.json").write_text(json.dumps(schedule.to_dict(graph)))
+    logger.warning("the planned step's gradients differ from plain training's (largest per-variable error %.3g, "
+                   "global %.3g); its graph and schedule are in %s: please report them", gradients.max_tensor_error,
+                   gradients.global_error, directory)
+
+
 def _rounding_by_implementation(model, extraction, result, x, y, saved) -> list[dict]:
     """Per implementation name among ``result.inexact_implementations``: the nodes that
     run it and the largest per-variable normwise error of the gradients (against a plain
@@ -350,6 +366,8 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **strategy_options)
         result = with_rounding(dataclasses.replace(result, extraction=extraction))
         gradients = _compare_gradients(model, extraction, result.schedule, x, y, saved)
+        if gradients is not None and not gradients.equal and not result.inexact_implementations:
+            _keep_mismatch(extraction.graph, result.schedule, gradients)
         rounding = _rounding_by_implementation(model, extraction, result, x, y, saved)
 
         step_optimizer = _fresh(training["optimizer"])
