@@ -80,3 +80,28 @@ def test_a_gradient_mismatch_keeps_its_graph_and_schedule_for_a_report(tmp_path,
     read_back = Schedule.from_dict(json.loads((kept / "schedule.json").read_text()), graph)
     assert (read_back.R == schedule.R).all() and (read_back.S == schedule.S).all()
     assert load_graph(kept / "graph.json").fingerprint == graph.fingerprint
+
+
+def test_the_gradient_comparison_starts_both_steps_from_the_saved_state():
+    """Dropout draws from a seed state that any earlier run advances (an extraction, a warm-up):
+    the planned and the plain step must both start from the saved variables, or their masks
+    differ and a correct schedule reads as wrong gradients."""
+    import keras
+    import numpy as np
+
+    from tfremat.extract.extractor import extract
+    from tfremat.strategies import get_strategy
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dropout(0.5, seed=1)(keras.layers.Dense(16, activation="relu")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, 8)), tf.float32)
+    y = tf.constant([0, 1, 2, 0])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    extraction = extract(model, sample_batch=(x, y), loss=loss, optimizer=keras.optimizers.SGD(),
+                         cost_model="flops", use_cache=False)
+    schedule = get_strategy("checkpoint_all")(extraction.graph, None)
+    saved = [v.numpy() for v in model.variables]
+    model(x, training=True)  # advances the dropout layer's seed state past the saved one
+    assert measure._compare_gradients(model, extraction, schedule, x, y, saved).equal

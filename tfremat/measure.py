@@ -132,7 +132,8 @@ def _name_of(loss) -> str:
 def _compare_gradients(model, extraction, schedule, x, y, saved):
     """The planned step's gradients against a plain tape's on ``(x, y)``, as
     :func:`tfremat.numerics.closeness` (None when no variable gets a gradient); the model's
-    variables are put back to ``saved`` after each."""
+    variables are put back to ``saved`` before and after each, so both draw the same dropout
+    masks from the same batch-norm state."""
     from tfremat.plan.execution import build_plan
     from tfremat.static_graph.interpreter import interpret_plan
 
@@ -151,6 +152,7 @@ def _compare_gradients(model, extraction, schedule, x, y, saved):
             value = table.loss_fn(table.flat_labels(labels), tf.nest.flatten(predictions))
         return tape.gradient(value, model.trainable_variables)
 
+    _restore(model, saved)  # both steps start from the same state, whatever ran before
     planned = planned_gradients(x, y)
     _restore(model, saved)
     reference = plain_gradients(x, y)
