@@ -40,49 +40,11 @@ from provenance import header  # noqa: E402
 BATCH = 32
 
 
-def vit(image_size=32, patch_size=4, projection_dim=64, num_heads=4, blocks=4, head=(256, 128), classes=10):
-    """The keras.io ViT at CPU size."""
-    import keras
-    from keras import layers, ops
+def vit():
+    """The keras.io ViT at CPU size (tests/models.py), compiled."""
+    from models import keras_io_vit
 
-    class Patches(layers.Layer):
-        def __init__(self, size, **kwargs):
-            super().__init__(**kwargs)
-            self.size = size
-
-        def call(self, images):
-            patches = ops.image.extract_patches(images, size=self.size)
-            rows, cols, dims = patches.shape[1], patches.shape[2], patches.shape[3]
-            return ops.reshape(patches, (ops.shape(images)[0], rows * cols, dims))
-
-    class PatchEncoder(layers.Layer):
-        def __init__(self, num_patches, dim, **kwargs):
-            super().__init__(**kwargs)
-            self.num_patches = num_patches
-            self.projection = layers.Dense(dim)
-            self.position_embedding = layers.Embedding(num_patches, dim)
-
-        def call(self, patch):
-            positions = ops.expand_dims(ops.arange(0, self.num_patches, 1), axis=0)
-            return self.projection(patch) + self.position_embedding(positions)
-
-    def mlp(x, units, rate):
-        for width in units:
-            x = layers.Dropout(rate)(layers.Dense(width, activation=keras.activations.gelu)(x))
-        return x
-
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((image_size, image_size, 3))
-    encoded = PatchEncoder((image_size // patch_size) ** 2, projection_dim)(Patches(patch_size)(inputs))
-    for _ in range(blocks):
-        x1 = layers.LayerNormalization(epsilon=1e-6)(encoded)
-        attention = layers.MultiHeadAttention(num_heads=num_heads, key_dim=projection_dim, dropout=0.1)(x1, x1)
-        x2 = layers.Add()([attention, encoded])
-        x3 = mlp(layers.LayerNormalization(epsilon=1e-6)(x2), (projection_dim * 2, projection_dim), 0.1)
-        encoded = layers.Add()([x3, x2])
-    representation = layers.Dropout(0.5)(layers.Flatten()(layers.LayerNormalization(epsilon=1e-6)(encoded)))
-    outputs = layers.Dense(classes, activation="softmax")(mlp(representation, head, 0.5))
-    model = keras.Model(inputs, outputs, name="vit_kerasio")
+    model = keras_io_vit()
     model.compile(optimizer="adam", loss="categorical_crossentropy")
     return model
 

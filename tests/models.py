@@ -118,3 +118,50 @@ def dense_mlp(features=256, width=512, depth=4, classes=10, seed=0):
     for _ in range(depth):
         hidden = keras.layers.Dense(width, activation="relu")(hidden)
     return keras.Model(inputs, keras.layers.Dense(classes, activation="softmax")(hidden), name="dense_mlp")
+
+
+def keras_io_vit(image_size=32, patch_size=4, dim=64, heads=4, blocks=4, block_units=None, head=(256, 128),
+                 classes=10, seed=0, name="vit_kerasio"):
+    """keras.io's image-classification ViT (a Patches layer, a patch encoder with a position
+    Embedding, pre-norm attention blocks, GELU MLPs with dropout, a dropout MLP head);
+    ``block_units`` are a block's MLP widths (default ``(2 * dim, dim)``)."""
+    from keras import layers, ops
+
+    class Patches(layers.Layer):
+        def __init__(self, size, **kwargs):
+            super().__init__(**kwargs)
+            self.size = size
+
+        def call(self, images):
+            patches = ops.image.extract_patches(images, size=self.size)
+            rows, cols, dims = patches.shape[1], patches.shape[2], patches.shape[3]
+            return ops.reshape(patches, (ops.shape(images)[0], rows * cols, dims))
+
+    class PatchEncoder(layers.Layer):
+        def __init__(self, num_patches, dim, **kwargs):
+            super().__init__(**kwargs)
+            self.num_patches = num_patches
+            self.projection = layers.Dense(dim)
+            self.position_embedding = layers.Embedding(num_patches, dim)
+
+        def call(self, patch):
+            positions = ops.expand_dims(ops.arange(0, self.num_patches, 1), axis=0)
+            return self.projection(patch) + self.position_embedding(positions)
+
+    def mlp(x, units, rate):
+        for width in units:
+            x = layers.Dropout(rate)(layers.Dense(width, activation=keras.activations.gelu)(x))
+        return x
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((image_size, image_size, 3))
+    encoded = PatchEncoder((image_size // patch_size) ** 2, dim)(Patches(patch_size)(inputs))
+    for _ in range(blocks):
+        x1 = layers.LayerNormalization(epsilon=1e-6)(encoded)
+        attention = layers.MultiHeadAttention(num_heads=heads, key_dim=dim, dropout=0.1)(x1, x1)
+        x2 = layers.Add()([attention, encoded])
+        x3 = mlp(layers.LayerNormalization(epsilon=1e-6)(x2), block_units or (2 * dim, dim), 0.1)
+        encoded = layers.Add()([x3, x2])
+    representation = layers.Dropout(0.5)(layers.Flatten()(layers.LayerNormalization(epsilon=1e-6)(encoded)))
+    outputs = layers.Dense(classes, activation="softmax")(mlp(representation, head, 0.5))
+    return keras.Model(inputs, outputs, name=name)

@@ -49,7 +49,8 @@ class TrainingCase:
         def grads(x, y):
             with tf.GradientTape() as tape:
                 loss = loss_fn([y], [model(x, training=True)])
-            return tape.gradient(loss, model.trainable_variables)
+            # An Embedding's gradient is IndexedSlices, which has no .numpy().
+            return [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
 
         return [g.numpy() for g in grads(self.x, self.y)]
 
@@ -66,10 +67,10 @@ class TrainingCase:
         losses = [float(step(x, y)) for x, y in self.batches[:steps]]
         return losses, [v.numpy() for v in model.variables]
 
-    def assert_trains_like_plain(self, schedule, label: str):
-        """The schedule's step gives one plain GradientTape step's gradients, and five
-        optimizer steps give the same losses, weights, batch-norm statistics and dropout
-        seeds as plain training. Returns the compiled step (after the five steps)."""
+    def assert_trains_like_plain(self, schedule, label: str, steps: int = 5):
+        """The schedule's step gives one plain GradientTape step's gradients, and ``steps``
+        optimizer steps (at most the five batches) give the same losses, weights, batch-norm
+        statistics and dropout seeds as plain training. Returns the compiled step (after them)."""
         graph, side_table = self.extraction.graph, self.extraction.side_table
         self.reset()
         expected = self.plain_gradients()
@@ -79,15 +80,15 @@ class TrainingCase:
         @tf.function
         def compiled_gradients(x, y):
             _, _, weight_grads, _ = interpret_plan(graph, side_table, plan, x, y)
-            return [weight_grads[id(v)][1] for v in self.model.trainable_variables]
+            return [tf.convert_to_tensor(weight_grads[id(v)][1]) for v in self.model.trainable_variables]
 
         gradients = closeness([g.numpy() for g in compiled_gradients(self.x, self.y)], expected)
         assert gradients.equal, (label, self.model.trainable_variables[gradients.worst_tensor].path, gradients)
         self.reset()
-        plain_losses, plain_state = self.plain_training(5)
+        plain_losses, plain_state = self.plain_training(steps)
         self.reset()
         step = compile_step(self.extraction, schedule, optimizer=self.optimizer())
-        losses = [float(step(x, y)) for x, y in self.batches]
+        losses = [float(step(x, y)) for x, y in self.batches[:steps]]
         np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
         for variable, expected_value in zip(self.model.variables, plain_state):
             np.testing.assert_allclose(variable.numpy(), expected_value, rtol=1e-4, atol=1e-6,
