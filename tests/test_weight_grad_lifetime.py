@@ -239,7 +239,9 @@ def test_requested_bytes_stay_within_the_prediction_when_a_layer_runs_after_its_
     forward, after that block's ``Dense`` backward nodes: their weight gradients are held
     until then (as in ``optimal``'s plan of this model at 60% of activations with profiled
     costs, which requested 64 KiB over the prediction without them). The prediction counts
-    them, and the step requests no more; without them it requested more."""
+    them, and the step requests no more. Whether the step holds them depends on the order the
+    executor picks (one CI process requested 1.55 MB, under the 1.65 MB predicted without
+    them; here 1.68 MB, over it), so only the promise is asserted."""
     tf = pytest.importorskip("tensorflow")
     keras = pytest.importorskip("keras")
     from tfremat.extract import extract
@@ -270,4 +272,3 @@ def test_requested_bytes_stay_within_the_prediction_when_a_layer_runs_after_its_
                                   count="requested")
     # A few hundred bytes of scalars and shapes are not modelled (tests/test_requested_bytes.py).
     assert requested <= predicted + 4096, (requested, predicted, blind)
-    assert requested > blind + 4096, ("the held gradients no longer show in the step", requested, blind)
