@@ -355,8 +355,10 @@ class RematCallback(keras.callbacks.Callback):
                 planning_budget = remembered
                 logger.info("planning under %s, where a plan held the allocator's peak to the budget %s before",
                             format_bytes(remembered), format_bytes(budget))
-            except (InfeasibleBudgetError, SolverTimeLimitError):
-                pass  # its schedule left the cache and was not found again: check from the budget
+            except (InfeasibleBudgetError, SolverTimeLimitError) as error:
+                # Its schedule left the cache and was not found again: check from the budget.
+                logger.info("the remembered planning budget %s found no plan (%s); checking from the budget",
+                            format_bytes(remembered), error)
         devices = [None] if strategy is None else replica_allocators(strategy)
         last = peak
         for _ in range(ALLOCATOR_ROUNDS):
