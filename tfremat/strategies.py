@@ -140,11 +140,9 @@ def least_budget_within(graph: DFGraph, max_overhead: float) -> int:
     schedules there (the heuristic whose cost falls nearly monotonically as the budget
     grows): planned under the graph's costs and under two cost proxies that no profile
     moves (:func:`_cost_proxies`), all costed under the graph's costs. The cheapest of the
-    three, the grid shared by every run and the margin leave "min" where it was under costs
-    moved 5-20% per node, and narrowed its spread over real profiles (2.9 -> 2.2 points of
-    the checkpoint-all peak on a ViT, 5 -> 2 on a residual chain: benchmarks/min_budget.py),
-    where eviction alone against the bound itself met it on a flat stretch of the overhead
-    curve. Then, if ``eviction``'s own schedule is over
+    three, the grid shared by every run and the margin keep "min" in place under per-node
+    cost noise, where eviction alone against the bound met it anywhere on a flat stretch of
+    the overhead curve (benchmarks/min_budget.py). Then, if ``eviction``'s own schedule is over
     ``max_overhead`` there, the budget rises until it is not, so ``optimal`` (which starts
     from the portfolio) is within too. At most eight bisection probes, deterministic for a
     graph. The least peak at any cost (:func:`least_peak`) may recompute many forward
