@@ -165,3 +165,17 @@ def keras_io_vit(image_size=32, patch_size=4, dim=64, heads=4, blocks=4, block_u
     representation = layers.Dropout(0.5)(layers.Flatten()(layers.LayerNormalization(epsilon=1e-6)(encoded)))
     outputs = layers.Dense(classes, activation="softmax")(mlp(representation, head, 0.5))
     return keras.Model(inputs, outputs, name=name)
+
+
+def five_conv_net(seed=0):
+    """Issue 33's report in small: five 3x3 convolutions at full 32x32 resolution, float32,
+    compiled with Adam (tests/test_allocator_budget.py, benchmarks/allocator_check.py)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((32, 32, 3))
+    hidden = inputs
+    for _ in range(5):
+        hidden = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(hidden)
+    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="categorical_crossentropy")
+    return model

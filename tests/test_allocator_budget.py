@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from models import five_conv_net
 
 import tfremat
 import tfremat.keras as remat_keras
@@ -20,19 +21,6 @@ from tfremat.plan.simulator import simulate
 # docstring); the same slack as the memory tests of tests/test_static_graph.py.
 MEASURE_SLACK_BYTES = 2 * 2**20
 BATCH = 16
-
-
-def five_conv_net(seed=0):
-    """The shape of the issue's report: 3x3 convolutions at full resolution, float32, Adam."""
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((32, 32, 3))
-    hidden = inputs
-    for _ in range(5):
-        hidden = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(hidden)
-    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
-    model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="categorical_crossentropy")
-    return model
 
 
 def batch(seed=0):
