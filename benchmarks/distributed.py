@@ -60,46 +60,22 @@ def live_at_peak(logdir: str, device: str) -> tuple[int, list[tuple[str, int]]]:
     """The peak of the bytes requested from ``device``'s allocator in a profile
     (allocations before it ignored) and the buffers live at that peak, summed by
     (operation, region, shape)."""
-    from tfremat.runtime.memory import _allocator_matches
+    from tfremat.runtime.memory import allocation_events
 
-    import glob
-
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    events = []
-    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
-        space = xplane_pb2.XSpace()
-        with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-        for plane in space.planes:
-            names = {k: v.name for k, v in plane.stat_metadata.items()}
-            kinds = {k: v.name == "MemoryAllocation" for k, v in plane.event_metadata.items()
-                     if v.name in ("MemoryAllocation", "MemoryDeallocation")}
-            for line in plane.lines:
-                for event in line.events:
-                    if event.metadata_id not in kinds:
-                        continue
-                    stats = {}
-                    for stat in event.stats:
-                        name = names.get(stat.metadata_id)
-                        stats[name] = (names.get(stat.ref_value, "") if stat.ref_value else stat.str_value) \
-                            or stat.uint64_value or stat.int64_value
-                    if _allocator_matches(str(stats.get("allocator_name", "")), device):
-                        events.append((line.timestamp_ns * 1000 + event.offset_ps, kinds[event.metadata_id], stats))
-    events.sort(key=lambda e: (e[0], not e[1]))
+    events = sorted(allocation_events(logdir, device), key=lambda e: (e[0], not e[1]))
     live, current, peak, at_peak = {}, 0, 0, {}
-    for _, allocation, stats in events:
+    for _, allocation, addr, requested, info in events:
         if allocation:
-            live[stats["addr"]] = stats
-            current += stats.get("requested_bytes", 0)
+            live[addr] = (requested, info)
+            current += requested
             if current > peak:
                 peak, at_peak = current, dict(live)
-        elif stats["addr"] in live:
-            current -= live.pop(stats["addr"]).get("requested_bytes", 0)
+        elif addr in live:
+            current -= live.pop(addr)[0]
     groups: dict = {}
-    for stats in at_peak.values():
-        key = f"{stats.get('tf_op', '?')} {stats.get('region_type', '')} {stats.get('shape', '')}"
-        groups[key] = groups.get(key, 0) + stats.get("requested_bytes", 0)
+    for requested, info in at_peak.values():
+        key = f"{info['op'] or '?'} {info['region']} {info['shape']}"
+        groups[key] = groups.get(key, 0) + requested
     return peak, sorted(groups.items(), key=lambda kv: -kv[1])
 
 

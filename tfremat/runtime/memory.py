@@ -186,46 +186,54 @@ def requested_peak_live(run: Callable[[], None], device: str, *,
 
 
 def _allocation_events(run: Callable[[], None], device: str) -> list[tuple]:
-    """The profiler's allocation events on ``device`` during ``run()``: ``(time_ps,
-    is_allocation, addr, requested_bytes, {op, region, shape})``, unsorted."""
-    try:
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    except ImportError as error:  # pragma: no cover - depends on the TensorFlow build
-        raise CompileError(f"count='requested' needs TensorFlow's profiler protos: {error}") from error
-    events = []
+    """The profiler's allocation events on ``device`` during ``run()``, as
+    :func:`allocation_events` reads them."""
     with tempfile.TemporaryDirectory(prefix="tfremat_memory_") as logdir:
         tf.profiler.experimental.start(logdir)
         try:
             run()
         finally:
             tf.profiler.experimental.stop()
-        for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
-            space = xplane_pb2.XSpace()
-            with open(path, "rb") as f:
-                space.ParseFromString(f.read())
-            for plane in space.planes:
-                stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
-                kinds = {
-                    k: v.name for k, v in plane.event_metadata.items()
-                    if v.name in ("MemoryAllocation", "MemoryDeallocation")
-                }
-                if not kinds:
-                    continue
-                for line in plane.lines:
-                    for event in line.events:
-                        kind = kinds.get(event.metadata_id)
-                        if kind is None:
-                            continue
-                        stats = {}
-                        for stat in event.stats:
-                            name = stat_names.get(stat.metadata_id)
-                            if name in ("allocator_name", "tf_op", "region_type", "shape"):
-                                stats[name] = stat_names.get(stat.ref_value, "") if stat.ref_value else stat.str_value
-                            elif name in ("addr", "requested_bytes"):
-                                stats[name] = stat.uint64_value or stat.int64_value
-                        if _allocator_matches(stats.get("allocator_name", ""), device):
-                            info = {"op": stats.get("tf_op", ""), "region": stats.get("region_type", ""),
-                                    "shape": stats.get("shape", "")}
-                            events.append((line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation",
-                                           stats.get("addr"), stats.get("requested_bytes", 0), info))
+        return allocation_events(logdir, device)
+
+
+def allocation_events(logdir: str, device: str) -> list[tuple]:
+    """The allocation events on ``device`` in a profiler log directory (its ``*.xplane.pb``
+    files, at any depth): ``(time_ps, is_allocation, addr, requested_bytes, {op, region,
+    shape})``, unsorted. benchmarks/distributed.py profiles one step inside ``fit`` and
+    reads its directory with this."""
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    except ImportError as error:  # pragma: no cover - depends on the TensorFlow build
+        raise CompileError(f"count='requested' needs TensorFlow's profiler protos: {error}") from error
+    events = []
+    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+            kinds = {
+                k: v.name for k, v in plane.event_metadata.items()
+                if v.name in ("MemoryAllocation", "MemoryDeallocation")
+            }
+            if not kinds:
+                continue
+            for line in plane.lines:
+                for event in line.events:
+                    kind = kinds.get(event.metadata_id)
+                    if kind is None:
+                        continue
+                    stats = {}
+                    for stat in event.stats:
+                        name = stat_names.get(stat.metadata_id)
+                        if name in ("allocator_name", "tf_op", "region_type", "shape"):
+                            stats[name] = stat_names.get(stat.ref_value, "") if stat.ref_value else stat.str_value
+                        elif name in ("addr", "requested_bytes"):
+                            stats[name] = stat.uint64_value or stat.int64_value
+                    if _allocator_matches(stats.get("allocator_name", ""), device):
+                        info = {"op": stats.get("tf_op", ""), "region": stats.get("region_type", ""),
+                                "shape": stats.get("shape", "")}
+                        events.append((line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation",
+                                       stats.get("addr"), stats.get("requested_bytes", 0), info))
     return events
