@@ -233,46 +233,69 @@ def _built_counting(factory, built):
 
 @pytest.mark.parametrize("budget", [64, 150, 333, 900])
 def test_the_scaled_search_finds_the_searchs_answer_from_two_graphs(budget):
-    """Building a graph is what makes a search slow: ``scaled`` builds batches 2 and 4 and
+    """Building a graph is what makes a search slow: ``scaled`` builds batches 2 and 4,
     judges the others on their affine extension, which on an affine family is the built
-    graph, so it answers as ``search`` does."""
+    graph, and builds only its answer to certify it, so it answers as ``search`` does."""
     built = {"search": [], "scaled": []}
     results = {}
     for method in ("search", "scaled"):
         try:
             results[method] = max_batch_size(_built_counting(training_chain, built[method]), budget, method=method,
-                                             max_batch=512, strategy="chen_greedy").batch_size
+                                             max_batch=512, strategy="chen_greedy")
         except InfeasibleBudgetError:
             results[method] = None
-    assert results["scaled"] == results["search"]
-    if results["search"] is not None and results["search"] > 8:
-        assert built["scaled"] == [2, 4] and len(set(built["search"])) > 6, built
+    answer = results["search"] and results["search"].batch_size
+    assert (results["scaled"] and results["scaled"].batch_size) == answer
+    if answer is not None and answer > 8:
+        assert built["scaled"] == [2, 4, answer] == list(results["scaled"].built), built
+        assert len(set(built["search"])) > 6 and list(results["search"].built) == list(dict.fromkeys(built["search"]))
+        assert "scaled" not in results["scaled"].graph.name  # the graph built at the answer
 
 
-def test_the_scaled_search_judges_on_the_line_through_its_two_graphs():
-    """Where sizes are not affine in the batch (a scratch buffer that grows in steps, none
-    at batches 2 and 4), the scaled answer is the largest batch that fits on the line
-    through the two built graphs, the next one does not fit there, and the built graphs
-    (``search``) disagree: the rule ``scaled`` keeps, not the built graph's verdict."""
+def _stepped(batch):
+    """A chain whose last node's scratch grows in steps of 5 batches: none at batches 2 and
+    4, so the line through them underestimates every larger batch (CPU convolution scratch
+    did so on ResNet50 at 64x64)."""
+    chain = training_chain(4, batch)
+    return chain.replaced(workspace_bytes=[0] * (chain.size - 1) + [64 * (batch // 5)])
+
+
+@pytest.mark.parametrize("strategy", ["chen_greedy", "optimal"])
+def test_the_scaled_search_certifies_its_answer_on_a_built_graph_and_steps_down(strategy, caplog):
+    """The line through batches 2 and 4 says batch 19 fits; the graph built at 19 refutes
+    it, and the line through the built graphs at 4 and 19 proposes 14, which its built graph
+    certifies: the answer is the built graph's, as ``search`` finds, from one more build."""
     from tfremat.maxbatch import affine_graphs
-    from tfremat.strategies import get_strategy
 
-    def stepped(batch):
-        chain = training_chain(4, batch)
-        return chain.replaced(workspace_bytes=[0] * (chain.size - 1) + [64 * (batch // 5)])
-
-    result = max_batch_size(stepped, 333, method="scaled", max_batch=512, strategy="chen_greedy")
-    line = affine_graphs(stepped(2), 2, stepped(4), 4)
-    assert result.graph.workspace_bytes == line(result.batch_size).workspace_bytes
+    options = {"threads": 1, "mip_gap": 0.0} if strategy == "optimal" else {}
+    line = affine_graphs(_stepped(2), 2, _stepped(4), 4)
+    with caplog.at_level("INFO", logger="tfremat.maxbatch"):
+        result = max_batch_size(_stepped, 333, method="scaled", max_batch=512, strategy=strategy, **options)
+    search = max_batch_size(_stepped, 333, method="search", max_batch=512, strategy=strategy, **options)
+    assert result.batch_size == search.batch_size == 14 and result.built == (2, 4, 19, 14)
+    assert result.graph.workspace_bytes == _stepped(14).workspace_bytes != line(14).workspace_bytes
     assert simulate(result.graph, result.schedule).peak_bytes <= 333 and result.cost <= result.cost_cap
-    above = line(result.batch_size + 1)
-    try:
-        schedule = get_strategy("chen_greedy")(above, 333)
-    except InfeasibleBudgetError:
-        schedule = None
-    assert schedule is None or schedule.cost(above) > one_extra_forward_cap(above)
-    search = max_batch_size(stepped, 333, method="search", max_batch=512, strategy="chen_greedy")
-    assert search.batch_size < result.batch_size
+    assert result.tried[19] is False and result.tried[14] is True
+    assert any("batch 19 does not fit on the graph built at it; next candidate 14" in r.message
+               for r in caplog.records)
+    assert any("answer: batch 14, certified on a graph built at batch 14" in r.message for r in caplog.records)
+
+
+def test_the_scaled_search_bounds_its_builds_and_falls_back_to_a_built_batch(caplog):
+    """Scratch that jumps right above the built batches makes every line below the truth:
+    after three refuted builds the search stops and answers the largest built batch that
+    fits, with a warning, rather than an answer no built graph certified."""
+    def jump(batch):
+        chain = training_chain(4, batch)
+        return chain.replaced(workspace_bytes=[0] * (chain.size - 1) + [0 if batch <= 4 else 200])
+
+    built = []
+    with caplog.at_level("WARNING", logger="tfremat.maxbatch"):
+        result = max_batch_size(_built_counting(lambda _, b: jump(b), built), 333, method="scaled", max_batch=512,
+                                strategy="chen_greedy")
+    assert result.batch_size == 4 and len(built) == 2 + 3 == len(result.built), built
+    assert all(not result.tried[b] for b in built[2:])
+    assert any("within 3 builds" in r.message and "answering batch 4" in r.message for r in caplog.records)
 
 
 def test_affine_graphs_pass_through_both_graphs_and_refuse_other_structures():
@@ -306,8 +329,9 @@ def test_the_scaled_search_draws_its_line_through_the_edges_both_graphs_have():
     search = max_batch_size(graph_for_batch, 900, method="search", max_batch=512, strategy="chen_greedy")
     built.clear()
     scaled = max_batch_size(graph_for_batch, 900, method="scaled", max_batch=512, strategy="chen_greedy")
-    assert built == [2, 4] and (0, scaled.graph.size - 2) not in scaled.graph.edges
     assert scaled.batch_size == search.batch_size
+    assert built == [2, 4, scaled.batch_size]  # the line's two graphs, and the answer's to certify it
+    assert (0, scaled.graph.size - 2) not in scaled.graph.edges
 
 
 def test_offloading_fits_a_larger_batch_without_recomputation():
@@ -396,6 +420,9 @@ def test_the_scaled_search_solves_only_above_the_heuristics_reach(monkeypatch, b
     _counting_optimal(monkeypatch, solved)
     result = max_batch_size(lambda b: training_chain(4, b), budget, method="scaled", max_batch=512, threads=1,
                             time_limit=600, probe_seconds=30)
+    # The line is exact on an affine family: the line's schedule certifies the built answer, unsolved
+    # (the solves on built graphs are the anchors', before the line's probes).
+    assert result.built[-1] == result.batch_size and "scaled" in solved[-1][0], solved
     search = max_batch_size(lambda b: training_chain(4, b), budget, method="search", max_batch=512, threads=1,
                             mip_gap=0.0)
     assert result.batch_size == search.batch_size

@@ -12,7 +12,9 @@ answers that in one of these ways:
   extension (:func:`_scaled`), for when building a graph (profiling it) is what costs.
   With ``optimal`` a batch is settled by certificates where they reach (a heuristic's
   schedule that fits, the memory lower bound) and the MILP is asked only in the gap
-  between them, for any schedule within the overhead cap (:func:`_climb`).
+  between them, for any schedule within the overhead cap (:func:`_climb`). The line's
+  answer is then certified on a graph built at it, or the search steps down
+  (:func:`_certify_built`).
 * ``method="direct"``: Checkmate's formulation. When every output and workspace size is
   proportional to the batch, the fixed bytes are affine in it and the costs scale
   together, the largest batch follows from one MILP, the smallest peak among schedules
@@ -67,20 +69,26 @@ logger = logging.getLogger(__name__)
 class MaxBatchResult:
     """The largest batch found and its schedule.
 
+    Every method checks its answer on a graph built (extracted) at ``batch_size``:
+    ``schedule`` fits ``graph``, that built graph, within the budget and ``cost_cap``.
+
     Attributes:
         batch_size: the largest batch that fits.
         schedule: its schedule.
-        graph: its graph.
+        graph: its graph, built at ``batch_size`` (never a scaled one).
         cost: the schedule's total cost.
         cost_cap: the largest cost allowed at that batch.
-        tried: every batch size judged, mapped to whether it fit (``scaled``: on its built
-            graph or the scaled one), or the batches whose graphs were built (``direct``).
+        tried: every batch size judged, mapped to whether it fit (``scaled``: its last
+            verdict, on its built graph or a scaled one), or the batches whose graphs were
+            built (``direct``).
         method: ``"search"``, ``"scaled"`` or ``"direct"``.
         upper_bound: a proven upper bound on the largest batch (``direct`` only; equal
             to ``batch_size`` when the peak MILP was solved to optimality).
         reached_max_batch: ``batch_size`` is the ``max_batch`` the search was capped at,
             and fits: the largest batch may be larger (raise ``max_batch``; a warning is
             logged too). ``upper_bound`` is then that cap, not a bound.
+        built: the batches whose graphs were built, in the order built (building a graph,
+            profiling it, is what a search spends its time on).
     """
 
     batch_size: int
@@ -92,6 +100,7 @@ class MaxBatchResult:
     method: str = "search"
     upper_bound: int | None = None
     reached_max_batch: bool = False
+    built: tuple[int, ...] = ()
 
 
 def one_extra_forward_cap(graph: DFGraph) -> float:
@@ -130,8 +139,8 @@ def max_batch_size(
         min_batch: the smallest batch to consider.
         max_batch: the largest batch to consider.
         method: ``"search"``, ``"scaled"`` (two graphs built, the other batches judged on
-            graphs scaled from them, see :func:`_scaled`; the result's ``graph`` is the
-            scaled one) or ``"direct"``.
+            graphs scaled from them, the answer then certified on a graph built at it, see
+            :func:`_scaled`) or ``"direct"``.
         batch_progress: called as ``batch_progress(batch, fits)`` after each batch whose
             graph is built (``direct`` reports none), e.g. to show progress; each batch
             judged is also logged at INFO.
@@ -186,8 +195,11 @@ def max_batch_size(
             seed=strategy_options.get("seed"),
         )
     evaluate = _Evaluator(budget, solve, strategy, max_overhead, strategy_options)
+    built: list[int] = []
 
     def fits(batch: int) -> bool:
+        if batch not in built:
+            built.append(batch)
         ok = evaluate(batch, graph_for_batch(batch))
         if batch_progress is not None:
             batch_progress(batch, ok)
@@ -200,7 +212,7 @@ def max_batch_size(
     if not fits(min_batch):
         raise evaluate.refused(min_batch, graph_for_batch(min_batch))
     good = _largest(fits, min_batch, max_batch)
-    return evaluate.result(good, max_batch, method="search")
+    return evaluate.result(good, max_batch, method="search", built=tuple(built))
 
 
 class _Evaluator:
@@ -298,13 +310,15 @@ class _Evaluator:
         return InfeasibleBudgetError(self.budget, strategy=self.strategy, lower_bound_bytes=memory_lower_bound(graph),
                                      proven=self.refusal[batch] == "memory", detail=detail)
 
-    def result(self, batch: int, max_batch: int, method: str) -> MaxBatchResult:
+    def result(self, batch: int, max_batch: int, method: str, built: tuple[int, ...]) -> MaxBatchResult:
         schedule, graph, cost, cap = self.found[batch]
         reached = batch == max_batch
         if reached:
             _warn_capped(max_batch)
+        logger.info("answer: batch %d, certified on a graph built at batch %d (graphs built at batches %s)", batch,
+                    batch, ", ".join(map(str, built)))
         return MaxBatchResult(batch, schedule, graph, cost, cap, MappingProxyType(dict(sorted(self.tried.items()))),
-                              method=method, reached_max_batch=reached)
+                              method=method, reached_max_batch=reached, built=built)
 
 
 def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
@@ -349,9 +363,11 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
     ``min_batch`` (``min_batch`` itself only when twice it does not fit: at batch 1 a
     batch-norm gradient can differ) and every larger batch is judged on their affine
     extension (:func:`affine_graphs`), by :func:`_climb` for ``optimal`` and by the
-    strategy itself otherwise. The answer ``B`` fits on its scaled graph; ``B + 1`` is
-    refused there (for ``optimal``: proven by the memory lower bound, or no schedule within
-    the cap found by the heuristics nor by a probe of ``probe_seconds``).
+    strategy itself otherwise. The line's answer is then built and certified there, or
+    a smaller batch is (:func:`_certify_built`): the answer ``B`` has a schedule that fits
+    the graph built at ``B`` within the budget and the overhead cap; ``B + 1`` was refused
+    on a line (for ``optimal``: proven by the memory lower bound, or no schedule within the
+    cap found by the heuristics nor by a probe of ``probe_seconds``) or on its built graph.
     """
     extracted: dict[int, DFGraph] = {}
 
@@ -385,14 +401,86 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
     pair = _anchors(extracted)
     if high - low > 1 and pair is not None:
         near, far = pair
-        scaled = affine_graphs(extracted[near], near, extracted[far], far)
-        judge = lambda batch: evaluate(batch, scaled(batch))  # noqa: E731
-        if evaluate.strategy == "optimal":
-            low = _climb(scaled, evaluate, low, high, probe_seconds)
-        else:
-            low = _largest(judge, low, high - 1)
+        low = _search_line(affine_graphs(extracted[near], near, extracted[far], far), evaluate, low, high,
+                           probe_seconds)
         logger.info("batch %d fits on graphs scaled from batches %d and %d", low, near, far)
-    return evaluate.result(low, max_batch, method="scaled")
+        if low not in extracted:
+            low = _certify_built(graph_for_batch, extracted, evaluate, low, probe_seconds, batch_progress)
+    return evaluate.result(low, max_batch, method="scaled", built=tuple(extracted))
+
+
+def _search_line(scaled: Callable[[int], DFGraph], evaluate: "_Evaluator", low: int, high: int,
+                 probe_seconds: float) -> int:
+    """The largest batch in ``[low, high)`` that fits on the scaled graphs, given that ``low``
+    fits: :func:`_climb` for ``optimal``, the strategy itself at each batch otherwise."""
+    if evaluate.strategy == "optimal":
+        return _climb(scaled, evaluate, low, high, probe_seconds)
+    return _largest(lambda batch: evaluate(batch, scaled(batch)), low, high - 1)
+
+
+# Graphs the scaled search builds at and below the line's answer to certify it (each a
+# profile: 20-60 s on ResNet50 at 64x64, benchmarks/maxbatch.py).
+_CERTIFY_BUILDS = 3
+
+
+def _certify_built(graph_for_batch: Callable[[int], DFGraph], extracted: dict[int, DFGraph],
+                   evaluate: "_Evaluator", candidate: int, probe_seconds: float,
+                   batch_progress: Callable[[int, bool], object] | None) -> int:
+    """The line's answer ``candidate``, or a smaller batch, certified on a graph built at it.
+
+    A line through tiny-batch profiles can be off at the answer (CPU convolution scratch
+    that is not affine in the batch, a forward share of the cost that shrinks as the batch
+    grows, so a looser overhead cap), and a schedule tight on the line can then overshoot
+    the built graph. So the answer's graph is built and a schedule that fits it within the
+    overhead cap sought there (:func:`_certify_graph`); when none is found, the next
+    candidate is the line's answer on the line through the two built graphs that bracket
+    it (the largest that fits below, the one that did not), which the built graph corrects
+    where the search is. At most ``_CERTIFY_BUILDS`` graphs are built; past that, the answer
+    is the largest built batch that fits, with a warning.
+    """
+    for _ in range(_CERTIFY_BUILDS):
+        extracted[candidate] = graph_for_batch(candidate)
+        ok = _certify_graph(candidate, extracted[candidate], evaluate, probe_seconds)
+        if batch_progress is not None:
+            batch_progress(candidate, ok)
+        if ok:
+            return candidate
+        below = max(b for b in extracted if b < candidate and evaluate.tried[b])
+        if candidate - below <= 1:
+            return below
+        if _same_structure(extracted[below], extracted[candidate]):
+            line = affine_graphs(extracted[below], below, extracted[candidate], candidate)
+            next_candidate = _search_line(line, evaluate, below, candidate, probe_seconds)
+            how = f"the line through the graphs built at batches {below} and {candidate}"
+        else:
+            next_candidate, how = (below + candidate) // 2, "bisection (the built graphs differ in nodes)"
+        logger.info("batch %d does not fit on the graph built at it; next candidate %d, from %s",
+                    candidate, next_candidate, how)
+        if next_candidate == below:
+            return below
+        candidate = next_candidate
+    best = max(b for b in extracted if evaluate.tried[b])
+    logger.warning("no batch the line proposed was certified on its built graph within %d builds; answering "
+                   "batch %d, the largest built batch that fits (method='search' judges built graphs only)",
+                   _CERTIFY_BUILDS, best)
+    return best
+
+
+def _certify_graph(batch: int, graph: DFGraph, evaluate: "_Evaluator", probe_seconds: float) -> bool:
+    """Whether a schedule fits ``graph``, built at ``batch``, within the budget and the
+    overhead cap, recorded: the schedule the line found at ``batch`` run as it is, then (for
+    ``optimal``) the keep-everything and eviction schedules and an ``optimal`` probe of at
+    most ``probe_seconds`` stopped at the first schedule within the cap, or (another
+    strategy) the strategy itself on the graph."""
+    line_schedule = evaluate.found.get(batch, (None,))[0]
+    if line_schedule is not None and not line_schedule.offloads and evaluate.fits_as_is(line_schedule, graph):
+        evaluate.certify(batch, line_schedule, graph)
+        logger.info("batch %d: fits (the line's schedule, on the graph built at it)", batch)
+        return True
+    if evaluate.strategy != "optimal":
+        return evaluate(batch, graph)
+    return (evaluate(batch, graph, heuristic=eviction)
+            or evaluate(batch, graph, time_limit=probe_seconds, first_within_cap=True))
 
 
 def _climb(scaled: Callable[[int], DFGraph], evaluate: "_Evaluator", low: int, high: int,
@@ -617,7 +705,8 @@ def _direct(graph_for_batch, budget, max_overhead, min_batch, max_batch, options
     if reached:
         _warn_capped(max_batch)
     return MaxBatchResult(batch, schedule, graph, cost, cap, MappingProxyType(dict(sorted(tried.items()))),
-                          method="direct", upper_bound=max(upper, batch), reached_max_batch=reached)
+                          method="direct", upper_bound=max(upper, batch), reached_max_batch=reached,
+                          built=tuple(dict.fromkeys((small, large, batch))))
 
 
 def _check_linear(a: DFGraph, b: DFGraph, batch_a: int, batch_b: int) -> None:
