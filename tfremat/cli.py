@@ -402,7 +402,8 @@ def cmd_maxbatch() -> None:
              "be larger: raise --max_batch" for row in rows if row["reached_max_batch"]]
     shown = [{**row, "built": ",".join(map(str, row["built"]))} for row in rows]
     print("\n".join([_table(shown, ["strategy", "batch_size", "cost_ratio", "cost_cap_ratio", "built"]),
-                     "each answer certified on a graph built at its batch (built: the batches whose graphs were built, in order)",
+                     "each answer certified on a graph built at its batch "
+                     "(built: the batches whose graphs were built, in order)",
                      *notes]))
 
 

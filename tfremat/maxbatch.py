@@ -475,7 +475,7 @@ def _certify_graph(batch: int, graph: DFGraph, evaluate: "_Evaluator", probe_sec
     line_schedule = evaluate.found.get(batch, (None,))[0]
     if line_schedule is not None and not line_schedule.offloads and evaluate.fits_as_is(line_schedule, graph):
         evaluate.certify(batch, line_schedule, graph)
-        logger.info("batch %d: fits (the line's schedule, on the graph built at it)", batch)
+        logger.info("batch %d: %s", batch, "fits (the line's schedule, on the graph built at it)")
         return True
     if evaluate.strategy != "optimal":
         return evaluate(batch, graph)
