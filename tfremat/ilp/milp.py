@@ -32,7 +32,7 @@ import numpy as np
 
 from tfremat.errors import InfeasibleBudgetError, SolverError, SolverTimeLimitError
 from tfremat.graph import DFGraph
-from tfremat.ilp.blocks import plan_by_units
+from tfremat.ilp.blocks import chain_units, plan_by_units, unit_graph
 from tfremat.ilp.deadlines import MIN_SOLVE_SECONDS, seconds_left
 from tfremat.ilp.formulation import (
     CheckmateModel,
@@ -349,7 +349,8 @@ def _solve_optimal(graph, budget_bytes, incumbent, problem, *, began, solver, ti
     model = build_milp(graph, budget_bytes, exact_stages=(), choose_implementations=choose)
     incumbent.num_vars, incumbent.num_constraints, incumbent.solver = model.num_vars, model.num_constraints, solver
     if time_limit is not None and model.num_vars > _FULL_MILP_COLUMNS:
-        if warm_start:
+        # With the stall rule and a schedule that fits, units that do not repeat are not tried.
+        if warm_start and (stall_time is None or baseline is None or _units_repeat(graph)):
             by_units = plan_by_units(graph, budget_bytes, solver=solver,
                                      deadline=began + UNITS_TIME_SHARE * time_limit)
             if by_units is not None and (baseline is None or by_units.cost(graph) < baseline.cost(graph)):
@@ -358,7 +359,7 @@ def _solve_optimal(graph, budget_bytes, incumbent, problem, *, began, solver, ti
         return _solve_large(
             graph, model, baseline, smallest_peak, problem, began=began, solver=solver, time_limit=time_limit,
             mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed, progress=progress,
-            incumbent=incumbent,
+            incumbent=incumbent, stall_time=stall_time,
         )
     lp = None
     if warm_start:
@@ -587,8 +588,21 @@ def _baseline_result(graph, baseline, status, began, budget_bytes, problem, boun
     ), strategy=problem.strategy)
 
 
+def _units_repeat(graph: DFGraph) -> bool:
+    """Whether ``graph`` splits into a chain of units at most half of them distinct (repeated
+    blocks), where the unit decomposition pays. Without repeats it solves one MILP per unit:
+    EfficientNetV2B0 64x64 at 50% of activations (40 distinct units) took 18 s for a +119%
+    plan where eviction's was +6% (docs/solver.md, "The stall rule")."""
+    units = chain_units(graph)
+    if units is None:
+        return False
+    last = len(units) - 1
+    distinct = {unit_graph(graph, unit, index == last, 0).graph.fingerprint for index, unit in enumerate(units)}
+    return 2 * len(distinct) <= len(units)
+
+
 def _solve_large(graph, model, baseline, smallest_peak, problem, *, began, solver, time_limit, mip_gap, threads, seed,
-                 progress, incumbent):
+                 progress, incumbent, stall_time=None):
     """``optimal`` (or ``problem``'s strategy) on models too large for the whole MILP within ``time_limit``.
 
     The time goes to the LP relaxation: HiGHS's dual simplex without presolve, whose row
@@ -596,7 +610,8 @@ def _solve_large(graph, model, baseline, smallest_peak, problem, *, began, solve
     otherwise), and the LP's rounding may improve the warm start. The reported bound is
     the larger of that bound and the no-remat cost, so the gap is honest, if loose where
     the LP did not converge. (The dual simplex gave tighter bounds than PDLP in the same
-    time; docs/solver.md.)
+    time; docs/solver.md.) With ``stall_time`` and a schedule that fits, the LP stops after
+    ``stall_time`` CPU seconds (status ``feasible``): its rounding is the only search left.
     """
     budget_bytes = int(model.budget_bytes)
     deadline = began + time_limit
@@ -605,6 +620,7 @@ def _solve_large(graph, model, baseline, smallest_peak, problem, *, began, solve
     lp = solve_model(
         model, solver=solver, relax=True, time_limit=seconds_left(deadline, ROUNDING_RESERVE_SECONDS),
         threads=threads, seed=seed, lp_method=lp_method(model, solver),
+        stall_time=stall_time if baseline is not None else None,
     )
     if lp.status == SolveStatus.INFEASIBLE:
         raise problem.infeasible(graph, budget_bytes, smallest_peak, f"{lp.solver} proved the LP relaxation infeasible",
@@ -624,7 +640,8 @@ def _solve_large(graph, model, baseline, smallest_peak, problem, *, began, solve
     cost = incumbent.cost(graph)
     report_incumbent(progress, began, cost, bound)
     return incumbent.with_facts(SolverFacts(
-        status=SolveStatus.OPTIMAL if relative_gap(cost, bound) <= mip_gap else SolveStatus.TIME_LIMIT,
+        status=(SolveStatus.OPTIMAL if relative_gap(cost, bound) <= mip_gap
+                else SolveStatus.FEASIBLE if lp.stalled else SolveStatus.TIME_LIMIT),
         objective=cost, best_bound=min(bound, cost), seconds=time.perf_counter() - began, solve_seconds=lp.seconds,
         num_vars=model.num_vars, num_constraints=model.num_constraints, solver=lp.solver,
         warm_start=incumbent.strategy, peak_bytes=simulate(graph, incumbent).peak_bytes, budget_bytes=budget_bytes,

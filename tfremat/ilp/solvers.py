@@ -170,11 +170,13 @@ def solve_model(
             sub-solves whose objective is not the caller's schedule cost (a RINS
             neighbourhood, the ``intervals`` heuristic's own model), which would
             otherwise interleave their figures and clocks with the main solve's.
-        stall_time: MILP only: stop once this many seconds of CPU time pass without a better
+        stall_time: for a MILP, stop once this many seconds of CPU time pass without a better
             solution (counted from the solve's start when ``start`` is given, else from the
             first solution, and from each improving one), with status ``feasible`` and
             ``stalled`` set; None or ``math.inf``: never. A search that found nothing better for a while
-            rarely does later (docs/solver.md).
+            rarely does later (docs/solver.md). For the relaxation with a stoppable
+            ``lp_method``, which finds no solutions, stop after this many CPU seconds (checked
+            between simplex iterations), its bound from the duals so far; other LPs ignore it.
 
     Raises:
         SolverUnavailableError: the backend is not installed.
@@ -195,7 +197,7 @@ def solve_model(
         raise ArgumentError(f"lp_method={lp_method!r} needs solver='highs' (got {solver!r}); use lp_method='simplex'")
     check_solver_options(solver, time_limit=time_limit, mip_gap=mip_gap, threads=threads, seed=seed,
                          stall_time=stall_time)
-    stall_time = None if relax or stall_time == math.inf else stall_time
+    stall_time = None if stall_time == math.inf else stall_time
     backend = _solve_highs if solver == "highs" else _solve_gurobi
     unit = model.cost_scale
 
@@ -212,10 +214,11 @@ def solve_model(
 
     cpu_began = time.process_time()
     if lp_method in _STOPPABLE_LP_METHODS and relax:
-        result = _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit, presolve, None,
-                              lp_method)
+        result = _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit, presolve,
+                              stall_time, lp_method)
     else:
-        result = backend(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit, presolve, stall_time)
+        result = backend(model, relax, time_limit, mip_gap, threads, seed, start, in_cost_unit, presolve,
+                         None if relax else stall_time)
     return dataclasses.replace(
         result,
         objective=None if result.objective is None else result.objective * unit,
@@ -419,7 +422,15 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
 
     began = time.perf_counter()
     found: list[np.ndarray] = []
-    stall = _StallClock(stall_time, started=start is not None)
+    # A stoppable LP has no solutions to restart the clock: it runs from the start.
+    stall = _StallClock(stall_time, started=start is not None or relax)
+    if relax and stall_time is not None:
+        def stop_lp_when_stalled(event) -> None:
+            if stall.stalled():
+                event.interrupt()
+
+        h.cbSimplexInterrupt.subscribe(stop_lp_when_stalled)
+        h.cbIpmInterrupt.subscribe(stop_lp_when_stalled)
     if not relax:
         def on_event(event) -> None:
             data = event.data_out
