@@ -211,7 +211,8 @@ def max_batch_size(
     Checkmate's criterion by default: the schedule may cost at most one extra forward
     pass; ``max_overhead`` (e.g. 0.3 for 30%) sets another cap. By default
     (``method="scaled"``) the graph is extracted at twice and four times the smallest
-    batch and every other batch is judged on graphs scaled from those
+    batch and every other batch is judged on graphs scaled from those; the answer is then
+    extracted and certified on its own graph, or a smaller batch is
     (:func:`tfremat.maxbatch.max_batch_size`); ``"search"`` extracts every batch size
     tried. The default "profile" cost model measures each node's workspace (on CPU a
     convolution's gradient can need tens of MiB of scratch), which "flops" leaves at zero,
