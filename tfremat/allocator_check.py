@@ -22,11 +22,11 @@ import tensorflow as tf
 
 from tfremat.budget import budget_kind
 from tfremat.cache import ScheduleCache, default_cache_dir, read_entry, warn_once, write_atomically
-from tfremat.errors import CompileError
+from tfremat.errors import CompileError, InfeasibleBudgetError
 
 __all__ = ["ALLOCATOR_ROUNDS", "ALLOCATOR_READS", "PLANNING_GRID", "WATCHED_STEPS", "wants_allocator_check",
            "allocator_peak", "held_peak", "training_step_peak", "replica_allocators", "next_planning_budget",
-           "remembered_planning_budget", "remember_planning_budget"]
+           "replan_strategy", "remembered_planning_budget", "remember_planning_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,36 @@ def next_planning_budget(planning_budget: int, budget: int, peak: int, predicted
     (a five-conv net at "95% of activations": 0.12 MiB a round for 3 rounds)."""
     step = max(1, budget // PLANNING_GRID)
     return min(planning_budget - (peak - budget), budget - (peak - predicted)) // step * step
+
+
+def replan_strategy(result, strategy: str) -> str:
+    """The strategy a check plans ``result``'s graph with again, a little under its budget:
+    ``strategy``, unless ``result`` (planned with it) returned the schedule of a heuristic
+    that takes no time limit, unimproved (its facts' warm start, at that heuristic's own
+    cost at the budget, not proven optimal): then that heuristic, whose schedule the same
+    search would most likely return again after repeating the heuristics and the LP. On
+    EfficientNetV2B0 64x64 batch 8 at "50% of activations" (541 nodes) ``optimal`` returned
+    ``eviction``'s schedule (+6.0%) after 50 s, and a second full solve cost as much again
+    (docs/solver.md, "Re-plans of the allocator check"). A re-plan with that heuristic
+    (``result.strategy`` is then its name) keeps it for later rounds."""
+    import inspect
+
+    from tfremat.ilp.portfolio import HEURISTICS
+
+    plain = {h.name: h for h in HEURISTICS if "time_limit" not in inspect.signature(h.function).parameters}
+    if result.strategy in plain:
+        return result.strategy
+    facts = result.facts
+    name = None if facts is None or facts.status == "optimal" else facts.warm_start
+    if name not in plain or result.budget_bytes is None:
+        return strategy
+    graph = result.graph
+    try:
+        own = plain[name](graph, result.budget_bytes)
+    except InfeasibleBudgetError:
+        return strategy
+    cost = result.schedule.cost(graph)
+    return name if abs(own.cost(graph) - cost) <= 1e-9 * max(cost, 1e-12) else strategy
 
 
 def _record_path(cache, graph, budget_bytes: int, strategy: str, options: dict) -> Path | None:

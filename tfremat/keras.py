@@ -32,6 +32,7 @@ from tfremat.allocator_check import (
     next_planning_budget,
     remember_planning_budget,
     remembered_planning_budget,
+    replan_strategy,
     replica_allocators,
     training_step_peak,
     wants_allocator_check,
@@ -436,8 +437,18 @@ class RematCallback(keras.callbacks.Callback):
         until the check accepts it) and its compiled step."""
         from tfremat.static_graph.compile import compile_step
 
-        replanned = plan_graph(result.extraction.graph, planning_budget, self.strategy, cache=self.cache,
-                               verbose=self.verbose, **options)
+        strategy_name = replan_strategy(result, self.strategy)
+        if strategy_name != self.strategy:
+            logger.info("planning with %s, whose schedule %s returned unimproved under %s", strategy_name,
+                        self.strategy, format_bytes(result.budget_bytes))
+            try:
+                replanned = plan_graph(result.extraction.graph, planning_budget, strategy_name, cache=self.cache,
+                                       verbose=0)
+            except InfeasibleBudgetError:
+                strategy_name = self.strategy
+        if strategy_name == self.strategy:
+            replanned = plan_graph(result.extraction.graph, planning_budget, self.strategy, cache=self.cache,
+                                   verbose=self.verbose, **options)
         replanned = with_rounding(dataclasses.replace(replanned, extraction=result.extraction))
         step = compile_step(replanned.extraction, replanned.schedule, optimizer=self.model.optimizer,
                             strategy=strategy, return_outputs=True, jit_compile=self._jit_compile)
