@@ -38,10 +38,11 @@ from tfremat.plan.registry import (
 from tfremat.plan.schedule import Schedule, SolverFacts
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
 from tfremat.strategies import (
+    MIN_OVERHEAD_CAP,
+    forward_share,
     get_strategy,
     least_budget_within,
     least_peak,
-    min_overhead,
     offloading_strategy_names,
     solver_strategy_names,
     strategy_names,
@@ -348,9 +349,9 @@ def plan_graph(
 
 def resolve_min_budget(graph: DFGraph, budget):
     """``budget``, with ``"min"`` replaced by the least budget at which a schedule
-    recomputes at most one forward pass, and at most half a step (:func:`least_budget_within`
-    at :func:`min_overhead`), and ``"absolute min"`` by the least peak a heuristic reaches at
-    any cost (:func:`least_peak`), in bytes (logged)."""
+    recomputes at most one forward pass, counted under costs no profile moves, and at most
+    half a step under the profile (:func:`least_budget_within`), and ``"absolute min"`` by
+    the least peak a heuristic reaches at any cost (:func:`least_peak`), in bytes (logged)."""
     if budget is None or budget_kind(budget) != MIN_BUDGET:
         return budget
     if is_absolute_min(budget):
@@ -358,10 +359,10 @@ def resolve_min_budget(graph: DFGraph, budget):
         logger.info("budget 'absolute min': %s, the least peak a heuristic reaches on %s", format_bytes(least),
                     graph.name)
         return least
-    bound = min_overhead(graph)
-    least = least_budget_within(graph, bound)
-    logger.info("budget 'min': %s, the least at which a schedule of %s recomputes at most one forward pass, +%.1f%%",
-                format_bytes(least), graph.name, 100 * bound)
+    least = least_budget_within(graph)
+    logger.info("budget 'min': %s, the least at which a schedule of %s recomputes at most one forward pass "
+                "(counted in nodes or bytes) and at most %.0f%% of a step (one forward pass is %.1f%% as profiled)",
+                format_bytes(least), graph.name, 100 * MIN_OVERHEAD_CAP, 100 * forward_share(graph))
     return least
 
 
