@@ -264,9 +264,12 @@ def test_requested_bytes_stay_within_the_prediction_when_a_layer_runs_after_its_
     schedule = schedule_from_keep_matrix(graph, keep, "by hand")
     validate_schedule(graph, schedule)
     assert {node["up1"], node["down1"]} <= set(_forward_after_backward(graph, schedule))
-    predicted = simulate(graph, schedule).peak_bytes
-    blind = simulate(_without_weight_grads(graph), schedule).peak_bytes
-    assert predicted >= blind + kernel
+    simulated, blind = simulate(graph, schedule), simulate(_without_weight_grads(graph), schedule)
+    predicted = simulated.peak_bytes
+    # The prediction counts the held weight gradients where they are held (whether they set
+    # the peak depends on the measured backward workspaces).
+    assert np.max(np.asarray(simulated.trace_bytes) - np.asarray(blind.trace_bytes)) >= kernel
+    blind = blind.peak_bytes
     step = compile_step(extraction, schedule, optimizer=optimizer)
     requested = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables),
                                   count="requested")

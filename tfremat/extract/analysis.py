@@ -94,6 +94,7 @@ import tensorflow as tf
 from tfremat.errors import ExtractionError
 from tfremat.extract.views import view_position
 from tfremat.extract.xla_layouts import backward_layout_copies
+from tfremat.runtime.gradient_order import input_then_weight_gradients
 from tfremat.runtime.internals import node_flops, resource_handle_data
 from tfremat.runtime.memory import (
     _allocation_events,
@@ -575,11 +576,13 @@ class _CallTracer:
                     if sources or variables else []
                 input_part, weight_part = both[:len(sources)], both[len(sources):]
             else:
-                input_part = gradient(sources) if sources else []
+                # As the step takes them (tfremat.runtime.gradient_order): one call, the
+                # weight gradients' own operations after the input gradients.
+                input_part, weight_part = input_then_weight_gradients(
+                    lambda xs: gradient(xs, unconnected_gradients=tf.UnconnectedGradients.NONE), sources,
+                    list(variables))
+                input_part = [tf.zeros_like(s) if g is None else g for s, g in zip(sources, input_part)]
                 input_ops = _needed_ops([g for g in input_part if g is not None], mark)
-                with tf.control_dependencies([g for g in input_part if g is not None]):
-                    weight_part = gradient(list(variables), unconnected_gradients=tf.UnconnectedGradients.NONE) \
-                        if variables else []
         operations = graph.get_operations()
         reads = _backward_reads(operations[:mark], operations[mark:], flat_inputs, outputs)
         input_reads = None if input_ops is None else _backward_reads(operations[:mark], input_ops, flat_inputs, outputs)

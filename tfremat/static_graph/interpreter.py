@@ -12,8 +12,9 @@ statement (Checkmate's Algorithm 1 order):
   outputs.
 * **compute of a backward node**: sum the upstream gradient contributions, then
   ``tape.gradient(outputs, inputs + weights, output_gradients=dy)`` on the forward node's
-  latest instance: two calls on a persistent tape (input gradients, then weight
-  gradients), or one call on a non-persistent tape when the layer's forward runs a
+  latest instance: one call for the input and weight gradients whose weight-only
+  operations wait for the input gradients (:mod:`tfremat.runtime.gradient_order`; two
+  calls rebuilt the work they share), or one call on a non-persistent tape when the layer's forward runs a
   ``tf.while_loop`` (:func:`~tfremat.runtime.tape.takes_one_gradient_call`). If that instance was computed from
   an older copy of an input the gradient reads (the input was freed and recomputed since,
   the forward node was not), the vector-Jacobian product is rebuilt on the resident input
@@ -86,6 +87,7 @@ import tensorflow as tf
 from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op
+from tfremat.runtime.gradient_order import input_then_weight_gradients
 from tfremat.runtime.layer_variants import running
 from tfremat.runtime.memory import resident_bytes
 from tfremat.runtime.state import (
@@ -613,21 +615,14 @@ class _Interpreter:
                 )
             grads[:len(sources)] = [tf.zeros_like(s) if g is None else g for s, g in zip(sources, grads)]
         else:
-            # Input gradients first, weight gradients after them: one gradient call would
-            # let TensorFlow run e.g. a convolution's input and filter gradients together,
-            # each with its own scratch buffer, which the memory model does not count.
-            input_part = self._input_gradients(
-                node, f"{entry.name} reads input", instance.tape, targets, sources, grad_positions, output_gradients=dys,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            ) if sources else []
-            # A variable the training forward does not use gets no gradient, as in
-            # model.fit (a zero one would let weight decay change it; and a zero for a Keras
-            # variable failed on its string dtype).
-            with tf.control_dependencies([g for g in input_part if g is not None]):
-                weight_part = instance.tape.gradient(
-                    targets, variables, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.NONE,
-                ) if variables else []
-            grads = list(input_part) + list(weight_part)
+            # Input gradients first, weight gradients after them, in one gradient call
+            # (tfremat.runtime.gradient_order). A variable the training forward does not
+            # use gets no gradient, as in model.fit (a zero one would let weight decay
+            # change it; and a zero for a Keras variable failed on its string dtype).
+            grads = self._input_gradients(
+                node, f"{entry.name} reads input", instance.tape, targets, sources, grad_positions, variables,
+                output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
         input_grads: list = [None] * len(forward_entry.inputs)
         for p, g in zip(grad_positions, grads[: len(sources)]):
             input_grads[p] = g
@@ -642,9 +637,12 @@ class _Interpreter:
         return produced
 
 
-    def _input_gradients(self, node: int, reader: str, tape, targets, sources: list, positions: list, **options) -> list:
+    def _input_gradients(self, node: int, reader: str, tape, targets, sources: list, positions: list,
+                         variables: list = (), **options) -> list:
         """``tape``'s gradients of ``targets`` at ``sources`` (inputs ``positions`` of
-        ``node``), taken at a source's logits where the node's computation reads them.
+        ``node``), taken at a source's logits where the node's computation reads them, then
+        those of ``variables`` (None where unconnected), in the same call with their own
+        operations after the sources' (:func:`input_then_weight_gradients`).
 
         Keras's cross-entropies read the logits a softmax/sigmoid output carries
         (``_keras_logits``) instead of the output, as plain training does, and so does a
@@ -661,11 +659,19 @@ class _Interpreter:
         # get their gradient as that input.
         logits = [_logits_read_apart(s, sources) for s in sources]
         distinct = [l for l, s in zip(logits, sources) if l is not s]
-        if not distinct:
-            return _gradient_once_per_tensor(tape, targets, sources, **options)
         unconnected = options.pop("unconnected_gradients")
-        gradients = _gradient_once_per_tensor(tape, targets, distinct + sources,
-                                              unconnected_gradients=tf.UnconnectedGradients.NONE, **options)
+
+        def take(xs: list) -> list:
+            return _gradient_once_per_tensor(tape, targets, xs, unconnected_gradients=tf.UnconnectedGradients.NONE,
+                                             **options)
+
+        gradients, weight_grads = input_then_weight_gradients(take, distinct + sources, list(variables))
+        if not distinct:
+            # A tensor listed twice gets its gradient at its first place only (None at the others).
+            firsts = {id(s): p for p, s in reversed(list(enumerate(sources)))}
+            zero = unconnected == tf.UnconnectedGradients.ZERO
+            return [tf.zeros_like(s) if g is None and zero and firsts[id(s)] == p else g
+                    for p, (s, g) in enumerate(zip(sources, gradients))] + weight_grads
         of_logits = iter(gradients[:len(distinct)])
         at_logits = [next(of_logits) if l is not s else None for l, s in zip(logits, sources)]
         grads = []
@@ -683,7 +689,7 @@ class _Interpreter:
             if gradient is None and unconnected == tf.UnconnectedGradients.ZERO:
                 gradient = tf.zeros_like(source)
             grads.append(gradient)
-        return grads
+        return grads + weight_grads
 
     def _inputs_read(self, node: int, entry, forward_entry) -> tuple[int, ...]:
         """Positions of the forward call's inputs that backward ``node`` reads: as measured
