@@ -16,6 +16,12 @@ takes model names, exact, or substrings, comma separated, and then needs ``--out
 than 1.02x its prediction, :func:`tfremat.measure.explain_requested_peak`'s account: the
 statement at the requested peak and the nodes whose live buffers differ most from the
 simulator's at that statement.
+
+``--plans`` replaces the three plans with ``strategy:budget`` pairs (comma separated; e.g.
+``optimal:50%,monet:50%``); ``--mixed`` builds the models under Keras's ``mixed_float16``
+policy. Besides the conformance models, ``--only`` takes ``llama_hub`` (keras-hub
+LlamaBackbone at the GPT-2/BERT sizes) and ``token_mlp_net`` (tests/models.py; the layers
+whose ``monet`` alternatives differ).
 """
 
 import os
@@ -30,6 +36,7 @@ import sys  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the test models
 sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
 
 import conformance  # noqa: E402
@@ -46,36 +53,73 @@ MiB = 2**20
 
 
 EXPLAIN_ABOVE = 1.02  # requested over predicted above which --explain accounts for the peak
+EXTRA_MODELS = ("llama_hub", "token_mlp_net")  # run only when --only names them
+
+
+def _llama_hub(seq_len=64, layers_count=2, hidden=64, heads=2):
+    """keras-hub's LlamaBackbone at the conformance GPT-2/BERT sizes, with their head."""
+    import keras_hub
+
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=conformance.VOCAB, num_layers=layers_count, num_query_heads=heads,
+        num_key_value_heads=heads, hidden_dim=hidden, intermediate_dim=hidden * 4)
+    return conformance._hub_backbone_head(backbone, seq_len)
+
+
+def parse_plans(text: str) -> tuple[tuple[str, str], ...]:
+    """``"optimal:50%,monet:50%"`` as ``(("optimal", "50%"), ("monet", "50%"))``."""
+    plans = []
+    for item in text.split(","):
+        strategy, sep, budget = item.partition(":")
+        if not sep or not strategy or not budget:
+            raise ValueError(f"--plans item {item!r} is not strategy:budget (e.g. optimal:50%)")
+        plans.append((strategy.strip(), budget.strip()))
+    return tuple(plans)
 
 
 def build(name: str, image_size: int | None):
     """The conformance model ``name``; an application at ``image_size`` (at least its smallest)."""
-    if image_size is None or name not in conformance.APPLICATIONS:
-        return conformance.build(name)
     import keras
 
+    if name == "llama_hub":
+        keras.utils.set_random_seed(0)
+        return _llama_hub()
+    if name == "token_mlp_net":
+        import models
+
+        return models.token_mlp_net(tokens=64, width=64)
+    if image_size is None or name not in conformance.APPLICATIONS:
+        return conformance.build(name)
     keras.utils.set_random_seed(0)
     size = max(image_size, conformance.APPLICATION_SIZES.get(name, 32))
     return getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=conformance.CLASSES)
 
 
 def measure_rows(name: str, steps: int, time_limit: float, batch: int = conformance.BATCH,
-                 image_size: int | None = None, explain: bool = False) -> list[dict]:
-    """One row per plan of :data:`PLANS` for the conformance model ``name``."""
-    model = build(name, image_size)
+                 image_size: int | None = None, explain: bool = False, plans=PLANS, mixed: bool = False) -> list[dict]:
+    """One row per ``(strategy, budget)`` of ``plans`` for the model ``name`` (under
+    ``mixed_float16`` when ``mixed``)."""
+    import keras
+
+    keras.mixed_precision.set_global_policy("mixed_float16" if mixed else "float32")
+    try:
+        model = build(name, image_size)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     model.compile(optimizer="sgd", loss="categorical_crossentropy")
     size = model.inputs[0].shape[1] if name in conformance.APPLICATIONS else None
+    label = (name if size is None else f"{name} {size}x{size}") + (" fp16" if mixed else "")
     rows = []
-    for strategy, budget in PLANS:
-        row = {"model": name if size is None else f"{name} {size}x{size}", "strategy": strategy, "budget": budget}
-        options = {"time_limit": time_limit} if strategy == "optimal" else {}
+    for strategy, budget in plans:
+        row = {"model": label, "strategy": strategy, "budget": budget}
+        options = {"time_limit": time_limit} if strategy in ("optimal", "monet") else {}
         try:
             row.update(measure_model(model, budget, batch_size=batch, strategy=strategy, steps=steps,
                                      verbose=0, explain=explain, **options))
         except (InfeasibleBudgetError, SolverTimeLimitError) as error:
             row["error"] = conformance.first_line(error)
         explained = row.pop("requested_explained", None)
-        row["model"] = name if size is None else f"{name} {size}x{size}"
+        row["model"] = label
         logger.info("%s", row)
         if explained and row["requested_over_predicted"] > EXPLAIN_ABOVE:
             logger.info("requested peak of %s %s at %s: %s", row["model"], budget, explained.pop("at"), explained)
@@ -97,11 +141,14 @@ def _cells(row: dict) -> str:
 
 
 def _notes(row: dict) -> str:
-    """The gradients' verdict, and the chosen implementations that change rounding with
-    their measured gradient error (``measure_model``'s ``inexact_implementations``)."""
+    """The gradients' verdict, the chosen implementations that change rounding with
+    their measured gradient error (``measure_model``'s ``inexact_implementations``), and
+    the gradients the step rebuilds by repeating forward work the plan does not count."""
     notes = [] if row["gradients_match"] in (True, None) else ["gradients differ"]
     notes += [f"{r['implementation']} x{len(r['nodes'])}: {r['grad_error']:.1e}"
               for r in row.get("inexact_implementations") or ()]
+    if row.get("costly_vjp_rebuilds"):
+        notes.append(f"{row['costly_vjp_rebuilds']} gradients rebuilt by repeating forward work")
     return "; ".join(notes)
 
 
@@ -146,6 +193,10 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=conformance.BATCH, help="batch size")
     parser.add_argument("--image_size", type=int, default=None,
                         help="the applications' input side (default: the smallest each accepts)")
+    parser.add_argument("--plans", type=parse_plans, default=PLANS,
+                        help="strategy:budget pairs, comma separated (default: checkpoint_all:100%%, optimal at "
+                        "60%% and 40%% of activations)")
+    parser.add_argument("--mixed", action="store_true", help="build the models under mixed_float16")
     parser.add_argument("--explain", action="store_true",
                         help=f"log the account of each requested peak above {EXPLAIN_ABOVE}x its prediction")
     parser.add_argument("--out", default=None, help=f"markdown file to write (default {DEFAULT_OUT}; "
@@ -158,13 +209,15 @@ def main(argv=None):
         wanted = args.only.split(",")
         # An exact model name means that model only (ResNet50, not also ResNet50V2).
         names = [n for n in names if any(w == n or (w not in names and w in n) for w in wanted)]
+        names += [n for n in EXTRA_MODELS if n in wanted]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("tfremat").setLevel(logging.ERROR)
     out = args.out or DEFAULT_OUT
     os.makedirs(os.path.dirname(out), exist_ok=True)
     rows = []
     for name in names:
-        rows += measure_rows(name, args.steps, args.time_limit, args.batch, args.image_size, args.explain)
+        rows += measure_rows(name, args.steps, args.time_limit, args.batch, args.image_size, args.explain,
+                             args.plans, args.mixed)
         text = render(rows, argv, args.batch)
         with open(out, "w") as f:  # after every model: a run cut short keeps what it measured
             f.write(text + "\n")

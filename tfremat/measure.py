@@ -336,6 +336,10 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         and the ratios measured/predicted, requested/predicted, peak/plain and time/plain
         (time_over_plain: the median of the per-round ratios; time_over_plain_quartiles:
         their first and third quartile, the spread the machine's load left; timed_rounds),
+        recomputed_layer_calls and costly_vjp_rebuilds (the compiled step's
+        :class:`~tfremat.static_graph.interpreter.TraceReport` counts: layer calls its
+        recomputations make, and gradients rebuilt by repeating a layer's forward work the
+        plan does not count),
         and inexact_implementations: per implementation the schedule chose that is not
         bit-exact with its layer's default, its name, its nodes and grad_error, the
         gradients' largest per-variable normwise error with only those nodes under it
@@ -415,6 +419,10 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             "time_over_plain_quartiles": [round(q, 4) for q in timing.ratio_quartiles],
             "timed_rounds": timing.rounds,
             "predicted_overhead": round(result.overhead, 4),
+            # Forward work the step repeats beyond the plan's recomputations (a gradient
+            # rebuilt on a recomputed input; interpreter.TraceReport), for the time's account.
+            "recomputed_layer_calls": step.report.recomputed_layer_calls,
+            "costly_vjp_rebuilds": step.report.costly_vjp_rebuilds,
             "inexact_implementations": rounding,
             "device": default_device(),
             **({"requested_explained": explained} if explain else {}),
