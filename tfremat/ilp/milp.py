@@ -318,12 +318,20 @@ def _solve_optimal(graph, budget_bytes, incumbent, problem, *, began, solver, ti
     too_large = time_limit is not None and r_columns > MAX_R_COLUMNS
     fallback_seconds = 60.0 if time_limit is None else time_limit if too_large else FALLBACK_TIME_SHARE * time_limit
     baseline, smallest_peak = (None, None)
+    # CPU time of the last cheaper heuristic schedule: the large-model path's stall clock.
+    improved = [time.process_time()]
+
+    def offer(schedule: Schedule, peak: int | None = None) -> None:
+        incumbent.offer(schedule, peak)
+        improved[0] = time.process_time()
+
     if warm_start and starts is None:
         baseline, smallest_peak = best_baseline(graph, budget_bytes, fallback_seconds, heuristics_until, threads,
-                                                progress, offer=incumbent.offer)
+                                                progress, offer=offer)
     elif warm_start:
         baseline, smallest_peak = _optimal_starts(graph, budget_bytes, starts, incumbent, problem, began=began,
                                                   time_limit=time_limit, progress=progress, **options)
+        improved[0] = time.process_time()
     # The no-remat cost bounds every schedule's cost from below; the two sums add the same
     # costs in other orders (a keep-everything baseline read 6e-17 above the floor).
     floor = problem.cost_floor(graph) * (1 + 1e-12)
@@ -355,11 +363,12 @@ def _solve_optimal(graph, budget_bytes, incumbent, problem, *, began, solver, ti
                                      deadline=began + UNITS_TIME_SHARE * time_limit)
             if by_units is not None and (baseline is None or by_units.cost(graph) < baseline.cost(graph)):
                 baseline = by_units
-                incumbent.offer(baseline)
+                offer(baseline)
         return _solve_large(
             graph, model, baseline, smallest_peak, problem, began=began, solver=solver, time_limit=time_limit,
             mip_gap=_DEFAULT_MIP_GAP if mip_gap is None else mip_gap, threads=threads, seed=seed, progress=progress,
-            incumbent=incumbent, stall_time=stall_time,
+            incumbent=incumbent,
+            stall_time=None if stall_time is None else stall_time - (time.process_time() - improved[0]),
         )
     lp = None
     if warm_start:
@@ -610,13 +619,19 @@ def _solve_large(graph, model, baseline, smallest_peak, problem, *, began, solve
     otherwise), and the LP's rounding may improve the warm start. The reported bound is
     the larger of that bound and the no-remat cost, so the gap is honest, if loose where
     the LP did not converge. (The dual simplex gave tighter bounds than PDLP in the same
-    time; docs/solver.md.) With ``stall_time`` and a schedule that fits, the LP stops after
-    ``stall_time`` CPU seconds (status ``feasible``): its rounding is the only search left.
+    time; docs/solver.md.) With ``stall_time`` (the CPU seconds the stall rule has left
+    since the last cheaper schedule) and a schedule that fits, the LP stops after them, or
+    does not run when none are left (status ``feasible``): its rounding is the only search left.
     """
     budget_bytes = int(model.budget_bytes)
     deadline = began + time_limit
     floor = problem.cost_floor(graph)
     report_incumbent(progress, began, baseline.cost(graph) if baseline is not None else None, floor)
+    if baseline is not None and stall_time is not None and stall_time <= 0:
+        logger.info("%s: the stall rule's time passed in the heuristics; the LP is skipped and the best "
+                    "heuristic returned, bounded by the no-remat cost", problem.strategy)
+        return _baseline_result(graph, baseline, SolveStatus.FEASIBLE, began, budget_bytes, problem,
+                                bound=floor, mip_gap=mip_gap, model=model, solver=solver)
     lp = solve_model(
         model, solver=solver, relax=True, time_limit=seconds_left(deadline, ROUNDING_RESERVE_SECONDS),
         threads=threads, seed=seed, lp_method=lp_method(model, solver),
