@@ -73,6 +73,9 @@ OFFLOAD_OPERATIONS = OPERATIONS + ("O", "P")
 # The forward tables hold N x 2 x (slots + 2)^3 costs (float64) and choices (int16):
 # 2**26 cells are 671 MB. 92 stages (MobileNet) at 62 slots take 48.2 M.
 MAX_POFO_CELLS = 1 << 26
+# The forward phase cuts the A axis of its state grid into this many ranges (_Pofo._blocks):
+# the fastest of 1, 2, 4, 6 and 8 on MobileNet (benchmarks/offload_speed.py).
+_FORWARD_BLOCKS = 4
 # A transfer amount within this many slots of a whole number is that number (float noise).
 _EPS = 1e-9
 # Memory levels compare to a limit within this relative tolerance (float sums of sizes).
@@ -467,12 +470,32 @@ class _Pofo:
         back = self.drain(B, rest)
         return run + rest, {2: (A + I, self.drain(F, run), back), 1: (A, self.drain(F + I, run), back + I)}
 
+    def _blocks(self, I: int, pending: int) -> list[tuple[int, int, int]]:
+        """The parts of the state grid the forward phase evaluates for a stage whose input
+        takes ``I`` slots: ``(a0, a1, top)`` for A in ``a0 .. a1 - 1`` and Delta_F, Delta_B in
+        ``0 .. top``. OC is inf where ``A + I + max(Delta_F, Delta_B) > S`` (Lemma 1) and
+        unreachable from ``OC_0(1, A, 0, 0)`` where a Delta exceeds ``pending``, the inputs
+        of the earlier stages (a Delta grows only by an offloaded input): the grid's A range
+        is cut into _FORWARD_BLOCKS ranges, each with the Deltas that can matter there."""
+        room = self.S - I
+        if room < 0:
+            return []
+        cuts = sorted({room * k // _FORWARD_BLOCKS for k in range(_FORWARD_BLOCKS)} | {room + 1})
+        blocks: list = []
+        for a0, a1 in zip(cuts, cuts[1:]):
+            top = min(room - a0, pending)
+            if blocks and blocks[-1][2] == top:  # the bound on pending transfers rules: one block
+                blocks[-1] = (blocks[-1][0], a1, top)
+            else:
+                blocks.append((a0, a1, top))
+        return blocks
+
     def _solve_forward(self):
         N, S = self.N, self.S
         grid = np.arange(S + 1)
-        F, B = grid[None, :, None], grid[None, None, :]
-        widest = np.maximum(F, B)
         self.oc, self.oc_choice = {}, {}
+        # The most slots of earlier inputs that can be in flight at stage i (either input kind).
+        pending = np.concatenate([[0], np.cumsum(np.maximum(self.x, self.xbar)[:N])])
         for i in range(N, 0, -1):
             if time_is_up(allow_step=False):
                 raise _OutOfTime
@@ -481,40 +504,47 @@ class _Pofo:
                 if x == 1 and I == self.input(i, 0):  # same sizes, same table
                     self.oc[(i, 1)], self.oc_choice[(i, 1)] = self.oc[(i, 0)], self.oc_choice[(i, 0)]
                     continue
-                best = np.full((S + 1,) * 3, math.inf)
-                choice = np.full(best.shape, -3, dtype=np.int16)
-
-                def offer(top: int, cost, code: int) -> None:
-                    view, better = best[: top + 1], cost < best[: top + 1]
-                    np.copyto(view, cost, where=better)
-                    np.copyto(choice[: top + 1], code, where=better)
-
-                top = S - I - max(self._all_memories(i))
-                if i == N:
-                    if top >= 0:
-                        offer(top, self._oc_loss(x, grid[: top + 1, None, None], F, B), -2)
-                else:
-                    if top >= 0:  # F_all^i, codes -2 (keep I_i) and -1 (offload it)
-                        local, nexts = self._oc_all_step(i, x, grid[: top + 1, None, None], F, B)
-                        for v in (2, 1):
-                            offer(top, local + self._oc_at(i + 1, 1, *nexts[v]), -v)
+                table = np.full((S + 2,) * 3, math.inf)
+                choice = np.full((S + 1,) * 3, -3, dtype=np.int16)
+                self.oc[(i, x)], self.oc_choice[(i, x)] = table, choice
+                top_all = S - I - max(self._all_memories(i))
+                if i < N:
                     terms = self._ck_terms(i, N - 1, int(self.delta[N]), from_start=True)
                     most, memories = terms[0], terms[2]
                     rest = np.maximum.accumulate(np.array([0] + memories[1:], dtype=np.int64))
+                for a0, a1, top in self._blocks(I, int(pending[i - 1])):
+                    A, F, B = grid[a0:a1, None, None], grid[None, : top + 1, None], grid[None, None, : top + 1]
+                    best = np.full((a1 - a0, top + 1, top + 1), math.inf)
+                    codes = np.full(best.shape, -3, dtype=np.int16)
+
+                    def offer(last: int, cost, code: int) -> None:
+                        view, better = best[: last - a0 + 1], cost < best[: last - a0 + 1]
+                        np.copyto(view, cost, where=better)
+                        np.copyto(codes[: last - a0 + 1], code, where=better)
+
+                    last = min(top_all, a1 - 1)
+                    if i == N and last >= a0:
+                        offer(last, self._oc_loss(x, A[: last - a0 + 1], F, B), -2)
+                    elif last >= a0:  # F_all^i, codes -2 (keep I_i) and -1 (offload it)
+                        local, nexts = self._oc_all_step(i, x, A[: last - a0 + 1], F, B)
+                        for v in (2, 1):
+                            offer(last, local + self._oc_at(i + 1, 1, *nexts[v]), -v)
                     for j in range(i, N):  # F_ck^i .. F_no^j, codes 2 (j - i) + (0: keep, 1: offload)
                         tops = {2: S - I - int(most[j - i]), 1: min(S - I - memories[0], S - int(rest[j - i]))}
                         if tops[1] < 0:
                             break
-                        local, nexts = self._oc_ck_step(i, x, j, grid[: tops[1] + 1, None, None], F, B, terms)
+                        lasts = {v: min(tops[v], a1 - 1) for v in (2, 1)}
+                        if lasts[1] < a0:
+                            continue
+                        local, nexts = self._oc_ck_step(i, x, j, A[: lasts[1] - a0 + 1], F, B, terms)
                         for v in (2, 1):
-                            if tops[v] >= 0:
-                                cut = tuple(part[: tops[v] + 1] for part in nexts[v])
-                                offer(tops[v], local[: tops[v] + 1] + self._oc_at(j + 1, 0, *cut),
+                            if lasts[v] >= a0:
+                                cut = tuple(part[: lasts[v] - a0 + 1] for part in nexts[v])
+                                offer(lasts[v], local[: lasts[v] - a0 + 1] + self._oc_at(j + 1, 0, *cut),
                                       2 * (j - i) + 2 - v)
-                best[grid[:, None, None] + I + widest > S] = math.inf  # m_min >= 0 (Lemma 1)
-                table = np.full((S + 2,) * 3, math.inf)
-                table[: S + 1, : S + 1, : S + 1] = best
-                self.oc[(i, x)], self.oc_choice[(i, x)] = table, choice
+                    # m_min >= 0 (Lemma 1) where the block's Deltas reach past the A it holds
+                    best[A + I + np.maximum(F, B) > S] = math.inf
+                    table[a0:a1, : top + 1, : top + 1], choice[a0:a1, : top + 1, : top + 1] = best, codes
 
     # ----- the sequence -----
 
