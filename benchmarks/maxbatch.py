@@ -56,7 +56,8 @@ class Judged(logging.Handler):
         now = round(time.perf_counter() - started, 1)
         if record.msg == "batch %d: %s":
             on_built = record.args[0] in {{b for b, _ in built}}
-            judged.append((record.args[0], record.args[1].startswith("fits"), now, on_built))
+            how = "L" if record.args[1].startswith("fits (the line's schedule") else ""
+            judged.append((record.args[0], record.args[1].startswith("fits"), now, ("B" if on_built else "") + how))
         elif record.msg.startswith("batch %d fits on graphs scaled"):
             line.update(batch=record.args[0], at=now)
 logging.getLogger("tfremat.maxbatch").addHandler(Judged())
@@ -142,9 +143,10 @@ def main(argv=None):
         lines += ["", "The answer's schedule on a second profile of the answer's batch, cache off (`--check`):", "",
                   "| run | peak MB | cost / cap |", "|---|---|---|"]
         lines += [f"| {spec} | {c['peak'] / 1e6:.1f} | {c['cost']:.3f} / {c['cap']:.3f} |" for spec, c in checked]
-    lines += ["", "Batches judged, in order (batch, fits, seconds into the run; B: on a graph built at it):", ""]
-    lines += [f"- {spec}: " + ", ".join(f"{b} {'y' if ok else 'n'}{' B' if on_built else ''} {s:g}"
-                                         for b, ok, s, on_built in row["judged"])
+    lines += ["", "Batches judged, in order (batch, fits, seconds into the run; B: on a graph built at it, BL: "
+              "certified there by the schedule the line found):", ""]
+    lines += [f"- {spec}: " + ", ".join(f"{b} {'y' if ok else 'n'}{' ' + mark if mark else ''} {s:g}"
+                                         for b, ok, s, mark in row["judged"])
               for spec, row in rows]
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -45,7 +45,8 @@ print(json.dumps({{"batch": result.batch_size, "built": list(result.built), "sea
                   "load_after": os.getloadavg()[0],
                   "answer_peak": simulate(result.graph, result.schedule).peak_bytes,
                   **{{k: row[k] for k in ("predicted_peak_bytes", "requested_peak_bytes", "measured_peak_bytes",
-                                          "plain_peak_bytes", "time_over_plain", "gradients_match")}}}}))
+                                          "plain_peak_bytes", "time_over_plain", "gradients_match", "grad_error",
+                                          "grad_global_error")}}}}))
 """
 
 
@@ -74,12 +75,14 @@ def main(argv=None):
         "overhead cap. `measure_model` plans the answer's batch under the same budget (the same profile) and runs it.",
         "",
         "| answer | graphs built | search s | load before / after | answer's schedule, built graph MB | "
-        "step: predicted / requested / allocator MB | plain step allocator MB | time / plain | gradients match |",
+        "step: predicted / requested / allocator MB | plain step allocator MB | time / plain | "
+        "gradients match (largest per-variable / global error) |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| {row['batch']} | {', '.join(map(str, row['built']))} | {row['search_s']:.0f} | {row['load']:.1f} / "
         f"{row['load_after']:.1f} | {mb(row['answer_peak'])} | {mb(row['predicted_peak_bytes'])} / "
         f"{mb(row['requested_peak_bytes'])} / {mb(row['measured_peak_bytes'])} | {mb(row['plain_peak_bytes'])} | "
-        f"{row['time_over_plain']:.2f} | {row['gradients_match']} |",
+        f"{row['time_over_plain']:.2f} | {row['gradients_match']} ({row['grad_error']:.2g} / "
+        f"{row['grad_global_error']:.2g}) |",
     ]
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
