@@ -4,10 +4,10 @@ without a cheaper schedule."""
 
 from __future__ import annotations
 
-from graph_factories import random_training_graph
+from graph_factories import random_training_graph, repeated_blocks
 
 from tfremat.ilp import build_milp, memory_lower_bound, solve_model
-from tfremat.ilp.milp import solve_optimal
+from tfremat.ilp.milp import _units_repeat, solve_optimal
 from tfremat.ilp.portfolio import best_baseline
 from tfremat.plan.simulator import checkpoint_all_peak
 
@@ -68,3 +68,8 @@ def test_units_are_tried_under_the_stall_rule_only_where_they_repeat(monkeypatch
     assert not tried
     solve_optimal(graph, budget, threads=1, time_limit=600)
     assert tried
+
+
+def test_units_repeat_in_repeated_blocks_not_in_a_random_chain():
+    assert _units_repeat(repeated_blocks(6, residual=True))
+    assert not _units_repeat(random_training_graph(0, 40))
