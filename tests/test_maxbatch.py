@@ -470,3 +470,30 @@ def test_affine_graphs_keep_a_backward_nodes_workspace_above_its_weight_gradient
         graph = at(batch)
         assert graph.workspace_bytes[graph.size - 1] >= 40 and graph.weight_grad_bytes[0] == 40
     assert at(3).workspace_bytes[at(3).size - 1] == 60
+
+
+@pytest.mark.parametrize("change", ["edge", "nodes"])
+def test_the_scaled_search_certifies_a_built_graph_the_lines_schedule_cannot_run_on(change):
+    """From batch 10 the built graphs read one more value (an edge the line does not have)
+    or have another layer (other nodes): the line's schedule is not run on them; the
+    strategy judges the built graph itself, and graphs of other nodes are stepped down on
+    by bisection, not on a line through them."""
+    from tfremat.graph import DFGraph
+
+    def graph_for_batch(batch):
+        if change == "nodes":
+            return training_chain(4 if batch < 10 else 5, batch)
+        chain = training_chain(4, batch)
+        extra = [(0, chain.size - 2)] if batch >= 10 else []
+        return DFGraph(chain.names, [*chain.edges, *extra], chain.cost, chain.output_bytes, chain.workspace_bytes,
+                       chain.is_backward, chain.loss_node, dict(chain.forward_of), chain.fixed_bytes, chain.name)
+
+    built = []
+    result = max_batch_size(_built_counting(lambda _, b: graph_for_batch(b), built), 333, method="scaled",
+                            max_batch=512, strategy="chen_greedy")
+    assert result.built == tuple(built) and len(built) <= 2 + 3 and built[:2] == [2, 4]
+    assert result.graph.edges == graph_for_batch(result.batch_size).edges
+    assert simulate(result.graph, result.schedule).peak_bytes <= 333 and result.cost <= result.cost_cap
+    assert all(not result.tried[b] for b in built if b > result.batch_size)
+    search = max_batch_size(graph_for_batch, 333, method="search", max_batch=512, strategy="chen_greedy")
+    assert result.batch_size <= search.batch_size and (change == "nodes" or result.batch_size == search.batch_size)

@@ -435,8 +435,10 @@ def _certify_built(graph_for_batch: Callable[[int], DFGraph], extracted: dict[in
     overhead cap sought there (:func:`_certify_graph`); when none is found, the next
     candidate is the line's answer on the line through the two built graphs that bracket
     it (the largest that fits below, the one that did not), which the built graph corrects
-    where the search is. At most ``_CERTIFY_BUILDS`` graphs are built; past that, the answer
-    is the largest built batch that fits, with a warning.
+    where the search is; where those two graphs differ in nodes, the batch halfway between
+    them (the answer may then be below the largest that fits). At most ``_CERTIFY_BUILDS``
+    graphs are built; past that, the answer is the largest built batch that fits, with a
+    warning.
     """
     for _ in range(_CERTIFY_BUILDS):
         extracted[candidate] = graph_for_batch(candidate)
@@ -472,8 +474,12 @@ def _certify_graph(batch: int, graph: DFGraph, evaluate: "_Evaluator", probe_sec
     ``optimal``) the keep-everything and eviction schedules and an ``optimal`` probe of at
     most ``probe_seconds`` stopped at the first schedule within the cap, or (another
     strategy) the strategy itself on the graph."""
-    line_schedule = evaluate.found.get(batch, (None,))[0]
-    if line_schedule is not None and not line_schedule.offloads and evaluate.fits_as_is(line_schedule, graph):
+    line_schedule, line_graph = evaluate.found[batch][:2] if batch in evaluate.found else (None, None)
+    # The line's schedule runs on the built graph when it has the same nodes and reads no
+    # value the line's graph does not (the line keeps the edges its two graphs share).
+    runs = (line_schedule is not None and not line_schedule.offloads and _same_structure(line_graph, graph)
+            and set(graph.edges) <= set(line_graph.edges))
+    if runs and evaluate.fits_as_is(line_schedule, graph):
         evaluate.certify(batch, line_schedule, graph)
         logger.info("batch %d: %s", batch, "fits (the line's schedule, on the graph built at it)")
         return True
