@@ -418,8 +418,9 @@ def _search_line(scaled: Callable[[int], DFGraph], evaluate: "_Evaluator", low: 
     return _largest(lambda batch: evaluate(batch, scaled(batch)), low, high - 1)
 
 
-# Graphs the scaled search builds at and below the line's answer to certify it (each a
-# profile: 20-60 s on ResNet50 at 64x64, benchmarks/maxbatch.py).
+# Graphs the scaled search builds at and below the line's answer to certify it. Each is a
+# profile at a large batch, the dearest step of the search (ResNet50 at 64x64: 2-5 times a
+# tiny batch's build, benchmarks/maxbatch.py); one sufficed in two of three runs, two in the third.
 _CERTIFY_BUILDS = 3
 
 
