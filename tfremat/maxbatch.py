@@ -420,7 +420,7 @@ def _search_line(scaled: Callable[[int], DFGraph], evaluate: "_Evaluator", low: 
 
 # Graphs the scaled search builds at and below the line's answer to certify it. Each is a
 # profile at a large batch, the dearest step of the search (ResNet50 at 64x64: 2-5 times a
-# tiny batch's build, benchmarks/maxbatch.py); one sufficed in two of three runs, two in the third.
+# tiny batch's build, benchmarks/maxbatch.py).
 _CERTIFY_BUILDS = 3
 
 
