@@ -39,7 +39,8 @@ def test_a_heuristics_unimproved_schedule_is_replanned_with_that_heuristic():
     assert replan_strategy(first_plan(graph, budget, cheaper), "optimal") == "optimal"
     assert replan_strategy(first_plan(graph, budget, own, warm_start="intervals"), "optimal") == "optimal"
     # A re-plan made with the heuristic keeps it for the next round.
-    assert replan_strategy(first_plan(graph, budget, own, strategy="eviction", warm_start=None), "optimal") == "eviction"
+    again = first_plan(graph, budget, own, strategy="eviction", warm_start=None)
+    assert replan_strategy(again, "optimal") == "eviction"
 
 
 def test_the_check_replans_with_the_heuristic_and_falls_back_to_the_strategy(monkeypatch):
@@ -61,7 +62,8 @@ def test_the_check_replans_with_the_heuristic_and_falls_back_to_the_strategy(mon
                                      model=types.SimpleNamespace(optimizer=None))
     first = dataclasses.replace(plan_graph(graph, budget, "eviction", cache=False, verbose=0), strategy="optimal")
     first = types.SimpleNamespace(**{f.name: getattr(first, f.name) for f in dataclasses.fields(first)
-                                     if f.name != "extraction"}, facts=types.SimpleNamespace(status="feasible", warm_start="eviction"))
+                                     if f.name != "extraction"},
+                                  facts=types.SimpleNamespace(status="feasible", warm_start="eviction"))
     first.extraction = types.SimpleNamespace(graph=graph)
     replanned, step = tk.RematCallback._replanned(callback, first, budget - 1, {"time_limit": 60})
     assert planned == ["eviction"] and replanned.strategy == "eviction" and step == "step"
