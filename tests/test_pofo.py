@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import tfremat.plan.pofo as pofo_module
 from tfremat.errors import ArgumentError
 from tfremat.plan.baselines import _OutOfTime, heuristic_deadline
 from tfremat.plan.pofo import (
@@ -498,6 +499,27 @@ def test_one_table_answers_every_smaller_limit_as_its_own_solve():
             assert shared.duration_at(count) == alone.duration, (trial, count)
             if math.isfinite(alone.duration):
                 assert shared.sequence(count) == alone.sequence(), (trial, count)
+
+
+def test_the_forward_blocks_give_the_table_of_one_block(monkeypatch):
+    """The forward phase's A ranges (_Pofo._blocks) change which cells it evaluates, not
+    what any limit's optimum is: the same durations and sequences as one range."""
+    rng = random.Random(17)
+    cases = []
+    for trial in range(10):
+        chain = random_chain(rng, rng.randint(3, 7), floats=trial % 2 == 1)
+        top = int(top_bytes(chain)) + 3
+        cases.append((chain, top, rng.choice([0.3, 1.0, 4.0, math.inf])))
+    blocked = [_Pofo(chain, top, bandwidth, top) for chain, top, bandwidth in cases]
+    monkeypatch.setattr(pofo_module, "_FORWARD_BLOCKS", 1)
+    for (chain, top, bandwidth), dp in zip(cases, blocked):
+        whole = _Pofo(chain, top, bandwidth, top)
+        for count in range(1, top + 1):
+            assert dp.duration_at(count) == whole.duration_at(count), (chain, count)
+            if math.isfinite(whole.duration_at(count)):
+                assert dp.sequence(count) == whole.sequence(count), (chain, count)
+    assert any(op.kind == "O" for dp in blocked for count in range(1, dp.S + 1)
+               if math.isfinite(dp.duration_at(count)) for op in dp.sequence(count))
 
 
 def test_solve_pofo_limits_equals_solve_pofo_per_limit():
