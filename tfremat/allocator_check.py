@@ -155,9 +155,10 @@ def replan_strategy(result, strategy: str) -> str:
     cost at the budget, not proven optimal): then that heuristic, whose schedule the same
     search would most likely return again after repeating the heuristics and the LP. On
     EfficientNetV2B0 64x64 batch 8 at "50% of activations" (541 nodes) ``optimal`` returned
-    ``eviction``'s schedule (+6.0%) after 50 s, and a second full solve cost as much again
-    (docs/solver.md, "Re-plans of the allocator check"). A re-plan with that heuristic
-    (``result.strategy`` is then its name) keeps it for later rounds."""
+    ``eviction``'s schedule, and at the re-plan's budget both give the same +7.8% plan,
+    ``optimal`` in 25-60 s and ``eviction`` in 1.4 CPU s (docs/solver.md, "Re-plans of the
+    allocator check"). A re-plan with that heuristic (``result.strategy`` is then its name)
+    keeps it for later rounds."""
     import inspect
 
     from tfremat.ilp.portfolio import HEURISTICS
