@@ -182,6 +182,9 @@ def render(rows: list[dict], argv, batch: int = conformance.BATCH) -> str:
         "| time/plain | time/planned | notes |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *(_cells(r) for r in rows),
+        "",
+        "Load average over the last 1 / 5 / 15 minutes when the table was written: "
+        + " / ".join(f"{load:.1f}" for load in os.getloadavg()) + f" on {os.cpu_count()} CPUs.",
     ])
 
 
