@@ -518,9 +518,10 @@ class _CallTracer:
         """The call and its VJP as the compiled step runs them (the trace the analysis
         reads, and the run the backward's time and workspace come from).
 
-        The step asks a persistent tape for the input gradients first and for the weight
-        gradients after them (two ``gradient`` calls, see the interpreter; a
-        non-persistent tape and one call when the forward runs a while loop,
+        The step asks a persistent tape for the input and weight gradients in one
+        ``gradient`` call whose weight-only operations wait for the input gradients
+        (:func:`~tfremat.runtime.gradient_order.input_then_weight_gradients`; a
+        non-persistent tape and one unordered call when the forward runs a while loop,
         :func:`~tfremat.runtime.tape.takes_one_gradient_call`), and the memory model
         counts the forward value (outputs and the tensors the gradient reads) and the
         upstream gradients as resident while the backward node runs: they are returned
@@ -567,7 +568,7 @@ class _CallTracer:
         sources = [flat_inputs[i] for i in self.grad_positions]
         gradient = functools.partial(tape.gradient, targets, output_gradients=upstream,
                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        input_ops = None  # the input gradients' own operations, with two gradient calls only
+        input_ops = None  # the input gradients' own operations, with ordered weight gradients only
         with tf.control_dependencies(outputs + upstream if gated else []):
             if not targets:
                 input_part, weight_part = [], []
