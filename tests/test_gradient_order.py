@@ -112,3 +112,43 @@ def test_the_compiled_step_builds_as_many_matmuls_as_plain_training():
         return sum(op.type in ("MatMul", "BatchMatMulV2", "Erf", "Erfc") for op in ops)
 
     assert products(step.function) == products(plain)
+
+
+# Operations that order statements or copy handles, and do no arithmetic on a tensor: the
+# per-statement tokens (IdentityN), the gated weight gradients (Identity), the gates
+# (NoOp), the dropout seed snapshots (ReadVariableOp).
+ORDERING_OPS = {"IdentityN", "Identity", "NoOp", "ReadVariableOp", "Const"}
+
+
+def test_the_compiled_step_does_the_arithmetic_of_plain_training():
+    """The keras.io ViT (Patches, a position Embedding, attention with dropout, a GELU MLP)
+    with Adam: the checkpoint-all step's graph holds the plain step's operations, type by
+    type, apart from the ordering ones and the gradient sums (AddN: the step sums a
+    tensor's gradients per consumer statement), so with ops run one at a time it runs
+    as fast as plain training (benchmarks/step_overhead.py)."""
+    from models import keras_io_vit
+
+    from tfremat.extract import extract
+    from tfremat.extract.plain_step import plain_train_step
+    from tfremat.static_graph import compile_step
+    from tfremat.strategies import get_strategy
+
+    model = keras_io_vit(image_size=8, patch_size=4, dim=8, heads=2, blocks=1, block_units=(8,), head=(16,))
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((BATCH, 8, 8, 3)).astype("float32"))
+    y = tf.constant(np.eye(10, dtype="float32")[rng.integers(0, 10, BATCH)])
+    extraction = extract(model, (x, y), optimizer=keras.optimizers.Adam(), loss="categorical_crossentropy",
+                         cost_model="flops", use_cache=False)
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    step = compile_step(extraction, get_strategy("checkpoint_all")(extraction.graph), optimizer=optimizer)
+    plain = plain_train_step(model, extraction.side_table.loss_fn, keras.optimizers.Adam())
+
+    def arithmetic(function) -> collections.Counter:
+        ops = function.get_concrete_function(x, y).graph.get_operations()
+        return collections.Counter(op.type for op in ops if op.type not in ORDERING_OPS | {"AddN"})
+
+    found, expected = arithmetic(step.function), arithmetic(plain)
+    assert found == expected, {k: (found[k], expected[k]) for k in found | expected if found[k] != expected[k]}
+    # The patches (a convolution), dropout masks and attention are in both.
+    assert expected["Conv2D"] == 1 and expected["StatelessRandomUniformV2"] > 0 and expected["BatchMatMulV2"] > 0
