@@ -561,3 +561,27 @@ def test_a_step_with_offloads_trains_exactly_like_plain_keras(cases, model_name,
     step = case.assert_trains_like_plain(schedule, strategy)
     assert any(s.op is Op.OFFLOAD for s in step.plan) and any(s.op is Op.PREFETCH for s in step.plan)
     np.testing.assert_array_equal(step.ledger_bytes, simulate(graph, schedule).trace_bytes)
+
+
+def test_parallel_inter_op_threads_are_warned_about_once(monkeypatch, caplog):
+    """The step runs its statements one at a time, as the plan counts them; with several
+    inter-op threads its peak can exceed the prediction and plain Keras overlaps ops, so
+    compiling says so, once per process."""
+    import logging
+
+    import tfremat.static_graph.compile as compile_module
+
+    monkeypatch.setattr(compile_module, "_warned_parallel", False)
+    monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "1")
+    assert compile_module.sequential_ops()
+    with caplog.at_level(logging.WARNING, logger="tfremat.static_graph.compile"):
+        compile_module._warn_parallel_ops()
+    assert not caplog.records
+    monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "4")
+    if tf.config.threading.get_inter_op_parallelism_threads() == 1:
+        pytest.skip("this process set one inter-op thread through tf.config")
+    assert not compile_module.sequential_ops()
+    with caplog.at_level(logging.WARNING, logger="tfremat.static_graph.compile"):
+        compile_module._warn_parallel_ops()
+        compile_module._warn_parallel_ops()
+    assert [r.message.count("TF_NUM_INTEROP_THREADS=1") for r in caplog.records] == [1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import keras
@@ -261,6 +262,37 @@ def check_acyclic(func_graph, graph: DFGraph) -> None:
     )
 
 
+def sequential_ops() -> bool:
+    """Whether TensorFlow runs one op at a time (``TF_NUM_INTEROP_THREADS=1`` or
+    ``tf.config.threading.set_inter_op_parallelism_threads(1)``), as the memory and time
+    models assume."""
+    return (tf.config.threading.get_inter_op_parallelism_threads() == 1
+            or os.environ.get("TF_NUM_INTEROP_THREADS", "").strip() == "1")
+
+
+_warned_parallel = False
+
+
+def _warn_parallel_ops() -> None:
+    """Warns once per process when TensorFlow runs several ops at a time.
+
+    The step runs its statements one after another, as the plan counts them, so it gains
+    nothing from parallel inter-op threads, while plain Keras overlaps independent ops:
+    checkpoint-all steps ran 1.15-1.29x plain with TensorFlow's default against
+    1.00-1.02x with one inter-op thread, and a transformer's step requested 1.21x its
+    predicted peak (0.99x with one thread; benchmarks/step_overhead.py)."""
+    global _warned_parallel
+    if _warned_parallel or sequential_ops():
+        return
+    _warned_parallel = True
+    logger.warning(
+        "TensorFlow runs several ops at a time (TF_NUM_INTEROP_THREADS is not 1): the memory prediction and the "
+        "planned time assume one op at a time, so the step can exceed its predicted peak, and plain Keras, which "
+        "overlaps independent ops, can run faster than planned; set TF_NUM_INTEROP_THREADS=1 before importing "
+        "TensorFlow, or call tf.config.threading.set_inter_op_parallelism_threads(1) before it runs anything"
+    )
+
+
 def _apply_without_barrier(optimizer, pairs) -> dict[int, tuple[Any, list]]:
     """``optimizer.apply_gradients(pairs)`` with each update waiting for its own gradient only.
 
@@ -381,6 +413,7 @@ def compile_step(
             "any update, so the step's peak will exceed the prediction; extract with weight_grads='fixed' to plan "
             "for it", strategy.num_replicas_in_sync,
         )
+    _warn_parallel_ops()
     plan = build_plan(graph, schedule)
     if jit_compile and any(statement.op is Op.OFFLOAD for statement in plan):
         raise CompileError(f"schedule {schedule.strategy} offloads values to host memory, which an XLA-compiled step "
