@@ -29,7 +29,8 @@ reads it goes to the host right after it is computed and comes back for its next
   keep matrix as rotor's does; each stage input it offloads moves to the host across the loss
   (:func:`offload_gap`), and the plan places the prefetches. The chain model misses DAG edges,
   so a few memory limits around the budget are read from one DP table
-  (:func:`~tfremat.plan.pofo.solve_pofo_limits`), a schedule that overflows the budget
+  (:func:`~tfremat.plan.pofo.solve_pofo_limits`; the two above the budget also from tables
+  of their own, :data:`POFO_OWN_TABLE_LIMITS`), a schedule that overflows the budget
   gets capper's further offloads, and the fastest simulated schedule that fits is returned
   (rotor's own schedule among the candidates, so pofo is never slower than rotor).
 """
@@ -54,13 +55,13 @@ from tfremat.plan.baselines import (
     known_simulation,
     time_is_up,
 )
-from tfremat.plan.pofo import MAX_POFO_CELLS, solve_pofo_limits
+from tfremat.plan.pofo import MAX_POFO_CELLS, solve_pofo, solve_pofo_limits
 from tfremat.plan.registry import Strategy, as_strategy
 from tfremat.plan.schedule import Schedule, offloadable, schedule_from_keep_matrix
 from tfremat.plan.simulator import checkpoint_all_peak
 
 __all__ = ["check_bandwidth", "offload_gap", "capper", "autocapper", "opportunist", "pofo", "pofo_ap",
-           "AUTOCAPPER_LIMITS", "POFO_SLOTS", "POFO_LIMITS"]
+           "AUTOCAPPER_LIMITS", "POFO_SLOTS", "POFO_LIMITS", "POFO_OWN_TABLE_LIMITS"]
 
 # Sec. 5.1: "autocapper calls capper with 40 values of M', evenly spaced between the target
 # M_GPU and M^high".
@@ -72,6 +73,12 @@ AUTOCAPPER_LIMITS = 40
 # simulator holds).
 POFO_SLOTS = 50
 POFO_LIMITS = (1.0, 0.9, 1.1, 0.8, 1.25, 0.65)
+# The limits above the budget are solved once more in a table of their own (POFO_SLOTS slots of
+# that limit): its coarser slots round sizes and transfers otherwise and give the sequences
+# from which capper reaches the budget fastest on VGG16 at 95% and vgg_chain at 60% (fast
+# link), residual_chain at 80% and 50% (slow link), which the shared table alone loses
+# (benchmarks/chains.py; tests/test_offload.py).
+POFO_OWN_TABLE_LIMITS = (1.1, 1.25)
 
 # The recompute-only strategies capper may start from (the planning core's chain and
 # checkpoint heuristics; the catalogue in tfremat.strategies sits above this module).
@@ -406,6 +413,9 @@ def _pofo(graph: DFGraph, budget: int | None, bandwidth, memory_slots: int | Non
         try:
             # One DP in slots of the budget's activation bytes / memory_slots answers every limit.
             solutions = solve_pofo_limits(mapped.chain, activations, bandwidth, counts(memory_slots), memory_slots)
+            if budget is not None:
+                solutions += [solve_pofo(mapped.chain, share * activations, bandwidth, memory_slots)
+                              for share in POFO_OWN_TABLE_LIMITS]
         except baselines._OutOfTime:
             return
         for solution in solutions:
