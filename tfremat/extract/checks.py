@@ -152,7 +152,11 @@ def _make_caller(call: LayerCall, takes_training: bool, implementation: str | No
             kwargs["training"] = True
         # Inside a scope, as in a model's call and in the step: TensorFlow refuses a root
         # name scope that starts with "_", which Keras names a layer of a class like
-        # ``_Block`` ("__block").
+        # ``_Block`` ("__block"). The name also orders the ops: Grappler's reassociation
+        # of a gradient's products breaks ties in name order, and a forward scope that sorts
+        # before ``gradient_tape/`` let it pair mixed-precision attention's scale constant
+        # with the forward softmax, a product computed in the forward and kept to the
+        # backward (tests/test_mixed_precision.py); "profile" sorts after it.
         with tf.name_scope("profile"), running(call.layer, implementation):
             return call.layer(*args, **kwargs)
 
