@@ -32,6 +32,9 @@ import os
 import sys
 import time
 
+# The plan's times assume ops run one at a time (README, "Supported models and limits").
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
