@@ -61,11 +61,17 @@ from tfremat.plan.schedule import Schedule, offloadable, schedule_from_keep_matr
 from tfremat.plan.simulator import checkpoint_all_peak
 
 __all__ = ["check_bandwidth", "offload_gap", "capper", "autocapper", "opportunist", "pofo", "pofo_ap",
-           "AUTOCAPPER_LIMITS", "POFO_SLOTS", "POFO_LIMITS", "POFO_OWN_TABLE_LIMITS"]
+           "AUTOCAPPER_LIMITS", "POFO_SLOTS", "POFO_LIMITS", "POFO_OWN_TABLE_LIMITS",
+           "AUTOCAPPER_SEARCHED_LIMITS"]
 
 # Sec. 5.1: "autocapper calls capper with 40 values of M', evenly spaced between the target
 # M_GPU and M^high".
 AUTOCAPPER_LIMITS = 40
+# Of those, the limits where capper also starts from the rotor strategy's own schedule (its
+# search on the graph fits each limit, where the DP's sequence may overflow it): those starts
+# reach the budget faster on residual_chain at 80% and ResNet50 at 30% (slow link,
+# benchmarks/chains.py; tests/test_offload.py).
+AUTOCAPPER_SEARCHED_LIMITS = 8
 
 # Sec. 4: "we systematically use 50 discretization steps"; fewer on chains too long for
 # MAX_POFO_CELLS. The memory limits pofo reads from its table (in slots of the budget's
@@ -253,8 +259,10 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
     """Beaumont et al.'s autocapper (sec. 5.1): :func:`capper` on the ``base`` strategy's
     recompute-only schedule for each of ``limits`` memory limits evenly spaced from the
     budget to the checkpoint-all peak; the fastest schedule (simulated makespan) that fits
-    the budget. With ``rotor``/``rotor_ap`` the starts are rotor's DP sequences at each
-    limit read from one table, plus the rotor strategy's schedule at the budget. Without a
+    the budget. With ``rotor``/``rotor_ap`` the starts are the rotor strategy's schedule at
+    the budget (first: under a deadline a fitting schedule comes early), rotor's DP sequences
+    at each limit read from one table, and the rotor strategy's schedules at
+    :data:`AUTOCAPPER_SEARCHED_LIMITS` of the limits. Without a
     budget, capper runs from ``base``'s least-peak schedule and the lowest peak is returned.
 
     Args:
@@ -283,13 +291,17 @@ def autocapper(graph: DFGraph, budget: int | None = None, bandwidth: float | Non
         # the recompute-heavy starts below be skipped.
         tried = np.unique(np.linspace(budget, max(high, budget), limits).astype(np.int64))[::-1]
         if base in ("rotor", "rotor_ap") and graph.loss_node is not None and graph.forward_nodes:
-            # rotor's DP sequence at every limit, from one table; then the rotor strategy's own
-            # schedule at the budget (its DP and its search on the graph), so that autocapper
-            # is never slower than it.
+            # The rotor strategy's own schedule at the budget (its DP and its search on the
+            # graph) first, so that autocapper is never slower than it and a deadline finds a
+            # fitting schedule; rotor's DP sequence at every limit, from one table; the rotor
+            # strategy's schedules at a few limits, highest first.
             # The DP's starts come from schedule_from_keep_matrix (capper's moves skip its passes).
             dp_starts = _rotor_starts(graph, base == "rotor_ap", tried, high)
-            starts = itertools.chain(((start, True) for start in dp_starts),
-                                     [(_base_schedule(graph, base_strategy, int(budget)), False)])
+            searched = np.unique(np.linspace(budget, max(high, budget), AUTOCAPPER_SEARCHED_LIMITS).astype(np.int64))
+            starts = itertools.chain([(_base_schedule(graph, base_strategy, int(budget)), False)],
+                                     ((start, True) for start in dp_starts),
+                                     ((_base_schedule(graph, base_strategy, int(limit)), False)
+                                      for limit in searched[1:][::-1]))
         else:
             starts = ((_base_schedule(graph, base_strategy, int(limit)), False) for limit in tried)
         started = set()
