@@ -15,8 +15,10 @@ reads it goes to the host right after it is computed and comes back for its next
   limit M', finds the stage of its simulated peak and offloads the lowest-indexed value
   resident and unread there, until the schedule fits; *autocapper* runs capper for limits
   evenly spaced between the budget and the checkpoint-all peak and keeps the fastest. With
-  rotor as the base, every limit's sequence comes from one DP table, and a start that
-  computes more than the fastest fitting schedule found is skipped (capper adds no compute).
+  rotor as the base, every limit's sequence comes from one DP table, beside the rotor
+  strategy's own schedules (its search on the graph) at the budget and a few limits, and a
+  start that computes more than the fastest fitting schedule found is skipped (capper adds
+  no compute).
 * ``opportunist`` (sec. 5.1): keeps the link busy in the forward pass. The first forward
   node's value is offloaded, the following nodes are dropped (recomputed in the backward
   pass) until the copy is predicted to end, then the next node is offloaded, and so on; once
