@@ -31,8 +31,8 @@ reads it goes to the host right after it is computed and comes back for its next
   keep matrix as rotor's does; each stage input it offloads moves to the host across the loss
   (:func:`offload_gap`), and the plan places the prefetches. The chain model misses DAG edges,
   so a few memory limits around the budget are read from one DP table
-  (:func:`~tfremat.plan.pofo.solve_pofo_limits`; the two above the budget from tables of
-  their own, :data:`POFO_OWN_TABLE_LIMITS`), a schedule that overflows the budget
+  (:func:`~tfremat.plan.pofo.solve_pofo_limits`; the two above the budget also from tables
+  of their own, :data:`POFO_OWN_TABLE_LIMITS`), a schedule that overflows the budget
   gets capper's further offloads, and the fastest simulated schedule that fits is returned
   (rotor's own schedule among the candidates, so pofo is never slower than rotor).
 """
@@ -81,12 +81,12 @@ AUTOCAPPER_SEARCHED_LIMITS = 8
 # simulator holds).
 POFO_SLOTS = 50
 POFO_LIMITS = (1.0, 0.9, 1.1, 0.8, 1.25, 0.65)
-# The limits above the budget are each solved in a table of their own (memory_slots slots of
-# that limit), the others read from one shared table: the coarser slots round sizes and
-# transfers otherwise and give the sequences from which capper reaches the budget fastest on
-# VGG16 at 95% and vgg_chain at 60% (fast link), residual_chain at 80% and 50% (slow link),
-# which the shared table loses (benchmarks/chains.py; tests/test_offload.py). The shared
-# table then stops at the budget: on MobileNet it is no larger than one of the others.
+# The limits above the budget are solved once more, each in a table of its own (memory_slots
+# slots of that limit): the coarser slots round sizes and transfers otherwise and give the
+# sequences from which capper reaches the budget fastest on VGG16 at 95% and vgg_chain at 60%
+# (fast link), residual_chain at 80% and 50% (slow link), which the shared table alone loses;
+# the shared table's own reading of them wins elsewhere (residual_chain at 95% and 90%, slow
+# link; vgg_chain at 70%, fast link), so both are kept (benchmarks/offload_cells.py).
 POFO_OWN_TABLE_LIMITS = (1.1, 1.25)
 
 # The recompute-only strategies capper may start from (the planning core's chain and
@@ -391,9 +391,7 @@ def _pofo(graph: DFGraph, budget: int | None, bandwidth, memory_slots: int | Non
         raise ArgumentError(f"{name} plans a training step: graph {graph.name!r} has no loss node or forward nodes")
     mapped = rotor.graph_chain(graph, articulation)
     length = mapped.chain.length
-    # With a budget, the limits above it have tables of their own; the others share one.
-    shares = ([share for share in POFO_LIMITS if share not in POFO_OWN_TABLE_LIMITS] if budget is not None
-              else (1.0, 0.75, 0.5, 0.35, 0.25))
+    shares = POFO_LIMITS if budget is not None else (1.0, 0.75, 0.5, 0.35, 0.25)
 
     def counts(slots: int) -> list[int]:
         return [max(1, math.floor(share * slots)) for share in shares]
@@ -428,7 +426,7 @@ def _pofo(graph: DFGraph, budget: int | None, bandwidth, memory_slots: int | Non
             yield baselines.checkpoint_all(graph).with_facts(None, name)
             return
         try:
-            # One DP in slots of the budget's activation bytes / memory_slots answers the limits up to the budget.
+            # One DP in slots of the budget's activation bytes / memory_slots answers every limit.
             solutions = solve_pofo_limits(mapped.chain, activations, bandwidth, counts(memory_slots), memory_slots)
             if budget is not None:
                 solutions += [solve_pofo(mapped.chain, share * activations, bandwidth, memory_slots)
