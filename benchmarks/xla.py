@@ -21,7 +21,7 @@ XLA's own; BFC may serve that block from a free chunk up to twice its size, so t
 allocator's peak may read higher. Time: each step against the plain step of the same
 compiler, in turns (:func:`tfremat.measure.time_in_turns`); the ratio is the median of the
 per-round ratios. Recomputed ops in the HLO: instructions of the optimized HLO named from a
-recompute statement (``reforward_N``); CSE keeps the first computation's name when it merges.
+recompute statement (``step/reforward_N``); CSE keeps the first computation's name when it merges.
 
 The cost model under XLA (second table per model): the 50% schedule planned on costs
 profiled without XLA (TensorFlow's kernels, ``xla="memory"``) and under XLA
@@ -141,7 +141,7 @@ def cheapest_fitting(graph, budget):
 
 def recomputed_in_hlo(step, x, y) -> int:
     hlo = step.function.experimental_get_compiler_ir(x, y, None)(stage="optimized_hlo")
-    return len(re.findall(r'op_name="reforward_', hlo))
+    return len(re.findall(r'op_name="step/reforward_', hlo))
 
 
 class _Unmarked:

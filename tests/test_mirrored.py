@@ -97,14 +97,14 @@ _SCRIPT = textwrap.dedent(
     loop_close = closeness([v.numpy() for v in loop.variables], [v.numpy() for v in plain.variables])
 
     # Every replica's traced step recomputes what its plan says: replica 1's operations are
-    # traced under the name scope replica_1/.
+    # traced under the name scope replica_1/ (statements under step/).
     recomputed = {{}}
     for key, train in callbacks[0]._steps.items():
         batch = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(2 * key[0][0]).take(1)
         traced = train.function.get_concrete_function(*next(iter(strategy.experimental_distribute_dataset(batch))))
         names = [op.name for op in traced.graph.get_operations()]
-        counts = [len({{n.split("/")[1] for n in names if n.startswith("replica_1/") and "/reforward_" in n}}),
-                  len({{n.split("/")[0] for n in names if n.startswith("reforward_")}})]
+        counts = [len({{n.split("/")[2] for n in names if n.startswith("replica_1/step/reforward_")}}),
+                  len({{n.split("/")[1] for n in names if n.startswith("step/reforward_")}})]
         recomputed[str(key[0][0])] = counts
     plans = {{str(key[0][0]): dict(weight_grads=plan.extraction.side_table.weight_grads, budget=plan.budget_bytes,
                                   predicted=plan.predicted_peak_bytes, recomputations=plan.schedule.recompute_count,

@@ -75,12 +75,6 @@ def _long_attention():
     return keras.Model(inputs, keras.layers.Dense(5, activation="softmax", dtype="float32")(pooled))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the compiled step's forward scopes (forward_<n>) sort before gradient_tape/, and Grappler's "
-    "MinimizeBroadcasts then pairs the softmax gradient's scale constant with the forward softmax, "
-    "a product the step computes in the forward and keeps to the backward (one float32 batch x heads "
-    "x length x length buffer per attention call) where the extraction's isolated trace, scoped "
-    "profile/, does not; fix in tfremat/static_graph (issue #33)"))
 def test_a_mixed_float16_attention_step_requests_no_more_than_its_prediction():
     """Under mixed_float16 Keras's attention scales its float32 scores after the cast, and
     the softmax gradient multiplies by the same scale: the step must not keep a product of

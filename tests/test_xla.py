@@ -126,9 +126,9 @@ def test_xla_step_trains_like_plain_xla_training(name):
 
 def _recomputed_convolutions(step, x, y) -> int:
     """Convolutions of the optimized HLO that come from a recompute statement (its name
-    scope is ``reforward_N``): XLA's CSE keeps the first computation's name when it merges."""
+    scope is ``step/reforward_N``): XLA's CSE keeps the first computation's name when it merges."""
     hlo = step.function.experimental_get_compiler_ir(x, y, None)(stage="optimized_hlo")
-    return len(re.findall(r"\bconvolution\(.*op_name=\"reforward_", hlo))
+    return len(re.findall(r"\bconvolution\(.*op_name=\"step/reforward_", hlo))
 
 
 def test_recomputations_survive_xla_and_lower_its_peak():

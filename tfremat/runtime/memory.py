@@ -160,7 +160,7 @@ def requested_peak_live(run: Callable[[], None], device: str, *,
         ``(peak, live)``: ``live`` holds one dict per allocation made in ``run()`` and not
         freed at the peak's first moment, in allocation order: ``op`` (the allocating
         operation's name, name scope included: the compiled step's statements are scoped
-        ``forward_<node>``, ``backward_<node>``, ``reforward_<node>``), ``region``
+        ``step/forward_<node>``, ``step/backward_<node>``, ``step/reforward_<node>``), ``region``
         (``output`` or ``temp``), ``shape`` and ``bytes`` (requested); the peak is their sum.
 
     Raises:

@@ -249,7 +249,7 @@ def check_acyclic(func_graph, graph: DFGraph) -> None:
     stuck = [ops[k].name for k, count in enumerate(pending) if count > 0]
     if not stuck:
         return
-    statements = sorted({name.split("/")[0] for name in stuck})
+    statements = sorted({name.removeprefix("step/").split("/")[0] for name in stuck})
     described = []
     for scope in statements[:8]:
         kind, _, number = scope.rpartition("_")

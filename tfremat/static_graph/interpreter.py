@@ -230,46 +230,53 @@ class _Interpreter:
         last_statement: dict[int, int] = {}
         # A backward node's weight gradients are taken at its last compute only (_backward).
         last_compute = {statement.node: k for k, statement in enumerate(plan) if statement.op is Op.COMPUTE}
-        for position, statement in enumerate(plan):
-            node = statement.node
-            if statement.op is Op.ALLOCATE:
-                allocated.add(node)
-            elif statement.op is Op.COMPUTE:
-                if node not in allocated:
-                    raise CompileError(f"plan computes node {node} without allocating it first")
-                allocated.discard(node)
-                self.report.recompute_statements += statement.recompute
-                first_op = len(tf_graph.get_operations())
-                self.tie = self.previous if self.xla and statement.recompute else None
-                with tf.control_dependencies(self.token):
-                    produced = self._compute(node, statement.recompute, last_compute[node] == position)
-                self.report.statement_ops.append(tf_graph.get_operations()[first_op:])
-                produced = [t for t in produced if t is not None]
-                self.freed_parts.pop(node, None)
-                held_bytes[position] = self._held_bytes(node)
-                if produced:
-                    self.token = [_token(produced)]
-                    self.previous = produced
-                    layer = self.table[self.table[node].forward_node].layer if self.table[node].kind != "loss" else None
-                    for variable in getattr(layer, "trainable_variables", ()):
-                        self.last_reader[id(variable)] = produced
-                        last_statement[id(variable)] = len(self.report.statement_ops) - 1
-            elif statement.op is Op.OFFLOAD:
-                self._offload(node)
-            elif statement.op is Op.PREFETCH:
-                with tf.control_dependencies(self.token):
-                    self._prefetch(node)
-                held_bytes[position] = self._held_bytes(node)
-            else:
-                if node not in self.resident:
-                    raise CompileError(f"plan frees node {node} ({self.graph.names[node]}), which is not resident")
-                if node in self.copying:
-                    self.token = self.token + self.copying.pop(node)
-                parts = self.freed_parts.setdefault(node, set())
-                parts.add(statement.part)
-                if statement.part is None or len(parts) == len(self.graph.value_parts(node)):
-                    del self.resident[node]
-                    del self.freed_parts[node]
+        # The statements run under "step/", whose names sort after "gradient_tape/":
+        # Grappler's arithmetic optimizer breaks ties in name order when it regroups a
+        # product of forward and gradient values, and with the forward scopes first it moved
+        # a softmax gradient's scale multiply into the forward (a float32 buffer per
+        # attention call kept until the backward under mixed_float16;
+        # tests/test_mixed_precision.py).
+        with tf.name_scope("step"):
+            for position, statement in enumerate(plan):
+                node = statement.node
+                if statement.op is Op.ALLOCATE:
+                    allocated.add(node)
+                elif statement.op is Op.COMPUTE:
+                    if node not in allocated:
+                        raise CompileError(f"plan computes node {node} without allocating it first")
+                    allocated.discard(node)
+                    self.report.recompute_statements += statement.recompute
+                    first_op = len(tf_graph.get_operations())
+                    self.tie = self.previous if self.xla and statement.recompute else None
+                    with tf.control_dependencies(self.token):
+                        produced = self._compute(node, statement.recompute, last_compute[node] == position)
+                    self.report.statement_ops.append(tf_graph.get_operations()[first_op:])
+                    produced = [t for t in produced if t is not None]
+                    self.freed_parts.pop(node, None)
+                    held_bytes[position] = self._held_bytes(node)
+                    if produced:
+                        self.token = [_token(produced)]
+                        self.previous = produced
+                        layer = self.table[self.table[node].forward_node].layer if self.table[node].kind != "loss" else None
+                        for variable in getattr(layer, "trainable_variables", ()):
+                            self.last_reader[id(variable)] = produced
+                            last_statement[id(variable)] = len(self.report.statement_ops) - 1
+                elif statement.op is Op.OFFLOAD:
+                    self._offload(node)
+                elif statement.op is Op.PREFETCH:
+                    with tf.control_dependencies(self.token):
+                        self._prefetch(node)
+                    held_bytes[position] = self._held_bytes(node)
+                else:
+                    if node not in self.resident:
+                        raise CompileError(f"plan frees node {node} ({self.graph.names[node]}), which is not resident")
+                    if node in self.copying:
+                        self.token = self.token + self.copying.pop(node)
+                    parts = self.freed_parts.setdefault(node, set())
+                    parts.add(statement.part)
+                    if statement.part is None or len(parts) == len(self.graph.value_parts(node)):
+                        del self.resident[node]
+                        del self.freed_parts[node]
         # Automatic control dependencies did not reliably keep an optimizer update behind
         # every read of its variable in this step (training drifted after a few steps);
         # gate each gradient on the last statement that used the variable's layer instead.
