@@ -94,7 +94,7 @@ import tensorflow as tf
 from tfremat.errors import ExtractionError
 from tfremat.extract.views import view_position
 from tfremat.extract.xla_layouts import backward_layout_copies
-from tfremat.runtime.gradient_order import input_then_weight_gradients
+from tfremat.runtime.gradient_order import input_then_weight_gradients, needed_ops
 from tfremat.runtime.internals import node_flops, resource_handle_data
 from tfremat.runtime.memory import (
     _allocation_events,
@@ -1116,14 +1116,7 @@ def _needed_ops(tensors, first: int) -> list:
     its input gradient); the ones nothing asks for are pruned from the step's graph."""
     graph = tf.compat.v1.get_default_graph()
     late = {id(op) for op in graph.get_operations()[first:]}
-    needed, stack = {}, [t.op for t in tensors]
-    while stack:
-        op = stack.pop()
-        if id(op) in needed or id(op) not in late:
-            continue
-        needed[id(op)] = op
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
+    needed = needed_ops([t.op for t in tensors], late)
     return [op for op in graph.get_operations()[first:] if id(op) in needed]
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-__all__ = ["input_then_weight_gradients", "wait_for"]
+__all__ = ["input_then_weight_gradients", "needed_ops", "wait_for"]
 
 
 def _ops_of(values) -> list:
@@ -38,7 +38,7 @@ def _ops_of(values) -> list:
     return ops
 
 
-def _needed(roots: list, created: set[int]) -> dict[int, object]:
+def needed_ops(roots: list, created: set[int]) -> dict[int, object]:
     """The operations among ``created`` (ids) that ``roots`` depend on, by data or control edges."""
     needed: dict[int, object] = {}
     stack = list(roots)
@@ -62,8 +62,8 @@ def wait_for(first: list, then: list, since: int) -> int:
         return 0
     graph = tf.compat.v1.get_default_graph()
     created = {id(op) for op in graph.get_operations()[since:]}
-    before = _needed(first_ops, created)
-    only = {key: op for key, op in _needed(then_ops, created).items() if key not in before}
+    before = needed_ops(first_ops, created)
+    only = {key: op for key, op in needed_ops(then_ops, created).items() if key not in before}
     earliest = [op for op in only.values()
                 if not any(id(t.op) in only for t in op.inputs) and not any(id(c) in only for c in op.control_inputs)]
     if not earliest:
