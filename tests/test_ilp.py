@@ -861,6 +861,12 @@ _REPO = Path(__file__).resolve().parents[1]
 
 _INTERRUPT_SOLVE = """
 import json, os, signal, sys, threading, time
+# What the process inherited (a disposition of SIG_IGN and a blocked mask survive exec), for the
+# failure message; then Ctrl-C as a user's shell delivers it.
+inherited = {{"handler": str(signal.getsignal(signal.SIGINT)),
+              "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}}
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
 sys.path.insert(0, {tests!r})
 from test_ilp import training_chain
 from tfremat.ilp import build_milp, solve_model
@@ -878,7 +884,7 @@ def interrupt():
 threading.Timer(3.0, interrupt).start()
 try:
     result = solve_model(model, time_limit=120, start=start, presolve=False)
-    print(json.dumps({{"finished": str(result.status)}}))
+    print(json.dumps({{"finished": str(result.status), "inherited": inherited}}))
 except SolveInterrupted as exc:
     print(json.dumps({{"stopped_after": time.perf_counter() - sent[0], "has_x": exc.x is not None}}))
 """
