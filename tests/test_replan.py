@@ -66,7 +66,11 @@ def test_the_check_replans_with_the_heuristic_and_falls_back_to_the_strategy(mon
                                   facts=types.SimpleNamespace(status="feasible", warm_start="eviction"))
     first.extraction = types.SimpleNamespace(graph=graph)
     replanned, step = tk.RematCallback._replanned(callback, first, budget - 1, {"time_limit": 60})
-    assert planned == ["eviction"] and replanned.strategy == "eviction" and step == "step"
+    assert planned == ["eviction"] and step == "step"
+    # Named as asked for, with the heuristic that planned it; a later round plans with it again.
+    assert replanned.strategy == "optimal" and replanned.planned_with == "eviction"
+    assert replanned.summary()["planned_with"] == "eviction"
+    assert replan_strategy(replanned, "optimal") == "eviction"
     planned.clear()
     tk.RematCallback._replanned(callback, first, budget // 4, {"time_limit": 60})
     assert planned == ["eviction", "optimal"]

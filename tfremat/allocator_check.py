@@ -157,15 +157,16 @@ def replan_strategy(result, strategy: str) -> str:
     EfficientNetV2B0 64x64 batch 8 at "50% of activations" (541 nodes) ``optimal`` returned
     ``eviction``'s schedule, and at the re-plan's budget both give the same +7.8% plan,
     ``optimal`` in 25-60 s and ``eviction`` in 1.4 CPU s (docs/solver.md, "Re-plans of the
-    allocator check"). A re-plan with that heuristic (``result.strategy`` is then its name)
+    allocator check"). A re-plan with that heuristic (named in ``result.planned_with``)
     keeps it for later rounds."""
     import inspect
 
     from tfremat.ilp.portfolio import HEURISTICS
 
     plain = {h.name: h for h in HEURISTICS if "time_limit" not in inspect.signature(h.function).parameters}
-    if result.strategy in plain:
-        return result.strategy
+    ran = getattr(result, "planned_with", None) or result.strategy
+    if ran in plain:
+        return ran
     facts = result.facts
     name = None if facts is None or facts.status == "optimal" else facts.warm_start
     if name not in plain or result.budget_bytes is None:

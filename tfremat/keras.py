@@ -444,6 +444,8 @@ class RematCallback(keras.callbacks.Callback):
             try:
                 replanned = plan_graph(result.extraction.graph, planning_budget, strategy_name, cache=self.cache,
                                        verbose=0)
+                # Named as asked for (plans[key].strategy), with the heuristic that planned it.
+                replanned = dataclasses.replace(replanned, strategy=self.strategy, planned_with=strategy_name)
             except InfeasibleBudgetError:
                 strategy_name = self.strategy
         if strategy_name == self.strategy:

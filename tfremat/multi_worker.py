@@ -56,10 +56,11 @@ from tfremat.allocator_check import (
     ALLOCATOR_ROUNDS,
     allocator_peak,
     next_planning_budget,
+    replan_strategy,
     replica_allocators,
     wants_allocator_check,
 )
-from tfremat.errors import ArgumentError, TfrematError
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, TfrematError
 from tfremat.graph import DFGraph
 from tfremat.planner import PlanResult, plan_graph, plan_summary
 
@@ -271,9 +272,17 @@ def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1)
 
 
 def _chief_plan(collectives: _Collectives, graph: DFGraph, budget, settings: _Settings, chief: bool,
-                chief_replica: int, *, verbose: int) -> dict:
+                chief_replica: int, *, verbose: int, replanning: PlanResult | None = None) -> dict:
     """The chief's plan of ``graph`` under ``budget`` as its JSON document, on every worker
     (module docstring, step 3; every worker calls it at the same point).
+
+    ``replanning``: the plan an allocator check plans again under ``budget``. The chief
+    then runs :func:`~tfremat.allocator_check.replan_strategy`'s choice, as
+    :class:`tfremat.keras.RematCallback` does: the heuristic whose schedule the settings'
+    strategy returned unimproved (``eviction`` in 1.4 CPU s where ``optimal`` repeats its
+    25-60 s search on EfficientNetV2B0), the strategy itself when that heuristic finds no
+    schedule. The document names it (``planned_with``) for every worker's
+    :class:`PlanResult`.
 
     Raises:
         TfrematError: the chief could not plan: its own error on the chief, the error's
@@ -282,10 +291,13 @@ def _chief_plan(collectives: _Collectives, graph: DFGraph, budget, settings: _Se
     document, planning_error = b"", None
     if chief:
         try:
-            result = plan_graph(graph, budget, settings.strategy, cache=settings.cache, verbose=verbose,
-                                **settings.options)
+            result = _chief_replan(graph, budget, settings, replanning) if replanning is not None else None
+            if result is None:
+                result = plan_graph(graph, budget, settings.strategy, cache=settings.cache, verbose=verbose,
+                                    **settings.options)
             document = json.dumps({"schedule": result.schedule.to_dict(), "budget_bytes": result.budget_bytes,
-                                   "solve_seconds": result.solve_seconds, "from_cache": result.from_cache}).encode()
+                                   "solve_seconds": result.solve_seconds, "from_cache": result.from_cache,
+                                   "planned_with": result.planned_with}).encode()
         except TfrematError as error:
             # Shared before it is raised: the other workers wait for the schedule.
             planning_error = error
@@ -297,6 +309,23 @@ def _chief_plan(collectives: _Collectives, graph: DFGraph, budget, settings: _Se
     if "error" in data:
         raise TfrematError(f"the chief could not plan for the per-replica batch: {data['error']}")
     return data
+
+
+def _chief_replan(graph: DFGraph, budget: int, settings: _Settings, replanning: PlanResult) -> PlanResult | None:
+    """The chief's re-plan of ``graph`` under ``budget`` with the heuristic that
+    :func:`~tfremat.allocator_check.replan_strategy` picks for ``replanning``, named as the
+    settings' strategy with the heuristic in ``planned_with``; None when it picks the
+    settings' strategy or the heuristic finds no schedule (then that strategy plans)."""
+    heuristic = replan_strategy(replanning, settings.strategy)
+    if heuristic == settings.strategy:
+        return None
+    logger.info("planning with %s, whose schedule %s returned unimproved", heuristic, settings.strategy)
+    try:
+        result = plan_graph(graph, budget, heuristic, cache=settings.cache, verbose=0)
+    except InfeasibleBudgetError as error:
+        logger.info("%s found no schedule (%s): planning with %s", heuristic, error, settings.strategy)
+        return None
+    return dataclasses.replace(result, strategy=settings.strategy, planned_with=heuristic)
 
 
 def _plan_result(extraction, data: dict, strategy: str) -> PlanResult:
@@ -312,7 +341,7 @@ def _plan_result(extraction, data: dict, strategy: str) -> PlanResult:
                       predicted_peak_bytes=simulated.peak_bytes, checkpoint_all_peak_bytes=checkpoint_all_peak(graph),
                       overhead=simulated.makespan / graph.total_cost - 1 if graph.total_cost else 0.0,
                       solve_seconds=float(data["solve_seconds"]), from_cache=bool(data["from_cache"]),
-                      extraction=extraction)
+                      extraction=extraction, planned_with=data.get("planned_with"))
 
 
 def allocator_checked(distribution, model, plan: PlanResult, step, x, y, settings: _Settings, *,
@@ -344,7 +373,6 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
             reduced budget (on every worker).
     """
     from tfremat.budget import format_bytes
-    from tfremat.errors import InfeasibleBudgetError
     from tfremat.static_graph.compile import compile_step
 
     if settings.allocator_check is False or plan.budget_bytes is None:
@@ -393,7 +421,7 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
             raise InfeasibleBudgetError(budget, strategy=settings.strategy, detail=detail)
         try:
             data = _chief_plan(collectives, plan.extraction.graph, planning_budget, settings, chief, chief_replica,
-                               verbose=verbose)
+                               verbose=verbose, replanning=plan)
         except TfrematError as error:
             raise InfeasibleBudgetError(budget, strategy=settings.strategy, detail=f"{detail} ({error})") from error
         plan = _plan_result(plan.extraction, data, settings.strategy)

@@ -98,6 +98,10 @@ class PlanResult:
             implementation name)`` pairs: they change the gradients' rounding (filled by
             ``plan_model``, which knows the layers; ``exact_gradients=True`` leaves them
             out of the choice).
+        planned_with: the strategy that chose the schedule when it is not ``strategy``
+            (which stays the one asked for): a re-plan of the allocator check that ran
+            the heuristic whose schedule ``strategy`` had returned unimproved
+            (:func:`tfremat.allocator_check.replan_strategy`); None otherwise.
     """
 
     strategy: str
@@ -111,6 +115,7 @@ class PlanResult:
     from_cache: bool
     extraction: Any = None
     inexact_implementations: tuple[tuple[str, str], ...] = ()
+    planned_with: str | None = None
 
     @property
     def facts(self) -> SolverFacts | None:
@@ -118,8 +123,9 @@ class PlanResult:
         return self.schedule.facts
 
     def summary(self) -> dict:
-        """A JSON-ready one-line summary."""
-        return {
+        """A JSON-ready one-line summary (with ``planned_with`` when a re-plan ran another
+        strategy than ``strategy``)."""
+        row = {
             "strategy": self.strategy,
             "status": self.facts.status if self.facts is not None else "feasible",
             "budget_bytes": self.budget_bytes,
@@ -131,6 +137,9 @@ class PlanResult:
             "solve_seconds": round(self.solve_seconds, 3),
             "from_cache": self.from_cache,
         }
+        if self.planned_with is not None:
+            row["planned_with"] = self.planned_with
+        return row
 
 
 def describe_report(report, total_cost: float) -> str:
