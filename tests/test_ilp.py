@@ -346,7 +346,9 @@ def test_warm_start_is_accepted_and_never_beaten_by_time_limit():
     schedule = solve_optimal(graph, budget, threads=1, time_limit=0.01)
     assert schedule.cost(graph) <= baseline.cost(graph)
     assert peak(graph, schedule) <= budget
-    assert schedule.facts.warm_start == baseline.strategy
+    # Any of the cheapest (eviction and griewank_logn tie once a gradient's stale forward
+    # value is recomputed in the schedule, tfremat.plan.schedule.with_fresh_gradient_reads).
+    assert schedule.facts.warm_start in {s.strategy for s in fitting if s.cost(graph) == baseline.cost(graph)}
 
 
 def _try(name, graph, budget):

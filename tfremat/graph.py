@@ -385,6 +385,26 @@ class DFGraph:
         or the last of a split backward (:attr:`backward_nodes_of`)."""
         return MappingProxyType({f: bs[-1] for f, bs in self.backward_nodes_of.items()})
 
+    @functools.cached_property
+    def inputs_read_with_forward(self) -> Mapping[int, tuple[int, ...]]:
+        """Backward node -> the inputs of its forward node that it reads, for each backward
+        node that also reads the forward node's value (output or residuals) and at least
+        one of its inputs: a dense layer with an activation, a layer norm.
+
+        The compiled step takes such a gradient on the tape that recorded the forward
+        node's value, which read its inputs then; if an input was computed again (or
+        brought back from the host) since, that tape reads a copy the plan has freed, and
+        the gradient needs the forward node run again on the new copy
+        (:func:`tfremat.plan.schedule.with_fresh_gradient_reads`)."""
+        reads: dict[int, tuple[int, ...]] = {}
+        for b, f in self.forward_of.items():
+            if f not in self.predecessors[b]:
+                continue
+            inputs = tuple(x for x in self.predecessors[f] if not self.is_backward[x] and x in self.predecessors[b])
+            if inputs:
+                reads[b] = inputs
+        return MappingProxyType(reads)
+
     def part_read_by(self, node: int, reader: int) -> str | None:
         """Which part of ``node``'s value ``reader`` reads: ``"residual"`` (the node's own
         backward node, when the node has residual bytes), ``"output"`` (any other reader of

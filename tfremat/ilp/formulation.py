@@ -63,6 +63,12 @@ never adds cost or memory; together they make the memory accounting exact):
   them makes the others, which may have no reader in the stage. For any other node the
   equality leaves it no role, since a computed value must be read or kept.
 
+A backward node that reads its forward node's value and one of its inputs
+(``DFGraph.inputs_read_with_forward``) never runs after that input ran again while the
+forward value was kept (:func:`_fresh_gradient_rows`): the compiled step would repeat the
+forward work to rebuild that gradient, outside the model's cost and memory. Recomputing the
+forward node in the backward node's stage, which the model counts, is the schedule's way.
+
 A node with residual bytes (``DFGraph.residual_bytes``) holds two values: its output,
 read by its successors other than its backward node, and its residuals, read by its
 backward node. Each has its own keep column (``S`` for the output, ``S_res`` for the
@@ -510,6 +516,8 @@ class CheckmateModel(SparseMILP):
         resident_keys: ``(column, t, i, place, modes)`` of the stage-end rows' ``resident``
             columns (value counted while node t runs, read through ``modes``).
         layout: the values, their readers and the modes' numbers.
+        fresh_keys: ``(column, t, f, x)`` of every ``fresh`` column (input x of forward
+            node f ran after f's last run, up to stage t; :func:`_fresh_gradient_rows`).
     """
 
     budget_bytes: float
@@ -528,6 +536,7 @@ class CheckmateModel(SparseMILP):
     delta_index: Mapping[int, np.ndarray]
     resident_keys: tuple
     layout: _Layout
+    fresh_keys: tuple = ()
 
     @property
     def chooses_implementations(self) -> bool:
@@ -646,6 +655,11 @@ class CheckmateModel(SparseMILP):
             if made(value) and reads(t, k, modes) and not kept and not later_reader:
                 x[column] = 1.0
                 frees[(t, k)] = frees.get((t, k), 0.0) + value.size / self.scale
+        if self.fresh_keys:
+            stages = np.arange(n)[:, None]
+            last_run = np.maximum.accumulate(np.where(R, stages, -1), axis=0)
+            for column, t, f, i in self.fresh_keys:
+                x[column] = float(last_run[t, i] > last_run[t, f])
         for column, t, i, place, modes in self.resident_keys:
             value = layout.values[i][place]
             kept = t + 1 < n and keeps[id(value)][t + 1]
@@ -950,6 +964,57 @@ def _view_rows(b: SparseBuilder, layout: _Layout) -> None:
             b.row([(kept[t], 1.0)] + ([(holder[t], -1.0)] if holder[t] >= 0 else []), -math.inf, 0.0)
 
 
+def _fresh_gradient_rows(b: SparseBuilder, cols: _Columns) -> list[tuple[int, int, int, int]]:
+    """No backward node runs on a forward value older than an input it reads
+    (:attr:`DFGraph.inputs_read_with_forward`; under modes, the modes whose backward reads
+    both the forward node's value and the input): the compiled step would run the forward
+    node again to rebuild that gradient, work and memory outside the model
+    (:func:`tfremat.plan.schedule.with_fresh_gradient_reads`). A schedule recomputes the forward node in the
+    backward node's stage instead, which the model counts.
+
+    Per forward node f and such input x, a continuous ``fresh[t]`` in [0, 1] is at least 1
+    when x ran after f's last run up to stage t (within a stage x runs first):
+    ``fresh[t] >= R[t, x] - R[t, f]`` and ``fresh[t] >= fresh[t-1] - R[t, f]``; and
+    ``R[t, b] + fresh[t] <= 1`` (``R_a[t, b]`` summed over those modes). Exact for integer
+    R: the least ``fresh`` is the indicator itself.
+
+    Returns:
+        ``(column, t, f, x)`` of every ``fresh`` column, by (f, x) and then stage.
+    """
+    layout, r_index = cols.layout, cols.r_index
+    graph = layout.graph
+    readers: dict[tuple[int, int], list[tuple[int, tuple[int, ...] | None]]] = {}
+    for backward, f in sorted(graph.forward_of.items()):
+        modes = layout.modes.get(f) if layout.family.get(backward) == f else None
+        if modes is None:
+            for x in graph.inputs_read_with_forward.get(backward, ()):
+                readers.setdefault((f, x), []).append((backward, None))
+            continue
+        for x in sorted(set().union(*(m.inputs_read for m in modes))):
+            reading = tuple(a for a, m in enumerate(modes)
+                            if x in m.inputs_read and (m.reads_output or m.residual_bytes))
+            if reading:
+                readers.setdefault((f, x), []).append((backward, None if len(reading) == len(modes) else reading))
+    keys = []
+    for (f, x), backwards in sorted(readers.items()):
+        last = max(int(np.flatnonzero(r_index[:, k] >= 0).max(initial=-1)) for k, _ in backwards)
+        previous = -1
+        for t in range(f + 1, last + 1):
+            rx, rf = r_index[t, x], r_index[t, f]
+            if rx < 0 and previous < 0:
+                continue
+            column = b.column(0.0, 0.0, 1.0, False)
+            keys.append((column, t, f, x))
+            for source in (rx, previous):
+                if source >= 0:
+                    b.row([(column, 1.0), (source, -1.0)] + ([(rf, 1.0)] if rf >= 0 else []), 0.0, math.inf)
+            previous = column
+            for k, modes in backwards:
+                if r_index[t, k] >= 0:
+                    b.row([*((c, 1.0) for c in cols.reading(t, k, modes)), (column, 1.0)], -math.inf, 1.0)
+    return keys
+
+
 def _free_rows(b: SparseBuilder, cols: _Columns, t: int, free_keys: list, frees_after: dict) -> None:
     """Stage t's ``FREE[t, i, k]`` columns (free value i right after node k runs) and the
     rows that make them Checkmate's deallocation indicator (sec. 4.4, eqs. (4)-(6c)).
@@ -1179,6 +1244,7 @@ def build_milp(
     _implementation_rows(b, cols)
     _split_weight_gradient_rows(b, cols)
     _view_rows(b, layout)
+    fresh_keys = _fresh_gradient_rows(b, cols)
 
     exact_stage = np.ones(n, dtype=bool) if exact_stages is None else np.isin(np.arange(n), list(exact_stages))
     free_start = len(b.cost)
@@ -1230,4 +1296,5 @@ def build_milp(
         delta_index=cols.delta_index,
         resident_keys=tuple(resident_keys),
         layout=layout,
+        fresh_keys=tuple(fresh_keys),
     )

@@ -47,7 +47,7 @@ import numpy as np
 
 from tfremat.errors import ScheduleError
 from tfremat.graph import DFGraph
-from tfremat.plan.schedule import Schedule, graph_under, prefetch_stages
+from tfremat.plan.schedule import Schedule, graph_under, prefetch_stages, with_fresh_gradient_reads
 
 __all__ = ["Op", "Statement", "ExecutionPlan", "build_plan", "parts_needed_later"]
 
@@ -110,11 +110,15 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
     with its host copies placed by :func:`_place_transfers` when it offloads.
 
     The schedule is assumed valid (see :func:`tfremat.plan.schedule.validate_schedule`); it
-    runs on ``graph`` under its implementations.
+    runs on ``graph`` under its implementations. A gradient that would read an input
+    computed again after its forward value is preceded by a recomputation of the forward
+    node (:func:`~tfremat.plan.schedule.with_fresh_gradient_reads`), so the plan
+    holds all the work and memory the compiled step does.
 
     Raises:
         ScheduleError: the schedule offloads without a ``host_bandwidth``.
     """
+    schedule = with_fresh_gradient_reads(graph, schedule)
     graph = graph_under(graph, schedule)
     n = graph.size
     R, S = schedule.R, schedule.S

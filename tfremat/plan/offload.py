@@ -59,7 +59,7 @@ from tfremat.plan.baselines import (
 )
 from tfremat.plan.pofo import MAX_POFO_CELLS, solve_pofo, solve_pofo_limits
 from tfremat.plan.registry import Strategy, as_strategy
-from tfremat.plan.schedule import Schedule, offloadable, schedule_from_keep_matrix
+from tfremat.plan.schedule import Schedule, offloadable, schedule_from_keep_matrix, with_fresh_gradient_reads
 from tfremat.plan.simulator import checkpoint_all_peak
 
 __all__ = ["check_bandwidth", "offload_gap", "capper", "autocapper", "opportunist", "pofo", "pofo_ap",
@@ -165,7 +165,9 @@ def _offloaded(graph: DFGraph, schedule: Schedule, gap: tuple[np.ndarray, np.nda
     tests/test_offload.py checks it against the full completion move by move."""
     S, H = gap
     if settled:
-        return Schedule(schedule.R, S, strategy, None, H, bandwidth)
+        # A prefetch is a new copy of the value: a gradient that reads it with its forward
+        # value kept needs that forward node recomputed, as the full completion does.
+        return with_fresh_gradient_reads(graph, Schedule(schedule.R, S, strategy, None, H, bandwidth))
     return schedule_from_keep_matrix(graph, S, strategy, H, bandwidth)
 
 

@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from tfremat.budget import budget_kind, format_bytes, is_share, parse_budget
 from tfremat.errors import ArgumentError, GraphError, InfeasibleBudgetError
 from tfremat.graph import DFGraph
-from tfremat.plan.simulator import checkpoint_all_peak
+from tfremat.plan.schedule import with_fresh_gradient_reads
+from tfremat.plan.simulator import checkpoint_all_peak, simulate
 
 __all__ = ["Strategy", "as_strategy", "option_names", "check_options", "parse_graph_budget", "in_user_terms"]
 
@@ -59,6 +60,11 @@ class Strategy:
         plans the graph under that choice, and the schedule records it. A share budget stays
         a share of the graph's own checkpoint-all peak, so choices compare at equal bytes.
 
+        The schedule returned is the one the compiled step runs: with the recomputations
+        :func:`~tfremat.plan.schedule.with_fresh_gradient_reads` adds for gradients
+        that read an input computed again after their forward value, and checked against
+        the budget with them.
+
         Raises:
             BudgetFormatError: a budget :func:`~tfremat.budget.parse_budget` refuses (zero or
                 negative bytes among them), before any work.
@@ -77,7 +83,20 @@ class Strategy:
             schedule = self.function(planned, budget_bytes, *options, **keyword_options)
         except InfeasibleBudgetError as error:
             raise in_user_terms(error, graph, budget) from None
-        return schedule.with_implementations(implementations) if implementations else schedule
+        schedule = schedule.with_implementations(implementations) if implementations else schedule
+        # The schedule the step runs: a gradient rebuilt on a recomputed input made an
+        # explicit recomputation (build_plan does the same, so a strategy that simulates
+        # its candidates has counted it already; one that models memory itself has not).
+        fresh = with_fresh_gradient_reads(graph, schedule)
+        if fresh is not schedule and budget_bytes is not None:
+            peak = simulate(graph, fresh).peak_bytes
+            if peak > budget_bytes:
+                raise in_user_terms(InfeasibleBudgetError(
+                    budget_bytes, min_feasible_bytes=peak, strategy=self.name,
+                    detail="its schedule fits only without the forward nodes it must recompute for gradients that "
+                           "read an input recomputed after their forward value (tfremat.plan.schedule.with_fresh_gradient_reads)",
+                ), graph, budget) from None
+        return fresh
 
     @property
     def options(self) -> list[str] | None:

@@ -14,6 +14,22 @@ of a run of ``H``), and a value kept into stage t may come from the host copy of
 (a prefetch) instead of the device. When and how fast the copies travel is the plan's
 business (:mod:`tfremat.plan.execution`), over a host link of ``host_bandwidth`` bytes per
 unit of the graph's cost.
+
+Gradients that read an input computed again after their forward value. A backward node b
+that reads its forward node f's value (output or residuals) and one of f's inputs x
+(:attr:`tfremat.graph.DFGraph.inputs_read_with_forward`: a dense layer with an activation,
+a layer norm) takes its gradient on the tape that recorded f's value. When x was computed
+again (or prefetched from the host) after f last ran while f's value was kept, that tape
+reads the old copy of x, which the plan has freed, so the compiled step ran f again on the
+new x to rebuild the gradient: forward work and a transient copy of f's value that neither
+the schedule's cost nor its peak counted (issue #33: a ViT's first feed-forward dense, whose
+layer norm input was recomputed while the dense output was kept).
+:func:`with_fresh_gradient_reads` makes that work part of the schedule: f is recomputed in
+b's stage and its older copy is no longer kept into it. :func:`schedule_from_keep_matrix`
+and :func:`tfremat.plan.execution.build_plan` apply it, so every plan, simulated peak and
+budget check includes it, and strategies return the explicit schedule
+(:class:`tfremat.plan.registry.Strategy`); the MILP excludes the pattern from its model
+(:mod:`tfremat.ilp.formulation`).
 """
 
 from __future__ import annotations
@@ -45,6 +61,8 @@ __all__ = [
     "prune_h",
     "validate_schedule",
     "check_facts_document",
+    "stale_gradient_reads",
+    "with_fresh_gradient_reads",
 ]
 
 
@@ -577,6 +595,8 @@ def schedule_from_keep_matrix(graph: DFGraph, S: np.ndarray, strategy: str, H: n
 
     Recomputation happens in the stage before a value must be kept, so pruning an unread
     keep can make that recomputation unnecessary; the loop runs to a fixed point.
+    A gradient that would read an input computed again after its forward value gets its
+    forward node recomputed in its stage (:func:`with_fresh_gradient_reads`).
     """
     S = np.asarray(S, dtype=bool)
     H = None if H is None else np.asarray(H, dtype=bool)
@@ -587,7 +607,8 @@ def schedule_from_keep_matrix(graph: DFGraph, S: np.ndarray, strategy: str, H: n
         same_h = (pruned_h is None and H is None) or (
             pruned_h is not None and H is not None and np.array_equal(pruned_h, H))
         if np.array_equal(pruned, S) and same_h:
-            return Schedule(R, S, strategy, None, H, host_bandwidth if H is not None else None)
+            return with_fresh_gradient_reads(
+                graph, Schedule(R, S, strategy, None, H, host_bandwidth if H is not None else None))
         S, H = pruned, pruned_h
 
 
@@ -600,3 +621,90 @@ def checkpoint_all_s(graph: DFGraph) -> np.ndarray:
         if graph.successors[i]:
             S[i + 1 : max(graph.successors[i]) + 1, i] = True
     return S
+
+
+def stale_gradient_reads(graph: DFGraph, R: np.ndarray, S: np.ndarray,
+                         H: np.ndarray | None = None) -> list[tuple[int, int, int]]:
+    """The computations of a backward node whose forward value is older than an input
+    the gradient reads (module docstring, "Gradients that read an input"), as ``(stage, backward node, forward node)``.
+
+    Stage t computes b without computing f, f last ran in stage t' < t, and some input x of
+    f that b reads was computed, or prefetched, in a stage after t' up to t (within a
+    stage, x runs before f, and a prefetched copy lands before the stage begins).
+
+    Args:
+        graph: the graph the matrices are for (under the schedule's implementations).
+        R, S, H: the schedule's matrices (H None: no host copies).
+    """
+    reads = graph.inputs_read_with_forward
+    if not reads:
+        return []
+    R = np.asarray(R, dtype=bool)
+    n = R.shape[0]
+    columns = sorted({x for inputs in reads.values() for x in inputs})
+    events = R[:, columns].astype(np.int32)
+    if H is not None:
+        arrivals = prefetch_stages(R, np.asarray(S, dtype=bool), np.asarray(H, dtype=bool))[:, columns]
+        events[1:] += arrivals[:-1]
+    # renewed[t, j]: computations and arrivals of input columns[j] in stages 0..t.
+    renewed = np.cumsum(events, axis=0)
+    column = {x: j for j, x in enumerate(columns)}
+    stages = np.arange(n)
+    stale = []
+    for b, inputs in reads.items():
+        runs = np.flatnonzero(R[:, b])
+        f = graph.forward_of[b]
+        last_run = np.maximum.accumulate(np.where(R[:, f], stages, -1))[runs]
+        later = (last_run >= 0) & (last_run < runs)
+        if not later.any():
+            continue
+        runs, last_run = runs[later], last_run[later]
+        js = [column[x] for x in inputs]
+        renewed_since = (renewed[runs][:, js] - renewed[last_run][:, js]).any(axis=1)
+        stale.extend((int(t), b, f) for t in runs[renewed_since])
+    return sorted(stale)
+
+
+def with_fresh_gradient_reads(graph: DFGraph, schedule: Schedule) -> Schedule:
+    """``schedule`` with every :func:`stale_gradient_reads` computation preceded by a
+    recomputation of its forward node in the same stage (module docstring, "Gradients that read an input"); the schedule
+    itself when it has none.
+
+    The forward node's inputs that the stage neither keeps nor computes are computed
+    there too (as :func:`~tfremat.plan.schedule.solve_r_given_s` completes a stage), the
+    older copy is no longer kept into the stage, and keeps and host copies nothing reads
+    any more are dropped (:func:`~tfremat.plan.schedule.prune_s`,
+    :func:`~tfremat.plan.schedule.prune_h`). Recomputed inputs may make other gradients
+    stale, so it repeats until none is. Solver facts get the new cost as their objective.
+    """
+    under = graph_under(graph, schedule)
+    if not under.inputs_read_with_forward:
+        return schedule
+    R, S = schedule.R.copy(), schedule.S.copy()
+    H = None if schedule.H is None else schedule.H.copy()
+    stale = stale_gradient_reads(under, R, S, H)
+    if not stale:
+        return schedule
+    preds = under.predecessors
+    while stale:
+        for t, _, f in stale:
+            if R[t, f]:
+                continue
+            R[t, f], S[t, f] = True, False
+            pending = [f]
+            while pending:
+                for p in preds[pending.pop()]:
+                    if not (R[t, p] or S[t, p]):
+                        R[t, p] = True
+                        pending.append(p)
+        S = prune_s(under, R, S)
+        H = prune_h(R, S, H)
+        stale = stale_gradient_reads(under, R, S, H)
+    facts = schedule.facts
+    fresh = Schedule(R, S, schedule.strategy, None, H, schedule.host_bandwidth if H is not None else None,
+                     schedule.implementations)
+    if facts is not None and facts.objective is not None:
+        cost = fresh.cost(graph)
+        bound = None if facts.best_bound is None else min(facts.best_bound, cost)
+        facts = dataclasses.replace(facts, objective=cost, best_bound=bound)
+    return fresh.with_facts(facts)
