@@ -10,11 +10,16 @@ the share of the checkpoint-all peak that ``"min"`` resolves to on each. The lar
 also compared by their shares of each profile's step, which a load that slows a whole
 profile does not move.
 
+Each model is profiled with each timing method, in turns (so both meet the same load):
+``repeated`` (the library's: after the first pass a small call is timed repeated within one
+function call, ``tfremat.extract.analysis._repeated``, and the largest calls in more passes)
+and ``least`` (each call timed on its own in every pass, no extra passes: the method before).
+
 Run: ``python benchmarks/profile_agreement.py`` (writes
 ``benchmarks/results/profile_agreement.md``; ``--only`` takes model names, comma separated,
-and then needs ``--out``; ``--passes 1 --window 0.1`` times as before the timing passes, and
-then also needs ``--out``). Ops run one at a time (``TF_NUM_INTEROP_THREADS=1``), as the
-profiles are taken for the planner.
+``--methods`` methods, and then need ``--out``; ``--passes 1 --window 0.1`` times as before
+the timing passes, and then also needs ``--out``). Ops run one at a time
+(``TF_NUM_INTEROP_THREADS=1``), as the profiles are taken for the planner.
 """
 
 import os
@@ -78,11 +83,23 @@ def plan_facts(graph, time_limit):
     return facts
 
 
-def agreement(name, time_limit):
+def profiled(model, batch, method):
+    """One extraction with ``cost_model="profile"``, timed by ``method``."""
+    repeated, extra = analysis._MAX_REPEATED, analysis._LARGE_EXTRA_PASSES
+    if method == "least":
+        analysis._MAX_REPEATED, analysis._LARGE_EXTRA_PASSES = 1, 0
+    try:
+        return extract(model, batch, cost_model="profile", use_cache=False)
+    finally:
+        analysis._MAX_REPEATED, analysis._LARGE_EXTRA_PASSES = repeated, extra
+
+
+def agreement(name, method, time_limit):
     model, batch = build(name)
     graphs, seconds = [], []
+    load = os.getloadavg()[0]
     for _ in range(2):
-        extraction = extract(model, batch, cost_model="profile", use_cache=False)
+        extraction = profiled(model, batch, method)
         graphs.append(extraction.graph)
         seconds.append(extraction.profile_seconds)
     a, b = (np.asarray(g.cost, dtype=float) for g in graphs)
@@ -100,12 +117,12 @@ def agreement(name, time_limit):
         and all(np.array_equal(p, q) for p, q in zip(plans[0]["schedule"], plans[1]["schedule"])))
     mins = [p["min"] if isinstance(p["min"], str) else f"{100 * p['min']:.1f}%" for p in plans]
     row = {
-        "model": name, "nodes": len(a), "median": np.median(rel), "p90": np.quantile(rel, 0.9), "worst": rel.max(),
+        "model": name, "method": method, "nodes": len(a), "median": np.median(rel), "p90": np.quantile(rel, 0.9), "worst": rel.max(),
         "worst_node": graphs[0].names[int(rel.argmax())], "large": int(large.sum()),
         "large_median": np.median(rel[large]), "large_worst": rel[large].max(),
         "share_median": np.median(rel_share[large]), "share_worst": rel_share[large].max(),
         "step_share": (np.abs(a - b) / a.sum()).max(), "totals": b.sum() / a.sum(), "seconds": seconds,
-        "same_schedule": same, "min": mins, "load": os.getloadavg()[0],
+        "same_schedule": same, "min": mins, "load": (load, os.getloadavg()[0]),
     }
     logger.info("%s: %s", name, row)
     return row
@@ -125,22 +142,26 @@ def render(rows, argv):
         "shares of their profile's step (the solvers' choices do not change when every cost is scaled by "
         "one factor); `min`: the share of the checkpoint-all peak "
         "`\"min\"` resolves to, first and second profile; `load`: the 1-minute load average "
-        "when the row finished (2 cores, shared with other jobs). Timing: every call timed in "
+        "when the row started and finished (2 cores, shared with other jobs). Timing: every call timed in "
         f"{analysis._TIMING_PASSES} passes of at least {analysis._MIN_TIMING_SECONDS:g} s over all the calls, "
-        "the least of each timed function over them kept (`tfremat.extract.analysis.timing_passes`).",
+        "on TensorFlow's single-threaded executor, each timed function keeping its least seconds over them "
+        "(`tfremat.extract.analysis.timing_passes`); `repeated`: after the first pass a call under "
+        f"{1e3 * analysis._REPEATED_SECONDS:g} ms is timed run up to {analysis._MAX_REPEATED} times within one "
+        f"function call, and the calls making {100 * analysis._LARGE_SHARE:.0f}% of the step are timed in "
+        f"{analysis._LARGE_EXTRA_PASSES} more passes; `least`: every call timed on its own (the method before).",
         "",
-        "| model | nodes | rel median | rel p90 | rel worst (node) | large | large median | large worst "
+        "| model | method | nodes | rel median | rel p90 | rel worst (node) | large | large median | large worst "
         "| large shares median / worst | step | totals | profile s | schedule | min | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['nodes']} | {100 * r['median']:.1f}% | {100 * r['p90']:.1f}% | "
+            f"| {r['model']} | {r['method']} | {r['nodes']} | {100 * r['median']:.1f}% | {100 * r['p90']:.1f}% | "
             f"{100 * r['worst']:.0f}% ({r['worst_node']}) | {r['large']} | {100 * r['large_median']:.1f}% | "
             f"{100 * r['large_worst']:.1f}% | {100 * r['share_median']:.1f}% / {100 * r['share_worst']:.1f}% | "
             f"{100 * r['step_share']:.1f}% | {r['totals']:.3f} | "
             f"{r['seconds'][0]:.1f} / {r['seconds'][1]:.1f} | {'same' if r['same_schedule'] else 'differs'} | "
-            f"{r['min'][0]} / {r['min'][1]} | {r['load']:.1f} |"
+            f"{r['min'][0]} / {r['min'][1]} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
         )
     return "\n".join(lines)
 
@@ -148,6 +169,7 @@ def render(rows, argv):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help="model names, comma separated")
+    parser.add_argument("--methods", default=None, help="timing methods, comma separated (default repeated,least)")
     parser.add_argument("--time_limit", type=float, default=20.0, help="seconds per optimal solve")
     parser.add_argument("--passes", type=int, default=None,
                         help=f"timing passes per extraction (default {analysis._TIMING_PASSES}; 1: one window per call)")
@@ -156,8 +178,12 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help=f"markdown file to write (default {DEFAULT_OUT}; "
                         "required with --only)")
     args = parser.parse_args(argv)
-    if any(v is not None for v in (args.only, args.passes, args.window)) and args.out is None:
-        parser.error(f"--only, --passes and --window need --out (the default {DEFAULT_OUT} holds the defaults)")
+    if any(v is not None for v in (args.only, args.methods, args.passes, args.window)) and args.out is None:
+        parser.error(f"--only, --methods, --passes and --window need --out (the default {DEFAULT_OUT} holds the "
+                     "defaults)")
+    methods = args.methods.split(",") if args.methods else ["repeated", "least"]
+    if not set(methods) <= {"repeated", "least"}:
+        parser.error(f"--methods takes repeated and least, got {args.methods!r}")
     if args.passes is not None:
         analysis._TIMING_PASSES = args.passes
     if args.window is not None:
@@ -165,7 +191,7 @@ def main(argv=None):
     names = args.only.split(",") if args.only else [*TEST_MODELS, *CONFORMANCE_MODELS]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("tfremat").setLevel(logging.ERROR)
-    text = render([agreement(name, args.time_limit) for name in names], argv)
+    text = render([agreement(name, method, args.time_limit) for name in names for method in methods], argv)
     out = args.out or DEFAULT_OUT
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

@@ -29,6 +29,11 @@ residuals, and such a call is recorded on a non-persistent tape and takes its gr
 one ``gradient`` call, as the step does
 (:func:`tfremat.runtime.tape.takes_one_gradient_call`).
 
+Every call is traced and run on TensorFlow's single-threaded executor
+(:func:`tfremat.runtime.executor.sequential`), as the compiled step runs: under the default
+inter-op threads a layer's independent operations (a convolution's input and filter
+gradients) would overlap in the profile, in time and in memory, where they do not in the step.
+
 With ``profile=True`` the same functions are run on the target device. The cost is the
 least wall time of many runs after warm-up (:func:`_least_seconds`): a busy machine only
 ever adds time to a run, so the least run is the one that repeats from profile to profile,
@@ -36,8 +41,12 @@ where the median moves with the load. Wall time, not the process's CPU time, whi
 steadier under load but weighs a call by the threads it runs on: the step's time, what the
 plan predicts, is wall time. A busy machine also slows every run for a second or two at a
 time, longer than one call's timing, so within an extraction every call is timed in
-:data:`_TIMING_PASSES` passes over all the calls, each timed function keeping its least
-seconds over them (:func:`timing_passes`). The forward and the forward-plus-backward are timed in turns,
+:data:`_TIMING_PASSES` passes over all the calls (:func:`timing_passes`), and the calls that
+make most of the step in :data:`_LARGE_EXTRA_PASSES` more, each timed function keeping its
+least seconds over them. After the first pass a small call is timed repeated within one
+function call (:func:`_repeated`): calling a function from Python costs hundreds of
+microseconds on CPU, the kernels of a small call tens, and the jitter of the first made
+most of the difference between two profiles (``benchmarks/profile_agreement.py``). The forward and the forward-plus-backward are timed in turns,
 so the backward (their difference) is taken under one load, and every cost is rounded to a
 relative grid (:func:`_on_grid`) so that two profiles whose costs differ by noise give the
 solvers the same numbers. The peak of the bytes the run's operations request
@@ -94,6 +103,7 @@ import tensorflow as tf
 from tfremat.errors import ExtractionError
 from tfremat.extract.views import view_position
 from tfremat.extract.xla_layouts import backward_layout_copies
+from tfremat.runtime.executor import sequential
 from tfremat.runtime.gradient_order import input_then_weight_gradients, needed_ops
 from tfremat.runtime.internals import node_flops, resource_handle_data
 from tfremat.runtime.memory import (
@@ -123,6 +133,14 @@ _LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is 
 _MIN_TIMING_SECONDS = 0.05
 _MAX_TIMED_RUNS = 400
 _TIMING_PASSES = 3
+# A call whose functions take less than this (less the dispatch) is timed repeated within
+# one function call (_repeated), at most this many times.
+_REPEATED_SECONDS = 0.002
+_MAX_REPEATED = 32
+# The largest calls (_largest: the fewest making this share of all the calls' seconds)
+# are timed in this many more passes.
+_LARGE_SHARE = 0.7
+_LARGE_EXTRA_PASSES = 2
 _COST_GRID = 1.04  # costs are powers of this (seconds), so noise below ~2% cannot change them
 _SEED_SPEC = tf.TensorSpec([], tf.float32)  # the scalar the upstream gradients are filled with
 _NO_COMPUTE_OPS = frozenset(
@@ -136,6 +154,20 @@ _XLA_COSTS = contextvars.ContextVar("tfremat_xla_costs", default=False)
 _XLA_LAYOUTS = contextvars.ContextVar("tfremat_xla_layouts", default=False)
 # The passes that time every profiled call again (timing_passes), or None.
 _TIMING = contextvars.ContextVar("tfremat_timing_passes", default=None)
+
+
+def _sequentially(function: Callable) -> Callable:
+    """``function`` traced and run inside :func:`~tfremat.runtime.executor.sequential`, as
+    the step is: one operation at a time, and a while loop kept a ``While`` operation
+    (traced outside it, TensorFlow lowers the loop to control-flow primitives that the
+    single-threaded executor refuses)."""
+
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        with sequential():
+            return function(*args, **kwargs)
+
+    return wrapped
 
 
 @contextlib.contextmanager
@@ -166,28 +198,78 @@ def xla_layouts(enabled: bool = True):
 
 class _Timing:
     """One profiled call's timed functions, the least seconds of each in every pass so far
-    (:func:`_least_seconds`), and ``finish``, which makes the analysis of the chosen pass."""
+    (:func:`_least_seconds`), and ``finish``, which makes the analysis of the chosen seconds.
+
+    After the first pass, a call whose functions take less than :data:`_REPEATED_SECONDS`
+    is timed as :func:`_repeated`: each function run ``_count`` times (enough for that
+    time, at most :data:`_MAX_REPEATED`) within one function call, on as many sets of
+    inputs, its seconds divided by that count."""
 
     def __init__(self, make_calls: Callable[[], list], repeats: int, warmup: int, layer_name: str, xla: bool,
                  finish: Callable[[list[float]], "CallAnalysis"]):
         self.make_calls, self.repeats, self.warmup = make_calls, repeats, warmup
         self.layer_name, self.xla, self.finish = layer_name, xla, finish
-        self.passes: list[list[float]] = []
+        self.passes: list[tuple[int, list[float]]] = []  # (runs per timed call, each function's seconds per run)
+        self._repeated: list | None = None  # the repeated functions, [] when the call is timed on its own
+        self._count = 1
 
     def run_pass(self) -> None:
         """Times the calls once more, on fresh sample inputs (no pass keeps the inputs of
         every call alive while the others run), after one warm-up round once the first
         pass has warmed them up as asked."""
-        calls = self.make_calls()
         warmup = 1 if self.passes else self.warmup
-        self.passes.append(_compiled_least_seconds(calls, self.repeats, warmup, self.layer_name) if self.xla
-                           else _least_seconds(calls, self.repeats, warmup))
+        if self.xla:
+            least = _compiled_least_seconds(self.make_calls(), self.repeats, warmup, self.layer_name)
+            self.passes.append((1, least))
+            return
+        if self.passes and self._repeated is None:
+            self._repeated = self._repeat()
+        if not self._repeated:
+            self.passes.append((1, _least_seconds(self.make_calls(), self.repeats, warmup)))
+            return
+        sets = [self.make_calls() for _ in range(self._count)]
+        calls = [(fn, tuple(call[1] for call in (one[position] for one in sets)))
+                 for position, fn in enumerate(self._repeated)]
+        least = _least_seconds(calls, self.repeats, max(1, warmup))
+        self.passes.append((self._count, [seconds / self._count for seconds in least]))
+
+    def _repeat(self) -> list:
+        """The functions of :func:`_repeated` (and their count, ``_count``) for a call whose
+        largest function less its dispatch (the first) took under :data:`_REPEATED_SECONDS`
+        in the first pass; [] for a longer call."""
+        dispatch, *timed = self.passes[0][1]
+        work = max(max(timed) - dispatch, 1e-6)
+        self._count = min(_MAX_REPEATED, math.ceil(_REPEATED_SECONDS / work))
+        if self._count < 2:
+            return []
+        calls = self.make_calls()
+        return [_repeated(fn, args, self._count) for fn, args in calls]
+
+    def seconds(self) -> float:
+        """The call's largest chosen seconds (its forward plus backward): what ranks it."""
+        return max(self.chosen())
 
     def chosen(self) -> list[float]:
-        """Each function's least seconds over the passes: a stall that slows every run of
-        one window (the process waiting for a core for 50 ms on a loaded machine) costs
-        that window only, for each of the timed functions apart."""
-        return [min(seconds) for seconds in zip(*self.passes)]
+        """Each function's least seconds over the passes timed as the last was (repeated
+        or not): a stall that slows every run of one window (the process waiting for a
+        core for 50 ms on a loaded machine) costs that window only, for each of the
+        timed functions apart."""
+        count = self.passes[-1][0]
+        return [min(seconds) for seconds in zip(*(least for runs, least in self.passes if runs == count))]
+
+
+def _repeated(fn, args: tuple, count: int):
+    """A concrete function that runs ``fn`` once on each of ``count`` sets of arguments
+    shaped as ``args`` and returns every result: a small call's seconds, divided by
+    ``count``, without the cost of calling a function from Python on every run (hundreds
+    of microseconds, while the call's own kernels take tens, so that the jitter of that
+    cost made most of the difference between two profiles). The results are all returned
+    and the arguments differ, or TensorFlow's graph optimizations would run one of them."""
+    def runs(*sets):
+        return [fn(*one) for one in sets]
+
+    with sequential():
+        return tf.function(runs, autograph=False).get_concrete_function(*([args] * count))
 
 
 class TimingPasses:
@@ -214,13 +296,19 @@ class TimingPasses:
             self._timings[id(derived)] = (derived, entry[1], seconds_of)
 
     def final(self, analysis: "CallAnalysis") -> "CallAnalysis":
-        """``analysis`` with the least seconds over the passes; the remaining passes run on
-        the first call. An analysis not timed here (read from the cache) is returned as is."""
+        """``analysis`` with its chosen seconds over the passes (:meth:`_Timing.chosen`);
+        the remaining passes run on the first call: :attr:`passes` over all the calls,
+        then :data:`_LARGE_EXTRA_PASSES` more over the largest (:func:`_largest`). An
+        analysis not timed here (read from the cache) is returned as is."""
         if not self._done:
             self._done = True
             timings = list({id(timing): timing for _, timing, _ in self._timings.values()}.values())
             for _ in range(self.passes - 1):
                 for timing in timings:
+                    timing.run_pass()
+            large = _largest(timings) if timings else []
+            for _ in range(_LARGE_EXTRA_PASSES):
+                for timing in large:
                     timing.run_pass()
         entry = self._timings.get(id(analysis))
         if entry is None:
@@ -229,6 +317,20 @@ class TimingPasses:
             _, timing, adapt = entry
             self._final[id(analysis)] = adapt(timing.finish(timing.chosen()))
         return self._final[id(analysis)]
+
+
+def _largest(timings: Sequence[_Timing]) -> list[_Timing]:
+    """The fewest calls, largest first, whose seconds make :data:`_LARGE_SHARE` of all the
+    calls' seconds: those whose costs decide the plans."""
+    ranked = sorted(timings, key=lambda timing: -timing.seconds())
+    total = sum(timing.seconds() for timing in ranked)
+    large, summed = [], 0.0
+    for timing in ranked:
+        if summed >= _LARGE_SHARE * total:
+            break
+        large.append(timing)
+        summed += timing.seconds()
+    return large
 
 
 @contextlib.contextmanager
@@ -373,18 +475,19 @@ def _least_seconds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup
     many, so that some run meets a quiet moment, and taking the calls in turns puts the
     same load on each.
     """
-    for _ in range(warmup):
-        for fn, args in calls:
-            synchronize(fn(*args))
-    least = [math.inf] * len(calls)
-    began = time.perf_counter()
-    for round_ in range(1, _MAX_TIMED_RUNS + 1):
-        for position, (fn, args) in enumerate(calls):
-            start = time.perf_counter()
-            synchronize(fn(*args))
-            least[position] = min(least[position], time.perf_counter() - start)
-        if round_ >= repeats and time.perf_counter() - began >= _MIN_TIMING_SECONDS:
-            break
+    with sequential():
+        for _ in range(warmup):
+            for fn, args in calls:
+                synchronize(fn(*args))
+        least = [math.inf] * len(calls)
+        began = time.perf_counter()
+        for round_ in range(1, _MAX_TIMED_RUNS + 1):
+            for position, (fn, args) in enumerate(calls):
+                start = time.perf_counter()
+                synchronize(fn(*args))
+                least[position] = min(least[position], time.perf_counter() - start)
+            if round_ >= repeats and time.perf_counter() - began >= _MIN_TIMING_SECONDS:
+                break
     return least
 
 
@@ -611,6 +714,7 @@ class _CallTracer:
         return grads + outputs + upstream + [t for t in reads[2] if t.dtype != tf.variant]
 
 
+@_sequentially
 def analyze_call(
     call_layer: Callable[[list], object],
     layer_name: str,
@@ -1158,6 +1262,7 @@ def _backward_reads(forward_ops, backward_ops, inputs, outputs) -> tuple[set[int
     return reads_inputs, reads_output, list(tensors.values())
 
 
+@_sequentially
 def analyze_loss(
     loss_fn: Callable,
     pred_specs: Sequence[tf.TensorSpec],
