@@ -67,9 +67,11 @@ __all__ = [
 
 
 # Bumped when the document's layout or the meaning of a key changes.
-SCHEDULE_FORMAT = "tfremat.schedule/3"
-# Earlier layouts still read: /2 had no host matrix (no offloading).
-_READABLE_FORMATS = ("tfremat.schedule/2", SCHEDULE_FORMAT)
+SCHEDULE_FORMAT = "tfremat.schedule/4"
+# Earlier layouts still read: /2 had no host matrix (no offloading); /3 schedules may run
+# a gradient on a stale forward value, which their plans now recompute
+# (with_fresh_gradient_reads), so their cached entries (keyed by the format) are not reused.
+_READABLE_FORMATS = ("tfremat.schedule/2", "tfremat.schedule/3", SCHEDULE_FORMAT)
 
 
 class SolveStatus(str, enum.Enum):
@@ -594,12 +596,20 @@ def schedule_from_keep_matrix(graph: DFGraph, S: np.ndarray, strategy: str, H: n
     unused keeps (:func:`prune_s`) and host copies (:func:`prune_h`).
 
     Recomputation happens in the stage before a value must be kept, so pruning an unread
-    keep can make that recomputation unnecessary; the loop runs to a fixed point.
-    A gradient that would read an input computed again after its forward value gets its
-    forward node recomputed in its stage (:func:`with_fresh_gradient_reads`).
+    keep can make that recomputation unnecessary; the loop runs to a fixed point. A
+    gradient that would read an input computed again after its forward value gets its
+    forward node recomputed in its stage instead (:func:`with_fresh_gradient_reads`).
     """
-    S = np.asarray(S, dtype=bool)
     H = None if H is None else np.asarray(H, dtype=bool)
+    R, S, H = _completed(graph, np.asarray(S, dtype=bool), H)
+    return Schedule(R, S, strategy, None, H, host_bandwidth if H is not None else None)
+
+
+def _completed(graph: DFGraph, S: np.ndarray, H: np.ndarray | None):
+    """``(R, S, H)``: the fixed point of completing S and H (:func:`solve_r_given_s`),
+    pruning them, and dropping the keeps of forward values a gradient would read stale
+    (:func:`stale_gradient_reads`; the completion then recomputes them in that stage).
+    Every round only drops keeps or host copies, so it ends."""
     while True:
         R = solve_r_given_s(graph, S, H)
         pruned = prune_s(graph, R, S)
@@ -607,8 +617,13 @@ def schedule_from_keep_matrix(graph: DFGraph, S: np.ndarray, strategy: str, H: n
         same_h = (pruned_h is None and H is None) or (
             pruned_h is not None and H is not None and np.array_equal(pruned_h, H))
         if np.array_equal(pruned, S) and same_h:
-            return with_fresh_gradient_reads(
-                graph, Schedule(R, S, strategy, None, H, host_bandwidth if H is not None else None))
+            stale = stale_gradient_reads(graph, R, S, H)
+            if not stale:
+                return R, S, H
+            S = S.copy()
+            for t, _, f in stale:
+                S[t, f] = False
+            continue
         S, H = pruned, pruned_h
 
 
@@ -666,43 +681,24 @@ def stale_gradient_reads(graph: DFGraph, R: np.ndarray, S: np.ndarray,
 
 
 def with_fresh_gradient_reads(graph: DFGraph, schedule: Schedule) -> Schedule:
-    """``schedule`` with every :func:`stale_gradient_reads` computation preceded by a
-    recomputation of its forward node in the same stage (module docstring, "Gradients that read an input"); the schedule
-    itself when it has none.
+    """``schedule`` with the forward node of every :func:`stale_gradient_reads`
+    computation recomputed in that stage (module docstring, "Gradients that read an
+    input"); the schedule itself when it has none.
 
-    The forward node's inputs that the stage neither keeps nor computes are computed
-    there too (as :func:`~tfremat.plan.schedule.solve_r_given_s` completes a stage), the
-    older copy is no longer kept into the stage, and keeps and host copies nothing reads
-    any more are dropped (:func:`~tfremat.plan.schedule.prune_s`,
-    :func:`~tfremat.plan.schedule.prune_h`). Recomputed inputs may make other gradients
-    stale, so it repeats until none is. Solver facts get the new cost as their objective.
+    The forward value is no longer kept into that stage, and the schedule is completed
+    again from its keeps (:func:`schedule_from_keep_matrix`'s fixed point): the stage then
+    computes the forward node and whatever inputs of it the stage does not hold, and keeps
+    and computations that only served the older copy are dropped. Recomputed inputs may
+    make other gradients stale, so it repeats until none is. Solver facts get the new cost
+    as their objective.
     """
     under = graph_under(graph, schedule)
-    if not under.inputs_read_with_forward:
+    if not under.inputs_read_with_forward or not stale_gradient_reads(under, schedule.R, schedule.S, schedule.H):
         return schedule
-    R, S = schedule.R.copy(), schedule.S.copy()
-    H = None if schedule.H is None else schedule.H.copy()
-    stale = stale_gradient_reads(under, R, S, H)
-    if not stale:
-        return schedule
-    preds = under.predecessors
-    while stale:
-        for t, _, f in stale:
-            if R[t, f]:
-                continue
-            R[t, f], S[t, f] = True, False
-            pending = [f]
-            while pending:
-                for p in preds[pending.pop()]:
-                    if not (R[t, p] or S[t, p]):
-                        R[t, p] = True
-                        pending.append(p)
-        S = prune_s(under, R, S)
-        H = prune_h(R, S, H)
-        stale = stale_gradient_reads(under, R, S, H)
-    facts = schedule.facts
+    R, S, H = _completed(under, schedule.S, schedule.H)
     fresh = Schedule(R, S, schedule.strategy, None, H, schedule.host_bandwidth if H is not None else None,
                      schedule.implementations)
+    facts = schedule.facts
     if facts is not None and facts.objective is not None:
         cost = fresh.cost(graph)
         bound = None if facts.best_bound is None else min(facts.best_bound, cost)

@@ -20,7 +20,11 @@ statement (Checkmate's Algorithm 1 order):
   the forward node was not), the vector-Jacobian product is rebuilt on the resident input
   so the old copy is not kept alive; when the gradient reads nothing but inputs
   (convolutions, dense layers) the rebuilt forward op has no consumer and TensorFlow
-  prunes it, so it costs nothing.
+  prunes it, so it costs nothing. A gradient that also reads the forward node's value
+  would repeat its forward work that way, so plans never ask for one: the schedule
+  recomputes the forward node in the backward node's stage, where the simulator counts it
+  (:func:`tfremat.plan.schedule.with_fresh_gradient_reads`). ``costly_vjp_rebuilds``
+  counts what is left (a layer with a one-call tape differentiated twice).
 * **deallocate**: drop the value from the resident table; nothing created later can read
   it, so TensorFlow frees the tensor once its last (earlier) consumer has run.
 * **offload** (Beaumont et al. 2021's ``O``): ``tf.identity`` of the value's tensors under
