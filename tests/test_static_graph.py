@@ -563,25 +563,28 @@ def test_a_step_with_offloads_trains_exactly_like_plain_keras(cases, model_name,
     np.testing.assert_array_equal(step.ledger_bytes, simulate(graph, schedule).trace_bytes)
 
 
-def test_parallel_inter_op_threads_are_warned_about_once(monkeypatch, caplog):
-    """The step runs its statements one at a time, as the plan counts them; with several
-    inter-op threads its peak can exceed the prediction and plain Keras overlaps ops, so
-    compiling says so, once per process."""
+def test_a_step_off_the_sequential_executor_is_warned_about_once_per_cause(monkeypatch, caplog):
+    """Off TensorFlow's single-threaded executor (compile_step(..., sequential=False), or
+    replica_step in a loop of the user's own) and with several inter-op threads, a
+    statement's operations run together and the peak can exceed the prediction: the step
+    says why, once per process and cause."""
     import logging
 
     import tfremat.static_graph.compile as compile_module
 
-    monkeypatch.setattr(compile_module, "_warned_parallel", False)
+    monkeypatch.setattr(compile_module, "_warned_parallel", set())
     monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "1")
     assert compile_module.sequential_ops()
     with caplog.at_level(logging.WARNING, logger="tfremat.static_graph.compile"):
-        compile_module._warn_parallel_ops()
+        compile_module._warn_parallel_ops("cause one")
     assert not caplog.records
     monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "4")
     if tf.config.threading.get_inter_op_parallelism_threads() == 1:
         pytest.skip("this process set one inter-op thread through tf.config")
     assert not compile_module.sequential_ops()
     with caplog.at_level(logging.WARNING, logger="tfremat.static_graph.compile"):
-        compile_module._warn_parallel_ops()
-        compile_module._warn_parallel_ops()
-    assert [r.message.count("TF_NUM_INTEROP_THREADS=1") for r in caplog.records] == [1]
+        compile_module._warn_parallel_ops("cause one")
+        compile_module._warn_parallel_ops("cause one")
+        compile_module._warn_parallel_ops("cause two")
+    assert [r.message.split(";")[0] for r in caplog.records] == ["cause one", "cause two"]
+    assert all("TF_NUM_INTEROP_THREADS=1" in r.message for r in caplog.records)

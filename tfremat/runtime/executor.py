@@ -8,8 +8,18 @@ ordered checkpoint-all step requested 1.21x its predicted peak with TensorFlow's
 threads and 0.99x with one (benchmarks/step_overhead.py). The inter-op thread count is
 fixed for the process before TensorFlow runs anything, so it cannot be set for one step;
 TensorFlow's single-threaded executor can: a function call traced or run inside
-:func:`sequential` executes its operations synchronously on the calling thread, each
-kernel still using the intra-op threads.
+:func:`sequential` executes its operations synchronously, each kernel still using the
+intra-op threads.
+
+Two facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``):
+
+* A call traced into another function gets the executor as an attribute of its call op,
+  but TensorFlow inlines the callee into the caller, whose executor then runs it; a
+  function made with :data:`NOT_INLINED` stays a call and runs on the executor its call
+  op names.
+* A function whose operations are placed on several devices (replicas of a
+  ``MirroredStrategy``) is partitioned per device; each partition runs one operation at a
+  time, the devices still in parallel, which is what the per-device memory model counts.
 """
 
 from __future__ import annotations
@@ -18,15 +28,21 @@ import contextlib
 
 import tensorflow as tf
 
-__all__ = ["SEQUENTIAL_EXECUTOR", "sequential"]
+__all__ = ["NOT_INLINED", "SEQUENTIAL_EXECUTOR", "sequential"]
 
 # The name under which TensorFlow registers its single-threaded function executor.
 SEQUENTIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
+
+#: ``tf.function(..., experimental_attributes=NOT_INLINED)``: calls of the function traced
+#: into another function are kept as calls, so the executor :func:`sequential` names runs
+#: them (inlined, the caller's executor ran their operations several at a time).
+NOT_INLINED = {"_noinline": True}
 
 
 @contextlib.contextmanager
 def sequential():
     """Function calls made (eagerly) or traced (into an enclosing graph) inside this
-    context run on TensorFlow's single-threaded executor."""
+    context run on TensorFlow's single-threaded executor; a traced call keeps to it only
+    when the called function is not inlined (:data:`NOT_INLINED`)."""
     with tf.experimental.function_executor_type(SEQUENTIAL_EXECUTOR):
         yield

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -14,6 +15,7 @@ from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op, build_plan
 from tfremat.plan.schedule import Schedule, validate_schedule
+from tfremat.runtime import executor
 from tfremat.runtime.optimizer import apply_gated
 from tfremat.static_graph.interpreter import TraceReport, interpret_plan, order_updates
 
@@ -34,6 +36,13 @@ class CompiledStep:
     ``apply_gradients=False`` it updates nothing and returns ``(loss, gradients)``, one
     gradient (or None) per variable of :attr:`variables`.
 
+    A call runs on TensorFlow's single-threaded executor (:mod:`tfremat.runtime.executor`)
+    when :attr:`sequential` (see :func:`compile_step`): one operation at a time, in the
+    plan's order, as the plan counts memory and time, whatever the inter-op thread
+    setting; also when the call is traced into another ``tf.function`` (a ``train_step``,
+    a custom loop), where the step stays a call of its own. :attr:`function` called
+    directly runs on the executor of its caller.
+
     Attributes:
         graph: the extracted graph.
         side_table: the extraction's side table.
@@ -45,10 +54,12 @@ class CompiledStep:
         strategy: the ``tf.distribute`` strategy, or None.
         function: the underlying ``tf.function`` (for ``get_concrete_function``).
         jit_compile: whether the step is compiled with XLA.
+        sequential: whether calls run on the single-threaded executor.
     """
 
     def __init__(self, graph: DFGraph, side_table: Any, schedule: Schedule, plan: ExecutionPlan, optimizer: Any,
-                 strategy: Any, return_outputs: bool, apply_gradients: bool = True, jit_compile: bool = False):
+                 strategy: Any, return_outputs: bool, apply_gradients: bool = True, jit_compile: bool = False,
+                 sequential: bool = True):
         self.graph = graph
         self.side_table = side_table
         self.schedule = schedule
@@ -58,13 +69,16 @@ class CompiledStep:
         self.return_outputs = return_outputs
         self.apply_gradients = apply_gradients
         self.jit_compile = jit_compile
+        self.sequential = sequential
         self._report: TraceReport | None = None
         self.variables = list(side_table.model.trainable_variables)
         self._regularized = [v for v in self.variables if getattr(v, "regularizer", None) is not None]
         # No AutoGraph: the interpreter has no tensor-dependent Python control flow, and
-        # AutoGraph would wrap its CompileErrors in StagingError.
+        # AutoGraph would wrap its CompileErrors in StagingError. Not inlined into a caller's
+        # function, whose executor would run it (tfremat.runtime.executor).
         self.function = tf.function(
-            self._distributed_step if strategy is not None else self._step, jit_compile=jit_compile, autograph=False
+            self._distributed_step if strategy is not None else self._step, jit_compile=jit_compile, autograph=False,
+            experimental_attributes=executor.NOT_INLINED if sequential else None,
         )
 
     def _replica_step(self, x, y, sample_weight, replicas: int):
@@ -147,11 +161,16 @@ class CompiledStep:
     def _step(self, x, y, sample_weight=None):
         return self._replica_step(x, y, sample_weight, 1)
 
-    def replica_step(self, x, y, sample_weight=None):
+    def replica_step(self, x, y, sample_weight=None, *, caller_sequential: bool = False):
         """One replica's part of the step, for a loop that calls ``strategy.run`` itself
         (in a ``tf.function``, in the strategy's replica context), e.g. to update Keras
         metrics on each replica as ``model.fit``'s ``train_step`` does
-        (:func:`tfremat.keras.distributed_train_function`).
+        (:class:`tfremat.static_graph.train_step.DistributedTrainStep`).
+
+        Its operations run on the executor of the loop's ``tf.function``: call that function
+        inside :func:`tfremat.runtime.executor.sequential` (as ``DistributedTrainStep``
+        does) and say so with ``caller_sequential=True``; otherwise, with several inter-op
+        threads, a warning says that the step can exceed its predicted peak.
 
         Runs the plan on this replica's batch and the optimizer update, whose gradients the
         strategy all-reduces. Returns what the step returns (the loss, or ``(loss,
@@ -165,6 +184,11 @@ class CompiledStep:
         if self.strategy is None:
             raise CompileError("replica_step runs under a tf.distribute strategy: compile with "
                                "compile_step(..., strategy=...), or call the step itself on one device")
+        if self.sequential and not caller_sequential:
+            _warn_parallel_ops("replica_step runs on the executor of the tf.function that calls it, not on "
+                               "TensorFlow's single-threaded one: call that function inside "
+                               "tfremat.runtime.executor.sequential() and pass replica_step(..., "
+                               "caller_sequential=True)")
         return self._replica_step(x, y, sample_weight, self.strategy.num_replicas_in_sync)
 
     def _distributed_step(self, x, y, sample_weight=None):
@@ -178,7 +202,17 @@ class CompiledStep:
     def __call__(self, x, y, sample_weight=None):
         args = (x, y) if sample_weight is None else (x, y, sample_weight)
         try:
-            return self.function(*args)
+            with executor.sequential() if self.sequential else contextlib.nullcontext():
+                return self.function(*args)
+        except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as error:
+            if not self.sequential or "single-threaded executor" not in str(error).lower():
+                raise
+            raise CompileError(
+                f"TensorFlow's single-threaded executor ({executor.SEQUENTIAL_EXECUTOR}), which runs the step one "
+                f"operation at a time as its plan counts memory, refused the compiled step of {self.graph.name}: {error.message}. "
+                "compile_step(..., sequential=False) runs it on TensorFlow's default executor, where a statement's "
+                "operations run together and the peak can exceed the prediction unless TF_NUM_INTEROP_THREADS=1"
+            ) from error
         except tf.errors.InvalidArgumentError as error:
             if "in a cycle" not in str(error) or self.strategy is not None:
                 raise
@@ -270,27 +304,42 @@ def sequential_ops() -> bool:
             or os.environ.get("TF_NUM_INTEROP_THREADS", "").strip() == "1")
 
 
-_warned_parallel = False
+_warned_parallel: set[str] = set()
 
 
-def _warn_parallel_ops() -> None:
-    """Warns once per process when TensorFlow runs several ops at a time.
+def _warn_parallel_ops(why: str) -> None:
+    """Warns once per process and cause ``why`` (what runs the step on an executor other
+    than the single-threaded one) when TensorFlow runs several ops at a time there.
 
-    The step runs its statements one after another, as the plan counts them, so it gains
-    nothing from parallel inter-op threads, while plain Keras overlaps independent ops:
-    checkpoint-all steps ran 1.15-1.29x plain with TensorFlow's default against
-    1.00-1.02x with one inter-op thread, and a transformer's step requested 1.21x its
-    predicted peak (0.99x with one thread; benchmarks/step_overhead.py)."""
-    global _warned_parallel
-    if _warned_parallel or sequential_ops():
+    On TensorFlow's default executor the operations of one statement run together: a
+    transformer's checkpoint-all step requested 1.21x its predicted peak with the default
+    inter-op threads, 0.99x with one or on the single-threaded executor
+    (benchmarks/step_overhead.py)."""
+    if why in _warned_parallel or sequential_ops():
         return
-    _warned_parallel = True
+    _warned_parallel.add(why)
     logger.warning(
-        "TensorFlow runs several ops at a time (TF_NUM_INTEROP_THREADS is not 1): the memory prediction and the "
-        "planned time assume one op at a time, so the step can exceed its predicted peak, and plain Keras, which "
-        "overlaps independent ops, can run faster than planned; set TF_NUM_INTEROP_THREADS=1 before importing "
-        "TensorFlow, or call tf.config.threading.set_inter_op_parallelism_threads(1) before it runs anything"
+        "%s; TensorFlow runs several ops at a time there (TF_NUM_INTEROP_THREADS is not 1), while the memory "
+        "prediction and the planned time assume one op at a time, so the step can exceed its predicted peak; set "
+        "TF_NUM_INTEROP_THREADS=1 before importing TensorFlow, or call "
+        "tf.config.threading.set_inter_op_parallelism_threads(1) before it runs anything", why,
     )
+
+
+def _devices_exchanging(plan: ExecutionPlan, strategy: Any) -> str:
+    """Why the step's operations run on several devices that exchange values, or "".
+
+    TensorFlow partitions such a function per device, and each partition runs on an
+    executor of its own: the single-threaded executor waits in its fixed order at every
+    receive, so two partitions that each receive what the other sends later deadlock.
+    Replicas of a strategy exchange their gradients (the all-reduce); an offloading plan on
+    a GPU sends values to host memory and back.
+    """
+    if strategy is not None and strategy.num_replicas_in_sync > 1:
+        return f"its {strategy.num_replicas_in_sync} replicas exchange values (the all-reduce)"
+    if tf.config.list_logical_devices("GPU") and any(statement.op is Op.OFFLOAD for statement in plan):
+        return "it offloads values from the GPU to host memory and back"
+    return ""
 
 
 def _apply_without_barrier(optimizer, pairs) -> dict[int, tuple[Any, list]]:
@@ -333,6 +382,7 @@ def compile_step(
     jit_compile: bool = False,
     return_outputs: bool = False,
     apply_gradients: bool = True,
+    sequential: bool = True,
 ) -> CompiledStep:
     """Compiles a schedule into one ``tf.function`` training step.
 
@@ -370,6 +420,14 @@ def compile_step(
             gradients)`` for a custom training loop (:func:`tfremat.value_and_grad`); the
             gradients then live until the step ends, which an extraction with
             ``weight_grads="fixed"`` counts. Not with ``strategy`` or ``return_outputs``.
+        sequential: run the step on TensorFlow's single-threaded executor
+            (:mod:`tfremat.runtime.executor`), one operation at a time, as the plan counts
+            memory and time, whatever the inter-op thread setting. Not where the step's
+            devices exchange values (several replicas of ``strategy``, or an offloading
+            plan on a GPU), which that executor can deadlock: those steps, and
+            ``sequential=False``, run on the default executor, which runs a statement's
+            operations together unless TensorFlow has one inter-op thread (a warning
+            says so).
 
     Returns:
         A :class:`CompiledStep`.
@@ -413,8 +471,19 @@ def compile_step(
             "any update, so the step's peak will exceed the prediction; extract with weight_grads='fixed' to plan "
             "for it", strategy.num_replicas_in_sync,
         )
-    _warn_parallel_ops()
+    if not isinstance(sequential, bool):
+        raise CompileError(f"sequential must be True or False, got {sequential!r}")
     plan = build_plan(graph, schedule)
+    if not sequential:
+        _warn_parallel_ops("compile_step(..., sequential=False) runs the step on TensorFlow's default executor")
+    else:
+        devices = _devices_exchanging(plan, strategy)
+        if devices:
+            sequential = False
+            _warn_parallel_ops(
+                f"the step runs on TensorFlow's default executor, not its single-threaded one, because {devices}: "
+                "the single-threaded executor runs each device's part of the step in a fixed order of its own, and "
+                "two such orders can wait on each other for ever (a MirroredStrategy step on two CPUs hung)")
     if jit_compile and any(statement.op is Op.OFFLOAD for statement in plan):
         raise CompileError(f"schedule {schedule.strategy} offloads values to host memory, which an XLA-compiled step "
                            "cannot do (XLA keeps every tensor on its device): use jit_compile=False with it, or a "
@@ -424,4 +493,4 @@ def compile_step(
         graph.name, len(plan), plan.recompute_count, schedule.strategy,
     )
     return CompiledStep(graph, side_table, schedule, plan, optimizer, strategy, return_outputs, apply_gradients,
-                        jit_compile)
+                        jit_compile, sequential)

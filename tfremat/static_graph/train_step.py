@@ -5,9 +5,12 @@ on every replica of a ``tf.distribute`` strategy (:class:`DistributedTrainStep`)
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
 from tfremat.errors import CompileError
+from tfremat.runtime import executor
 
 __all__ = ["DistributedTrainStep", "update_metrics"]
 
@@ -41,7 +44,9 @@ class DistributedTrainStep:
     the optimizer all-reduces the gradients, and :func:`update_metrics` runs on each
     replica. Returns the logs, as ``model.train_function`` does. A loop of its own (one
     that ``model.fit`` cannot run, e.g. under ``MultiWorkerMirroredStrategy``) calls it
-    once per distributed batch.
+    once per distributed batch. Like the step, it runs on TensorFlow's single-threaded
+    executor (one operation at a time on each replica's device) unless the step was
+    compiled with ``sequential=False``.
 
     Attributes:
         model: the Keras model, built and compiled in the strategy's scope.
@@ -57,10 +62,11 @@ class DistributedTrainStep:
         self.model = model
         self.step = step
         self.strategy = step.strategy
-        self.function = tf.function(self._run, autograph=False)
+        self.function = tf.function(self._run, autograph=False,
+                                    experimental_attributes=executor.NOT_INLINED if step.sequential else None)
 
     def _replica(self, x, y, sample_weight):
-        loss, y_pred = self.step.replica_step(x, y, sample_weight)
+        loss, y_pred = self.step.replica_step(x, y, sample_weight, caller_sequential=self.step.sequential)
         return update_metrics(self.model, self.step, loss, x, y, y_pred, sample_weight)
 
     def _run(self, x, y, sample_weight=None):
@@ -72,4 +78,5 @@ class DistributedTrainStep:
 
     def __call__(self, x, y, sample_weight=None):
         args = (x, y) if sample_weight is None else (x, y, sample_weight)
-        return self.function(*args)
+        with executor.sequential() if self.step.sequential else contextlib.nullcontext():
+            return self.function(*args)
