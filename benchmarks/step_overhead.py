@@ -2,9 +2,14 @@
 
 The checkpoint-all step recomputes nothing and its plan says 1.00x plain, yet the keras.io
 ViT of ``min_budget.py`` ran 1.12-1.47x plain there. For each model this benchmark compiles
-three steps on the same extraction and batch and compares them with plain training:
+the checkpoint-all step on the same extraction and batch, runs it three ways and compares
+them with plain training:
 
-* ``ordered``: the compiled checkpoint-all step as shipped;
+* ``sequential``: the compiled step called as shipped (``step(x, y)``), on TensorFlow's
+  single-threaded executor (:mod:`tfremat.runtime.executor`): one operation at a time
+  whatever the inter-op thread setting;
+* ``ordered``: the same step's ``tf.function`` called directly, on TensorFlow's default
+  executor (several operations of a statement at a time with several inter-op threads);
 * ``unordered``: a diagnostic copy without the step's three orderings, the per-statement
   tokens (:func:`tfremat.static_graph.interpreter._token` made an empty ``NoOp``), the
   weight gradients after the input gradients
@@ -20,7 +25,7 @@ Each model runs twice, in its own subprocess: with ``TF_NUM_INTEROP_THREADS=1`` 
 one at a time, the sequential execution the simulator models and the other benchmarks use)
 and with TensorFlow's default (as a user runs, and as ``min_budget.py --measure`` measured).
 
-Run: ``python benchmarks/step_overhead.py [--models vit,transformer_encoder] [--rounds 40]``
+Run: ``python benchmarks/step_overhead.py [--models vit,transformer_encoder] [--rounds 30]``
 (writes ``benchmarks/results/step_overhead.md``). ``vit`` is min_budget.py's ViT at batch
 32 with Adam; the other names are conformance user-style models at ``--batch`` with SGD, as
 ``fidelity.py`` builds them. The machine's cores may be shared: compare ratios of one run.
@@ -113,12 +118,15 @@ def measure(name: str, batch: int, rounds: int) -> dict:
             step(x, y)
         finally:
             interpreter._token, compile_module.order_updates, gradient_order.wait_for = kept
-        return step.function, list(step_optimizer.variables)
+        return step, list(step_optimizer.variables)
 
     steps, resident = {}, {}
-    for label, ordered in (("ordered", True), ("unordered", False)):
-        steps[label], resident[label] = compiled(ordered)
-        restore()
+    step, resident["ordered"] = compiled(True)
+    steps["sequential"], steps["ordered"], resident["sequential"] = step, step.function, resident["ordered"]
+    restore()
+    unordered, resident["unordered"] = compiled(False)
+    steps["unordered"] = unordered.function
+    restore()
     plain_optimizer = fresh()
     steps["plain"] = plain_train_step(model, extraction.side_table.loss_fn, plain_optimizer)
     steps["plain"](x, y)
@@ -153,7 +161,7 @@ def measure(name: str, batch: int, rounds: int) -> dict:
     row["load_after"] = os.getloadavg()[0]
     restore()
     row["plain_ms"] = statistics.median(wall["plain"]) * 1e3
-    for label in ("ordered", "unordered"):
+    for label in ("sequential", "ordered", "unordered"):
         ratios = [a / b for a, b in zip(wall[label], wall["plain"])]
         quartiles = statistics.quantiles(ratios, n=4, method="inclusive")
         row[f"{label}_time_over_plain"] = statistics.median(ratios)
@@ -161,6 +169,7 @@ def measure(name: str, batch: int, rounds: int) -> dict:
         row[f"{label}_cpu_over_plain"] = statistics.median(cpu[label]) / statistics.median(cpu["plain"])
     row["plain_cores_used"] = statistics.median(c / w for c, w in zip(cpu["plain"], wall["plain"]))
     row["ordered_cores_used"] = statistics.median(c / w for c, w in zip(cpu["ordered"], wall["ordered"]))
+    row["sequential_cores_used"] = statistics.median(c / w for c, w in zip(cpu["sequential"], wall["sequential"]))
     return row
 
 
@@ -178,21 +187,26 @@ def run_child(name: str, batch: int, rounds: int, interop: str | None) -> dict:
 
 def table(rows: list[dict]) -> list[str]:
     lines = [
-        "| model | inter-op | plain ms | ordered/plain | unordered/plain | CPU ordered/plain | cores plain / ordered "
-        "| req/pred ordered, unordered, plain | extra ops (ordered) | control edges ordered / plain | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | inter-op | plain ms | sequential/plain | ordered/plain | unordered/plain "
+        "| CPU sequential, ordered /plain | cores plain / sequential / ordered "
+        "| req/pred sequential, ordered, unordered, plain | extra ops (ordered) | control edges ordered / plain "
+        "| load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         extra = ", ".join(f"{k} {v:+d}" for k, v in list(r["ordered_extra_ops"].items())[:5])
         lines.append(
             f"| {r['model']} (batch {r['batch']}) | {r['interop']} | {r['plain_ms']:.1f} "
+            f"| {r['sequential_time_over_plain']:.3f} ({r['sequential_time_quartiles'][0]:.2f}-"
+            f"{r['sequential_time_quartiles'][1]:.2f}) "
             f"| {r['ordered_time_over_plain']:.3f} ({r['ordered_time_quartiles'][0]:.2f}-"
             f"{r['ordered_time_quartiles'][1]:.2f}) "
             f"| {r['unordered_time_over_plain']:.3f} ({r['unordered_time_quartiles'][0]:.2f}-"
             f"{r['unordered_time_quartiles'][1]:.2f}) "
-            f"| {r['ordered_cpu_over_plain']:.3f} | {r['plain_cores_used']:.2f} / {r['ordered_cores_used']:.2f} "
-            f"| {r['ordered_requested_over_predicted']:.3f}, {r['unordered_requested_over_predicted']:.3f}, "
-            f"{r['plain_requested_over_predicted']:.3f} | {extra} "
+            f"| {r['sequential_cpu_over_plain']:.3f}, {r['ordered_cpu_over_plain']:.3f} "
+            f"| {r['plain_cores_used']:.2f} / {r['sequential_cores_used']:.2f} / {r['ordered_cores_used']:.2f} "
+            f"| {r['sequential_requested_over_predicted']:.3f}, {r['ordered_requested_over_predicted']:.3f}, "
+            f"{r['unordered_requested_over_predicted']:.3f}, {r['plain_requested_over_predicted']:.3f} | {extra} "
             f"| {r['ordered_control_edges']} / {r['plain_control_edges']} "
             f"| {r['load_before']:.1f}-{r['load_after']:.1f} |"
         )
@@ -201,9 +215,9 @@ def table(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="vit,transformer_encoder,zeropad_conv_chain")
+    parser.add_argument("--models", default="vit,transformer_encoder,zeropad_conv_chain,convmixer")
     parser.add_argument("--batch", type=int, default=8, help="batch of the conformance models (the ViT: 32)")
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -219,7 +233,9 @@ def main() -> None:
             rows.append(run_child(name, args.batch, args.rounds, interop))
             print(table(rows)[-1], flush=True)
     text = ["# Compiled checkpoint-all step against plain Keras: where the time goes", "", header(), "",
-            "Each row: one subprocess; `ordered`: the compiled step; `unordered`: the same step without its "
+            "Each row: one subprocess; `sequential`: the compiled step called as shipped, on TensorFlow's "
+            "single-threaded executor; `ordered`: the same step's tf.function called directly, on the default "
+            "executor; `unordered`: that step without its "
             "statement tokens, weight-after-input gradient order and update ordering (diagnostic only); "
             "time ratios are medians of per-round ratios (quartiles); `cores`: process CPU seconds over wall "
             "seconds per step; `req/pred`: bytes requested over the checkpoint-all prediction; load: 1-minute "

@@ -209,7 +209,8 @@ class CompiledStep:
                 raise
             raise CompileError(
                 f"TensorFlow's single-threaded executor ({executor.SEQUENTIAL_EXECUTOR}), which runs the step one "
-                f"operation at a time as its plan counts memory, refused the compiled step of {self.graph.name}: {error.message}. "
+                f"operation at a time as its plan counts memory, refused the compiled step of {self.graph.name}: "
+                f"{error.message}. "
                 "compile_step(..., sequential=False) runs it on TensorFlow's default executor, where a statement's "
                 "operations run together and the peak can exceed the prediction unless TF_NUM_INTEROP_THREADS=1"
             ) from error
@@ -297,9 +298,10 @@ def check_acyclic(func_graph, graph: DFGraph) -> None:
 
 
 def sequential_ops() -> bool:
-    """Whether TensorFlow runs one op at a time (``TF_NUM_INTEROP_THREADS=1`` or
-    ``tf.config.threading.set_inter_op_parallelism_threads(1)``), as the memory and time
-    models assume."""
+    """Whether TensorFlow's default executor runs one op at a time (``TF_NUM_INTEROP_THREADS=1``
+    or ``tf.config.threading.set_inter_op_parallelism_threads(1)``), as the memory and time
+    models assume; the single-threaded executor the step runs on does so whatever the
+    setting (:mod:`tfremat.runtime.executor`)."""
     return (tf.config.threading.get_inter_op_parallelism_threads() == 1
             or os.environ.get("TF_NUM_INTEROP_THREADS", "").strip() == "1")
 
