@@ -99,7 +99,8 @@ def main():
     for row in rows(args.batch):
         if isinstance(row, str):
             lines += [row, "", "| strategy | budget | costly VJP rebuilds | predicted KiB | requested KiB | "
-                      "requested/predicted | predicted overhead | recomputations |", "|---|---|---|---|---|---|---|---|"]
+                      "requested/predicted | predicted overhead | recomputations |",
+                      "|---|---|---|---|---|---|---|---|"]
         else:
             name, budget, r = row
             if r is None:

@@ -17,6 +17,8 @@ from tfremat.plan.execution import Op, build_plan
 from tfremat.plan.registry import Strategy
 from tfremat.plan.schedule import (
     Schedule,
+    SolverFacts,
+    SolveStatus,
     checkpoint_all_s,
     solve_r_given_s,
     stale_gradient_reads,
@@ -61,6 +63,15 @@ def test_a_recomputed_input_makes_the_kept_forward_value_stale_and_the_fix_recom
     assert stale_gradient_reads(graph, fresh.R, fresh.S) == []
     assert fresh.cost(graph) == raw.cost(graph) + graph.cost[2]
     assert with_fresh_gradient_reads(graph, fresh) is fresh
+
+
+def test_solver_facts_follow_the_explicit_schedule():
+    graph = dense_after_norm()
+    raw = stale_schedule(graph)
+    claimed = raw.with_facts(SolverFacts(SolveStatus.OPTIMAL, objective=raw.cost(graph), best_bound=raw.cost(graph)))
+    fresh = with_fresh_gradient_reads(graph, claimed)
+    assert fresh.facts.objective == fresh.cost(graph) == raw.cost(graph) + graph.cost[2]
+    assert fresh.facts.status == SolveStatus.FEASIBLE
 
 
 def test_plan_and_simulator_count_the_forward_work_the_gradient_needs():

@@ -94,7 +94,8 @@ class Strategy:
                 raise in_user_terms(InfeasibleBudgetError(
                     budget_bytes, min_feasible_bytes=peak, strategy=self.name,
                     detail="its schedule fits only without the forward nodes it must recompute for gradients that "
-                           "read an input recomputed after their forward value (tfremat.plan.schedule.with_fresh_gradient_reads)",
+                           "read an input recomputed after their forward value "
+                           "(tfremat.plan.schedule.with_fresh_gradient_reads)",
                 ), graph, budget) from None
         return fresh
 

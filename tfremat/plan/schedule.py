@@ -641,7 +641,8 @@ def checkpoint_all_s(graph: DFGraph) -> np.ndarray:
 def stale_gradient_reads(graph: DFGraph, R: np.ndarray, S: np.ndarray,
                          H: np.ndarray | None = None) -> list[tuple[int, int, int]]:
     """The computations of a backward node whose forward value is older than an input
-    the gradient reads (module docstring, "Gradients that read an input"), as ``(stage, backward node, forward node)``.
+    the gradient reads (module docstring, "Gradients that read an input"), as ``(stage,
+    backward node, forward node)``.
 
     Stage t computes b without computing f, f last ran in stage t' < t, and some input x of
     f that b reads was computed, or prefetched, in a stage after t' up to t (within a
@@ -690,7 +691,8 @@ def with_fresh_gradient_reads(graph: DFGraph, schedule: Schedule) -> Schedule:
     computes the forward node and whatever inputs of it the stage does not hold, and keeps
     and computations that only served the older copy are dropped. Recomputed inputs may
     make other gradients stale, so it repeats until none is. Solver facts get the new cost
-    as their objective.
+    as their objective, and an optimality claim becomes ``feasible`` (the solver did not
+    see this schedule).
     """
     under = graph_under(graph, schedule)
     if not under.inputs_read_with_forward or not stale_gradient_reads(under, schedule.R, schedule.S, schedule.H):
@@ -702,5 +704,6 @@ def with_fresh_gradient_reads(graph: DFGraph, schedule: Schedule) -> Schedule:
     if facts is not None and facts.objective is not None:
         cost = fresh.cost(graph)
         bound = None if facts.best_bound is None else min(facts.best_bound, cost)
-        facts = dataclasses.replace(facts, objective=cost, best_bound=bound)
+        status = SolveStatus.FEASIBLE if facts.status == SolveStatus.OPTIMAL else facts.status
+        facts = dataclasses.replace(facts, status=status, objective=cost, best_bound=bound)
     return fresh.with_facts(facts)
