@@ -6,9 +6,14 @@ shape's cost): plain Keras's first ``train_on_batch`` (tracing included), then t
 same calls: extraction (of which profiling), planning with ``optimal`` at the high-level
 defaults (``tfremat.planner.strategy_options``: time limit and stall rule), compiling the
 step and its first run (which traces it). The allocator check, which runs a new step
-twice more, is left out. With ``--compare`` the same graph is planned again without the
-stall rule (``stall_time=math.inf``, the time limit alone), for the schedule quality the
-stall rule gives up.
+twice more, is left out; the re-plan it makes when the allocator's peak exceeds the
+budget is timed instead: the graph planned again under 98% of the planning budget with
+:func:`tfremat.allocator_check.replan_strategy`'s choice (the heuristic whose schedule
+``optimal`` returned unimproved, or ``optimal``), as :class:`tfremat.keras.RematCallback`
+and the multi-worker check plan it; with ``--full-replan`` also with ``optimal`` itself (what
+the multi-worker check ran before). With ``--compare`` the same graph is planned again
+without the stall rule (``stall_time=math.inf``, the time limit alone), for the schedule
+quality the stall rule gives up.
 
 Run: ``python benchmarks/latency.py`` (writes ``benchmarks/results/latency.md``; the
 keras-hub models need keras-hub). Timings depend on the machine's load: compare the
@@ -43,6 +48,9 @@ MODELS = {
     "llama_hub": ("llama_hub", {}, 8, "50%", "keras-hub LlamaBackbone, 2 layers, hidden 64, 64 tokens"),
     "gpt2_hub_6": ("_gpt2_hub", {"seq_len": 256, "layers_count": 6, "hidden": 128}, 4, "30%",
                    "keras-hub GPT2Backbone, 6 layers, hidden 128, 256 tokens"),
+    # The first-step case of issue 33 (543 nodes): eviction's schedule comes back from optimal.
+    "efficientnetv2b0": ("application", {"name_or_file": "EfficientNetV2B0", "input_shape": (64, 64, 3)}, 8,
+                         "50% of activations", "keras.applications EfficientNetV2B0, 64x64 images"),
 }
 HUB = ("gpt2_hub", "bert_hub", "llama_hub", "gpt2_hub_6")
 
@@ -54,6 +62,9 @@ import conformance
 from tfremat.model_planning import extract_model
 from tfremat.planner import plan_graph
 from tfremat.static_graph.compile import compile_step
+from tfremat.allocator_check import replan_strategy
+from tfremat.errors import InfeasibleBudgetError
+from tfremat.applications import build_application
 
 def llama_hub(seq_len=64, layers_count=2, hidden=64, heads=2):
     import keras_hub
@@ -64,8 +75,11 @@ def llama_hub(seq_len=64, layers_count=2, hidden=64, heads=2):
 
 def build():
     keras.utils.set_random_seed(0)
-    builder = llama_hub if {builder!r} == "llama_hub" else getattr(conformance, {builder!r})
-    model = builder(**{kwargs!r})
+    if {builder!r} == "application":
+        model = build_application(**{kwargs!r}, num_classes=10)
+    else:
+        builder = llama_hub if {builder!r} == "llama_hub" else getattr(conformance, {builder!r})
+        model = builder(**{kwargs!r})
     model.compile(optimizer="adam", loss="categorical_crossentropy")
     return model
 
@@ -90,6 +104,22 @@ started = time.perf_counter()
 step = compile_step(extraction, result.schedule, optimizer=model.optimizer, return_outputs=True)
 step(x, y)
 row["compile_first_step_s"] = time.perf_counter() - started
+
+def replanned(name):
+    started, cpu = time.perf_counter(), time.process_time()
+    if name == "choice":
+        name = replan_strategy(result, "optimal")
+    try:
+        again = plan_graph(extraction.graph, int(0.98 * result.budget_bytes), name, cache=False, verbose=0)
+    except InfeasibleBudgetError:  # the heuristic finds none: the check plans with optimal
+        name = "optimal"
+        again = plan_graph(extraction.graph, int(0.98 * result.budget_bytes), name, cache=False, verbose=0)
+    return {{"s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu, "with": name,
+            "overhead": again.overhead}}
+
+row["replan"] = replanned("choice")
+if {full_replan!r}:
+    row["full_replan"] = replanned("optimal")
 if {compare!r}:
     started = time.perf_counter()
     longer = plan_graph(extraction.graph, {budget!r}, "optimal", cache=False, verbose=0, stall_time=math.inf)
@@ -99,10 +129,10 @@ print("RESULT " + json.dumps(row))
 """
 
 
-def run_model(name: str, compare: bool) -> dict:
+def run_model(name: str, compare: bool, full_replan: bool = False) -> dict:
     builder, kwargs, batch, budget, _ = MODELS[name]
     code = _RUN.format(root=ROOT, here=HERE, builder=builder, kwargs=kwargs, batch=batch, budget=budget, name=name,
-                       compare=compare)
+                       compare=compare, full_replan=full_replan)
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TFREMAT_CACHE_DIR": cache, "TF_CPP_MIN_LOG_LEVEL": "2"}
         started = time.perf_counter()
@@ -126,22 +156,29 @@ def render(rows: list[dict], argv) -> str:
              "extraction + planning + that. `Keras` = plain `train_on_batch`'s first call (tracing included). "
              "`CPU s` = the planning process's CPU seconds (the stall rule's clock; wall seconds grow with the "
              "machine's load, CPU seconds barely). "
-             "`no stall` = the same graph planned with the time limit alone (`stall_time=math.inf`).", "",
+             "`no stall` = the same graph planned with the time limit alone (`stall_time=math.inf`). "
+             "`re-plan` = planned again under 98% of the budget as the allocator check plans (`replan_strategy`'s "
+             "choice); `optimal re-plan` = the same with `optimal` itself (`--full-replan`).", "",
              "| model | nodes | budget | extraction s (profiling) | planning s (CPU s) | first step s "
-             "| to first step s | Keras s | status (gap) | overhead | no stall: s, status (gap), overhead |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| to first step s | Keras s | status (gap) | overhead | re-plan: s (CPU s), with, overhead "
+             "| optimal re-plan: s (CPU s), overhead | no stall: s, status (gap), overhead |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['model']} | | | failed: {row['error'][:120]} | | | | | | | |")
+            lines.append(f"| {row['model']} | | | failed: {row['error'][:120]} | | | | | | | | | |")
             continue
         total = row["extract_s"] + row["plan_s"] + row["compile_first_step_s"]
         longer = row.get("no_stall")
         other = "" if longer is None else (
             f"{longer['plan_s']:.1f}, {longer['status']}{_gap(longer)}, {longer['overhead']:+.1%}")
+        again, full = row["replan"], row.get("full_replan")
+        replan = f"{again['s']:.1f} ({again['cpu_s']:.1f}), {again['with']}, {again['overhead']:+.1%}"
+        full = "" if full is None else f"{full['s']:.1f} ({full['cpu_s']:.1f}), {full['overhead']:+.1%}"
         lines.append(
             f"| {row['model']} | {row['nodes']} | {row['budget']} | {row['extract_s']:.1f} ({row['profile_s']:.1f}) | "
             f"{row['plan_s']:.1f} ({row['plan_cpu_s']:.1f}) | {row['compile_first_step_s']:.1f} | {total:.1f} | "
-            f"{row['keras_first_s']:.1f} | {row['status']}{_gap(row)} | {row['overhead']:+.1%} | {other} |")
+            f"{row['keras_first_s']:.1f} | {row['status']}{_gap(row)} | {row['overhead']:+.1%} | {replan} | {full} "
+            f"| {other} |")
     lines += ["", "Models: " + "; ".join(f"`{name}`: {MODELS[name][4]}, batch {MODELS[name][2]}" for name in MODELS)
               + ".", "", "Load average over the last 1 / 5 / 15 minutes when the run ended: "
               + " / ".join(f"{load:.1f}" for load in os.getloadavg()) + f" on {os.cpu_count()} CPUs."]
@@ -153,11 +190,13 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--compare", nargs="*", default=list(HUB), choices=list(MODELS),
                         help="models also planned without the stall rule (default: the keras-hub ones)")
+    parser.add_argument("--full-replan", nargs="*", default=["efficientnetv2b0"], choices=list(MODELS),
+                        help="models also planned again with optimal itself (default: efficientnetv2b0)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "latency.md"))
     args = parser.parse_args(argv)
     rows = []
     for name in args.models:
-        row = run_model(name, name in args.compare)
+        row = run_model(name, name in args.compare, name in args.full_replan)
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
     with open(args.out, "w") as out:
