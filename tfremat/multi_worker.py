@@ -279,9 +279,9 @@ def _chief_plan(collectives: _Collectives, graph: DFGraph, budget, settings: _Se
     ``replanning``: the plan an allocator check plans again under ``budget``. The chief
     then runs :func:`~tfremat.allocator_check.replan_strategy`'s choice, as
     :class:`tfremat.keras.RematCallback` does: the heuristic whose schedule the settings'
-    strategy returned unimproved (``eviction`` in 1.4 CPU s where ``optimal`` repeats its
-    25-60 s search on EfficientNetV2B0), the strategy itself when that heuristic finds no
-    schedule. The document names it (``planned_with``) for every worker's
+    strategy returned unimproved (on EfficientNetV2B0 ``eviction`` re-plans in 3.3 CPU s,
+    ``optimal`` in 8.1, to the same +6.1%: ``benchmarks/latency.py``), the strategy itself
+    when that heuristic finds no schedule. The document names it (``planned_with``) for every worker's
     :class:`PlanResult`.
 
     Raises:
