@@ -11,9 +11,8 @@ also compared by their shares of each profile's step, which a load that slows a 
 profile does not move.
 
 Each model is profiled with each timing method, in turns (so both meet the same load):
-``repeated`` (the library's: after the first pass a small call is timed repeated within one
-function call, ``tfremat.extract.analysis._repeated``, and the largest calls in more passes)
-and ``least`` (each call timed on its own in every pass, no extra passes: the method before).
+``extra`` (the library's: the calls making most of the step timed in
+``tfremat.extract.analysis._LARGE_EXTRA_PASSES`` more passes) and ``plain`` (no extra passes).
 
 Run: ``python benchmarks/profile_agreement.py`` (writes
 ``benchmarks/results/profile_agreement.md``; ``--only`` takes model names, comma separated,
@@ -85,13 +84,13 @@ def plan_facts(graph, time_limit):
 
 def profiled(model, batch, method):
     """One extraction with ``cost_model="profile"``, timed by ``method``."""
-    repeated, extra = analysis._MAX_REPEATED, analysis._LARGE_EXTRA_PASSES
-    if method == "least":
-        analysis._MAX_REPEATED, analysis._LARGE_EXTRA_PASSES = 1, 0
+    extra = analysis._LARGE_EXTRA_PASSES
+    if method == "plain":
+        analysis._LARGE_EXTRA_PASSES = 0
     try:
         return extract(model, batch, cost_model="profile", use_cache=False)
     finally:
-        analysis._MAX_REPEATED, analysis._LARGE_EXTRA_PASSES = repeated, extra
+        analysis._LARGE_EXTRA_PASSES = extra
 
 
 def agreement(name, method, time_limit):
@@ -145,10 +144,9 @@ def render(rows, argv):
         "when the row started and finished (2 cores, shared with other jobs). Timing: every call timed in "
         f"{analysis._TIMING_PASSES} passes of at least {analysis._MIN_TIMING_SECONDS:g} s over all the calls, "
         "on TensorFlow's single-threaded executor, each timed function keeping its least seconds over them "
-        "(`tfremat.extract.analysis.timing_passes`); `repeated`: after the first pass a call under "
-        f"{1e3 * analysis._REPEATED_SECONDS:g} ms is timed run up to {analysis._MAX_REPEATED} times within one "
-        f"function call, and the calls making {100 * analysis._LARGE_SHARE:.0f}% of the step are timed in "
-        f"{analysis._LARGE_EXTRA_PASSES} more passes; `least`: every call timed on its own (the method before).",
+        "(`tfremat.extract.analysis.timing_passes`); `extra`: the calls making "
+        f"{100 * analysis._LARGE_SHARE:.0f}% of the step timed in {analysis._LARGE_EXTRA_PASSES} more passes; "
+        "`plain`: no more passes.",
         "",
         "| model | method | nodes | rel median | rel p90 | rel worst (node) | large | large median | large worst "
         "| large shares median / worst | step | totals | profile s | schedule | min | load |",
@@ -169,7 +167,7 @@ def render(rows, argv):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help="model names, comma separated")
-    parser.add_argument("--methods", default=None, help="timing methods, comma separated (default repeated,least)")
+    parser.add_argument("--methods", default=None, help="timing methods, comma separated (default extra,plain)")
     parser.add_argument("--time_limit", type=float, default=20.0, help="seconds per optimal solve")
     parser.add_argument("--passes", type=int, default=None,
                         help=f"timing passes per extraction (default {analysis._TIMING_PASSES}; 1: one window per call)")
@@ -181,9 +179,9 @@ def main(argv=None):
     if any(v is not None for v in (args.only, args.methods, args.passes, args.window)) and args.out is None:
         parser.error(f"--only, --methods, --passes and --window need --out (the default {DEFAULT_OUT} holds the "
                      "defaults)")
-    methods = args.methods.split(",") if args.methods else ["repeated", "least"]
-    if not set(methods) <= {"repeated", "least"}:
-        parser.error(f"--methods takes repeated and least, got {args.methods!r}")
+    methods = args.methods.split(",") if args.methods else ["extra", "plain"]
+    if not set(methods) <= {"extra", "plain"}:
+        parser.error(f"--methods takes extra and plain, got {args.methods!r}")
     if args.passes is not None:
         analysis._TIMING_PASSES = args.passes
     if args.window is not None:

@@ -89,8 +89,7 @@ def _scripted_least_seconds(monkeypatch, passes):
 def test_each_call_keeps_its_least_seconds_over_the_timing_passes(monkeypatch):
     """Within timing_passes a call is timed once per pass and (the only call, so the
     largest) in two more passes, and each timed function (the dispatch, the forward, the
-    forward and backward) keeps its least seconds over them. Calls of seconds are not
-    repeated within a function call."""
+    forward and backward) keeps its least seconds over them."""
     layer = keras.layers.Dense(4)
     layer.build((2, 3))
     spec = tf.TensorSpec([2, 3], tf.float32)
@@ -140,5 +139,5 @@ def test_an_extraction_times_every_call_in_every_pass(monkeypatch):
         assert timed[k * groups:(k + 1) * groups] == first_pass
     extra = timed[analysis._TIMING_PASSES * groups:]
     large = len(extra) // analysis._LARGE_EXTRA_PASSES
-    assert 1 <= large < groups and len(extra) == analysis._LARGE_EXTRA_PASSES * large
-    assert set(extra) < set(first_pass) and extra == extra[:large] * analysis._LARGE_EXTRA_PASSES
+    assert large >= 1 and len(extra) == analysis._LARGE_EXTRA_PASSES * large
+    assert set(extra) <= set(first_pass) and extra == extra[:large] * analysis._LARGE_EXTRA_PASSES

@@ -43,10 +43,7 @@ plan predicts, is wall time. A busy machine also slows every run for a second or
 time, longer than one call's timing, so within an extraction every call is timed in
 :data:`_TIMING_PASSES` passes over all the calls (:func:`timing_passes`), and the calls that
 make most of the step in :data:`_LARGE_EXTRA_PASSES` more, each timed function keeping its
-least seconds over them. After the first pass a small call is timed repeated within one
-function call (:func:`_repeated`): calling a function from Python costs hundreds of
-microseconds on CPU, the kernels of a small call tens, and the jitter of the first made
-most of the difference between two profiles (``benchmarks/profile_agreement.py``). The forward and the forward-plus-backward are timed in turns,
+least seconds over them. The forward and the forward-plus-backward are timed in turns,
 so the backward (their difference) is taken under one load, and every cost is rounded to a
 relative grid (:func:`_on_grid`) so that two profiles whose costs differ by noise give the
 solvers the same numbers. The peak of the bytes the run's operations request
@@ -133,10 +130,6 @@ _LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is 
 _MIN_TIMING_SECONDS = 0.05
 _MAX_TIMED_RUNS = 400
 _TIMING_PASSES = 3
-# A call whose functions take less than this (less the dispatch) is timed repeated within
-# one function call (_repeated), at most this many times.
-_REPEATED_SECONDS = 0.002
-_MAX_REPEATED = 32
 # The largest calls (_largest: the fewest making this share of all the calls' seconds)
 # are timed in this many more passes.
 _LARGE_SHARE = 0.7
@@ -198,78 +191,32 @@ def xla_layouts(enabled: bool = True):
 
 class _Timing:
     """One profiled call's timed functions, the least seconds of each in every pass so far
-    (:func:`_least_seconds`), and ``finish``, which makes the analysis of the chosen seconds.
-
-    After the first pass, a call whose functions take less than :data:`_REPEATED_SECONDS`
-    is timed as :func:`_repeated`: each function run ``_count`` times (enough for that
-    time, at most :data:`_MAX_REPEATED`) within one function call, on as many sets of
-    inputs, its seconds divided by that count."""
+    (:func:`_least_seconds`), and ``finish``, which makes the analysis of the chosen seconds."""
 
     def __init__(self, make_calls: Callable[[], list], repeats: int, warmup: int, layer_name: str, xla: bool,
                  finish: Callable[[list[float]], "CallAnalysis"]):
         self.make_calls, self.repeats, self.warmup = make_calls, repeats, warmup
         self.layer_name, self.xla, self.finish = layer_name, xla, finish
-        self.passes: list[tuple[int, list[float]]] = []  # (runs per timed call, each function's seconds per run)
-        self._repeated: list | None = None  # the repeated functions, [] when the call is timed on its own
-        self._count = 1
+        self.passes: list[list[float]] = []
 
     def run_pass(self) -> None:
         """Times the calls once more, on fresh sample inputs (no pass keeps the inputs of
         every call alive while the others run), after one warm-up round once the first
         pass has warmed them up as asked."""
-        warmup = 1 if self.passes else self.warmup
-        if self.xla:
-            least = _compiled_least_seconds(self.make_calls(), self.repeats, warmup, self.layer_name)
-            self.passes.append((1, least))
-            return
-        if self.passes and self._repeated is None:
-            self._repeated = self._repeat()
-        if not self._repeated:
-            self.passes.append((1, _least_seconds(self.make_calls(), self.repeats, warmup)))
-            return
-        sets = [self.make_calls() for _ in range(self._count)]
-        calls = [(fn, tuple(call[1] for call in (one[position] for one in sets)))
-                 for position, fn in enumerate(self._repeated)]
-        least = _least_seconds(calls, self.repeats, max(1, warmup))
-        self.passes.append((self._count, [seconds / self._count for seconds in least]))
-
-    def _repeat(self) -> list:
-        """The functions of :func:`_repeated` (and their count, ``_count``) for a call whose
-        largest function less its dispatch (the first) took under :data:`_REPEATED_SECONDS`
-        in the first pass; [] for a longer call."""
-        dispatch, *timed = self.passes[0][1]
-        work = max(max(timed) - dispatch, 1e-6)
-        self._count = min(_MAX_REPEATED, math.ceil(_REPEATED_SECONDS / work))
-        if self._count < 2:
-            return []
         calls = self.make_calls()
-        return [_repeated(fn, args, self._count) for fn, args in calls]
+        warmup = 1 if self.passes else self.warmup
+        self.passes.append(_compiled_least_seconds(calls, self.repeats, warmup, self.layer_name) if self.xla
+                           else _least_seconds(calls, self.repeats, warmup))
 
     def seconds(self) -> float:
         """The call's largest chosen seconds (its forward plus backward): what ranks it."""
         return max(self.chosen())
 
     def chosen(self) -> list[float]:
-        """Each function's least seconds over the passes timed as the last was (repeated
-        or not): a stall that slows every run of one window (the process waiting for a
-        core for 50 ms on a loaded machine) costs that window only, for each of the
-        timed functions apart."""
-        count = self.passes[-1][0]
-        return [min(seconds) for seconds in zip(*(least for runs, least in self.passes if runs == count))]
-
-
-def _repeated(fn, args: tuple, count: int):
-    """A concrete function that runs ``fn`` once on each of ``count`` sets of arguments
-    shaped as ``args`` and returns every result: a small call's seconds, divided by
-    ``count``, without the cost of calling a function from Python on every run (hundreds
-    of microseconds, while the call's own kernels take tens, so that the jitter of that
-    cost made most of the difference between two profiles). The results are all returned
-    and the arguments differ, or TensorFlow's graph optimizations would run one of them."""
-    def runs(*sets):
-        return [fn(*one) for one in sets]
-
-    with sequential():
-        return tf.function(runs, autograph=False).get_concrete_function(*([args] * count))
+        """Each function's least seconds over the passes: a stall that slows every run of
+        one window (the process waiting for a core for 50 ms on a loaded machine) costs
+        that window only, for each of the timed functions apart."""
+        return [min(seconds) for seconds in zip(*self.passes)]
 
 
 class TimingPasses:
