@@ -10,15 +10,11 @@ the share of the checkpoint-all peak that ``"min"`` resolves to on each. The lar
 also compared by their shares of each profile's step, which a load that slows a whole
 profile does not move.
 
-Each model is profiled with each timing method, in turns (so both meet the same load):
-``extra`` (the library's: the calls making most of the step timed in
-``tfremat.extract.analysis._LARGE_EXTRA_PASSES`` more passes) and ``plain`` (no extra passes).
-
 Run: ``python benchmarks/profile_agreement.py`` (writes
 ``benchmarks/results/profile_agreement.md``; ``--only`` takes model names, comma separated,
-``--methods`` methods, and then need ``--out``; ``--passes 1 --window 0.1`` times as before
-the timing passes, and then also needs ``--out``). Ops run one at a time
-(``TF_NUM_INTEROP_THREADS=1``), as the profiles are taken for the planner.
+and then needs ``--out``; ``--passes 1 --window 0.1`` times as before the timing passes, and
+then also needs ``--out``). Ops run one at a time (``TF_NUM_INTEROP_THREADS=1``), as the
+profiles are taken for the planner.
 """
 
 import os
@@ -82,23 +78,12 @@ def plan_facts(graph, time_limit):
     return facts
 
 
-def profiled(model, batch, method):
-    """One extraction with ``cost_model="profile"``, timed by ``method``."""
-    extra = analysis._LARGE_EXTRA_PASSES
-    if method == "plain":
-        analysis._LARGE_EXTRA_PASSES = 0
-    try:
-        return extract(model, batch, cost_model="profile", use_cache=False)
-    finally:
-        analysis._LARGE_EXTRA_PASSES = extra
-
-
-def agreement(name, method, time_limit):
+def agreement(name, time_limit):
     model, batch = build(name)
     graphs, seconds = [], []
     load = os.getloadavg()[0]
     for _ in range(2):
-        extraction = profiled(model, batch, method)
+        extraction = extract(model, batch, cost_model="profile", use_cache=False)
         graphs.append(extraction.graph)
         seconds.append(extraction.profile_seconds)
     a, b = (np.asarray(g.cost, dtype=float) for g in graphs)
@@ -116,7 +101,7 @@ def agreement(name, method, time_limit):
         and all(np.array_equal(p, q) for p, q in zip(plans[0]["schedule"], plans[1]["schedule"])))
     mins = [p["min"] if isinstance(p["min"], str) else f"{100 * p['min']:.1f}%" for p in plans]
     row = {
-        "model": name, "method": method, "nodes": len(a), "median": np.median(rel), "p90": np.quantile(rel, 0.9), "worst": rel.max(),
+        "model": name, "nodes": len(a), "median": np.median(rel), "p90": np.quantile(rel, 0.9), "worst": rel.max(),
         "worst_node": graphs[0].names[int(rel.argmax())], "large": int(large.sum()),
         "large_median": np.median(rel[large]), "large_worst": rel[large].max(),
         "share_median": np.median(rel_share[large]), "share_worst": rel_share[large].max(),
@@ -143,18 +128,16 @@ def render(rows, argv):
         "`\"min\"` resolves to, first and second profile; `load`: the 1-minute load average "
         "when the row started and finished (2 cores, shared with other jobs). Timing: every call timed in "
         f"{analysis._TIMING_PASSES} passes of at least {analysis._MIN_TIMING_SECONDS:g} s over all the calls, "
-        "on TensorFlow's single-threaded executor, each timed function keeping its least seconds over them "
-        "(`tfremat.extract.analysis.timing_passes`); `extra`: the calls making "
-        f"{100 * analysis._LARGE_SHARE:.0f}% of the step timed in {analysis._LARGE_EXTRA_PASSES} more passes; "
-        "`plain`: no more passes.",
+        "the least of each timed function over them kept (`tfremat.extract.analysis.timing_passes`), every "
+        "call traced and run on TensorFlow's single-threaded executor, as the step runs.",
         "",
-        "| model | method | nodes | rel median | rel p90 | rel worst (node) | large | large median | large worst "
+        "| model | nodes | rel median | rel p90 | rel worst (node) | large | large median | large worst "
         "| large shares median / worst | step | totals | profile s | schedule | min | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['method']} | {r['nodes']} | {100 * r['median']:.1f}% | {100 * r['p90']:.1f}% | "
+            f"| {r['model']} | {r['nodes']} | {100 * r['median']:.1f}% | {100 * r['p90']:.1f}% | "
             f"{100 * r['worst']:.0f}% ({r['worst_node']}) | {r['large']} | {100 * r['large_median']:.1f}% | "
             f"{100 * r['large_worst']:.1f}% | {100 * r['share_median']:.1f}% / {100 * r['share_worst']:.1f}% | "
             f"{100 * r['step_share']:.1f}% | {r['totals']:.3f} | "
@@ -167,7 +150,6 @@ def render(rows, argv):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help="model names, comma separated")
-    parser.add_argument("--methods", default=None, help="timing methods, comma separated (default extra,plain)")
     parser.add_argument("--time_limit", type=float, default=20.0, help="seconds per optimal solve")
     parser.add_argument("--passes", type=int, default=None,
                         help=f"timing passes per extraction (default {analysis._TIMING_PASSES}; 1: one window per call)")
@@ -176,12 +158,8 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help=f"markdown file to write (default {DEFAULT_OUT}; "
                         "required with --only)")
     args = parser.parse_args(argv)
-    if any(v is not None for v in (args.only, args.methods, args.passes, args.window)) and args.out is None:
-        parser.error(f"--only, --methods, --passes and --window need --out (the default {DEFAULT_OUT} holds the "
-                     "defaults)")
-    methods = args.methods.split(",") if args.methods else ["extra", "plain"]
-    if not set(methods) <= {"extra", "plain"}:
-        parser.error(f"--methods takes extra and plain, got {args.methods!r}")
+    if any(v is not None for v in (args.only, args.passes, args.window)) and args.out is None:
+        parser.error(f"--only, --passes and --window need --out (the default {DEFAULT_OUT} holds the defaults)")
     if args.passes is not None:
         analysis._TIMING_PASSES = args.passes
     if args.window is not None:
@@ -189,7 +167,7 @@ def main(argv=None):
     names = args.only.split(",") if args.only else [*TEST_MODELS, *CONFORMANCE_MODELS]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("tfremat").setLevel(logging.ERROR)
-    text = render([agreement(name, method, args.time_limit) for name in names for method in methods], argv)
+    text = render([agreement(name, args.time_limit) for name in names], argv)
     out = args.out or DEFAULT_OUT
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

@@ -1,5 +1,4 @@
-"""How the profiler times and measures calls: on the step's executor, with more passes for
-the calls that decide the plans (issue 33 item 3)."""
+"""The profiler traces, times and measures calls on the step's executor (issue 33)."""
 
 import keras
 import numpy as np
@@ -34,24 +33,6 @@ def test_profiled_calls_are_traced_and_run_on_the_single_threaded_executor(monke
     assert len(executors) > 10 and set(executors) == {SEQUENTIAL_EXECUTOR}
     assert context.context().function_call_options.executor_type in (None, "")
     assert graph.cost[graph.names.index("lstm")] > 0
-
-
-class _Passes:
-    """A stand-in for a call's timing: ``seconds()`` is all :func:`analysis._largest` reads."""
-
-    def __init__(self, seconds):
-        self._seconds = seconds
-
-    def seconds(self):
-        return self._seconds
-
-
-def test_the_largest_calls_are_the_fewest_making_the_large_share():
-    timings = [_Passes(s) for s in (1.0, 40.0, 5.0, 30.0, 24.0)]  # 100 in all
-    large = analysis._largest(timings)
-    assert analysis._LARGE_SHARE == 0.7
-    assert [t.seconds() for t in large] == [40.0, 30.0]
-    assert analysis._largest([_Passes(2.0)])[0].seconds() == 2.0
 
 
 def test_the_cache_key_follows_the_cache_version(monkeypatch):

@@ -87,16 +87,13 @@ def _scripted_least_seconds(monkeypatch, passes):
 
 
 def test_each_call_keeps_its_least_seconds_over_the_timing_passes(monkeypatch):
-    """Within timing_passes a call is timed once per pass and (the only call, so the
-    largest) in two more passes, and each timed function (the dispatch, the forward, the
-    forward and backward) keeps its least seconds over them."""
+    """Within timing_passes a call is timed once per pass, and each timed function (the
+    dispatch, the forward, the forward and backward) keeps its least seconds over them."""
     layer = keras.layers.Dense(4)
     layer.build((2, 3))
     spec = tf.TensorSpec([2, 3], tf.float32)
     # (dispatch, forward, forward and backward) per pass: each is least in another pass.
-    answered = _scripted_least_seconds(monkeypatch, [(1.0, 3.0, 10.0), (0.5, 2.0, 7.0), (0.25, 4.0, 8.0),
-                                                     (1.0, 3.0, 9.0), (1.0, 2.5, 6.0)])
-    assert analysis._LARGE_EXTRA_PASSES == 2
+    answered = _scripted_least_seconds(monkeypatch, [(1.0, 3.0, 10.0), (0.5, 2.0, 7.0), (0.25, 4.0, 6.0)])
     with analysis.timing_passes(3) as passes:
         first = analysis.analyze_call(lambda xs: layer(xs[0]), "dense", [spec], [True], layer.trainable_variables,
                                       2, profile=True, repeats=5, warmup=2)
@@ -104,7 +101,7 @@ def test_each_call_keeps_its_least_seconds_over_the_timing_passes(monkeypatch):
         assert first.forward_seconds == analysis._on_grid(2.0) and first.backward_seconds == analysis._on_grid(7.0)
         final = passes.final(first)
     # The fewest rounds are shared among the passes; the passes after the first warm up once.
-    assert answered == [(2, 2)] + [(2, 1)] * 4
+    assert answered == [(2, 2), (2, 1), (2, 1)]
     assert final.forward_seconds == analysis._on_grid(2.0 - 0.25)
     assert final.backward_seconds == analysis._on_grid(6.0 - 2.0)
     assert passes.final(first) is final
@@ -116,28 +113,23 @@ def test_each_call_keeps_its_least_seconds_over_the_timing_passes(monkeypatch):
 
 def test_an_extraction_times_every_call_in_every_pass(monkeypatch):
     """extract() times each distinct call and the loss _TIMING_PASSES times, in passes over
-    all of them (the second pass starts after the last call's first), then the largest
-    calls in _LARGE_EXTRA_PASSES more passes."""
+    all of them (the second pass starts after the last call's first)."""
     timed = []
-    run_pass = analysis._Timing.run_pass
+    least_seconds = analysis._least_seconds
 
-    def recording(timing):
-        timed.append(id(timing))
-        run_pass(timing)
+    def recording(calls, repeats, warmup):
+        timed.append(calls[-1][0])
+        return least_seconds(calls, repeats, warmup)
 
-    monkeypatch.setattr(analysis._Timing, "run_pass", recording)
+    monkeypatch.setattr(analysis, "_least_seconds", recording)
     monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
     keras.utils.set_random_seed(0)
     x = keras.Input((6,))
     model = keras.Model(x, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(5, activation="relu")(x)))
     batch = (np.ones((4, 6), np.float32), np.eye(3, dtype=np.float32)[[0, 1, 2, 0]])
     extract(model, batch, cost_model="profile", use_cache=False)
-    groups = len(set(timed))
-    assert analysis._TIMING_PASSES >= 2 and groups >= 3
-    first_pass = timed[:groups]
+    groups = len(timed) // analysis._TIMING_PASSES
+    assert analysis._TIMING_PASSES >= 2 and len(timed) == analysis._TIMING_PASSES * groups and groups >= 3
+    first_pass = [id(fn) for fn in timed[:groups]]
     for k in range(1, analysis._TIMING_PASSES):
-        assert timed[k * groups:(k + 1) * groups] == first_pass
-    extra = timed[analysis._TIMING_PASSES * groups:]
-    large = len(extra) // analysis._LARGE_EXTRA_PASSES
-    assert large >= 1 and len(extra) == analysis._LARGE_EXTRA_PASSES * large
-    assert set(extra) <= set(first_pass) and extra == extra[:large] * analysis._LARGE_EXTRA_PASSES
+        assert [id(fn) for fn in timed[k * groups:(k + 1) * groups]] == first_pass

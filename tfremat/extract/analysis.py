@@ -41,9 +41,8 @@ where the median moves with the load. Wall time, not the process's CPU time, whi
 steadier under load but weighs a call by the threads it runs on: the step's time, what the
 plan predicts, is wall time. A busy machine also slows every run for a second or two at a
 time, longer than one call's timing, so within an extraction every call is timed in
-:data:`_TIMING_PASSES` passes over all the calls (:func:`timing_passes`), and the calls that
-make most of the step in :data:`_LARGE_EXTRA_PASSES` more, each timed function keeping its
-least seconds over them. The forward and the forward-plus-backward are timed in turns,
+:data:`_TIMING_PASSES` passes over all the calls, each timed function keeping its least
+seconds over them (:func:`timing_passes`). The forward and the forward-plus-backward are timed in turns,
 so the backward (their difference) is taken under one load, and every cost is rounded to a
 relative grid (:func:`_on_grid`) so that two profiles whose costs differ by noise give the
 solvers the same numbers. The peak of the bytes the run's operations request
@@ -130,10 +129,6 @@ _LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is 
 _MIN_TIMING_SECONDS = 0.05
 _MAX_TIMED_RUNS = 400
 _TIMING_PASSES = 3
-# The largest calls (_largest: the fewest making this share of all the calls' seconds)
-# are timed in this many more passes.
-_LARGE_SHARE = 0.7
-_LARGE_EXTRA_PASSES = 2
 _COST_GRID = 1.04  # costs are powers of this (seconds), so noise below ~2% cannot change them
 _SEED_SPEC = tf.TensorSpec([], tf.float32)  # the scalar the upstream gradients are filled with
 _NO_COMPUTE_OPS = frozenset(
@@ -191,7 +186,7 @@ def xla_layouts(enabled: bool = True):
 
 class _Timing:
     """One profiled call's timed functions, the least seconds of each in every pass so far
-    (:func:`_least_seconds`), and ``finish``, which makes the analysis of the chosen seconds."""
+    (:func:`_least_seconds`), and ``finish``, which makes the analysis of the chosen pass."""
 
     def __init__(self, make_calls: Callable[[], list], repeats: int, warmup: int, layer_name: str, xla: bool,
                  finish: Callable[[list[float]], "CallAnalysis"]):
@@ -207,10 +202,6 @@ class _Timing:
         warmup = 1 if self.passes else self.warmup
         self.passes.append(_compiled_least_seconds(calls, self.repeats, warmup, self.layer_name) if self.xla
                            else _least_seconds(calls, self.repeats, warmup))
-
-    def seconds(self) -> float:
-        """The call's largest chosen seconds (its forward plus backward): what ranks it."""
-        return max(self.chosen())
 
     def chosen(self) -> list[float]:
         """Each function's least seconds over the passes: a stall that slows every run of
@@ -243,19 +234,13 @@ class TimingPasses:
             self._timings[id(derived)] = (derived, entry[1], seconds_of)
 
     def final(self, analysis: "CallAnalysis") -> "CallAnalysis":
-        """``analysis`` with its chosen seconds over the passes (:meth:`_Timing.chosen`);
-        the remaining passes run on the first call: :attr:`passes` over all the calls,
-        then :data:`_LARGE_EXTRA_PASSES` more over the largest (:func:`_largest`). An
-        analysis not timed here (read from the cache) is returned as is."""
+        """``analysis`` with the least seconds over the passes; the remaining passes run on
+        the first call. An analysis not timed here (read from the cache) is returned as is."""
         if not self._done:
             self._done = True
             timings = list({id(timing): timing for _, timing, _ in self._timings.values()}.values())
             for _ in range(self.passes - 1):
                 for timing in timings:
-                    timing.run_pass()
-            large = _largest(timings) if timings else []
-            for _ in range(_LARGE_EXTRA_PASSES):
-                for timing in large:
                     timing.run_pass()
         entry = self._timings.get(id(analysis))
         if entry is None:
@@ -264,20 +249,6 @@ class TimingPasses:
             _, timing, adapt = entry
             self._final[id(analysis)] = adapt(timing.finish(timing.chosen()))
         return self._final[id(analysis)]
-
-
-def _largest(timings: Sequence[_Timing]) -> list[_Timing]:
-    """The fewest calls, largest first, whose seconds make :data:`_LARGE_SHARE` of all the
-    calls' seconds: those whose costs decide the plans."""
-    ranked = sorted(timings, key=lambda timing: -timing.seconds())
-    total = sum(timing.seconds() for timing in ranked)
-    large, summed = [], 0.0
-    for timing in ranked:
-        if summed >= _LARGE_SHARE * total:
-            break
-        large.append(timing)
-        summed += timing.seconds()
-    return large
 
 
 @contextlib.contextmanager
