@@ -133,7 +133,8 @@ def measure(name: str, batch: int, rounds: int) -> dict:
     resident["plain"] = list(plain_optimizer.variables)
     restore()
 
-    row = {"model": name, "batch": batch, "interop": os.environ.get("TF_NUM_INTEROP_THREADS", "default"),
+    interop = os.environ.get("TF_NUM_INTEROP_THREADS", "0")
+    row = {"model": name, "batch": batch, "interop": "default" if interop == "0" else interop,
            "predicted_mib": predicted / 2**20}
     plain_ops, plain_control = _op_profile(steps["plain"], x, y)
     for label in ("ordered", "unordered"):
@@ -176,9 +177,8 @@ def measure(name: str, batch: int, rounds: int) -> dict:
 def run_child(name: str, batch: int, rounds: int, interop: str | None) -> dict:
     """``measure`` in a subprocess with ``TF_NUM_INTEROP_THREADS`` set (None: TensorFlow's default)."""
     env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    env.pop("TF_NUM_INTEROP_THREADS", None)
-    if interop is not None:
-        env["TF_NUM_INTEROP_THREADS"] = interop
+    # "0" is TensorFlow's default; unset, min_budget.py's import (the ViT) set it to 1.
+    env["TF_NUM_INTEROP_THREADS"] = "0" if interop is None else interop
     command = [sys.executable, os.path.abspath(__file__), "--child", name, "--batch", str(batch),
                "--rounds", str(rounds)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)

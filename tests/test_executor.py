@@ -198,6 +198,16 @@ def _batch():
                                                                                  tf.float32)
 
 
+@pytest.fixture
+def parallel(monkeypatch):
+    """compile_step sees several inter-op threads, as in a process with TensorFlow's default
+    (the tests run with one, where the step keeps the default executor)."""
+    import tfremat.static_graph.compile as compile_module
+
+    monkeypatch.setattr(compile_module, "sequential_ops", lambda: False)
+    monkeypatch.setattr(compile_module, "_warned_parallel", set())
+
+
 def _step(model, x, y, **options):
     extraction = extract(model, (x, y), cost_model="flops", use_cache=False)
     return compile_step(extraction, get_strategy("chen_sqrtn")(extraction.graph), **options)
@@ -217,7 +227,7 @@ def _recording(step):
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_a_called_step_runs_on_the_sequential_executor(jit_compile):
+def test_a_called_step_runs_on_the_sequential_executor(jit_compile, parallel):
     model = _small_model()
     x, y = _batch()
     step = _step(model, x, y, jit_compile=jit_compile)
@@ -227,11 +237,7 @@ def test_a_called_step_runs_on_the_sequential_executor(jit_compile):
     assert function.get_concrete_function(x, y).function_def.attr["_noinline"].b
 
 
-def test_sequential_false_runs_on_the_default_executor(monkeypatch, caplog):
-    import tfremat.static_graph.compile as compile_module
-
-    monkeypatch.setattr(compile_module, "_warned_parallel", set())
-    monkeypatch.setattr(compile_module, "sequential_ops", lambda: False)
+def test_sequential_false_runs_on_the_default_executor(parallel, caplog):
     model = _small_model()
     x, y = _batch()
     with caplog.at_level(logging.WARNING, logger="tfremat.static_graph.compile"):
@@ -245,7 +251,16 @@ def test_sequential_false_runs_on_the_default_executor(monkeypatch, caplog):
         _step(model, x, y, sequential="yes")
 
 
-def test_a_refusal_of_the_executor_says_what_to_do():
+def test_one_inter_op_thread_keeps_the_default_executor():
+    model = _small_model()
+    x, y = _batch()
+    step = _step(model, x, y)
+    executors, _ = _recording(step)
+    step(x, y)
+    assert not step.sequential and executors in ([""], [None])
+
+
+def test_a_refusal_of_the_executor_says_what_to_do(parallel):
     model = _small_model()
     x, y = _batch()
     step = _step(model, x, y)
@@ -270,7 +285,7 @@ def _call_ops(graph):
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_value_and_grad_traced_into_a_loop_and_a_train_step_stays_a_sequential_call(jit_compile):
+def test_value_and_grad_traced_into_a_loop_and_a_train_step_stays_a_sequential_call(jit_compile, parallel):
     """``g`` called in a ``tf.function`` and in a model's ``train_step`` (traced by Keras's
     train function, with XLA when the model compiles with it) is one call on the
     single-threaded executor, kept out of its caller."""

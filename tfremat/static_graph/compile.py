@@ -54,7 +54,7 @@ class CompiledStep:
         strategy: the ``tf.distribute`` strategy, or None.
         function: the underlying ``tf.function`` (for ``get_concrete_function``).
         jit_compile: whether the step is compiled with XLA.
-        sequential: whether calls run on the single-threaded executor.
+        sequential: whether calls run on the single-threaded executor (see :func:`compile_step`).
     """
 
     def __init__(self, graph: DFGraph, side_table: Any, schedule: Schedule, plan: ExecutionPlan, optimizer: Any,
@@ -422,14 +422,15 @@ def compile_step(
             gradients)`` for a custom training loop (:func:`tfremat.value_and_grad`); the
             gradients then live until the step ends, which an extraction with
             ``weight_grads="fixed"`` counts. Not with ``strategy`` or ``return_outputs``.
-        sequential: run the step on TensorFlow's single-threaded executor
-            (:mod:`tfremat.runtime.executor`), one operation at a time, as the plan counts
-            memory and time, whatever the inter-op thread setting. Not where the step's
-            devices exchange values (several replicas of ``strategy``, or an offloading
-            plan on a GPU), which that executor can deadlock: those steps, and
-            ``sequential=False``, run on the default executor, which runs a statement's
-            operations together unless TensorFlow has one inter-op thread (a warning
-            says so).
+        sequential: when TensorFlow has several inter-op threads, run the step on its
+            single-threaded executor (:mod:`tfremat.runtime.executor`), one operation at a
+            time as the plan counts memory and time; the default executor would run a
+            statement's operations together. With one inter-op thread the default executor
+            runs one at a time already and is kept (its order fits the update ordering
+            better). Not where the step's devices exchange values (several replicas of
+            ``strategy``, or an offloading plan on a GPU), which that executor can
+            deadlock: those steps, and ``sequential=False``, run on the default executor
+            (with several inter-op threads a warning says so).
 
     Returns:
         A :class:`CompiledStep`.
@@ -478,6 +479,12 @@ def compile_step(
     plan = build_plan(graph, schedule)
     if not sequential:
         _warn_parallel_ops("compile_step(..., sequential=False) runs the step on TensorFlow's default executor")
+    elif sequential_ops():
+        # One inter-op thread: the default executor runs one op at a time already, in the
+        # order operations become ready, which the update ordering fits; the single-threaded
+        # executor's fixed order ran a weight-heavy MLP's update temporaries next to a 1 MiB
+        # gradient (1.16x its prediction; test_weight_gradients_die_with_their_backward_node).
+        sequential = False
     else:
         devices = _devices_exchanging(plan, strategy)
         if devices:
