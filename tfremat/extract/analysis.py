@@ -29,10 +29,11 @@ residuals, and such a call is recorded on a non-persistent tape and takes its gr
 one ``gradient`` call, as the step does
 (:func:`tfremat.runtime.tape.takes_one_gradient_call`).
 
-Every call is traced and run on TensorFlow's single-threaded executor
-(:func:`tfremat.runtime.executor.sequential`), as the compiled step runs: under the default
-inter-op threads a layer's independent operations (a convolution's input and filter
-gradients) would overlap in the profile, in time and in memory, where they do not in the step.
+Every call is traced and run on the executor the compiled step runs on (:func:`_step_executor`):
+with several inter-op threads TensorFlow's single-threaded one
+(:func:`tfremat.runtime.executor.sequential`), where the default one would overlap a layer's
+independent operations (a convolution's input and filter gradients) in the profile, in time
+and in memory, where they do not in the step.
 
 With ``profile=True`` the same functions are run on the target device. The cost is the
 least wall time of many runs after warm-up (:func:`_least_seconds`): a busy machine only
@@ -110,6 +111,7 @@ from tfremat.runtime.memory import (
     synchronize,
 )
 from tfremat.runtime.tape import takes_one_gradient_call
+from tfremat.static_graph.compile import sequential_ops
 
 __all__ = ["CallAnalysis", "TimingPasses", "analyze_call", "analyze_loss", "tensor_bytes", "timing_passes", "xla_costs",
            "xla_layouts"]
@@ -144,15 +146,23 @@ _XLA_LAYOUTS = contextvars.ContextVar("tfremat_xla_layouts", default=False)
 _TIMING = contextvars.ContextVar("tfremat_timing_passes", default=None)
 
 
+def _step_executor():
+    """The executor the compiled step runs on (:func:`~tfremat.static_graph.compile.compile_step`):
+    TensorFlow's single-threaded one (:func:`~tfremat.runtime.executor.sequential`) with
+    several inter-op threads, its default one, which then runs one operation at a time,
+    with one. The two differ beyond the order: a while loop traced for the single-threaded
+    executor stays a ``While`` operation, which the default executor lowers to control-flow
+    primitives (four stacked LSTMs requested 1.45 MB that way and 0.73 MB as a ``While``),
+    so the profile is taken on the step's. The profile cache key holds the thread setting."""
+    return contextlib.nullcontext() if sequential_ops() else sequential()
+
+
 def _sequentially(function: Callable) -> Callable:
-    """``function`` traced and run inside :func:`~tfremat.runtime.executor.sequential`, as
-    the step is: one operation at a time, and a while loop kept a ``While`` operation
-    (traced outside it, TensorFlow lowers the loop to control-flow primitives that the
-    single-threaded executor refuses)."""
+    """``function`` traced and run on the step's executor (:func:`_step_executor`)."""
 
     @functools.wraps(function)
     def wrapped(*args, **kwargs):
-        with sequential():
+        with _step_executor():
             return function(*args, **kwargs)
 
     return wrapped
@@ -393,7 +403,7 @@ def _least_seconds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup
     many, so that some run meets a quiet moment, and taking the calls in turns puts the
     same load on each.
     """
-    with sequential():
+    with _step_executor():
         for _ in range(warmup):
             for fn, args in calls:
                 synchronize(fn(*args))
