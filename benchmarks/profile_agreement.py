@@ -13,14 +13,13 @@ profile does not move.
 Run: ``python benchmarks/profile_agreement.py`` (writes
 ``benchmarks/results/profile_agreement.md``; ``--only`` takes model names, comma separated,
 and then needs ``--out``; ``--passes 1 --window 0.1`` times as before the timing passes, and
-then also needs ``--out``). Ops run one at a time (``TF_NUM_INTEROP_THREADS=1``), as the
-profiles are taken for the planner.
+then also needs ``--out``). TensorFlow's default inter-op threads: the calls are profiled on
+its single-threaded executor, as the compiled step runs (``tfremat.extract.analysis._step_executor``).
 """
 
 import os
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse  # noqa: E402
@@ -128,8 +127,8 @@ def render(rows, argv):
         "`\"min\"` resolves to, first and second profile; `load`: the 1-minute load average "
         "when the row started and finished (2 cores, shared with other jobs). Timing: every call timed in "
         f"{analysis._TIMING_PASSES} passes of at least {analysis._MIN_TIMING_SECONDS:g} s over all the calls, "
-        "the least of each timed function over them kept (`tfremat.extract.analysis.timing_passes`), every "
-        "call traced and run on TensorFlow's single-threaded executor, as the step runs.",
+        "the least of each timed function over them kept (`tfremat.extract.analysis.timing_passes`); TensorFlow's "
+        "default inter-op threads, so every call is traced and run on its single-threaded executor, as the step runs.",
         "",
         "| model | nodes | rel median | rel p90 | rel worst (node) | large | large median | large worst "
         "| large shares median / worst | step | totals | profile s | schedule | min | load |",
