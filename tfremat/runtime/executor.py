@@ -19,7 +19,12 @@ Two facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``):
   op names.
 * A function whose operations are placed on several devices (replicas of a
   ``MirroredStrategy``) is partitioned per device; each partition runs one operation at a
-  time, the devices still in parallel, which is what the per-device memory model counts.
+  time, the devices still in parallel, which is what the per-device memory model counts;
+  but each partition waits at a receive in its own fixed order, so partitions that send
+  each other values (a MirroredStrategy step's replicas) can wait for ever.
+* It runs a function's operations in one fixed topological order, not in the order they
+  become ready, which can move where an operation's buffers live within a statement
+  (``compile_step`` uses it only with several inter-op threads; benchmarks/results/step_overhead.md).
 """
 
 from __future__ import annotations
