@@ -38,6 +38,7 @@ from tfremat.extract.layer_graph import (
 )
 from tfremat.extract.losses import loss_cache_name, resolve_loss
 from tfremat.extract.opening import DEFAULT_GRANULARITY
+from tfremat.extract.overlap import batch_from_specs, measure_plain_overlap
 from tfremat.extract.profile_cache import (
     cache_key,
     layer_signature,
@@ -65,8 +66,13 @@ class Extraction:
         graph: the data-flow graph for the planners.
         side_table: the Keras half, indexed by node id.
         seconds: wall-clock seconds of the whole extraction.
-        profile_seconds: seconds spent tracing and profiling layer calls (0 on a cache hit).
+        profile_seconds: seconds spent tracing and profiling layer calls and measuring the
+            plain overlap (0 on a cache hit).
         cache_hit: the per-call measurements came from the on-disk cache.
+        plain_overlap: a plain training step's seconds on the step's single-threaded executor
+            over its seconds on TensorFlow's default one (:mod:`~tfremat.extract.overlap`);
+            1.0, not measured, with one inter-op thread, the ``"flops"`` cost model, several
+            replicas or XLA. Cached with the profile.
     """
 
     graph: DFGraph
@@ -74,6 +80,7 @@ class Extraction:
     seconds: float
     profile_seconds: float
     cache_hit: bool
+    plain_overlap: float = 1.0
 
 
 def extract(
@@ -229,9 +236,15 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
         analyses = [passes.final(a) for a in analyses]
         loss_analysis = passes.final(loss_analysis)
         alternatives = [{name: passes.final(a) for name, a in measured.items()} for measured in alternatives]
+    if cached is not None:
+        overlap = cached[3]
+    elif cost_model == "profile" and replicas == 1 and not xla and not tf.distribute.has_strategy():
+        overlap = measure_plain_overlap(model, *batch_from_specs(in_specs, label_specs), loss_fn, optimizer)
+    else:
+        overlap = 1.0
     profile_seconds = 0.0 if cached is not None else time.perf_counter() - profile_started
     if cached is None and use_cache:
-        store_cache(key, analyses, loss_analysis, alternatives)
+        store_cache(key, analyses, loss_analysis, alternatives, overlap)
 
     if weight_grads == "auto" and replicas > 1:
         logger.info("weight gradients are counted as resident for the whole step (%d replicas all-reduce them)",
@@ -249,7 +262,7 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
         "extract %s: %d nodes, %d edges in %.2f s (profiling %.2f s)", model.name, graph.size, len(graph.edges),
         seconds, profile_seconds,
     )
-    return Extraction(graph, table, seconds, profile_seconds, cached is not None)
+    return Extraction(graph, table, seconds, profile_seconds, cached is not None, overlap)
 
 
 def _check_arguments(model, sample_batch, input_signature, cost_model: str, weight_grads: str,

@@ -1,8 +1,9 @@
 """The on-disk profile cache: per-call measurements keyed by everything that changes them.
 
 An entry is ``<cache_dir>/<key>.json`` holding ``{"calls": [CallAnalysis dict, ...],
-"loss": CallAnalysis dict, "implementations": [{name: CallAnalysis dict}, ...]}`` (per call,
-its layer's alternatives when they were measured). The key hashes the cache version, the
+"loss": CallAnalysis dict, "implementations": [{name: CallAnalysis dict}, ...], "plain_overlap":
+float}`` (per call, its layer's alternatives when they were measured; the plain overlap,
+:mod:`tfremat.extract.overlap`). The key hashes the cache version, the
 TensorFlow version, the device, the inter-op thread setting, the cost model, whether
 alternatives are measured, whether the calls were timed compiled by XLA
 (``extract(..., xla=True)``), the loss, the input and label specs,
@@ -28,7 +29,7 @@ __all__ = ["cache_dir", "code_fingerprint", "layer_signature", "cache_key", "loa
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 26
+_CACHE_VERSION = 27
 _SCALARS = (bool, int, float, str, type(None))
 _LIBRARY_MODULES = ("keras", "tensorflow", "tf_keras", "builtins", "abc", "typing")
 
@@ -144,9 +145,10 @@ def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def load_cache(key: str, num_calls: int) -> tuple[list[CallAnalysis], CallAnalysis, list[dict[str, CallAnalysis]]] | None:
+def load_cache(key: str,
+               num_calls: int) -> tuple[list[CallAnalysis], CallAnalysis, list[dict[str, CallAnalysis]], float] | None:
     """The cached measurements of every call, of the loss and of every call's alternatives,
-    or None on a miss.
+    and the plain overlap, or None on a miss.
 
     A damaged entry (an edit by hand, another version's) is a miss: it is logged and
     measured again, and the next store overwrites it; it is never removed here (another
@@ -162,22 +164,24 @@ def load_cache(key: str, num_calls: int) -> tuple[list[CallAnalysis], CallAnalys
         calls = [CallAnalysis.from_dict(d) for d in data["calls"]]
         loss = CallAnalysis.from_dict(data["loss"])
         alternatives = [{name: CallAnalysis.from_dict(d) for name, d in one.items()} for one in data["implementations"]]
+        overlap = float(data["plain_overlap"])
         if len(calls) != num_calls or len(alternatives) != num_calls:
             raise ValueError(f"{len(calls)} calls cached for a model with {num_calls}")
     except Exception as err:  # noqa: BLE001 - whatever an entry holds, it is a miss, never the user's error
         logger.warning("profile cache entry %s is damaged (%s: %s); measuring again", path, type(err).__name__,
                        str(err)[:300])
         return None
-    return calls, loss, alternatives
+    return calls, loss, alternatives, overlap
 
 
 def store_cache(key: str, calls: list[CallAnalysis], loss: CallAnalysis,
-                alternatives: list[dict[str, CallAnalysis]]) -> None:
+                alternatives: list[dict[str, CallAnalysis]], plain_overlap: float = 1.0) -> None:
     """Writes an entry atomically (:func:`tfremat.cache.write_atomically`: a temporary file
     with a unique name, then a rename). A directory that cannot be written is logged once
     and skipped: extraction goes on without caching."""
     data = {"calls": [a.to_dict() for a in calls], "loss": loss.to_dict(),
-            "implementations": [{name: a.to_dict() for name, a in one.items()} for one in alternatives]}
+            "implementations": [{name: a.to_dict() for name, a in one.items()} for one in alternatives],
+            "plain_overlap": plain_overlap}
     directory = cache_dir()
     try:
         write_atomically(os.path.join(directory, f"{key}.json"), json.dumps(data))

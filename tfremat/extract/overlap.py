@@ -1,0 +1,121 @@
+"""How much faster plain training runs than the step's executor lets it: the plain overlap.
+
+With several inter-op threads (TensorFlow's default) the compiled step and the profiler run
+on TensorFlow's single-threaded executor (:mod:`tfremat.runtime.executor`), one operation at
+a time, while plain Keras training runs independent operations together. The profiled costs
+and the predicted overhead are therefore relative to a plain step run one operation at a
+time; the checkpoint-all step ran 1.02-1.14x plain with the default threads
+(benchmarks/results/step_overhead.md). The factor measured here,
+median over rounds of (plain step on the single-threaded executor) / (plain step on the
+default one), turns the predicted overhead into the predicted time over plain training:
+``(1 + overhead) * factor`` (:attr:`tfremat.planner.PlanResult.predicted_time_over_plain`).
+It scales every schedule alike, so the planners never see it.
+
+With one inter-op thread both executors run one operation at a time: the factor is 1.0 and
+nothing is measured. Measured, it costs two traces of the plain step and a few steps of
+each kind (benchmarks/results/fidelity_default_threads.md gives the seconds and how two
+extractions agree).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tfremat.extract.plain_step import plain_train_step
+from tfremat.runtime.executor import sequential
+
+__all__ = ["batch_from_specs", "measure_plain_overlap", "plain_overlap_applies"]
+
+logger = logging.getLogger(__name__)
+
+# Rounds timed after the warm-up: at least MIN_ROUNDS, more for a fast step, until the
+# rounds take about TARGET_SECONDS (a median of 5 ratios moved by ~2% between two
+# extractions of a transformer under load; fidelity_default_threads.md).
+MIN_ROUNDS = 5
+MAX_ROUNDS = 25
+TARGET_SECONDS = 1.5
+
+
+def plain_overlap_applies() -> bool:
+    """Whether TensorFlow's default executor may run several operations at once (more than
+    one inter-op thread), so that plain training can overlap what the step runs in turn."""
+    from tfremat.static_graph.compile import sequential_ops  # the step's own test of the setting
+
+    return not sequential_ops()
+
+
+def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
+    """The median over rounds of a plain training step's seconds on the single-threaded
+    executor over its seconds on the default one (module docstring); 1.0 without measuring
+    when there is one inter-op thread.
+
+    The steps train ``model`` with a fresh copy of ``optimizer`` (its own slots and step
+    count, ``optimizer`` itself untouched); the model's variables (weights, batch-norm
+    statistics, seed states) are restored afterwards, so the model is left as it was.
+
+    Args:
+        model: the Keras model (a functional one: extraction's wrapper).
+        x, y: one batch, as the model and ``loss_fn`` take them.
+        loss_fn: ``fn(labels_list, preds_list) -> scalar`` (``SideTable.loss_fn``).
+        optimizer: the Keras optimizer whose configuration the steps use.
+    """
+    if not plain_overlap_applies():
+        return 1.0
+    started = time.perf_counter()
+    fresh = type(optimizer).from_config(optimizer.get_config())
+    saved = [v.numpy() for v in model.variables]
+    try:
+        # Two functions: each is traced for the executor it runs on (a while loop traced
+        # for the single-threaded executor stays a While operation, analysis._step_executor).
+        default_step = plain_train_step(model, loss_fn, fresh)
+        sequential_step = plain_train_step(model, loss_fn, fresh)
+
+        def run_default() -> float:
+            began = time.perf_counter()
+            default_step(x, y).numpy()
+            return time.perf_counter() - began
+
+        def run_sequential() -> float:
+            began = time.perf_counter()
+            with sequential():
+                sequential_step(x, y).numpy()
+            return time.perf_counter() - began
+
+        for _ in range(2):  # tracing, then first-call allocations
+            one = run_default() + run_sequential()
+        rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(TARGET_SECONDS / max(one, 1e-6))))
+        ratios = []
+        for round_ in range(rounds):  # in turns, the order alternating (tfremat.measure.time_in_turns)
+            if round_ % 2 == 0:
+                default = run_default()
+                ratios.append(run_sequential() / default)
+            else:
+                ratios.append(run_sequential() / run_default())
+    finally:
+        for variable, value in zip(model.variables, saved):
+            variable.assign(value)
+    factor = float(np.median(ratios))
+    logger.info("plain overlap of %s: %.3f (single-threaded over default executor, median of %d rounds, quartiles "
+                "%.3f-%.3f) in %.1f s", model.name, factor, rounds, *np.percentile(ratios, [25, 75]),
+                time.perf_counter() - started)
+    return factor
+
+
+def batch_from_specs(in_specs, label_specs, seed: int = 0) -> tuple:
+    """A batch ``(x, y)`` shaped by an extraction's input and label specs, as the model and
+    its loss function take it: uniform floats, zeros for integers (a valid token or class
+    index); the values barely move a step's time."""
+    rng = np.random.default_rng(seed)
+
+    def make(spec):
+        if spec.dtype.is_floating:
+            return tf.constant(rng.random(spec.shape.as_list()), dtype=spec.dtype)
+        return tf.zeros(spec.shape, spec.dtype)
+
+    inputs = [make(s) for s in in_specs]
+    return (inputs[0] if len(inputs) == 1 else inputs), [make(s) for s in label_specs]
