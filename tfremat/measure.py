@@ -371,6 +371,8 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         and the ratios measured/predicted, requested/predicted, peak/plain and time/plain
         (time_over_plain: the median of the per-round ratios; time_over_plain_quartiles:
         their first and third quartile, the spread the machine's load left; timed_rounds),
+        predicted_overhead, plain_overlap and predicted_time_over_plain (what time_over_plain
+        is predicted to be: :attr:`tfremat.planner.PlanResult.predicted_time_over_plain`),
         recomputed_layer_calls and costly_vjp_rebuilds (the compiled step's
         :class:`~tfremat.static_graph.interpreter.TraceReport` counts: layer calls its
         recomputations make, and gradients rebuilt by repeating a layer's forward work the
@@ -457,6 +459,9 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             "time_over_plain_quartiles": [round(q, 4) for q in timing.ratio_quartiles],
             "timed_rounds": timing.rounds,
             "predicted_overhead": round(result.overhead, 4),
+            # Plain training overlaps operations the step runs in turn (tfremat.extract.overlap).
+            "plain_overlap": round(result.plain_overlap, 4),
+            "predicted_time_over_plain": round(result.predicted_time_over_plain, 4),
             # Forward work the step repeats beyond the plan's recomputations (a gradient
             # rebuilt on a recomputed input; interpreter.TraceReport), for the time's account.
             "recomputed_layer_calls": step.report.recomputed_layer_calls,

@@ -90,6 +90,9 @@ class PlanResult:
         checkpoint_all_peak_bytes: the peak without rematerialization.
         overhead: extra time as a fraction of one plain step (simulated makespan / total
             cost - 1): recomputation, and waits for host copies when the schedule offloads.
+            The costs are those of operations run one at a time, as the step runs them;
+            :attr:`predicted_time_over_plain` adds what plain training gains by overlapping
+            them.
         solve_seconds: wall-clock seconds spent choosing the schedule (0 on a cache hit).
         from_cache: the schedule came from the on-disk cache.
         extraction: the model's extraction (graph + side table) when planned from a model.
@@ -118,6 +121,19 @@ class PlanResult:
     planned_with: str | None = None
 
     @property
+    def plain_overlap(self) -> float:
+        """How much faster plain training runs than one operation at a time
+        (:attr:`tfremat.extract.extractor.Extraction.plain_overlap`); 1.0 without an
+        extraction (a graph planned alone) or with one inter-op thread."""
+        return float(getattr(self.extraction, "plain_overlap", 1.0))
+
+    @property
+    def predicted_time_over_plain(self) -> float:
+        """The step's predicted seconds over plain training's: ``(1 + overhead) *
+        plain_overlap`` (the overlap scales every schedule alike, so no strategy sees it)."""
+        return (1 + self.overhead) * self.plain_overlap
+
+    @property
     def facts(self) -> SolverFacts | None:
         """What the solver proved (status, objective, best bound, gap, ...); None for heuristics."""
         return self.schedule.facts
@@ -132,6 +148,8 @@ class PlanResult:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "checkpoint_all_peak_bytes": self.checkpoint_all_peak_bytes,
             "overhead": round(self.overhead, 6),
+            "plain_overlap": round(self.plain_overlap, 4),
+            "predicted_time_over_plain": round(self.predicted_time_over_plain, 4),
             "recomputations": self.schedule.recompute_count,
             "gap": self.facts.gap if self.facts is not None else None,
             "solve_seconds": round(self.solve_seconds, 3),
@@ -241,6 +259,9 @@ def plan_summary(result: PlanResult) -> str:
     line = (f"{result.schedule.recompute_count} recomputations, predicted peak "
             f"{format_bytes(result.predicted_peak_bytes)}{budget} (checkpoint all "
             f"{format_bytes(result.checkpoint_all_peak_bytes)}), predicted overhead {100 * result.overhead:+.1f}%")
+    if result.plain_overlap != 1.0:
+        line += (f", {result.predicted_time_over_plain:.2f}x plain training's time (plain training runs "
+                 f"independent operations together, {result.plain_overlap:.2f}x faster than one at a time)")
     facts = result.facts
     if result.inexact_implementations:
         named = sorted({name for _, name in result.inexact_implementations})

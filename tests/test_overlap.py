@@ -1,0 +1,171 @@
+"""The plain overlap (tfremat.extract.overlap, issue 33 item 2): with several inter-op threads
+plain training runs independent operations together while the step runs them one at a time,
+so the predicted time over plain is ``(1 + overhead) * plain_overlap``.
+
+The test process has one inter-op thread (:mod:`conftest`), where nothing is measured; the
+measurement is checked with the thread test patched (the same code path, both executors
+then one operation at a time) and in a subprocess with TensorFlow's default threads.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfremat.extract.overlap as overlap_module
+from tfremat.extract import extract
+from tfremat.extract.overlap import batch_from_specs, measure_plain_overlap
+from tfremat.planner import plan_graph, plan_summary
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Dropout(0.2)(h)
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h))
+    return keras.Model(inputs, outputs)
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((4, 8, 8, 3)).astype("float32"), rng.standard_normal((4, 2)).astype("float32")
+
+
+@pytest.fixture
+def parallel(monkeypatch):
+    """The overlap is measured as with several inter-op threads."""
+    import tfremat.static_graph.compile as compile_module
+
+    monkeypatch.setattr(compile_module, "sequential_ops", lambda: False)
+
+
+def test_one_inter_op_thread_measures_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("no plain step runs with one inter-op thread")
+
+    monkeypatch.setattr(overlap_module, "plain_train_step", refused)
+    model = _model()
+    extraction = extract(model, _batch(), loss="mse", cost_model="profile", repeats=1)
+    assert extraction.plain_overlap == 1.0
+    result = plan_graph(extraction.graph, None, "checkpoint_all", cache=False)
+    result = dataclasses.replace(result, extraction=extraction)
+    assert result.plain_overlap == 1.0
+    assert result.predicted_time_over_plain == pytest.approx(1 + result.overhead)
+    assert result.summary()["plain_overlap"] == 1.0
+    assert "plain training" not in plan_summary(result)
+
+
+def test_measured_overlap_leaves_the_model_and_optimizer_as_they_were(parallel, caplog):
+    model = _model()
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    before = [v.numpy().copy() for v in model.variables + optimizer.variables]
+    x, y = _batch()
+    loss = lambda labels, preds: tf.reduce_mean(tf.square(labels[0] - preds[0]))  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="tfremat.extract.overlap"):
+        factor = measure_plain_overlap(model, tf.constant(x), [tf.constant(y)], loss, optimizer)
+    assert any("plain overlap of" in r.getMessage() for r in caplog.records)
+    assert factor > 0 and np.isfinite(factor)
+    after = [v.numpy() for v in model.variables + optimizer.variables]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert int(optimizer.iterations.numpy()) == 0
+
+
+def test_the_overlap_is_cached_with_the_profile(parallel, monkeypatch, tmp_path):
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path))
+    measured = []
+
+    def fake(*args):
+        measured.append(args)
+        return 1.25
+
+    monkeypatch.setattr("tfremat.extract.extractor.measure_plain_overlap", fake)
+    first = extract(_model(), _batch(), loss="mse", cost_model="profile", repeats=1)
+    second = extract(_model(), _batch(), loss="mse", cost_model="profile", repeats=1)
+    assert len(measured) == 1 and not first.cache_hit and second.cache_hit
+    assert first.plain_overlap == second.plain_overlap == 1.25
+    # The flops cost model times nothing, the overlap included.
+    assert extract(_model(), _batch(), loss="mse", cost_model="flops", use_cache=False).plain_overlap == 1.0
+    assert len(measured) == 1
+
+
+def test_the_plan_says_the_time_over_plain_with_the_overlap():
+    extraction = extract(_model(), _batch(), loss="mse", cost_model="flops", use_cache=False)
+    result = plan_graph(extraction.graph, "95% of activations", "chen_sqrtn", cache=False)
+    result = dataclasses.replace(result, extraction=types.SimpleNamespace(plain_overlap=1.1))
+    assert result.predicted_time_over_plain == pytest.approx((1 + result.overhead) * 1.1)
+    row = result.summary()
+    assert row["plain_overlap"] == 1.1
+    assert row["predicted_time_over_plain"] == pytest.approx((1 + result.overhead) * 1.1, abs=1e-4)
+    line = plan_summary(result)
+    assert f"{(1 + result.overhead) * 1.1:.2f}x plain training's time" in line and "1.10x faster" in line
+
+
+def test_batch_from_specs_gives_valid_indices():
+    x, y = batch_from_specs([tf.TensorSpec((2, 5), tf.int32)], [tf.TensorSpec((2, 3), tf.float32)])
+    assert x.dtype == tf.int32 and not np.any(x.numpy())
+    assert y[0].shape == (2, 3) and np.all((y[0].numpy() >= 0) & (y[0].numpy() < 1))
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["TF_NUM_INTEROP_THREADS"] = "0"
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    sys.path[:0] = [{tests!r}, {root!r}]
+    import keras, numpy as np
+    from tfremat.extract import extract
+    from tfremat.planner import plan_graph, plan_summary
+    import dataclasses
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    left = keras.layers.Dense(32, activation="relu")(inputs)
+    right = keras.layers.Dense(32, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(3)(keras.layers.Concatenate()([left, right]))
+    model = keras.Model(inputs, outputs)
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    before = [v.numpy().copy() for v in model.variables + optimizer.variables]
+    rng = np.random.default_rng(0)
+    batch = rng.standard_normal((8, 16)).astype("float32"), rng.standard_normal((8, 3)).astype("float32")
+    extraction = extract(model, batch, loss="mse", optimizer=optimizer, repeats=1)
+    unchanged = all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables + optimizer.variables))
+    result = dataclasses.replace(plan_graph(extraction.graph, None, "checkpoint_all", cache=False),
+                                 extraction=extraction)
+    print("RESULT", json.dumps(dict(overlap=extraction.plain_overlap, unchanged=unchanged,
+                                    summary=result.summary(), line=plan_summary(result))))
+    """
+)
+
+
+def test_default_threads_measure_the_overlap(tmp_path):
+    script = tmp_path / "overlap.py"
+    script.write_text(_SCRIPT.format(tests=HERE, root=ROOT))
+    env = dict(os.environ, TFREMAT_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("TF_NUM_INTEROP_THREADS", None)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert line, result.stdout[-2000:] + result.stderr[-2000:]
+    found = json.loads(line[0].removeprefix("RESULT "))
+    assert found["unchanged"]
+    # Measured: a median of ratios of two timings, never exactly the unmeasured 1.0.
+    assert found["overlap"] > 0 and found["overlap"] != 1.0
+    assert found["summary"]["plain_overlap"] == round(found["overlap"], 4)
+    assert "plain training" in found["line"]
