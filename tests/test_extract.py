@@ -428,7 +428,9 @@ def test_workspace_is_requested_bytes_not_allocator_chunks():
     del free_chunk
     predicted, requested = _checkpoint_all_peaks(model, x, y)
     assert requested <= 1.05 * predicted, (requested, predicted)
-    assert requested >= 0.85 * predicted, (requested, predicted)
+    # 0.59 with the bug; 0.85-0.86 since (the conv scratch varies with the kernel chosen), so
+    # the floor sits between them.
+    assert requested >= 0.75 * predicted, (requested, predicted)
 
 
 class _NoConfigBlock(keras.layers.Layer):
