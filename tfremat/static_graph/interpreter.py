@@ -263,7 +263,7 @@ class _Interpreter:
                         self.previous = produced
                         layer = self.table[self.table[node].forward_node].layer if self.table[node].kind != "loss" else None
                         for variable in getattr(layer, "trainable_variables", ()):
-                            self.last_reader[id(variable)] = produced
+                            self.last_reader[id(variable)] = self.token
                             last_statement[id(variable)] = len(self.report.statement_ops) - 1
                 elif statement.op is Op.OFFLOAD:
                     self._offload(node)
@@ -287,6 +287,11 @@ class _Interpreter:
         # For a layer that is not recomputed after its backward node, that is the backward
         # node itself, so weight gradients still die right after it; otherwise they live
         # until the recomputation, as the simulator counts (DFGraph.weight_grad_bytes).
+        # The gate is the statement's token, not its outputs: the token reads the weight
+        # gradient too, and TensorFlow's single-threaded executor, which runs a fixed order,
+        # ran it after the update, whose ``lr * gradient`` then could not reuse the
+        # gradient's buffer (a 512x512 MLP requested 1 MiB over its prediction;
+        # tests/test_executor.py).
         gated = {}
         for key, (variable, parts) in self.weight_grads.items():
             grad = parts[0] if len(parts) == 1 else _add_gradients(parts)
