@@ -76,6 +76,9 @@ instead, found in the optimized HLO of the call and its gradient compiled by XLA
 copy XLA makes of each trainable variable it updates counts as a small residual
 (:func:`_with_xla_layouts`); everything else is measured as without it.
 
+Within :func:`memory_only` (``extract(..., timing=False)``) profiling measures the bytes
+above and times nothing: the seconds stay 0, and the graph's costs come from elsewhere.
+
 The ``flops`` cost model sums TensorFlow's registered per-op flop statistics over the traced
 ops (``Conv2D``, ``MatMul``, ...), and the element count of every other computing op. A
 while loop counts its body's ops times the iterations it ran on a sample batch (the length
@@ -113,8 +116,8 @@ from tfremat.runtime.memory import (
 from tfremat.runtime.tape import takes_one_gradient_call
 from tfremat.static_graph.compile import sequential_ops
 
-__all__ = ["CallAnalysis", "TimingPasses", "analyze_call", "analyze_loss", "tensor_bytes", "timing_passes", "xla_costs",
-           "xla_layouts"]
+__all__ = ["CallAnalysis", "TimingPasses", "analyze_call", "analyze_loss", "memory_only", "tensor_bytes", "timing_passes",
+           "xla_costs", "xla_layouts"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +145,8 @@ _NO_COMPUTE_OPS = frozenset(
 _XLA_COSTS = contextvars.ContextVar("tfremat_xla_costs", default=False)
 # Whether the layout copies XLA makes for a call's gradient count as its residuals (xla_layouts).
 _XLA_LAYOUTS = contextvars.ContextVar("tfremat_xla_layouts", default=False)
+# Whether profiling times the calls (False within memory_only: bytes measured, seconds 0).
+_TIMED = contextvars.ContextVar("tfremat_timed", default=True)
 # The passes that time every profiled call again (timing_passes), or None.
 _TIMING = contextvars.ContextVar("tfremat_timing_passes", default=None)
 
@@ -192,6 +197,21 @@ def xla_layouts(enabled: bool = True):
         yield
     finally:
         _XLA_LAYOUTS.reset(token)
+
+
+@contextlib.contextmanager
+def memory_only(enabled: bool = True):
+    """Within it, profiling (:func:`analyze_call`, :func:`analyze_loss` with ``profile``)
+    measures every byte as it does otherwise (traces, requested peaks, workspaces, hidden
+    residuals) but times nothing: the seconds stay 0. For a graph whose costs come from
+    elsewhere (``extract(..., timing=False)``); the timing passes are most of a profile's
+    time (ResNet50 at 64x64, batch 142: 54.8 s -> 27.1 s, benchmarks/results/maxbatch_quick.md).
+    A context, as :func:`xla_costs`."""
+    token = _TIMED.set(not enabled)
+    try:
+        yield
+    finally:
+        _TIMED.reset(token)
 
 
 class _Timing:
@@ -848,7 +868,8 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     and the greediest one (:func:`_run_greediest`).
 
     Within :func:`xla_costs` the seconds are timed on the forward and the step's trace
-    compiled by XLA (:func:`_xla_functions`); the workspaces are measured as above.
+    compiled by XLA (:func:`_xla_functions`); the workspaces are measured as above. Within
+    :func:`memory_only` nothing is timed (seconds 0).
     """
     inputs = [_sample(s) for s in tracer.input_specs]
     weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in tracer.variables)
@@ -877,6 +898,8 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
         forward_workspace=max(0, fwd_peak - analysis.output_bytes - analysis.residual_bytes),
         backward_workspace=max(0, fb_peak - held_bytes - analysis.input_grad_bytes - weight_grad_bytes),
     )
+    if not _TIMED.get():
+        return measured
     xla = _XLA_COSTS.get()
     if xla:
         functions = _xla_functions(tracer, args)
@@ -1242,6 +1265,8 @@ def analyze_loss(
     labels = [_sample(s) for s in label_specs]
     peak = _requested_peak(concrete, (preds, labels), warmup)
     measured = dataclasses.replace(analysis, forward_workspace=max(0, peak - output_bytes))
+    if not _TIMED.get():
+        return measured
     xla = _XLA_COSTS.get()
     timed = tf.function(loss_and_grads, autograph=False, jit_compile=True).get_concrete_function(
         list(pred_specs), list(label_specs)) if xla else concrete

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import ExtractionError, is_int
-from tfremat.extract.analysis import CallAnalysis, analyze_loss, timing_passes, xla_costs, xla_layouts
+from tfremat.extract.analysis import CallAnalysis, analyze_loss, memory_only, timing_passes, xla_costs, xla_layouts
 from tfremat.extract.assembly import assemble, backward_flags, weight_gradient_lifetime
 from tfremat.extract.checks import (
     analyze_checked,
@@ -71,8 +71,8 @@ class Extraction:
         cache_hit: the per-call measurements came from the on-disk cache.
         plain_overlap: a plain training step's seconds on the step's single-threaded executor
             over its seconds on TensorFlow's default one (:mod:`~tfremat.extract.overlap`);
-            1.0, not measured, with one inter-op thread, the ``"flops"`` cost model, several
-            replicas or XLA. Cached with the profile.
+            1.0, not measured, with one inter-op thread, the ``"flops"`` cost model, ``timing=False``,
+            several replicas or XLA. Cached with the profile.
     """
 
     graph: DFGraph
@@ -100,6 +100,7 @@ def extract(
     implementations: bool = False,
     replicas: int | None = None,
     xla: bool | str = False,
+    timing: bool = True,
 ) -> Extraction:
     """Extracts the training graph of a Keras model.
 
@@ -156,6 +157,13 @@ def extract(
             ``"profile"`` cost model times every call compiled by XLA, where fused
             pointwise operations cost little to recompute
             (:func:`~tfremat.extract.analysis.xla_costs`). Cached apart from each other.
+        timing: False: the ``"profile"`` cost model measures every byte (workspaces, hidden
+            residuals) but times nothing, neither the calls nor the plain overlap
+            (:func:`~tfremat.extract.analysis.memory_only`), and the graph's costs are the
+            ``"flops"`` model's: for a caller that needs the bytes at this batch and takes
+            the costs elsewhere (the certifying build of
+            :func:`tfremat.maxbatch.max_batch_size`), about half a profile's time. Cached
+            apart from a timed profile.
 
     Under a strategy's scope (a cross-replica context) the model is extracted as replica 0
     sees it, inside ``tf.distribute.ReplicaContext(strategy, 0)``: a mirrored variable has
@@ -177,6 +185,8 @@ def extract(
     _check_arguments(model, sample_batch, input_signature, cost_model, weight_grads, replicas)
     if xla not in (False, True, "memory"):
         raise ExtractionError(f"xla must be False, 'memory' or True, got {xla!r}")
+    if not isinstance(timing, bool):
+        raise ExtractionError(f"timing must be True or False (False: measure bytes only), got {timing!r}")
     optimizer = optimizer if optimizer is not None else keras.optimizers.SGD()
     replicas = model.distribute_strategy.num_replicas_in_sync if replicas is None else replicas
     # Variables are made where the caller is (in a strategy's scope they are mirrored, as
@@ -188,7 +198,8 @@ def extract(
     with _as_replica():
         return _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer, cost_model, batch_size,
                         repeats, use_cache, weight_grads, granularity, implementations, replicas, started,
-                        "timed" if xla is True and cost_model == "profile" else "memory" if xla else "")
+                        "timed" if xla is True and cost_model == "profile" and timing else "memory" if xla else "",
+                        timing or cost_model != "profile")
 
 
 def _as_replica():
@@ -201,17 +212,19 @@ def _as_replica():
 
 def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer, cost_model: str,
              batch_size: int | None, repeats: int, use_cache: bool, weight_grads: str, granularity: str,
-             implementations: bool, replicas: int, started: float, xla: str) -> Extraction:
+             implementations: bool, replicas: int, started: float, xla: str, timed: bool) -> Extraction:
     """:func:`extract` once the arguments are checked, the model wrapped, the optimizer
     built and the replica context entered; ``xla``: ``"memory"`` counts XLA's layout copies,
-    ``"timed"`` that and the calls are timed compiled by XLA, ``""`` neither."""
+    ``"timed"`` that and the calls are timed compiled by XLA, ``""`` neither; ``timed``:
+    False for a ``"profile"`` extraction that measures bytes only (``timing=False``)."""
     in_specs, label_specs = _input_specs(model, sample_batch, input_signature, batch_size)
     calls, output_refs = walk_model(model, granularity, [spec.shape for spec in in_specs])
     batch = int(in_specs[0].shape[0])
     loss_name = loss_cache_name(loss, loss_weights)
     loss_fn = resolve_loss(loss, len(output_refs), model_output_names(model), loss_weights)
-    key = cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, default_device(), implementations,
-                    ("layouts", xla) if xla else False)
+    # A memory-only profile is cached under its own cost model: it never serves a timed request.
+    key = cache_key(model, calls, in_specs, label_specs, loss_name, cost_model if timed else "profile, untimed",
+                    default_device(), implementations, ("layouts", xla) if xla else False)
     cached = load_cache(key, len(calls)) if use_cache else None
     needs_backward = backward_flags(calls)
 
@@ -221,7 +234,7 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
     # The timing passes run the calls again after analyze_checked restored each layer's
     # state: without this, a cold profile moved batch-norm statistics and dropout seeds.
     with state_restored(model.non_trainable_variables), xla_costs(xla == "timed"), xla_layouts(bool(xla)), \
-            timing_passes() as passes:
+            memory_only(not timed), timing_passes() as passes:
         analyses, out_specs = _analyze_calls(
             calls, needs_backward, in_specs, None if cached is None else cached[0], batch, cost_model, repeats,
         )
@@ -238,7 +251,7 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
         alternatives = [{name: passes.final(a) for name, a in measured.items()} for measured in alternatives]
     if cached is not None:
         overlap = cached[3]
-    elif cost_model == "profile" and replicas == 1 and not xla and not tf.distribute.has_strategy():
+    elif cost_model == "profile" and timed and replicas == 1 and not xla and not tf.distribute.has_strategy():
         overlap = measure_plain_overlap(model, *batch_from_specs(in_specs, label_specs), loss_fn, optimizer)
     else:
         overlap = 1.0
@@ -254,7 +267,8 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
         weight_grads = weight_gradient_lifetime(optimizer, [call.layer for call in calls])
     graph, table = assemble(
         model, calls, output_refs, needs_backward, analyses, loss_analysis, in_specs, label_specs,
-        loss_fn, optimizer, batch, cost_model, weight_grads, alternatives, split_backward=implementations,
+        loss_fn, optimizer, batch, cost_model if timed else "flops", weight_grads, alternatives,
+        split_backward=implementations,
         replicas=replicas, use_cache=use_cache,
     )
     seconds = time.perf_counter() - started
