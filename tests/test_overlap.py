@@ -117,10 +117,18 @@ def test_the_plan_says_the_time_over_plain_with_the_overlap():
     assert f"{(1 + result.overhead) * 1.1:.2f}x plain training's time" in line and "1.10x faster" in line
 
 
-def test_batch_from_specs_gives_valid_indices():
-    x, y = batch_from_specs([tf.TensorSpec((2, 5), tf.int32)], [tf.TensorSpec((2, 3), tf.float32)])
-    assert x.dtype == tf.int32 and not np.any(x.numpy())
-    assert y[0].shape == (2, 3) and np.all((y[0].numpy() >= 0) & (y[0].numpy() < 1))
+def test_batch_from_specs_gives_valid_indices_in_the_model_s_structure():
+    tokens = keras.Input((5,), dtype="int32", name="tokens")
+    mask = keras.Input((5,), dtype="int32", name="mask")
+    joined = keras.layers.Concatenate()([keras.layers.Embedding(10, 3)(tokens), keras.layers.Embedding(2, 3)(mask)])
+    model = keras.Model({"tokens": tokens, "mask": mask}, keras.layers.Dense(3)(joined))
+    specs = [tf.TensorSpec((2, 5), tf.int32)] * 2
+    x, y = batch_from_specs(model, specs, [tf.TensorSpec((2, 5, 3), tf.float32)])
+    assert sorted(x) == ["mask", "tokens"] and x["tokens"].dtype == tf.int32 and not np.any(x["tokens"].numpy())
+    assert y[0].shape == (2, 5, 3) and np.all((y[0].numpy() >= 0) & (y[0].numpy() < 1))
+    assert model(x).shape == (2, 5, 3)
+    x, _ = batch_from_specs(_model(), [tf.TensorSpec((4, 8, 8, 3), tf.float32)], [])
+    assert x.shape == (4, 8, 8, 3)
 
 
 _SCRIPT = textwrap.dedent(

@@ -252,7 +252,7 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
     if cached is not None:
         overlap = cached[3]
     elif cost_model == "profile" and timed and replicas == 1 and not xla and not tf.distribute.has_strategy():
-        overlap = measure_plain_overlap(model, *batch_from_specs(in_specs, label_specs), loss_fn, optimizer)
+        overlap = measure_plain_overlap(model, *batch_from_specs(model, in_specs, label_specs), loss_fn, optimizer)
     else:
         overlap = 1.0
     profile_seconds = 0.0 if cached is not None else time.perf_counter() - profile_started
