@@ -14,7 +14,8 @@ answers that in one of these ways:
   schedule that fits, the memory lower bound) and the MILP is asked only in the gap
   between them, for any schedule within the overhead cap (:func:`_climb`). The line's
   answer is then certified on a graph built at it, or the search steps down
-  (:func:`_certify_built`).
+  (:func:`_certify_built`); that graph may be built measuring memory only, its costs
+  then taken from the line (:func:`_certifying_graph`).
 * ``method="direct"``: Checkmate's formulation. When every output and workspace size is
   proportional to the batch, the fixed bytes are affine in it and the costs scale
   together, the largest batch follows from one MILP, the smallest peak among schedules
@@ -75,7 +76,9 @@ class MaxBatchResult:
     Attributes:
         batch_size: the largest batch that fits.
         schedule: its schedule.
-        graph: its graph, built at ``batch_size`` (never a scaled one).
+        graph: its graph, built at ``batch_size`` (never a scaled one); ``scaled`` with
+            ``memory_graph_for_batch``: its bytes built there, its costs the profiled line's
+            at ``batch_size`` (:func:`_certifying_graph`).
         cost: the schedule's total cost.
         cost_cap: the largest cost allowed at that batch.
         tried: every batch size judged, mapped to whether it fit (``scaled``: its last
@@ -119,6 +122,7 @@ def max_batch_size(
     method: str = "search",
     batch_progress: Callable[[int, bool], object] | None = None,
     probe_seconds: float | None = None,
+    memory_graph_for_batch: Callable[[int], DFGraph] | None = None,
     **strategy_options,
 ) -> MaxBatchResult:
     """The largest batch whose schedule fits ``budget`` within the compute overhead limit.
@@ -146,6 +150,11 @@ def max_batch_size(
             judged is also logged at INFO.
         probe_seconds: ``scaled`` with ``optimal``: the most seconds a MILP probe above
             the heuristics' reach gets (None: 20 s, and never more than ``time_limit``).
+        memory_graph_for_batch: ``scaled``: builds the graph at a batch measuring its bytes
+            only (``extract(..., timing=False)``, about half a profile's time), for the
+            certifying builds; their costs are then the line's through the two profiled
+            graphs, so the overhead cap stays on profiled costs (:func:`_certifying_graph`).
+            None: ``graph_for_batch`` builds those too.
         **strategy_options: passed to the strategy (for example ``time_limit``); with
             ``direct``, to :func:`min_peak_within_cost` (``strategy`` must stay
             ``"optimal"``).
@@ -208,7 +217,7 @@ def max_batch_size(
     if method == "scaled":
         evaluate.keep_all_certifies = strategy == "optimal"
         return _scaled(graph_for_batch, evaluate, min_batch, max_batch, batch_progress,
-                       _PROBE_SECONDS if probe_seconds is None else probe_seconds)
+                       _PROBE_SECONDS if probe_seconds is None else probe_seconds, memory_graph_for_batch)
     if not fits(min_batch):
         raise evaluate.refused(min_batch, graph_for_batch(min_batch))
     good = _largest(fits, min_batch, max_batch)
@@ -353,7 +362,7 @@ _PROBE_SECONDS = 20.0
 
 
 def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: int, batch_progress,
-            probe_seconds: float) -> MaxBatchResult:
+            probe_seconds: float, memory_graph_for_batch: Callable[[int], DFGraph] | None = None) -> MaxBatchResult:
     """``method="scaled"``: the search on graphs scaled from two built ones.
 
     Building a graph (profiling every layer) is what makes a search slow, and a graph's
@@ -368,6 +377,8 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
     the graph built at ``B`` within the budget and the overhead cap; ``B + 1`` was refused
     on a line (for ``optimal``: proven by the memory lower bound, or no schedule within the
     cap found by the heuristics nor by a probe of ``probe_seconds``) or on its built graph.
+    With ``memory_graph_for_batch`` the certifying builds measure bytes only
+    (:func:`_certifying_graph`).
     """
     extracted: dict[int, DFGraph] = {}
 
@@ -401,11 +412,14 @@ def _scaled(graph_for_batch, evaluate: _Evaluator, min_batch: int, max_batch: in
     pair = _anchors(extracted)
     if high - low > 1 and pair is not None:
         near, far = pair
-        low = _search_line(affine_graphs(extracted[near], near, extracted[far], far), evaluate, low, high,
-                           probe_seconds)
+        line = affine_graphs(extracted[near], near, extracted[far], far)
+        low = _search_line(line, evaluate, low, high, probe_seconds)
         logger.info("batch %d fits on graphs scaled from batches %d and %d", low, near, far)
         if low not in extracted:
-            low = _certify_built(graph_for_batch, extracted, evaluate, low, probe_seconds, batch_progress)
+            def build(batch: int) -> DFGraph:
+                return _certifying_graph(graph_for_batch, memory_graph_for_batch, line, batch)
+
+            low = _certify_built(build, extracted, evaluate, low, probe_seconds, batch_progress)
     return evaluate.result(low, max_batch, method="scaled", built=tuple(extracted))
 
 
@@ -467,6 +481,28 @@ def _certify_built(graph_for_batch: Callable[[int], DFGraph], extracted: dict[in
                    "batch %d, the largest built batch that fits (method='search' judges built graphs only)",
                    _CERTIFY_BUILDS, best)
     return best
+
+
+def _certifying_graph(graph_for_batch: Callable[[int], DFGraph],
+                      memory_graph_for_batch: Callable[[int], DFGraph] | None,
+                      line: Callable[[int], DFGraph], batch: int) -> DFGraph:
+    """The graph a scaled search certifies ``batch`` on: built at ``batch`` by
+    ``graph_for_batch``, or with ``memory_graph_for_batch`` its bytes built there (no timing:
+    ResNet50 at 64x64, batch 142: 54.8 s -> 27.1 s, benchmarks/results/maxbatch_quick.md)
+    and its costs those of ``line``, the profiled graphs' line, at ``batch``: a memory-only
+    build has FLOP costs, and the overhead cap must stay on profiled ones.
+
+    Where the memory-only graph differs in nodes from the line's, or carries
+    implementations (their costs are FLOPs, and the line has none), no profiled cost fits
+    it: the graph is then built by ``graph_for_batch`` as well, and that one is certified."""
+    if memory_graph_for_batch is None:
+        return graph_for_batch(batch)
+    graph, scaled = memory_graph_for_batch(batch), line(batch)
+    if _same_structure(graph, scaled) and not graph.implementations:
+        return graph.replaced(cost=scaled.cost, name=f"{graph.name} (costs scaled)")
+    logger.info("batch %d: the memory-only graph %s; building the profiled graph to certify on", batch,
+                "carries implementations" if graph.implementations else "differs in nodes from the profiled line's")
+    return graph_for_batch(batch)
 
 
 def _certify_graph(batch: int, graph: DFGraph, evaluate: "_Evaluator", probe_seconds: float) -> bool:
