@@ -213,8 +213,10 @@ def max_batch_size(
     (``method="scaled"``) the graph is extracted at twice and four times the smallest
     batch and every other batch is judged on graphs scaled from those; the answer is then
     extracted and certified on its own graph, or a smaller batch is
-    (:func:`tfremat.maxbatch.max_batch_size`); ``"search"`` extracts every batch size
-    tried. The default "profile" cost model measures each node's workspace (on CPU a
+    (:func:`tfremat.maxbatch.max_batch_size`): with ``"profile"`` that extraction measures
+    the bytes only (``extract(..., timing=False)``, about half a profile's time) and takes
+    its costs from the line through the two profiled graphs; ``"search"`` extracts every
+    batch size tried. The default "profile" cost model measures each node's workspace (on CPU a
     convolution's gradient can need tens of MiB of scratch), which "flops" leaves at zero,
     so keep "profile" when the answer must fit.
 
@@ -259,24 +261,34 @@ def max_batch_size(
     budget_bytes = parse_budget(budget)
     names, per_strategy = split_solver_options(strategies, options)
     training = loss_and_optimizer(model, loss, optimizer)
-    graphs: dict[int, DFGraph] = {}
+    graphs: dict[tuple[int, bool], DFGraph] = {}
 
-    def graph_for_batch(batch: int) -> DFGraph:
-        if batch not in graphs:
+    def built(batch: int, timing: bool) -> DFGraph:
+        if (batch, timing) not in graphs:
             # Zero-cost arrays of the batch's shapes, labels shaped for the loss: extraction
             # reads nothing else, and a batch of thousands of images would be gigabytes.
             sample = synthetic_batch(model, batch, loss=training["loss"])
-            graphs[batch] = extract(model, sample_batch=sample, cost_model=cost_model, granularity=granularity,
-                                    use_cache=cache is not False and cache is not None,
-                                    implementations=wants_implementations(names), **training).graph
-            logger.info("batch %d: checkpoint-all peak %s", batch, format_bytes(checkpoint_all_peak(graphs[batch])))
-        return graphs[batch]
+            graph = extract(model, sample_batch=sample, cost_model=cost_model, granularity=granularity,
+                            use_cache=cache is not False and cache is not None,
+                            implementations=wants_implementations(names), timing=timing, **training).graph
+            graphs[batch, timing] = graph
+            logger.info("batch %d: checkpoint-all peak %s%s", batch, format_bytes(checkpoint_all_peak(graph)),
+                        "" if timing else " (memory only)")
+        return graphs[batch, timing]
+
+    def graph_for_batch(batch: int) -> DFGraph:
+        return built(batch, True)
+
+    def memory_graph_for_batch(batch: int) -> DFGraph:
+        # A profiled graph already built here has the same bytes.
+        return graphs[batch, True] if (batch, True) in graphs else built(batch, False)
 
     results = {}
     for name in names:
         results[name] = search(graph_for_batch, budget_bytes, strategy=name, max_overhead=max_overhead,
                                min_batch=min_batch, max_batch=max_batch, method=method,
                                batch_progress=BatchProgress(f"tfremat max_batch_size {name}") if verbose else None,
+                               memory_graph_for_batch=memory_graph_for_batch if cost_model == "profile" else None,
                                **(strategy_options(name, **per_strategy[name]) if name in per_strategy else {}))
     return results
 
