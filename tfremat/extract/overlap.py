@@ -5,7 +5,9 @@ on TensorFlow's single-threaded executor (:mod:`tfremat.runtime.executor`), one 
 a time, while plain Keras training runs independent operations together. The profiled costs
 and the predicted overhead are therefore relative to a plain step run one operation at a
 time; the checkpoint-all step ran 1.02-1.14x plain with the default threads
-(benchmarks/results/step_overhead.md). The factor measured here,
+(benchmarks/results/step_overhead.md), and 0.67x for a bidirectional LSTM, whose loops plain
+training runs lowered to control-flow operations on the default executor and the step as
+``While`` operations (benchmarks/results/fidelity_default_threads.md). The factor measured here,
 median over rounds of (plain step on the single-threaded executor) / (plain step on the
 default one), turns the predicted overhead into the predicted time over plain training:
 ``(1 + overhead) * factor`` (:attr:`tfremat.planner.PlanResult.predicted_time_over_plain`).
@@ -35,8 +37,9 @@ __all__ = ["batch_from_specs", "measure_plain_overlap", "plain_overlap_applies"]
 logger = logging.getLogger(__name__)
 
 # Rounds timed after the warm-up: at least MIN_ROUNDS, more for a fast step, until the
-# rounds take about TARGET_SECONDS (a median of 5 ratios moved by ~2% between two
-# extractions of a transformer under load; fidelity_default_threads.md).
+# rounds take about TARGET_SECONDS, which keeps the whole measurement under the plain step's
+# trace (three measurements of a transformer on 2 loaded cores gave 0.99-1.17, of GPT-2
+# 1.00-1.02; benchmarks/results/fidelity_default_threads.md).
 MIN_ROUNDS = 5
 MAX_ROUNDS = 25
 TARGET_SECONDS = 1.5
