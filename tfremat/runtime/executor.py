@@ -11,7 +11,7 @@ TensorFlow's single-threaded executor can: a function call traced or run inside
 :func:`sequential` executes its operations synchronously, each kernel still using the
 intra-op threads.
 
-Two facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``):
+Three facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``):
 
 * A call traced into another function gets the executor as an attribute of its call op,
   but TensorFlow inlines the callee into the caller, whose executor then runs it; a
@@ -22,9 +22,14 @@ Two facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``):
   time, the devices still in parallel, which is what the per-device memory model counts;
   but each partition waits at a receive in its own fixed order, so partitions that send
   each other values (a MirroredStrategy step's replicas) can wait for ever.
-* It runs a function's operations in one fixed topological order, not in the order they
-  become ready, which can move where an operation's buffers live within a statement
-  (``compile_step`` uses it only with several inter-op threads; benchmarks/results/step_overhead.md).
+* It runs a function's operations in one fixed topological order (a reverse post-order
+  of a depth-first search over the graph's edges, control edges included), not in the
+  order they become ready, and frees an operation's inputs only after it ran: an input
+  still held for a later reader cannot be reused in place. A statement's token read the
+  weight gradient after the optimizer update's ``lr * gradient`` had copied it (a
+  weight-heavy MLP requested 1.24x its prediction); the update now waits for the token
+  (``tests/test_default_threads_memory.py``). ``compile_step`` uses it only with several
+  inter-op threads (benchmarks/results/step_overhead.md).
 """
 
 from __future__ import annotations

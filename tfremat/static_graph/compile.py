@@ -480,10 +480,9 @@ def compile_step(
     if not sequential:
         _warn_parallel_ops("compile_step(..., sequential=False) runs the step on TensorFlow's default executor")
     elif sequential_ops():
-        # One inter-op thread: the default executor runs one op at a time already, in the
-        # order operations become ready, which the update ordering fits; the single-threaded
-        # executor's fixed order ran a weight-heavy MLP's update temporaries next to a 1 MiB
-        # gradient (1.16x its prediction; test_weight_gradients_die_with_their_backward_node).
+        # One inter-op thread: the default executor runs one op at a time already, and the
+        # profiler measures on the executor this test picks
+        # (tfremat.extract.analysis._step_executor), so the step keeps to the same one.
         sequential = False
     else:
         devices = _devices_exchanging(plan, strategy)
