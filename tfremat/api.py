@@ -6,6 +6,7 @@ Each extracts the model's graph (:mod:`tfremat.extract`) and imports TensorFlow 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -65,7 +66,9 @@ def compare(model, budget, x=None, y=None, *, strategies: Sequence[str] | None =
     extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
                                cost_model=cost_model, cache=cache, granularity=granularity,
                                implementations=wants_implementations(names))
-    return compare_graph(extraction.graph, budget, strategies, cache=cache, verbose=verbose, **milp_options)
+    results = compare_graph(extraction.graph, budget, strategies, cache=cache, verbose=verbose, **milp_options)
+    # The extraction on each plan, as plan_model leaves it: its plain overlap is in the predicted time.
+    return [dataclasses.replace(r, extraction=extraction) if isinstance(r, PlanResult) else r for r in results]
 
 
 def fit(

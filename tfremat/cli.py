@@ -21,6 +21,7 @@ before ``--json`` is read, in text only).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -342,7 +343,7 @@ def cmd_plan() -> None:
     strategy = FLAGS.strategy or "optimal"
     extraction = _extraction(_keras_model(), _batch(), use_cache=FLAGS.cache, strategies=[strategy])
     result = plan_graph(extraction.graph, FLAGS.budget, strategy, cache=FLAGS.cache, **_milp_options(strategy))
-    record = result.summary()
+    record = dataclasses.replace(result, extraction=extraction).summary()  # with the extraction's plain overlap
     if FLAGS.schedule_out:
         with open(FLAGS.schedule_out, "w") as f:
             json.dump(result.schedule.to_dict(extraction.graph, list(extraction.graph.names)), f)
