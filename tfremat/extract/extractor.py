@@ -3,8 +3,8 @@
 The steps, each in its own module: refuse what the graph cannot model
 (:mod:`~tfremat.extract.checks`), walk the layer calls (:mod:`~tfremat.extract.layer_graph`),
 resolve the loss (:mod:`~tfremat.extract.losses`), measure every distinct call and the loss
-(:mod:`~tfremat.extract.analysis`) or read them from the profile cache
-(:mod:`~tfremat.extract.profile_cache`), and assemble the graph and the side table
+(:mod:`~tfremat.extract.analysis`) and plain training's overlap (:mod:`~tfremat.extract.overlap`)
+or read them from the profile cache (:mod:`~tfremat.extract.profile_cache`), and assemble the graph and the side table
 (:mod:`~tfremat.extract.assembly`, whose docstring states what the graph's numbers mean).
 """
 
