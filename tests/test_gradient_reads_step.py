@@ -17,9 +17,10 @@ from training_case import TrainingCase
 def norm_then_gelu_dense():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
-    hidden = keras.layers.LayerNormalization()(keras.layers.Dense(16)(inputs))
-    hidden = keras.layers.Dense(16, activation="gelu")(hidden)
-    return keras.Model(inputs, keras.layers.Dense(4, activation="softmax")(hidden))
+    # Named: Keras numbers unnamed layers per process, and other tests share it.
+    hidden = keras.layers.LayerNormalization(name="norm")(keras.layers.Dense(16, name="first")(inputs))
+    hidden = keras.layers.Dense(16, activation="gelu", name="gelu_dense")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(4, activation="softmax", name="head")(hidden))
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,8 @@ def case():
 
 def test_a_recomputed_input_of_a_kept_dense_is_planned_not_rebuilt(case):
     graph = case.extraction.graph
-    dense = next(i for i in graph.forward_nodes if graph.names[i] == "dense_1")
-    norm = next(i for i in graph.forward_nodes if graph.names[i] == "layer_normalization")
+    dense = next(i for i in graph.forward_nodes if graph.names[i] == "gelu_dense")
+    norm = next(i for i in graph.forward_nodes if graph.names[i] == "norm")
     gradient = graph.backward_of[dense]
     assert graph.inputs_read_with_forward[gradient] == (norm,)
     # Keep the gelu dense until its gradient, but free the layer norm after the dense read it.
