@@ -25,6 +25,7 @@ from tensorflow.python.eager import context
 import tfremat
 from tfremat.errors import CompileError
 from tfremat.extract import extract
+from tfremat.runtime import executor
 from tfremat.runtime.executor import SEQUENTIAL_EXECUTOR
 from tfremat.static_graph import compile_step
 from tfremat.strategies import get_strategy
@@ -204,7 +205,7 @@ def parallel(monkeypatch):
     (the tests run with one, where the step keeps the default executor)."""
     import tfremat.static_graph.compile as compile_module
 
-    monkeypatch.setattr(compile_module, "sequential_ops", lambda: False)
+    monkeypatch.setattr(executor, "sequential_ops", lambda: False)
     monkeypatch.setattr(compile_module, "_warned_parallel", set())
 
 

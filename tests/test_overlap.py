@@ -25,6 +25,7 @@ import tfremat.extract.overlap as overlap_module
 from tfremat.extract import extract
 from tfremat.extract.overlap import batch_from_specs, measure_plain_overlap
 from tfremat.planner import plan_graph, plan_summary
+from tfremat.runtime import executor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -48,9 +49,7 @@ def _batch():
 @pytest.fixture
 def parallel(monkeypatch):
     """The overlap is measured as with several inter-op threads."""
-    import tfremat.static_graph.compile as compile_module
-
-    monkeypatch.setattr(compile_module, "sequential_ops", lambda: False)
+    monkeypatch.setattr(executor, "sequential_ops", lambda: False)
 
 
 def test_one_inter_op_thread_measures_nothing(monkeypatch, tmp_path):

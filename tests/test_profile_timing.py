@@ -9,6 +9,7 @@ from tensorflow.python.eager import context
 from tfremat.extract import analysis, extract
 from tfremat.extract import profile_cache
 from tfremat.extract.profile_cache import cache_key
+from tfremat.runtime import executor
 from tfremat.runtime.executor import SEQUENTIAL_EXECUTOR
 
 
@@ -18,7 +19,7 @@ def test_profiled_calls_are_traced_and_run_on_the_steps_executor(monkeypatch, se
     so every timed or measured run of the profile does too, and a while loop is traced as a
     While operation it can run (lowered to control-flow primitives, the executor refuses
     it); with one the step, and the profile, keep the default executor."""
-    monkeypatch.setattr(analysis, "sequential_ops", lambda: not several_threads)
+    monkeypatch.setattr(executor, "sequential_ops", lambda: not several_threads)
     executors = []
     synchronize = analysis.synchronize
 

@@ -22,6 +22,7 @@ from tfremat.numerics import closeness  # noqa: E402
 from tfremat.plan import simulate  # noqa: E402
 from tfremat.plan.baselines import schedule_for_checkpoints  # noqa: E402
 from tfremat.plan.execution import Op  # noqa: E402
+from tfremat.runtime import executor  # noqa: E402
 from tfremat.static_graph import compile_step, measure_step_peak  # noqa: E402
 from tfremat.static_graph.compile import check_acyclic  # noqa: E402
 from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
@@ -574,14 +575,14 @@ def test_a_step_off_the_sequential_executor_is_warned_about_once_per_cause(monke
 
     monkeypatch.setattr(compile_module, "_warned_parallel", set())
     monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "1")
-    assert compile_module.sequential_ops()
+    assert executor.sequential_ops()
     with caplog.at_level(logging.WARNING, logger="tfremat.static_graph.compile"):
         compile_module._warn_parallel_ops("cause one")
     assert not caplog.records
     monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "4")
     if tf.config.threading.get_inter_op_parallelism_threads() == 1:
         pytest.skip("this process set one inter-op thread through tf.config")
-    assert not compile_module.sequential_ops()
+    assert not executor.sequential_ops()
     with caplog.at_level(logging.WARNING, logger="tfremat.static_graph.compile"):
         compile_module._warn_parallel_ops("cause one")
         compile_module._warn_parallel_ops("cause one")

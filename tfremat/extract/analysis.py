@@ -29,7 +29,7 @@ residuals, and such a call is recorded on a non-persistent tape and takes its gr
 one ``gradient`` call, as the step does
 (:func:`tfremat.runtime.tape.takes_one_gradient_call`).
 
-Every call is traced and run on the executor the compiled step runs on (:func:`_step_executor`):
+Every call is traced and run on the executor the compiled step runs on (:func:`~tfremat.runtime.executor.step_executor`):
 with several inter-op threads TensorFlow's single-threaded one
 (:func:`tfremat.runtime.executor.sequential`), where the default one would overlap a layer's
 independent operations (a convolution's input and filter gradients) in the profile, in time
@@ -103,7 +103,7 @@ import tensorflow as tf
 from tfremat.errors import ExtractionError
 from tfremat.extract.views import view_position
 from tfremat.extract.xla_layouts import backward_layout_copies
-from tfremat.runtime.executor import sequential
+from tfremat.runtime import executor
 from tfremat.runtime.gradient_order import input_then_weight_gradients, needed_ops
 from tfremat.runtime.internals import node_flops, resource_handle_data
 from tfremat.runtime.memory import (
@@ -114,7 +114,6 @@ from tfremat.runtime.memory import (
     synchronize,
 )
 from tfremat.runtime.tape import takes_one_gradient_call
-from tfremat.static_graph.compile import sequential_ops
 
 __all__ = ["CallAnalysis", "TimingPasses", "analyze_call", "analyze_loss", "memory_only", "tensor_bytes", "timing_passes",
            "xla_costs", "xla_layouts"]
@@ -151,23 +150,12 @@ _TIMED = contextvars.ContextVar("tfremat_timed", default=True)
 _TIMING = contextvars.ContextVar("tfremat_timing_passes", default=None)
 
 
-def _step_executor():
-    """The executor the compiled step runs on (:func:`~tfremat.static_graph.compile.compile_step`):
-    TensorFlow's single-threaded one (:func:`~tfremat.runtime.executor.sequential`) with
-    several inter-op threads, its default one, which then runs one operation at a time,
-    with one. The two differ beyond the order: a while loop traced for the single-threaded
-    executor stays a ``While`` operation, which the default executor lowers to control-flow
-    primitives (four stacked LSTMs requested 1.45 MB that way and 0.73 MB as a ``While``),
-    so the profile is taken on the step's. The profile cache key holds the thread setting."""
-    return contextlib.nullcontext() if sequential_ops() else sequential()
-
-
 def _sequentially(function: Callable) -> Callable:
-    """``function`` traced and run on the step's executor (:func:`_step_executor`)."""
+    """``function`` traced and run on the step's executor (:func:`~tfremat.runtime.executor.step_executor`)."""
 
     @functools.wraps(function)
     def wrapped(*args, **kwargs):
-        with _step_executor():
+        with executor.step_executor():
             return function(*args, **kwargs)
 
     return wrapped
@@ -423,7 +411,7 @@ def _least_seconds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup
     many, so that some run meets a quiet moment, and taking the calls in turns puts the
     same load on each.
     """
-    with _step_executor():
+    with executor.step_executor():
         for _ in range(warmup):
             for fn, args in calls:
                 synchronize(fn(*args))

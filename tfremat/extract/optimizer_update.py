@@ -15,9 +15,13 @@ the compiled step applies gradients (no all-reduce), and the profiler's requeste
 above the gradients give the two ratios of :class:`UpdateTemporaries`, the largest over
 :data:`_RUNS` runs of each of :data:`_TRACES` traces.
 
-With several inter-op threads (TensorFlow's default) an update's independent operations
-overlap differently from run to run: Adam's single-variable update read 1 weight-sized
-buffer in 10 of 40 runs and 2 in 30, RMSprop with momentum 3 or 4. A probe of a few runs
+The probe runs on the executor the compiled step runs on
+(:func:`~tfremat.runtime.executor.step_executor`): with several inter-op threads the step's
+updates run one op at a time on the single-threaded executor, and a probe on the default one
+counted Adam at 2 buffers and RMSprop at 3 where the step holds 1 and 2 (predictions 10-23%
+high under TensorFlow's default threads). On the default executor with several threads an
+update's independent operations overlap differently from run to run: Adam's single-variable
+update read 1 weight-sized buffer in 10 of 40 runs and 2 in 30, RMSprop with momentum 3 or 4. A probe of a few runs
 then gave each process its own count, so the same model's graph (its backward workspaces,
 fingerprint and share budgets) differed between processes and no cached schedule was found
 (``benchmarks/results/allocator_check.md``). Hence the largest over many runs, and the
@@ -42,6 +46,7 @@ import tensorflow as tf
 from tfremat.cache import read_entry, warn_once, write_atomically
 from tfremat.errors import CompileError
 from tfremat.extract.profile_cache import cache_dir, code_fingerprint
+from tfremat.runtime.executor import step_executor
 from tfremat.runtime.memory import default_device, requested_peak
 from tfremat.runtime.optimizer import apply_gated
 
@@ -66,7 +71,7 @@ _TRACES = 2
 # in 3 of 4 runs, RMSprop with momentum's in 7 of 40.
 _RUNS = 24
 # Part of the on-disk key: a change of the probe gives every stored count a new key.
-_PROBE_VERSION = 1
+_PROBE_VERSION = 2
 
 _cache: dict[str, "UpdateTemporaries"] = {}
 
@@ -206,8 +211,9 @@ def _probe(optimizer, count: int) -> int:
         _apply(clone, list(zip(gradients, variables)))
         return tf.constant(0.0)
 
-    step(seeds)
-    peak = max(requested_peak(lambda: step(seeds).numpy(), default_device()) for _ in range(_RUNS))
+    with step_executor():  # traced and run as the step's updates are
+        step(seeds)
+        peak = max(requested_peak(lambda: step(seeds).numpy(), default_device()) for _ in range(_RUNS))
     return max(peak - count * int(np.prod(_PROBE_SHAPE)) * 4, 0)
 
 

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from tfremat.extract.layer_graph import model_input_names
 from tfremat.extract.plain_step import plain_train_step
+from tfremat.runtime import executor
 from tfremat.runtime.executor import sequential
 
 __all__ = ["batch_from_specs", "measure_plain_overlap", "plain_overlap_applies"]
@@ -48,9 +49,7 @@ TARGET_SECONDS = 1.5
 def plain_overlap_applies() -> bool:
     """Whether TensorFlow's default executor may run several operations at once (more than
     one inter-op thread), so that plain training can overlap what the step runs in turn."""
-    from tfremat.static_graph.compile import sequential_ops  # the step's own test of the setting
-
-    return not sequential_ops()
+    return not executor.sequential_ops()
 
 
 def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
@@ -92,7 +91,7 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
         # One trace serves both executors (tracing a 6-block transformer took 4.5 s, a second
         # instantiation 1.2 s), unless the step holds control flow: a loop traced for the
         # single-threaded executor stays a While operation, which a default trace lowers
-        # (analysis._step_executor).
+        # (tfremat.runtime.executor.step_executor).
         sequential_step = (plain_train_step(model, loss_fn, fresh) if _has_control_flow(default_step, x, y)
                            else default_step)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any
 
 import keras
@@ -297,15 +296,6 @@ def check_acyclic(func_graph, graph: DFGraph) -> None:
     )
 
 
-def sequential_ops() -> bool:
-    """Whether TensorFlow's default executor runs one op at a time (``TF_NUM_INTEROP_THREADS=1``
-    or ``tf.config.threading.set_inter_op_parallelism_threads(1)``), as the memory and time
-    models assume; the single-threaded executor the step runs on does so whatever the
-    setting (:mod:`tfremat.runtime.executor`)."""
-    return (tf.config.threading.get_inter_op_parallelism_threads() == 1
-            or os.environ.get("TF_NUM_INTEROP_THREADS", "").strip() == "1")
-
-
 _warned_parallel: set[str] = set()
 
 
@@ -317,7 +307,7 @@ def _warn_parallel_ops(why: str) -> None:
     transformer's checkpoint-all step requested 1.21x its predicted peak with the default
     inter-op threads, 0.99x with one or on the single-threaded executor
     (benchmarks/step_overhead.py)."""
-    if why in _warned_parallel or sequential_ops():
+    if why in _warned_parallel or executor.sequential_ops():
         return
     _warned_parallel.add(why)
     logger.warning(
@@ -479,7 +469,7 @@ def compile_step(
     plan = build_plan(graph, schedule)
     if not sequential:
         _warn_parallel_ops("compile_step(..., sequential=False) runs the step on TensorFlow's default executor")
-    elif sequential_ops():
+    elif executor.sequential_ops():
         # One inter-op thread: the default executor runs one op at a time already, and the
         # profiler measures on the executor this test picks
         # (tfremat.extract.analysis._step_executor), so the step keeps to the same one.
