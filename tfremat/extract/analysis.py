@@ -123,6 +123,8 @@ logger = logging.getLogger(__name__)
 _SHAPE_ONLY_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"})
 _NOT_RESIDUAL_OPS = frozenset({"ReadVariableOp", "Const", "Placeholder", "VarHandleOp"})
 _LOOP_OPS = frozenset({"While", "StatelessWhile"})
+# Ops that read only a tensor's shape, which constant folding replaces with a constant.
+_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const"})
 # Ops whose output shares its (first) input's buffer: TensorFlow forwards the buffer, no copy.
 _VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient", "Snapshot"})
 _CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
@@ -1025,15 +1027,19 @@ def _run_greediest(ops, kept) -> None:
     backward inside the step, where the isolated run, which finished one branch before
     starting the next, had three). The executor's order in the step follows the whole
     step's graph and cannot be replayed in isolation; this order keeps the most
-    temporaries open, so its peak covers the step's (``tests/test_requested_bytes.py``)."""
+    temporaries open, so its peak covers the step's (``tests/test_requested_bytes.py``).
+
+    Shape reads (:data:`_SHAPE_OPS`, a few bytes each) stay out of the chain: Grappler folds
+    them into constants, and a folded node inside a control chain closed a cycle
+    ("the graph couldn't be sorted in topological order", logged on every layer norm)."""
+    ops = [op for op in ops if op.type not in _SHAPE_OPS]
     inside = {id(op) for op in ops}
     kept_names = {t.name for t in kept}
     readers: dict[str, int] = {}
     for op in ops:
         for t in op.inputs:
             readers[t.name] = readers.get(t.name, 0) + 1
-    waits = {id(op): {id(b) for b in [t.op for t in op.inputs] + list(op.control_inputs) if id(b) in inside}
-             for op in ops}
+    waits = _waits_within(ops, inside)
 
     def growth(op) -> int:
         made = sum(_static_bytes(t) for t in op.outputs)
@@ -1054,6 +1060,31 @@ def _run_greediest(ops, kept) -> None:
         ordered.append(chosen)
     for previous, op in zip(ordered, ordered[1:]):
         op._add_control_input(previous)  # pylint: disable=protected-access
+
+
+def _waits_within(ops, inside: set[int]) -> dict[int, set[int]]:
+    """For each of ``ops``, the operations of ``ops`` (ids in ``inside``) it depends on,
+    directly or through operations outside them (a shape read between two gradient ops),
+    so that a chain in the greedy order closes no cycle."""
+    reached: dict[int, set[int]] = {}
+
+    def predecessors(op) -> list:
+        return [t.op for t in op.inputs] + list(op.control_inputs)
+
+    for root in ops:
+        stack = [root]  # depth-first without recursion: a forward graph can be deep
+        while stack:
+            op = stack[-1]
+            if id(op) in reached:
+                stack.pop()
+                continue
+            pending = [b for b in predecessors(op) if id(b) not in inside and id(b) not in reached]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            reached[id(op)] = set().union(*[{id(b)} if id(b) in inside else reached[id(b)] for b in predecessors(op)])
+    return {id(op): reached[id(op)] for op in ops}
 
 
 def _static_bytes(tensor) -> int:
