@@ -271,34 +271,18 @@ def test_portfolio_skips_heuristics_after_its_deadline(monkeypatch):
     """Issue 21: the heuristics seeding `optimal` took no deadline (minutes on a 5000-node
     chain). best_baseline starts none once its deadline has passed, and none whose
     predictable cost (the longest step seen) exceeds the time left."""
-    import types
+    from fake_heuristics import fake_clock, timed_heuristic
 
     from tfremat.ilp import portfolio
-    from tfremat.plan import baselines
-    from tfremat.plan.baselines import cheapest_fitting, schedule_for_checkpoints
-    from tfremat.plan.registry import as_strategy
 
     # A clock that only the strategies advance: a loaded machine that stalls the test
     # between setting the deadline and the first check cannot skip "first".
-    now = [100.0]
-    monkeypatch.setattr(baselines, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    now = fake_clock(monkeypatch)
     graph = training_graph([(0, 1), (1, 2)], [4, 4, 4])
     calls = []
-
-    def slow(name, seconds):
-        @as_strategy(name)
-        def run(graph, budget=None):
-            calls.append(name)
-
-            def candidates():
-                now[0] += seconds
-                yield schedule_for_checkpoints(graph, graph.forward_nodes, name)
-
-            return cheapest_fitting(graph, candidates(), budget, name)
-
-        return run
-
-    monkeypatch.setattr(portfolio, "HEURISTICS", (slow("first", 0.3), slow("second", 0.0), slow("third", 0.0)))
+    monkeypatch.setattr(portfolio, "HEURISTICS", (timed_heuristic("first", now, calls, 0.3),
+                                                  timed_heuristic("second", now, calls, 0.0),
+                                                  timed_heuristic("third", now, calls, 0.0)))
     budget = checkpoint_all_peak(graph)
     graph_total = graph.total_cost
     monkeypatch.setattr(type(graph), "total_cost", property(lambda self: graph_total / 2))  # none is "optimal"

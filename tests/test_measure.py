@@ -1,11 +1,12 @@
-"""Step timing in turns (tfremat.measure.time_in_turns): a load that changes between rounds
-must not read as overhead."""
+"""Step timing in turns (tfremat.runtime.timing.time_in_turns, re-exported by tfremat.measure):
+a load that changes between rounds must not read as overhead."""
 
 import pytest
 import tensorflow as tf
 
 from tfremat import measure
 from tfremat.errors import ArgumentError
+from tfremat.runtime import timing as turns
 
 
 class _LoadedClock:
@@ -30,8 +31,8 @@ class _LoadedClock:
 
 def test_time_in_turns_reads_the_ratio_through_a_load_change(monkeypatch):
     clock = _LoadedClock()
-    monkeypatch.setattr(measure.time, "perf_counter", clock)
-    timing = measure.time_in_turns(clock.step("planned", 2.0), clock.step("plain", 1.0), rounds=6, warmup=1)
+    monkeypatch.setattr(turns.time, "perf_counter", clock)
+    timing = turns.time_in_turns(clock.step("planned", 2.0), clock.step("plain", 1.0), rounds=6, warmup=1)
     # Timed one after the other the load change would read as 3x plain; in turns each
     # round's ratio is the work's.
     assert timing.ratio == pytest.approx(2.0)
@@ -40,23 +41,24 @@ def test_time_in_turns_reads_the_ratio_through_a_load_change(monkeypatch):
     # Warm-up runs both, then the order alternates within rounds.
     assert clock.calls[:6] == ["planned", "plain", "planned", "plain", "plain", "planned"]
     assert timing.seconds == pytest.approx(6.0) and timing.reference_seconds == pytest.approx(3.0)
+    assert measure.time_in_turns is turns.time_in_turns and measure.TurnTiming is turns.TurnTiming
 
 
 def test_time_in_turns_reports_the_spread_and_refuses_bad_rounds(monkeypatch):
     clock = _LoadedClock()
-    monkeypatch.setattr(measure.time, "perf_counter", clock)
+    monkeypatch.setattr(turns.time, "perf_counter", clock)
     works = iter([1.0, 1.0, 1.0, 2.0, 1.5])
 
     def noisy():
         return clock.step("planned", next(works))()
 
     # After the warm-up the planned step's work is 1, 1, 2, 1.5 times plain's.
-    timing = measure.time_in_turns(noisy, clock.step("plain", 1.0), rounds=4, warmup=1)
+    timing = turns.time_in_turns(noisy, clock.step("plain", 1.0), rounds=4, warmup=1)
     assert timing.ratio == pytest.approx(1.25)
     assert timing.ratio_quartiles == pytest.approx((1.0, 1.625))
     for bad in ({"rounds": 0}, {"rounds": 1.5}, {"rounds": 2, "warmup": -1}):
         with pytest.raises(ArgumentError, match="rounds|warmup"):
-            measure.time_in_turns(noisy, noisy, **{"warmup": 0, **bad})
+            turns.time_in_turns(noisy, noisy, **{"warmup": 0, **bad})
 
 
 def test_a_gradient_mismatch_keeps_its_graph_and_schedule_for_a_report(tmp_path, monkeypatch, caplog):

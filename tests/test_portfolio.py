@@ -3,15 +3,11 @@ graphs, runs first, and once a schedule fits the heuristics after it share
 ``_COMPETING_SECONDS`` instead of each running to its end (chen/griewank and repair took
 12 CPU s behind eviction's 1 s on EfficientNetV2B0, benchmarks/latency.py)."""
 
-import types
-
+from fake_heuristics import fake_clock, timed_heuristic
 from graph_factories import training_graph
 
 from tfremat.ilp import portfolio
-from tfremat.plan import baselines
-from tfremat.plan.baselines import cheapest_fitting, schedule_for_checkpoints
 from tfremat.plan.eviction import eviction
-from tfremat.plan.registry import as_strategy
 from tfremat.plan.repair import repair
 from tfremat.plan.simulator import checkpoint_all_peak
 
@@ -22,52 +18,29 @@ def test_eviction_runs_first_and_repair_last():
     assert sorted(s.name for s in order) == sorted(s.name for s in portfolio.HEURISTICS)
 
 
-def _fake_clock(monkeypatch):
-    """A clock only the fake heuristics advance: no load can move the test's verdicts."""
-    now = [100.0]
-    clock = types.SimpleNamespace(perf_counter=lambda: now[0])
-    monkeypatch.setattr(baselines, "time", clock)
-    monkeypatch.setattr(portfolio, "time", clock)
-    return now
-
-
-def _heuristic(name, now, calls, seconds):
-    @as_strategy(name)
-    def run(graph, budget=None):
-        calls.append(name)
-
-        def candidates():
-            now[0] += seconds
-            yield schedule_for_checkpoints(graph, graph.forward_nodes, name)
-
-        return cheapest_fitting(graph, candidates(), budget, name)
-
-    return run
-
-
 def test_heuristics_after_the_first_fit_share_the_competing_seconds(monkeypatch):
-    now = _fake_clock(monkeypatch)
+    now = fake_clock(monkeypatch)
     graph = training_graph([(0, 1), (1, 2)], [4, 4, 4])
     graph_total = graph.total_cost
     monkeypatch.setattr(type(graph), "total_cost", property(lambda self: graph_total / 2))  # none is "optimal"
     calls = []
-    first = _heuristic("first", now, calls, 1.0)
+    first = timed_heuristic("first", now, calls, 1.0)
     monkeypatch.setattr(portfolio, "eviction", first)
     # Listed last, run first; "slow" then uses 5 of the 6 shared seconds, leaving less
     # than its step for "late".
-    monkeypatch.setattr(portfolio, "HEURISTICS", (_heuristic("slow", now, calls, 5.0),
-                                                  _heuristic("late", now, calls, 0.5), first))
+    monkeypatch.setattr(portfolio, "HEURISTICS", (timed_heuristic("slow", now, calls, 5.0),
+                                                  timed_heuristic("late", now, calls, 0.5), first))
     best, _ = portfolio.best_baseline(graph, checkpoint_all_peak(graph))
     assert calls == ["first", "slow"] and best is not None and best.strategy == "first"
 
 
 def test_without_a_fitting_schedule_every_heuristic_runs(monkeypatch):
-    now = _fake_clock(monkeypatch)
+    now = fake_clock(monkeypatch)
     graph = training_graph([(0, 1), (1, 2)], [4, 4, 4])
     calls = []
-    first = _heuristic("first", now, calls, 1.0)
+    first = timed_heuristic("first", now, calls, 1.0)
     monkeypatch.setattr(portfolio, "eviction", first)
-    monkeypatch.setattr(portfolio, "HEURISTICS", (_heuristic("slow", now, calls, 5.0),
-                                                  _heuristic("late", now, calls, 5.0), first))
+    monkeypatch.setattr(portfolio, "HEURISTICS", (timed_heuristic("slow", now, calls, 5.0),
+                                                  timed_heuristic("late", now, calls, 5.0), first))
     best, _ = portfolio.best_baseline(graph, 1)  # one byte: nothing fits
     assert best is None and calls == ["first", "slow", "late"]

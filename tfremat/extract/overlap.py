@@ -32,6 +32,7 @@ from tfremat.extract.layer_graph import model_input_names
 from tfremat.extract.plain_step import plain_train_step
 from tfremat.runtime import executor
 from tfremat.runtime.executor import sequential
+from tfremat.runtime.timing import time_in_turns
 
 __all__ = ["batch_from_specs", "measure_plain_overlap", "plain_overlap_applies"]
 
@@ -81,44 +82,30 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
     saved = [v.numpy() for v in model.variables]
     try:
         default_step = plain_train_step(model, loss_fn, fresh)
-
-        def run_default() -> float:
-            began = time.perf_counter()
-            default_step(x, y).numpy()
-            return time.perf_counter() - began
-
-        run_default()  # traced
         # One trace serves both executors (tracing a 6-block transformer took 4.5 s, a second
         # instantiation 1.2 s), unless the step holds control flow: a loop traced for the
         # single-threaded executor stays a While operation, which a default trace lowers
-        # (tfremat.runtime.executor.step_executor).
+        # (tfremat.runtime.executor.step_executor). The check traces on the default executor.
         sequential_step = (plain_train_step(model, loss_fn, fresh) if _has_control_flow(default_step, x, y)
                            else default_step)
 
-        def run_sequential() -> float:
-            began = time.perf_counter()
+        def run_sequential():
             with sequential():
-                sequential_step(x, y).numpy()
-            return time.perf_counter() - began
+                loss = sequential_step(x, y)
+                loss.numpy()  # done before the executor is put back
+            return loss
 
-        run_sequential()  # traced or instantiated
-        one = run_default() + run_sequential()  # first-call allocations done
+        first = time_in_turns(run_sequential, lambda: default_step(x, y), rounds=1)  # traces, then one round
+        one = first.seconds + first.reference_seconds
         rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(TARGET_SECONDS / max(one, 1e-6))))
-        ratios = []
-        for round_ in range(rounds):  # in turns, the order alternating (tfremat.measure.time_in_turns)
-            if round_ % 2 == 0:
-                default = run_default()
-                ratios.append(run_sequential() / default)
-            else:
-                ratios.append(run_sequential() / run_default())
+        timing = time_in_turns(run_sequential, lambda: default_step(x, y), rounds, warmup=0)
     finally:
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
-    factor = float(np.median(ratios))
     logger.info("plain overlap of %s: %.3f (single-threaded over default executor, median of %d rounds, quartiles "
-                "%.3f-%.3f) in %.1f s", model.name, factor, rounds, *np.percentile(ratios, [25, 75]),
+                "%.3f-%.3f) in %.1f s", model.name, timing.ratio, rounds, *timing.ratio_quartiles,
                 time.perf_counter() - started)
-    return factor
+    return timing.ratio
 
 
 def _has_control_flow(step, x, y) -> bool:

@@ -5,7 +5,8 @@
 * :mod:`~tfremat.runtime.state`: snapshots and replay of batch-norm statistics and seeds, so
   a recomputation has no side effects;
 * :mod:`~tfremat.runtime.tape`: how a layer call is recorded on a gradient tape;
-* :mod:`~tfremat.runtime.internals`: every private TensorFlow/Keras import.
+* :mod:`~tfremat.runtime.internals`: every private TensorFlow/Keras import;
+* :mod:`~tfremat.runtime.timing`: a step timed against a reference step in turns.
 
 It sits below :mod:`tfremat.extract` and :mod:`tfremat.static_graph` and above the
 TensorFlow-free core; it imports neither of them.
