@@ -202,7 +202,7 @@ def _batch():
 @pytest.fixture
 def parallel(monkeypatch):
     """compile_step sees several inter-op threads, as in a process with TensorFlow's default
-    (the tests run with one, where the step keeps the default executor)."""
+    (the tests run with one), so that a step off the single-threaded executor warns."""
     import tfremat.static_graph.compile as compile_module
 
     monkeypatch.setattr(executor, "sequential_ops", lambda: False)
@@ -252,13 +252,19 @@ def test_sequential_false_runs_on_the_default_executor(parallel, caplog):
         _step(model, x, y, sequential="yes")
 
 
-def test_one_inter_op_thread_keeps_the_default_executor():
+def test_one_inter_op_thread_runs_on_the_sequential_executor_too(caplog):
+    """One execution model: with one inter-op thread (this process's) the step also runs on
+    the single-threaded executor, as with TensorFlow's default threads, and nothing warns."""
+    assert executor.sequential_ops()
     model = _small_model()
     x, y = _batch()
-    step = _step(model, x, y)
-    executors, _ = _recording(step)
-    step(x, y)
-    assert not step.sequential and executors in ([""], [None])
+    with caplog.at_level(logging.WARNING, logger="tfremat"):
+        step = _step(model, x, y)
+        executors, function = _recording(step)
+        step(x, y)
+    assert step.sequential and executors == [SEQUENTIAL_EXECUTOR]
+    assert function.get_concrete_function(x, y).function_def.attr["_noinline"].b
+    assert not [r for r in caplog.records if "executor" in r.message]
 
 
 def test_a_refusal_of_the_executor_says_what_to_do(parallel):

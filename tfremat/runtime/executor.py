@@ -28,8 +28,14 @@ Three facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``
   still held for a later reader cannot be reused in place. A statement's token read the
   weight gradient after the optimizer update's ``lr * gradient`` had copied it (a
   weight-heavy MLP requested 1.24x its prediction); the update now waits for the token
-  (``tests/test_default_threads_memory.py``). ``compile_step`` uses it only with several
-  inter-op threads (benchmarks/results/step_overhead.md).
+  (``tests/test_default_threads_memory.py``).
+
+``compile_step``, the profiler and the optimizer update probe use it whatever the inter-op
+thread count (:func:`step_executor`), so a process with one inter-op thread (the test
+suite's) runs the step as one with TensorFlow's default threads does. The two executors
+differ beyond the order: a while loop traced for the single-threaded executor stays a
+``While`` operation, which the default executor lowers to control-flow primitives (four
+stacked LSTMs requested 1.45 MB lowered and 0.73 MB as a ``While``).
 """
 
 from __future__ import annotations
@@ -62,17 +68,14 @@ def sequential():
 def sequential_ops() -> bool:
     """Whether TensorFlow's default executor runs one op at a time (``TF_NUM_INTEROP_THREADS=1``
     or ``tf.config.threading.set_inter_op_parallelism_threads(1)``), as the memory and time
-    models assume; the single-threaded executor runs one at a time whatever the setting."""
+    models assume, for a step that cannot run on the single-threaded executor (which runs
+    one at a time whatever the setting)."""
     return (tf.config.threading.get_inter_op_parallelism_threads() == 1
             or os.environ.get("TF_NUM_INTEROP_THREADS", "").strip() == "1")
 
 
 def step_executor():
     """The executor the compiled step runs on, for whatever must be measured the same way
-    (the profiler, the optimizer update probe, the plain overlap): TensorFlow's default one
-    with one inter-op thread, where it runs one op at a time in ready order already, else
-    the single-threaded one (:func:`sequential`). The two differ beyond the order: a while
-    loop traced for the single-threaded executor stays a ``While`` operation, which the
-    default executor lowers to control-flow primitives (four stacked LSTMs requested 1.45 MB
-    that way and 0.73 MB as a ``While``)."""
-    return contextlib.nullcontext() if sequential_ops() else sequential()
+    (the profiler, the optimizer update probe): TensorFlow's single-threaded one
+    (:func:`sequential`), whatever the inter-op thread count (module docstring)."""
+    return sequential()
