@@ -1,0 +1,515 @@
+"""A new user's check (issue 33): models tfremat was not written for, TensorFlow's default threads.
+
+Each check builds a model the way its source writes it (``keras.applications`` at 64x64,
+keras-hub GPT-2 / BERT backbones at test sizes, keras.io-style code: a ViT with a
+``Patches`` layer, a text transformer with a ``TransformerBlock`` layer, a Siamese net, a
+VAE whose own ``train_step`` takes its gradients from :func:`tfremat.value_and_grad`),
+compiles it with Adam and trains one epoch of three batches with
+:class:`tfremat.keras.RematCallback` at defaults (what :func:`tfremat.fit` does), from an
+empty tfremat cache so the first step pays extraction, profiling, planning and compiling.
+Then, on the step the callback trained with (after its allocator check): the allocator's
+peak (five reads), the bytes it requests, and its time against a plain Keras-style step
+timed in turns; and :func:`tfremat.measure.measure_model` on the same model and budget
+(its plan is held to requested bytes only: the plan before the allocator check), with the
+gradients against plain training's.
+
+Every check runs in its own process (the allocator's history is its own), with
+``TF_NUM_INTEROP_THREADS`` removed from the environment (TensorFlow's default inter-op
+threads, as a user has them) and oneDNN on. The stderr lines that are not TensorFlow's
+start-up lines are counted (log spam) and tfremat's phase lines kept.
+
+Run: ``python benchmarks/user_check.py`` (all checks, writes
+``benchmarks/results/user_check.md``); ``--only`` takes check names (substrings, comma
+separated); ``--list`` lists them; ``--steps`` the timed rounds; ``--timeout`` seconds per check.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+DEFAULT_OUT = os.path.join(HERE, "results", "user_check.md")
+MiB = 2**20
+TIME_BAND = (0.87, 1.15)  # measured time/plain over predicted time/plain that issue 33 accepts
+
+# name: (builder, budget, batch, kind, options). kind "fit": RematCallback + measure_model;
+# "vae": a custom train_step with tfremat.value_and_grad.
+CHECKS = {
+    "mobilenetv2-60act": ("mobilenetv2", "60% of activations", 8, "fit", {}),
+    "efficientnetb0-50": ("efficientnetb0", "50%", 8, "fit", {}),
+    "resnet50-MiB": ("resnet50", "100MiB", 8, "fit", {}),
+    "densenet121-min": ("densenet121", "min", 8, "fit", {}),
+    "gpt2_hub-50": ("gpt2_hub", "50%", 8, "fit", {}),
+    "bert_hub-60act": ("bert_hub", "60% of activations", 8, "fit", {}),
+    "vit_patches-50act": ("vit_patches", "50% of activations", 16, "fit", {}),
+    "text_transformer-50": ("text_transformer", "50%", 16, "fit", {}),
+    "siamese-60act": ("siamese", "60% of activations", 16, "fit", {}),
+    "vae_value_and_grad-min": ("vae", "min", 16, "vae", {}),
+    "text_transformer_mixed-60act": ("text_transformer", "60% of activations", 16, "fit", {"mixed": True}),
+    "cnn_jit-70act": ("small_cnn", "70% of activations", 16, "fit", {"jit": True}),
+}
+
+
+# ---------------------------------------------------------------- models (child process)
+
+def _applications(name):
+    import keras
+
+    constructor = {"mobilenetv2": keras.applications.MobileNetV2, "efficientnetb0": keras.applications.EfficientNetB0,
+                   "resnet50": keras.applications.ResNet50, "densenet121": keras.applications.DenseNet121}[name]
+    return constructor(weights=None, input_shape=(64, 64, 3), classes=10)
+
+
+def _hub(name, seq_len=64):
+    import keras
+    import keras_hub
+
+    kind = keras_hub.models.GPT2Backbone if name == "gpt2_hub" else keras_hub.models.BertBackbone
+    backbone = kind(vocabulary_size=500, num_layers=2, num_heads=2, hidden_dim=64, intermediate_dim=256,
+                    max_sequence_length=seq_len)
+    inputs = {n: keras.Input((seq_len,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
+    if "segment_ids" in [t.name for t in backbone.inputs]:
+        inputs["segment_ids"] = keras.Input((seq_len,), dtype="int32", name="segment_ids")
+    hidden = backbone(inputs)
+    hidden = hidden["sequence_output"] if isinstance(hidden, dict) else hidden
+    pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+    return keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(pooled), name=name)
+
+
+def _vit_patches():
+    """keras.io "Image classification with Vision Transformer", small: 32x32, patch 4, 4 blocks."""
+    import keras
+    from keras import layers, ops
+
+    class Patches(layers.Layer):
+        def __init__(self, patch_size, **kwargs):
+            super().__init__(**kwargs)
+            self.patch_size = patch_size
+
+        def call(self, images):
+            shape = ops.shape(images)
+            patches = ops.image.extract_patches(images, size=self.patch_size)
+            count = (shape[1] // self.patch_size) * (shape[2] // self.patch_size)
+            return ops.reshape(patches, (shape[0], count, self.patch_size * self.patch_size * shape[-1]))
+
+    class PatchEncoder(layers.Layer):
+        def __init__(self, num_patches, projection_dim, **kwargs):
+            super().__init__(**kwargs)
+            self.num_patches = num_patches
+            self.projection = layers.Dense(projection_dim)
+            self.position_embedding = layers.Embedding(num_patches, projection_dim)
+
+        def call(self, patch):
+            positions = ops.expand_dims(ops.arange(0, self.num_patches, 1), axis=0)
+            return self.projection(patch) + self.position_embedding(positions)
+
+    dim, heads = 64, 4
+    inputs = keras.Input((32, 32, 3))
+    encoded = PatchEncoder(64, dim)(Patches(4)(inputs))
+    for _ in range(4):
+        x1 = layers.LayerNormalization(epsilon=1e-6)(encoded)
+        attention = layers.MultiHeadAttention(num_heads=heads, key_dim=dim // heads, dropout=0.1)(x1, x1)
+        x2 = layers.Add()([attention, encoded])
+        x3 = layers.LayerNormalization(epsilon=1e-6)(x2)
+        x3 = layers.Dropout(0.1)(layers.Dense(dim * 2, activation="gelu")(x3))
+        x3 = layers.Dropout(0.1)(layers.Dense(dim, activation="gelu")(x3))
+        encoded = layers.Add()([x3, x2])
+    x = layers.Flatten()(layers.LayerNormalization(epsilon=1e-6)(encoded))
+    x = layers.Dropout(0.5)(layers.Dense(128, activation="gelu")(layers.Dropout(0.5)(x)))
+    return keras.Model(inputs, layers.Dense(10, activation="softmax")(x), name="vit_patches")
+
+
+def _text_transformer():
+    """keras.io "Text classification with Transformer": a TransformerBlock layer, 3 blocks, 128 tokens."""
+    import keras
+    from keras import layers, ops
+
+    class TransformerBlock(layers.Layer):
+        def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1, **kwargs):
+            super().__init__(**kwargs)
+            self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+            self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
+            self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+            self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+            self.dropout1 = layers.Dropout(rate)
+            self.dropout2 = layers.Dropout(rate)
+
+        def call(self, inputs, training=False):
+            attn_output = self.dropout1(self.att(inputs, inputs), training=training)
+            out1 = self.layernorm1(inputs + attn_output)
+            ffn_output = self.dropout2(self.ffn(out1), training=training)
+            return self.layernorm2(out1 + ffn_output)
+
+    class TokenAndPositionEmbedding(layers.Layer):
+        def __init__(self, maxlen, vocab_size, embed_dim, **kwargs):
+            super().__init__(**kwargs)
+            self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+            self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+        def call(self, x):
+            positions = self.pos_emb(ops.arange(start=0, stop=ops.shape(x)[-1], step=1))
+            return self.token_emb(x) + positions
+
+    maxlen = 128
+    inputs = layers.Input(shape=(maxlen,), dtype="int32")
+    x = TokenAndPositionEmbedding(maxlen, 2000, 32)(inputs)
+    for _ in range(3):
+        x = TransformerBlock(32, 2, 64)(x)
+    x = layers.Dropout(0.1)(layers.GlobalAveragePooling1D()(x))
+    x = layers.Dropout(0.1)(layers.Dense(20, activation="relu")(x))
+    return keras.Model(inputs=inputs, outputs=layers.Dense(2, activation="softmax")(x), name="text_transformer")
+
+
+def _siamese():
+    """keras.io-style Siamese net: one shared conv tower on two 28x28 images, distance head."""
+    import keras
+    from keras import layers, ops
+
+    image = keras.Input((28, 28, 1))
+    h = image
+    for filters in (16, 32, 32):
+        h = layers.Conv2D(filters, 3, padding="same", activation="tanh")(h)
+        h = layers.BatchNormalization()(h)
+        h = layers.AveragePooling2D(2)(h) if filters != 32 or h.shape[1] > 7 else h
+    tower = keras.Model(image, layers.Dense(16, activation="tanh")(layers.Flatten()(h)), name="tower")
+    left, right = keras.Input((28, 28, 1), name="left"), keras.Input((28, 28, 1), name="right")
+    distance = layers.Lambda(lambda v: ops.sqrt(ops.maximum(ops.sum(ops.square(v[0] - v[1]), axis=1,
+                                                                    keepdims=True), 1e-7)))(
+        [tower(left), tower(right)])
+    output = layers.Dense(1, activation="sigmoid")(layers.BatchNormalization()(distance))
+    return keras.Model([left, right], output, name="siamese")
+
+
+def _small_cnn():
+    import keras
+    from keras import layers
+
+    inputs = keras.Input((32, 32, 3))
+    h = inputs
+    for filters in (32, 32, 64, 64):
+        h = layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+    h = layers.GlobalAveragePooling2D()(h)
+    return keras.Model(inputs, layers.Dense(10, activation="softmax")(h), name="small_cnn")
+
+
+def build(name: str):
+    """The model and the loss it is compiled with."""
+    if name in ("mobilenetv2", "efficientnetb0", "resnet50", "densenet121"):
+        return _applications(name), "categorical_crossentropy"
+    if name in ("gpt2_hub", "bert_hub"):
+        return _hub(name), "categorical_crossentropy"
+    if name == "siamese":
+        return _siamese(), "binary_crossentropy"
+    return {"vit_patches": _vit_patches, "text_transformer": _text_transformer,
+            "small_cnn": _small_cnn}[name](), "categorical_crossentropy"
+
+
+# ---------------------------------------------------------------- one check (child process)
+
+def _fresh(optimizer):
+    return type(optimizer).from_config(optimizer.get_config())
+
+
+def check_fit(name, budget, batch, options, steps) -> dict:
+    import keras
+    import tensorflow as tf
+
+    from tfremat.allocator_check import allocator_peak
+    from tfremat.extract.plain_step import plain_train_step
+    from tfremat.keras import RematCallback
+    from tfremat.measure import measure_model
+    from tfremat.model_planning import synthetic_batch
+    from tfremat.runtime.timing import time_in_turns
+
+    if options.get("mixed"):
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model, loss = build(name)
+    model.compile(optimizer="adam", loss=loss, jit_compile=bool(options.get("jit")))
+    x, y = synthetic_batch(model, 3 * batch, loss=loss, seed=0)
+    remat = RematCallback(budget)
+    began = {}
+
+    class FirstStep(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            began["train"] = time.perf_counter()
+
+        def on_train_batch_end(self, index, logs=None):
+            if index == 0:
+                began["first_step_s"] = time.perf_counter() - began["train"]
+
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, callbacks=[remat, FirstStep()], verbose=0)
+    (key, result), = remat.plans.items()
+    step = remat._steps[key]
+    xb, yb = tf.nest.map_structure(lambda a: tf.constant(a[:batch]), (x, y))
+    allocator = [allocator_peak(step, model, xb, yb, reads=1) for _ in range(5)]
+    requested = allocator_peak(step, model, xb, yb, count="requested")
+    loss_fn = result.extraction.side_table.loss_fn
+    plain = plain_train_step(model, loss_fn, _fresh(model.optimizer))
+    if options.get("jit"):
+        plain = tf.function(plain.python_function, jit_compile=True)
+    timing = time_in_turns(lambda: step(xb, yb, None), lambda: plain(xb, yb), steps)
+    row = {
+        "budget_bytes": result.budget_bytes,
+        "fit_predicted": result.predicted_peak_bytes,
+        "fit_requested": requested,
+        "fit_allocator_max": max(allocator),
+        "fit_allocator_min": min(allocator),
+        "fit_planned_time": result.predicted_time_over_plain,
+        "fit_time": timing.ratio,
+        "fit_time_quartiles": list(timing.ratio_quartiles),
+        "fit_overhead": result.overhead,
+        "first_step_s": began.get("first_step_s"),
+        "checkpoint_all_peak": result.checkpoint_all_peak_bytes,
+        "planned_with": getattr(result, "planned_with", None),
+    }
+    try:
+        measured = measure_model(model, budget, batch_size=batch, steps=steps, verbose=0)
+    except Exception as error:  # e.g. its plan (never XLA's) infeasible where fit's was not
+        row["m_error"] = f"{type(error).__name__}: {error}"
+        return row
+    row.update({f"m_{k}": measured[k] for k in (
+        "predicted_peak_bytes", "requested_peak_bytes", "measured_peak_bytes", "predicted_time_over_plain",
+        "time_over_plain", "time_over_plain_quartiles", "grad_error", "grad_global_error", "gradients_match",
+        "costly_vjp_rebuilds", "recomputed_layer_calls", "inexact_implementations")})
+    return row
+
+
+def check_vae(budget, batch, steps) -> dict:
+    """keras.io's VAE (conv encoder / decoder, 28x28) with a train_step on tfremat.value_and_grad."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from keras import layers, ops
+
+    import tfremat
+    from tfremat.numerics import closeness
+    from tfremat.runtime.memory import measure_step_peak
+    from tfremat.runtime.timing import time_in_turns
+
+    keras.utils.set_random_seed(0)
+    latent = 2
+    image = keras.Input((28, 28, 1))
+    h = layers.Conv2D(32, 3, activation="relu", strides=2, padding="same")(image)
+    h = layers.Conv2D(64, 3, activation="relu", strides=2, padding="same")(h)
+    h = layers.Dense(16, activation="relu")(layers.Flatten()(h))
+    encoder = keras.Model(image, [layers.Dense(latent)(h), layers.Dense(latent)(h)], name="encoder")
+    code = keras.Input((latent,))
+    h = layers.Reshape((7, 7, 64))(layers.Dense(7 * 7 * 64, activation="relu")(code))
+    h = layers.Conv2DTranspose(64, 3, activation="relu", strides=2, padding="same")(h)
+    h = layers.Conv2DTranspose(32, 3, activation="relu", strides=2, padding="same")(h)
+    decoder = keras.Model(code, layers.Conv2DTranspose(1, 3, activation="sigmoid", padding="same")(h), name="decoder")
+
+    def vae_loss(data, epsilon):
+        # The noise comes in as an argument: value_and_grad refuses noise drawn inside fn.
+        z_mean, z_log_var = encoder(data, training=True)
+        z = z_mean + ops.exp(0.5 * z_log_var) * epsilon
+        reconstruction = decoder(z, training=True)
+        rec = ops.mean(ops.sum(keras.losses.binary_crossentropy(data, reconstruction), axis=(1, 2)))
+        kl = -0.5 * (1 + z_log_var - ops.square(z_mean) - ops.exp(z_log_var))
+        return rec + ops.mean(ops.sum(kl, axis=1))
+
+    rng = np.random.default_rng(0)
+    data = tf.constant(rng.random((batch, 28, 28, 1), dtype=np.float32))
+    epsilon = tf.constant(rng.standard_normal((batch, latent), dtype=np.float32))
+    began = time.perf_counter()
+    g = tfremat.value_and_grad(vae_loss, budget, data, epsilon)
+    loss, grads = g(data, epsilon)
+    first_step_s = time.perf_counter() - began
+    variables = g.trainable_variables
+
+    @tf.function
+    def tape_grads(d, e):
+        with tf.GradientTape() as tape:
+            value = vae_loss(d, e)
+        return value, tape.gradient(value, variables)
+
+    plain_loss, plain = tape_grads(data, epsilon)
+    match = closeness([t.numpy() for t in grads], [t.numpy() for t in plain])
+    resident = list(variables)
+    allocator = [measure_step_peak(lambda a, b: g(a, b), data, epsilon, resident=resident) for _ in range(5)]
+    requested = measure_step_peak(lambda a, b: g(a, b), data, epsilon, resident=resident, warmup=0,
+                                  count="requested")
+    timing = time_in_turns(lambda: g(data, epsilon), lambda: tape_grads(data, epsilon), steps)
+    result = g.plan
+    return {
+        "budget_bytes": result.budget_bytes,
+        "fit_predicted": result.predicted_peak_bytes,
+        "fit_requested": requested,
+        "fit_allocator_max": max(allocator),
+        "fit_allocator_min": min(allocator),
+        "fit_planned_time": result.predicted_time_over_plain,
+        "fit_time": timing.ratio,
+        "fit_time_quartiles": list(timing.ratio_quartiles),
+        "fit_overhead": result.overhead,
+        "first_step_s": first_step_s,
+        "checkpoint_all_peak": result.checkpoint_all_peak_bytes,
+        "m_grad_error": match.max_tensor_error,
+        "m_grad_global_error": match.global_error,
+        "m_gradients_match": bool(match.max_tensor_error <= 1e-4 and abs(float(loss) - float(plain_loss)) < 1e-4),
+    }
+
+
+def child(check: str, steps: int) -> None:
+    builder, budget, batch, kind, options = CHECKS[check]
+    sys.path.insert(0, ROOT)  # this checkout's tfremat
+    try:
+        row = check_vae(budget, batch, steps) if kind == "vae" else check_fit(builder, budget, batch, options, steps)
+    except Exception as error:  # the row says what a user would have seen
+        row = {"error": f"{type(error).__name__}: {error}"}
+    print("USER_CHECK_ROW " + json.dumps(row, default=float), flush=True)
+
+
+# ---------------------------------------------------------------- parent: run, collect, render
+
+STARTUP = re.compile(r"oneDNN custom operations|cpu_feature_guard|rebuild TensorFlow|absl::InitializeLog|"
+                     r"To enable the following instructions|port\.cc|^\s*$")
+
+
+PROFILER = re.compile(r"profiler_session\.cc|save_profile\.cc")
+
+
+def run_check(check: str, steps: int, timeout: float, cache_dir: str) -> dict:
+    env = dict(os.environ)
+    env.pop("TF_NUM_INTEROP_THREADS", None)  # TensorFlow's default, as a user has it
+    env.pop("TF_ENABLE_ONEDNN_OPTS", None)
+    env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    env["TFREMAT_CACHE_DIR"] = cache_dir
+    began = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", check, "--steps", str(steps)],
+                              env=env, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = done.stdout, done.stderr
+    except subprocess.TimeoutExpired as error:
+        stdout = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
+        stderr = error.stderr.decode() if isinstance(error.stderr, bytes) else (error.stderr or "")
+        stdout += "\nUSER_CHECK_ROW " + json.dumps({"error": f"over the {timeout:.0f} s limit"})
+    rows = [line.split(" ", 1)[1] for line in stdout.splitlines() if line.startswith("USER_CHECK_ROW ")]
+    row = json.loads(rows[-1]) if rows else {"error": "no result: " + (stderr.strip().splitlines() or ["?"])[-1]}
+    lines = [line for line in re.split(r"[\r\n]", stderr) if not STARTUP.search(line)]
+    row.update({"check": check, "model": CHECKS[check][0], "budget": CHECKS[check][1], "batch": CHECKS[check][2],
+                "kind": CHECKS[check][3], "options": CHECKS[check][4], "wall_s": time.perf_counter() - began,
+                "stderr_lines": len(lines), "profiler_lines": sum(bool(PROFILER.search(line)) for line in lines),
+                "stderr_sample": [line for line in lines if not PROFILER.search(line)][:60]})
+    return row
+
+
+def _mib(n):
+    return "" if n is None else f"{n / MiB:.2f}"
+
+
+def _notes(row: dict) -> str:
+    notes = []
+    options = row["options"]
+    if options.get("mixed"):
+        notes.append("mixed_float16")
+    if options.get("jit"):
+        notes.append("jit_compile")
+    if row["kind"] == "vae":
+        notes.append("custom train_step, value_and_grad")
+    if row.get("error"):
+        return "; ".join(notes + [row["error"][:300].replace("|", "/")])
+    budget = row["budget_bytes"]
+    if budget is not None and row["fit_allocator_max"] > budget:
+        notes.append(f"ALLOCATOR OVER BUDGET {row['fit_allocator_max'] / budget:.3f}x")
+    if row["fit_requested"] > row["fit_predicted"]:
+        notes.append(f"requested {row['fit_requested'] / row['fit_predicted']:.3f}x predicted")
+    if row.get("m_error"):
+        notes.append("measure_model: " + row["m_error"][:160])
+    if row.get("m_predicted_peak_bytes"):
+        m = row["m_measured_peak_bytes"] / row["m_predicted_peak_bytes"]
+        notes.append(f"measure_model (no allocator check): pred {_mib(row['m_predicted_peak_bytes'])}, "
+                     f"req {row['m_requested_peak_bytes'] / row['m_predicted_peak_bytes']:.3f}x, alloc {m:.3f}x; "
+                     f"time {row['m_time_over_plain']:.3f} vs planned {row['m_predicted_time_over_plain']:.3f}")
+    if row.get("m_costly_vjp_rebuilds"):
+        notes.append(f"{row['m_costly_vjp_rebuilds']} costly VJP rebuilds")
+    if row.get("m_inexact_implementations"):
+        notes.append("inexact: " + ", ".join(i["name"] for i in row["m_inexact_implementations"]))
+    if row.get("planned_with"):
+        notes.append(f"re-planned with {row['planned_with']}")
+    notes.append(f"{row['stderr_lines']} stderr lines ({row['profiler_lines']} from TF's profiler)")
+    return "; ".join(notes)
+
+
+def render(rows: list[dict], argv: list[str], header_lines: list[str]) -> str:
+    out = ["# A new user's check: models tfremat was not written for, default inter-op threads", "",
+           f"Command: `python benchmarks/user_check.py {' '.join(argv)}`.", *header_lines, "",
+           "One process per row, `TF_NUM_INTEROP_THREADS` unset (TensorFlow's default), oneDNN on, "
+           "an empty tfremat cache per run, Adam. The step is the one `RematCallback` (what `tfremat.fit` runs) "
+           "trained with after its allocator check. `alloc` is the largest of five allocator reads of that step; "
+           "`time ratio` is its measured time/plain (median per-round ratio of steps timed in turns with a plain "
+           "tape step, quartiles in brackets) over the plan's `predicted_time_over_plain` (issue 33's band: "
+           f"{TIME_BAND[0]}-{TIME_BAND[1]}). Gradients and the `measure_model` note come from "
+           "`tfremat.measure.measure_model` on the same model and budget (planned without the allocator check). "
+           "`first step s`: from `fit` starting to the first batch ending (extraction, profiling, planning, "
+           "compile, allocator check).", "",
+           "| model | budget | batch | predicted MiB | requested MiB | alloc MiB | budget MiB | planned | time/plain | "
+           "time ratio | gradients | first step s | notes |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if row.get("error"):
+            out.append(f"| {row['model']} | {row['budget']} | {row['batch']} | | | | | | | | | | {_notes(row)} |")
+            continue
+        quartiles = row["fit_time_quartiles"]
+        ratio = row["fit_time"] / row["fit_planned_time"]
+        flag = "" if TIME_BAND[0] <= ratio <= TIME_BAND[1] else " **out**"
+        grads = row.get("m_gradients_match")
+        grads = "" if grads is None else ("match" if grads else f"DIFFER ({row['m_grad_error']:.1e})")
+        out.append(
+            f"| {row['model']} | {row['budget']} | {row['batch']} | {_mib(row['fit_predicted'])} | "
+            f"{_mib(row['fit_requested'])} | {_mib(row['fit_allocator_max'])} | {_mib(row['budget_bytes'])} | "
+            f"{row['fit_planned_time']:.3f} | {row['fit_time']:.3f} ({quartiles[0]:.2f}-{quartiles[1]:.2f}) | "
+            f"{ratio:.3f}{flag} | {grads} | {row['first_step_s']:.1f} | {_notes(row)} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="check names or substrings, comma separated")
+    parser.add_argument("--list", action="store_true", help="list the checks and exit")
+    parser.add_argument("--steps", type=int, default=7, help="timed rounds (default 7)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per check (default 300)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="the markdown table (default %(default)s)")
+    parser.add_argument("--json", help="also write the rows (with their stderr lines) as JSON here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child, args.steps)
+        return 0
+    names = list(CHECKS)
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        names = [n for n in names if any(w in n for w in wanted)]
+    if args.list or not names:
+        print("\n".join(f"{n}: {CHECKS[n][0]} at {CHECKS[n][1]}, batch {CHECKS[n][2]}" for n in CHECKS))
+        return 0 if args.list else 2
+    commit = subprocess.run(["git", "log", "-1", "--oneline"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--short", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tfremat_user_check_") as cache_dir:
+        for name in names:
+            load = os.getloadavg()[0]
+            row = run_check(name, args.steps, args.timeout, os.path.join(cache_dir, name))
+            row["load"] = load
+            rows.append(row)
+            print(f"{name}: {row.get('error') or 'done'} ({row['wall_s']:.0f} s, load {load:.1f})", flush=True)
+    loads = [r["load"] for r in rows]
+    header_lines = [f"At `{commit}`{' with uncommitted changes in ' + str(len(dirty.splitlines())) + ' files' if dirty else ''}; "
+                    f"1-minute load average {min(loads):.1f}-{max(loads):.1f} at the rows' starts (2 shared cores)."]
+    with open(args.out, "w") as handle:
+        handle.write(render(rows, sys.argv[1:] if argv is None else argv, header_lines))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=1, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
