@@ -49,6 +49,9 @@ TEST_MODELS = ("vgg_block_net", "token_mlp_net")  # tests/models.py, batch 8
 CONFORMANCE_MODELS = ("transformer_encoder", "vit", "bilstm_text", "convmixer")  # batch 2
 LARGE_SHARE = 0.5  # the large nodes: the fewest, largest first, whose costs make this share of the step
 BUDGET = "60% of activations"
+# How a profiled call is timed on CPU: from TensorFlow's trace (the library's way), or its
+# least wall seconds from Python, less those of a call that computes nothing (before it).
+TIMERS = {"trace": analysis._kernel_seconds, "wall": analysis._least_seconds}
 
 
 def build(name):
@@ -77,7 +80,17 @@ def plan_facts(graph, time_limit):
     return facts
 
 
-def agreement(name, time_limit):
+def agreement(name, time_limit, timer="trace"):
+    """One row: ``name`` profiled twice with ``timer`` (see :data:`TIMERS`)."""
+    kernel_seconds = analysis._kernel_seconds
+    analysis._kernel_seconds = TIMERS[timer]
+    try:
+        return _agreement(name, time_limit) | {"timer": timer}
+    finally:
+        analysis._kernel_seconds = kernel_seconds
+
+
+def _agreement(name, time_limit):
     model, batch = build(name)
     graphs, seconds = [], []
     load = os.getloadavg()[0]
@@ -127,16 +140,19 @@ def render(rows, argv):
         "`\"min\"` resolves to, first and second profile; `load`: the 1-minute load average "
         "when the row started and finished (2 cores, shared with other jobs). Timing: every call timed in "
         f"{analysis._TIMING_PASSES} passes of at least {analysis._MIN_TIMING_SECONDS:g} s over all the calls, "
-        "the least of each timed function over them kept (`tfremat.extract.analysis.timing_passes`); TensorFlow's "
-        "default inter-op threads, so every call is traced and run on its single-threaded executor, as the step runs.",
+        "the least of each timed function over them kept (`tfremat.extract.analysis.timing_passes`); `timer`: "
+        "`trace` reads each call's seconds off TensorFlow's profiler trace (`tfremat.extract.timing`, the "
+        "library's), `wall` times it from Python less a call that computes nothing (before the trace). "
+        "TensorFlow's default inter-op threads, so every call is traced and run on its single-threaded "
+        "executor, as the step runs.",
         "",
-        "| model | nodes | rel median | rel p90 | rel worst (node) | large | large median | large worst "
+        "| model | timer | nodes | rel median | rel p90 | rel worst (node) | large | large median | large worst "
         "| large shares median / worst | step | totals | profile s | schedule | min | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['nodes']} | {100 * r['median']:.1f}% | {100 * r['p90']:.1f}% | "
+            f"| {r['model']} | {r['timer']} | {r['nodes']} | {100 * r['median']:.1f}% | {100 * r['p90']:.1f}% | "
             f"{100 * r['worst']:.0f}% ({r['worst_node']}) | {r['large']} | {100 * r['large_median']:.1f}% | "
             f"{100 * r['large_worst']:.1f}% | {100 * r['share_median']:.1f}% / {100 * r['share_worst']:.1f}% | "
             f"{100 * r['step_share']:.1f}% | {r['totals']:.3f} | "
@@ -154,11 +170,18 @@ def main(argv=None):
                         help=f"timing passes per extraction (default {analysis._TIMING_PASSES}; 1: one window per call)")
     parser.add_argument("--window", type=float, default=None,
                         help=f"least seconds of one timing window (default {analysis._MIN_TIMING_SECONDS:g})")
+    parser.add_argument("--timers", default="trace",
+                        help="timers to compare, comma separated, each model profiled with each in turns: trace "
+                             "(TensorFlow's trace, the library's), wall (Python wall seconds less a call that "
+                             "computes nothing, as before)")
     parser.add_argument("--out", default=None, help=f"markdown file to write (default {DEFAULT_OUT}; "
                         "required with --only)")
     args = parser.parse_args(argv)
-    if any(v is not None for v in (args.only, args.passes, args.window)) and args.out is None:
-        parser.error(f"--only, --passes and --window need --out (the default {DEFAULT_OUT} holds the defaults)")
+    timers = args.timers.split(",")
+    if any(t not in TIMERS for t in timers):
+        parser.error(f"--timers takes {', '.join(TIMERS)}, got {args.timers!r}")
+    if (any(v is not None for v in (args.only, args.passes, args.window)) or timers != ["trace"]) and args.out is None:
+        parser.error(f"--only, --passes, --window and --timers need --out (the default {DEFAULT_OUT} holds the defaults)")
     if args.passes is not None:
         analysis._TIMING_PASSES = args.passes
     if args.window is not None:
@@ -166,7 +189,7 @@ def main(argv=None):
     names = args.only.split(",") if args.only else [*TEST_MODELS, *CONFORMANCE_MODELS]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("tfremat").setLevel(logging.ERROR)
-    text = render([agreement(name, args.time_limit) for name in names], argv)
+    text = render([agreement(name, args.time_limit, timer) for name in names for timer in timers], argv)
     out = args.out or DEFAULT_OUT
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

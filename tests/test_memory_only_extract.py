@@ -42,6 +42,7 @@ def _no_timing(monkeypatch):
         raise AssertionError("a memory-only extraction timed a call")
 
     monkeypatch.setattr(analysis, "_least_seconds", refuse)
+    monkeypatch.setattr(analysis, "_kernel_seconds", refuse)
     monkeypatch.setattr(analysis, "_compiled_least_seconds", refuse)
     monkeypatch.setattr(extractor, "measure_plain_overlap", refuse)
 

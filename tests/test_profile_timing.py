@@ -1,4 +1,7 @@
-"""The profiler traces, times and measures calls on the executor the step runs on (issue 33)."""
+"""The profiler traces, times and measures calls on the executor the step runs on (issue 33),
+and reads their seconds off TensorFlow's trace (issue 33 item 3)."""
+
+import time
 
 import keras
 import numpy as np
@@ -7,7 +10,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from tfremat.extract import analysis, extract
-from tfremat.extract import profile_cache
+from tfremat.extract import profile_cache, timing
 from tfremat.extract.profile_cache import cache_key
 from tfremat.runtime import executor
 from tfremat.runtime.executor import SEQUENTIAL_EXECUTOR
@@ -50,3 +53,68 @@ def test_the_cache_key_follows_the_cache_version(monkeypatch):
     key = cache_key(model, [], *specs, "mse", "profile", "/cpu:0")
     monkeypatch.setattr(profile_cache, "_CACHE_VERSION", profile_cache._CACHE_VERSION - 1)
     assert cache_key(model, [], *specs, "mse", "profile", "/cpu:0") != key
+
+
+def _functions():
+    """A function of milliseconds of kernels and one that computes nothing, on the step's executor."""
+    weights = tf.random.stateless_normal((384, 384), seed=(0, 1))
+    heavy = tf.function(lambda x: tf.matmul(tf.matmul(x, weights), weights), autograph=False)
+    empty = tf.function(lambda x: tf.identity(x), autograph=False)
+    x = tf.random.stateless_normal((384, 384), seed=(2, 3))
+    return [(heavy.get_concrete_function(x), (x,)), (empty.get_concrete_function(x), (x,))]
+
+
+def test_the_trace_times_each_call_without_calling_it_from_python():
+    """Each call's seconds come from its run in TensorFlow's trace: the rounds attribute
+    milliseconds of matmul to the heavy call, and the call that computes nothing costs
+    less than its least wall time from Python (which adds the ~100s of us of dispatch)."""
+    calls = _functions()
+    names = [fn.function_def.signature.name for fn, _ in calls]
+    wall = [float("inf")] * len(calls)
+
+    def rounds():
+        for _ in range(20):
+            for position, (fn, args) in enumerate(calls):
+                start = time.perf_counter()
+                analysis.synchronize(fn(*args))
+                wall[position] = min(wall[position], time.perf_counter() - start)
+
+    with executor.step_executor():
+        for fn, args in calls:
+            analysis.synchronize(fn(*args))
+        seconds = timing.traced_seconds(rounds, names)
+    # The last round may miss the end of a run (traced_seconds), no other.
+    assert [len(s) in (19, 20) for s in seconds] == [True, True]
+    heavy, empty = (min(s) for s in seconds)
+    assert heavy > 10 * empty
+    assert empty < wall[1]
+
+
+def test_the_trace_refuses_calls_out_of_the_order_given():
+    calls = _functions()
+    names = [fn.function_def.signature.name for fn, _ in calls]
+    with executor.step_executor(), pytest.raises(RuntimeError, match="in rounds of 2"):
+        timing.traced_seconds(lambda: [analysis.synchronize(fn(*args)) for fn, args in reversed(calls)], names)
+
+
+def test_a_profile_on_cpu_reads_its_seconds_off_the_trace(monkeypatch):
+    """extract() times every call on CPU with _kernel_seconds, never from Python."""
+    traced = []
+    kernel_seconds = analysis._kernel_seconds
+
+    def recording(calls, repeats, warmup):
+        traced.extend(fn for fn, _ in calls)
+        return kernel_seconds(calls, repeats, warmup)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a call was timed from Python on CPU")
+
+    monkeypatch.setattr(analysis, "_kernel_seconds", recording)
+    monkeypatch.setattr(analysis, "_least_seconds", refuse)
+    monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax", name="head")(inputs))
+    batch = (np.ones((4, 6), np.float32), np.eye(3, dtype=np.float32)[[0, 1, 2, 0]])
+    graph = extract(model, batch, cost_model="profile", repeats=2, use_cache=False).graph
+    assert traced and all(c > 0 for c in graph.cost)

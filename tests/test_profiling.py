@@ -72,8 +72,8 @@ def test_least_seconds_takes_many_runs_of_a_tiny_call_in_turns(monkeypatch):
     assert order[:6] == ["a", "b", "a", "b", "a", "b"]
 
 
-def _scripted_least_seconds(monkeypatch, passes):
-    """``_least_seconds`` answering each timing from ``passes`` in turn (in seconds)."""
+def _scripted_kernel_seconds(monkeypatch, passes):
+    """``_kernel_seconds`` answering each timing from ``passes`` in turn (in seconds)."""
     answered = []
 
     def scripted(calls, repeats, warmup):
@@ -82,7 +82,7 @@ def _scripted_least_seconds(monkeypatch, passes):
         answered.append((repeats, warmup))
         return list(least)
 
-    monkeypatch.setattr(analysis, "_least_seconds", scripted)
+    monkeypatch.setattr(analysis, "_kernel_seconds", scripted)
     return answered
 
 
@@ -93,7 +93,7 @@ def test_each_call_keeps_its_least_seconds_over_the_timing_passes(monkeypatch):
     layer.build((2, 3))
     spec = tf.TensorSpec([2, 3], tf.float32)
     # (dispatch, forward, forward and backward) per pass: each is least in another pass.
-    answered = _scripted_least_seconds(monkeypatch, [(1.0, 3.0, 10.0), (0.5, 2.0, 7.0), (0.25, 4.0, 6.0)])
+    answered = _scripted_kernel_seconds(monkeypatch, [(1.0, 3.0, 10.0), (0.5, 2.0, 7.0), (0.25, 4.0, 6.0)])
     with analysis.timing_passes(3) as passes:
         first = analysis.analyze_call(lambda xs: layer(xs[0]), "dense", [spec], [True], layer.trainable_variables,
                                       2, profile=True, repeats=5, warmup=2)
@@ -115,13 +115,13 @@ def test_an_extraction_times_every_call_in_every_pass(monkeypatch):
     """extract() times each distinct call and the loss _TIMING_PASSES times, in passes over
     all of them (the second pass starts after the last call's first)."""
     timed = []
-    least_seconds = analysis._least_seconds
+    kernel_seconds = analysis._kernel_seconds
 
     def recording(calls, repeats, warmup):
         timed.append(calls[-1][0])
-        return least_seconds(calls, repeats, warmup)
+        return kernel_seconds(calls, repeats, warmup)
 
-    monkeypatch.setattr(analysis, "_least_seconds", recording)
+    monkeypatch.setattr(analysis, "_kernel_seconds", recording)
     monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
     keras.utils.set_random_seed(0)
     x = keras.Input((6,))

@@ -36,11 +36,15 @@ independent operations (a convolution's input and filter gradients) in the profi
 and in memory, where they do not in the step.
 
 With ``profile=True`` the same functions are run on the target device. The cost is the
-least wall time of many runs after warm-up (:func:`_least_seconds`): a busy machine only
-ever adds time to a run, so the least run is the one that repeats from profile to profile,
-where the median moves with the load. Wall time, not the process's CPU time, which was
-steadier under load but weighs a call by the threads it runs on: the step's time, what the
-plan predicts, is wall time. A busy machine also slows every run for a second or two at a
+least time of many runs after warm-up: on CPU the seconds TensorFlow's executor ran the
+function for, read off its profiler's trace (:func:`_kernel_seconds`,
+:mod:`tfremat.extract.timing`), which leaves out the hundreds of microseconds of calling a
+function from Python that the compiled step, one function, does not pay per node; on a GPU
+and for XLA functions the wall time of the call from Python (:func:`_least_seconds`). A
+busy machine only ever adds time to a run, so the least run is the one that repeats from
+profile to profile, where the median moves with the load. Elapsed time, not the process's
+CPU time, which was steadier under load but weighs a call by the threads it runs on: the
+step's time, what the plan predicts, is elapsed time. A busy machine also slows every run for a second or two at a
 time, longer than one call's timing, so within an extraction every call is timed in
 :data:`_TIMING_PASSES` passes over all the calls, each timed function keeping its least
 seconds over them (:func:`timing_passes`). The forward and the forward-plus-backward are timed in turns,
@@ -101,6 +105,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import ExtractionError
+from tfremat.extract.timing import traced_seconds
 from tfremat.extract.views import view_position
 from tfremat.extract.xla_layouts import backward_layout_copies
 from tfremat.runtime import executor
@@ -220,8 +225,12 @@ class _Timing:
         pass has warmed them up as asked."""
         calls = self.make_calls()
         warmup = 1 if self.passes else self.warmup
-        self.passes.append(_compiled_least_seconds(calls, self.repeats, warmup, self.layer_name) if self.xla
-                           else _least_seconds(calls, self.repeats, warmup))
+        if self.xla:
+            self.passes.append(_compiled_least_seconds(calls, self.repeats, warmup, self.layer_name))
+        elif default_device().startswith("GPU"):
+            self.passes.append(_least_seconds(calls, self.repeats, warmup))
+        else:
+            self.passes.append(_kernel_seconds(calls, self.repeats, warmup))
 
     def chosen(self) -> list[float]:
         """Each function's least seconds over the passes: a stall that slows every run of
@@ -404,36 +413,64 @@ def _op_flops(graph, op) -> float:
 
 
 def _least_seconds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup: int) -> list[float]:
-    """The least seconds of each ``fn(*args)`` in ``calls``, timed in turns.
+    """The least wall seconds of each ``fn(*args)`` in ``calls``, timed in turns from Python
+    (:func:`_rounds`): for XLA functions and on a GPU, whose runs TensorFlow's host trace
+    does not time (:func:`_kernel_seconds` does on CPU). Other processes and preemption only
+    add time to a run, so the least run is what the call costs."""
+    least = [math.inf] * len(calls)
 
-    After ``warmup`` unmeasured runs of each, rounds run every call once, until there are at
-    least ``repeats`` rounds and :data:`_MIN_TIMING_SECONDS` have passed, or
-    :data:`_MAX_TIMED_RUNS` rounds. Other processes and preemption only add time to a run,
-    so the least run is what the call costs; the minimum time makes runs of a tiny call
-    many, so that some run meets a quiet moment, and taking the calls in turns puts the
-    same load on each.
-    """
+    def timed(position: int, fn: Callable, args: tuple) -> None:
+        start = time.perf_counter()
+        synchronize(fn(*args))
+        least[position] = min(least[position], time.perf_counter() - start)
+
+    _rounds(calls, repeats, warmup, timed)
+    return least
+
+
+def _kernel_seconds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup: int) -> list[float]:
+    """The least seconds TensorFlow's executor ran each concrete function of ``calls``
+    for, from its profiler's trace of all the rounds (:func:`_rounds`,
+    :func:`tfremat.extract.timing.traced_seconds`): what the call's operations cost, without
+    the ~350 us of calling a function from Python, whose jitter was tens of percent of a
+    small node between two profiles (benchmarks/results/profile_agreement.md)."""
     with executor.step_executor():
-        for _ in range(warmup):
-            for fn, args in calls:
-                synchronize(fn(*args))
-        least = [math.inf] * len(calls)
+        _warm_up(calls, warmup)
+    names = [fn.function_def.signature.name for fn, _ in calls]
+    seconds = traced_seconds(
+        lambda: _rounds(calls, repeats, 0, lambda position, fn, args: synchronize(fn(*args))), names)
+    return [min(s) for s in seconds]
+
+
+def _rounds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup: int,
+            timed: Callable[[int, Callable, tuple], None]) -> None:
+    """Runs every ``fn(*args)`` of ``calls`` ``warmup`` times unmeasured, then ``timed(position,
+    fn, args)`` for each in rounds until there are at least ``repeats`` rounds and
+    :data:`_MIN_TIMING_SECONDS` have passed, or :data:`_MAX_TIMED_RUNS` rounds, on the step's
+    executor. The minimum time makes runs of a tiny call many, so that some run meets a
+    quiet moment, and taking the calls in turns puts the same load on each."""
+    with executor.step_executor():
+        _warm_up(calls, warmup)
         began = time.perf_counter()
         for round_ in range(1, _MAX_TIMED_RUNS + 1):
             for position, (fn, args) in enumerate(calls):
-                start = time.perf_counter()
-                synchronize(fn(*args))
-                least[position] = min(least[position], time.perf_counter() - start)
+                timed(position, fn, args)
             if round_ >= repeats and time.perf_counter() - began >= _MIN_TIMING_SECONDS:
                 break
-    return least
+
+
+def _warm_up(calls: Sequence[tuple[Callable, tuple]], warmup: int) -> None:
+    for _ in range(warmup):
+        for fn, args in calls:
+            synchronize(fn(*args))
 
 
 def _dispatch_only(args: tuple, xla: bool = False):
     """A concrete function that takes ``args`` and computes nothing: its time is what
-    calling a concrete function costs from Python (hundreds of microseconds on CPU, more
-    than a small layer's kernels), which a profiled call pays and the compiled step, one
-    function for the whole step, does not pay per node.
+    running a concrete function costs besides its operations, which a profiled call pays
+    and the compiled step, one function for the whole step, does not pay per node: from
+    Python hundreds of microseconds on CPU, more than a small layer's kernels; in the trace
+    (:func:`_kernel_seconds`) the executor's start and end of a run, about 2 us.
 
     With ``xla`` an XLA function that returns a scalar: launching an executable costs
     more than calling a graph function, and an XLA identity would copy its inputs (its

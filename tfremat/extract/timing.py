@@ -1,0 +1,156 @@
+"""How long TensorFlow ran each function call, read from its profiler's trace.
+
+Timed from Python, a profiled call of a few layers' kernels (10-150 us on CPU) sits behind
+about 350 us of calling a function from Python and TensorFlow's eager runtime, and a few
+microseconds of jitter there were tens of percent of a node between two profiles
+(benchmarks/results/profile_agreement.md). The compiled step, one function, pays none of it
+per node. TensorFlow's trace says when each function ran: the eager runtime hands the
+function's execution to an inter-op thread (a ``ThreadpoolListener::Record`` event on the
+calling thread, with a ``_p`` id), and that thread brackets the execution with
+``ThreadpoolListener::StartRegion`` (the same id as ``_c``) and ``StopRegion``. On the
+single-threaded executor the region is the whole run of the function's operations, its
+kernels' intra-op threads included (they finish within it); on TensorFlow's default
+executor a run hands ready operations to further regions, so a call's seconds are the span
+of the regions it led to, transitively. The calling thread names each call by its function
+(``EagerLocalExecute: <function name>``), which attributes the regions to the calls of one
+trace: all the runs of one timing pass are traced together (TensorFlow 2.21; the event and
+stat names are the profiler's own).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+__all__ = ["traced_seconds"]
+
+_EXECUTE = "EagerLocalExecute: "
+_RECORD = "ThreadpoolListener::Record"
+_START = "ThreadpoolListener::StartRegion"
+_STOP = "ThreadpoolListener::StopRegion"
+_ID_MASK = (1 << 64) - 1
+# Host events only: no Python tracer, no device tracer (nothing runs on a device).
+_OPTIONS = dict(host_tracer_level=1, python_tracer_level=0, device_tracer_level=0)
+
+
+def traced_seconds(run: Callable[[], None], names: Sequence[str]) -> list[list[float]]:
+    """Seconds of every run of each function in ``names`` while ``run()`` calls them,
+    from TensorFlow's trace (module docstring).
+
+    ``run`` must call the functions in turns, in the order of ``names``, one call of each
+    per round, any number of rounds (a name may repeat); other eager operations between
+    the calls (reading a result back) are not counted. Returns, per position of ``names``,
+    the seconds of its calls in the order they ran.
+
+    Raises:
+        RuntimeError: the trace does not show the calls in the expected order, or shows a
+            call with no execution (a TensorFlow whose profiler names them otherwise).
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    wanted = set(names)
+    with tempfile.TemporaryDirectory(prefix="tfremat_timing_") as logdir:
+        tf.profiler.experimental.start(logdir, options=tf.profiler.experimental.ProfilerOptions(**_OPTIONS))
+        try:
+            run()
+            _settle()
+        finally:
+            tf.profiler.experimental.stop()
+        spaces = []
+        for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
+            space = xplane_pb2.XSpace()
+            with open(path, "rb") as f:
+                space.ParseFromString(f.read())
+            spaces.append(space)
+    calls = []
+    for space in spaces:
+        for plane in space.planes:
+            if plane.name.startswith("/host:"):
+                calls.extend(_plane_calls(plane, wanted))
+    calls.sort(key=lambda call: call[0])
+    seconds: list[list[float]] = [[] for _ in names]
+    last_round = len(calls) - len(names)
+    for k, (_, name, span) in enumerate(calls):
+        position = k % len(names)
+        if name != names[position] or len(calls) % len(names):
+            raise RuntimeError(
+                f"TensorFlow's trace shows call {k} of {len(calls)} as {name!r} where {names[position]!r} was "
+                f"called, in rounds of {len(names)}: this TensorFlow's profiler events differ from 2.21's "
+                "(tfremat.extract.timing)")
+        if span is not None:
+            seconds[position].append(span)
+        elif k < last_round:
+            raise RuntimeError(f"TensorFlow's trace shows no execution of {name!r} (call {k} of {len(calls)}): "
+                               "this TensorFlow's profiler events differ from 2.21's (tfremat.extract.timing)")
+    if not all(seconds):
+        raise RuntimeError(f"TensorFlow's trace shows no execution of {names[seconds.index([])]!r}")
+    return seconds
+
+
+@functools.cache
+def _settler():
+    return tf.function(lambda: tf.constant(0.0), autograph=False).get_concrete_function()
+
+
+def _settle() -> None:
+    """Calls a function that computes nothing, so that the thread that ran the last call
+    marks the end of its region before the trace stops: the caller resumes when the call's
+    results are ready, and the region's end is recorded just after (a 1-round trace missed
+    its last call's end without this). The last round's calls are allowed to miss it."""
+    _settler()()
+
+
+def _plane_calls(plane, wanted: set[str]) -> list[tuple[int, str, float | None]]:
+    """``(start ps, function name, seconds or None)`` of every call of a function in
+    ``wanted`` on ``plane``: the span of the regions the call's records led to."""
+    stat_names = {key: meta.name for key, meta in plane.stat_metadata.items()}
+    event_names = {key: meta.name for key, meta in plane.event_metadata.items()}
+    executes = []  # (start, end, line, name)
+    records: dict[int, list[tuple[int, int]]] = {}  # line -> (time, id)
+    regions: dict[int, tuple[int, int, int]] = {}  # consumer id -> (line, start, end)
+    for line in plane.lines:
+        base = line.timestamp_ns * 1000
+        open_regions = []
+        line_records = records.setdefault(line.id, [])
+        for event in sorted(line.events, key=lambda e: e.offset_ps):
+            name = event_names.get(event.metadata_id, "")
+            time = base + event.offset_ps
+            if name.startswith(_EXECUTE) and name[len(_EXECUTE):] in wanted:
+                executes.append((time, time + event.duration_ps, line.id, name[len(_EXECUTE):]))
+            elif name == _RECORD:
+                line_records.append((time, _stat(event, stat_names, "_p")))
+            elif name == _START:
+                open_regions.append((time, _stat(event, stat_names, "_c")))
+            elif name == _STOP and open_regions:
+                start, consumer = open_regions.pop()
+                if consumer is not None:
+                    regions[consumer] = (line.id, start, time)
+    calls = []
+    for start, end, line_id, name in executes:
+        spans = []
+        pending = [p for t, p in records.get(line_id, ()) if start <= t <= end and p is not None]
+        seen = set()
+        while pending:
+            producer = pending.pop()
+            if producer in seen or producer not in regions:
+                continue
+            seen.add(producer)
+            region_line, region_start, region_end = regions[producer]
+            spans.append((region_start, region_end))
+            pending.extend(p for t, p in records.get(region_line, ())
+                           if region_start <= t <= region_end and p is not None)
+        span = (max(e for _, e in spans) - min(s for s, _ in spans)) * 1e-12 if spans else None
+        calls.append((start, name, span))
+    return calls
+
+
+def _stat(event, stat_names: dict, name: str) -> int | None:
+    for stat in event.stats:
+        if stat_names.get(stat.metadata_id) == name:
+            return (stat.uint64_value or stat.int64_value) & _ID_MASK
+    return None
