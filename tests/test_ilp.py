@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from graph_factories import random_training_graph, with_residuals
+from milp_agreement import assert_milp_memory_is_simulated
 
 from tfremat.errors import (
     ArgumentError,
@@ -31,7 +32,6 @@ from tfremat.ilp.approx_lp import solve_approx_lp
 from tfremat.ilp.formulation import heaviest_node
 from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.solvers import SolveResult
-from tfremat.plan.execution import Op
 from tfremat.plan.schedule import (
     Schedule,
     checkpoint_all_s,
@@ -268,14 +268,7 @@ def test_milp_memory_agrees_with_simulator(seed, coprime):
     schedule = Schedule(R, S, "optimal")
     validate_schedule(graph, schedule)
     simulation = simulate(graph, schedule)
-    simulated = {
-        (s.stage, s.node): int(simulation.trace_bytes[j])
-        for j, s in enumerate(simulation.plan.statements) if s.op is Op.COMPUTE
-    }
-    modelled = model.memory_while_running(result.x)
-    assert modelled.keys() == simulated.keys()
-    for key, value in simulated.items():
-        assert modelled[key] == pytest.approx(value), key
+    assert_milp_memory_is_simulated(model, result.x, simulation)
     # In units of the budget the solver's tolerance may leave the raw solution a few
     # bytes above it (optimal then solves again, see its test below).
     assert simulation.peak_bytes <= (budget * (1 + 1e-5) if coprime else budget)
@@ -300,13 +293,7 @@ def test_milp_keeps_a_split_nodes_output_and_residuals_apart_as_the_simulator_fr
             continue
         schedule = model.schedule(result.x, "optimal")
         simulation = simulate(graph, schedule)
-        simulated = {
-            (s.stage, s.node): int(simulation.trace_bytes[j])
-            for j, s in enumerate(simulation.plan.statements) if s.op is Op.COMPUTE
-        }
-        modelled = model.memory_while_running(result.x)
-        for key, value in simulated.items():
-            assert modelled[key] == pytest.approx(value), key
+        assert_milp_memory_is_simulated(model, result.x, simulation)
         assert simulation.peak_bytes <= budget * (1 + 1e-5)
 
 
@@ -326,14 +313,7 @@ def test_milp_recomputes_a_split_node_for_one_value_and_frees_the_other_unread(s
     model = build_milp(graph, simulation.peak_bytes)
     x = model.encode(schedule)
     assert x is not None
-    simulated = {
-        (s.stage, s.node): int(simulation.trace_bytes[j])
-        for j, s in enumerate(simulation.plan.statements) if s.op is Op.COMPUTE
-    }
-    modelled = model.memory_while_running(x)
-    assert modelled.keys() == simulated.keys()
-    for key, value in simulated.items():
-        assert modelled[key] == pytest.approx(value), key
+    assert_milp_memory_is_simulated(model, x, simulation)
 
 
 def test_warm_start_is_accepted_and_never_beaten_by_time_limit():
@@ -1035,9 +1015,5 @@ def test_schedules_that_keep_a_view_but_not_its_source_are_warm_starts(seed):
             alone = any((schedule.S[:, view] & ~schedule.S[:, source]).any() for view, source in graph.view_of.items())
             encoded_alone += alone
             simulation = simulate(graph, schedule)
-            simulated = {(s.stage, s.node): int(simulation.trace_bytes[j])
-                         for j, s in enumerate(simulation.plan.statements) if s.op is Op.COMPUTE}
-            modelled = model.memory_while_running(x)
-            for key, value in simulated.items():
-                assert modelled[key] == pytest.approx(value), (schedule.strategy, key)
+            assert_milp_memory_is_simulated(model, x, simulation, schedule.strategy)
     assert encoded_alone, "the case under test: a schedule keeping a view without its source"

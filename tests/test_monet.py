@@ -14,6 +14,7 @@ from graph_factories import (
     with_alternatives,
     with_residuals,
 )
+from milp_agreement import assert_milp_memory_is_simulated
 
 from tfremat.errors import InfeasibleBudgetError
 from tfremat.graph import DFGraph, Implementation
@@ -25,7 +26,6 @@ from tfremat.ilp.formulation import (
 )
 from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.monet import leanest_implementations, solve_monet
-from tfremat.plan.execution import Op
 from tfremat.plan.schedule import Schedule, schedule_from_keep_matrix, validate_schedule
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
 from tfremat.strategies import get_strategy, solver_strategy_names
@@ -131,12 +131,7 @@ def test_milp_memory_equals_the_simulated_memory_of_its_solution(seed):
             validate_schedule(graph, schedule)
             assert x is not None
             simulation = simulate(graph, schedule)
-            simulated = {(s.stage, s.node): int(simulation.trace_bytes[j])
-                         for j, s in enumerate(simulation.plan.statements) if s.op is Op.COMPUTE}
-            modelled = model.memory_while_running(x)
-            assert modelled.keys() == simulated.keys()
-            for key, value in simulated.items():
-                assert modelled[key] == pytest.approx(value), key
+            modelled = assert_milp_memory_is_simulated(model, x, simulation)
             assert max(modelled.values()) == pytest.approx(simulation.peak_bytes) and simulation.peak_bytes <= budget
 
 

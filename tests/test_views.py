@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from graph_factories import random_training_graph, training_graph
+from milp_agreement import assert_milp_memory_is_simulated
 
 from tfremat.errors import GraphError, InfeasibleBudgetError
 from tfremat.graph import DFGraph, load_graph
@@ -112,12 +113,7 @@ def test_milp_memory_agrees_with_the_simulator_on_views(seed):
         schedule = Schedule(R, S, "optimal")
         validate_schedule(graph, schedule)
         simulation = simulate(graph, schedule)
-        simulated = {(s.stage, s.node): int(simulation.trace_bytes[j])
-                     for j, s in enumerate(simulation.plan.statements) if s.op is Op.COMPUTE}
-        modelled = model.memory_while_running(result.x)
-        assert modelled.keys() == simulated.keys()
-        for key, value in simulated.items():
-            assert modelled[key] == pytest.approx(value), key
+        assert_milp_memory_is_simulated(model, result.x, simulation)
         assert simulation.peak_bytes <= budget
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 from graph_factories import random_training_graph, training_graph
+from milp_agreement import assert_milp_memory_is_simulated
 
 from tfremat.errors import GraphError, InfeasibleBudgetError
 from tfremat.graph import DFGraph, load_graph
@@ -179,12 +180,7 @@ def test_milp_plans_hold_no_weight_gradients_and_fit(seed):
         simulation = simulate(graph, schedule)
         held = held_weight_gradients(graph, simulation.plan)
         assert not any(held[index] for index, _, _ in _computes(simulation.plan))
-        simulated = {(s.stage, s.node): int(simulation.trace_bytes[j])
-                     for j, s in enumerate(simulation.plan.statements) if s.op is Op.COMPUTE}
-        modelled = model.memory_while_running(result.x)
-        assert modelled.keys() == simulated.keys()
-        for key, value in simulated.items():
-            assert modelled[key] == pytest.approx(value), key
+        assert_milp_memory_is_simulated(model, result.x, simulation)
         assert simulation.peak_bytes <= budget
     assert overflowed, "the weight-gradient-blind MILP no longer overflows here: pick another seed"
 
