@@ -44,7 +44,8 @@ from tfremat.runtime.memory import (
 )
 from tfremat.runtime.timing import TurnTiming, time_in_turns
 
-__all__ = ["TurnTiming", "explain_requested_peak", "gradient_tolerances", "measure_model", "time_in_turns"]
+__all__ = ["TurnTiming", "explain_requested_peak", "gradient_tolerances", "measure_model", "requested_ledger",
+           "time_in_turns"]
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,88 @@ def _rounding_by_implementation(model, extraction, result, x, y, saved) -> list[
 _STATEMENT_SCOPE = re.compile(r"(?:^|/)(re)?(forward|backward|loss)_(\d+)(?:/|$)")
 
 
+def _statement_of(op: str, graph) -> tuple[str, int | None, bool]:
+    """The plan statement an operation of the compiled step ran for: its scope
+    (``forward_<node>``, ``backward_<node>``, ``reforward_<node>``, ``loss_<node>``, or
+    ``other``), its node and whether it is a recomputation. A gradient op is named
+    ``gradient_tape/forward_<node>/...`` after the call it differentiates, under the backward
+    statement's tape: it belongs to that node's backward node."""
+    match = _STATEMENT_SCOPE.search(op)
+    if match is None:
+        return "other", None, False
+    node = int(match.group(3))
+    if "gradient_tape/" in op[:match.start() + 1]:
+        node = graph.backward_of.get(node, node)
+        return f"backward_{node}", node, False
+    return match.group(0).strip("/"), node, bool(match.group(1))
+
+
+def requested_ledger(extraction, schedule, step, x, y, resident=()) -> list[dict]:
+    """The simulator's memory at each compute statement beside the most bytes the compiled
+    step requests while that statement's operations run: where along the step the memory
+    model over- or under-counts, not only at the peak (benchmarks/requested_ledger.py;
+    docs/memory-model.md).
+
+    The requested bytes are replayed from the profiler's allocation events of one run of
+    ``step(x, y)`` (after a warm-up run), in the graph's convention (plus the bytes of
+    ``resident``, the batch and the labels); each allocation is charged to the statement
+    whose name scope made it (:func:`explain_requested_peak`). A statement runs more than
+    once when a node is recomputed: a recomputation has its own ``reforward_`` scope, and a
+    node's first compute statement gets the requested bytes of its scope.
+
+    Returns:
+        one dict per compute statement in plan order: ``statement`` (its index), ``scope``,
+        ``node``, ``name``, ``predicted_bytes`` (the simulator's memory while it runs) and
+        ``requested_bytes`` (None where its scope allocated nothing).
+    """
+    import tempfile
+
+    from tfremat.plan.execution import Op, build_plan
+    from tfremat.plan.simulator import simulate
+    from tfremat.runtime.memory import allocation_events
+
+    graph = extraction.graph
+    plan = build_plan(graph, schedule)
+    simulation = simulate(graph, plan)
+    device = default_device()
+    synchronize(step(x, y))
+    with tempfile.TemporaryDirectory(prefix="tfremat_ledger_") as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            synchronize(step(x, y))
+        finally:
+            tf.profiler.experimental.stop()
+        events = allocation_events(logdir, device)
+    events.sort(key=lambda e: (e[0], not e[1]))
+    fixed = (resident_bytes(list(resident)) + resident_bytes(tf.nest.flatten(x))
+             + resident_bytes(tf.nest.flatten(y)))
+    live: dict = {}
+    current = 0
+    most: dict[str, int] = {}
+    for _, allocation, addr, requested, info in events:
+        if allocation:
+            live[addr] = requested
+            current += requested
+            scope = _statement_of(info["op"], graph)[0]
+            most[scope] = max(most.get(scope, 0), current)
+        else:
+            current -= live.pop(addr, requested)
+    rows, seen = [], set()
+    for index, statement in enumerate(plan.statements):
+        if statement.op is not Op.COMPUTE:
+            continue
+        node = statement.node
+        kind = "loss" if node == graph.loss_node else "backward" if graph.is_backward[node] else "forward"
+        scope = f"{'re' if statement.recompute else ''}{kind}_{node}"
+        first = scope not in seen
+        seen.add(scope)
+        requested = most.get(scope) if first else None
+        rows.append({"statement": index, "scope": scope, "node": node, "name": graph.names[node],
+                     "predicted_bytes": int(simulation.trace_bytes[index]),
+                     "requested_bytes": None if requested is None else int(requested + fixed)})
+    return rows
+
+
 def explain_requested_peak(extraction, schedule, step, x, y, resident=(), *, top: int = 8) -> dict:
     """Where the compiled step's requested peak falls and what is live there, against the
     simulator at the same statement: which node's buffers make a step request more than its
@@ -211,16 +294,7 @@ def explain_requested_peak(extraction, schedule, step, x, y, resident=(), *, top
              + resident_bytes(tf.nest.flatten(y)))
 
     def scope_of(op: str) -> tuple[str, int | None, bool]:
-        match = _STATEMENT_SCOPE.search(op)
-        if match is None:
-            return "other", None, False
-        node = int(match.group(3))
-        if "gradient_tape/" in op[:match.start() + 1]:
-            # A gradient op is named after the forward call it differentiates, under the
-            # backward statement's tape: it belongs to that node's backward node.
-            node = graph.backward_of.get(node, node)
-            return f"backward_{node}", node, False
-        return match.group(0).strip("/"), node, bool(match.group(1))
+        return _statement_of(op, graph)
 
     requested_by_node: dict[int | None, int] = {}
     for buffer in live:
