@@ -42,14 +42,14 @@ TIME_BAND = (0.87, 1.15)  # measured time/plain over predicted time/plain that i
 # "vae": a custom train_step with tfremat.value_and_grad.
 CHECKS = {
     "mobilenetv2-60act": ("mobilenetv2", "60% of activations", 8, "fit", {}),
-    "efficientnetb0-50": ("efficientnetb0", "50%", 8, "fit", {}),
-    "resnet50-MiB": ("resnet50", "100MiB", 8, "fit", {}),
+    "efficientnetb0-70": ("efficientnetb0", "70%", 8, "fit", {}),
+    "resnet50-MiB": ("resnet50", "300MiB", 8, "fit", {}),
     "densenet121-min": ("densenet121", "min", 8, "fit", {}),
     "gpt2_hub-50": ("gpt2_hub", "50%", 8, "fit", {}),
     "bert_hub-60act": ("bert_hub", "60% of activations", 8, "fit", {}),
     "vit_patches-50act": ("vit_patches", "50% of activations", 16, "fit", {}),
-    "text_transformer-50": ("text_transformer", "50%", 16, "fit", {}),
-    "siamese-60act": ("siamese", "60% of activations", 16, "fit", {}),
+    "text_transformer-60": ("text_transformer", "60%", 16, "fit", {}),
+    "siamese-80act": ("siamese", "80% of activations", 16, "fit", {}),
     "vae_value_and_grad-min": ("vae", "min", 16, "vae", {}),
     "text_transformer_mixed-60act": ("text_transformer", "60% of activations", 16, "fit", {"mixed": True}),
     "cnn_jit-70act": ("small_cnn", "70% of activations", 16, "fit", {"jit": True}),
@@ -477,10 +477,21 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per check (default 300)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="the markdown table (default %(default)s)")
     parser.add_argument("--json", help="also write the rows (with their stderr lines) as JSON here")
+    parser.add_argument("--from_json", help="render rows saved with --json (comma separated files; a later "
+                                            "file's row replaces an earlier one of the same check) instead of running")
+    parser.add_argument("--measured_at", help="the tree the rows were measured at, for the header (default: this "
+                                              "checkout's git log -1)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child(args.child, args.steps)
+        return 0
+    if args.from_json:
+        rows = {}
+        for path in args.from_json.split(","):
+            with open(path) as handle:
+                rows.update({row["check"]: row for row in json.load(handle)})
+        write(list(rows.values()), args, argv)
         return 0
     names = list(CHECKS)
     if args.only:
@@ -489,9 +500,6 @@ def main(argv=None) -> int:
     if args.list or not names:
         print("\n".join(f"{n}: {CHECKS[n][0]} at {CHECKS[n][1]}, batch {CHECKS[n][2]}" for n in CHECKS))
         return 0 if args.list else 2
-    commit = subprocess.run(["git", "log", "-1", "--oneline"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--short", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
     rows = []
     with tempfile.TemporaryDirectory(prefix="tfremat_user_check_") as cache_dir:
         for name in names:
@@ -500,15 +508,24 @@ def main(argv=None) -> int:
             row["load"] = load
             rows.append(row)
             print(f"{name}: {row.get('error') or 'done'} ({row['wall_s']:.0f} s, load {load:.1f})", flush=True)
+    write(rows, args, argv)
+    return 0
+
+
+def write(rows: list[dict], args, argv) -> None:
+    """The table of ``rows`` to ``--out`` (and the rows to ``--json``), at this checkout's commit."""
+    commit = subprocess.run(["git", "log", "-1", "--oneline"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--short", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
     loads = [r["load"] for r in rows]
-    header_lines = [f"At `{commit}`{' with uncommitted changes in ' + str(len(dirty.splitlines())) + ' files' if dirty else ''}; "
+    at = args.measured_at or f"`{commit}`" + (f" with uncommitted changes in {len(dirty.splitlines())} files" if dirty else "")
+    header_lines = [f"At {at}; "
                     f"1-minute load average {min(loads):.1f}-{max(loads):.1f} at the rows' starts (2 shared cores)."]
     with open(args.out, "w") as handle:
         handle.write(render(rows, sys.argv[1:] if argv is None else argv, header_lines))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1, default=float)
-    return 0
 
 
 if __name__ == "__main__":
