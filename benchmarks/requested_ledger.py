@@ -111,10 +111,12 @@ def main(argv=None):
         got = row["requested_bytes"]
         if max(row["predicted_bytes"], got or 0) < args.near * peak:
             continue
-        lines.append(f"| {row['statement']} | {row['scope']} | {row['name']} | {row['predicted_bytes'] / MiB:.3f} | "
-                     f"{'' if alternative is None else f'{alternative / MiB:.3f}'} | "
-                     f"{'' if got is None else f'{got / MiB:.3f}'} | "
-                     f"{'' if got is None else f'{(row['predicted_bytes'] - got) / 1024:+.1f}'} |")
+        predicted = row["predicted_bytes"]
+        cells = [str(row["statement"]), row["scope"], row["name"], f"{predicted / MiB:.3f}",
+                 "" if alternative is None else f"{alternative / MiB:.3f}",
+                 "" if got is None else f"{got / MiB:.3f}",
+                 "" if got is None else f"{(predicted - got) / 1024:+.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     sys.stdout.write("\n".join(lines) + "\n")
 
 
