@@ -260,9 +260,10 @@ def test_one_inter_op_thread_runs_on_the_sequential_executor_too(caplog):
     x, y = _batch()
     with caplog.at_level(logging.WARNING, logger="tfremat"):
         step = _step(model, x, y)
+        step(x, y)  # checks, once, that nothing in the step needs a second inter-op thread
         executors, function = _recording(step)
         step(x, y)
-    assert step.sequential and executors == [SEQUENTIAL_EXECUTOR]
+    assert step.sequential and not step._blocks_one_thread and executors == [SEQUENTIAL_EXECUTOR]
     assert function.get_concrete_function(x, y).function_def.attr["_noinline"].b
     assert not [r for r in caplog.records if "executor" in r.message]
 
@@ -324,3 +325,44 @@ def test_value_and_grad_traced_into_a_loop_and_a_train_step_stays_a_sequential_c
     history = trained.fit(x, y, batch_size=4, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
     assert graphs and all(_call_ops(graph) == [(SEQUENTIAL_EXECUTOR, True)] for graph in graphs)
+
+
+def test_functions_that_call_functions_keep_the_default_executor_with_one_inter_op_thread():
+    """The single-threaded executor waits on its own thread for a function an operation
+    calls; with one inter-op thread nothing runs the callee (a tf.cond, a call kept out of
+    its caller, a loop whose body calls one hung), so those keep the default executor. A
+    loop alone runs."""
+    assert executor.sequential_ops()
+    x = tf.constant(1.0)
+    kept = tf.function(lambda a: a * 2.0, autograph=False, experimental_attributes=executor.NOT_INLINED)
+    functions = {
+        "cond": lambda a: tf.cond(a > 0, lambda: a * 2.0, lambda: a * 3.0),
+        "call": lambda a: kept(a) + 1.0,
+        "loop_of_cond": lambda a: tf.while_loop(
+            lambda i, b: i < 3, lambda i, b: (i + 1, tf.cond(b > 0, lambda: b * 2.0, lambda: b)), (0, a))[1],
+        "loop": lambda a: tf.while_loop(lambda i, b: i < 3, lambda i, b: (i + 1, b * 2.0), (0, a))[1],
+        "plain": lambda a: a * 2.0 + 1.0,
+    }
+    blocking = {}
+    for name, body in functions.items():
+        function = tf.function(body, autograph=False)
+        with executor.step_executor():
+            graph = function.get_concrete_function(x).graph
+        blocking[name] = executor.blocks_one_thread(graph)
+        with executor.step_executor_for(graph):
+            executor_type = context.context().function_call_options.executor_type
+            assert np.isfinite(float(function(x)))
+        assert (executor_type in ("", None)) == blocking[name], name
+    assert blocking == {"cond": True, "call": True, "loop_of_cond": True, "loop": False, "plain": False}
+
+
+def test_a_loss_scaled_step_runs_with_one_inter_op_thread():
+    """A LossScaleOptimizer's update holds a tf.cond: its probe and the step run on the
+    default executor with one inter-op thread (on the single-threaded one they hung)."""
+    model = _small_model()
+    x, y = _batch()
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    extraction = extract(model, (x, y), optimizer=optimizer, cost_model="flops", use_cache=False)
+    step = compile_step(extraction, get_strategy("chen_sqrtn")(extraction.graph), optimizer=optimizer)
+    assert np.isfinite(float(step(x, y)))
+    assert step.sequential and step._blocks_one_thread

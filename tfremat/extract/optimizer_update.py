@@ -47,7 +47,7 @@ import tensorflow as tf
 from tfremat.cache import read_entry, warn_once, write_atomically
 from tfremat.errors import CompileError
 from tfremat.extract.profile_cache import cache_dir, code_fingerprint
-from tfremat.runtime.executor import step_executor
+from tfremat.runtime.executor import step_executor, step_executor_for
 from tfremat.runtime.memory import default_device, requested_peak
 from tfremat.runtime.optimizer import apply_gated
 
@@ -213,7 +213,9 @@ def _probe(optimizer, count: int) -> int:
         _apply(clone, list(zip(gradients, variables)))
         return tf.constant(0.0)
 
-    with step_executor():  # traced and run as the step's updates are
+    with step_executor():  # traced as the step's updates are
+        graph = step.get_concrete_function(seeds).graph
+    with step_executor_for(graph):  # and run on the step's executor
         step(seeds)
         peak = max(requested_peak(lambda: step(seeds).numpy(), default_device()) for _ in range(_RUNS))
     return max(peak - count * int(np.prod(_PROBE_SHAPE)) * 4, 0)

@@ -30,6 +30,13 @@ Three facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``
   weight-heavy MLP requested 1.24x its prediction); the update now waits for the token
   (``tests/test_default_threads_memory.py``).
 
+* It runs an operation that calls a function (a ``tf.cond``, a call kept out of its
+  caller, a loop body holding either) or that waits for another device by blocking its
+  thread until the callee finishes; the callee runs on the inter-op threads, so with one
+  inter-op thread nothing is left to run it and the step waits for ever (a
+  ``LossScaleOptimizer``'s update, a ``tf.cond``; a ``While`` whose body calls nothing
+  runs). Such functions keep the default executor there (:func:`step_executor_for`).
+
 ``compile_step``, the profiler and the optimizer update probe use it whatever the inter-op
 thread count (:func:`step_executor`), so a process with one inter-op thread (the test
 suite's) runs the step as one with TensorFlow's default threads does. The two executors
@@ -42,10 +49,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["NOT_INLINED", "SEQUENTIAL_EXECUTOR", "sequential", "sequential_ops", "step_executor"]
+__all__ = ["NOT_INLINED", "SEQUENTIAL_EXECUTOR", "blocks_one_thread", "sequential", "sequential_ops", "step_executor",
+           "step_executor_for"]
 
 # The name under which TensorFlow registers its single-threaded function executor.
 SEQUENTIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
@@ -54,6 +63,12 @@ SEQUENTIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
 #: into another function are kept as calls, so the executor :func:`sequential` names runs
 #: them (inlined, the caller's executor ran their operations several at a time).
 NOT_INLINED = {"_noinline": True}
+
+# Operations whose kernels run a function asynchronously, which the single-threaded
+# executor waits for on its own thread (module docstring); a While's kernel runs its body
+# on the calling thread.
+_CALLING_OPS = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "PartitionedCall",
+                          "StatefulPartitionedCall", "RemoteCall"})
 
 
 @contextlib.contextmanager
@@ -79,3 +94,22 @@ def step_executor():
     (the profiler, the optimizer update probe): TensorFlow's single-threaded one
     (:func:`sequential`), whatever the inter-op thread count (module docstring)."""
     return sequential()
+
+
+def blocks_one_thread(graph: Any) -> bool:
+    """Whether the single-threaded executor would wait for ever on ``graph`` (a
+    ``tf.Graph``, e.g. a concrete function's) with one inter-op thread: some operation of
+    it or of a function it calls runs a function (:data:`_CALLING_OPS`) or a collective,
+    or its operations are placed on several devices (module docstring)."""
+    definition = graph.as_graph_def()
+    nodes = [*definition.node, *(node for function in definition.library.function for node in function.node_def)]
+    devices = {node.device for node in nodes if node.device}
+    return len(devices) > 1 or any(node.op in _CALLING_OPS or node.op.startswith("Collective") for node in nodes)
+
+
+def step_executor_for(graph: Any):
+    """:func:`step_executor` for running ``graph`` (traced inside it, so that a loop stays a
+    ``While``), unless one inter-op thread leaves nothing to run what it calls
+    (:func:`blocks_one_thread`): then TensorFlow's default executor, which runs one op at
+    a time with one thread."""
+    return contextlib.nullcontext() if sequential_ops() and blocks_one_thread(graph) else sequential()

@@ -70,6 +70,9 @@ class CompiledStep:
         self.jit_compile = jit_compile
         self.sequential = sequential
         self._report: TraceReport | None = None
+        # With one inter-op thread: whether the traced step calls functions, which the
+        # single-threaded executor cannot run then (executor.blocks_one_thread); None: not traced.
+        self._blocks_one_thread: bool | None = None
         self.variables = list(side_table.model.trainable_variables)
         self._regularized = [v for v in self.variables if getattr(v, "regularizer", None) is not None]
         # No AutoGraph: the interpreter has no tensor-dependent Python control flow, and
@@ -200,8 +203,16 @@ class CompiledStep:
 
     def __call__(self, x, y, sample_weight=None):
         args = (x, y) if sample_weight is None else (x, y, sample_weight)
+        if self.sequential and executor.sequential_ops() and self._blocks_one_thread is None:
+            with executor.sequential():  # traced as it runs, a loop staying a While
+                graph = self.function.get_concrete_function(*args).graph
+            self._blocks_one_thread = executor.blocks_one_thread(graph)
+            if self._blocks_one_thread:
+                logger.info("the step of %s calls functions (a tf.cond, a loss scale's update) that TensorFlow's "
+                            "single-threaded executor cannot run with one inter-op thread: it runs on the default "
+                            "executor, one operation at a time there too", self.graph.name)
         try:
-            with executor.sequential() if self.sequential else contextlib.nullcontext():
+            with executor.sequential() if self.sequential and not self._blocks_one_thread else contextlib.nullcontext():
                 return self.function(*args)
         except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as error:
             if not self.sequential or "single-threaded executor" not in str(error).lower():
@@ -238,7 +249,8 @@ class CompiledStep:
                 tuple(specs) if len(specs) > 1 else specs[0]
                 for specs in (self.side_table.input_specs, self.side_table.label_specs)
             )
-            self.function.get_concrete_function(inputs, labels)
+            with executor.sequential() if self.sequential else contextlib.nullcontext():  # as __call__ traces
+                self.function.get_concrete_function(inputs, labels)
         return self._report
 
     @property

@@ -62,6 +62,9 @@ class DistributedTrainStep:
         self.model = model
         self.step = step
         self.strategy = step.strategy
+        # With one inter-op thread: whether the traced function calls functions, which the
+        # single-threaded executor cannot run then (executor.blocks_one_thread).
+        self._blocks_one_thread: bool | None = None
         self.function = tf.function(self._run, autograph=False,
                                     experimental_attributes=executor.NOT_INLINED if step.sequential else None)
 
@@ -78,5 +81,12 @@ class DistributedTrainStep:
 
     def __call__(self, x, y, sample_weight=None):
         args = (x, y) if sample_weight is None else (x, y, sample_weight)
-        with executor.sequential() if self.step.sequential else contextlib.nullcontext():
+        sequential = self.step.sequential
+        if sequential and executor.sequential_ops():
+            if self._blocks_one_thread is None:
+                with executor.sequential():  # traced as it runs
+                    graph = self.function.get_concrete_function(*args).graph
+                self._blocks_one_thread = executor.blocks_one_thread(graph)
+            sequential = not self._blocks_one_thread
+        with executor.sequential() if sequential else contextlib.nullcontext():
             return self.function(*args)
