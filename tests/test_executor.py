@@ -331,7 +331,7 @@ def test_functions_that_call_functions_keep_the_default_executor_with_one_inter_
     """The single-threaded executor waits on its own thread for a function an operation
     calls; with one inter-op thread nothing runs the callee (a tf.cond, a call kept out of
     its caller, a loop whose body calls one hung), so those keep the default executor. A
-    loop alone runs."""
+    loop alone runs on it."""
     assert executor.sequential_ops()
     x = tf.constant(1.0)
     kept = tf.function(lambda a: a * 2.0, autograph=False, experimental_attributes=executor.NOT_INLINED)
@@ -349,10 +349,9 @@ def test_functions_that_call_functions_keep_the_default_executor_with_one_inter_
         with executor.step_executor():
             graph = function.get_concrete_function(x).graph
         blocking[name] = executor.blocks_one_thread(graph)
-        with executor.step_executor_for(graph):
-            executor_type = context.context().function_call_options.executor_type
-            assert np.isfinite(float(function(x)))
-        assert (executor_type in ("", None)) == blocking[name], name
+        if not blocking[name]:
+            with executor.step_executor():
+                assert np.isfinite(float(function(x)))
     assert blocking == {"cond": True, "call": True, "loop_of_cond": True, "loop": False, "plain": False}
 
 
@@ -365,4 +364,4 @@ def test_a_loss_scaled_step_runs_with_one_inter_op_thread():
     extraction = extract(model, (x, y), optimizer=optimizer, cost_model="flops", use_cache=False)
     step = compile_step(extraction, get_strategy("chen_sqrtn")(extraction.graph), optimizer=optimizer)
     assert np.isfinite(float(step(x, y)))
-    assert step.sequential and step._blocks_one_thread
+    assert step._blocks_one_thread and not step.sequential  # traced again, for the default executor

@@ -33,6 +33,7 @@ later process reads the first one's count.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -47,7 +48,7 @@ import tensorflow as tf
 from tfremat.cache import read_entry, warn_once, write_atomically
 from tfremat.errors import CompileError
 from tfremat.extract.profile_cache import cache_dir, code_fingerprint
-from tfremat.runtime.executor import step_executor, step_executor_for
+from tfremat.runtime.executor import blocks_one_thread, sequential_ops, step_executor
 from tfremat.runtime.memory import default_device, requested_peak
 from tfremat.runtime.optimizer import apply_gated
 
@@ -203,8 +204,7 @@ def _probe(optimizer, count: int) -> int:
     clone.build(variables)
     seeds = [tf.constant(np.full(_PROBE_SHAPE, 0.5, "float32")) for _ in range(count)]
 
-    @tf.function(autograph=False)
-    def step(seeds):
+    def update(seeds):
         # Fresh gradients (not held by the caller, as in the training step), all made
         # before the update starts.
         gradients = [seed * 2.0 for seed in seeds]
@@ -213,9 +213,15 @@ def _probe(optimizer, count: int) -> int:
         _apply(clone, list(zip(gradients, variables)))
         return tf.constant(0.0)
 
-    with step_executor():  # traced as the step's updates are
+    step = tf.function(update, autograph=False)
+    with step_executor():  # traced and run as the step's updates are
         graph = step.get_concrete_function(seeds).graph
-    with step_executor_for(graph):  # and run on the step's executor
+    # As the step: with one inter-op thread an update that calls functions (a loss scale's
+    # tf.cond) is traced again and run on the default executor (executor.blocks_one_thread).
+    blocked = sequential_ops() and blocks_one_thread(graph)
+    if blocked:
+        step = tf.function(update, autograph=False)
+    with contextlib.nullcontext() if blocked else step_executor():
         step(seeds)
         peak = max(requested_peak(lambda: step(seeds).numpy(), default_device()) for _ in range(_RUNS))
     return max(peak - count * int(np.prod(_PROBE_SHAPE)) * 4, 0)

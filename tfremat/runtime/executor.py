@@ -35,7 +35,10 @@ Three facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``
   thread until the callee finishes; the callee runs on the inter-op threads, so with one
   inter-op thread nothing is left to run it and the step waits for ever (a
   ``LossScaleOptimizer``'s update, a ``tf.cond``; a ``While`` whose body calls nothing
-  runs). Such functions keep the default executor there (:func:`step_executor_for`).
+  runs). With one inter-op thread the step and the optimizer update probe find such
+  calls in their trace (:func:`blocks_one_thread`), are traced again without this
+  executor (conditionals lowered to control-flow primitives, as before) and run on the
+  default one, which runs one op at a time there.
 
 ``compile_step``, the profiler and the optimizer update probe use it whatever the inter-op
 thread count (:func:`step_executor`), so a process with one inter-op thread (the test
@@ -53,8 +56,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["NOT_INLINED", "SEQUENTIAL_EXECUTOR", "blocks_one_thread", "sequential", "sequential_ops", "step_executor",
-           "step_executor_for"]
+__all__ = ["NOT_INLINED", "SEQUENTIAL_EXECUTOR", "blocks_one_thread", "sequential", "sequential_ops", "step_executor"]
 
 # The name under which TensorFlow registers its single-threaded function executor.
 SEQUENTIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
@@ -106,10 +108,3 @@ def blocks_one_thread(graph: Any) -> bool:
     devices = {node.device for node in nodes if node.device}
     return len(devices) > 1 or any(node.op in _CALLING_OPS or node.op.startswith("Collective") for node in nodes)
 
-
-def step_executor_for(graph: Any):
-    """:func:`step_executor` for running ``graph`` (traced inside it, so that a loop stays a
-    ``While``), unless one inter-op thread leaves nothing to run what it calls
-    (:func:`blocks_one_thread`): then TensorFlow's default executor, which runs one op at
-    a time with one thread."""
-    return contextlib.nullcontext() if sequential_ops() and blocks_one_thread(graph) else sequential()

@@ -78,9 +78,12 @@ class CompiledStep:
         # No AutoGraph: the interpreter has no tensor-dependent Python control flow, and
         # AutoGraph would wrap its CompileErrors in StagingError. Not inlined into a caller's
         # function, whose executor would run it (tfremat.runtime.executor).
-        self.function = tf.function(
-            self._distributed_step if strategy is not None else self._step, jit_compile=jit_compile, autograph=False,
-            experimental_attributes=executor.NOT_INLINED if sequential else None,
+        self.function = self._make_function()
+
+    def _make_function(self):
+        return tf.function(
+            self._distributed_step if self.strategy is not None else self._step, jit_compile=self.jit_compile,
+            autograph=False, experimental_attributes=executor.NOT_INLINED if self.sequential else None,
         )
 
     def _replica_step(self, x, y, sample_weight, replicas: int):
@@ -211,8 +214,13 @@ class CompiledStep:
                 logger.info("the step of %s calls functions (a tf.cond, a loss scale's update) that TensorFlow's "
                             "single-threaded executor cannot run with one inter-op thread: it runs on the default "
                             "executor, one operation at a time there too", self.graph.name)
+                # Traced again for that executor, which lowers the conditionals to control-flow
+                # primitives (a LossScaleOptimizer's step requested 1 MiB more with an If).
+                self.sequential = False
+                self._report = None
+                self.function = self._make_function()
         try:
-            with executor.sequential() if self.sequential and not self._blocks_one_thread else contextlib.nullcontext():
+            with executor.sequential() if self.sequential else contextlib.nullcontext():
                 return self.function(*args)
         except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as error:
             if not self.sequential or "single-threaded executor" not in str(error).lower():

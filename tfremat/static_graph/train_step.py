@@ -65,11 +65,12 @@ class DistributedTrainStep:
         # With one inter-op thread: whether the traced function calls functions, which the
         # single-threaded executor cannot run then (executor.blocks_one_thread).
         self._blocks_one_thread: bool | None = None
+        self._sequential = step.sequential
         self.function = tf.function(self._run, autograph=False,
                                     experimental_attributes=executor.NOT_INLINED if step.sequential else None)
 
     def _replica(self, x, y, sample_weight):
-        loss, y_pred = self.step.replica_step(x, y, sample_weight, caller_sequential=self.step.sequential)
+        loss, y_pred = self.step.replica_step(x, y, sample_weight, caller_sequential=self._sequential)
         return update_metrics(self.model, self.step, loss, x, y, y_pred, sample_weight)
 
     def _run(self, x, y, sample_weight=None):
@@ -81,12 +82,12 @@ class DistributedTrainStep:
 
     def __call__(self, x, y, sample_weight=None):
         args = (x, y) if sample_weight is None else (x, y, sample_weight)
-        sequential = self.step.sequential
-        if sequential and executor.sequential_ops():
-            if self._blocks_one_thread is None:
-                with executor.sequential():  # traced as it runs
-                    graph = self.function.get_concrete_function(*args).graph
-                self._blocks_one_thread = executor.blocks_one_thread(graph)
-            sequential = not self._blocks_one_thread
-        with executor.sequential() if sequential else contextlib.nullcontext():
+        if self._sequential and executor.sequential_ops() and self._blocks_one_thread is None:
+            with executor.sequential():  # traced as it runs
+                graph = self.function.get_concrete_function(*args).graph
+            self._blocks_one_thread = executor.blocks_one_thread(graph)
+            if self._blocks_one_thread:  # traced again for the default executor, its conditionals lowered
+                self._sequential = False
+                self.function = tf.function(self._run, autograph=False)
+        with executor.sequential() if self._sequential else contextlib.nullcontext():
             return self.function(*args)
