@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from graph_factories import random_training_graph, training_graph
+from graph_factories import random_training_graph, training_graph, with_alternatives
 from milp_agreement import assert_milp_memory_is_simulated
 
 from tfremat.errors import GraphError, InfeasibleBudgetError
@@ -271,3 +271,110 @@ def test_requested_bytes_stay_within_the_prediction_when_a_layer_runs_after_its_
                                   count="requested")
     # A few hundred bytes of scalars and shapes are not modelled (tests/test_requested_bytes.py).
     assert requested <= predicted + 4096, (requested, predicted, blind)
+
+
+# ----- weight gradients held to the end of the step (weight_grads="fixed") -----
+
+
+def _to_end(graph: DFGraph, grads: dict[int, int]) -> DFGraph:
+    return _with_weight_grads(graph, grads).replaced(weight_grads_to_end=True)
+
+
+def test_weight_gradients_to_the_end_appear_at_their_backward_node_and_stay():
+    """With the updates after the backward pass, a layer's weight gradients are counted in
+    its backward node's workspace while it first runs, then held at every later statement;
+    a recomputed backward node (f2's, node 4, in stage 6) counts them once, in its workspace."""
+    graph = _to_end(_residual_chain(), {0: 7, 1: 100, 2: 1000})
+    keep = checkpoint_all_s(graph)
+    keep[6, 1:5] = False
+    schedule = schedule_from_keep_matrix(graph, keep, "by hand")
+    plan = build_plan(graph, schedule)
+    computes = _computes(plan)
+    first = {node: min(index for index, _, n in computes if n == node) for node in (4, 5, 6)}
+    grads = {4: 1000, 5: 100, 6: 7}
+    expected = np.zeros(len(plan.statements), dtype=np.int64)
+    for node, index in first.items():
+        expected[index + 1:] += grads[node]
+    recomputed = [index for index, stage, node in computes if node == 4 and stage == 6]
+    assert recomputed
+    expected[recomputed] -= 1000
+    np.testing.assert_array_equal(held_weight_gradients(graph, plan), expected)
+    trace = simulate(graph, schedule).trace_bytes - simulate(_without_weight_grads(graph), schedule).trace_bytes
+    np.testing.assert_array_equal(trace, expected)
+    # The end of the step holds them all; counting them as fixed instead holds them throughout.
+    everything = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")
+    assert simulate(graph, everything).trace_bytes[-1] - simulate(_without_weight_grads(graph), everything).trace_bytes[-1] == 1107
+    as_fixed = _without_weight_grads(graph).replaced(fixed_bytes=1107, weight_grads_to_end=False)
+    assert simulate(graph, everything).peak_bytes < simulate(as_fixed, everything).peak_bytes
+
+
+def test_weight_grads_to_end_round_trips_and_is_checked():
+    graph = _to_end(_residual_chain(), {1: 100})
+    loaded = load_graph(graph.to_dict())
+    assert loaded.weight_grads_to_end and loaded == graph and loaded.weight_grads_to_end_bytes == 100
+    plain = graph.to_dict()
+    del plain["weight_grads_to_end"]
+    assert not load_graph(plain).weight_grads_to_end
+    assert graph.fingerprint != load_graph(plain).fingerprint
+    with pytest.raises(GraphError, match="weight_grads_to_end"):
+        graph.replaced(weight_grads_to_end="yes")
+
+
+@pytest.mark.parametrize("seed", [5, 7, 35])
+def test_milp_counts_weight_gradients_to_the_end_as_the_simulator(seed):
+    """The MILP's memory is the simulator's at every compute of its plans and of a MIP
+    start, with gradients held to the end; its plans fit; recomputing a forward node after
+    its backward is allowed (nothing more is held by it)."""
+    graph = _to_end(random_training_graph(seed, 8), {f: 1 + f % 3 for f in range(8)})
+    low, high = memory_lower_bound(graph), checkpoint_all_peak(graph)
+    solved = 0
+    for share in (0.0, 0.15, 0.3, 0.6, 1.0):
+        budget = int(low + share * (high - low))
+        model = build_milp(graph, budget)
+        result = solve_model(model, threads=1)
+        if result.x is None:
+            continue
+        solved += 1
+        schedule = model.schedule(result.x, "optimal")
+        validate_schedule(graph, schedule)
+        simulation = simulate(graph, schedule)
+        assert_milp_memory_is_simulated(model, result.x, simulation)
+        assert simulation.peak_bytes <= budget
+    assert solved >= 2
+    everything = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")
+    model = build_milp(graph, high)
+    x = model.encode(everything)
+    assert x is not None
+    assert_milp_memory_is_simulated(model, x, simulate(graph, everything))
+    assert build_milp(graph, high - 1).encode(everything) is None
+
+
+def test_milp_with_a_split_backward_and_gradients_to_the_end_agrees():
+    graph = _split_chain(40).replaced(weight_grads_to_end=True)
+    for budget in range(memory_lower_bound(graph), checkpoint_all_peak(graph) + 1, 5):
+        model = build_milp(graph, budget)
+        result = solve_model(model, threads=1)
+        if result.x is None:
+            continue
+        simulation = simulate(graph, model.schedule(result.x, "optimal"))
+        assert_milp_memory_is_simulated(model, result.x, simulation, budget)
+        assert simulation.peak_bytes <= budget
+
+
+def test_monet_model_counts_weight_gradients_to_the_end_as_the_simulator():
+    alternatives = with_alternatives(random_training_graph(11, 7), 3, 3)
+    # An implementation's backward workspace replaces the node's: the layers without any.
+    graph = _to_end(alternatives, {f: 2 for f in range(7) if f not in alternatives.implementations})
+    low, high = memory_lower_bound(graph, True), checkpoint_all_peak(graph)
+    solved = 0
+    for share in (0.3, 0.6, 1.0):
+        budget = int(low + share * (high - low))
+        model = build_milp(graph, budget, choose_implementations=True)
+        result = solve_model(model, threads=1)
+        if result.x is None:
+            continue
+        solved += 1
+        simulation = simulate(graph, model.schedule(result.x, "monet"))
+        assert_milp_memory_is_simulated(model, result.x, simulation, budget)
+        assert simulation.peak_bytes <= budget
+    assert solved

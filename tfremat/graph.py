@@ -111,6 +111,12 @@ class DFGraph:
             a later forward run must read the weights it was planned with
             (:func:`tfremat.static_graph.interpreter.order_updates`). The simulator counts
             them until then (:func:`tfremat.plan.simulator.simulate`).
+        weight_grads_to_end: True when the optimizer updates all run after the backward pass
+            (extraction's ``weight_grads="fixed"``: a loss-scale optimizer, gradient
+            clipping, accumulation, a shared layer, several replicas): then each forward
+            node's ``weight_grad_bytes``, made by its (first) backward node, stay from that
+            node's first run to the end of the step, instead of being counted as fixed for
+            the whole step. False (default): they live as described above.
         view_of: maps a view node to the node whose output buffer its output shares (a
             ``Flatten`` or ``Reshape``: TensorFlow's reshape allocates nothing). The view
             reads that node, has the size of its output part (the whole value when it has
@@ -139,6 +145,7 @@ class DFGraph:
         "name",
         "implementations",
         "weight_grad_bytes",
+        "weight_grads_to_end",
         "view_of",
         "__dict__",
     )
@@ -159,6 +166,7 @@ class DFGraph:
         implementations: Mapping[int, Sequence[Implementation]] | None = None,
         weight_grad_bytes: Sequence[int] | None = None,
         view_of: Mapping[int, int] | None = None,
+        weight_grads_to_end: bool = False,
     ):
         names = tuple(str(x) for x in names)
         n = len(names)
@@ -190,6 +198,9 @@ class DFGraph:
         set_(self, "weight_grad_bytes", _per_node(
             "weight_grad_bytes", weight_grad_bytes if weight_grad_bytes is not None else [0] * n, names, whole=True,
         ))
+        if not isinstance(weight_grads_to_end, bool):
+            raise GraphError(f"weight_grads_to_end must be True or False, got {weight_grads_to_end!r}")
+        set_(self, "weight_grads_to_end", bool(weight_grads_to_end))
         set_(self, "view_of", MappingProxyType({
             _node_id(k, "view_of"): _node_id(v, "view_of") for k, v in (view_of or {}).items()
         }))
@@ -441,6 +452,7 @@ class DFGraph:
             forward_of=dict(self.forward_of), fixed_bytes=self.fixed_bytes, name=self.name,
             residual_bytes=self.residual_bytes, implementations=self.implementations,
             weight_grad_bytes=self.weight_grad_bytes, view_of=dict(self.view_of),
+            weight_grads_to_end=self.weight_grads_to_end,
         )
         unknown = sorted(set(changes) - set(fields))
         if unknown:
@@ -507,7 +519,15 @@ class DFGraph:
             work[node], work[backward] = chosen.workspace_bytes, chosen.backward_workspace_bytes
         return DFGraph(self.names, sorted(edges), cost, output, work, self.is_backward, self.loss_node,
                        dict(self.forward_of), self.fixed_bytes, self.name, residual_bytes=residual,
-                       weight_grad_bytes=self.weight_grad_bytes, view_of=dict(self.view_of))
+                       weight_grad_bytes=self.weight_grad_bytes, view_of=dict(self.view_of),
+                       weight_grads_to_end=self.weight_grads_to_end)
+
+    @functools.cached_property
+    def weight_grads_to_end_bytes(self) -> int:
+        """The weight-gradient bytes that stay to the end of the step once made (all of
+        ``weight_grad_bytes`` with :attr:`weight_grads_to_end`, else 0): what planners that
+        cannot follow their lifetime (the chain DPs) count as fixed, conservatively."""
+        return int(sum(self.weight_grad_bytes)) if self.weight_grads_to_end else 0
 
     @functools.cached_property
     def total_cost(self) -> float:
@@ -552,6 +572,7 @@ class DFGraph:
             "name": self.name,
             "fixed_bytes": self.fixed_bytes,
             "loss_node": self.loss_node,
+            **({"weight_grads_to_end": True} if self.weight_grads_to_end else {}),
             "nodes": [
                 {
                     "id": i,
@@ -742,6 +763,7 @@ def _from_tfremat_dict(data: dict, label: str) -> DFGraph:
         implementations={node["id"]: node["implementations"] for node in nodes if node.get("implementations")},
         weight_grad_bytes=[node.get("weight_grad_bytes", 0) for node in nodes],
         view_of={node["id"]: node["view_of"] for node in nodes if node.get("view_of") is not None},
+        weight_grads_to_end=data.get("weight_grads_to_end", False),
     )
 
 

@@ -140,7 +140,8 @@ def unit_graph(graph: DFGraph, unit: list[int], last: bool, hold_bytes: int) -> 
     for f in set(forward_of.values()):
         weight_grads[f] = graph.weight_grad_bytes[nodes[f]]
     sub = DFGraph(names, sorted(edges), cost, out, work, is_backward, loss_node=loss, forward_of=forward_of,
-                  residual_bytes=residual, name=f"{graph.name}/unit", weight_grad_bytes=weight_grads)
+                  residual_bytes=residual, name=f"{graph.name}/unit", weight_grad_bytes=weight_grads,
+                  weight_grads_to_end=graph.weight_grads_to_end)
     return UnitGraph(sub, tuple(nodes), hold)
 
 

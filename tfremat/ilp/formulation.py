@@ -42,6 +42,15 @@ after its backward only to recompute a later node that was kept neither (a backw
 node), so little is given up; graphs without weight gradients (Checkmate's) are
 unchanged.
 
+With ``DFGraph.weight_grads_to_end`` (the optimizer updates all run after the backward
+pass) a layer's weight gradients stay from the first run of the node that takes them to
+the end of the step. That node first runs in its own stage (``R[w, w] = 1``, ``R`` lower
+triangular), so they add a constant to every moment of the later stages, whatever the
+schedule: stage t's capacity is the budget less the fixed bytes and the weight gradients
+of the take nodes before t (:func:`weight_gradients_to_end`), and a later run of a
+layer's backward node, whose workspace counts them, is given them back. None of the
+restrictions above is needed then.
+
 Rows (each valid for some optimal schedule, since dropping a useless computation or keep
 never adds cost or memory; together they make the memory accounting exact):
 
@@ -244,10 +253,29 @@ def weight_gradient_stages(graph: DFGraph) -> np.ndarray:
     weight-gradient node for a forward node with ``weight_grad_bytes`` (module doc), the
     last stage otherwise."""
     until = np.full(graph.size, graph.size - 1)
+    if graph.weight_grads_to_end:
+        return until
     for f, grads in enumerate(graph.weight_grad_bytes):
         if grads:
             until[f] = max(f, graph.backward_nodes_of[f][0])
     return until
+
+
+def weight_gradients_to_end(graph: DFGraph) -> tuple[np.ndarray, dict[int, tuple[int, int]]]:
+    """With ``weight_grads_to_end`` (module doc): per stage t, the weight-gradient bytes
+    held through it, those of every layer whose take node (its first backward node) is
+    before t; and per backward node of such a layer, ``(take node, bytes)``, which a run of
+    it after the take node's stage counts in its workspace instead. Zeros and {} otherwise."""
+    held = np.zeros(graph.size, dtype=np.int64)
+    own: dict[int, tuple[int, int]] = {}
+    if not graph.weight_grads_to_end:
+        return held, own
+    for f, grads in enumerate(graph.weight_grad_bytes):
+        if grads:
+            take = graph.backward_nodes_of[f][0]
+            held[take + 1:] += grads
+            own.update({b: (take, grads) for b in graph.backward_nodes_of[f]})
+    return held, own
 
 
 def _last_descendants(successors) -> np.ndarray:
@@ -323,6 +351,7 @@ class _Layout:
         self.values = tuple(self._values_of(i, successors[i]) for i in range(n))
         self.last = _last_descendants([sorted({k for v in values for k, _ in v.readers}) for values in self.values])
         self.until = weight_gradient_stages(graph)
+        self.held, self.held_own = weight_gradients_to_end(graph)
         self.most_values = max(map(len, self.values))
         # Per node, the bytes it makes by the mode that makes them (None: every computation).
         self.made = []
@@ -391,6 +420,12 @@ class _Layout:
                 read += value.size
         return made + read + int(self.mode_of(node, mode, "workspace_bytes"))
 
+    def held_at(self, t: int, k: int) -> int:
+        """Weight-gradient bytes held beyond the workspace while node k runs in stage t
+        (``weight_grads_to_end``, module doc; 0 otherwise)."""
+        take, grads = self.held_own.get(k, (t, 0))
+        return int(self.held[t]) - (grads if take < t else 0)
+
     def least_running_bytes(self, node: int) -> int:
         return min(self.running_bytes(node, mode) for mode in self.node_modes(node))
 
@@ -398,6 +433,8 @@ class _Layout:
         """Every byte count the model's memory rows use."""
         sizes = [v.size for values in self.values for v in values]
         sizes += [int(self.mode_of(k, m, "workspace_bytes")) for k in range(self.graph.size) for m in self.node_modes(k)]
+        if self.graph.weight_grads_to_end:
+            sizes += list(self.graph.weight_grad_bytes)
         return sizes
 
     def costs(self) -> list[float]:
@@ -588,7 +625,8 @@ class CheckmateModel(SparseMILP):
         memory = {}
         for offset, (t, k) in enumerate(self.u_keys):
             if x[self.r_index[t, k]] > 0.5:
-                memory[(t, k)] = self.graph.fixed_bytes + x[self.u_start + offset] * self.scale + work[k]
+                memory[(t, k)] = (self.graph.fixed_bytes + x[self.u_start + offset] * self.scale + work[k]
+                                  + self.layout.held_at(t, k))
         return memory
 
     def encode(self, schedule: Schedule) -> np.ndarray | None:
@@ -677,7 +715,8 @@ class CheckmateModel(SparseMILP):
         if self.peak_column >= 0:
             work = under.workspace_bytes
             x[self.peak_column] = max(
-                (x[self.u_start + offset] + work[k] / self.scale for offset, (t, k) in enumerate(self.u_keys) if R[t, k]),
+                (x[self.u_start + offset] + (work[k] + layout.held_at(t, k)) / self.scale
+                 for offset, (t, k) in enumerate(self.u_keys) if R[t, k]),
                 default=0.0,
             )
         if self._violation(x) > 1e-6:
@@ -820,6 +859,18 @@ class _Columns:
         if k not in layout.family:
             return [(self.r_index[t, k], getattr(layout.graph, field)[k])]
         return [(self.mode_index[k][a, t], layout.mode_of(k, a, field)) for a in layout.node_modes(k)]
+
+    def held_base(self, t: int) -> int:
+        """The least weight-gradient bytes held beyond the workspace at any moment of stage
+        t (``_Layout.held_at`` over the nodes it may run): the memory rows' constant."""
+        return min(self.layout.held_at(t, k) for k in range(t + 1) if self.r_index[t, k] >= 0)
+
+    def running_terms(self, t: int, k: int, base: int, scale: float) -> list[tuple[int, float]]:
+        """Node k's workspace and its held weight gradients above ``base``, in model units,
+        on the columns that say k runs in stage t (module doc: held only while it runs)."""
+        extra = self.layout.held_at(t, k) - base
+        return [(column, (size + extra) / scale) for column, size in self.per_mode(t, k, "workspace_bytes")
+                if size + extra]
 
     def made_bytes(self, t: int, k: int) -> list[tuple[int, int]]:
         """``(column, bytes)``: the values node k makes in stage t, by the column that makes them."""
@@ -1082,13 +1133,17 @@ def _memory_rows(b: SparseBuilder, cols: _Columns, t: int, frees_after: dict, u_
     ``mem_freed``). The budget ``U[t, k] <= M_budget`` (sec. 4.5) is the column's upper
     bound, and with k's workspace a row of its own. A node with modes adds each value
     through the column that makes it and its workspace through each ``R_a`` (MONeT's
-    ``c_i = sum_l c_i^l delta_{i,l}``). Appends ``(t, k)`` to ``u_keys``.
+    ``c_i = sum_l c_i^l delta_{i,l}``). Weight gradients held to the end (module doc) lower
+    the stage's capacity by their least amount and add the rest on k's ``R`` columns.
+    Appends ``(t, k)`` to ``u_keys``.
     """
-    layout, r_index, workspace = cols.layout, cols.r_index, cols.layout.graph.workspace_bytes
+    layout, r_index = cols.layout, cols.r_index
     active = [k for k in range(t + 1) if r_index[t, k] >= 0]
+    base = cols.held_base(t)
+    room = capacity - base / scale
     previous, k_prev = None, -1
     for k in active:
-        u = b.column(0.0, 0.0, capacity, False)
+        u = b.column(0.0, 0.0, max(room, 0.0), False)
         u_keys.append((t, k))
         terms = [(u, 1.0)] + [(column, -size / scale) for column, size in cols.made_bytes(t, k)]
         if previous is None:
@@ -1102,12 +1157,9 @@ def _memory_rows(b: SparseBuilder, cols: _Columns, t: int, frees_after: dict, u_
             terms.append((previous, -1.0))
             terms += [(col, size / scale) for col, size in frees_after.get((t, k_prev), ()) if size]
             b.row(terms, 0.0, 0.0)
-        if k in layout.family:
-            work = [(column, size / scale) for column, size in cols.per_mode(t, k, "workspace_bytes") if size]
-        else:
-            work = [(r_index[t, k], workspace[k] / scale)] if workspace[k] else []
-        if work:
-            b.row([(u, 1.0), *work], -math.inf, capacity)
+        work = cols.running_terms(t, k, base, scale)
+        if work or room < 0:
+            b.row([(u, 1.0), *work], -math.inf, room)
         previous, k_prev = u, k
 
 
@@ -1178,7 +1230,7 @@ def _stage_end_row(b: SparseBuilder, cols: _Columns, t: int, scale: float, capac
         running[column] = running.get(column, 0) + size
     fixed += running.pop(cols.r_index[t, t], 0)
     terms += [(column, size / scale) for column, size in running.items() if size]
-    b.row(terms, -math.inf, capacity - fixed / scale)
+    b.row(terms, -math.inf, capacity - (fixed + layout.held_at(t, t)) / scale)
 
 
 def _peak_rows(b: SparseBuilder, cols: _Columns, u_keys, u_start: int, scale: float, capacity: float,
@@ -1188,9 +1240,10 @@ def _peak_rows(b: SparseBuilder, cols: _Columns, u_keys, u_start: int, scale: fl
     constraint (7), total compute cost at most ``max_cost``. Returns the peak's column."""
     n, r_index = cols.layout.graph.size, cols.r_index
     peak_column = b.column(1.0, 0.0, capacity, False)
+    bases = {t: cols.held_base(t) for t, _ in u_keys}
     for offset, (t, k) in enumerate(u_keys):
-        work = [(column, size / scale) for column, size in cols.per_mode(t, k, "workspace_bytes")]
-        b.row([(u_start + offset, 1.0), *work, (peak_column, -1.0)], -math.inf, 0.0)
+        work = cols.running_terms(t, k, bases[t], scale)
+        b.row([(u_start + offset, 1.0), *work, (peak_column, -1.0)], -math.inf, -bases[t] / scale)
     costs = [(column, cost / cost_scale) for t in range(n) for i in range(t + 1) if r_index[t, i] >= 0
              for column, cost in cols.per_mode(t, i, "cost")]
     b.row(costs, -math.inf, max_cost / cost_scale)

@@ -18,6 +18,9 @@ Convention (Checkmate's memory accounting plus per-node workspace):
   statement (:mod:`tfremat.static_graph.interpreter`). They count at every statement in
   between, except in the workspace of the layer's own backward nodes, which holds them.
   A schedule that recomputes a forward node after its backward node keeps them that long.
+  With ``DFGraph.weight_grads_to_end`` (the updates all run after the backward pass) they
+  stay from the first run of the node that takes them to the end of the step; a later run
+  of the layer's backward nodes counts them in its workspace only, not twice.
 
 * A view (``DFGraph.view_of``: a ``Flatten``, a ``Reshape``) shares its source's output
   buffer: the buffer counts once while any value sharing it is resident, and is freed
@@ -143,8 +146,9 @@ def simulate(graph: DFGraph, plan: ExecutionPlan | Schedule) -> SimulationResult
 def held_weight_gradients(graph: DFGraph, plan: ExecutionPlan) -> np.ndarray:
     """Per statement of ``plan``, the weight-gradient bytes held beyond the workspaces
     (module docstring): a forward node's ``weight_grad_bytes`` from after the last compute
-    of its weight-gradient node to its layer's last compute, the computes of its backward
-    nodes left out (their workspace holds them)."""
+    of its weight-gradient node to its layer's last compute (with ``weight_grads_to_end``:
+    from the first such compute to the end), the computes of its backward nodes left out
+    (their workspace holds them)."""
     held = np.zeros(len(plan.statements) + 1, dtype=np.int64)
     layers = [f for f, grads in enumerate(graph.weight_grad_bytes) if grads]
     if not layers:
@@ -154,7 +158,10 @@ def held_weight_gradients(graph: DFGraph, plan: ExecutionPlan) -> np.ndarray:
         layer_of[f] = f
         for b in graph.backward_nodes_of[f]:
             layer_of[b] = f
-    taken: dict[int, int] = {}  # layer -> index of the last compute that takes its weight gradients
+    to_end = graph.weight_grads_to_end
+    # layer -> index of the compute that takes its weight gradients: the last (they live to
+    # the layer's last compute), or with ``to_end`` the first (they live to the step's end)
+    taken: dict[int, int] = {}
     last: dict[int, int] = {}  # layer -> index of its last compute
     own: list[tuple[int, int]] = []  # (index, layer) of the computes of a layer's backward nodes
     for index, statement in enumerate(plan.statements):
@@ -162,10 +169,12 @@ def held_weight_gradients(graph: DFGraph, plan: ExecutionPlan) -> np.ndarray:
         if f is None or statement.op is not Op.COMPUTE:
             continue
         last[f] = index
-        if statement.node == graph.backward_nodes_of[f][0]:
+        if statement.node == graph.backward_nodes_of[f][0] and not (to_end and f in taken):
             taken[f] = index
         if statement.node != f:
             own.append((index, f))
+    if to_end:
+        last = {f: len(plan.statements) - 1 for f in taken}
     for f, start in taken.items():
         if last[f] > start:
             held[start + 1] += graph.weight_grad_bytes[f]
