@@ -217,6 +217,7 @@ def requested_ledger(extraction, schedule, step, x, y, resident=()) -> list[dict
     from tfremat.plan.execution import Op, build_plan
     from tfremat.plan.simulator import simulate
     from tfremat.runtime.memory import allocation_events
+    from tfremat.runtime.profiler import profiler_trace
 
     graph = extraction.graph
     plan = build_plan(graph, schedule)
@@ -224,11 +225,8 @@ def requested_ledger(extraction, schedule, step, x, y, resident=()) -> list[dict
     device = default_device()
     synchronize(step(x, y))
     with tempfile.TemporaryDirectory(prefix="tfremat_ledger_") as logdir:
-        tf.profiler.experimental.start(logdir)
-        try:
+        with profiler_trace(logdir):
             synchronize(step(x, y))
-        finally:
-            tf.profiler.experimental.stop()
         events = allocation_events(logdir, device)
     events.sort(key=lambda e: (e[0], not e[1]))
     fixed = (resident_bytes(list(resident)) + resident_bytes(tf.nest.flatten(x))

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import CompileError, ExtractionError
+from tfremat.runtime.profiler import profiler_trace
 
 __all__ = ["measure_step_peak", "requested_peak", "requested_peak_live", "reset_allocator_peak", "resident_bytes", "default_device", "synchronize"]
 
@@ -189,11 +190,8 @@ def _allocation_events(run: Callable[[], None], device: str) -> list[tuple]:
     """The profiler's allocation events on ``device`` during ``run()``, as
     :func:`allocation_events` reads them."""
     with tempfile.TemporaryDirectory(prefix="tfremat_memory_") as logdir:
-        tf.profiler.experimental.start(logdir)
-        try:
+        with profiler_trace(logdir):
             run()
-        finally:
-            tf.profiler.experimental.stop()
         return allocation_events(logdir, device)
 
 
