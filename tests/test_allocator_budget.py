@@ -204,3 +204,21 @@ def test_a_training_step_over_the_budget_has_the_step_planned_again(monkeypatch)
     # Read for 3 steps, then for WATCHED_STEPS steps after the new plan, then no more.
     assert len(steps) == 3 + allocator_check.WATCHED_STEPS < len(plans)
     assert not callback._watched
+
+
+@pytest.mark.parametrize("allocator_bytes, warned", [(300, True), (150, False)])
+def test_an_xla_step_over_the_budget_in_the_allocator_is_named(allocator_bytes, warned, monkeypatch, caplog):
+    """XLA steps are held to requested bytes; the allocator's peak over the budget is said."""
+    counts = []
+
+    def peak(*_args, count="allocator", **_kwargs):
+        counts.append(count)
+        return allocator_bytes if count == "allocator" else 100
+
+    monkeypatch.setattr(remat_keras, "allocator_peak", peak)
+    callback = RematCallback("50%", verbose=0)
+    callback.set_model(five_conv_net())
+    with caplog.at_level("WARNING", logger="tfremat.keras"):
+        callback._warn_xla_allocator(None, None, None, None, [None], budget=200, requested=100)
+    assert counts == ["allocator"]
+    assert ("jit_compile=True" in caplog.text) == warned, caplog.text
