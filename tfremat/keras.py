@@ -304,10 +304,13 @@ class RematCallback(keras.callbacks.Callback):
             result = with_rounding(dataclasses.replace(result, extraction=extraction))
             phases.done(plan_summary(result))
             logger.info("batch shape %s: %s, %s", key, self.strategy, plan_summary(result))
-            phases.start("compiling the step")
+            checks_allocator = self._checks_allocator(result, strategy)
+            # The check runs the step four times and may plan again: its seconds are this phase's.
+            phases.start("compiling the step" + (" and holding its allocator peak to the budget"
+                                                 if checks_allocator else ""))
             step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, strategy=strategy,
                                 return_outputs=True, jit_compile=self._jit_compile)
-            if self._checks_allocator(result, strategy):
+            if checks_allocator:
                 result, step, planning = self._within_allocator(result, step, x, y, sample_weight, options, strategy)
                 if planning is not None and strategy is None and not self._jit_compile:
                     self._watched[key] = [WATCHED_STEPS, planning, options]
