@@ -293,7 +293,8 @@ class RematCallback(keras.callbacks.Callback):
                                            implementations=wants_implementations([self.strategy]),
                                            weight_grads="auto" if strategy is None else "fixed",
                                            replicas=1 if strategy is None else strategy.num_replicas_in_sync,
-                                           xla="memory" if self._jit_compile else False)
+                                           xla="memory" if self._jit_compile else False, budget=self.budget,
+                                           strategy=self.strategy)
             phases.done(f"{extraction.graph.size} nodes (profiling {extraction.profile_seconds:.1f}s)"
                         if not extraction.cache_hit else f"{extraction.graph.size} nodes, profiles from the cache")
             phases.start(f"planning with {self.strategy}")

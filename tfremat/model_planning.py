@@ -11,7 +11,7 @@ import dataclasses
 import warnings
 
 from tfremat.cache import ScheduleCache
-from tfremat.errors import ArgumentError, TfrematError, is_int
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, TfrematError, is_int
 from tfremat.graph import DFGraph
 from tfremat.planner import PlanResult, check_cache_argument, plan_graph
 from tfremat.strategies import get_strategy
@@ -225,7 +225,7 @@ def plan_model(
     check_exact_gradients(exact_gradients)
     extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
                                cost_model=cost_model, cache=cache, granularity=granularity,
-                               implementations=wants_implementations([strategy]))
+                               implementations=wants_implementations([strategy]), budget=budget, strategy=strategy)
     options = exact_only_options(extraction, strategy, exact_gradients, options)
     result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **options)
     return with_rounding(dataclasses.replace(result, extraction=extraction))
@@ -278,23 +278,53 @@ def wants_implementations(strategies) -> bool:
 
 def extract_model(model, x, y, *, batch_size, loss, optimizer, cost_model: str, cache, granularity: str = "sublayer",
                   implementations: bool = False, weight_grads: str = "auto", replicas: int | None = None,
-                  xla: bool | str = False):
+                  xla: bool | str = False, budget=None, strategy: str | None = None):
     """``model``'s extraction on the first batch of ``x, y``, with its (or the given) loss and
     optimizer; ``cache`` False or None turns the profile cache off as well as the schedule
     cache; ``granularity``, ``weight_grads`` and ``replicas`` as :func:`tfremat.extract.extract`
     takes them (the levels: :mod:`tfremat.extract.opening`). The model, the cache argument
     and the data are checked before anything runs, and a Sequential model without an
     ``Input`` is built from the batch (:func:`sample_batch`). ``xla="memory"`` for a step
-    compiled with ``jit_compile=True`` (:func:`tfremat.extract.extract`'s ``xla``)."""
+    compiled with ``jit_compile=True`` (:func:`tfremat.extract.extract`'s ``xla``). An amount
+    ``budget`` below the model's weights and optimizer state is refused before profiling
+    (:func:`refuse_below_state`)."""
     from tfremat.extract.extractor import extract
 
     check_keras_model(model)
     check_cache_argument(cache)
     training = loss_and_optimizer(model, loss, optimizer)
     batch = sample_batch(model, x, y, batch_size)
+    if budget is not None:
+        refuse_below_state(model, training["optimizer"], budget, strategy)
     return extract(model, sample_batch=batch, cost_model=cost_model, granularity=granularity,
                    use_cache=cache is not False and cache is not None, implementations=implementations,
                    weight_grads=weight_grads, replicas=replicas, xla=xla, **training)
+
+
+def refuse_below_state(model, optimizer, budget, strategy: str | None = None) -> None:
+    """Raises :class:`InfeasibleBudgetError` when ``budget`` is an amount of memory below the
+    bytes of ``model``'s variables and ``optimizer``'s (its slots built as training builds
+    them, outside a distribution strategy), which every training step holds: a lower bound
+    on any schedule's peak, known before the extraction profiles for minutes (ResNet50 at
+    "100MiB" was refused after 83 s of profiling; benchmarks/results/user_check.md)."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tfremat.budget import budget_kind, parse_budget
+
+    if budget_kind(budget) != "bytes":
+        return
+    budget_bytes = parse_budget(budget)
+    variables = list(model.variables)
+    if optimizer is not None and hasattr(optimizer, "build") and not tf.distribute.has_strategy():
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        variables += list(optimizer.variables)
+    state = sum(int(np.prod(v.shape, dtype=np.int64)) * tf.as_dtype(v.dtype).size for v in variables)
+    if state > budget_bytes:
+        raise InfeasibleBudgetError(
+            budget_bytes, lower_bound_bytes=state, strategy=strategy, proven=True,
+            detail="the model's weights and its optimizer's state alone, counted before profiling")
 
 
 # Losses, by normalized name (lower case, no underscores), whose labels are not a
