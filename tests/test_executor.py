@@ -232,6 +232,7 @@ def test_a_called_step_runs_on_the_sequential_executor(jit_compile, parallel):
     model = _small_model()
     x, y = _batch()
     step = _step(model, x, y, jit_compile=jit_compile)
+    step(x, y)  # checks, once, that the step calls no function (executor.calls_functions)
     executors, function = _recording(step)
     assert np.isfinite(float(step(x, y)))
     assert executors == [SEQUENTIAL_EXECUTOR]
@@ -263,7 +264,7 @@ def test_one_inter_op_thread_runs_on_the_sequential_executor_too(caplog):
         step(x, y)  # checks, once, that nothing in the step needs a second inter-op thread
         executors, function = _recording(step)
         step(x, y)
-    assert step.sequential and not step._blocks_one_thread and executors == [SEQUENTIAL_EXECUTOR]
+    assert step.sequential and not step._calls_functions and executors == [SEQUENTIAL_EXECUTOR]
     assert function.get_concrete_function(x, y).function_def.attr["_noinline"].b
     assert not [r for r in caplog.records if "executor" in r.message]
 
@@ -272,6 +273,7 @@ def test_a_refusal_of_the_executor_says_what_to_do(parallel):
     model = _small_model()
     x, y = _batch()
     step = _step(model, x, y)
+    step(x, y)
 
     def refused(*args):
         raise tf.errors.FailedPreconditionError(None, None, "Single-threaded executor does not support switch op, "
@@ -327,7 +329,7 @@ def test_value_and_grad_traced_into_a_loop_and_a_train_step_stays_a_sequential_c
     assert graphs and all(_call_ops(graph) == [(SEQUENTIAL_EXECUTOR, True)] for graph in graphs)
 
 
-def test_functions_that_call_functions_keep_the_default_executor_with_one_inter_op_thread():
+def test_functions_that_call_functions_are_found():
     """The single-threaded executor waits on its own thread for a function an operation
     calls; with one inter-op thread nothing runs the callee (a tf.cond, a call kept out of
     its caller, a loop whose body calls one hung), so those keep the default executor. A
@@ -348,20 +350,21 @@ def test_functions_that_call_functions_keep_the_default_executor_with_one_inter_
         function = tf.function(body, autograph=False)
         with executor.step_executor():
             graph = function.get_concrete_function(x).graph
-        blocking[name] = executor.blocks_one_thread(graph)
+        blocking[name] = executor.calls_functions(graph)
         if not blocking[name]:
             with executor.step_executor():
                 assert np.isfinite(float(function(x)))
     assert blocking == {"cond": True, "call": True, "loop_of_cond": True, "loop": False, "plain": False}
 
 
-def test_a_loss_scaled_step_runs_with_one_inter_op_thread():
+def test_a_loss_scaled_step_runs_on_the_default_executor():
     """A LossScaleOptimizer's update holds a tf.cond: its probe and the step run on the
-    default executor with one inter-op thread (on the single-threaded one they hung)."""
+    default executor (on the single-threaded one they hung, with one inter-op thread and
+    with two on two cores)."""
     model = _small_model()
     x, y = _batch()
     optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01))
     extraction = extract(model, (x, y), optimizer=optimizer, cost_model="flops", use_cache=False)
     step = compile_step(extraction, get_strategy("chen_sqrtn")(extraction.graph), optimizer=optimizer)
     assert np.isfinite(float(step(x, y)))
-    assert step._blocks_one_thread and not step.sequential  # traced again, for the default executor
+    assert step._calls_functions and not step.sequential  # traced again, for the default executor

@@ -48,7 +48,7 @@ import tensorflow as tf
 from tfremat.cache import read_entry, warn_once, write_atomically
 from tfremat.errors import CompileError
 from tfremat.extract.profile_cache import cache_dir, code_fingerprint
-from tfremat.runtime.executor import blocks_one_thread, sequential_ops, step_executor
+from tfremat.runtime.executor import calls_functions, step_executor
 from tfremat.runtime.memory import default_device, requested_peak
 from tfremat.runtime.optimizer import apply_gated
 
@@ -216,9 +216,9 @@ def _probe(optimizer, count: int) -> int:
     step = tf.function(update, autograph=False)
     with step_executor():  # traced and run as the step's updates are
         graph = step.get_concrete_function(seeds).graph
-    # As the step: with one inter-op thread an update that calls functions (a loss scale's
-    # tf.cond) is traced again and run on the default executor (executor.blocks_one_thread).
-    blocked = sequential_ops() and blocks_one_thread(graph)
+    # As the step: an update that calls functions (a loss scale's tf.cond) is traced again
+    # and run on the default executor (executor.calls_functions).
+    blocked = calls_functions(graph)
     if blocked:
         step = tf.function(update, autograph=False)
     with contextlib.nullcontext() if blocked else step_executor():

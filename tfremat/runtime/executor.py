@@ -31,14 +31,14 @@ Three facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``
   (``tests/test_default_threads_memory.py``).
 
 * It runs an operation that calls a function (a ``tf.cond``, a call kept out of its
-  caller, a loop body holding either) or that waits for another device by blocking its
-  thread until the callee finishes; the callee runs on the inter-op threads, so with one
-  inter-op thread nothing is left to run it and the step waits for ever (a
-  ``LossScaleOptimizer``'s update, a ``tf.cond``; a ``While`` whose body calls nothing
-  runs). With one inter-op thread the step and the optimizer update probe find such
-  calls in their trace (:func:`blocks_one_thread`), are traced again without this
-  executor (conditionals lowered to control-flow primitives, as before) and run on the
-  default one, which runs one op at a time there.
+  caller, a loop body holding either) or that waits for another device by blocking an
+  inter-op thread until the callee finishes, and the callee runs on another: with one
+  inter-op thread, or as many calls nested as threads, the step waits for ever (a
+  ``LossScaleOptimizer``'s update hung with one thread and with two on two cores; a
+  ``While`` whose body calls nothing runs). The step and the optimizer update probe find
+  such calls in their trace (:func:`calls_functions`), are traced again without this
+  executor (conditionals lowered to control-flow primitives) and run on the default one,
+  which runs one op at a time with one inter-op thread (with several, a warning).
 
 ``compile_step``, the profiler and the optimizer update probe use it whatever the inter-op
 thread count (:func:`step_executor`), so a process with one inter-op thread (the test
@@ -56,7 +56,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["NOT_INLINED", "SEQUENTIAL_EXECUTOR", "blocks_one_thread", "sequential", "sequential_ops", "step_executor"]
+__all__ = ["NOT_INLINED", "SEQUENTIAL_EXECUTOR", "calls_functions", "sequential", "sequential_ops", "step_executor"]
 
 # The name under which TensorFlow registers its single-threaded function executor.
 SEQUENTIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
@@ -98,11 +98,11 @@ def step_executor():
     return sequential()
 
 
-def blocks_one_thread(graph: Any) -> bool:
-    """Whether the single-threaded executor would wait for ever on ``graph`` (a
-    ``tf.Graph``, e.g. a concrete function's) with one inter-op thread: some operation of
-    it or of a function it calls runs a function (:data:`_CALLING_OPS`) or a collective,
-    or its operations are placed on several devices (module docstring)."""
+def calls_functions(graph: Any) -> bool:
+    """Whether the single-threaded executor can wait for ever on ``graph`` (a ``tf.Graph``,
+    e.g. a concrete function's): some operation of it or of a function it calls runs a
+    function (:data:`_CALLING_OPS`) or a collective, or its operations are placed on
+    several devices (module docstring)."""
     definition = graph.as_graph_def()
     nodes = [*definition.node, *(node for function in definition.library.function for node in function.node_def)]
     devices = {node.device for node in nodes if node.device}

@@ -70,9 +70,9 @@ class CompiledStep:
         self.jit_compile = jit_compile
         self.sequential = sequential
         self._report: TraceReport | None = None
-        # With one inter-op thread: whether the traced step calls functions, which the
-        # single-threaded executor cannot run then (executor.blocks_one_thread); None: not traced.
-        self._blocks_one_thread: bool | None = None
+        # Whether the traced step calls functions, which the single-threaded executor can
+        # wait for for ever (executor.calls_functions); None: not traced yet.
+        self._calls_functions: bool | None = None
         self.variables = list(side_table.model.trainable_variables)
         self._regularized = [v for v in self.variables if getattr(v, "regularizer", None) is not None]
         # No AutoGraph: the interpreter has no tensor-dependent Python control flow, and
@@ -206,14 +206,14 @@ class CompiledStep:
 
     def __call__(self, x, y, sample_weight=None):
         args = (x, y) if sample_weight is None else (x, y, sample_weight)
-        if self.sequential and executor.sequential_ops() and self._blocks_one_thread is None:
+        if self.sequential and self._calls_functions is None:
             with executor.sequential():  # traced as it runs, a loop staying a While
                 graph = self.function.get_concrete_function(*args).graph
-            self._blocks_one_thread = executor.blocks_one_thread(graph)
-            if self._blocks_one_thread:
-                logger.info("the step of %s calls functions (a tf.cond, a loss scale's update) that TensorFlow's "
-                            "single-threaded executor cannot run with one inter-op thread: it runs on the default "
-                            "executor, one operation at a time there too", self.graph.name)
+            self._calls_functions = executor.calls_functions(graph)
+            if self._calls_functions:
+                _warn_parallel_ops(f"the step of {self.graph.name} runs on TensorFlow's default executor: it calls "
+                                   "functions (a tf.cond, a loss scale's update), for which the single-threaded "
+                                   "executor holds an inter-op thread each and waited for ever once they ran out")
                 # Traced again for that executor, which lowers the conditionals to control-flow
                 # primitives (a LossScaleOptimizer's step requested 1 MiB more with an If).
                 self.sequential = False

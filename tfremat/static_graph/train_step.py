@@ -62,9 +62,9 @@ class DistributedTrainStep:
         self.model = model
         self.step = step
         self.strategy = step.strategy
-        # With one inter-op thread: whether the traced function calls functions, which the
-        # single-threaded executor cannot run then (executor.blocks_one_thread).
-        self._blocks_one_thread: bool | None = None
+        # Whether the traced function calls functions, which the single-threaded executor
+        # can wait for for ever (executor.calls_functions); None: not traced yet.
+        self._calls_functions: bool | None = None
         self._sequential = step.sequential
         self.function = tf.function(self._run, autograph=False,
                                     experimental_attributes=executor.NOT_INLINED if step.sequential else None)
@@ -82,11 +82,11 @@ class DistributedTrainStep:
 
     def __call__(self, x, y, sample_weight=None):
         args = (x, y) if sample_weight is None else (x, y, sample_weight)
-        if self._sequential and executor.sequential_ops() and self._blocks_one_thread is None:
+        if self._sequential and self._calls_functions is None:
             with executor.sequential():  # traced as it runs
                 graph = self.function.get_concrete_function(*args).graph
-            self._blocks_one_thread = executor.blocks_one_thread(graph)
-            if self._blocks_one_thread:  # traced again for the default executor, its conditionals lowered
+            self._calls_functions = executor.calls_functions(graph)
+            if self._calls_functions:  # traced again for the default executor, its conditionals lowered
                 self._sequential = False
                 self.function = tf.function(self._run, autograph=False)
         with executor.sequential() if self._sequential else contextlib.nullcontext():
