@@ -291,7 +291,9 @@ def test_weight_gradients_are_resident_when_the_optimizer_or_a_shared_layer_need
     x = np.zeros((4, 8), "float32")
     extraction = extract(model, (x, np.zeros((4, 2), "float32")), loss="mse", optimizer=optimizer(), cost_model="flops")
     assert extraction.side_table.weight_grads == lifetime
-    assert (extraction.side_table.fixed_bytes_breakdown["param_grads"] > 0) == (lifetime == "fixed")
+    # Held from their backward nodes to the end of the step (DFGraph.weight_grads_to_end).
+    assert extraction.graph.weight_grads_to_end == (lifetime == "fixed")
+    assert (extraction.graph.weight_grads_to_end_bytes > 0) == (lifetime == "fixed")
 
 
 def _scaling_model(layer_class):

@@ -35,8 +35,13 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   input and output gradient until then, so it requests more than the checkpoint-all
   prediction, which describes the compiled step (``benchmarks/extraction.py`` ->
   ``benchmarks/results/extraction.md``, the plain "requested" column against the "tfremat
-  step" column). ``weight_grads="fixed"`` keeps them resident for the whole step;
-  :func:`weight_gradient_lifetime` chooses between the two for ``"auto"``.
+  step" column). With ``weight_grads="fixed"`` the updates run after the backward pass:
+  each layer's weight gradients are counted in its backward node's workspace and held
+  from there to the end of the step (``DFGraph.weight_grads_to_end``; a shared layer's
+  by its first backward node). At gpt2_hub fp16's activation peak, early in the
+  backward pass, few of them exist yet (``benchmarks/requested_ledger.py`` ->
+  ``benchmarks/results/fidelity_mixed.md``); counting them as fixed for the whole step
+  over-predicted it. :func:`weight_gradient_lifetime` chooses between the two for ``"auto"``.
 * **Optimizer update** temporaries: the weight-sized buffers an update requests beyond
   the variable, its gradient and its slots (``m * momentum``, RMSprop's two), measured per
   optimizer on probe variables (:mod:`tfremat.extract.optimizer_update`). With
@@ -53,7 +58,8 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   threads TensorFlow overlaps independent ops, e.g. a convolution's input and filter
   gradients, each with its own scratch buffer on CPU, which no sequential model predicts.
   Profile and train with the same setting; the profile cache key includes it.
-* **Fixed bytes** = parameters (+ parameter gradients with ``weight_grads="fixed"``) +
+* **Fixed bytes** = parameters (+ with ``weight_grads="fixed"``, the gradients of the
+  variables no backward node reads, ``param_grads``) +
   optimizer slot variables + non-trainable variables (batch-norm statistics, dropout
   seeds) + the input batch + the labels + the residuals that do not grow with the batch
   (per-channel statistics) + the all-reduce's buffers when several replicas of a
@@ -199,13 +205,14 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
     temporaries = (update_temporaries(optimizer, use_cache=use_cache) if model.trainable_variables
                    else UpdateTemporaries(0.0, 0.0))
     update_bytes: dict[int, int] = {}
+    held = _held_weight_gradients(calls, backward_calls) if weight_grads == "fixed" else {}
     for call in calls:
         small_total += analyses[call.position].small_residual_bytes if needs_backward[call.position] else 0
         b = backward_id.get(call.position)
         if b is not None and weight_grads == "transient":
             update_bytes[b] = temporaries.bytes_for(_variable_sizes(trainable_variables(call.layer)))
         _add_call(nodes, call, analyses[call.position], b, output_grads[call.position],
-                  needs_backward, flops, weight_grads, update_bytes.get(b, 0))
+                  needs_backward, flops, weight_grads, update_bytes.get(b, 0), held.get(call.position, 0))
         if call.position in split:
             _split_backward(nodes, call, analyses[call.position], weight_id[call.position],
                             backward_id[call.position], update_bytes.get(b, 0))
@@ -218,6 +225,9 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
     _add_loss(nodes, loss_node, output_refs, loss_analysis, flops)
     breakdown = _fixed_bytes(model, optimizer, in_specs, label_specs, small_total, weight_grads, replicas)
     if weight_grads == "fixed":
+        # Made by the backward nodes and held from there to the end of the step
+        # (DFGraph.weight_grads_to_end); what no backward node makes stays fixed.
+        breakdown["param_grads"] -= sum(held.values())
         # The updates run after the backward pass, when the activations are freed: counted
         # as fixed like the all-reduce's buffers (module docstring). In the last node's
         # workspace they made small nets' shares of activations infeasible, the node's own
@@ -231,9 +241,11 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
         # What a held layer's weight gradients add while its update waits for a recompute of
         # its forward node (the simulator's ``held_weight_gradients``); they are in the
         # backward node's workspace only with transient gradients.
-        weight_grad_bytes=[_variables_bytes(trainable_variables(call.layer))
-                           if weight_grads == "transient" and call.position in backward_id else 0
+        weight_grad_bytes=[(_variables_bytes(trainable_variables(call.layer))
+                            if weight_grads == "transient" else held.get(call.position, 0))
+                           if call.position in backward_id else 0
                            for call in calls] + [0] * (next_id - len(calls)),
+        weight_grads_to_end=weight_grads == "fixed" and any(held.values()),
     ).with_views({call.position: call.inputs[a.view_input].index for call, a in zip(calls, analyses)
                   if a.view_input is not None and call.inputs[a.view_input].source == "node"})
     table = SideTable(
@@ -244,6 +256,22 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
         input_names=tuple(model_input_names(model)), output_names=tuple(model_output_names(model)),
     )
     return graph, table
+
+
+def _held_weight_gradients(calls: Sequence[LayerCall], backward_calls: Sequence[int]) -> dict[int, int]:
+    """Per call position, the bytes of the weight gradients its backward node makes and
+    holds to the end of the step (``weight_grads="fixed"``): each trainable variable once,
+    by the first backward node in backward order that reads it (a shared layer's
+    gradients begin with its last call's backward)."""
+    by_position = {call.position: call for call in calls}
+    seen: set[int] = set()
+    held = {}
+    for p in backward_calls:
+        fresh = [v for v in trainable_variables(by_position[p].layer) if id(v) not in seen]
+        seen.update(id(v) for v in fresh)
+        if fresh:
+            held[p] = _variables_bytes(fresh)
+    return held
 
 
 def _output_gradients(calls, output_refs, needs_backward, loss_node: int,
@@ -264,10 +292,13 @@ def _output_gradients(calls, output_refs, needs_backward, loss_node: int,
 
 
 def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, output_grads: list[list[GradRef]],
-              needs_backward: Sequence[bool], flops: bool, weight_grads: str, update_bytes: int = 0) -> None:
+              needs_backward: Sequence[bool], flops: bool, weight_grads: str, update_bytes: int = 0,
+              held_grads: int = 0) -> None:
     """Fills in the forward node of ``call`` and, when ``b`` is not None, its backward node
     ``b``: names, costs, values, workspaces, edges and side-table entries; ``update_bytes``:
-    the temporaries of the layer's optimizer update, counted in ``b``'s workspace."""
+    the temporaries of the layer's optimizer update, counted in ``b``'s workspace;
+    ``held_grads``: with ``weight_grads="fixed"``, the weight gradients ``b`` makes and
+    holds to the end of the step, counted in its workspace while it runs."""
     i = call.position
     layer = call.layer
     nodes.names[i] = call.name
@@ -302,6 +333,8 @@ def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, ou
     nodes.work[b] = a.backward_workspace
     if weight_grads == "transient":
         nodes.work[b] += _variables_bytes(trainable_variables(layer)) + update_bytes
+    else:
+        nodes.work[b] += held_grads
     nodes.work[b] += _PENALTY_BUFFERS * _variables_bytes(regularized_variables(layer))
     grads = tuple(tuple(g) for g in output_grads)
     for contributions in grads:

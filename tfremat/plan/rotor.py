@@ -771,11 +771,11 @@ def _rotor(graph: DFGraph, budget: int | None, memory_slots: int | None, articul
         reference = known_peak(graph, everything)
         if budget is not None and reference <= budget:
             return
-        activations = reference - graph.fixed_bytes
+        activations = reference - graph.fixed_bytes - graph.weight_grads_to_end_bytes
         if activations <= 0:
             return
         try:
-            if budget is None or budget <= graph.fixed_bytes:
+            if budget is None or budget <= graph.fixed_bytes + graph.weight_grads_to_end_bytes:
                 yield from _lowest_peak(graph, mapped, activations, memory_slots, schedule_of)
                 return
             found = yield from _around_budget(graph, mapped, budget, memory_slots, schedule_of)
@@ -824,7 +824,7 @@ def _around_budget(graph: DFGraph, mapped: GraphChain, budget: int, memory_slots
     so limits on a grid from the smallest feasible one to the table's top are tried, then
     the gap between the largest that fitted and the next above it is bisected. Yields each
     schedule (one per distinct sequence); returns whether one fitted."""
-    limit = budget - graph.fixed_bytes
+    limit = budget - graph.fixed_bytes - graph.weight_grads_to_end_bytes
     slots = _table_slots(memory_slots, budget)
     table = solve_chain(mapped.chain, limit * slots / memory_slots, slots)
     low = table.min_slots
