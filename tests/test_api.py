@@ -114,7 +114,10 @@ def test_plan_reports_prediction_and_infeasible_budget_reports_smallest_peak():
     assert result.overhead >= 0
     with pytest.raises(InfeasibleBudgetError) as info:
         tfremat.plan_model(model, "1MB", x, y, batch_size=8, strategy="chen_greedy", cost_model="flops", verbose=0)
-    assert info.value.min_feasible_bytes > 10**6
+    # Below the weights and Adam's slots it is refused before the extraction, with that bound;
+    # otherwise the strategy's smallest peak is reported.
+    error = info.value
+    assert (error.min_feasible_bytes if error.min_feasible_bytes is not None else error.lower_bound_bytes) > 10**6
 
 
 def test_the_callback_refuses_a_bad_budget_or_strategy_at_once():
