@@ -771,6 +771,8 @@ def _rotor(graph: DFGraph, budget: int | None, memory_slots: int | None, articul
         reference = known_peak(graph, everything)
         if budget is not None and reference <= budget:
             return
+        # Weight gradients held to the end count as fixed here (the chain cannot say when
+        # they appear): conservative, and the simulator judges every schedule.
         activations = reference - graph.fixed_bytes - graph.weight_grads_to_end_bytes
         if activations <= 0:
             return
