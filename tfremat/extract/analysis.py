@@ -134,7 +134,7 @@ _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const"})
 _VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient", "Snapshot"})
 _CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
 _LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (_other_orders_peak)
-# Timing (_least_seconds): runs go on until they took this long and numbered `repeats`, or
+# Timing (_rounds): runs go on until they took this long and numbered `repeats`, or
 # this many; the least run of those is the cost. Within timing_passes every call is timed
 # this many times, in passes over all the calls, and each keeps its least.
 _MIN_TIMING_SECONDS = 0.05
@@ -211,7 +211,7 @@ def memory_only(enabled: bool = True):
 
 class _Timing:
     """One profiled call's timed functions, the least seconds of each in every pass so far
-    (:func:`_least_seconds`), and ``finish``, which makes the analysis of the chosen pass."""
+    (:func:`_kernel_seconds`, :func:`_least_seconds`), and ``finish``, which makes the analysis of the chosen pass."""
 
     def __init__(self, make_calls: Callable[[], list], repeats: int, warmup: int, layer_name: str, xla: bool,
                  finish: Callable[[list[float]], "CallAnalysis"]):
@@ -337,7 +337,7 @@ class CallAnalysis:
         input_grad_bytes: bytes of the gradients the backward returns for the inputs.
         forward_flops, backward_flops: analytic counts from the traced ops.
         forward_seconds, backward_seconds: least timed seconds on the cost grid (0 without
-            profiling; :func:`_least_seconds`, :func:`_on_grid`).
+            profiling; :func:`_kernel_seconds`, :func:`_on_grid`).
         forward_workspace, backward_workspace: transient requested bytes (0 without profiling).
         input_gradient_reads_forward: the operations computing the input gradients read
             a forward tensor (an input, the output or a residual). When they do not (a
@@ -721,7 +721,7 @@ def analyze_call(
         variables: the trainable variables the backward differentiates.
         batch_size: the batch dimension, to tell batch-sized residuals from small ones.
         profile: also time the call and measure its workspace.
-        repeats, warmup: the fewest timed runs (:func:`_least_seconds`) and untimed warm-up runs.
+        repeats, warmup: the fewest timed runs (:func:`_rounds`) and untimed warm-up runs.
 
     Returns:
         A :class:`CallAnalysis`.
