@@ -211,7 +211,8 @@ def memory_only(enabled: bool = True):
 
 class _Timing:
     """One profiled call's timed functions, the least seconds of each in every pass so far
-    (:func:`_kernel_seconds`, :func:`_least_seconds`), and ``finish``, which makes the analysis of the chosen pass."""
+    (:func:`_kernel_seconds`, :func:`_least_seconds`), and ``finish``, which makes the
+    analysis of the chosen pass."""
 
     def __init__(self, make_calls: Callable[[], list], repeats: int, warmup: int, layer_name: str, xla: bool,
                  finish: Callable[[list[float]], "CallAnalysis"]):
