@@ -181,7 +181,8 @@ def main(argv=None):
     if any(t not in TIMERS for t in timers):
         parser.error(f"--timers takes {', '.join(TIMERS)}, got {args.timers!r}")
     if (any(v is not None for v in (args.only, args.passes, args.window)) or timers != ["trace"]) and args.out is None:
-        parser.error(f"--only, --passes, --window and --timers need --out (the default {DEFAULT_OUT} holds the defaults)")
+        parser.error(f"--only, --passes, --window and --timers need --out "
+                     f"(the default {DEFAULT_OUT} holds the defaults)")
     if args.passes is not None:
         analysis._TIMING_PASSES = args.passes
     if args.window is not None:
