@@ -6,12 +6,11 @@ the checkpoint-all step on the same extraction and batch, runs it three ways and
 them with plain training:
 
 * ``sequential``: the compiled step on TensorFlow's single-threaded executor
-  (:mod:`tfremat.runtime.executor`), as ``step(x, y)`` runs it whatever the inter-op
-  thread count: one operation at a time;
+  (:mod:`tfremat.runtime.executor`), as ``step(x, y)`` runs it with several inter-op
+  threads: one operation at a time whatever the setting;
 * ``ordered``: the same step's ``tf.function`` called directly, on TensorFlow's default
   executor (several operations of a statement at a time with several inter-op threads,
-  one at a time in ready order with one; what ``step(x, y)`` ran with one thread before
-  the step kept to the single-threaded executor there too);
+  one at a time in ready order with one, as ``step(x, y)`` runs it there);
 * ``unordered``: a diagnostic copy without the step's three orderings, the per-statement
   tokens (:func:`tfremat.static_graph.interpreter._token` made an empty ``NoOp``), the
   weight gradients after the input gradients
@@ -108,7 +107,7 @@ def measure(name: str, batch: int, rounds: int) -> dict:
             return tf.no_op(name="no_token")
 
     def on_executor(function):
-        # What step(x, y) runs, explicitly (the step's tf.function alone runs on the default one).
+        # What step(x, y) runs with several inter-op threads, here with either setting.
         def call(*args):
             with executor.sequential():
                 return function(*args)
@@ -245,7 +244,7 @@ def main() -> None:
             print(table(rows)[-1], flush=True)
     text = ["# Compiled checkpoint-all step against plain Keras: where the time goes", "", header(), "",
             "Each row: one subprocess; `sequential`: the compiled step on TensorFlow's single-threaded executor "
-            "(as `step(x, y)` runs it whatever the inter-op threads); `ordered`: the same step's tf.function called directly, on the default "
+            "(as `step(x, y)` runs it with several inter-op threads); `ordered`: the same step's tf.function called directly, on the default "
             "executor; `unordered`: that step without its "
             "statement tokens, weight-after-input gradient order and update ordering (diagnostic only); "
             "time ratios are medians of per-round ratios (quartiles); `cores`: process CPU seconds over wall "

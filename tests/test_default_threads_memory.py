@@ -1,12 +1,10 @@
 """A compiled step requests no more than its predicted peak under TensorFlow's default
 inter-op threads (issue 33, item 1).
 
-The test process has one inter-op thread (:mod:`conftest`); the step, the profiler and
-the optimizer update probe run on TensorFlow's single-threaded executor
-(:mod:`tfremat.runtime.executor`) whatever the thread count, which runs each function's
-operations in one fixed topological order, so the other memory tests run the step as users
-do. What they cannot check is the profile and the probe measured in a process with several
-inter-op threads, hence this one. On that executor a weight-heavy MLP's
+The test process has one inter-op thread (:mod:`conftest`), so every other memory test
+runs on the default executor; what users run, several inter-op threads, puts the step on
+TensorFlow's single-threaded executor (:mod:`tfremat.runtime.executor`), which runs each
+function's operations in one fixed topological order. There a weight-heavy MLP's
 checkpoint-all step requested 1.24x its prediction: the statement's token still held the
 weight gradient when the optimizer update ran, so ``lr * gradient`` could not reuse the
 gradient's buffer. The models run in a subprocess with the default thread setting, at

@@ -16,9 +16,9 @@ above the gradients give the two ratios of :class:`UpdateTemporaries`, the large
 :data:`_RUNS` runs of each of :data:`_TRACES` traces.
 
 The probe runs on the executor the compiled step runs on
-(:func:`~tfremat.runtime.executor.step_executor`): the step's updates run one op at a time
-on TensorFlow's single-threaded executor whatever the inter-op thread count, and a probe on
-the default one with several threads counted Adam at 2 buffers and RMSprop at 3 where the
+(:func:`~tfremat.runtime.executor.step_executor`): with several inter-op threads the step's
+updates run one op at a time on the single-threaded executor, and a probe on the default
+one counted Adam at 2 buffers and RMSprop at 3 where the
 step holds 1 and 2 (predictions 10-23% high under TensorFlow's default threads). On the
 default executor with several threads an
 update's independent operations overlap differently from run to run: Adam's single-variable
@@ -73,7 +73,7 @@ _TRACES = 2
 # in 3 of 4 runs, RMSprop with momentum's in 7 of 40.
 _RUNS = 24
 # Part of the on-disk key: a change of the probe gives every stored count a new key
-# (3: the probe runs on the single-threaded executor with one inter-op thread too).
+# (3: an update that calls functions runs on the default executor).
 _PROBE_VERSION = 3
 
 _cache: dict[str, "UpdateTemporaries"] = {}

@@ -40,12 +40,14 @@ Three facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``
   executor (conditionals lowered to control-flow primitives) and run on the default one,
   which runs one op at a time with one inter-op thread (with several, a warning).
 
-``compile_step``, the profiler and the optimizer update probe use it whatever the inter-op
-thread count (:func:`step_executor`), so a process with one inter-op thread (the test
-suite's) runs the step as one with TensorFlow's default threads does. The two executors
-differ beyond the order: a while loop traced for the single-threaded executor stays a
-``While`` operation, which the default executor lowers to control-flow primitives (four
-stacked LSTMs requested 1.45 MB lowered and 0.73 MB as a ``While``).
+``compile_step``, the profiler and the optimizer update probe use it only with several
+inter-op threads (:func:`step_executor`). With one, used for every step too, it ran a
+bidirectional LSTM 0.68x plain against 0.85x and halved its requested bytes at batch 2 (a
+loop stays a ``While``; benchmarks/results/step_overhead.md), but the optimizer update
+probe's counts changed from one process to the next (a MirroredStrategy plan at 80% of
+activations was infeasible in one run), and an MLP step with SGD momentum and ``clipnorm``
+requested 14.9 MB against 12.6 MB predicted from the default executor's counts
+(``tests/test_optimizer_update_memory.py``): one thread keeps the default executor.
 """
 
 from __future__ import annotations
@@ -93,9 +95,10 @@ def sequential_ops() -> bool:
 
 def step_executor():
     """The executor the compiled step runs on, for whatever must be measured the same way
-    (the profiler, the optimizer update probe): TensorFlow's single-threaded one
-    (:func:`sequential`), whatever the inter-op thread count (module docstring)."""
-    return sequential()
+    (the profiler, the optimizer update probe): TensorFlow's default one with one inter-op
+    thread, where it runs one op at a time in ready order already, else the single-threaded
+    one (:func:`sequential`; module docstring for why not with one thread too)."""
+    return contextlib.nullcontext() if sequential_ops() else sequential()
 
 
 def calls_functions(graph: Any) -> bool:

@@ -432,16 +432,16 @@ def compile_step(
             gradients)`` for a custom training loop (:func:`tfremat.value_and_grad`); the
             gradients then live until the step ends, which an extraction with
             ``weight_grads="fixed"`` counts. Not with ``strategy`` or ``return_outputs``.
-        sequential: run the step on TensorFlow's single-threaded executor
-            (:mod:`tfremat.runtime.executor`), one operation at a time as the plan counts
-            memory and time, whatever the inter-op thread count; the profiler and the
-            optimizer update probe measure on it too. With several inter-op threads the
-            default executor would run a statement's operations together; with one it
-            lowers while loops, which requested more than the ``While`` operation the
-            single-threaded executor runs. Not where the step's devices exchange values
-            (several replicas of ``strategy``, or an offloading plan on a GPU), which that
-            executor can deadlock: those steps, and ``sequential=False``, run on the
-            default executor (with several inter-op threads a warning says so).
+        sequential: when TensorFlow has several inter-op threads, run the step on its
+            single-threaded executor (:mod:`tfremat.runtime.executor`), one operation at a
+            time as the plan counts memory and time; the default executor would run a
+            statement's operations together. With one inter-op thread the default executor
+            runs one at a time already and is kept (module docstring of the executor
+            module). Not where the step's devices exchange values (several replicas of
+            ``strategy``, or an offloading plan on a GPU), or where it calls functions (a
+            ``tf.cond``, a loss scale's update: found in its trace), which that executor
+            can deadlock: those steps, and ``sequential=False``, run on the default
+            executor (with several inter-op threads a warning says so).
 
     Returns:
         A :class:`CompiledStep`.
@@ -490,6 +490,10 @@ def compile_step(
     plan = build_plan(graph, schedule)
     if not sequential:
         _warn_parallel_ops("compile_step(..., sequential=False) runs the step on TensorFlow's default executor")
+    elif executor.sequential_ops():
+        # One inter-op thread: the default executor runs one op at a time already, and the
+        # profiler and the update probe measure on it (executor.step_executor).
+        sequential = False
     else:
         devices = _devices_exchanging(plan, strategy)
         if devices:
