@@ -168,7 +168,7 @@ def parse_graph_budget(graph: DFGraph, budget, reference: int | None = None) -> 
         return parse_budget(budget)
     if reference is None:
         reference = checkpoint_all_peak(graph)
-    return parse_budget(budget, reference, fixed_bytes=graph.fixed_bytes)
+    return parse_budget(budget, reference, fixed_bytes=_unmovable_bytes(graph))
 
 
 def in_user_terms(error: InfeasibleBudgetError, graph: DFGraph, budget,
@@ -179,16 +179,24 @@ def in_user_terms(error: InfeasibleBudgetError, graph: DFGraph, budget,
     graph's fixed memory and its activations. ``reference``: the checkpoint-all peak, when
     the caller has it."""
     kind = None if budget is None else budget_kind(budget)
+    fixed = _unmovable_bytes(graph)
     if kind in (None, "bytes"):
-        return error.in_terms(fixed_bytes=graph.fixed_bytes, shown=None)
+        return error.in_terms(fixed_bytes=fixed, shown=None)
     if reference is None:
         reference = checkpoint_all_peak(graph)
     if kind == "activations":
-        moving = max(reference - graph.fixed_bytes, 1)
+        moving = max(reference - fixed, 1)
 
         def shown(n):
-            return f"{math.ceil(100 * max(n - graph.fixed_bytes, 0) / moving)}% of activations ({format_bytes(n)})"
+            return f"{math.ceil(100 * max(n - fixed, 0) / moving)}% of activations ({format_bytes(n)})"
     else:
         def shown(n):
             return f"{math.ceil(100 * n / reference)}% ({format_bytes(n)})"
-    return error.in_terms(fixed_bytes=graph.fixed_bytes, shown=shown, budget_text=repr(budget))
+    return error.in_terms(fixed_bytes=fixed, shown=shown, budget_text=repr(budget))
+
+
+def _unmovable_bytes(graph: DFGraph) -> int:
+    """What no schedule moves: the fixed bytes and the weight gradients held to the end of
+    the step (``DFGraph.weight_grads_to_end``), which every step makes whatever it keeps, so
+    a share "of activations" means the same with them fixed or held."""
+    return graph.fixed_bytes + graph.weight_grads_to_end_bytes
