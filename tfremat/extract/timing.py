@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
+from tfremat.runtime.profiler import profiler_trace
+
 __all__ = ["traced_seconds"]
 
 _EXECUTE = "EagerLocalExecute: "
@@ -57,12 +59,9 @@ def traced_seconds(run: Callable[[], None], names: Sequence[str]) -> list[list[f
 
     wanted = set(names)
     with tempfile.TemporaryDirectory(prefix="tfremat_timing_") as logdir:
-        tf.profiler.experimental.start(logdir, options=tf.profiler.experimental.ProfilerOptions(**_OPTIONS))
-        try:
+        with profiler_trace(logdir, tf.profiler.experimental.ProfilerOptions(**_OPTIONS)):
             run()
             _settle()
-        finally:
-            tf.profiler.experimental.stop()
         spaces = []
         for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
             space = xplane_pb2.XSpace()
