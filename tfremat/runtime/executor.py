@@ -44,8 +44,9 @@ Three facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``
 inter-op threads (:func:`step_executor`). With one, used for every step too, it ran a
 bidirectional LSTM 0.68x plain against 0.85x and halved its requested bytes at batch 2 (a
 loop stays a ``While``; benchmarks/results/step_overhead.md), but the optimizer update
-probe's counts changed from one process to the next (a MirroredStrategy plan at 80% of
-activations was infeasible in one run), and an MLP step with SGD momentum and ``clipnorm``
+probe's counts changed from one process to the next (SGD with Nesterov and Adagrad 0 or 1
+buffer per concurrent update, Lion 1 or 2; ``benchmarks/optimizer_update.py``), and an MLP
+step with SGD momentum and ``clipnorm``
 requested 14.9 MB against 12.6 MB predicted from the default executor's counts
 (``tests/test_optimizer_update_memory.py``): one thread keeps the default executor.
 """
