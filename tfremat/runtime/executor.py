@@ -46,9 +46,9 @@ bidirectional LSTM 0.68x plain against 0.85x and halved its requested bytes at b
 loop stays a ``While``; benchmarks/results/step_overhead.md), but the optimizer update
 probe's counts changed from one process to the next (SGD with Nesterov and Adagrad 0 or 1
 buffer per concurrent update, Lion 1 or 2; ``benchmarks/optimizer_update.py``), and an MLP
-step with SGD momentum and ``clipnorm``
-requested 14.9 MB against 12.6 MB predicted from the default executor's counts
-(``tests/test_optimizer_update_memory.py``): one thread keeps the default executor.
+step with SGD momentum and ``clipnorm`` requested 14.9 MB against 12.6 MB predicted from
+the default executor's counts (``tests/test_optimizer_update_memory.py``): one thread
+keeps the default executor.
 """
 
 from __future__ import annotations
