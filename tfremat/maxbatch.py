@@ -644,7 +644,7 @@ def affine_graphs(graph_a: DFGraph, batch_a: int, graph_b: DFGraph, batch_b: int
             residual_bytes=np.where(unread, 0, np.minimum(
                 line(graph_a.residual_bytes, graph_b.residual_bytes, batch, whole=True),
                 line(graph_a.output_bytes, graph_b.output_bytes, batch, whole=True))).tolist(),
-            weight_grad_bytes=graph_a.weight_grad_bytes,
+            weight_grad_bytes=graph_a.weight_grad_bytes, weight_grads_to_end=graph_a.weight_grads_to_end,
         ).with_views(graph_a.view_of)
 
     return at
