@@ -168,7 +168,7 @@ def eviction(graph: DFGraph, budget: int | None = None) -> Schedule:
     """
     if budget is None:
         reference = checkpoint_all_peak(graph)
-    capacity = (reference if budget is None else budget) - graph.fixed_bytes - graph.weight_grads_to_end_bytes
+    capacity = (reference if budget is None else budget) - graph.fixed_bytes
     return cheapest_fitting(graph, _all_candidates(graph, capacity, budget), budget, "eviction")
 
 

@@ -519,10 +519,10 @@ def hong_prediction(graph: DFGraph, memory_model: str = "eager", articulation: b
     _check_memory_model(memory_model)
     order, sizes, allowed = _graph_chain(graph, articulation)
     if not order:
-        return HongPrediction((), int(graph.fixed_bytes + graph.weight_grads_to_end_bytes))
+        return HongPrediction((), int(graph.fixed_bytes))
     found = _solve(sizes, allowed, memory_model)
     checkpoints = tuple(order[p - 1] for p in found.positions if p > 0)
-    return HongPrediction(checkpoints, int(graph.fixed_bytes + graph.weight_grads_to_end_bytes + round(found.peak)))
+    return HongPrediction(checkpoints, int(graph.fixed_bytes + round(found.peak)))
 
 
 def _hong(graph: DFGraph, budget: int | None, memory_model: str, articulation: bool) -> Schedule:

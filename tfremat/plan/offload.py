@@ -242,7 +242,7 @@ def _rotor_starts(graph: DFGraph, articulation: bool, limits: np.ndarray, high: 
     as the rotor strategy does (the table's sizes are rounded up to slots). A limit where
     none fits, or that repeats a sequence, yields none."""
     mapped = rotor.graph_chain(graph, articulation)
-    activations = [int(limit) - graph.fixed_bytes - graph.weight_grads_to_end_bytes for limit in limits]
+    activations = [int(limit) - graph.fixed_bytes for limit in limits]
     if max(activations) <= 0:
         return
     try:
@@ -405,7 +405,7 @@ def _pofo(graph: DFGraph, budget: int | None, bandwidth, memory_slots: int | Non
     elif not is_int(memory_slots) or memory_slots < 1:
         raise ArgumentError(f"memory_slots must be None or an int >= 1, got {memory_slots!r}")
     loss_stage = _forward_phase_end(graph)
-    activations = (budget if budget is not None else checkpoint_all_peak(graph)) - graph.fixed_bytes - graph.weight_grads_to_end_bytes
+    activations = (budget if budget is not None else checkpoint_all_peak(graph)) - graph.fixed_bytes
 
     def schedule_of(ops) -> Schedule:
         compute = [op for op in ops if op.kind not in ("O", "P")]

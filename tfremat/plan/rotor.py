@@ -771,13 +771,14 @@ def _rotor(graph: DFGraph, budget: int | None, memory_slots: int | None, articul
         reference = known_peak(graph, everything)
         if budget is not None and reference <= budget:
             return
-        # Weight gradients held to the end count as fixed here (the chain cannot say when
-        # they appear): conservative, and the simulator judges every schedule.
-        activations = reference - graph.fixed_bytes - graph.weight_grads_to_end_bytes
+        # Weight gradients held to the end (DFGraph.weight_grads_to_end) are in the chain
+        # only in their own backward node's workspace; the limits below are tried down to
+        # the smallest feasible and the simulator, which holds them, judges each schedule.
+        activations = reference - graph.fixed_bytes
         if activations <= 0:
             return
         try:
-            if budget is None or budget <= graph.fixed_bytes + graph.weight_grads_to_end_bytes:
+            if budget is None or budget <= graph.fixed_bytes:
                 yield from _lowest_peak(graph, mapped, activations, memory_slots, schedule_of)
                 return
             found = yield from _around_budget(graph, mapped, budget, memory_slots, schedule_of)
@@ -826,7 +827,7 @@ def _around_budget(graph: DFGraph, mapped: GraphChain, budget: int, memory_slots
     so limits on a grid from the smallest feasible one to the table's top are tried, then
     the gap between the largest that fitted and the next above it is bisected. Yields each
     schedule (one per distinct sequence); returns whether one fitted."""
-    limit = budget - graph.fixed_bytes - graph.weight_grads_to_end_bytes
+    limit = budget - graph.fixed_bytes
     slots = _table_slots(memory_slots, budget)
     table = solve_chain(mapped.chain, limit * slots / memory_slots, slots)
     low = table.min_slots
