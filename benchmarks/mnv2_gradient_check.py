@@ -73,7 +73,8 @@ def main() -> None:
         for name, schedule in schedules.items():
             pairs = measure._gradient_pairs(model, extraction, schedule, x, y, saved)
             planned = [p for _, p, _ in pairs]
-            judged = measure._judge_gradients(model, extraction, schedule, x, y, saved, measure.gradient_tolerances(model))
+            tolerances = measure.gradient_tolerances(model)
+            judged = measure._judge_gradients(model, extraction, schedule, x, y, saved, tolerances)
             print(f"  {name} ({schedule.recompute_count} recomputes): vs traced {_err(closeness(planned, traced))}, "
                   f"vs eager {_err(closeness(planned, eager))}, vs float64 {_err(closeness(planned, exact))}, "
                   f"gradients_match {judged[1]}")

@@ -7,8 +7,9 @@ class-wise: batch norm in training mode (its statistics recomputed with its inpu
 depthwise convolutions, a residual ``Add`` of a block's input and its projection, a strided
 block, under random schedules that recompute more than any strategy
 (tests/test_schedule_gradients.py's ``_random_schedule``, whose ViT test also checks
-training steps). Beyond matching plain Keras within float32's tolerances, a recomputation runs the same operations on the same values, so the
-step's gradients equal checkpoint-all's to rounding far below them.
+training steps). Beyond matching plain Keras within float32's tolerances, a recomputation
+runs the same operations on the same values, so the step's gradients equal
+checkpoint-all's to rounding far below them.
 """
 
 import keras

@@ -120,11 +120,11 @@ def _judge_gradients(model, extraction, schedule, x, y, saved, tolerances):
     A step outside ``tolerances`` of the traced tape is compared with the eager one too:
     two plain computations round differently (Grappler fuses operations across layers in a
     traced step, never across the interpreter's statements), and where the gradients are
-    ill-conditioned that difference exceeds float32's tolerances. On MobileNetV2 (64x64,
-    batch 8) after 25 Adam steps on its batch the two plain tapes differ by 5.2e-3 per
-    variable, each 8.7e-3 from a float64 tape, and every schedule equals the eager tape
-    (benchmarks/results/mnv2_gradient_check.md). The step matches when within
-    ``tolerances`` of either; the last two are None when the traced tape decided.
+    ill-conditioned (a model trained to a near-zero loss on its batch: MobileNetV2's
+    reported mismatch, benchmarks/mnv2_gradient_check.py) that difference exceeds float32's
+    tolerances, and a correct step is as close to one plain tape as they are to each other.
+    The step matches when within ``tolerances`` of either; the last two are None when the
+    traced tape decided.
     """
     compared = _gradient_pairs(model, extraction, schedule, x, y, saved)
     if not compared:
