@@ -50,8 +50,9 @@ CONFORMANCE_MODELS = ("transformer_encoder", "vit", "bilstm_text", "convmixer") 
 LARGE_SHARE = 0.5  # the large nodes: the fewest, largest first, whose costs make this share of the step
 BUDGET = "60% of activations"
 # How a profiled call is timed on CPU: from TensorFlow's trace (the library's way), or its
-# least wall seconds from Python, less those of a call that computes nothing (before it).
-TIMERS = {"trace": analysis._kernel_seconds, "wall": analysis._least_seconds}
+# least wall seconds from Python, less those of a call that computes nothing (before it):
+# whether a timing is traced (analysis._Timing.traced).
+TIMERS = {"trace": analysis._Timing.traced, "wall": False}
 
 
 def build(name):
@@ -82,12 +83,12 @@ def plan_facts(graph, time_limit):
 
 def agreement(name, time_limit, timer="trace"):
     """One row: ``name`` profiled twice with ``timer`` (see :data:`TIMERS`)."""
-    kernel_seconds = analysis._kernel_seconds
-    analysis._kernel_seconds = TIMERS[timer]
+    traced = analysis._Timing.traced
+    analysis._Timing.traced = TIMERS[timer]
     try:
         return _agreement(name, time_limit) | {"timer": timer}
     finally:
-        analysis._kernel_seconds = kernel_seconds
+        analysis._Timing.traced = traced
 
 
 def _agreement(name, time_limit):

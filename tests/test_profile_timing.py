@@ -98,18 +98,18 @@ def test_the_trace_refuses_calls_out_of_the_order_given():
 
 
 def test_a_profile_on_cpu_reads_its_seconds_off_the_trace(monkeypatch):
-    """extract() times every call on CPU with _kernel_seconds, never from Python."""
+    """extract() times every call on CPU from the trace (_traced_pass), never from Python."""
     traced = []
-    kernel_seconds = analysis._kernel_seconds
+    traced_pass = analysis._traced_pass
 
-    def recording(calls, repeats, warmup):
+    def recording(trace, calls, repeats, warmup, done):
         traced.extend(fn for fn, _ in calls)
-        return kernel_seconds(calls, repeats, warmup)
+        return traced_pass(trace, calls, repeats, warmup, done)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a call was timed from Python on CPU")
 
-    monkeypatch.setattr(analysis, "_kernel_seconds", recording)
+    monkeypatch.setattr(analysis, "_traced_pass", recording)
     monkeypatch.setattr(analysis, "_least_seconds", refuse)
     monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
     keras.utils.set_random_seed(0)

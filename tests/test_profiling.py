@@ -72,33 +72,33 @@ def test_least_seconds_takes_many_runs_of_a_tiny_call_in_turns(monkeypatch):
     assert order[:6] == ["a", "b", "a", "b", "a", "b"]
 
 
-def _scripted_kernel_seconds(monkeypatch, passes):
-    """``_kernel_seconds`` answering each timing from ``passes`` in turn (in seconds)."""
+def _scripted_traced_pass(monkeypatch, passes):
+    """``_traced_pass`` answering each timing from ``passes`` in turn (in seconds)."""
     answered = []
 
-    def scripted(calls, repeats, warmup):
+    def scripted(trace, calls, repeats, warmup, done):
         least = passes[len(answered)]
         assert len(least) == len(calls)
         answered.append((repeats, warmup))
-        return list(least)
+        done(list(least))
 
-    monkeypatch.setattr(analysis, "_kernel_seconds", scripted)
+    monkeypatch.setattr(analysis, "_traced_pass", scripted)
     return answered
 
 
 def test_each_call_keeps_its_least_seconds_over_the_timing_passes(monkeypatch):
-    """Within timing_passes a call is timed once per pass, and each timed function (the
-    dispatch, the forward, the forward and backward) keeps its least seconds over them."""
+    """Within timing_passes a call is timed once per pass, all passes when the final
+    analyses are asked for, and each timed function (the dispatch, the forward, the
+    forward and backward) keeps its least seconds over them."""
     layer = keras.layers.Dense(4)
     layer.build((2, 3))
     spec = tf.TensorSpec([2, 3], tf.float32)
     # (dispatch, forward, forward and backward) per pass: each is least in another pass.
-    answered = _scripted_kernel_seconds(monkeypatch, [(1.0, 3.0, 10.0), (0.5, 2.0, 7.0), (0.25, 4.0, 6.0)])
+    answered = _scripted_traced_pass(monkeypatch, [(1.0, 3.0, 10.0), (0.5, 2.0, 7.0), (0.25, 4.0, 6.0)])
     with analysis.timing_passes(3) as passes:
         first = analysis.analyze_call(lambda xs: layer(xs[0]), "dense", [spec], [True], layer.trainable_variables,
                                       2, profile=True, repeats=5, warmup=2)
-        assert len(answered) == 1
-        assert first.forward_seconds == analysis._on_grid(2.0) and first.backward_seconds == analysis._on_grid(7.0)
+        assert answered == [] and first.forward_seconds == first.backward_seconds == 0.0
         final = passes.final(first)
     # The fewest rounds are shared among the passes; the passes after the first warm up once.
     assert answered == [(2, 2), (2, 1), (2, 1)]
@@ -113,15 +113,17 @@ def test_each_call_keeps_its_least_seconds_over_the_timing_passes(monkeypatch):
 
 def test_an_extraction_times_every_call_in_every_pass(monkeypatch):
     """extract() times each distinct call and the loss _TIMING_PASSES times, in passes over
-    all of them (the second pass starts after the last call's first)."""
-    timed = []
-    kernel_seconds = analysis._kernel_seconds
+    all of them (the second pass starts after the last call's first), each pass in one
+    trace."""
+    timed, traces = [], []
+    traced_pass = analysis._traced_pass
 
-    def recording(calls, repeats, warmup):
+    def recording(trace, calls, repeats, warmup, done):
         timed.append(calls[-1][0])
-        return kernel_seconds(calls, repeats, warmup)
+        traces.append(trace)  # kept alive: their ids stay distinct
+        return traced_pass(trace, calls, repeats, warmup, done)
 
-    monkeypatch.setattr(analysis, "_kernel_seconds", recording)
+    monkeypatch.setattr(analysis, "_traced_pass", recording)
     monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
     keras.utils.set_random_seed(0)
     x = keras.Input((6,))
@@ -133,3 +135,6 @@ def test_an_extraction_times_every_call_in_every_pass(monkeypatch):
     first_pass = [id(fn) for fn in timed[:groups]]
     for k in range(1, analysis._TIMING_PASSES):
         assert [id(fn) for fn in timed[k * groups:(k + 1) * groups]] == first_pass
+    assert len({id(trace) for trace in traces}) == analysis._TIMING_PASSES
+    assert all(len({id(trace) for trace in traces[k * groups:(k + 1) * groups]}) == 1
+               for k in range(analysis._TIMING_PASSES))

@@ -105,7 +105,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import ExtractionError
-from tfremat.extract.timing import traced_seconds
+from tfremat.extract.timing import TracedRounds
 from tfremat.extract.views import view_position
 from tfremat.extract.xla_layouts import backward_layout_copies
 from tfremat.runtime import executor
@@ -140,6 +140,10 @@ _LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is 
 _MIN_TIMING_SECONDS = 0.05
 _MAX_TIMED_RUNS = 400
 _TIMING_PASSES = 3
+# Traced timings per trace within a pass (TracedRounds): a trace costs 10-20 ms to start,
+# stop and read besides its events, and one over a whole pass of a large model would hold
+# all its events at once.
+_TIMINGS_PER_TRACE = 32
 _COST_GRID = 1.04  # costs are powers of this (seconds), so noise below ~2% cannot change them
 _SEED_SPEC = tf.TensorSpec([], tf.float32)  # the scalar the upstream gradients are filled with
 _NO_COMPUTE_OPS = frozenset(
@@ -220,18 +224,26 @@ class _Timing:
         self.layer_name, self.xla, self.finish = layer_name, xla, finish
         self.passes: list[list[float]] = []
 
-    def run_pass(self) -> None:
+    @property
+    def traced(self) -> bool:
+        """Whether the calls are timed from TensorFlow's trace (on CPU, without XLA)."""
+        return not self.xla and not default_device().startswith("GPU")
+
+    def run_pass(self, trace: TracedRounds | None = None) -> None:
         """Times the calls once more, on fresh sample inputs (no pass keeps the inputs of
         every call alive while the others run), after one warm-up round once the first
-        pass has warmed them up as asked."""
+        pass has warmed them up as asked. A traced timing runs within ``trace`` when given
+        (its seconds come when the trace is read), else in a trace of its own."""
         calls = self.make_calls()
         warmup = 1 if self.passes else self.warmup
         if self.xla:
             self.passes.append(_compiled_least_seconds(calls, self.repeats, warmup, self.layer_name))
-        elif default_device().startswith("GPU"):
+        elif not self.traced:
             self.passes.append(_least_seconds(calls, self.repeats, warmup))
-        else:
+        elif trace is None:
             self.passes.append(_kernel_seconds(calls, self.repeats, warmup))
+        else:
+            _traced_pass(trace, calls, self.repeats, warmup, self.passes.append)
 
     def chosen(self) -> list[float]:
         """Each function's least seconds over the passes: a stall that slows every run of
@@ -264,14 +276,21 @@ class TimingPasses:
             self._timings[id(derived)] = (derived, entry[1], seconds_of)
 
     def final(self, analysis: "CallAnalysis") -> "CallAnalysis":
-        """``analysis`` with the least seconds over the passes; the remaining passes run on
-        the first call. An analysis not timed here (read from the cache) is returned as is."""
+        """``analysis`` with the least seconds over the passes; the passes not run yet run
+        on the first call. An analysis not timed here (read from the cache) is returned as is."""
         if not self._done:
             self._done = True
             timings = list({id(timing): timing for _, timing, _ in self._timings.values()}.values())
-            for _ in range(self.passes - 1):
-                for timing in timings:
-                    timing.run_pass()
+            for done in range(self.passes):
+                due = [timing for timing in timings if len(timing.passes) == done]
+                for timing in due:
+                    if not timing.traced:
+                        timing.run_pass()
+                traced = [timing for timing in due if timing.traced]
+                for first in range(0, len(traced), _TIMINGS_PER_TRACE):
+                    with TracedRounds() as trace:
+                        for timing in traced[first:first + _TIMINGS_PER_TRACE]:
+                            timing.run_pass(trace)
         entry = self._timings.get(id(analysis))
         if entry is None:
             return analysis
@@ -301,19 +320,24 @@ def timing_passes(passes: int | None = None):
         _TIMING.reset(token)
 
 
-def _timed(make_calls: Callable[[], list], repeats: int, warmup: int, layer_name: str, xla: bool,
-           finish: Callable[[list[float]], "CallAnalysis"]) -> "CallAnalysis":
+def _timed(untimed: "CallAnalysis", make_calls: Callable[[], list], repeats: int, warmup: int, layer_name: str,
+           xla: bool, finish: Callable[[list[float]], "CallAnalysis"]) -> "CallAnalysis":
     """``finish`` of the least seconds of ``make_calls()``'s calls, timed in turns; within
-    :func:`timing_passes` the call is registered to be timed again there, and the fewest
+    :func:`timing_passes` the call is registered to be timed there, and the fewest
     rounds ``repeats`` are shared among the passes (a call of many milliseconds, timed by
     its rounds rather than by :data:`_MIN_TIMING_SECONDS`, takes about as long as in one
-    window)."""
+    window). A call timed from the trace is timed in the passes only, with the others:
+    ``untimed`` (seconds 0) stands for it until :meth:`TimingPasses.final`; the others are
+    timed once here."""
     passes = _TIMING.get()
     if passes is not None:
         repeats = max(2, math.ceil(repeats / passes.passes))
     timing = _Timing(make_calls, repeats, warmup, layer_name, xla, finish)
-    timing.run_pass()
-    analysis = finish(timing.chosen())
+    if passes is None or not timing.traced:
+        timing.run_pass()
+        analysis = finish(timing.chosen())
+    else:
+        analysis = untimed
     if passes is not None:
         passes.add(analysis, timing)
     return analysis
@@ -435,21 +459,29 @@ def _kernel_seconds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmu
     :func:`tfremat.extract.timing.traced_seconds`): what the call's operations cost, without
     the ~350 us of calling a function from Python, whose jitter was tens of percent of a
     small node between two profiles (benchmarks/results/profile_agreement.md)."""
-    with executor.step_executor():
-        _warm_up(calls, warmup)
+    least = []
+    with TracedRounds() as trace:
+        _traced_pass(trace, calls, repeats, warmup, least.append)
+    return least[0]
+
+
+def _traced_pass(trace: TracedRounds, calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup: int,
+                 done: Callable[[list[float]], None]) -> None:
+    """Runs ``calls`` in rounds (:func:`_rounds`) within ``trace``; ``done`` gets the least
+    traced seconds of each once the trace is read (:class:`tfremat.extract.timing.TracedRounds`)."""
     names = [fn.function_def.signature.name for fn, _ in calls]
-    seconds = traced_seconds(
-        lambda: _rounds(calls, repeats, 0, lambda position, fn, args: synchronize(fn(*args))), names)
-    return [min(s) for s in seconds]
+    trace.run(names, lambda: _rounds(calls, repeats, warmup, lambda position, fn, args: synchronize(fn(*args))),
+              warmup, lambda seconds: done([min(s) for s in seconds]))
 
 
 def _rounds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup: int,
-            timed: Callable[[int, Callable, tuple], None]) -> None:
+            timed: Callable[[int, Callable, tuple], None]) -> int:
     """Runs every ``fn(*args)`` of ``calls`` ``warmup`` times unmeasured, then ``timed(position,
     fn, args)`` for each in rounds until there are at least ``repeats`` rounds and
     :data:`_MIN_TIMING_SECONDS` have passed, or :data:`_MAX_TIMED_RUNS` rounds, on the step's
     executor. The minimum time makes runs of a tiny call many, so that some run meets a
-    quiet moment, and taking the calls in turns puts the same load on each."""
+    quiet moment, and taking the calls in turns puts the same load on each. Returns the
+    number of timed rounds."""
     with executor.step_executor():
         _warm_up(calls, warmup)
         began = time.perf_counter()
@@ -458,6 +490,7 @@ def _rounds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup: int,
                 timed(position, fn, args)
             if round_ >= repeats and time.perf_counter() - began >= _MIN_TIMING_SECONDS:
                 break
+    return round_
 
 
 def _warm_up(calls: Sequence[tuple[Callable, tuple]], warmup: int) -> None:
@@ -956,7 +989,7 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
             backward_seconds=_on_grid(max(fb_seconds - fwd_seconds, 0.05 * fb_seconds)),
         )
 
-    return _timed(make_calls, repeats, warmup, layer_name, xla, finish)
+    return _timed(measured, make_calls, repeats, warmup, layer_name, xla, finish)
 
 
 def _hidden_residual_bytes(fb_concrete, args, record: dict, warmup: int) -> int:
@@ -1344,4 +1377,4 @@ def analyze_loss(
         dispatch, seconds = least
         return dataclasses.replace(measured, forward_seconds=_on_grid(_less_dispatch(seconds, dispatch)))
 
-    return _timed(make_calls, repeats, warmup, "loss", xla, finish)
+    return _timed(measured, make_calls, repeats, warmup, "loss", xla, finish)

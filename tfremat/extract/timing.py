@@ -21,6 +21,7 @@ stat names are the profiler's own).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import glob
 import os
@@ -31,7 +32,7 @@ import tensorflow as tf
 
 from tfremat.runtime.profiler import profiler_trace
 
-__all__ = ["traced_seconds"]
+__all__ = ["TracedRounds", "traced_seconds"]
 
 _EXECUTE = "EagerLocalExecute: "
 _RECORD = "ThreadpoolListener::Record"
@@ -55,30 +56,99 @@ def traced_seconds(run: Callable[[], None], names: Sequence[str]) -> list[list[f
         RuntimeError: the trace does not show the calls in the expected order, or shows a
             call with no execution (a TensorFlow whose profiler names them otherwise).
     """
+    with _traced() as calls_of:
+        run()
+        _settle()
+    calls = calls_of(set(names))
+    if len(calls) % len(names):
+        raise RuntimeError(
+            f"TensorFlow's trace shows {len(calls)} calls of {len(names)} functions called in rounds of "
+            f"{len(names)}: this TensorFlow's profiler events differ from 2.21's (tfremat.extract.timing)")
+    return _attributed(calls, names)
+
+
+class TracedRounds:
+    """One trace over the rounds of many groups of calls, started and stopped once.
+
+    Starting, stopping and parsing a trace costs about 10-20 ms besides the events it
+    holds; timing each profiled call in a trace of its own paid that once per call and
+    pass (``benchmarks/profile_agreement.py``, profiling seconds). Within the context each
+    :meth:`run` calls one group's functions in rounds; on leaving, the trace is read once
+    and each group's ``done`` gets its seconds, as :func:`traced_seconds` returns them."""
+
+    def __init__(self):
+        self._groups: list[tuple[list[str], int, int, Callable[[list[list[float]]], None]]] = []
+        self._context = None
+
+    def __enter__(self) -> "TracedRounds":
+        self._context = _traced()
+        self._calls_of = self._context.__enter__()
+        return self
+
+    def run(self, names: Sequence[str], run: Callable[[], int], untimed: int,
+            done: Callable[[list[list[float]]], None]) -> None:
+        """Calls ``run()``, which calls the functions ``names`` in rounds (as for
+        :func:`traced_seconds`) and returns how many; the first ``untimed`` rounds (a
+        warm-up) are not timed. ``done`` gets the seconds of the others once the trace is read."""
+        rounds = run()
+        _settle()
+        self._groups.append((list(names), untimed, rounds, done))
+
+    def __exit__(self, *exc) -> None:
+        context, self._context = self._context, None
+        context.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        calls = self._calls_of({name for names, _, _, _ in self._groups for name in names})
+        first = 0
+        for names, untimed, rounds, _ in self._groups:
+            first += len(names) * (untimed + rounds)
+        if first != len(calls):
+            raise RuntimeError(
+                f"TensorFlow's trace shows {len(calls)} calls where {first} were made: this TensorFlow's profiler "
+                "events differ from 2.21's (tfremat.extract.timing)")
+        first = 0
+        for names, untimed, rounds, done in self._groups:
+            last = first + len(names) * (untimed + rounds)
+            done(_attributed(calls[first + len(names) * untimed:last], names))
+            first = last
+
+
+@contextlib.contextmanager
+def _traced():
+    """TensorFlow's profiler traces the host inside this context, which gives a function
+    that reads the calls of the functions it is given off the trace, once it stopped."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    wanted = set(names)
+    spaces = []
+
+    def calls_of(wanted: set[str]) -> list[tuple[int, str, float | None]]:
+        calls = []
+        for space in spaces:
+            for plane in space.planes:
+                if plane.name.startswith("/host:"):
+                    calls.extend(_plane_calls(plane, wanted))
+        calls.sort(key=lambda call: call[0])
+        return calls
+
     with tempfile.TemporaryDirectory(prefix="tfremat_timing_") as logdir:
         with profiler_trace(logdir, tf.profiler.experimental.ProfilerOptions(**_OPTIONS)):
-            run()
-            _settle()
-        spaces = []
+            yield calls_of
         for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
             space = xplane_pb2.XSpace()
             with open(path, "rb") as f:
                 space.ParseFromString(f.read())
             spaces.append(space)
-    calls = []
-    for space in spaces:
-        for plane in space.planes:
-            if plane.name.startswith("/host:"):
-                calls.extend(_plane_calls(plane, wanted))
-    calls.sort(key=lambda call: call[0])
+
+
+def _attributed(calls: list[tuple[int, str, float | None]], names: Sequence[str]) -> list[list[float]]:
+    """Per position of ``names``, the seconds of the ``calls`` (in time order, rounds of
+    ``names``) made there; the last round's may miss their ends (:func:`_settle`)."""
     seconds: list[list[float]] = [[] for _ in names]
     last_round = len(calls) - len(names)
     for k, (_, name, span) in enumerate(calls):
         position = k % len(names)
-        if name != names[position] or len(calls) % len(names):
+        if name != names[position]:
             raise RuntimeError(
                 f"TensorFlow's trace shows call {k} of {len(calls)} as {name!r} where {names[position]!r} was "
                 f"called, in rounds of {len(names)}: this TensorFlow's profiler events differ from 2.21's "
