@@ -20,7 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-SAMPLES, FEATURES, OUTPUTS, BATCH, EPOCHS, LEARNING_RATE = 64, 8, 3, 16, 2, 0.05
+# 64 samples a replica's batch: the weight gradients, held from their backward node to the
+# end of the step, put a smaller batch's checkpoint-all peak at the step's end, where no
+# schedule saves anything (the allocator-check test needs one 1 KiB below it).
+SAMPLES, FEATURES, OUTPUTS, BATCH, EPOCHS, LEARNING_RATE = 256, 8, 3, 128, 2, 0.05
 #: Seconds a worker pair may take (two TensorFlow imports, the cluster's start, an
 #: extraction and a few steps on a loaded 2-core machine take about 20-40 s).
 WORKER_TIMEOUT = 150
@@ -62,7 +65,7 @@ def _worker(out: Path, index: int, die_at_batch: int | None, budget: str, check:
     with ``rotor`` and trained with sample weights, each worker running the measuring
     steps but reporting as its allocator's peak the measured step's predicted peak, except
     worker 1's first, reported 1 KiB over the checkpoint-all peak (an allocator that
-    rounds more than the chief's). Reported, not measured: on this net's 6 KiB of
+    rounds more than the chief's). Reported, not measured: on this net's tens of KiB of
     activations the allocator's chunks vary by more from run to run."""
     import keras
     import tensorflow as tf
@@ -103,7 +106,7 @@ def _worker(out: Path, index: int, die_at_batch: int | None, budget: str, check:
     record = {}
     try:
         history = tfremat.fit(model, budget, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
-                              validation_data=(x[:32], y[:32]), callbacks=callbacks,
+                              validation_data=(x[:BATCH], y[:BATCH]), callbacks=callbacks,
                               strategy="rotor" if check == "inflated" else "chen_sqrtn",
                               sample_weight=_sample_weights() if check == "inflated" else None,
                               cost_model="flops", cache=False, verbose=0, allocator_check=allocator_check,
@@ -188,7 +191,7 @@ def test_two_workers_train_like_one_process(tmp_path):
     plain = _model()
     plain.set_weights(weights)
     x, y = _data()
-    expected = plain.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, validation_data=(x[:32], y[:32]),
+    expected = plain.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, validation_data=(x[:BATCH], y[:BATCH]),
                          verbose=0).history
     trained = [list(np.load(tmp_path / f"weights{index}.npz").values()) for index in range(2)]
     for a, b in zip(*trained):
