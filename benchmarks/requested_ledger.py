@@ -3,11 +3,8 @@ compute statement beside the most bytes the compiled step requests while it runs
 (:func:`tfremat.measure.requested_ledger`), for one conformance model and plan.
 
 ``--mixed`` builds the model under Keras's ``mixed_float16``; its optimizer is then a
-``LossScaleOptimizer``, whose gradients the extraction counts as resident for the whole step
-(``tfremat.extract.assembly.weight_gradient_lifetime``). The ``held`` column is what the
-simulator would predict if each layer's weight gradients were counted from its backward
-node's first compute to the end of the step instead (the proposed model,
-benchmarks/results/fidelity_mixed.md); it is blank for a step with transient gradients.
+``LossScaleOptimizer``, whose weight gradients are held from their backward node to the
+updates at the end of the step (``tfremat.graph.DFGraph.weight_grads_to_end``).
 
 Run: ``python benchmarks/requested_ledger.py gpt2_hub --mixed --plan optimal:"60% of activations"``
 (prints a markdown table: every statement whose prediction or request is within ``--near``
@@ -23,8 +20,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse  # noqa: E402
 
-import numpy as np  # noqa: E402
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the test models
@@ -33,26 +28,6 @@ sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
 import conformance  # noqa: E402
 
 MiB = 2**20
-
-
-def held_to_end(extraction, rows) -> list[int | None]:
-    """Per ledger row, the prediction with each layer's weight gradients counted from its
-    backward node's first compute to the end of the step instead of for the whole step
-    (None per row when the extraction's gradients are transient)."""
-    table = extraction.side_table
-    if table.weight_grads != "fixed":
-        return [None] * len(rows)
-    grads = {entry.node: sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize
-                             for v in entry.trainable_variables)
-             for entry in table.entries if entry.kind == "backward"}
-    whole_step = table.fixed_bytes_breakdown.get("param_grads", 0)
-    held, seen, out = 0, set(), []
-    for row in rows:
-        if row["node"] in grads and row["node"] not in seen:
-            seen.add(row["node"])
-            held += grads[row["node"]]
-        out.append(row["predicted_bytes"] - whole_step + held)
-    return out
 
 
 def main(argv=None):
@@ -96,24 +71,20 @@ def main(argv=None):
     step = compile_step(extraction, result.schedule, optimizer=optimizer)
     rows = requested_ledger(extraction, result.schedule, step, x, y,
                             list(model.variables) + list(optimizer.variables))
-    held = held_to_end(extraction, rows)
 
     peak = max(row["predicted_bytes"] for row in rows)
     requested = max(row["requested_bytes"] or 0 for row in rows)
     lines = [f"{args.model}{' fp16' if args.mixed else ''} {strategy} at {budget}, batch {args.batch}: predicted "
-             f"{peak / MiB:.3f} MiB, requested {requested / MiB:.3f} MiB ({requested / peak:.3f})"
-             + ("" if held[0] is None else f", held {max(held) / MiB:.3f} MiB (requested / held "
-                f"{requested / max(held):.3f})"),
+             f"{peak / MiB:.3f} MiB, requested {requested / MiB:.3f} MiB ({requested / peak:.3f})",
              f"fixed bytes: {dict(extraction.side_table.fixed_bytes_breakdown)}", "",
-             "| statement | scope | node | predicted MiB | held MiB | requested MiB | predicted - requested KiB |",
-             "|---|---|---|---|---|---|---|"]
-    for row, alternative in zip(rows, held):
+             "| statement | scope | node | predicted MiB | requested MiB | predicted - requested KiB |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
         got = row["requested_bytes"]
         if max(row["predicted_bytes"], got or 0) < args.near * peak:
             continue
         predicted = row["predicted_bytes"]
         cells = [str(row["statement"]), row["scope"], row["name"], f"{predicted / MiB:.3f}",
-                 "" if alternative is None else f"{alternative / MiB:.3f}",
                  "" if got is None else f"{got / MiB:.3f}",
                  "" if got is None else f"{(predicted - got) / 1024:+.1f}"]
         lines.append("| " + " | ".join(cells) + " |")

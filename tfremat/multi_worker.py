@@ -38,7 +38,7 @@ collectives: at once when the peer's connection is reset, within its health chec
 interval otherwise); the loop turns that into a :class:`WorkerLostError`.
 
 The weight gradients live until the all-reduce, so the graph is extracted with
-``weight_grads="fixed"`` (every gradient resident until the updates).
+``weight_grads="fixed"`` (each gradient held from its backward node until the updates).
 """
 
 from __future__ import annotations

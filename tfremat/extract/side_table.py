@@ -210,7 +210,9 @@ class SideTable:
         weight_grads: ``"transient"``: the graph counts a layer's weight gradients in its
             backward node's workspace, so the step must hand them to the optimizer right
             after that node (apply the update or free them); ``"fixed"``: they are
-            resident for the whole step (``param_grads`` in the breakdown).
+            held from their backward node to the updates at the end of the step
+            (:attr:`tfremat.graph.DFGraph.weight_grads_to_end`; ``param_grads`` in the
+            breakdown keeps only gradients no backward node makes).
         input_names, output_names: the model's input and output names, in model order; a
             dict of inputs or labels is matched by them (:meth:`flat_inputs`).
         update_bytes: per node, the optimizer update's temporaries counted in its
