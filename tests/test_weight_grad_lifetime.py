@@ -427,3 +427,5 @@ def test_a_clipnorm_step_requests_no_more_than_its_prediction_with_gradients_hel
                                   count="requested")
     # A few hundred bytes of scalars and shapes are not modelled (tests/test_requested_bytes.py).
     assert requested <= predicted + 4096, (requested, predicted, before)
+    # The step's own ledger counts the held gradients as the simulator does.
+    np.testing.assert_array_equal(step.ledger_bytes, simulate(graph, schedule).trace_bytes)

@@ -86,11 +86,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import CompileError
 from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op
+from tfremat.plan.simulator import held_weight_gradients
 from tfremat.runtime.gradient_order import input_then_weight_gradients
 from tfremat.runtime.layer_variants import running
 from tfremat.runtime.memory import resident_bytes
@@ -381,7 +383,10 @@ class _Interpreter:
         bytes, plus for each allocated value the static size of the tensors its compute
         statement produced (and a forward node's residuals), plus the running node's
         workspace. A value is counted from its allocate statement, with the tensors of the
-        compute that follows it, to its deallocate statement."""
+        compute that follows it, to its deallocate statement. Weight gradients held beyond
+        their backward node's workspace (until the layer's last compute, or the step's end)
+        are the simulator's count (:func:`tfremat.plan.simulator.held_weight_gradients`):
+        the step hands them to the updates, not to a statement."""
         upcoming: dict[int, dict] = {}
         allocate_bytes: dict[int, dict] = {}
         for position in range(len(plan) - 1, -1, -1):
@@ -421,7 +426,7 @@ class _Interpreter:
                 if statement.part is None or not parts:
                     del holding[node]
                 ledger.append(live)
-        return ledger
+        return [int(b) for b in np.asarray(ledger, dtype=np.int64) + held_weight_gradients(self.graph, plan)]
 
     def _compute(self, node: int, recompute: bool, last: bool) -> list:
         entry = self.table[node]
