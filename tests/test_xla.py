@@ -313,12 +313,12 @@ def test_xla_costs_are_timed_on_functions_compiled_by_xla(monkeypatch):
         measured.append(fn)
         return requested_peak(fn, args, warmup)
 
-    def recording_kernels(calls, repeats, warmup, kernel_seconds=analysis._kernel_seconds):
+    def recording_kernels(trace, calls, repeats, warmup, done, traced_pass=analysis._traced_pass):
         timed.extend(fn for fn, _ in calls)
-        return kernel_seconds(calls, repeats, warmup)
+        return traced_pass(trace, calls, repeats, warmup, done)
 
     monkeypatch.setattr(analysis, "_least_seconds", recording)
-    monkeypatch.setattr(analysis, "_kernel_seconds", recording_kernels)
+    monkeypatch.setattr(analysis, "_traced_pass", recording_kernels)
     monkeypatch.setattr(analysis, "_requested_peak", recording_peak)
     monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
 
