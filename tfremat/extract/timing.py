@@ -179,7 +179,8 @@ def _settle() -> None:
 def _plane_calls(plane, wanted: set[str]) -> list[tuple[int, str, float | None]]:
     """``(start ps, function name, seconds or None)`` of every call of a function in
     ``wanted`` on ``plane``: the span of the regions the call's records led to."""
-    stat_names = {key: meta.name for key, meta in plane.stat_metadata.items()}
+    stat_ids = {meta.name: key for key, meta in plane.stat_metadata.items()}
+    producer_id, consumer_id = stat_ids.get("_p"), stat_ids.get("_c")
     # Only these events are read: a trace holds many more (every allocation of every run).
     kinds = {}
     for key, meta in plane.event_metadata.items():
@@ -199,9 +200,9 @@ def _plane_calls(plane, wanted: set[str]) -> list[tuple[int, str, float | None]]
         for offset, kind, event in kept:
             time = base + offset
             if kind == _RECORD:
-                line_records.append((time, _stat(event, stat_names, "_p")))
+                line_records.append((time, _stat(event, producer_id)))
             elif kind == _START:
-                open_regions.append((time, _stat(event, stat_names, "_c")))
+                open_regions.append((time, _stat(event, consumer_id)))
             elif kind == _STOP:
                 if open_regions:
                     start, consumer = open_regions.pop()
@@ -238,8 +239,9 @@ def _plane_calls(plane, wanted: set[str]) -> list[tuple[int, str, float | None]]
     return calls
 
 
-def _stat(event, stat_names: dict, name: str) -> int | None:
+def _stat(event, stat_id: int | None) -> int | None:
+    """The value of ``event``'s stat whose metadata id is ``stat_id`` (None: absent)."""
     for stat in event.stats:
-        if stat_names.get(stat.metadata_id) == name:
+        if stat.metadata_id == stat_id:
             return (stat.uint64_value or stat.int64_value) & _ID_MASK
     return None
