@@ -14,8 +14,9 @@ executor a run hands ready operations to further regions, so a call's seconds ar
 of the regions it led to, transitively, each ending at the latest when the call returned
 (the thread that ran it may be preempted before it marks the end). The calling thread names each call by its function
 (``EagerLocalExecute: <function name>``), which attributes the regions to the calls of one
-trace: all the runs of one timing pass are traced together (TensorFlow 2.21; the event and
-stat names are the profiler's own).
+trace: the runs of one timing pass of many calls are traced together (:class:`TracedRounds`),
+and the calls' order attributes them (TensorFlow 2.21; the event and stat names are the
+profiler's own).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ _RECORD = "ThreadpoolListener::Record"
 _START = "ThreadpoolListener::StartRegion"
 _STOP = "ThreadpoolListener::StopRegion"
 _ID_MASK = (1 << 64) - 1
-# Host events only: no Python tracer, no device tracer (nothing runs on a device).
+# Host events only: no Python tracer, no device tracer (nothing runs on a device). TensorFlow 2.21's
+# binding ignores them (it logs '<option> expects an i value' and traces at its default host level
+# 2, the same events here); asked for where a TensorFlow takes them.
 _OPTIONS = dict(host_tracer_level=1, python_tracer_level=0, device_tracer_level=0)
 
 
