@@ -303,10 +303,11 @@ class TimingPasses:
 @contextlib.contextmanager
 def timing_passes(passes: int | None = None):
     """Within it, every call :func:`analyze_call` and :func:`analyze_loss` profile is timed
-    once, and ``passes - 1`` more times (``passes`` defaults to :data:`_TIMING_PASSES`) over
-    all of them when the first analysis is asked for its final form
-    (:meth:`TimingPasses.final`); each timed function keeps its least seconds over the
-    passes.
+    ``passes`` times (``passes`` defaults to :data:`_TIMING_PASSES`), in passes over all of
+    them when the first analysis is asked for its final form (:meth:`TimingPasses.final`;
+    on CPU each pass in one trace, :class:`~tfremat.extract.timing.TracedRounds`; an XLA or
+    GPU call once at analysis and ``passes - 1`` times there); each timed function keeps
+    its least seconds over the passes.
 
     A busy machine slows every run for seconds at a time (on the 2-core machine at a load
     of 7, all runs of a call were 25-35% slower for a second or two, and least over a
