@@ -51,9 +51,11 @@ def test_the_ledger_has_every_compute_and_reaches_both_peaks():
     assert plan.recompute_count > 0 and any(row["scope"].startswith("reforward_") for row in rows)
     assert max(row["predicted_bytes"] for row in rows) == simulate(graph, plan).peak_bytes
     # Every dense layer's forward and backward statement allocates (its output, its
-    # gradients), and the step's requested peak falls inside one of them.
+    # gradients), and the step's requested peak falls inside one of them, but for a few
+    # hundred bytes of scalars outside any statement's scope (an update's, on TensorFlow's
+    # default executor: 512 B here).
     for row in rows:
         if not row["scope"].startswith("loss"):
             assert row["requested_bytes"] is not None, row
     peak = measure_step_peak(step, x, y, resident=resident, warmup=0, count="requested")
-    assert max(row["requested_bytes"] or 0 for row in rows) == peak
+    assert peak - 1024 <= max(row["requested_bytes"] or 0 for row in rows) <= peak
