@@ -22,8 +22,10 @@ import tensorflow as tf
 
 __all__ = ["profiler_trace", "without_profiler_chatter"]
 
-# The C++ sources of the profiler's session log lines (TensorFlow 2.16-2.21).
-_CHATTER = re.compile(r"\b(profiler_session|save_profile)\.cc:\d+\] ")
+# The profiler's session log lines (TensorFlow 2.16-2.21), and the warnings TensorFlow 2.21
+# logs for each option of a trace started with options (it ignores them: "host_tracer_level
+# expects an i value").
+_CHATTER = re.compile(r"\b(profiler_session|save_profile)\.cc:\d+\] |\bsession_manager\.cc:\d+\] \w+ expects an? \w+ value")
 
 
 @contextlib.contextmanager
