@@ -255,20 +255,8 @@ def check_fit(name, budget, batch, options, steps) -> dict:
     if options.get("jit"):
         plain = tf.function(plain.python_function, jit_compile=True)
     timing = time_in_turns(lambda: step(xb, yb, None), lambda: plain(xb, yb), steps)
-    row = {
-        "budget_bytes": result.budget_bytes,
-        "fit_predicted": result.predicted_peak_bytes,
-        "fit_requested": requested,
-        "fit_allocator_max": max(allocator),
-        "fit_allocator_min": min(allocator),
-        "fit_planned_time": result.predicted_time_over_plain,
-        "fit_time": timing.ratio,
-        "fit_time_quartiles": list(timing.ratio_quartiles),
-        "fit_overhead": result.overhead,
-        "first_step_s": began.get("first_step_s"),
-        "checkpoint_all_peak": result.checkpoint_all_peak_bytes,
-        "planned_with": getattr(result, "planned_with", None),
-    }
+    row = {**_step_row(result, requested, allocator, timing, began.get("first_step_s")),
+           "planned_with": getattr(result, "planned_with", None)}
     try:
         measured = measure_model(model, budget, batch_size=batch, steps=steps, verbose=0)
     except Exception as error:  # e.g. its plan (never XLA's) infeasible where fit's was not
@@ -279,6 +267,24 @@ def check_fit(name, budget, batch, options, steps) -> dict:
         "time_over_plain", "time_over_plain_quartiles", "grad_error", "grad_global_error", "gradients_match",
         "costly_vjp_rebuilds", "recomputed_layer_calls", "inexact_implementations")})
     return row
+
+
+def _step_row(result, requested: int, allocator: list[int], timing, first_step_s) -> dict:
+    """The columns of a trained step: its plan's prediction and budget, the bytes it
+    requested, the allocator's reads and its time against plain in turns."""
+    return {
+        "budget_bytes": result.budget_bytes,
+        "fit_predicted": result.predicted_peak_bytes,
+        "fit_requested": requested,
+        "fit_allocator_max": max(allocator),
+        "fit_allocator_min": min(allocator),
+        "fit_planned_time": result.predicted_time_over_plain,
+        "fit_time": timing.ratio,
+        "fit_time_quartiles": list(timing.ratio_quartiles),
+        "fit_overhead": result.overhead,
+        "first_step_s": first_step_s,
+        "checkpoint_all_peak": result.checkpoint_all_peak_bytes,
+    }
 
 
 def check_vae(budget, batch, steps) -> dict:
@@ -339,17 +345,7 @@ def check_vae(budget, batch, steps) -> dict:
     timing = time_in_turns(lambda: g(data, epsilon), lambda: tape_grads(data, epsilon), steps)
     result = g.plan
     return {
-        "budget_bytes": result.budget_bytes,
-        "fit_predicted": result.predicted_peak_bytes,
-        "fit_requested": requested,
-        "fit_allocator_max": max(allocator),
-        "fit_allocator_min": min(allocator),
-        "fit_planned_time": result.predicted_time_over_plain,
-        "fit_time": timing.ratio,
-        "fit_time_quartiles": list(timing.ratio_quartiles),
-        "fit_overhead": result.overhead,
-        "first_step_s": first_step_s,
-        "checkpoint_all_peak": result.checkpoint_all_peak_bytes,
+        **_step_row(result, requested, allocator, timing, first_step_s),
         "m_grad_error": match.max_tensor_error,
         "m_grad_global_error": match.global_error,
         "m_gradients_match": bool(match.max_tensor_error <= 1e-4 and abs(float(loss) - float(plain_loss)) < 1e-4),
