@@ -78,12 +78,16 @@ def test_the_trace_times_each_call_without_calling_it_from_python():
                 start = time.perf_counter()
                 analysis.synchronize(fn(*args))
                 wall[position] = min(wall[position], time.perf_counter() - start)
+        return 20
 
     with executor.step_executor():
         for fn, args in calls:
             analysis.synchronize(fn(*args))
-        seconds = timing.traced_seconds(rounds, names)
-    # The last round may miss the end of a run (traced_seconds), no other.
+        traced = []
+        with timing.TracedRounds() as trace:
+            trace.run(names, rounds, 0, traced.append)
+        (seconds,) = traced
+    # The last round may miss the end of a run (timing._settle), no other.
     assert [len(s) in (19, 20) for s in seconds] == [True, True]
     heavy, empty = (min(s) for s in seconds)
     assert heavy > 10 * empty
@@ -93,8 +97,14 @@ def test_the_trace_times_each_call_without_calling_it_from_python():
 def test_the_trace_refuses_calls_out_of_the_order_given():
     calls = _functions()
     names = [fn.function_def.signature.name for fn, _ in calls]
+    def one_round_reversed():
+        for fn, args in reversed(calls):
+            analysis.synchronize(fn(*args))
+        return 1
+
     with executor.step_executor(), pytest.raises(RuntimeError, match="in rounds of 2"):
-        timing.traced_seconds(lambda: [analysis.synchronize(fn(*args)) for fn, args in reversed(calls)], names)
+        with timing.TracedRounds() as trace:
+            trace.run(names, one_round_reversed, 0, lambda seconds: None)
 
 
 def test_a_profile_on_cpu_reads_its_seconds_off_the_trace(monkeypatch):

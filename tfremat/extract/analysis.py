@@ -457,7 +457,7 @@ def _least_seconds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup
 def _kernel_seconds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup: int) -> list[float]:
     """The least seconds TensorFlow's executor ran each concrete function of ``calls``
     for, from its profiler's trace of all the rounds (:func:`_rounds`,
-    :func:`tfremat.extract.timing.traced_seconds`): what the call's operations cost, without
+    :class:`tfremat.extract.timing.TracedRounds`): what the call's operations cost, without
     the ~350 us of calling a function from Python, whose jitter was tens of percent of a
     small node between two profiles (benchmarks/results/profile_agreement.md)."""
     least = []

@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from tfremat.runtime.profiler import profiler_trace
 
-__all__ = ["TracedRounds", "traced_seconds"]
+__all__ = ["TracedRounds"]
 
 _EXECUTE = "EagerLocalExecute: "
 _RECORD = "ThreadpoolListener::Record"
@@ -46,30 +46,6 @@ _ID_MASK = (1 << 64) - 1
 _OPTIONS = dict(host_tracer_level=1, python_tracer_level=0, device_tracer_level=0)
 
 
-def traced_seconds(run: Callable[[], None], names: Sequence[str]) -> list[list[float]]:
-    """Seconds of every run of each function in ``names`` while ``run()`` calls them,
-    from TensorFlow's trace (module docstring).
-
-    ``run`` must call the functions in turns, in the order of ``names``, one call of each
-    per round, any number of rounds (a name may repeat); other eager operations between
-    the calls (reading a result back) are not counted. Returns, per position of ``names``,
-    the seconds of its calls in the order they ran.
-
-    Raises:
-        RuntimeError: the trace does not show the calls in the expected order, or shows a
-            call with no execution (a TensorFlow whose profiler names them otherwise).
-    """
-    with _traced() as calls_of:
-        run()
-        _settle()
-    calls = calls_of(set(names))
-    if len(calls) % len(names):
-        raise RuntimeError(
-            f"TensorFlow's trace shows {len(calls)} calls of {len(names)} functions called in rounds of "
-            f"{len(names)}: this TensorFlow's profiler events differ from 2.21's (tfremat.extract.timing)")
-    return _attributed(calls, names)
-
-
 class TracedRounds:
     """One trace over the rounds of many groups of calls, started and stopped once.
 
@@ -77,7 +53,8 @@ class TracedRounds:
     holds; timing each profiled call in a trace of its own paid that once per call and
     pass (``benchmarks/profile_agreement.py``, profiling seconds). Within the context each
     :meth:`run` calls one group's functions in rounds; on leaving, the trace is read once
-    and each group's ``done`` gets its seconds, as :func:`traced_seconds` returns them."""
+    and each group's ``done`` gets its seconds: per position of its ``names``, the seconds of
+    its calls in the order they ran (:func:`_attributed`)."""
 
     def __init__(self):
         self._groups: list[tuple[list[str], int, int, Callable[[list[list[float]]], None]]] = []
@@ -90,9 +67,10 @@ class TracedRounds:
 
     def run(self, names: Sequence[str], run: Callable[[], int], untimed: int,
             done: Callable[[list[list[float]]], None]) -> None:
-        """Calls ``run()``, which calls the functions ``names`` in rounds (as for
-        :func:`traced_seconds`) and returns how many; the first ``untimed`` rounds (a
-        warm-up) are not timed. ``done`` gets the seconds of the others once the trace is read."""
+        """Calls ``run()``, which calls the functions ``names`` in rounds (one call of each per
+        round, in the order of ``names``; other eager operations between them are not counted)
+        and returns how many; the first ``untimed`` rounds (a warm-up) are not timed. ``done``
+        gets the seconds of the others once the trace is read."""
         rounds = run()
         _settle()
         self._groups.append((list(names), untimed, rounds, done))
