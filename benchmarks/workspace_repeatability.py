@@ -1,0 +1,87 @@
+"""Are the profiled workspaces the same from one extraction to the next?
+
+Extracts one small model N times in one process (``cost_model="profile"``, nothing timed,
+no cache) and prints, per node, the distinct forward and backward workspaces the graphs
+got (``DFGraph.workspace_bytes``). A node with more than one value makes graphs differ
+between runs: profile cache entries that disagree, and schedules that change with them.
+Exit status 1 when any node's workspace differs, 0 when all agree.
+
+Models: ``conv`` is tests/test_memory_only_extract.py's (Conv2D(8), ReLU, MaxPool, Dense,
+batch 8), whose convolution backward measured 912 or 13,232 bytes;
+``batchnorm`` puts a BatchNormalization after its convolution.
+
+Run: ``python benchmarks/workspace_repeatability.py [--model conv|batchnorm] [--runs 6]``
+(results and the cause: ``benchmarks/results/workspace_repeatability.md``).
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's tfremat, not an installed one
+
+import tfremat  # noqa: E402,F401  (sets the allocator before TensorFlow loads)
+import keras  # noqa: E402
+
+from tfremat.extract.extractor import extract  # noqa: E402
+
+MODELS = ("conv", "batchnorm")
+
+
+def build(kind: str, batch: int = 8):
+    """The model and one batch: ``kind`` is one of :data:`MODELS`."""
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    x = keras.Input((16, 16, 3))
+    h = layers.Conv2D(8, 3, padding="same")(x)
+    if kind == "batchnorm":
+        h = layers.BatchNormalization()(h)
+    h = layers.ReLU()(h)
+    h = layers.MaxPooling2D()(h)
+    h = layers.Flatten()(h)
+    model = keras.Model(x, layers.Dense(4, activation="softmax")(h))
+    inputs = np.random.default_rng(0).standard_normal((batch, 16, 16, 3)).astype("float32")
+    labels = np.zeros((batch, 4), "float32")
+    labels[:, 0] = 1
+    return model, (inputs, labels)
+
+
+def distinct_workspaces(model, batch, runs: int) -> dict[str, list[int]]:
+    """Per node name, the distinct workspace bytes over ``runs`` memory-only extractions,
+    in the order first seen."""
+    seen: dict[str, list[int]] = {}
+    for _ in range(runs):
+        graph = extract(model, batch, cost_model="profile", use_cache=False, timing=False).graph
+        for name, workspace in zip(graph.names, graph.workspace_bytes):
+            values = seen.setdefault(name, [])
+            if workspace not in values:
+                values.append(workspace)
+    return seen
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default="conv")
+    parser.add_argument("--runs", type=int, default=6, help="extractions in this process (default 6)")
+    args = parser.parse_args(argv)
+    if args.runs < 2:
+        parser.error("--runs must be at least 2 to compare extractions")
+    model, batch = build(args.model)
+    seen = distinct_workspaces(model, batch, args.runs)
+    differing = {name: values for name, values in seen.items() if len(values) > 1}
+    print(f"{args.model}: {args.runs} extractions, workspace bytes per node")
+    for name, values in seen.items():
+        print(f"  {name:28s} {', '.join(map(str, values))}{'   <- differs' if len(values) > 1 else ''}")
+    print(f"{len(differing)} of {len(seen)} nodes differ" if differing else "every node agrees")
+    return 1 if differing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
