@@ -133,6 +133,8 @@ _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const"})
 # Ops whose output shares its (first) input's buffer: TensorFlow forwards the buffer, no copy.
 _VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient", "Snapshot"})
 _CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
+# A gradient made by one of these may be folded into a constant, whose buffer no reader can take.
+_CONSTANT_LIKE_OPS = frozenset({"Const", "ZerosLike", "OnesLike", "Fill", "Zeros"})
 _LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (_other_orders_peak)
 # Timing (_rounds): runs go on until they took this long and numbered `repeats`, or
 # this many; the least run of those is the cost. Within timing_passes every call is timed
@@ -373,6 +375,16 @@ class CallAnalysis:
         input_gradient_flops: the flops of the operations the input gradients need.
         view_input: the position of the input whose buffer the output shares (a reshape:
             :func:`tfremat.extract.views.view_position`), or None.
+        dying_backward_workspace: the backward workspace measured with the upstream
+            gradients, the output and the residuals dying inside the backward (the
+            ``"dying"`` trace, :func:`_profile_call`), where an elementwise gradient
+            (``ReluGrad``) writes into the upstream gradient's buffer; None when not
+            measured. Graph assembly uses it only where the backward node is the sole
+            reader of its upstream gradients (:func:`tfremat.extract.assembly.sole_upstream`).
+        passed_input_grads: positions whose gradient is the upstream gradient's buffer
+            (an ``Add``, a ``Reshape``: the upstream or a view of it).
+        shared_input_grads: positions whose gradient is one buffer with another
+            position's (an ``Add``'s inputs): several readers in the step.
     """
 
     output_specs: tuple
@@ -393,6 +405,9 @@ class CallAnalysis:
     input_gradient_reads_forward: bool = True
     input_gradient_flops: float = 0.0
     view_input: int | None = None
+    dying_backward_workspace: int | None = None
+    passed_input_grads: tuple[int, ...] = ()
+    shared_input_grads: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -401,7 +416,8 @@ class CallAnalysis:
     def from_dict(cls, data: dict) -> "CallAnalysis":
         data = dict(data)
         data["output_specs"] = tuple((tuple(s), d) for s, d in data["output_specs"])
-        data["reads_inputs"] = tuple(data["reads_inputs"])
+        for key in ("reads_inputs", "passed_input_grads", "shared_input_grads"):
+            data[key] = tuple(data.get(key, ()))
         return cls(**data)
 
 
@@ -651,6 +667,10 @@ class _CallTracer:
         reads residuals but not its output, where nothing else reads them
         (``DFGraph.residual_bytes``).
 
+        With ``fetch="dying"`` it returns the gradients only: the upstream gradients, the
+        output and the residuals die inside the backward, as in the step where the backward
+        node is their last reader (``CallAnalysis.dying_backward_workspace``).
+
         With ``fetch="held"`` it returns only the ``variant`` residuals: nothing returned
         reads the gradient, so its operations do not run, and the bytes still allocated
         afterwards are those the accumulators hold.
@@ -721,10 +741,13 @@ class _CallTracer:
         self.records[fetch] = {"forward_ops": operations[:mark], "backward_ops": operations[mark:],
                                "running_backward_ops": running, "reads": reads,
                                "grad_positions": sorted(distinct.values()), "input_ops": input_ops,
-                               "input_reads": input_reads}
+                               "input_reads": input_reads,
+                               "buffers": _gradient_buffers(self.grad_positions, input_part, upstream, operations[mark:])}
         if fetch == "held":
             return [t for t in reads[2] if t.dtype == tf.variant]
         grads = [g for g in (*input_part, *weight_part) if g is not None]
+        if fetch == "dying":
+            return grads
         if fetch == "consumed":
             return grads + upstream
         return grads + outputs + upstream + [t for t in reads[2] if t.dtype != tf.variant]
@@ -792,6 +815,8 @@ def analyze_call(
         input_gradient_reads_forward=record["input_reads"] is None or any(record["input_reads"]),
         input_gradient_flops=0.0 if record["input_ops"] is None else _flops(graph, record["input_ops"], iterations),
         view_input=view_position(forward_concrete, input_specs),
+        passed_input_grads=record["buffers"][0],
+        shared_input_grads=record["buffers"][1],
     )
     if profile:
         upstream_bytes = sum(tensor_bytes(s, d, "an output gradient", layer_name) for s, d in output_specs
@@ -935,6 +960,14 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     That peak is the largest over three orders of the gradient's operations: gated, ungated
     and the greediest one (:func:`_run_greediest`).
 
+    For a call whose gradient reads its output (not a loop's), the backward's peak is also
+    measured on the ``"dying"`` trace (gated and ungated), which returns the gradients only:
+    the upstream gradients and the output die inside it, so ``ReluGrad`` writes into the
+    upstream gradient's buffer as in the step, where the held trace makes it allocate one
+    more output-sized buffer. Its workspace (``dying_backward_workspace``, the same
+    subtraction) holds only where the backward node is the upstream's sole reader, which
+    graph assembly decides (:func:`tfremat.extract.assembly.sole_upstream`).
+
     Within :func:`xla_costs` the seconds are timed on the forward and the step's trace
     compiled by XLA (:func:`_xla_functions`); the workspaces are measured as above. Within
     :func:`memory_only` nothing is timed (seconds 0).
@@ -961,10 +994,17 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
         analysis = dataclasses.replace(analysis, residual_bytes=analysis.residual_bytes + hidden)
     held_bytes = (0 if consumed else analysis.output_bytes) + upstream_bytes + analysis.residual_bytes \
         + analysis.small_residual_bytes
+    dying = None
+    if analysis.reads_output and held_concrete is None and not _XLA_LAYOUTS.get():
+        # The step's gradient writes into the upstream gradient's buffer (ReluGrad) when the
+        # node is its last reader; held to the end here, it cannot (benchmarks/results/forwarded_upstream.md).
+        dying_peak = max(_requested_peak(tracer.trace("dying", gated=gated), args, warmup) for gated in (True, False))
+        dying = max(0, dying_peak - held_bytes - analysis.input_grad_bytes - weight_grad_bytes)
     measured = dataclasses.replace(
         analysis,
         forward_workspace=max(0, fwd_peak - analysis.output_bytes - analysis.residual_bytes),
         backward_workspace=max(0, fb_peak - held_bytes - analysis.input_grad_bytes - weight_grad_bytes),
+        dying_backward_workspace=dying,
     )
     if not _TIMED.get():
         return measured
@@ -1261,6 +1301,31 @@ def _list_bytes(tensor, value, layer: str) -> int:
     return size * int(tf.raw_ops.TensorListLength(input_handle=value).numpy())
 
 
+def _gradient_buffers(positions: Sequence[int], grads, upstream, backward_ops) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(passed, shared)``: the positions whose gradient (in ``grads``, one per position,
+    None when unconnected) is an upstream gradient's buffer (itself, or a view of it:
+    :data:`_VIEW_OPS`), and those whose buffer is also another position's gradient or is
+    none the backward made for itself (a constant, a ``ZerosLike`` that Grappler folds
+    into one). A gradient of either kind has another reader than the node it flows to,
+    or may have, so that node cannot write into it (``CallAnalysis.dying_backward_workspace``)."""
+
+    def base(t):
+        while t.op.type in _VIEW_OPS or t.op.type == "IdentityN":
+            t = t.op.inputs[t.value_index if t.op.type == "IdentityN" else 0]
+        return t
+
+    made = {id(op) for op in backward_ops}
+    upstream_names = {base(u).name for u in upstream}
+    bases = {p: base(g) for p, g in zip(positions, grads) if g is not None}
+    counts: dict[str, int] = {}
+    for t in bases.values():
+        counts[t.name] = counts.get(t.name, 0) + 1
+    passed = tuple(p for p, t in bases.items() if t.name in upstream_names)
+    shared = tuple(p for p, t in bases.items() if counts[t.name] > 1 or (
+        t.name not in upstream_names and (id(t.op) not in made or t.op.type in _CONSTANT_LIKE_OPS)))
+    return passed, shared
+
+
 def _needed_ops(tensors, first: int) -> list:
     """The operations at or after position ``first`` of the current graph that ``tensors``
     depend on (data and control edges): what running them runs. A registered gradient
@@ -1326,12 +1391,18 @@ def analyze_loss(
     Within :func:`xla_costs` its seconds are those of the same function compiled by XLA.
     """
 
+    buffers = {}
+
     def loss_and_grads(preds, labels):
         with tf.GradientTape() as tape:
             for p in preds:
                 tape.watch(p)
             loss = loss_fn(list(labels), list(preds))
-        return [loss] + tape.gradient(loss, list(preds))
+        graph = tf.compat.v1.get_default_graph()
+        mark = len(graph.get_operations())
+        grads = tape.gradient(loss, list(preds))
+        buffers["shared"] = _gradient_buffers(range(len(grads)), grads, [], graph.get_operations()[mark:])[1]
+        return [loss] + grads
 
     fn = tf.function(loss_and_grads, autograph=False)
     concrete = fn.get_concrete_function(list(pred_specs), list(label_specs))
@@ -1355,6 +1426,7 @@ def analyze_loss(
         input_grad_bytes=pred_bytes,
         forward_flops=flops,
         backward_flops=0.0,
+        shared_input_grads=buffers["shared"],
     )
     if not profile:
         return analysis

@@ -53,7 +53,10 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   ``SideTable.update_bytes``.
 * **Workspace** = the peak of the bytes the node's operations request while it runs in
   isolation, minus its value and what it reads (see :mod:`tfremat.extract.analysis`); 0
-  with ``cost_model="flops"``. The simulator runs one node at a time, so workspace is meant
+  with ``cost_model="flops"``. A backward node that is the only reader of its upstream
+  gradients (:func:`sole_upstream`) takes the workspace measured with them dying inside it
+  (``CallAnalysis.dying_backward_workspace``): its ``ReluGrad`` writes into the upstream's
+  buffer, one output size less (``benchmarks/results/forwarded_upstream.md``). The simulator runs one node at a time, so workspace is meant
   for sequential op execution (``TF_NUM_INTEROP_THREADS=1``). With several inter-op
   threads TensorFlow overlaps independent ops, e.g. a convolution's input and filter
   gradients, each with its own scratch buffer on CPU, which no sequential model predicts.
@@ -112,7 +115,7 @@ from tfremat.extract.optimizer_update import UpdateTemporaries, update_temporari
 from tfremat.extract.side_table import GradRef, NodeEntry, SideTable, TensorRef
 from tfremat.graph import DFGraph, Implementation
 
-__all__ = ["assemble", "backward_flags", "weight_gradient_lifetime"]
+__all__ = ["assemble", "backward_flags", "sole_upstream", "weight_gradient_lifetime"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,20 +209,22 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
                    else UpdateTemporaries(0.0, 0.0))
     update_bytes: dict[int, int] = {}
     held = _held_weight_gradients(calls, backward_calls) if weight_grads == "fixed" else {}
+    sole = sole_upstream(analyses, loss_analysis, output_grads, loss_node,
+                         {node: p for p, node in backward_id.items()})
     for call in calls:
         small_total += analyses[call.position].small_residual_bytes if needs_backward[call.position] else 0
         b = backward_id.get(call.position)
         if b is not None and weight_grads == "transient":
             update_bytes[b] = temporaries.bytes_for(_variable_sizes(trainable_variables(call.layer)))
+        workspace = _backward_workspace(analyses[call.position], call.position in sole and not flops)
         _add_call(nodes, call, analyses[call.position], b, output_grads[call.position],
-                  needs_backward, flops, weight_grads, update_bytes.get(b, 0), held.get(call.position, 0))
+                  needs_backward, flops, weight_grads, update_bytes.get(b, 0), held.get(call.position, 0), workspace)
         if call.position in split:
             _split_backward(nodes, call, analyses[call.position], weight_id[call.position],
                             backward_id[call.position], update_bytes.get(b, 0))
         if alternatives and alternatives[call.position] and call.position in backward_id:
             implementations[call.position] = [
-                _implementation(name, a, len(call.inputs), flops, nodes.work[backward_id[call.position]]
-                                - analyses[call.position].backward_workspace)
+                _implementation(name, a, len(call.inputs), flops, nodes.work[backward_id[call.position]] - workspace)
                 for name, a in alternatives[call.position].items()
             ]
     _add_loss(nodes, loss_node, output_refs, loss_analysis, flops)
@@ -258,6 +263,60 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
     return graph, table
 
 
+def sole_upstream(analyses: Sequence[CallAnalysis], loss_analysis: CallAnalysis,
+                  output_grads: Mapping[int, list[list[GradRef]]], loss_node: int,
+                  call_of: Mapping[int, int]) -> set[int]:
+    """The call positions whose backward node is the only reader of its upstream gradients
+    in the compiled step, so that an elementwise gradient (``ReluGrad``) writes into their
+    buffer and the node's workspace is ``CallAnalysis.dying_backward_workspace``.
+
+    Each float output must get its gradient from one contribution (several are summed into
+    a buffer the sum may or may not take over) whose buffer no other node reads: not one
+    the producing node passes to two of its inputs (a residual ``Add``'s gradient, read by
+    both branches' backward nodes), nor a constant; a gradient that is the producer's own
+    upstream passed on (an ``Add`` with one differentiable input, a ``Reshape``) counts
+    when that upstream is sole in turn. ``call_of`` maps a backward node to its call.
+    With the upstream held by a second reader the isolated ``"dying"`` trace under-counts
+    by one output (a residual net's relu convolution, ``tests/test_forwarded_upstream.py``).
+    """
+    memo: dict[int, bool] = {}
+
+    def sole(position: int) -> bool:
+        if position in memo:
+            return memo[position]
+        memo[position] = False  # passes run down the backward order, so no cycle; safe if one did
+        analysis = analyses[position]
+        floats = [k for k, (_, dtype) in enumerate(analysis.output_specs) if tf.as_dtype(dtype).is_floating]
+        answer = True
+        for k in floats:
+            contributions = output_grads[position][k]
+            if len(contributions) > 1:
+                answer = False
+            elif contributions:
+                ref = contributions[0]
+                producer = loss_analysis if ref.node == loss_node else analyses[call_of[ref.node]]
+                if ref.input_index in producer.shared_input_grads:
+                    answer = False
+                elif ref.input_index in producer.passed_input_grads:
+                    passer = call_of[ref.node]
+                    answer = answer and len(analyses[passer].output_specs) == 1 and sole(passer)
+            if not answer:
+                break
+        memo[position] = answer
+        return answer
+
+    return {position for position in output_grads if sole(position)}
+
+
+def _backward_workspace(analysis: CallAnalysis, sole: bool) -> int:
+    """The measured backward workspace of a call: the one with the upstream gradients
+    dying inside the node (``CallAnalysis.dying_backward_workspace``) where its backward
+    node is their only reader (``sole``, :func:`sole_upstream`) and it was measured."""
+    if sole and analysis.dying_backward_workspace is not None:
+        return analysis.dying_backward_workspace
+    return analysis.backward_workspace
+
+
 def _held_weight_gradients(calls: Sequence[LayerCall], backward_calls: Sequence[int]) -> dict[int, int]:
     """Per call position, the bytes of the weight gradients its backward node makes and
     holds to the end of the step (``weight_grads="fixed"``): each trainable variable once,
@@ -293,12 +352,14 @@ def _output_gradients(calls, output_refs, needs_backward, loss_node: int,
 
 def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, output_grads: list[list[GradRef]],
               needs_backward: Sequence[bool], flops: bool, weight_grads: str, update_bytes: int = 0,
-              held_grads: int = 0) -> None:
+              held_grads: int = 0, backward_workspace: int | None = None) -> None:
     """Fills in the forward node of ``call`` and, when ``b`` is not None, its backward node
     ``b``: names, costs, values, workspaces, edges and side-table entries; ``update_bytes``:
     the temporaries of the layer's optimizer update, counted in ``b``'s workspace;
     ``held_grads``: with ``weight_grads="fixed"``, the weight gradients ``b`` makes and
-    holds to the end of the step, counted in its workspace while it runs."""
+    holds to the end of the step, counted in its workspace while it runs;
+    ``backward_workspace``: the measured part of ``b``'s workspace (default
+    ``a.backward_workspace``; :func:`_backward_workspace`)."""
     i = call.position
     layer = call.layer
     nodes.names[i] = call.name
@@ -330,7 +391,7 @@ def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, ou
     nodes.forward_of[b] = i
     nodes.cost[b] = a.backward_flops if flops else a.backward_seconds
     nodes.out_bytes[b] = a.input_grad_bytes
-    nodes.work[b] = a.backward_workspace
+    nodes.work[b] = a.backward_workspace if backward_workspace is None else backward_workspace
     if weight_grads == "transient":
         nodes.work[b] += _variables_bytes(trainable_variables(layer)) + update_bytes
     else:
