@@ -53,6 +53,15 @@ CHECKS = {
     "vae_value_and_grad-min": ("vae", "min", 16, "vae", {}),
     "text_transformer_mixed-60act": ("text_transformer", "60% of activations", 16, "fit", {"mixed": True}),
     "cnn_jit-70act": ("small_cnn", "70% of activations", 16, "fit", {"jit": True}),
+    # A second user (results/user_check_2.md): five more sources. ConvNeXtTiny at 64x64, batch 4: "min" 541.8 MiB,
+    # checkpoint-all 599.0 MiB (tfremat.plan_model).
+    "unet_seg-60act": ("unet_seg", "60% of activations", 4, "fit", {}),
+    "ts_transformer-50": ("ts_transformer", "50%", 8, "fit", {}),
+    "gru_text-min": ("gru_text", "min", 16, "fit", {}),
+    "convnext_tiny-MiB": ("convnext_tiny", "570MiB", 4, "fit", {}),
+    "custom_train_step-70": ("dropout_layernorm_cnn", "70%", 32, "train_step", {}),
+    "custom_train_step-85": ("dropout_layernorm_cnn", "85%", 32, "train_step", {}),
+    "custom_train_step_convln-70": ("dropout_layernorm_cnn", "70%", 32, "train_step", {"conv_norm": True}),
 }
 
 
@@ -198,10 +207,97 @@ def _small_cnn():
     return keras.Model(inputs, layers.Dense(10, activation="softmax")(h), name="small_cnn")
 
 
+def _unet_seg():
+    """keras.io "Image segmentation with a U-Net-like architecture" (Oxford pets), at 64x64, 3 classes."""
+    import keras
+    from keras import layers
+
+    inputs = keras.Input((64, 64, 3))
+    x = layers.Conv2D(32, 3, strides=2, padding="same")(inputs)
+    x = layers.BatchNormalization()(x)
+    x = layers.Activation("relu")(x)
+    previous_block_activation = x
+    for filters in [64, 128, 256]:
+        x = layers.Activation("relu")(x)
+        x = layers.SeparableConv2D(filters, 3, padding="same")(x)
+        x = layers.BatchNormalization()(x)
+        x = layers.Activation("relu")(x)
+        x = layers.SeparableConv2D(filters, 3, padding="same")(x)
+        x = layers.BatchNormalization()(x)
+        x = layers.MaxPooling2D(3, strides=2, padding="same")(x)
+        residual = layers.Conv2D(filters, 1, strides=2, padding="same")(previous_block_activation)
+        x = layers.add([x, residual])
+        previous_block_activation = x
+    for filters in [256, 128, 64, 32]:
+        x = layers.Activation("relu")(x)
+        x = layers.Conv2DTranspose(filters, 3, padding="same")(x)
+        x = layers.BatchNormalization()(x)
+        x = layers.Activation("relu")(x)
+        x = layers.Conv2DTranspose(filters, 3, padding="same")(x)
+        x = layers.BatchNormalization()(x)
+        x = layers.UpSampling2D(2)(x)
+        residual = layers.UpSampling2D(2)(previous_block_activation)
+        residual = layers.Conv2D(filters, 1, padding="same")(residual)
+        x = layers.add([x, residual])
+        previous_block_activation = x
+    outputs = layers.Conv2D(3, 3, activation="softmax", padding="same")(x)
+    return keras.Model(inputs, outputs, name="unet_seg")
+
+
+def _ts_transformer():
+    """keras.io "Timeseries classification with a Transformer model" (FordA): its sizes (head 256,
+    4 heads, Conv1D feed-forward of 4, 4 blocks, MLP 128), 128 of its 500 steps for 2 cores."""
+    import keras
+    from keras import layers
+
+    def transformer_encoder(inputs, head_size, num_heads, ff_dim, dropout=0):
+        x = layers.MultiHeadAttention(key_dim=head_size, num_heads=num_heads, dropout=dropout)(inputs, inputs)
+        x = layers.Dropout(dropout)(x)
+        x = layers.LayerNormalization(epsilon=1e-6)(x)
+        res = x + inputs
+        x = layers.Conv1D(filters=ff_dim, kernel_size=1, activation="relu")(res)
+        x = layers.Dropout(dropout)(x)
+        x = layers.Conv1D(filters=inputs.shape[-1], kernel_size=1)(x)
+        x = layers.LayerNormalization(epsilon=1e-6)(x)
+        return x + res
+
+    inputs = keras.Input((128, 1))
+    x = inputs
+    for _ in range(4):
+        x = transformer_encoder(x, 256, 4, 4, 0.25)
+    x = layers.GlobalAveragePooling1D(data_format="channels_last")(x)
+    for dim in [128]:
+        x = layers.Dense(dim, activation="relu")(x)
+        x = layers.Dropout(0.4)(x)
+    return keras.Model(inputs, layers.Dense(2, activation="softmax")(x), name="ts_transformer")
+
+
+def _gru_text():
+    """keras.io "Bidirectional LSTM on IMDB" with GRUs: Embedding(20000, 128), two Bidirectional
+    GRU(64), 200 tokens."""
+    import keras
+    from keras import layers
+
+    inputs = keras.Input(shape=(200,), dtype="int32")
+    x = layers.Embedding(20000, 128)(inputs)
+    x = layers.Bidirectional(layers.GRU(64, return_sequences=True))(x)
+    x = layers.Bidirectional(layers.GRU(64))(x)
+    return keras.Model(inputs, layers.Dense(1, activation="sigmoid")(x), name="gru_text")
+
+
 def build(name: str):
     """The model and the loss it is compiled with."""
     if name in ("mobilenetv2", "efficientnetb0", "resnet50", "densenet121"):
         return _applications(name), "categorical_crossentropy"
+    if name == "convnext_tiny":
+        import keras
+
+        return (keras.applications.ConvNeXtTiny(include_top=True, weights=None, input_shape=(64, 64, 3), classes=10),
+                "categorical_crossentropy")
+    if name in ("unet_seg", "ts_transformer"):
+        return {"unet_seg": _unet_seg, "ts_transformer": _ts_transformer}[name](), "sparse_categorical_crossentropy"
+    if name == "gru_text":
+        return _gru_text(), "binary_crossentropy"
     if name in ("gpt2_hub", "bert_hub"):
         return _hub(name), "categorical_crossentropy"
     if name == "siamese":
@@ -352,11 +448,139 @@ def check_vae(budget, batch, steps) -> dict:
     }
 
 
+def check_train_step(budget, batch, steps, conv_norm=False) -> dict:
+    """keras.io "Customizing what happens in fit()": a subclassed Model whose own train_step
+    (loss tracker, ``optimizer.apply``) takes its gradients from :func:`tfremat.value_and_grad`
+    instead of a tape, on a CNN with LayerNormalization and Dropout. Trained three batches with
+    ``fit`` and again, from the same weights and dropout seeds, with the tape its source writes:
+    the losses, the weights and the seeds after must agree. Then, with the seeds put back before
+    each call, one step's gradients against the tape's, the allocator and time as for the VAE."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from keras import layers
+
+    import tfremat
+    from tfremat.numerics import closeness
+    from tfremat.runtime.memory import measure_step_peak
+    from tfremat.runtime.timing import time_in_turns
+
+    class CustomModel(keras.Model):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+            self.loss_fn = keras.losses.SparseCategoricalCrossentropy()
+            self.value_and_grad = None  # tfremat's, else the tape
+
+        def compute(self, x, y):
+            return self.loss_fn(y, self(x, training=True))
+
+        def train_step(self, data):
+            x, y = data
+            if self.value_and_grad is not None:
+                loss, gradients = self.value_and_grad(x, y)
+                variables = self.value_and_grad.trainable_variables
+            else:
+                with tf.GradientTape() as tape:
+                    loss = self.compute(x, y)
+                variables = self.trainable_variables
+                gradients = tape.gradient(loss, variables)
+            self.optimizer.apply(gradients, variables)
+            self.loss_tracker.update_state(loss)
+            return {"loss": self.loss_tracker.result()}
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker]
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((28, 28, 1))
+    h = inputs
+    for filters, convolutions in ((32, 3), (64, 2)):
+        for _ in range(convolutions):
+            h = layers.Conv2D(filters, 3, activation="relu", padding="same")(h)
+            h = layers.LayerNormalization()(h) if conv_norm else h
+        h = layers.MaxPooling2D()(h)
+    h = layers.Dropout(0.5)(layers.Flatten()(h))
+    for units in (128, 64):
+        h = layers.Dense(units, activation="relu")(h)
+        h = layers.Dropout(0.3)(h if conv_norm else layers.LayerNormalization()(h))
+    model = CustomModel(inputs, layers.Dense(10, activation="softmax")(h), name="dropout_layernorm_cnn")
+    rng = np.random.default_rng(0)
+    x = rng.random((3 * batch, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, 3 * batch)
+    state = [v for v in model.variables if "seed" in v.path or v.trainable]  # weights, the dropouts' seeds
+    start = [v.numpy() for v in state]
+    xb, yb = tf.constant(x[:batch]), tf.constant(y[:batch])
+
+    def train(g):
+        for variable, value in zip(state, start):
+            variable.assign(value)
+        model.value_and_grad = g
+        model.compile(optimizer="adam")
+        losses = []
+        logger = keras.callbacks.LambdaCallback(on_train_batch_end=lambda i, logs: losses.append(float(logs["loss"])))
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[logger])
+        return losses, [v.numpy() for v in state]
+
+    began = time.perf_counter()
+    g = tfremat.value_and_grad(model.compute, budget, xb, yb)
+    made_s = time.perf_counter() - began
+    fit_losses, fit_after = train(g)
+    first_step_s = time.perf_counter() - began
+    plain_losses, plain_after = train(None)
+    weights = [i for i, v in enumerate(state) if v.trainable]
+    after = closeness([fit_after[i] for i in weights], [plain_after[i] for i in weights])
+    seeds = [v for v in state if not v.trainable]
+    seeds_after_fit = all(np.array_equal(fit_after[i], plain_after[i]) for i, v in enumerate(state) if not v.trainable)
+    values = [v.numpy() for v in seeds]
+    variables = g.trainable_variables
+
+    def put_back():
+        for variable, value in zip(seeds, values):
+            variable.assign(value)
+
+    @tf.function
+    def tape_grads(a, b):
+        with tf.GradientTape() as tape:
+            value = model.compute(a, b)
+        return value, tape.gradient(value, variables)
+
+    put_back()
+    loss, grads = g(xb, yb)
+    seeds_after_g = [v.numpy() for v in seeds]
+    put_back()
+    plain_loss, plain = tape_grads(xb, yb)
+    seeds_after_tape = [v.numpy() for v in seeds]
+    match = closeness([t.numpy() for t in grads], [t.numpy() for t in plain])
+    resident = list(variables)
+    allocator = [measure_step_peak(lambda a, b: g(a, b), xb, yb, resident=resident) for _ in range(5)]
+    requested = measure_step_peak(lambda a, b: g(a, b), xb, yb, resident=resident, warmup=0, count="requested")
+    timing = time_in_turns(lambda: g(xb, yb), lambda: tape_grads(xb, yb), steps)
+    return {
+        **_step_row(g.plan, requested, allocator, timing, first_step_s),
+        "value_and_grad_s": made_s,
+        "fit_losses": fit_losses,
+        "plain_losses": plain_losses,
+        "weights_after_error": after.max_tensor_error,
+        "seeds_after_fit_alike": seeds_after_fit,
+        "seeds_advance_alike": all(np.array_equal(a, b) for a, b in zip(seeds_after_g, seeds_after_tape)),
+        "m_grad_error": match.max_tensor_error,
+        "m_grad_global_error": match.global_error,
+        "m_gradients_match": bool(match.max_tensor_error <= 1e-4 and abs(float(loss) - float(plain_loss)) < 1e-4),
+    }
+
+
 def child(check: str, steps: int) -> None:
     builder, budget, batch, kind, options = CHECKS[check]
     sys.path.insert(0, ROOT)  # this checkout's tfremat
     try:
-        row = check_vae(budget, batch, steps) if kind == "vae" else check_fit(builder, budget, batch, options, steps)
+        if kind == "vae":
+            row = check_vae(budget, batch, steps)
+        elif kind == "train_step":
+            row = check_train_step(budget, batch, steps, bool(options.get("conv_norm")))
+        else:
+            row = check_fit(builder, budget, batch, options, steps)
     except Exception as error:  # the row says what a user would have seen
         row = {"error": f"{type(error).__name__}: {error}"}
     print("USER_CHECK_ROW " + json.dumps(row, default=float), flush=True)
@@ -409,6 +633,9 @@ def _notes(row: dict) -> str:
         notes.append("jit_compile")
     if row["kind"] == "vae":
         notes.append("custom train_step, value_and_grad")
+    if row["kind"] == "train_step":
+        notes.append("subclassed Model, own train_step on value_and_grad"
+                     + (", LayerNormalization on the conv maps" if options.get("conv_norm") else ""))
     if row.get("error"):
         return "; ".join(notes + [row["error"][:300].replace("|", "/")])
     budget = row["budget_bytes"]
@@ -427,6 +654,11 @@ def _notes(row: dict) -> str:
         notes.append(f"{row['m_costly_vjp_rebuilds']} costly VJP rebuilds")
     if row.get("m_inexact_implementations"):
         notes.append("inexact: " + ", ".join(i["name"] for i in row["m_inexact_implementations"]))
+    if row.get("fit_losses") is not None:
+        worst = max(abs(a - b) for a, b in zip(row["fit_losses"], row["plain_losses"]))
+        notes.append(f"3 fit batches against the tape's: losses within {worst:.1e}, weights after within "
+                     f"{row['weights_after_error']:.1e}, dropout seeds advance "
+                     + ("alike" if row["seeds_advance_alike"] else "DIFFERENTLY"))
     if row.get("planned_with"):
         notes.append(f"re-planned with {row['planned_with']}")
     notes.append(f"{row['stderr_lines']} stderr lines ({row['profiler_lines']} from TF's profiler)")
