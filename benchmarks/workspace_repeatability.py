@@ -8,9 +8,12 @@ Exit status 1 when any node's workspace differs, 0 when all agree.
 
 Models: ``conv`` is tests/test_memory_only_extract.py's (Conv2D(8), ReLU, MaxPool, Dense,
 batch 8), whose convolution backward measured 912 or 13,232 bytes;
-``batchnorm`` puts a BatchNormalization after its convolution.
+``batchnorm`` puts a BatchNormalization after its convolution; ``lstm`` is
+tests/test_default_threads_memory.py's two stacked LSTMs (16 steps, 32 units, batch 4),
+whose loops' workspaces move (run it with TensorFlow's default inter-op threads, as that
+test does).
 
-Run: ``python benchmarks/workspace_repeatability.py [--model conv|batchnorm] [--runs 6]``
+Run: ``python benchmarks/workspace_repeatability.py [--model conv|batchnorm|lstm] [--runs 6]``
 (results and the cause: ``benchmarks/results/workspace_repeatability.md``).
 """
 
@@ -32,13 +35,15 @@ import keras  # noqa: E402
 
 from tfremat.extract.extractor import extract  # noqa: E402
 
-MODELS = ("conv", "batchnorm")
+MODELS = ("conv", "batchnorm", "lstm")
 
 
 def build(kind: str, batch: int = 8):
     """The model and one batch: ``kind`` is one of :data:`MODELS`."""
     keras.utils.set_random_seed(0)
     layers = keras.layers
+    if kind == "lstm":
+        return _lstm(batch=4)
     x = keras.Input((16, 16, 3))
     h = layers.Conv2D(8, 3, padding="same")(x)
     if kind == "batchnorm":
@@ -51,6 +56,17 @@ def build(kind: str, batch: int = 8):
     labels = np.zeros((batch, 4), "float32")
     labels[:, 0] = 1
     return model, (inputs, labels)
+
+
+def _lstm(batch: int):
+    inputs = keras.Input((16, 8))
+    hidden = keras.layers.LSTM(32, return_sequences=True)(inputs)
+    hidden = keras.layers.LSTM(32)(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+    sequences = np.random.default_rng(0).standard_normal((batch, 16, 8)).astype("float32")
+    labels = np.zeros((batch, 3), "float32")
+    labels[:, 0] = 1
+    return model, (sequences, labels)
 
 
 def distinct_workspaces(model, batch, runs: int) -> dict[str, list[int]]:
