@@ -91,7 +91,7 @@ def vae_case():
     plan = g.plan
     step = g._steps[g._example_key]  # pylint: disable=protected-access
     resident = list(g.trainable_variables)
-    requested = measure_step_peak(lambda a, b: g(a, b), data, epsilon, resident=resident, warmup=0, count="requested")
+    requested = measure_step_peak(lambda a, b: g(a, b), data, epsilon, resident=resident, count="requested")
     rows = requested_ledger(plan.extraction, plan.schedule, lambda x, y: step(tf.nest.flatten(x), y),
                             [data, epsilon], g._label, resident=resident)  # pylint: disable=protected-access
     return plan.predicted_peak_bytes, requested, _least_margin(rows)

@@ -682,9 +682,11 @@ class _CallTracer:
         executor otherwise ran before or after the backward's first operations depending
         on the trace, so that their temporaries counted as the backward's workspace or as
         hidden residuals (0, 32 or 64 B of a batch norm over 8 channels) from one
-        extraction to the next. Ungated, TensorFlow
-        may run a convolution's output after its gradient (nothing in the gradient reads
-        it) and the workspace comes out one output short. The ungated order is measured
+        extraction to the next. Ungated, the upstream gradients still wait for the forward,
+        as in the step: without it TensorFlow ran a convolution's forward after its filter
+        gradient in about half the traces, or with its scratch buffer alive when the
+        upstream was made, so that the forward's temporaries counted in the backward's
+        workspace (benchmarks/results/workspace_repeatability.md). The ungated order is measured
         too (``profile``): the order of the gradient's own ops follows what is ready when,
         and batch norm's gradient can hold one more batch-sized buffer that way, as in
         some of the step's backward statements.
@@ -702,7 +704,7 @@ class _CallTracer:
         mark = len(graph.get_operations())
         targets = [o for o in outputs if _is_float(o.dtype)]
         updates = [op for op in graph.get_operations()[:mark] if not op.outputs and op.op_def.is_stateful]
-        with tf.control_dependencies(outputs + updates if gated else []):
+        with tf.control_dependencies(outputs + updates):
             upstream = [tf.fill(tf.shape(o), tf.cast(seed, o.dtype)) for o in targets]
         sources = [flat_inputs[i] for i in self.grad_positions]
         gradient = functools.partial(tape.gradient, targets, output_gradients=upstream,
@@ -961,7 +963,7 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     and the greediest one (:func:`_run_greediest`).
 
     For a call whose gradient reads its output (not a loop's), the backward's peak is also
-    measured on the ``"dying"`` trace (gated and ungated), which returns the gradients only:
+    measured on the ``"dying"`` trace (in the same three orders), which returns the gradients only:
     the upstream gradients and the output die inside it, so ``ReluGrad`` writes into the
     upstream gradient's buffer as in the step, where the held trace makes it allocate one
     more output-sized buffer. Its workspace (``dying_backward_workspace``, the same
@@ -998,7 +1000,8 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     if analysis.reads_output and held_concrete is None and not _XLA_LAYOUTS.get():
         # The step's gradient writes into the upstream gradient's buffer (ReluGrad) when the
         # node is its last reader; held to the end here, it cannot (benchmarks/results/forwarded_upstream.md).
-        dying_peak = max(_requested_peak(tracer.trace("dying", gated=gated), args, warmup) for gated in (True, False))
+        dying_peak = max(_requested_peak(tracer.trace("dying", gated=gated, greediest=greedy), args, warmup)
+                         for gated, greedy in ((True, False), (False, False), (True, True)))
         dying = max(0, dying_peak - held_bytes - analysis.input_grad_bytes - weight_grad_bytes)
     measured = dataclasses.replace(
         analysis,

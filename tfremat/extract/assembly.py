@@ -216,7 +216,7 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
         b = backward_id.get(call.position)
         if b is not None and weight_grads == "transient":
             update_bytes[b] = temporaries.bytes_for(_variable_sizes(trainable_variables(call.layer)))
-        workspace = _backward_workspace(analyses[call.position], call.position in sole and not flops)
+        workspace = _backward_workspace(analyses[call.position], call.position in sole)
         _add_call(nodes, call, analyses[call.position], b, output_grads[call.position],
                   needs_backward, flops, weight_grads, update_bytes.get(b, 0), held.get(call.position, 0), workspace)
         if call.position in split:
