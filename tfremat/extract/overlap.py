@@ -14,8 +14,11 @@ default one), turns the predicted overhead into the predicted time over plain tr
 It scales every schedule alike, so the planners never see it.
 
 With one inter-op thread both executors run one operation at a time: the factor is 1.0 and
-nothing is measured. Measured, it costs a trace of the plain step (two with control flow)
-and a few steps of each kind (benchmarks/results/fidelity_default_threads.md gives the seconds and how two
+nothing is measured. Measured, it costs a trace of the plain step (two with control flow),
+each executor's first call (its instantiation), both about as long as the trace, and the
+timed rounds, which stop once the median is known well enough: 2.5-12 s of a 10-35 s
+uncached extraction on 2 loaded cores, most of it the trace and first calls
+(benchmarks/results/first_step_latency.md; fidelity_default_threads.md for how two
 extractions agree).
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 
 import numpy as np
@@ -38,13 +42,18 @@ __all__ = ["batch_from_specs", "measure_plain_overlap", "plain_overlap_applies"]
 
 logger = logging.getLogger(__name__)
 
-# Rounds timed after the warm-up: at least MIN_ROUNDS, more for a fast step, until the
-# rounds take about TARGET_SECONDS, which keeps the whole measurement under the plain step's
-# trace (three measurements of a transformer on 2 loaded cores gave 0.99-1.17, of GPT-2
-# 1.00-1.02; benchmarks/results/fidelity_default_threads.md).
+# Rounds timed after the warm-up: at least MIN_ROUNDS, then until the median ratio is known
+# to PRECISION (its standard error over it, :func:`_median_error`), the rounds took
+# TARGET_SECONDS or MAX_ROUNDS ran. Fresh measurements under load differ by far more than
+# PRECISION (a transformer on 2 loaded cores gave 0.99-1.17, GPT-2 1.00-1.02;
+# benchmarks/results/fidelity_default_threads.md), so stopping there changes the factor
+# within its noise; a steady step stops after 5-8 rounds instead of 25
+# (benchmarks/results/first_step_latency.md). The time bound keeps the rounds under the
+# plain step's trace.
 MIN_ROUNDS = 5
 MAX_ROUNDS = 25
 TARGET_SECONDS = 1.5
+PRECISION = 0.02
 
 
 def plain_overlap_applies() -> bool:
@@ -95,17 +104,36 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
                 loss.numpy()  # done before the executor is put back
             return loss
 
-        first = time_in_turns(run_sequential, lambda: default_step(x, y), rounds=1)  # traces, then one round
-        one = first.seconds + first.reference_seconds
-        rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(TARGET_SECONDS / max(one, 1e-6))))
-        timing = time_in_turns(run_sequential, lambda: default_step(x, y), rounds, warmup=0)
+        run_sequential()  # the warm-up: traces and instantiates both, untimed
+        default_step(x, y).numpy()
+        timing = time_in_turns(run_sequential, lambda: default_step(x, y), MAX_ROUNDS, warmup=0,
+                               enough=_enough_rounds(time.perf_counter()))
     finally:
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
     logger.info("plain overlap of %s: %.3f (single-threaded over default executor, median of %d rounds, quartiles "
-                "%.3f-%.3f) in %.1f s", model.name, timing.ratio, rounds, *timing.ratio_quartiles,
+                "%.3f-%.3f) in %.1f s", model.name, timing.ratio, timing.rounds, *timing.ratio_quartiles,
                 time.perf_counter() - started)
     return timing.ratio
+
+
+def _enough_rounds(began: float):
+    """``enough`` for :func:`~tfremat.runtime.timing.time_in_turns`: from MIN_ROUNDS on, True
+    once the rounds started at ``began`` (``time.perf_counter()``) took TARGET_SECONDS or the
+    median ratio is known to PRECISION."""
+    def enough(ratios: list[float]) -> bool:
+        return len(ratios) >= MIN_ROUNDS and (time.perf_counter() - began >= TARGET_SECONDS
+                                              or _median_error(ratios) <= PRECISION)
+    return enough
+
+
+def _median_error(ratios: list[float]) -> float:
+    """The standard error of the median of ``ratios`` over the median, from their
+    interquartile range: for normal noise sigma is about IQR / 1.349 and the median's
+    error 1.2533 sigma / sqrt(n). The quartiles of a few rounds resist one slow round,
+    which a standard deviation would not."""
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
+    return 1.2533 * (high - low) / 1.349 / math.sqrt(len(ratios)) / statistics.median(ratios)
 
 
 def _has_control_flow(step, x, y) -> bool:

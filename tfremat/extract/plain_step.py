@@ -15,6 +15,7 @@ depends on what the process allocated before (a few percent between runs).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import tensorflow as tf
@@ -32,11 +33,16 @@ logger = logging.getLogger(__name__)
 def plain_train_step(model, loss_fn, optimizer):
     """A plain training step ``step(x, y) -> loss`` as a ``tf.function``: the model's forward
     on a gradient tape, ``loss_fn`` on its outputs, the optimizer's update (built first, so
-    its slots exist before the step, as they do before a compiled one)."""
+    its slots exist before the step, as they do before a compiled one).
+
+    Traced without AutoGraph, as the profiler's calls and the compiled step are: a model they
+    trace gives the same operations, and the trace does not convert every user layer's code
+    first (the plain overlap's trace is part of the first step's wait,
+    benchmarks/results/first_step_latency.md)."""
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
 
-    @tf.function
+    @functools.partial(tf.function, autograph=False)
     def step(inputs, labels):
         with tf.GradientTape() as tape:
             preds = model(inputs, training=True)

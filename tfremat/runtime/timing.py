@@ -45,13 +45,15 @@ class TurnTiming:
 
 
 def time_in_turns(step: Callable[[], object], reference: Callable[[], object], rounds: int,
-                  warmup: int = 1) -> TurnTiming:
+                  warmup: int = 1, enough: Callable[[list[float]], bool] | None = None) -> TurnTiming:
     """Times ``step()`` against ``reference()`` in ``rounds`` rounds of one run each.
 
     Both run ``warmup`` times first (tracing and first-call allocations are not timed).
     The order within a round alternates (step first in even rounds), so a load that
     grows or shrinks during a round does not always fall on the same one. Each result's
-    first output is read back before the clock stops.
+    first output is read back before the clock stops. ``enough``, called after each round
+    with the per-round ratios so far, stops the timing when it returns True (``rounds`` is
+    then the most timed; :attr:`TurnTiming.rounds` says how many were).
 
     Raises:
         ArgumentError: ``rounds`` is not an int >= 1 or ``warmup`` not an int >= 0.
@@ -77,9 +79,11 @@ def time_in_turns(step: Callable[[], object], reference: Callable[[], object], r
         else:
             theirs.append(timed(reference))
             mine.append(timed(step))
+        if enough is not None and enough([a / b for a, b in zip(mine, theirs)]):
+            break
     ratios = [a / b for a, b in zip(mine, theirs)]
-    quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if rounds > 1 else ratios * 3
+    quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
     low, high = quartiles[0], quartiles[2]
     return TurnTiming(seconds=float(statistics.median(mine)), reference_seconds=float(statistics.median(theirs)),
                       ratio=float(statistics.median(ratios)), ratio_quartiles=(float(low), float(high)),
-                      rounds=rounds)
+                      rounds=len(ratios))
