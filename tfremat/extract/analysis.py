@@ -744,7 +744,8 @@ class _CallTracer:
                                "running_backward_ops": running, "reads": reads,
                                "grad_positions": sorted(distinct.values()), "input_ops": input_ops,
                                "input_reads": input_reads,
-                               "buffers": _gradient_buffers(self.grad_positions, input_part, upstream, operations[mark:])}
+                               "buffers": _gradient_buffers(self.grad_positions, input_part, upstream,
+                                                            operations[mark:])}
         if fetch == "held":
             return [t for t in reads[2] if t.dtype == tf.variant]
         grads = [g for g in (*input_part, *weight_part) if g is not None]
@@ -1304,7 +1305,8 @@ def _list_bytes(tensor, value, layer: str) -> int:
     return size * int(tf.raw_ops.TensorListLength(input_handle=value).numpy())
 
 
-def _gradient_buffers(positions: Sequence[int], grads, upstream, backward_ops) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _gradient_buffers(positions: Sequence[int], grads, upstream,
+                      backward_ops) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(passed, shared)``: the positions whose gradient (in ``grads``, one per position,
     None when unconnected) is an upstream gradient's buffer (itself, or a view of it:
     :data:`_VIEW_OPS`), and those whose buffer is also another position's gradient or is

@@ -56,7 +56,8 @@ which is what plain ``tf.GradientTape`` training and tfremat's compiled step bot
   with ``cost_model="flops"``. A backward node that is the only reader of its upstream
   gradients (:func:`sole_upstream`) takes the workspace measured with them dying inside it
   (``CallAnalysis.dying_backward_workspace``): its ``ReluGrad`` writes into the upstream's
-  buffer, one output size less (``benchmarks/results/forwarded_upstream.md``). The simulator runs one node at a time, so workspace is meant
+  buffer, one output size less (``benchmarks/results/forwarded_upstream.md``).
+  The simulator runs one node at a time, so workspace is meant
   for sequential op execution (``TF_NUM_INTEROP_THREADS=1``). With several inter-op
   threads TensorFlow overlaps independent ops, e.g. a convolution's input and filter
   gradients, each with its own scratch buffer on CPU, which no sequential model predicts.
@@ -278,13 +279,15 @@ def sole_upstream(analyses: Sequence[CallAnalysis], loss_analysis: CallAnalysis,
     when that upstream is sole in turn. ``call_of`` maps a backward node to its call.
     With the upstream held by a second reader the isolated ``"dying"`` trace under-counts
     by one output (a residual net's relu convolution, ``tests/test_forwarded_upstream.py``).
+    Not seen here: a schedule that computes a backward node twice (the tightest budgets of
+    ``eviction`` and ``optimal``) keeps its upstream for the second computation.
     """
     memo: dict[int, bool] = {}
 
     def sole(position: int) -> bool:
         if position in memo:
             return memo[position]
-        memo[position] = False  # passes run down the backward order, so no cycle; safe if one did
+        memo[position] = False  # a gradient is passed on against the forward order: no cycle
         analysis = analyses[position]
         floats = [k for k, (_, dtype) in enumerate(analysis.output_specs) if tf.as_dtype(dtype).is_floating]
         answer = True
