@@ -15,11 +15,10 @@ It scales every schedule alike, so the planners never see it.
 
 With one inter-op thread both executors run one operation at a time: the factor is 1.0 and
 nothing is measured. Measured, it costs a trace of the plain step (two with control flow),
-each executor's first call (its instantiation), both about as long as the trace, and the
-timed rounds, which stop once the median is known well enough: 2.5-12 s of a 10-35 s
-uncached extraction on 2 loaded cores, most of it the trace and first calls
-(benchmarks/results/first_step_latency.md; fidelity_default_threads.md for how two
-extractions agree).
+each executor's first call (its instantiation; the two together about as long as the trace)
+and the timed rounds: 1.6-11 s of a 6-35 s uncached extraction on 2 loaded cores, 60-75% of
+it the traces and first calls (benchmarks/results/first_step_latency.md;
+fidelity_default_threads.md for how two extractions agree).
 """
 
 from __future__ import annotations
@@ -44,12 +43,12 @@ logger = logging.getLogger(__name__)
 
 # Rounds timed after the warm-up: at least MIN_ROUNDS, then until the median ratio is known
 # to PRECISION (its standard error over it, :func:`_median_error`), the rounds took
-# TARGET_SECONDS or MAX_ROUNDS ran. Fresh measurements under load differ by far more than
-# PRECISION (a transformer on 2 loaded cores gave 0.99-1.17, GPT-2 1.00-1.02;
-# benchmarks/results/fidelity_default_threads.md), so stopping there changes the factor
-# within its noise; a steady step stops after 5-8 rounds instead of 25
-# (benchmarks/results/first_step_latency.md). The time bound keeps the rounds under the
-# plain step's trace.
+# TARGET_SECONDS or MAX_ROUNDS ran. Fresh measurements under load differ by far more
+# (a transformer on 2 loaded cores gave 0.99-1.17, GPT-2 1.00-1.02;
+# benchmarks/results/fidelity_default_threads.md), so stopping there moves the factor within
+# its noise. A steady step stops after 5-6 rounds instead of 20-25 (6 of 27 extractions at
+# loads 3.5-9 on 2 cores, benchmarks/results/first_step_latency.md). The time bound keeps the
+# rounds under the plain step's trace.
 MIN_ROUNDS = 5
 MAX_ROUNDS = 25
 TARGET_SECONDS = 1.5

@@ -36,9 +36,9 @@ def plain_train_step(model, loss_fn, optimizer):
     its slots exist before the step, as they do before a compiled one).
 
     Traced without AutoGraph, as the profiler's calls and the compiled step are: a model they
-    trace gives the same operations, and the trace does not convert every user layer's code
-    first (the plain overlap's trace is part of the first step's wait,
-    benchmarks/results/first_step_latency.md)."""
+    can trace gives the same operations, without converting each user layer's code first (the
+    plain overlap's trace is part of the first step's wait; the saving was below the noise
+    of benchmarks/results/first_step_latency.md)."""
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
 
