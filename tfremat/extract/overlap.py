@@ -16,7 +16,7 @@ It scales every schedule alike, so the planners never see it.
 With one inter-op thread both executors run one operation at a time: the factor is 1.0 and
 nothing is measured. Measured, it costs a trace of the plain step (two with control flow),
 each executor's first call (its instantiation; the two together about as long as the trace)
-and the timed rounds: 1.6-11 s of a 6-35 s uncached extraction on 2 loaded cores, 60-75% of
+and the timed rounds: 1.6-11 s of a 6.7-36 s uncached extraction on 2 loaded cores, 60-75% of
 it the traces and first calls (benchmarks/results/first_step_latency.md;
 fidelity_default_threads.md for how two extractions agree).
 """
