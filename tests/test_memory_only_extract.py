@@ -59,14 +59,14 @@ def test_memory_only_times_nothing_and_measures_the_profiled_bytes(monkeypatch):
     assert graph.output_bytes == profiled.output_bytes
     assert graph.residual_bytes == profiled.residual_bytes
     assert graph.fixed_bytes == profiled.fixed_bytes
-    # Workspaces are allocator measurements, measured the same way in both. One node's is not
-    # repeatable from one extraction to the next, timed or not: the convolution's backward
-    # requested 912 or 13,232 bytes beyond its outputs (oneDNN on; about half of the
-    # extractions each, in one process), so every other node must agree.
+    # Workspaces are allocator measurements, measured the same way in both; the loss's moves
+    # by a few dozen bytes between traces (benchmarks/results/workspace_repeatability.md).
+    # The convolution's backward measured 912 or 13,232 bytes before its upstream gradient
+    # waited for the forward in every traced order.
     assert any(graph.workspace_bytes)
     apart = [name for name, a, b in zip(graph.names, graph.workspace_bytes, profiled.workspace_bytes)
              if abs(a - b) > max(1024, 0.05 * max(a, b))]
-    assert len(apart) <= 1, (apart, graph.workspace_bytes, profiled.workspace_bytes)
+    assert not apart, (apart, graph.workspace_bytes, profiled.workspace_bytes)
     # Costs are the FLOP model's, never zero seconds.
     assert graph.cost == flops.cost and graph.total_cost > 0
 
