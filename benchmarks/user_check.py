@@ -3,7 +3,11 @@
 Each check builds a model the way its source writes it (``keras.applications`` at 64x64,
 keras-hub GPT-2 / BERT backbones at test sizes, keras.io-style code: a ViT with a
 ``Patches`` layer, a text transformer with a ``TransformerBlock`` layer, a Siamese net, a
-VAE whose own ``train_step`` takes its gradients from :func:`tfremat.value_and_grad`),
+VAE whose own ``train_step`` takes its gradients from :func:`tfremat.value_and_grad`; and a
+second user's five: keras.io's U-Net segmentation, timeseries Transformer and bidirectional
+recurrent text model (GRUs), ConvNeXtTiny at an amount, and a subclassed ``keras.Model``
+whose ``train_step`` calls :func:`tfremat.value_and_grad`, checked against its tape over three
+``fit`` batches),
 compiles it with Adam and trains one epoch of three batches with
 :class:`tfremat.keras.RematCallback` at defaults (what :func:`tfremat.fit` does), from an
 empty tfremat cache so the first step pays extraction, profiling, planning and compiling.
@@ -19,8 +23,9 @@ threads, as a user has them) and oneDNN on. The stderr lines that are not Tensor
 start-up lines are counted (log spam) and tfremat's phase lines kept.
 
 Run: ``python benchmarks/user_check.py`` (all checks, writes
-``benchmarks/results/user_check.md``); ``--only`` takes check names (substrings, comma
-separated); ``--list`` lists them; ``--steps`` the timed rounds; ``--timeout`` seconds per check.
+``benchmarks/results/user_check.md``; the second user's rows are in ``user_check_2.md``);
+``--only`` takes check names (substrings, comma separated); ``--list`` lists them;
+``--steps`` the timed rounds; ``--timeout`` seconds per check.
 """
 
 import argparse
@@ -39,7 +44,8 @@ MiB = 2**20
 TIME_BAND = (0.87, 1.15)  # measured time/plain over predicted time/plain that issue 33 accepts
 
 # name: (builder, budget, batch, kind, options). kind "fit": RematCallback + measure_model;
-# "vae": a custom train_step with tfremat.value_and_grad.
+# "vae": a custom train_step with tfremat.value_and_grad; "train_step": a subclassed Model's own
+# train_step on it (check_train_step).
 CHECKS = {
     "mobilenetv2-60act": ("mobilenetv2", "60% of activations", 8, "fit", {}),
     "efficientnetb0-70": ("efficientnetb0", "70%", 8, "fit", {}),
