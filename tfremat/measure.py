@@ -425,7 +425,8 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         (time_over_plain: the median of the per-round ratios; time_over_plain_quartiles:
         their first and third quartile, the spread the machine's load left; timed_rounds),
         predicted_overhead, plain_overlap and predicted_time_over_plain (what time_over_plain
-        is predicted to be: :attr:`tfremat.planner.PlanResult.predicted_time_over_plain`),
+        is predicted to be: :attr:`tfremat.planner.PlanResult.predicted_time_over_plain`,
+        for step_executor, "single-threaded" or "default", the executor the step ran on),
         recomputed_layer_calls and costly_vjp_rebuilds (the compiled step's
         :class:`~tfremat.static_graph.interpreter.TraceReport` counts: layer calls its
         recomputations make, and gradients rebuilt by repeating a layer's forward work the
@@ -475,6 +476,9 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         # reset_allocator_peak says how to enable the allocator's statistics when they are off.
         reset_allocator_peak(default_device())
         measured = measure_step_peak(step, x, y, resident=resident)
+        # Run once, the step knows its executor: on the default one it overlaps as plain
+        # training does, and the predicted time over plain leaves the plain overlap out.
+        result = dataclasses.replace(result, step_sequential=step.sequential)
         # What the prediction counts; the allocator's peak adds BFC chunk rounding that
         # depends on what the process allocated before (the demo: 47.70 MiB requested,
         # exactly the prediction, 52.70 MiB allocator).
@@ -514,8 +518,10 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             "time_over_plain_quartiles": [round(q, 4) for q in timing.ratio_quartiles],
             "timed_rounds": timing.rounds,
             "predicted_overhead": round(result.overhead, 4),
-            # Plain training overlaps operations the step runs in turn (tfremat.extract.overlap).
+            # Plain training overlaps operations the step runs in turn (tfremat.extract.overlap),
+            # unless the step runs on the default executor too.
             "plain_overlap": round(result.plain_overlap, 4),
+            "step_executor": "single-threaded" if step.sequential else "default",
             "predicted_time_over_plain": round(result.predicted_time_over_plain, 4),
             # Forward work the step repeats beyond the plan's recomputations (a gradient
             # rebuilt on a recomputed input; interpreter.TraceReport), for the time's account.

@@ -105,6 +105,15 @@ class PlanResult:
             (which stays the one asked for): a re-plan of the allocator check that ran
             the heuristic whose schedule ``strategy`` had returned unimproved
             (:func:`tfremat.allocator_check.replan_strategy`); None otherwise.
+        step_sequential: whether the compiled step runs one operation at a time on
+            TensorFlow's single-threaded executor, which the plain overlap is measured
+            against; False for a step on the default executor
+            (:attr:`tfremat.static_graph.compile.CompiledStep.sequential` False: it calls
+            functions, ``sequential=False``, replicas that exchange values), which overlaps
+            operations as plain training does. True until a compiled step says otherwise
+            (``measure_model`` and ``fit`` set it from theirs); the extraction already
+            measures no overlap for a model whose plain step calls functions
+            (:func:`tfremat.extract.overlap.measure_plain_overlap`).
     """
 
     strategy: str
@@ -119,13 +128,17 @@ class PlanResult:
     extraction: Any = None
     inexact_implementations: tuple[tuple[str, str], ...] = ()
     planned_with: str | None = None
+    step_sequential: bool = True
 
     @property
     def plain_overlap(self) -> float:
-        """How much faster plain training runs than one operation at a time
-        (:attr:`tfremat.extract.extractor.Extraction.plain_overlap`); 1.0 without an
-        extraction (a graph planned alone) or with one inter-op thread."""
-        return float(getattr(self.extraction, "plain_overlap", 1.0))
+        """How much faster plain training runs than the step's executor
+        (:attr:`tfremat.extract.extractor.Extraction.plain_overlap`, measured against one
+        operation at a time); 1.0 without an extraction (a graph planned alone), with one
+        inter-op thread, or for a step on the default executor (:attr:`step_sequential`
+        False: it overlaps operations as plain training does; ConvNeXt-like grouped
+        convolutions, benchmarks/results/executor_time.md)."""
+        return float(getattr(self.extraction, "plain_overlap", 1.0)) if self.step_sequential else 1.0
 
     @property
     def predicted_time_over_plain(self) -> float:
@@ -157,6 +170,8 @@ class PlanResult:
         }
         if self.planned_with is not None:
             row["planned_with"] = self.planned_with
+        if not self.step_sequential:
+            row["step_sequential"] = False
         return row
 
 

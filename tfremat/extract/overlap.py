@@ -14,7 +14,11 @@ default one), turns the predicted overhead into the predicted time over plain tr
 It scales every schedule alike, so the planners never see it.
 
 With one inter-op thread both executors run one operation at a time: the factor is 1.0 and
-nothing is measured. Measured, it costs a trace of the plain step (two with control flow),
+nothing is measured. Nor when the plain step calls functions (a ``tf.cond``, a loss scale's
+update, Keras's XLA-compiled grouped convolution on CPU: :func:`tfremat.runtime.executor.blocking_call`):
+the compiled step, holding the same calls, then runs on the default executor as plain training
+does, and the factor measured for the single-threaded one does not apply (ConvNeXt-like
+blocks planned +0.3% as 1.21x plain ran 1.05x; benchmarks/results/executor_time.md). Measured, it costs a trace of the plain step (two with control flow),
 each executor's first call (its instantiation; the two together about as long as the trace)
 and the timed rounds: 1.6-11 s of a 6.7-36 s uncached extraction on 2 loaded cores, 60-75% of
 it the traces and first calls (benchmarks/results/first_step_latency.md;
@@ -64,8 +68,9 @@ def plain_overlap_applies() -> bool:
 def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
     """The median over rounds of a plain training step's seconds on the single-threaded
     executor over its seconds on the default one (module docstring); 1.0 without measuring
-    when there is one inter-op thread or ``optimizer`` cannot be copied from its config
-    (logged).
+    when there is one inter-op thread, the plain step calls functions (the compiled step
+    will run on the default executor too) or ``optimizer`` cannot be copied from its config
+    (the last two logged).
 
     The steps train ``model`` with a fresh copy of ``optimizer`` (its own slots and step
     count, ``optimizer`` itself untouched); the model's variables (weights, batch-norm
@@ -90,12 +95,19 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
     saved = [v.numpy() for v in model.variables]
     try:
         default_step = plain_train_step(model, loss_fn, fresh)
+        # Traced on the default executor: a conditional or call is the same operation in
+        # either executor's trace (only its lowering attribute differs).
+        graph = default_step.get_concrete_function(x, y).graph
+        blocking = executor.blocking_call(graph)
+        if blocking is not None:
+            logger.info("plain overlap of %s: 1.0, not measured: the step runs on TensorFlow's default executor as "
+                        "plain training does, since %s", model.name, blocking.describe())
+            return 1.0
         # One trace serves both executors (tracing a 6-block transformer took 4.5 s, a second
-        # instantiation 1.2 s), unless the step holds control flow: a loop traced for the
+        # instantiation 1.2 s), unless the step holds a loop: a loop traced for the
         # single-threaded executor stays a While operation, which a default trace lowers
-        # (tfremat.runtime.executor.step_executor). The check traces on the default executor.
-        sequential_step = (plain_train_step(model, loss_fn, fresh) if _has_control_flow(default_step, x, y)
-                           else default_step)
+        # (tfremat.runtime.executor.step_executor).
+        sequential_step = plain_train_step(model, loss_fn, fresh) if _has_loop(graph) else default_step
 
         def run_sequential():
             with sequential():
@@ -135,13 +147,10 @@ def _median_error(ratios: list[float]) -> float:
     return 1.2533 * (high - low) / 1.349 / math.sqrt(len(ratios)) / statistics.median(ratios)
 
 
-def _has_control_flow(step, x, y) -> bool:
-    """Whether the traced ``step`` holds a functional loop or conditional."""
-    graph = step.get_concrete_function(x, y).graph
-    return any(op.type in _CONTROL_FLOW for op in graph.get_operations())
-
-
-_CONTROL_FLOW = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase"})
+def _has_loop(graph) -> bool:
+    """Whether ``graph`` (a traced step's) holds a functional loop (a conditional is a
+    :func:`~tfremat.runtime.executor.blocking_call`, which measures nothing)."""
+    return any(op.type in ("While", "StatelessWhile") for op in graph.get_operations())
 
 
 def batch_from_specs(model, in_specs, label_specs, seed: int = 0) -> tuple:

@@ -38,7 +38,9 @@ Three facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``
   ``While`` whose body calls nothing runs). The step and the optimizer update probe find
   such calls in their trace (:func:`calls_functions`), are traced again without this
   executor (conditionals lowered to control-flow primitives) and run on the default one,
-  which runs one op at a time with one inter-op thread (with several, a warning).
+  which runs one op at a time with one inter-op thread (with several, a warning naming the
+  first call :func:`blocking_call` finds: Keras runs a grouped ``Conv2D`` on CPU as a call of
+  its ``jit_compile=True`` function ``_conv_xla``, so ConvNeXt's step is one of these).
 
 ``compile_step``, the profiler and the optimizer update probe use it only with several
 inter-op threads (:func:`step_executor`). With one, used for every step too, it ran a
@@ -54,12 +56,14 @@ keeps the default executor.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["NOT_INLINED", "SEQUENTIAL_EXECUTOR", "calls_functions", "sequential", "sequential_ops", "step_executor"]
+__all__ = ["NOT_INLINED", "SEQUENTIAL_EXECUTOR", "BlockingCall", "blocking_call", "calls_functions", "sequential",
+           "sequential_ops", "step_executor"]
 
 # The name under which TensorFlow registers its single-threaded function executor.
 SEQUENTIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
@@ -102,13 +106,79 @@ def step_executor():
     return contextlib.nullcontext() if sequential_ops() else sequential()
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockingCall:
+    """The first thing of a graph that keeps its step off the single-threaded executor
+    (:func:`blocking_call`), for a warning that names it.
+
+    Attributes:
+        op: the operation's name ("" for operations on several devices).
+        op_type: its type (``StatefulPartitionedCall``, ``If``, ``CollectiveReduceV2``, ...).
+        functions: the functions it runs (a call's callee, a conditional's branches).
+        within: the function of the graph's library whose body holds ``op``; "" when the
+            graph itself does.
+        xla: whether a function it runs is compiled with XLA (``jit_compile=True``).
+        devices: the devices, when the cause is operations placed on several.
+    """
+
+    op: str
+    op_type: str
+    functions: tuple[str, ...] = ()
+    within: str = ""
+    xla: bool = False
+    devices: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """What was found, in words a user can place in the model: e.g. "Keras compiles
+        grouped convolutions with XLA on CPU (model/conv/StatefulPartitionedCall calls
+        __forward__conv_xla_5414)"."""
+        if self.devices:
+            return f"its operations are placed on {len(self.devices)} devices ({', '.join(self.devices)})"
+        where = self.op + (f" in {self.within}" if self.within else "")
+        if self.op_type.startswith("Collective"):
+            return f"it holds a collective operation ({where}, {self.op_type})"
+        runs = " or ".join(self.functions)
+        if any("_conv_xla" in name for name in self.functions):
+            return f"Keras compiles grouped convolutions (Conv2D with groups > 1) with XLA on CPU ({where} calls {runs})"
+        if self.op_type in ("If", "StatelessIf", "Case", "StatelessCase"):
+            return f"it holds a conditional (a tf.cond, a loss scale's update; {where} runs {runs})"
+        compiled = " compiled with XLA (jit_compile=True)" if self.xla else ""
+        return f"it calls a function{compiled} ({where} calls {runs})"
+
+
+def blocking_call(graph: Any) -> BlockingCall | None:
+    """The first operation of ``graph`` (a ``tf.Graph``, e.g. a concrete function's), or of
+    a function it calls, that runs a function (:data:`_CALLING_OPS`) or a collective, or the
+    devices when its operations are placed on several: what the single-threaded executor
+    can wait on for ever (module docstring); None when there is none. The graph's own
+    operations come first, in the order they were created."""
+    definition = graph.as_graph_def()
+    library = {function.signature.name: function for function in definition.library.function}
+    nodes = [*((node, "") for node in definition.node),
+             *((node, name) for name, function in library.items() for node in function.node_def)]
+    devices = sorted({node.device for node, _ in nodes if node.device})
+    if len(devices) > 1:
+        return BlockingCall(op="", op_type="", devices=tuple(devices))
+    for node, within in nodes:
+        if node.op in _CALLING_OPS or node.op.startswith("Collective"):
+            functions = _called(node)
+            xla = any(library[name].attr["_XlaMustCompile"].b for name in functions if name in library)
+            return BlockingCall(op=node.name, op_type=node.op, functions=functions, within=within, xla=xla)
+    return None
+
+
+def _called(node) -> tuple[str, ...]:
+    """The functions ``node`` (a ``NodeDef``) names: a call's ``f``, a conditional's
+    ``then_branch`` and ``else_branch`` (in that order) or ``branches``."""
+    names = []
+    for key, value in sorted(node.attr.items(), key=lambda item: (item[0] != "then_branch", item[0])):
+        names += [value.func.name] if value.func.name else [f.name for f in value.list.func]
+    return tuple(names)
+
+
 def calls_functions(graph: Any) -> bool:
     """Whether the single-threaded executor can wait for ever on ``graph`` (a ``tf.Graph``,
     e.g. a concrete function's): some operation of it or of a function it calls runs a
     function (:data:`_CALLING_OPS`) or a collective, or its operations are placed on
-    several devices (module docstring)."""
-    definition = graph.as_graph_def()
-    nodes = [*definition.node, *(node for function in definition.library.function for node in function.node_def)]
-    devices = {node.device for node in nodes if node.device}
-    return len(devices) > 1 or any(node.op in _CALLING_OPS or node.op.startswith("Collective") for node in nodes)
-
+    several devices (module docstring; :func:`blocking_call` says which)."""
+    return blocking_call(graph) is not None

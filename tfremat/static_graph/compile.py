@@ -209,11 +209,12 @@ class CompiledStep:
         if self.sequential and self._calls_functions is None:
             with executor.sequential():  # traced as it runs, a loop staying a While
                 graph = self.function.get_concrete_function(*args).graph
-            self._calls_functions = executor.calls_functions(graph)
-            if self._calls_functions:
-                _warn_parallel_ops(f"the step of {self.graph.name} runs on TensorFlow's default executor: it calls "
-                                   "functions (a tf.cond, a loss scale's update), for which the single-threaded "
-                                   "executor holds an inter-op thread each and waited for ever once they ran out")
+            blocking = executor.blocking_call(graph)
+            self._calls_functions = blocking is not None
+            if blocking is not None:
+                _warn_parallel_ops(f"the step of {self.graph.name} runs on TensorFlow's default executor, as plain "
+                                   f"training does: {blocking.describe()}; the single-threaded executor holds an "
+                                   "inter-op thread for each call and waited for ever once they ran out")
                 # Traced again for that executor, which lowers the conditionals to control-flow
                 # primitives (a LossScaleOptimizer's step requested 1 MiB more with an If).
                 self.sequential = False
@@ -332,7 +333,7 @@ def _warn_parallel_ops(why: str) -> None:
     _warned_parallel.add(why)
     logger.warning(
         "%s; TensorFlow runs several ops at a time there (TF_NUM_INTEROP_THREADS is not 1), while the memory "
-        "prediction and the planned time assume one op at a time, so the step can exceed its predicted peak; set "
+        "prediction assumes one op at a time, so the step can exceed its predicted peak; set "
         "TF_NUM_INTEROP_THREADS=1 before importing TensorFlow, or call "
         "tf.config.threading.set_inter_op_parallelism_threads(1) before it runs anything", why,
     )
