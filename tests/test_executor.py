@@ -296,7 +296,7 @@ def test_value_and_grad_traced_into_a_loop_and_a_train_step_stays_a_sequential_c
     x, y = _batch()
     mse = keras.losses.MeanSquaredError()
     g = tfremat.value_and_grad(lambda a, b: mse(b, model(a, training=True)), "80%", x, y, cost_model="flops",
-                               cache=False, verbose=0, jit_compile=jit_compile)
+                               cache=False, verbose=0, jit_compile=jit_compile, allocator_check=False)
 
     @tf.function(autograph=False, jit_compile=jit_compile)
     def loop(a, b):

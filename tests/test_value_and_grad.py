@@ -15,7 +15,9 @@ from tfremat.extract.checks import refuse_unmodelled_training
 from tfremat.numerics import closeness
 
 BUDGET = "60% of activations"
-FAST = {"cost_model": "flops", "cache": False, "verbose": 0}
+# These nets are so small that the allocator's chunks exceed the activations a plan saves:
+# the budget is held for requested bytes (tests/test_value_and_grad_allocator.py holds it for the allocator).
+FAST = {"cost_model": "flops", "cache": False, "verbose": 0, "allocator_check": False}
 
 
 def _conv_trunk(shape, channels=8):

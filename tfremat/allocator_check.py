@@ -1,31 +1,33 @@
 """``allocator_check``: holding a plan's budget for the device allocator's peak.
 
 The plan bounds the bytes the step requests; TensorFlow's BFC allocator can peak above them
-(whole chunks, docs/memory-model.md). :class:`tfremat.keras.RematCallback` and
-:func:`tfremat.multi_worker.fit_multi_worker` run the planned step a few times, hold each
-replica's allocator peak with a margin for the steps not read (:func:`held_peak`) and plan
-again under the excess; these are the pieces both use (the callback also reads its first
-training steps: :data:`WATCHED_STEPS`). The planning budget a check accepted
+(whole chunks, docs/memory-model.md). :class:`tfremat.keras.RematCallback`,
+:func:`tfremat.multi_worker.fit_multi_worker` and :func:`tfremat.value_and_grad` run the
+planned step a few times, hold each replica's allocator peak with a margin for the steps not
+read (:func:`held_peak`) and plan again under the excess (:func:`hold_allocator_peak`, the one
+re-plan loop); these are the pieces they use (the callback also reads its first training
+steps: :data:`WATCHED_STEPS`). The planning budget a check accepted
 is remembered next to the schedule cache (:func:`remember_planning_budget`), so another
 process with the same graph and budget plans under it first and finds its schedule cached.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import tensorflow as tf
 
-from tfremat.budget import budget_kind
+from tfremat.budget import budget_kind, format_bytes
 from tfremat.cache import ScheduleCache, default_cache_dir, read_entry, warn_once, write_atomically
-from tfremat.errors import CompileError, InfeasibleBudgetError
+from tfremat.errors import CompileError, InfeasibleBudgetError, SolverTimeLimitError
 
 __all__ = ["ALLOCATOR_ROUNDS", "ALLOCATOR_READS", "PLANNING_GRID", "WATCHED_STEPS", "wants_allocator_check",
-           "allocator_peak", "held_peak", "training_step_peak", "replica_allocators", "next_planning_budget",
+           "hold_allocator_peak", "replan", "allocator_peak", "step_allocator_peak", "held_peak", "training_step_peak", "replica_allocators", "next_planning_budget",
            "replan_strategy", "remembered_planning_budget", "remember_planning_budget"]
 
 logger = logging.getLogger(__name__)
@@ -68,30 +70,40 @@ def wants_allocator_check(allocator_check: bool | None, budget, result) -> bool:
 
 def allocator_peak(step, model, x, y, sample_weight=None, device: str | None = None,
                    count: str = "allocator", reads: int = ALLOCATOR_READS) -> int | None:
-    """The allocator's peak of ``device`` (default: the default device's) that a plan is held
-    to: :func:`held_peak` of ``reads`` runs of ``step``, each read with fresh statistics, after
-    one untimed run that traces it; in the graph's convention
-    (:func:`tfremat.runtime.memory.measure_step_peak`), with the state the runs change put
-    back: the model's and the optimizer's variables, Python's ``random`` and Keras's global
-    seed generator (one that the trace created is forgotten, as the extraction does, but the
-    step keeps the state it advanced). None when the allocator keeps no statistics (a
-    warning says so). A step compiled with a strategy gets ``x, y`` (one replica's batch)
-    on every replica, so each replica device's allocator sees one replica's step. ``count``
-    as :func:`~tfremat.runtime.memory.measure_step_peak` takes it; ``"requested"`` is read
-    once (the profiler's events, the same every run).
-    """
-    from tfremat.runtime.memory import measure_step_peak
-    from tfremat.runtime.state import state_restored
-
+    """The allocator's peak of ``device`` (default: the default device's) that a training
+    ``step`` of ``model`` is held to: :func:`step_allocator_peak` of ``step(x, y,
+    sample_weight)``, the model's and the optimizer's variables resident and put back. A step
+    compiled with a strategy gets ``x, y`` (one replica's batch) on every replica, so each
+    replica device's allocator sees one replica's step."""
     optimizer = model.optimizer
     if not optimizer.built:
         optimizer.build(model.trainable_variables)  # its slots exist before the runs, as in training
     variables = list(model.variables) + list(optimizer.variables)
+    return step_allocator_peak(lambda a, b: step(a, b, sample_weight), x, y, variables, device=device, count=count,
+                               reads=reads)
+
+
+def step_allocator_peak(run_step: Callable, x, y, variables: Sequence, device: str | None = None,
+                        count: str = "allocator", reads: int = ALLOCATOR_READS) -> int | None:
+    """The allocator's peak of ``device`` that the step ``run_step(x, y)`` is held to:
+    :func:`held_peak` of ``reads`` runs, each read with fresh statistics, after one untimed run
+    that traces it; in the graph's convention (:func:`tfremat.runtime.memory.measure_step_peak`:
+    ``variables``, ``x`` and ``y`` counted resident), with the state the runs change put back:
+    ``variables``, Python's ``random`` and Keras's global seed generator (one that the trace
+    created is forgotten, as the extraction does, but the step keeps the state it advanced).
+    None when the allocator keeps no statistics (a warning says so). ``count`` as
+    :func:`~tfremat.runtime.memory.measure_step_peak` takes it; ``"requested"`` is read once
+    (the profiler's events, the same every run).
+    """
+    from tfremat.runtime.memory import measure_step_peak
+    from tfremat.runtime.state import state_restored
+
+    variables = list(variables)
     runs = 1 if count == "requested" else max(1, reads)
     with state_restored(variables):
         try:
-            peaks = [measure_step_peak(lambda a, b: step(a, b, sample_weight), x, y, resident=variables,
-                                       device=device, warmup=1 if run == 0 else 0, count=count)
+            peaks = [measure_step_peak(run_step, x, y, resident=variables, device=device,
+                                       warmup=1 if run == 0 else 0, count=count)
                      for run in range(runs)]
         except CompileError as error:
             logger.warning("allocator_check skipped: %s", error)
@@ -226,3 +238,126 @@ def remember_planning_budget(cache, graph, budget_bytes: int, strategy: str, opt
         write_atomically(path, text)
     except OSError as error:
         warn_once(path.parent, "written", error)
+
+
+def hold_allocator_peak(result, step, plan_at: Callable, read_peak: Callable, *, strategy: str, options: dict,
+                        cache, exceeded: tuple[int, int] | None = None, accepted: Callable | None = None,
+                        log: logging.Logger = logger) -> tuple:
+    """Plans ``result``'s graph (``result.extraction.graph``) again until the allocator's peak
+    of its compiled ``step`` is within ``result.budget_bytes``: the re-plan loop of
+    :class:`tfremat.keras.RematCallback` and :func:`tfremat.value_and_grad`.
+
+    ``read_peak(step)`` is the step's held peak (:func:`step_allocator_peak`; the largest over
+    a strategy's replicas), None when the allocator keeps no statistics. Over the budget, the
+    graph is planned under :func:`next_planning_budget` by ``plan_at(result, planning_budget)``,
+    which returns the new ``(result, step)``, for at most :data:`ALLOCATOR_ROUNDS` plans. The
+    loop starts from the planning budget a check accepted before for this graph and budget,
+    in this process or another (:func:`remembered_planning_budget`, keyed by ``strategy`` and
+    ``options`` in ``cache``): its schedule is cached, so a second process solves nothing; a
+    planning budget accepted below the budget is remembered likewise. ``exceeded``:
+    ``(planning budget, peak)`` of a plan that a training step found over the budget,
+    planned again first. ``accepted(step, peak)`` is called on the plan accepted. ``log``:
+    the caller's logger, which tells each round.
+
+    Returns:
+        ``(result, step, planning budget)``: the accepted result (its ``budget_bytes`` the
+        budget), its step and the budget it was planned under; the planning budget is None
+        when the allocator keeps no statistics (nothing was held).
+
+    Raises:
+        InfeasibleBudgetError: no schedule fits the planning budget the peak asks for, told
+            in the allocator's terms, or the peak stayed above the budget after
+            :data:`ALLOCATOR_ROUNDS` plans; both name ``allocator_check=False``.
+    """
+    budget = result.budget_bytes
+    graph = result.extraction.graph
+    planning_budget, peak, remembered = budget, None, None
+    if exceeded is not None:
+        planning_budget, peak = exceeded
+    else:
+        remembered = remembered_planning_budget(cache, graph, budget, strategy, options)
+    if remembered is not None:
+        try:
+            result, step = plan_at(result, remembered)
+            planning_budget = remembered
+            log.info("planning under %s, where a plan held the allocator's peak to the budget %s before",
+                     format_bytes(remembered), format_bytes(budget))
+        except (InfeasibleBudgetError, SolverTimeLimitError) as error:
+            # Its schedule left the cache and was not found again: check from the budget.
+            log.info("the remembered planning budget %s found no plan (%s); checking from the budget",
+                     format_bytes(remembered), error)
+    last = peak
+    for _ in range(ALLOCATOR_ROUNDS):
+        if peak is None:
+            peak = read_peak(step)
+            if peak is None:
+                return result, step, None
+            last = peak
+            if peak <= budget:
+                if accepted is not None:
+                    accepted(step, peak)
+                if planning_budget != budget:
+                    log.info("planned under %s so that the allocator's peak (%s held) stays within the budget %s",
+                             format_bytes(planning_budget), format_bytes(peak), format_bytes(budget))
+                    if planning_budget != remembered:
+                        remember_planning_budget(cache, graph, budget, strategy, options, planning_budget)
+                return dataclasses.replace(result, budget_bytes=budget), step, planning_budget
+        planning_budget = next_planning_budget(planning_budget, budget, peak, result.predicted_peak_bytes)
+        log.info("the allocator's peak %s held exceeds the budget %s (prediction %s); planning again under %s",
+                 format_bytes(peak), format_bytes(budget), format_bytes(result.predicted_peak_bytes),
+                 format_bytes(planning_budget))
+        try:
+            if planning_budget <= 0:
+                raise InfeasibleBudgetError(planning_budget, strategy=strategy)
+            replanned, step = plan_at(result, planning_budget)
+        except InfeasibleBudgetError as error:
+            # In the allocator's terms: the smallest plan's peak plus the chunks this plan's
+            # peak showed. The planner's own figures are below the budget (ResNet50 at
+            # 300MiB: "smallest feasible 289.64 MiB" for a 300 MiB budget it refused;
+            # benchmarks/user_check.py).
+            chunks = max(peak - result.predicted_peak_bytes, 0)
+            smallest = None if error.min_feasible_bytes is None else error.min_feasible_bytes + chunks
+            smallest_plan = ("" if error.min_feasible_bytes is None else
+                             f"the smallest plan's {format_bytes(error.min_feasible_bytes)} predicted plus those "
+                             "chunks is the smallest budget found; ")
+            raise InfeasibleBudgetError(
+                budget, smallest, None, strategy,
+                detail=f"held for the allocator's peak: it was {format_bytes(peak)} held, its chunks adding "
+                       f"{format_bytes(chunks)} to the {format_bytes(result.predicted_peak_bytes)} predicted, and "
+                       f"no schedule fits {format_bytes(max(planning_budget, 0))}; {smallest_plan}"
+                       "allocator_check=False holds the budget for requested bytes only",
+            ) from error
+        result, peak = replanned, None
+    raise InfeasibleBudgetError(
+        budget, strategy=strategy,
+        detail=f"the allocator's peak stayed above it after {ALLOCATOR_ROUNDS} plans (last {format_bytes(last)} "
+               f"held, planned under {format_bytes(planning_budget)}); allocator_check=False holds the budget for "
+               "requested bytes only",
+    )
+
+
+def replan(result, planning_budget: int, strategy: str, options: dict, cache, verbose: int,
+           planner: Callable | None = None, log: logging.Logger = logger):
+    """``result``'s graph planned under ``planning_budget`` (the new result's budget until a
+    check accepts it), with ``result.extraction`` kept: with :func:`replan_strategy`'s
+    heuristic where it returned ``result``'s schedule unimproved (the result named
+    ``strategy``, ``planned_with`` that heuristic), else, or where that heuristic finds no
+    schedule, with ``strategy`` and ``options``. ``planner``: the planning function
+    (default :func:`tfremat.planner.plan_graph`)."""
+    if planner is None:
+        from tfremat.planner import plan_graph as planner
+
+    graph = result.extraction.graph
+    strategy_name = replan_strategy(result, strategy)
+    if strategy_name != strategy:
+        log.info("planning with %s, whose schedule %s returned unimproved under %s", strategy_name, strategy,
+                 format_bytes(result.budget_bytes))
+        try:
+            replanned = planner(graph, planning_budget, strategy_name, cache=cache, verbose=0)
+            # Named as asked for (plans[key].strategy), with the heuristic that planned it.
+            replanned = dataclasses.replace(replanned, strategy=strategy, planned_with=strategy_name)
+        except InfeasibleBudgetError:
+            strategy_name = strategy
+    if strategy_name == strategy:
+        replanned = planner(graph, planning_budget, strategy, cache=cache, verbose=verbose, **options)
+    return dataclasses.replace(replanned, extraction=result.extraction)

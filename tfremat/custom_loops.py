@@ -9,6 +9,8 @@ output is the loss, the same graph a functional model has. That graph is wrapped
 returns the gradients instead of applying an optimizer
 (:func:`tfremat.static_graph.compile.compile_step` with ``apply_gradients=False``), so the
 weight gradients are counted as resident until the step ends (``weight_grads="fixed"``).
+Like :func:`tfremat.fit`, the budget is then held for the allocator's peak, not only for the
+bytes the step requests (:func:`tfremat.allocator_check.hold_allocator_peak`).
 
 What the placeholders cannot record would make the compiled step compute something else
 than the tape, so it is refused when the function is traced: Python control flow on tensor
@@ -30,9 +32,10 @@ import networkx as nx
 import numpy as np
 import tensorflow as tf
 
+from tfremat.allocator_check import hold_allocator_peak, replan, step_allocator_peak, wants_allocator_check
 from tfremat.budget import check_budget
 from tfremat.cache import ScheduleCache
-from tfremat.errors import ArgumentError, ExtractionError
+from tfremat.errors import ArgumentError, ExtractionError, InfeasibleBudgetError
 from tfremat.extract.extractor import COST_MODELS, extract
 from tfremat.extract.opening import DEFAULT_GRANULARITY, GRANULARITIES
 from tfremat.model_planning import wants_implementations
@@ -45,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal", cost_model: str = "profile",
                    granularity: str = DEFAULT_GRANULARITY, cache: bool | str | ScheduleCache = True,
-                   verbose: int = 1, jit_compile: bool = False, **options) -> ValueAndGrad:
+                   verbose: int = 1, jit_compile: bool = False, allocator_check: bool | None = None,
+                   **options) -> ValueAndGrad:
     """Plans ``fn``'s gradient under ``budget``: ``g(*args)`` returns ``(loss, gradients)``.
 
     ``g`` replaces a ``tf.GradientTape`` block in a custom training loop or a ``train_step``::
@@ -66,7 +70,8 @@ def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal
         budget: as for :func:`tfremat.fit`: bytes, "3.5GiB", a share of the checkpoint-all
             peak ("50%", 0.5), "50% of activations" or "min". It covers the step: the
             arguments, the variables, their gradients and the activations (an optimizer's
-            slots are not counted: the update runs outside ``g``).
+            slots are not counted: the update runs outside ``g``). It holds for the
+            allocator's peak of ``g``'s step (``allocator_check``), as for :func:`tfremat.fit`.
         *example_args: tensors or arrays (or nested lists, tuples and dicts of them) like
             the ones ``g`` will be called with; their static shapes and dtypes are planned for.
         strategy: the strategy name (default "optimal", the MILP).
@@ -78,6 +83,16 @@ def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal
             (:func:`tfremat.static_graph.compile.compile_step`'s ``jit_compile``), e.g.
             when the ``train_step`` that calls ``g`` runs under a model compiled with
             ``jit_compile=True``.
+        allocator_check: hold the budget for the device allocator's peak, where
+            out-of-memory happens, not only for the bytes the step requests (see
+            :class:`tfremat.keras.RematCallback`): each new argument shape's step is run
+            four times when it is planned (one warm-up, three reads on zeros shaped like the
+            arguments, the layers' variables and random state put back), and planned again
+            under the budget less the peak's excess while it exceeds the budget. With
+            ``jit_compile`` the bytes XLA requests are held instead. None (default): for
+            every budget but ``"min"`` and a share at or above the checkpoint-all peak
+            (:func:`tfremat.allocator_check.wants_allocator_check`); False holds the budget
+            for requested bytes only (the plan's prediction).
         **options: the strategy's solver options (``solver``, ``time_limit``, ...) or an
             offloading strategy's ``bandwidth``, as :func:`tfremat.fit` takes them.
 
@@ -87,10 +102,11 @@ def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal
     Raises:
         ArgumentError: ``fn`` is not callable, ``budget`` is None, no example arguments or
             one that is no tensor, an unknown strategy, option or cost model, or a
-            ``jit_compile`` that is not a bool.
+            ``jit_compile`` or ``allocator_check`` that is not a bool (None for the latter).
         ExtractionError: ``fn`` cannot be traced on placeholders (see the module docstring);
             one line naming the cause.
-        InfeasibleBudgetError: no schedule of the strategy fits ``budget``.
+        InfeasibleBudgetError: no schedule of the strategy fits ``budget``, for the
+            allocator's peak where it is checked.
     """
     if not callable(fn):
         raise ArgumentError(f"fn must be a callable returning the loss, got {type(fn).__name__}")
@@ -109,8 +125,11 @@ def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal
     check_cache_argument(cache)
     if not isinstance(jit_compile, bool):
         raise ArgumentError(f"jit_compile must be True or False, got {jit_compile!r}")
+    if allocator_check is not None and not isinstance(allocator_check, bool):
+        raise ArgumentError(f"allocator_check must be True, False or None (the default: every budget but 'min' and "
+                            f"shares at or above the checkpoint-all peak), got {allocator_check!r}")
     settings = _Settings(budget, strategy, cost_model, granularity, cache, verbose, per_strategy.get(strategy, {}),
-                         jit_compile)
+                         jit_compile, allocator_check)
     return ValueAndGrad(fn, settings, example_args)
 
 
@@ -126,6 +145,11 @@ class _Settings:
     verbose: int
     options: dict
     jit_compile: bool = False
+    allocator_check: bool | None = None
+
+
+#: What ``g``'s fixed memory holds, as a refused budget names it: no optimizer state.
+_FIXED_PARTS = ("weights", "gradients", "the arguments")
 
 
 class ValueAndGrad:
@@ -178,8 +202,12 @@ class ValueAndGrad:
         return self._steps[key](tf.nest.flatten(args), self._label)
 
     def _plan_for(self, args: tuple):
-        """Traces ``fn`` on placeholders like ``args``, plans and compiles its step; returns its key."""
-        from tfremat.static_graph.compile import compile_step
+        """Traces ``fn`` on placeholders like ``args``, plans and compiles its step, held for
+        the allocator's peak (``allocator_check``); returns its key.
+
+        Raises:
+            InfeasibleBudgetError: naming what ``g``'s fixed memory holds (no optimizer state).
+        """
 
         key = _signature(args)
         structure, specs = key
@@ -194,12 +222,49 @@ class ValueAndGrad:
                              use_cache=settings.cache is not False and settings.cache is not None,
                              weight_grads="fixed", implementations=wants_implementations([settings.strategy]),
                              xla="memory" if settings.jit_compile else False)
-        result = plan_graph(extraction.graph, settings.budget, settings.strategy, cache=settings.cache,
-                            verbose=settings.verbose, **settings.options)
-        self.plans[key] = dataclasses.replace(result, extraction=extraction)
-        self._steps[key] = compile_step(extraction, result.schedule, apply_gradients=False,
-                                        jit_compile=settings.jit_compile)
+        try:
+            result = plan_graph(extraction.graph, settings.budget, settings.strategy, cache=settings.cache,
+                                verbose=settings.verbose, **settings.options)
+            result = dataclasses.replace(result, extraction=extraction)
+            step = self._compiled(result)
+            if wants_allocator_check(settings.allocator_check, settings.budget, result):
+                result, step, _ = self._within_allocator(result, step, specs, model)
+        except InfeasibleBudgetError as error:
+            raise error.with_fixed_parts(_FIXED_PARTS) from error.__cause__
+        self.plans[key] = result
+        self._steps[key] = step
         return key
+
+    def _compiled(self, result: PlanResult):
+        """``result``'s step, returning the gradients (no optimizer)."""
+        from tfremat.static_graph.compile import compile_step
+
+        return compile_step(result.extraction, result.schedule, apply_gradients=False,
+                            jit_compile=self._settings.jit_compile)
+
+    def _within_allocator(self, result: PlanResult, step, specs: tuple, model) -> tuple:
+        """``result`` and ``step`` planned again until the step's allocator peak is within the
+        budget (:func:`~tfremat.allocator_check.hold_allocator_peak`): read on zeros shaped
+        like the arguments (the call being planned may be a trace's, whose arguments hold no
+        values), ``model``'s variables (the traced loss's layers: the weights, batch-norm
+        statistics and seed generators the step reads and moves) resident and put back."""
+        settings = self._settings
+        arguments = [tf.zeros(shape, dtype) for shape, dtype in specs]
+        variables = list(model.variables)
+        # XLA takes one block for all of a step's temporaries, which the allocator may serve
+        # from a chunk up to twice its size: what XLA requests is held instead (as the callback).
+        count = "requested" if settings.jit_compile else "allocator"
+
+        def read_peak(candidate):
+            return step_allocator_peak(lambda a, b: candidate(a, b), arguments, self._label, variables, count=count)
+
+        def plan_at(current, planning_budget):
+            replanned = replan(current, planning_budget, settings.strategy, settings.options, settings.cache,
+                               settings.verbose)
+            return replanned, self._compiled(replanned)
+
+        return hold_allocator_peak(result, step, plan_at, read_peak, strategy=settings.strategy,
+                                   options=settings.options, cache=settings.cache)
 
 
 def _eagerly(work: Callable):

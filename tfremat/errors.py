@@ -9,7 +9,7 @@ in its message. Nothing in tfremat returns a ``feasible=False`` flag instead of 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tfremat.units import format_bytes, format_bytes_apart
 
@@ -27,9 +27,14 @@ __all__ = [
     "ExtractionError",
     "CompileError",
     "failure_status",
+    "FIXED_PARTS",
     "is_int",
     "is_number",
 ]
+
+
+#: What a training step's fixed memory holds, as :class:`InfeasibleBudgetError` names it.
+FIXED_PARTS = ("weights", "gradients", "optimizer state", "the batch")
 
 
 def is_int(value) -> bool:
@@ -95,6 +100,8 @@ class InfeasibleBudgetError(TfrematError):
             batch), when the graph is known; the message then splits the smallest feasible
             budget into it and the activations planning moves, and says when fixed memory
             alone is over the budget.
+        fixed_parts: what the fixed memory holds, as the message names it (default
+            :data:`FIXED_PARTS`; :func:`tfremat.value_and_grad` plans no optimizer state).
         shown: how a byte count is written in the message: in the form the user gave the
             budget ("93% (22.80 MiB)" for a share), bytes otherwise.
     """
@@ -111,6 +118,7 @@ class InfeasibleBudgetError(TfrematError):
         fixed_bytes: int | None = None,
         shown: Callable[[float], str] | None = None,
         budget_text: str | None = None,
+        fixed_parts: Sequence[str] = FIXED_PARTS,
     ):
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
@@ -121,6 +129,7 @@ class InfeasibleBudgetError(TfrematError):
         self.fixed_bytes = fixed_bytes
         self.shown = shown
         self.budget_text = budget_text
+        self.fixed_parts = tuple(fixed_parts)
         super().__init__(self._message())
 
     def in_terms(self, *, fixed_bytes: int, shown: Callable[[float], str] | None,
@@ -129,7 +138,15 @@ class InfeasibleBudgetError(TfrematError):
         the budget as the user wrote it."""
         return InfeasibleBudgetError(
             self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes, self.strategy, self.detail,
-            self.proven, fixed_bytes=fixed_bytes, shown=shown, budget_text=budget_text,
+            self.proven, fixed_bytes=fixed_bytes, shown=shown, budget_text=budget_text, fixed_parts=self.fixed_parts,
+        )
+
+    def with_fixed_parts(self, fixed_parts: Sequence[str]) -> "InfeasibleBudgetError":
+        """The same error naming ``fixed_parts`` as what the fixed memory holds."""
+        return InfeasibleBudgetError(
+            self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes, self.strategy, self.detail,
+            self.proven, fixed_bytes=self.fixed_bytes, shown=self.shown, budget_text=self.budget_text,
+            fixed_parts=fixed_parts,
         )
 
     def _message(self) -> str:
@@ -143,17 +160,18 @@ class InfeasibleBudgetError(TfrematError):
         if self.budget_text is not None:
             budget_text = f"{self.budget_text} ({format_bytes(self.budget_bytes)})"
         fixed_over = self.fixed_bytes is not None and self.fixed_bytes >= self.budget_bytes
+        held = ", ".join(self.fixed_parts)
         parts = [f"budget of {budget_text} is infeasible"]
         if self.strategy:
             parts[0] = f"strategy {self.strategy!r}: " + parts[0]
         if fixed_over:
-            parts.append(f"the fixed memory alone (weights, gradients, optimizer state, the batch) is "
+            parts.append(f"the fixed memory alone ({held}) is "
                          f"{format_bytes(self.fixed_bytes)}, which no schedule moves")
         if self.min_feasible_bytes is not None:
             text = f"the smallest feasible budget found is {smallest_text}"
             if self.fixed_bytes is not None:
                 moving = max(self.min_feasible_bytes - self.fixed_bytes, 0)
-                what = "" if fixed_over else " (weights, gradients, optimizer state, the batch)"
+                what = "" if fixed_over else f" ({held})"
                 text += f": {format_bytes(self.fixed_bytes)} fixed{what} and {format_bytes(moving)} of activations"
             parts.append(text)
         if self.lower_bound_bytes is not None:
@@ -162,7 +180,8 @@ class InfeasibleBudgetError(TfrematError):
         if self.detail and not fixed_over:
             message += f" ({self.detail})"
         if fixed_over:
-            advice = "Raise the budget above the fixed memory, or shrink it: a smaller batch, model or optimizer state."
+            smaller = "batch, model or optimizer state" if "optimizer state" in self.fixed_parts else "batch or model"
+            advice = f"Raise the budget above the fixed memory, or shrink it: a smaller {smaller}."
         elif self.proven:
             advice = "Raise the budget."
         elif self.strategy == "optimal":

@@ -26,13 +26,10 @@ import keras
 import tensorflow as tf
 
 from tfremat.allocator_check import (
-    ALLOCATOR_ROUNDS,
     WATCHED_STEPS,
     allocator_peak,
-    next_planning_budget,
-    remember_planning_budget,
-    remembered_planning_budget,
-    replan_strategy,
+    hold_allocator_peak,
+    replan,
     replica_allocators,
     training_step_peak,
     wants_allocator_check,
@@ -42,7 +39,6 @@ from tfremat.errors import (
     ArgumentError,
     CompileError,
     InfeasibleBudgetError,
-    SolverTimeLimitError,
     TfrematError,
 )
 from tfremat.extract.checks import refuse_unmodelled_training
@@ -336,89 +332,33 @@ class RematCallback(keras.callbacks.Callback):
         return True
 
     def _within_allocator(self, result, step, x, y, sample_weight, options, strategy=None, exceeded=None):
-        """Re-plans until the step's allocator peak is within the budget (``allocator_check``);
-        under a strategy, the largest peak over the replicas' allocators, each replica
-        running the step on ``x, y`` (one replica's batch). Starts from the planning budget a
-        check accepted before for this graph and budget, in this process or another
-        (:func:`~tfremat.allocator_check.remembered_planning_budget`): its schedule is cached,
-        so a second process solves nothing. ``exceeded``: ``(planning budget, peak)`` of a
-        plan that a training step found over the budget, planned again first.
+        """Re-plans until the step's allocator peak is within the budget (``allocator_check``;
+        :func:`~tfremat.allocator_check.hold_allocator_peak`, from the planning budget a check
+        accepted before for this graph and budget); under a strategy, the largest peak over
+        the replicas' allocators, each replica running the step on ``x, y`` (one replica's
+        batch). ``exceeded``: ``(planning budget, peak)`` of a plan that a training step found
+        over the budget, planned again first.
 
         Returns ``(result, step, planning budget)``; the planning budget is None when the
         allocator keeps no statistics (nothing was held)."""
         model = self.model
-        budget = result.budget_bytes
-        graph = result.extraction.graph
-        planning_budget, peak, remembered = budget, None, None
-        if exceeded is not None:
-            planning_budget, peak = exceeded
-        else:
-            remembered = remembered_planning_budget(self.cache, graph, budget, self.strategy, options)
-        if remembered is not None:
-            try:
-                result, step = self._replanned(result, remembered, options, strategy)
-                planning_budget = remembered
-                logger.info("planning under %s, where a plan held the allocator's peak to the budget %s before",
-                            format_bytes(remembered), format_bytes(budget))
-            except (InfeasibleBudgetError, SolverTimeLimitError) as error:
-                # Its schedule left the cache and was not found again: check from the budget.
-                logger.info("the remembered planning budget %s found no plan (%s); checking from the budget",
-                            format_bytes(remembered), error)
         devices = [None] if strategy is None else replica_allocators(strategy)
-        last = peak
-        for _ in range(ALLOCATOR_ROUNDS):
-            if peak is None:
-                # XLA takes one block for all of a step's temporaries, which the allocator may
-                # serve from a chunk up to twice its size: what XLA requests is held instead.
-                count = "requested" if self._jit_compile else "allocator"
-                peaks = [allocator_peak(step, model, x, y, sample_weight, device=d, count=count) for d in devices]
-                peak = None if None in peaks else max(peaks)
-                if peak is None:
-                    return result, step, None
-                last = peak
-                if peak <= budget:
-                    if self._jit_compile:
-                        self._warn_xla_allocator(step, x, y, sample_weight, devices, budget, peak)
-                    if planning_budget != budget:
-                        logger.info("planned under %s so that the allocator's peak (%s held) stays within the "
-                                    "budget %s", format_bytes(planning_budget), format_bytes(peak),
-                                    format_bytes(budget))
-                        if planning_budget != remembered:
-                            remember_planning_budget(self.cache, graph, budget, self.strategy, options,
-                                                     planning_budget)
-                    return dataclasses.replace(result, budget_bytes=budget), step, planning_budget
-            planning_budget = next_planning_budget(planning_budget, budget, peak, result.predicted_peak_bytes)
-            logger.info("the allocator's peak %s held exceeds the budget %s (prediction %s); planning again under %s",
-                        format_bytes(peak), format_bytes(budget), format_bytes(result.predicted_peak_bytes),
-                        format_bytes(planning_budget))
-            try:
-                if planning_budget <= 0:
-                    raise InfeasibleBudgetError(planning_budget, strategy=self.strategy)
-                replanned, step = self._replanned(result, planning_budget, options, strategy)
-            except InfeasibleBudgetError as error:
-                # In the allocator's terms: the smallest plan's peak plus the chunks this plan's
-                # peak showed. The planner's own figures are below the budget (ResNet50 at
-                # 300MiB: "smallest feasible 289.64 MiB" for a 300 MiB budget it refused;
-                # benchmarks/user_check.py).
-                chunks = max(peak - result.predicted_peak_bytes, 0)
-                smallest = None if error.min_feasible_bytes is None else error.min_feasible_bytes + chunks
-                smallest_plan = ("" if error.min_feasible_bytes is None else
-                                 f"the smallest plan's {format_bytes(error.min_feasible_bytes)} predicted plus those "
-                                 "chunks is the smallest budget found; ")
-                raise InfeasibleBudgetError(
-                    budget, smallest, None, self.strategy,
-                    detail=f"held for the allocator's peak: it was {format_bytes(peak)} held, its chunks adding "
-                           f"{format_bytes(chunks)} to the {format_bytes(result.predicted_peak_bytes)} predicted, and "
-                           f"no schedule fits {format_bytes(max(planning_budget, 0))}; {smallest_plan}"
-                           "allocator_check=False holds the budget for requested bytes only",
-                ) from error
-            result, peak = replanned, None
-        raise InfeasibleBudgetError(
-            budget, strategy=self.strategy,
-            detail=f"the allocator's peak stayed above it after {ALLOCATOR_ROUNDS} plans (last {format_bytes(last)} "
-                   f"held, planned under {format_bytes(planning_budget)}); allocator_check=False holds the budget for "
-                   "requested bytes only",
-        )
+        # XLA takes one block for all of a step's temporaries, which the allocator may serve
+        # from a chunk up to twice its size: what XLA requests is held instead.
+        count = "requested" if self._jit_compile else "allocator"
+
+        def read_peak(candidate):
+            peaks = [allocator_peak(candidate, model, x, y, sample_weight, device=d, count=count) for d in devices]
+            return None if None in peaks else max(peaks)
+
+        def accepted(candidate, peak):
+            if self._jit_compile:
+                self._warn_xla_allocator(candidate, x, y, sample_weight, devices, result.budget_bytes, peak)
+
+        return hold_allocator_peak(result, step, lambda current, planning: self._replanned(current, planning, options,
+                                                                                            strategy),
+                                   read_peak, strategy=self.strategy, options=options, cache=self.cache,
+                                   exceeded=exceeded, accepted=accepted, log=logger)
 
     def _warn_xla_allocator(self, step, x, y, sample_weight, devices, budget: int, requested: int) -> None:
         """Warns when an XLA step whose requested bytes fit the budget peaks over it in the
@@ -463,24 +403,12 @@ class RematCallback(keras.callbacks.Callback):
 
     def _replanned(self, result, planning_budget: int, options: dict, strategy=None):
         """``result``'s graph planned under ``planning_budget`` (the new result's budget
-        until the check accepts it) and its compiled step."""
+        until the check accepts it; :func:`~tfremat.allocator_check.replan`) and its
+        compiled step."""
         from tfremat.static_graph.compile import compile_step
 
-        strategy_name = replan_strategy(result, self.strategy)
-        if strategy_name != self.strategy:
-            logger.info("planning with %s, whose schedule %s returned unimproved under %s", strategy_name,
-                        self.strategy, format_bytes(result.budget_bytes))
-            try:
-                replanned = plan_graph(result.extraction.graph, planning_budget, strategy_name, cache=self.cache,
-                                       verbose=0)
-                # Named as asked for (plans[key].strategy), with the heuristic that planned it.
-                replanned = dataclasses.replace(replanned, strategy=self.strategy, planned_with=strategy_name)
-            except InfeasibleBudgetError:
-                strategy_name = self.strategy
-        if strategy_name == self.strategy:
-            replanned = plan_graph(result.extraction.graph, planning_budget, self.strategy, cache=self.cache,
-                                   verbose=self.verbose, **options)
-        replanned = with_rounding(dataclasses.replace(replanned, extraction=result.extraction))
+        replanned = with_rounding(replan(result, planning_budget, self.strategy, options, self.cache, self.verbose,
+                                         planner=plan_graph, log=logger))
         step = compile_step(replanned.extraction, replanned.schedule, optimizer=self.model.optimizer,
                             strategy=strategy, return_outputs=True, jit_compile=self._jit_compile)
         return replanned, step
