@@ -1151,10 +1151,14 @@ def _run_greediest(ops, kept) -> None:
     step's graph and cannot be replayed in isolation; this order keeps the most
     temporaries open, so its peak covers the step's (``tests/test_requested_bytes.py``).
 
-    Shape reads (:data:`_SHAPE_OPS`, a few bytes each) stay out of the chain: Grappler folds
-    them into constants, and a folded node inside a control chain closed a cycle
-    ("the graph couldn't be sorted in topological order", logged on every layer norm)."""
-    ops = [op for op in ops if op.type not in _SHAPE_OPS]
+    What constant folding rewrites stays out of the chain (:func:`_off_chain`): shape reads
+    and what Grappler folds into a constant, and operations with a constant operand, which
+    it may swap with their reader (``(x * c) * y`` becomes ``(x * y) * c`` in ``Erf``'s
+    gradient, each node keeping its control inputs). Either inside the chain closed a
+    cycle ("the graph couldn't be sorted in topological order", logged on every layer
+    norm and four times on every GELU Dense; ``tests/test_greediest_chain.py``)."""
+    off = _off_chain(ops)
+    ops = [op for op in ops if id(op) not in off]
     inside = {id(op) for op in ops}
     kept_names = {t.name for t in kept}
     readers: dict[str, int] = {}
@@ -1182,6 +1186,22 @@ def _run_greediest(ops, kept) -> None:
         ordered.append(chosen)
     for previous, op in zip(ordered, ordered[1:]):
         op._add_control_input(previous)  # pylint: disable=protected-access
+
+
+def _off_chain(ops) -> set[int]:
+    """Ids of those of ``ops`` (in creation order, so inputs come first) that constant
+    folding may replace or rewrite: shape reads and constants (:data:`_SHAPE_OPS`),
+    stateless operations whose inputs are all of them, and operations reading one (an
+    input made outside ``ops`` counts when it is a shape read or a constant)."""
+    constant: set[int] = set()
+    off: set[int] = set()
+    for op in ops:
+        constant_inputs = [id(t.op) in constant or t.op.type in _SHAPE_OPS for t in op.inputs]
+        if op.type in _SHAPE_OPS or (constant_inputs and all(constant_inputs) and not op.op_def.is_stateful):
+            constant.add(id(op))
+        if id(op) in constant or any(constant_inputs):
+            off.add(id(op))
+    return off
 
 
 def _waits_within(ops, inside: set[int]) -> dict[int, set[int]]:
