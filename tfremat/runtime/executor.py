@@ -117,7 +117,11 @@ class BlockingCall:
         functions: the functions it runs (a call's callee, a conditional's branches).
         within: the function of the graph's library whose body holds ``op``; "" when the
             graph itself does.
-        xla: whether a function it runs is compiled with XLA (``jit_compile=True``).
+        reached: every function it runs, directly or through the calls and loops of their
+            bodies (a ``tf.cond`` under a gradient tape is a call of a wrapper holding the
+            ``If``).
+        xla: whether one of ``reached`` is compiled with XLA (``jit_compile=True``).
+        conditional: whether ``op`` or one of ``reached`` is a conditional (``If``, ``Case``).
         devices: the devices, when the cause is operations placed on several.
     """
 
@@ -125,25 +129,30 @@ class BlockingCall:
     op_type: str
     functions: tuple[str, ...] = ()
     within: str = ""
+    reached: tuple[str, ...] = ()
     xla: bool = False
+    conditional: bool = False
     devices: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """What was found, in words a user can place in the model: e.g. "Keras compiles
-        grouped convolutions with XLA on CPU (model/conv/StatefulPartitionedCall calls
-        __forward__conv_xla_5414)"."""
+        grouped convolutions (Conv2D with groups > 1) with XLA on CPU
+        (model/conv/StatefulPartitionedCall calls __forward__conv_xla_5414)"."""
         if self.devices:
             return f"its operations are placed on {len(self.devices)} devices ({', '.join(self.devices)})"
         where = self.op + (f" in {self.within}" if self.within else "")
         if self.op_type.startswith("Collective"):
             return f"it holds a collective operation ({where}, {self.op_type})"
-        runs = " or ".join(self.functions)
-        if any("_conv_xla" in name for name in self.functions):
-            return f"Keras compiles grouped convolutions (Conv2D with groups > 1) with XLA on CPU ({where} calls {runs})"
-        if self.op_type in ("If", "StatelessIf", "Case", "StatelessCase"):
-            return f"it holds a conditional (a tf.cond, a loss scale's update; {where} runs {runs})"
+        runs = f"{where} {'runs' if self.op_type in _CONDITIONALS else 'calls'} {' or '.join(self.functions)}"
+        if any("_conv_xla" in name for name in self.reached):
+            return f"Keras compiles grouped convolutions (Conv2D with groups > 1) with XLA on CPU ({runs})"
+        if self.conditional:
+            return f"it holds a conditional (a tf.cond, a loss scale's update; {runs})"
         compiled = " compiled with XLA (jit_compile=True)" if self.xla else ""
-        return f"it calls a function{compiled} ({where} calls {runs})"
+        return f"it calls a function{compiled} ({runs})"
+
+
+_CONDITIONALS = frozenset({"If", "StatelessIf", "Case", "StatelessCase"})
 
 
 def blocking_call(graph: Any) -> BlockingCall | None:
@@ -161,15 +170,26 @@ def blocking_call(graph: Any) -> BlockingCall | None:
         return BlockingCall(op="", op_type="", devices=tuple(devices))
     for node, within in nodes:
         if node.op in _CALLING_OPS or node.op.startswith("Collective"):
-            functions = _called(node)
-            xla = any(library[name].attr["_XlaMustCompile"].b for name in functions if name in library)
-            return BlockingCall(op=node.name, op_type=node.op, functions=functions, within=within, xla=xla)
+            reached, pending = [], list(_called(node))
+            while pending:
+                name = pending.pop(0)
+                if name in reached or name not in library:
+                    continue
+                reached.append(name)
+                pending += [callee for inner in library[name].node_def for callee in _called(inner)]
+            conditional = node.op in _CONDITIONALS or any(
+                inner.op in _CONDITIONALS for name in reached for inner in library[name].node_def)
+            return BlockingCall(op=node.name, op_type=node.op, functions=_called(node), within=within,
+                                reached=tuple(reached), xla=any(library[name].attr["_XlaMustCompile"].b
+                                                                 for name in reached),
+                                conditional=conditional)
     return None
 
 
 def _called(node) -> tuple[str, ...]:
     """The functions ``node`` (a ``NodeDef``) names: a call's ``f``, a conditional's
-    ``then_branch`` and ``else_branch`` (in that order) or ``branches``."""
+    ``then_branch`` and ``else_branch`` (in that order) or ``branches``, a loop's ``cond``
+    and ``body``."""
     names = []
     for key, value in sorted(node.attr.items(), key=lambda item: (item[0] != "then_branch", item[0])):
         names += [value.func.name] if value.func.name else [f.name for f in value.list.func]
