@@ -256,7 +256,7 @@ class ValueAndGrad:
         count = "requested" if settings.jit_compile else "allocator"
 
         def read_peak(candidate):
-            return step_allocator_peak(lambda a, b: candidate(a, b), arguments, self._label, variables, count=count)
+            return step_allocator_peak(candidate, arguments, self._label, variables, count=count)
 
         def plan_at(current, planning_budget):
             replanned = replan(current, planning_budget, settings.strategy, settings.options, settings.cache,
