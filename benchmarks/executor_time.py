@@ -1,0 +1,173 @@
+"""Predicted against measured time over plain, by the executor the compiled step runs on
+(benchmarks/results/executor_time.md).
+
+``convnext``: ConvNeXt-like blocks (7x7 depthwise convolution, LayerNorm, Dense 4C with GELU,
+Dense C, residual). With ``--depthwise grouped`` the depthwise convolution is
+``Conv2D(groups=C)``, which Keras runs on CPU as a call of its ``jit_compile=True``
+``_conv_xla``: the step runs on TensorFlow's default executor. With ``--depthwise layer`` it is
+``DepthwiseConv2D``: the step runs on the single-threaded one. The extraction measures the
+plain overlap as before this change (its ``blocking_call`` test off), so the row gives the
+prediction before ``(1 + overhead) * overlap`` and after (the overlap only on the
+single-threaded executor), against the step timed in turns with a plain tape step.
+
+``gru``: the plain overlap of user_check.py's ``gru_text`` (batch 16), timed in ``--blocks``
+blocks of ``--rounds`` rounds on the two executors, each block's median and quartiles, and
+the factor the overlap's stopping rule (2% or 1.5 s, :mod:`tfremat.extract.overlap`) would have
+taken from each block's first rounds.
+
+    python benchmarks/executor_time.py convnext --depthwise grouped
+    python benchmarks/executor_time.py gru --blocks 4 --rounds 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+import types
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfremat.extract.overlap as overlap_module  # noqa: E402
+from tfremat.extract import extract  # noqa: E402
+from tfremat.extract.plain_step import plain_train_step  # noqa: E402
+from tfremat.planner import plan_graph  # noqa: E402
+from tfremat.runtime import executor  # noqa: E402
+from tfremat.runtime.timing import time_in_turns  # noqa: E402
+from tfremat.static_graph import compile_step  # noqa: E402
+
+
+def _convnext(depthwise: str, blocks: int, size: int, channels: int):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((size, size, 3))
+    h = keras.layers.Conv2D(channels, 4, strides=4)(inputs)
+    for i in range(blocks):
+        shortcut = h
+        if depthwise == "grouped":
+            h = keras.layers.Conv2D(channels, 7, padding="same", groups=channels, name=f"block_{i}_depthwise_conv")(h)
+        else:
+            h = keras.layers.DepthwiseConv2D(7, padding="same", name=f"block_{i}_depthwise_conv")(h)
+        h = keras.layers.LayerNormalization(epsilon=1e-6)(h)
+        h = keras.layers.Dense(4 * channels, activation="gelu")(h)
+        h = keras.layers.Dense(channels)(h)
+        h = keras.layers.Add()([shortcut, h])
+    outputs = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(inputs, outputs, name=f"convnext_like_{depthwise}")
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _old_overlap():
+    """The extraction measures the plain overlap as before: no blocking_call test."""
+    overlap_module.executor = types.SimpleNamespace(blocking_call=lambda graph: None,
+                                                    sequential_ops=executor.sequential_ops)
+
+
+def convnext(args) -> dict:
+    _old_overlap()
+    model = _convnext(args.depthwise, args.blocks, args.size, args.channels)
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.random((args.batch, args.size, args.size, 3)), tf.float32)
+    y = tf.constant(rng.random((args.batch, 10)), tf.float32)
+    extraction = extract(model, (x, y), cost_model="profile", use_cache=False)
+    result = plan_graph(extraction.graph, args.budget, args.strategy, cache=False, verbose=0)
+    result = dataclasses.replace(result, extraction=extraction)
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    step = compile_step(extraction, result.schedule, optimizer=optimizer)
+    step(x, y)  # decides the executor
+    after = dataclasses.replace(result, step_sequential=step.sequential)
+    plain_optimizer = keras.optimizers.Adam()
+    plain = plain_train_step(model, extraction.side_table.loss_fn, plain_optimizer)
+    blocks = []
+    for _ in range(args.blocks_timed):
+        load = os.getloadavg()[0]
+        timing = time_in_turns(lambda: step(x, y), lambda: plain(x, [y]), args.rounds)
+        blocks.append({"load": round(load, 2), "ratio": round(timing.ratio, 4),
+                       "quartiles": [round(q, 4) for q in timing.ratio_quartiles]})
+    measured = statistics.median(b["ratio"] for b in blocks)
+    return {
+        "model": model.name, "nodes": extraction.graph.size, "budget": args.budget, "strategy": args.strategy,
+        "step_executor": "single-threaded" if step.sequential else "default",
+        "overhead": round(result.overhead, 4), "measured_overlap": round(extraction.plain_overlap, 4),
+        "predicted_before": round((1 + result.overhead) * extraction.plain_overlap, 4),
+        "predicted_after": round(after.predicted_time_over_plain, 4),
+        "measured": blocks, "measured_median": round(measured, 4),
+        "before_ratio": round(measured / ((1 + result.overhead) * extraction.plain_overlap), 4),
+        "after_ratio": round(measured / after.predicted_time_over_plain, 4),
+    }
+
+
+def gru(args) -> dict:
+    from user_check import _gru_text  # this script's folder is on the path
+
+    keras.utils.set_random_seed(0)
+    model = _gru_text()
+    x = tf.zeros((16, 200), tf.int32)
+    y = [tf.zeros((16, 1), tf.float32)]
+    loss = lambda labels, preds: tf.reduce_mean(keras.losses.binary_crossentropy(labels[0], preds[0]))  # noqa: E731
+    default_step = plain_train_step(model, loss, keras.optimizers.Adam())
+    sequential_step = plain_train_step(model, loss, keras.optimizers.Adam())
+
+    def run_sequential():
+        with executor.sequential():
+            out = sequential_step(x, y)
+            out.numpy()
+        return out
+
+    run_sequential()
+    default_step(x, y).numpy()
+    blocks = []
+    for _ in range(args.blocks):
+        load = os.getloadavg()[0]
+        ratios = []
+
+        def keep(r):
+            ratios[:] = r
+            return False
+
+        began = time.perf_counter()
+        timing = time_in_turns(run_sequential, lambda: default_step(x, y), args.rounds, warmup=0, enough=keep)
+        seconds = time.perf_counter() - began
+        # The 2% rule on the rounds so far.
+        taken = next((n for n in range(1, len(ratios) + 1) if n >= overlap_module.MIN_ROUNDS and
+                      overlap_module._median_error(ratios[:n]) <= overlap_module.PRECISION), None)
+        # The 1.5 s bound: rounds that fit in TARGET_SECONDS at this block's pace.
+        per_round = seconds / len(ratios)
+        by_time = max(overlap_module.MIN_ROUNDS, int(np.ceil(overlap_module.TARGET_SECONDS / per_round)))
+        first = min(n for n in (taken, by_time) if n is not None)
+        blocks.append({
+            "load": round(load, 2), "rounds": len(ratios), "median": round(timing.ratio, 4),
+            "quartiles": [round(q, 4) for q in timing.ratio_quartiles],
+            "round_seconds": round(per_round, 3),
+            "rule_rounds": first, "rule_factor": round(statistics.median(ratios[:first]), 4),
+        })
+    return {"model": model.name, "blocks": blocks}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("kind", choices=["convnext", "gru"])
+    parser.add_argument("--depthwise", choices=["grouped", "layer"], default="grouped")
+    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--channels", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--budget", default="90% of activations")
+    parser.add_argument("--strategy", default="optimal")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--blocks_timed", type=int, default=3)
+    args = parser.parse_args()
+    print(json.dumps(convnext(args) if args.kind == "convnext" else gru(args)))
+
+
+if __name__ == "__main__":
+    main()
