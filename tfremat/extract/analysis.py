@@ -59,7 +59,8 @@ read off the run's allocations and count as residuals (:func:`_hidden_residual_b
 ``training=True``, which would move batch-norm statistics and dropout seeds, so the layer's
 non-trainable variables are restored afterwards: extraction leaves the model exactly as it
 found it. The backward workspace of a call that runs a while loop is the largest over a few
-traces (see :func:`_other_orders_peak`), and that of a call whose gradient reads residuals
+traces (see :func:`_other_orders_peaks`), on the single-threaded executor with one more
+loop variable (:func:`_loop_peak`), and that of a call whose gradient reads residuals
 only the largest over three orders of its operations (:func:`_run_greediest`).
 
 Within :func:`xla_costs` (``extract(..., xla=True)``, for a step compiled with
@@ -96,6 +97,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import hashlib
 import logging
 import math
 import time
@@ -135,7 +137,10 @@ _VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGrad
 _CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
 # A gradient made by one of these may be folded into a constant, whose buffer no reader can take.
 _CONSTANT_LIKE_OPS = frozenset({"Const", "ZerosLike", "OnesLike", "Fill", "Zeros"})
-_LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (_other_orders_peak)
+_LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (_other_orders_peaks)
+# Per loop call (a digest of its traced operations) and part ("forward", "backward"): the
+# least and the largest requested peak of its traces profiled in this process (_loop_peak).
+_LOOP_PEAKS: dict[tuple[str, str], tuple[int, int]] = {}
 # Timing (_rounds): runs go on until they took this long and numbered `repeats`, or
 # this many; the least run of those is the cost. Within timing_passes every call is timed
 # this many times, in passes over all the calls, and each keeps its least.
@@ -987,8 +992,10 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
         fb_peak = max(_requested_peak(tracer.trace("consumed", gated=gated, greediest=greedy), args, warmup)
                       for gated, greedy in ((True, False), (False, False), (True, True)))
     else:
-        fb_peak = max(_requested_peak(fb_concrete, args, warmup),
-                      _other_orders_peak(tracer, held_concrete is not None, inputs, warmup))
+        fb_peaks = [_requested_peak(fb_concrete, args, warmup),
+                    *_other_orders_peaks(tracer, held_concrete is not None, inputs, warmup)]
+        fb_peak = _loop_peak(tracer.records["step"], "backward", fb_peaks)
+    fwd_peak = _loop_peak(tracer.records["step"], "forward", [fwd_peak])
     # A loop's accumulators, which its forward allocates, are counted by _held_bytes already.
     hidden = 0 if _XLA_LAYOUTS.get() or held_concrete is not None else _hidden_residual_bytes(
         fb_concrete, args, tracer.records["step"], warmup)
@@ -1117,22 +1124,57 @@ def _xla_compiled(layer_name: str):
         ) from error
 
 
-def _other_orders_peak(tracer: _CallTracer, loop: bool, inputs, warmup: int) -> int:
-    """The largest requested peak of the backward in the orders the step may run it in,
-    besides the ``"step"`` trace already measured.
+def _other_orders_peaks(tracer: _CallTracer, loop: bool, inputs, warmup: int) -> list[int]:
+    """The requested peaks of the backward in the orders the step may run it in, besides
+    the ``"step"`` trace already measured.
 
     A loop's gradient comes out of each trace with its operations in another order (not
     fixed by Python's hash seed either), and the order decides how many iterations'
     temporaries are in flight at once: the peak differs between traces (several-fold on a
     small LSTM) and is the same on every run of one. The step's trace is another draw, so
-    the largest over :data:`_LOOP_TRACES` traces counts. Without a loop, the ungated order
-    (:meth:`_CallTracer.forward_backward`).
+    the largest over :data:`_LOOP_TRACES` traces counts (:func:`_loop_peak`). Without a
+    loop, the ungated order (:meth:`_CallTracer.forward_backward`).
     """
     args = (inputs, tf.constant(1.0))
     if loop:
-        retraced = [tracer.trace("step") for _ in range(_LOOP_TRACES - 1)]
-        return max(_requested_peak(fn, args, warmup) for fn in retraced)
-    return _requested_peak(tracer.trace("ungated", gated=False), args, warmup)
+        return [_requested_peak(tracer.trace("step"), args, warmup) for _ in range(_LOOP_TRACES - 1)]
+    return [_requested_peak(tracer.trace("ungated", gated=False), args, warmup)]
+
+
+def _loop_peak(record: dict, part: str, peaks: Sequence[int]) -> int:
+    """The requested peak that counts for ``part`` (``"forward"`` or ``"backward"``) of a
+    call, from ``peaks``, the peaks of its traces measured now: their largest, and where
+    that part runs a ``While`` on the single-threaded executor (with several inter-op
+    threads, :func:`~tfremat.runtime.executor.step_executor`) at least the least peak
+    of its traces profiled in this process plus its largest loop variable
+    (:func:`_loop_variable_bytes`), and at least the largest of them.
+
+    There the executor hands each iteration of the loop's body to an inter-op thread and
+    the loop waits for its signal; in a few traces out of ten (and in the compiled step in
+    a few processes per hundred) one more buffer of a loop variable was live at the peak: a
+    small LSTM's backward requested 170,629 B in most traces and 187,013 B (+16,384, the
+    recurrent kernel's gradient accumulator, 32x128 float32) in some; its forward
+    layer's +4,096, its input kernel's (``benchmarks/workspace_repeatability.py --model
+    lstm``). Counting the buffer always, above the least trace, gives the same peak whether
+    a trace had it or not, and keeping the least and the largest over the profiles of the
+    process makes repeated profiles agree beyond the allocator's 256-byte steps
+    (benchmarks/results/workspace_repeatability.md)."""
+    ops = record["forward_ops" if part == "forward" else "backward_ops"]
+    extra = _loop_variable_bytes(ops)
+    if not extra or executor.sequential_ops():
+        return max(peaks)
+    key = (hashlib.sha1(repr([(op.type, [str(t.shape) for t in op.inputs], [str(t.shape) for t in op.outputs])
+                              for op in (*record["forward_ops"], *record["backward_ops"])]).encode()).hexdigest(), part)
+    least, largest = _LOOP_PEAKS.get(key, (min(peaks), max(peaks)))
+    least, largest = min(least, *peaks), max(largest, *peaks)
+    _LOOP_PEAKS[key] = (least, largest)
+    return max(largest, least + extra)
+
+
+def _loop_variable_bytes(ops) -> int:
+    """Bytes of the largest loop variable of the ``While`` operations among ``ops`` whose
+    size the graph gives (not a ``variant`` accumulator, not a resource): 0 without a loop."""
+    return max((_static_bytes(t) for op in ops if op.type in _LOOP_OPS for t in op.inputs), default=0)
 
 
 def _run_greediest(ops, kept) -> None:
