@@ -219,7 +219,7 @@ def assemble(model, calls: Sequence[LayerCall], output_refs: Sequence[TensorRef]
             update_bytes[b] = temporaries.bytes_for(_variable_sizes(trainable_variables(call.layer)))
         workspace = _backward_workspace(analyses[call.position], call.position in sole)
         _add_call(nodes, call, analyses[call.position], b, output_grads[call.position],
-                  needs_backward, flops, weight_grads, update_bytes.get(b, 0), held.get(call.position, 0), workspace)
+                  needs_backward, flops, update_bytes.get(b, 0), workspace)
         if call.position in split:
             _split_backward(nodes, call, analyses[call.position], weight_id[call.position],
                             backward_id[call.position], update_bytes.get(b, 0))
@@ -354,14 +354,15 @@ def _output_gradients(calls, output_refs, needs_backward, loss_node: int,
 
 
 def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, output_grads: list[list[GradRef]],
-              needs_backward: Sequence[bool], flops: bool, weight_grads: str, update_bytes: int = 0,
-              held_grads: int = 0, backward_workspace: int | None = None) -> None:
+              needs_backward: Sequence[bool], flops: bool, update_bytes: int = 0,
+              backward_workspace: int | None = None) -> None:
     """Fills in the forward node of ``call`` and, when ``b`` is not None, its backward node
     ``b``: names, costs, values, workspaces, edges and side-table entries; ``update_bytes``:
-    the temporaries of the layer's optimizer update, counted in ``b``'s workspace;
-    ``held_grads``: with ``weight_grads="fixed"``, the weight gradients ``b`` makes and
-    holds to the end of the step, counted in its workspace while it runs;
-    ``backward_workspace``: the measured part of ``b``'s workspace (default
+    the temporaries of the layer's optimizer update (transient weight gradients), counted in
+    ``b``'s workspace with the weight gradients ``b`` makes, all of the layer's whether it
+    holds them to the end of the step or not: a shared layer's other calls make their own
+    before they are summed (a ``Dense(512)`` called twice requested 1.4x its prediction
+    without them; tests/test_dying_upstream_guard.py); ``backward_workspace``: the measured part of ``b``'s workspace (default
     ``a.backward_workspace``; :func:`_backward_workspace`)."""
     i = call.position
     layer = call.layer
@@ -395,10 +396,7 @@ def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, ou
     nodes.cost[b] = a.backward_flops if flops else a.backward_seconds
     nodes.out_bytes[b] = a.input_grad_bytes
     nodes.work[b] = a.backward_workspace if backward_workspace is None else backward_workspace
-    if weight_grads == "transient":
-        nodes.work[b] += _variables_bytes(trainable_variables(layer)) + update_bytes
-    else:
-        nodes.work[b] += held_grads
+    nodes.work[b] += _variables_bytes(trainable_variables(layer)) + update_bytes
     nodes.work[b] += _PENALTY_BUFFERS * _variables_bytes(regularized_variables(layer))
     grads = tuple(tuple(g) for g in output_grads)
     for contributions in grads:
