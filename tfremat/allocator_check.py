@@ -27,7 +27,8 @@ from tfremat.cache import ScheduleCache, default_cache_dir, read_entry, warn_onc
 from tfremat.errors import CompileError, InfeasibleBudgetError, SolverTimeLimitError
 
 __all__ = ["ALLOCATOR_ROUNDS", "ALLOCATOR_READS", "PLANNING_GRID", "WATCHED_STEPS", "wants_allocator_check",
-           "hold_allocator_peak", "replan", "allocator_peak", "step_allocator_peak", "held_peak", "training_step_peak", "replica_allocators", "next_planning_budget",
+           "hold_allocator_peak", "replan", "allocator_peak", "step_allocator_peak", "held_peak", "training_step_peak",
+           "replica_allocators", "next_planning_budget",
            "replan_strategy", "remembered_planning_budget", "remember_planning_budget"]
 
 logger = logging.getLogger(__name__)

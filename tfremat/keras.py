@@ -100,7 +100,7 @@ class RematCallback(keras.callbacks.Callback):
             then three reads (:data:`~tfremat.allocator_check.ALLOCATOR_READS`), held as the
             largest plus their spread (the peak moves from run to run); while that exceeds
             the budget, the step is planned again under the budget less the excess, up to
-            :data:`ALLOCATOR_ROUNDS` plans, else :class:`InfeasibleBudgetError`. The first
+            :data:`~tfremat.allocator_check.ALLOCATOR_ROUNDS` plans, else :class:`InfeasibleBudgetError`. The first
             :data:`~tfremat.allocator_check.WATCHED_STEPS` training steps are read too (not
             under a strategy or XLA), and one over the budget has the step planned again from
             the next on. The planning budget accepted is kept with the schedule cache, where
