@@ -208,7 +208,6 @@ class ValueAndGrad:
         Raises:
             InfeasibleBudgetError: naming what ``g``'s fixed memory holds (no optimizer state).
         """
-
         key = _signature(args)
         structure, specs = key
         if structure != self._structure:
