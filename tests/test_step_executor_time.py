@@ -161,3 +161,14 @@ def test_measure_model_predicts_the_time_on_the_executor_its_step_ran_on(paralle
                                cost_model="flops", cache=False, verbose=0)
     assert on_default["step_executor"] == "default" and on_default["plain_overlap"] == 1.0
     assert on_default["predicted_time_over_plain"] == pytest.approx(1 + on_default["predicted_overhead"], abs=1e-3)
+
+
+@pytest.mark.parametrize("kind, sequential", [("plain", True), ("cond", False)])
+def test_fit_s_plan_records_the_executor_its_step_ran_on(parallel, kind, sequential):
+    import tfremat
+
+    x, y = _batch()
+    history = tfremat.fit(_model(kind), "100%", x, y, batch_size=4, epochs=1, verbose=0, cache=False,
+                          cost_model="flops", allocator_check=False)
+    (plan,) = history.plans.values()
+    assert plan.step_sequential is sequential

@@ -459,6 +459,11 @@ class RematCallback(keras.callbacks.Callback):
                 loss, y_pred = self._watched_step(step, x, y, sample_weight)
             else:
                 loss, y_pred = step(x, y, sample_weight)
+            key = _shape_key(x, y)
+            if self.plans[key].step_sequential != step.sequential:
+                # A step that calls functions leaves the single-threaded executor when it
+                # first runs; its planned time then drops plain training's overlap.
+                self.plans[key] = dataclasses.replace(self.plans[key], step_sequential=step.sequential)
             logs = update_metrics(model, step, loss, x, y, y_pred, sample_weight)
         if self._tracing is not None:
             self._tracing.done("traced and ran the first step")
