@@ -138,8 +138,9 @@ _CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
 # A gradient made by one of these may be folded into a constant, whose buffer no reader can take.
 _CONSTANT_LIKE_OPS = frozenset({"Const", "ZerosLike", "OnesLike", "Fill", "Zeros"})
 _LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (_other_orders_peaks)
-# Per loop call (a digest of its traced operations) and part ("forward", "backward"): the
-# least and the largest requested peak of its traces profiled in this process (_loop_peak).
+# Per loop call (_loop_key) and part ("forward", "backward"): the largest over its profiles
+# in this process of the least requested peak of a profile's traces, and the largest peak
+# (_loop_peak); with "held", the fewest bytes its accumulators held (_loop_residuals).
 _LOOP_PEAKS: dict[tuple[str, str], tuple[int, int]] = {}
 # Timing (_rounds): runs go on until they took this long and numbered `repeats`, or
 # this many; the least run of those is the cost. Within timing_passes every call is timed
@@ -939,7 +940,9 @@ def _loop_residuals(tracer: _CallTracer, read_tensors, layer_name: str):
 
     Only for a call that runs a while loop or whose gradient reads ``variant`` tensors:
     their bytes and the iteration count exist only at run time, so the ``"held"`` trace is
-    run once (:func:`_held_bytes`). Otherwise ``(None, 0, 1)``.
+    run once (:func:`_held_bytes`); on the single-threaded executor the fewest bytes over
+    the call's profiles in this process count (:data:`_LOOP_PEAKS`). Otherwise
+    ``(None, 0, 1)``.
     """
     if not (tracer.one_call or any(t.dtype == tf.variant for t in read_tensors)):
         return None, 0, 1
@@ -947,6 +950,13 @@ def _loop_residuals(tracer: _CallTracer, read_tensors, layer_name: str):
     loop_bytes, iterations = _held_bytes(
         held_concrete, ([_sample(s) for s in tracer.input_specs], tf.constant(1.0)), tracer.records["held"], layer_name,
     )
+    if not executor.sequential_ops():
+        # On the single-threaded executor the bytes in use after the run were up to 3.5 KiB
+        # more in some profiles of a small LSTM (a body's temporary not freed yet, as in
+        # _loop_peak): the fewest seen in this process count.
+        key = (_loop_key(tracer.records["step"]), "held")
+        loop_bytes = min(loop_bytes, _LOOP_PEAKS.get(key, (0, loop_bytes))[1])
+        _LOOP_PEAKS[key] = (0, loop_bytes)
     logger.debug("layer %s: loop accumulators hold %d bytes over %d iterations", layer_name, loop_bytes, iterations)
     return held_concrete, loop_bytes, iterations
 
@@ -1145,30 +1155,36 @@ def _loop_peak(record: dict, part: str, peaks: Sequence[int]) -> int:
     """The requested peak that counts for ``part`` (``"forward"`` or ``"backward"``) of a
     call, from ``peaks``, the peaks of its traces measured now: their largest, and where
     that part runs a ``While`` on the single-threaded executor (with several inter-op
-    threads, :func:`~tfremat.runtime.executor.step_executor`) at least the least peak
-    of its traces profiled in this process plus its largest loop variable
-    (:func:`_loop_variable_bytes`), and at least the largest of them.
+    threads, :func:`~tfremat.runtime.executor.step_executor`) the least of them plus its
+    largest loop variable (:func:`_loop_variable_bytes`) if that is more, each the largest
+    over the call's profiles in this process.
 
     There the executor hands each iteration of the loop's body to an inter-op thread and
     the loop waits for its signal; in a few traces out of ten (and in the compiled step in
     a few processes per hundred) one more buffer of a loop variable was live at the peak: a
     small LSTM's backward requested 170,629 B in most traces and 187,013 B (+16,384, the
-    recurrent kernel's gradient accumulator, 32x128 float32) in some; its forward
-    layer's +4,096, its input kernel's (``benchmarks/workspace_repeatability.py --model
-    lstm``). Counting the buffer always, above the least trace, gives the same peak whether
-    a trace had it or not, and keeping the least and the largest over the profiles of the
-    process makes repeated profiles agree beyond the allocator's 256-byte steps
+    recurrent kernel's gradient accumulator, 32x128 float32) in some; its first layer's
+    +4,096, its input kernel's (``benchmarks/workspace_repeatability.py --model lstm``).
+    Counting the buffer always, above the least trace, gives the same peak whether a trace
+    had it or not, and keeping the largest over the process's profiles makes repeated
+    profiles agree once one has seen the noise of the allocator's 256-byte steps
     (benchmarks/results/workspace_repeatability.md)."""
-    ops = record["forward_ops" if part == "forward" else "backward_ops"]
-    extra = _loop_variable_bytes(ops)
+    extra = _loop_variable_bytes(record["forward_ops" if part == "forward" else "backward_ops"])
     if not extra or executor.sequential_ops():
         return max(peaks)
-    key = (hashlib.sha1(repr([(op.type, [str(t.shape) for t in op.inputs], [str(t.shape) for t in op.outputs])
-                              for op in (*record["forward_ops"], *record["backward_ops"])]).encode()).hexdigest(), part)
-    least, largest = _LOOP_PEAKS.get(key, (min(peaks), max(peaks)))
-    least, largest = min(least, *peaks), max(largest, *peaks)
+    key = (_loop_key(record), part)
+    least, largest = _LOOP_PEAKS.get(key, (0, 0))
+    least, largest = max(least, min(peaks)), max(largest, *peaks)
     _LOOP_PEAKS[key] = (least, largest)
     return max(largest, least + extra)
+
+
+def _loop_key(record: dict) -> str:
+    """A digest of a trace's operations (types and shapes, not names): one loop call's
+    profiles in a process share it (:data:`_LOOP_PEAKS`)."""
+    ops = (*record["forward_ops"], *record["backward_ops"])
+    return hashlib.sha1(repr([(op.type, [str(t.shape) for t in op.inputs], [str(t.shape) for t in op.outputs])
+                              for op in ops]).encode()).hexdigest()
 
 
 def _loop_variable_bytes(ops) -> int:
