@@ -26,13 +26,14 @@ os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TFREMAT_CACHE_DIR", tempfile.mkdtemp(prefix="tfremat_forwarded_upstream_"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from keras import layers, ops  # noqa: E402
 
 import tfremat  # noqa: E402
+import user_check  # noqa: E402
 from tfremat.extract import assembly, extract  # noqa: E402
 from tfremat.measure import requested_ledger  # noqa: E402
 from tfremat.plan.simulator import simulate  # noqa: E402
@@ -63,31 +64,9 @@ def keras_case(build):
 
 
 def vae_case(budget):
-    """The user_check VAE (benchmarks/user_check.py, ``check_vae``) through ``value_and_grad`` at ``budget``."""
-    keras.utils.set_random_seed(0)
-    latent = 2
-    image = keras.Input((28, 28, 1))
-    h = layers.Conv2D(32, 3, activation="relu", strides=2, padding="same")(image)
-    h = layers.Conv2D(64, 3, activation="relu", strides=2, padding="same")(h)
-    h = layers.Dense(16, activation="relu")(layers.Flatten()(h))
-    encoder = keras.Model(image, [layers.Dense(latent)(h), layers.Dense(latent)(h)], name="encoder")
-    code = keras.Input((latent,))
-    h = layers.Reshape((7, 7, 64))(layers.Dense(7 * 7 * 64, activation="relu")(code))
-    h = layers.Conv2DTranspose(64, 3, activation="relu", strides=2, padding="same")(h)
-    h = layers.Conv2DTranspose(32, 3, activation="relu", strides=2, padding="same")(h)
-    decoder = keras.Model(code, layers.Conv2DTranspose(1, 3, activation="sigmoid", padding="same")(h), name="decoder")
-
-    def vae_loss(data, epsilon):
-        z_mean, z_log_var = encoder(data, training=True)
-        z = z_mean + ops.exp(0.5 * z_log_var) * epsilon
-        reconstruction = decoder(z, training=True)
-        rec = ops.mean(ops.sum(keras.losses.binary_crossentropy(data, reconstruction), axis=(1, 2)))
-        kl = -0.5 * (1 + z_log_var - ops.square(z_mean) - ops.exp(z_log_var))
-        return rec + ops.mean(ops.sum(kl, axis=1))
-
-    rng = np.random.default_rng(0)
-    data = tf.constant(rng.random((BATCH, 28, 28, 1), dtype=np.float32))
-    epsilon = tf.constant(rng.standard_normal((BATCH, latent), dtype=np.float32))
+    """The user_check VAE (benchmarks/user_check.py, :func:`user_check.vae_case`) through
+    ``value_and_grad`` at ``budget``."""
+    vae_loss, data, epsilon = user_check.vae_case(BATCH)
     g = tfremat.value_and_grad(vae_loss, budget, data, epsilon, verbose=0)
     plan = g.plan
     step = g._steps[g._example_key]  # pylint: disable=protected-access

@@ -389,17 +389,14 @@ def _step_row(result, requested: int, allocator: list[int], timing, first_step_s
     }
 
 
-def check_vae(budget, batch, steps) -> dict:
-    """keras.io's VAE (conv encoder / decoder, 28x28) with a train_step on tfremat.value_and_grad."""
+def vae_case(batch: int):
+    """keras.io's VAE (conv encoder / decoder, 28x28): its loss on (data, epsilon) and one
+    batch of each; the noise comes in as an argument, since value_and_grad refuses noise
+    drawn inside the function (benchmarks/forwarded_upstream.py uses it too)."""
     import keras
     import numpy as np
     import tensorflow as tf
     from keras import layers, ops
-
-    import tfremat
-    from tfremat.numerics import closeness
-    from tfremat.runtime.memory import measure_step_peak
-    from tfremat.runtime.timing import time_in_turns
 
     keras.utils.set_random_seed(0)
     latent = 2
@@ -415,7 +412,6 @@ def check_vae(budget, batch, steps) -> dict:
     decoder = keras.Model(code, layers.Conv2DTranspose(1, 3, activation="sigmoid", padding="same")(h), name="decoder")
 
     def vae_loss(data, epsilon):
-        # The noise comes in as an argument: value_and_grad refuses noise drawn inside fn.
         z_mean, z_log_var = encoder(data, training=True)
         z = z_mean + ops.exp(0.5 * z_log_var) * epsilon
         reconstruction = decoder(z, training=True)
@@ -426,6 +422,19 @@ def check_vae(budget, batch, steps) -> dict:
     rng = np.random.default_rng(0)
     data = tf.constant(rng.random((batch, 28, 28, 1), dtype=np.float32))
     epsilon = tf.constant(rng.standard_normal((batch, latent), dtype=np.float32))
+    return vae_loss, data, epsilon
+
+
+def check_vae(budget, batch, steps) -> dict:
+    """keras.io's VAE (:func:`vae_case`) with a train_step on tfremat.value_and_grad."""
+    import tensorflow as tf
+
+    import tfremat
+    from tfremat.numerics import closeness
+    from tfremat.runtime.memory import measure_step_peak
+    from tfremat.runtime.timing import time_in_turns
+
+    vae_loss, data, epsilon = vae_case(batch)
     began = time.perf_counter()
     g = tfremat.value_and_grad(vae_loss, budget, data, epsilon)
     loss, grads = g(data, epsilon)
