@@ -5,6 +5,8 @@ prediction; the callback's ``allocator_check`` then runs the step, and plans aga
 the allocator's excess, exactly as for an amount of memory.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from models import five_conv_net
 import tfremat
 import tfremat.keras as remat_keras
 from tfremat import allocator_check
+from tfremat.errors import InfeasibleBudgetError
 from tfremat.keras import RematCallback
 from tfremat.plan.simulator import simulate
 
@@ -29,10 +32,13 @@ def batch(seed=0):
     return x, np.eye(10, dtype="float32")[rng.integers(0, 10, BATCH)]
 
 
-# With oneDNN off a convolution's backward takes Eigen's scratch, and no schedule fits below
-# about 87% of activations (37.7 MiB of the 43.7 MiB checkpoint-all peak), while the
-# allocator's chunks add up to 3 MiB to a plan: the shares leave that room with either
-# kernel library ("90%" did not, with oneDNN off).
+# With oneDNN off a convolution's backward takes Eigen's scratch: the allocator's chunks add
+# 6 MiB to the 37.7 MiB checkpoint-all prediction (43.7 MiB held) and no plan keeps these
+# shares, which the check then refuses in the allocator's terms (the smallest budget found,
+# 39.7 MiB) instead of running over. With oneDNN on they are held.
+ONEDNN_OFF = os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0"
+
+
 @pytest.mark.parametrize("budget", ["97% of activations", "96%"])
 def test_a_share_is_held_for_the_allocator(budget, monkeypatch):
     measured = []
@@ -45,7 +51,12 @@ def test_a_share_is_held_for_the_allocator(budget, monkeypatch):
     monkeypatch.setattr(remat_keras, "allocator_peak", recording_peak)
     model, (x, y) = five_conv_net(), batch()
     callback = RematCallback(budget, time_limit=20, cache=False, allocator_check=True, verbose=0)
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    try:
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    except InfeasibleBudgetError as error:
+        assert ONEDNN_OFF and measured and error.min_feasible_bytes > error.budget_bytes, (error, measured)
+        assert "allocator's peak" in str(error)
+        return
     (plan,) = callback.plans.values()
     assert measured, "the share was not checked against the allocator"
     assert measured[-1] <= plan.budget_bytes, (measured, plan.budget_bytes)

@@ -16,13 +16,12 @@ the profiler counts that buffer in the loop's workspaces
 (``tfremat.extract.analysis._loop_peak``), so the loop cases get no allowance.
 """
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from subprocess_result import run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -87,15 +86,8 @@ CASES = [f"{model}/{strategy}" for model in ("dense_mlp", "vit", "lstm", "convne
 def found(tmp_path_factory):
     """Predicted and requested peaks of each case under TensorFlow's default threads."""
     folder = tmp_path_factory.mktemp("default_threads")
-    script = folder / "default_threads.py"
-    script.write_text(_SCRIPT.format(tests=HERE, root=ROOT))
-    env = dict(os.environ, TFREMAT_CACHE_DIR=str(folder / "cache"))
-    env.pop("TF_NUM_INTEROP_THREADS", None)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert line, result.stdout[-2000:] + result.stderr[-2000:]
-    return json.loads(line[0].removeprefix("RESULT "))
+    return run_script(folder / "default_threads.py", _SCRIPT.format(tests=HERE, root=ROOT), timeout=600,
+                      TFREMAT_CACHE_DIR=str(folder / "cache"))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -11,10 +11,7 @@ holds, and they were counted nowhere (now in that node's workspace, ``assembly._
 ``benchmarks/dying_upstream_guard.py`` -> ``benchmarks/results/dying_upstream_guard.md``.
 """
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import keras
@@ -28,6 +25,8 @@ from tfremat.plan.simulator import simulate
 from tfremat.runtime.memory import measure_step_peak
 from tfremat.static_graph import compile_step
 from tfremat.strategies import get_strategy, least_budget_within
+
+from subprocess_result import run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BATCH = 16
@@ -296,16 +295,9 @@ DEFAULT_THREADS = {"on": ("passed_on",), "off": ("concatenated", "fan_out")}
 @pytest.mark.parametrize("onednn", sorted(DEFAULT_THREADS))
 def test_under_default_threads(tmp_path, onednn):
     models = DEFAULT_THREADS[onednn]
-    script = tmp_path / "default_threads.py"
-    script.write_text(_SCRIPT.format(tests=HERE, root=os.path.dirname(HERE), models=models))
-    env = dict(os.environ, TFREMAT_CACHE_DIR=str(tmp_path / "cache"),
-               TF_ENABLE_ONEDNN_OPTS="1" if onednn == "on" else "0")
-    env.pop("TF_NUM_INTEROP_THREADS", None)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert line, result.stdout[-2000:] + result.stderr[-2000:]
-    found = json.loads(line[0].removeprefix("RESULT "))
+    found = run_script(tmp_path / "default_threads.py",
+                       _SCRIPT.format(tests=HERE, root=os.path.dirname(HERE), models=models), timeout=600,
+                       TFREMAT_CACHE_DIR=str(tmp_path / "cache"), TF_ENABLE_ONEDNN_OPTS="1" if onednn == "on" else "0")
     assert found.pop("inter_op_threads") == 0  # not set: TensorFlow's default
     for name in models:
         assert set(found[name][0]["sole"]) == SOLE[name]

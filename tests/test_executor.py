@@ -9,11 +9,8 @@ its structure: the executor type the call is made with, and the call kept out of
 caller's graph.
 """
 
-import json
 import logging
 import os
-import subprocess
-import sys
 import textwrap
 
 import keras
@@ -29,6 +26,8 @@ from tfremat.runtime import executor
 from tfremat.runtime.executor import SEQUENTIAL_EXECUTOR
 from tfremat.static_graph import compile_step
 from tfremat.strategies import get_strategy
+
+from subprocess_result import run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -143,14 +142,8 @@ _SCRIPT = textwrap.dedent(
 def found(tmp_path_factory):
     """What :data:`_SCRIPT` found with four inter-op threads on two logical CPUs."""
     folder = tmp_path_factory.mktemp("executor")
-    script = folder / "executor.py"
-    script.write_text(_SCRIPT.format(tests=HERE, root=ROOT))
-    env = dict(os.environ, TFREMAT_CACHE_DIR=str(folder / "cache"))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert line, result.stdout[-2000:] + result.stderr[-2000:]
-    return json.loads(line[0].removeprefix("RESULT "))
+    return run_script(folder / "executor.py", _SCRIPT.format(tests=HERE, root=ROOT), timeout=300,
+                      default_threads=False, TFREMAT_CACHE_DIR=str(folder / "cache"))
 
 
 def test_sequential_runs_one_operation_at_a_time(found):

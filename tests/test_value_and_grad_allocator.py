@@ -7,6 +7,8 @@ callback's re-plan loop (:func:`tfremat.allocator_check.hold_allocator_peak`). A
 budget names what ``g``'s fixed memory holds: no optimizer state (finding 8).
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -24,6 +26,10 @@ FAST = {"cost_model": "flops", "cache": False, "verbose": 0}
 # a plan held at 16.17 MiB read 18.13 MiB later in the same process. The slack of the
 # callback's re-read (tests/test_allocator_budget.py).
 MEASURE_SLACK_BYTES = 2 * 2**20
+# With oneDNN off a convolution's backward takes Eigen's scratch, which the "flops" cost model
+# does not measure: the allocator read 44.7 MiB against 17.5 MiB predicted, and no plan keeps
+# "99%" (the check refuses it in the allocator's terms instead of running over).
+ONEDNN_OFF = os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0"
 
 
 def _user_check_case():
@@ -66,7 +72,12 @@ def test_the_steps_allocator_peak_is_held_to_the_budget(monkeypatch):
     assert unchecked_held == []  # allocator_check=False reads nothing
 
     held = _recording(monkeypatch)
-    g = tfremat.value_and_grad(fn, "99%", x, y, **FAST)
+    try:
+        g = tfremat.value_and_grad(fn, "99%", x, y, **FAST)
+    except InfeasibleBudgetError as error:
+        assert ONEDNN_OFF and held and min(held) > unchecked.plan.budget_bytes, (error, held)
+        assert "allocator's peak" in str(error)
+        return
     budget = g.plan.budget_bytes
     assert budget == unchecked.plan.budget_bytes  # the budget asked for, not the planning budget
     assert held, "the budget was not checked against the allocator"
