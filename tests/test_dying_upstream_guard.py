@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfremat.extract import assembly, extract
 from tfremat.measure import requested_ledger
 from tfremat.plan.simulator import simulate
 from tfremat.runtime.memory import measure_step_peak
@@ -27,6 +26,7 @@ from tfremat.static_graph import compile_step
 from tfremat.strategies import get_strategy, least_budget_within
 
 from subprocess_result import run_script
+from training_case import extract_with_sole_readers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BATCH = 16
@@ -187,19 +187,9 @@ def run_case(name, strategies=STRATEGIES, ledger=None):
     x = tf.constant(rng.random((BATCH, *model.input_shape[1:]), dtype=np.float32))
     y = tf.constant(rng.random((BATCH, *model.output_shape[1:]), dtype=np.float32))
     optimizer = keras.optimizers.SGD(0.01)
-    found = []
-    sole_upstream = assembly.sole_upstream
-
-    def spy(*args, **kwargs):
-        found.append(sole_upstream(*args, **kwargs))
-        return found[-1]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(assembly, "sole_upstream", spy)
-        extraction = extract(model, (x, y), loss="mse", optimizer=optimizer, cost_model="profile", repeats=1,
-                             use_cache=False)
+    extraction, sole_names = extract_with_sole_readers(model, x, y, optimizer)
     graph = extraction.graph
-    sole = sorted(graph.names[p] for p in found[-1])
+    sole = sorted(sole_names)
     resident = list(model.variables) + list(optimizer.variables)
     rows = []
     for strategy, budget in strategies:

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfremat.extract import assembly, extract
-from tfremat.extract.assembly import sole_upstream
 from tfremat.plan.simulator import simulate
 from tfremat.runtime.memory import measure_step_peak
 from tfremat.static_graph import compile_step
 from tfremat.strategies import get_strategy
+
+from training_case import extract_with_sole_readers
 
 BATCH = 16
 # Relative slack for the profiled workspaces (one repeat each), as in test_default_threads_memory.
@@ -59,21 +59,11 @@ def _checkpoint_all(build):
     x = tf.constant(rng.random((BATCH, *model.input_shape[1:]), dtype=np.float32))
     y = tf.constant(rng.random((BATCH, *model.output_shape[1:]), dtype=np.float32))
     optimizer = keras.optimizers.SGD(0.01)
-    found = []
-
-    def spy(*args, **kwargs):
-        found.append(sole_upstream(*args, **kwargs))
-        return found[-1]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(assembly, "sole_upstream", spy)
-        extraction = extract(model, (x, y), loss="mse", optimizer=optimizer, cost_model="profile", repeats=1,
-                             use_cache=False)
+    extraction, sole = extract_with_sole_readers(model, x, y, optimizer)
     schedule = get_strategy("checkpoint_all")(extraction.graph)
     step = compile_step(extraction, schedule, optimizer=optimizer)
     requested = measure_step_peak(step, x, y, resident=list(model.variables) + list(optimizer.variables),
                                   count="requested")
-    sole = {extraction.graph.names[position] for position in found[-1]}
     return sole, simulate(extraction.graph, schedule).peak_bytes, requested
 
 

@@ -3,9 +3,10 @@
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
-from tfremat.extract import extract
+from tfremat.extract import assembly, extract
 from tfremat.numerics import closeness
 from tfremat.static_graph import compile_step
 from tfremat.static_graph.interpreter import interpret_plan
@@ -18,6 +19,25 @@ def training_batch(model, batch, seed=0):
     labels = rng.integers(0, classes, size=(batch, *model.output.shape[1:-1]))
     y = np.eye(classes, dtype="float32")[labels]
     return tf.constant(x), tf.constant(y)
+
+
+def extract_with_sole_readers(model, x, y, optimizer):
+    """The profiled extraction of ``model`` on ``(x, y)`` (mse, no cache) and the names of the
+    calls whose backward node is its upstream gradient's sole reader, which take the
+    workspace measured with that gradient dying (:func:`tfremat.extract.assembly.sole_upstream`,
+    which the graph does not record)."""
+    found = []
+    sole_upstream = assembly.sole_upstream
+
+    def spy(*args, **kwargs):
+        found.append(sole_upstream(*args, **kwargs))
+        return found[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(assembly, "sole_upstream", spy)
+        extraction = extract(model, (x, y), loss="mse", optimizer=optimizer, cost_model="profile", repeats=1,
+                             use_cache=False)
+    return extraction, {extraction.graph.names[position] for position in found[-1]}
 
 
 
