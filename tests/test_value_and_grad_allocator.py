@@ -7,8 +7,6 @@ callback's re-plan loop (:func:`tfremat.allocator_check.hold_allocator_peak`). A
 budget names what ``g``'s fixed memory holds: no optimizer state (finding 8).
 """
 
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -26,10 +24,11 @@ FAST = {"cost_model": "flops", "cache": False, "verbose": 0}
 # a plan held at 16.17 MiB read 18.13 MiB later in the same process. The slack of the
 # callback's re-read (tests/test_allocator_budget.py).
 MEASURE_SLACK_BYTES = 2 * 2**20
-# With oneDNN off a convolution's backward takes Eigen's scratch, which the "flops" cost model
-# does not measure: the allocator read 44.7 MiB against 17.5 MiB predicted, and no plan keeps
-# "99%" (the check refuses it in the allocator's terms instead of running over).
-ONEDNN_OFF = os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0"
+# The allocator's chunks over the prediction depend on the kernels and on the process's history:
+# 1.5-2.5 MiB in most runs with oneDNN on, 4.3 MiB in one CI run, 27 MiB with oneDNN off (Eigen's
+# convolution scratch, which the "flops" cost model does not measure). Where no plan keeps "99%",
+# the check refuses it in the allocator's terms instead of running over: either outcome keeps the
+# promise; running over does not.
 
 
 def _user_check_case():
@@ -75,7 +74,7 @@ def test_the_steps_allocator_peak_is_held_to_the_budget(monkeypatch):
     try:
         g = tfremat.value_and_grad(fn, "99%", x, y, **FAST)
     except InfeasibleBudgetError as error:
-        assert ONEDNN_OFF and held and min(held) > unchecked.plan.budget_bytes, (error, held)
+        assert held and min(held) > unchecked.plan.budget_bytes, (error, held)
         assert "allocator's peak" in str(error)
         return
     budget = g.plan.budget_bytes
