@@ -762,7 +762,12 @@ class _CallTracer:
         if fetch == "consumed":
             return grads + upstream
         if fetch == "kept_forward":
-            return outputs + [t for t in reads[2] if t.dtype != tf.variant]
+            # Keras's cross-entropies read a softmax/sigmoid output's logits (``_keras_logits``),
+            # which then outlive the activation: alone, it wrote into their buffer, and the
+            # U-Net's last convolution requested one output more than predicted
+            # (benchmarks/results/fidelity_requested.md).
+            logits = [getattr(o, "_keras_logits", None) for o in outputs]
+            return outputs + [t for t in logits if t is not None] + [t for t in reads[2] if t.dtype != tf.variant]
         return grads + outputs + upstream + [t for t in reads[2] if t.dtype != tf.variant]
 
 

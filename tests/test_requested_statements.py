@@ -1,0 +1,60 @@
+"""No statement of a compiled step requests more than the simulator predicts there (issue 33,
+item 1), checked statement by statement with the requested ledger
+(:func:`tfremat.measure.requested_ledger`; benchmarks/results/fidelity_requested.md).
+
+The ledger's statements carry a few hundred bytes of scalars and shapes the memory model
+leaves out: each is allowed :data:`SLACK`.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfremat.extract.extractor import extract
+from tfremat.measure import requested_ledger
+from tfremat.static_graph.compile import compile_step
+from tfremat.strategies import get_strategy
+
+SLACK = 4096
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path))
+
+
+def _ledger(model, x, y, loss):
+    optimizer = keras.optimizers.SGD()
+    extraction = extract(model, sample_batch=(x, y), loss=loss, optimizer=optimizer, cost_model="profile",
+                         repeats=1, use_cache=False)
+    schedule = get_strategy("checkpoint_all")(extraction.graph, None)
+    step_optimizer = keras.optimizers.SGD()
+    step_optimizer.build(model.trainable_variables)
+    step = compile_step(extraction, schedule, optimizer=step_optimizer)
+    return extraction.graph, requested_ledger(extraction, schedule, step, x, y,
+                                              list(model.variables) + list(step_optimizer.variables))
+
+
+def _over(rows) -> list[str]:
+    return [f"{row['scope']} ({row['name']}): requested {row['requested_bytes']} > predicted {row['predicted_bytes']}"
+            for row in rows if row["requested_bytes"] is not None
+            and row["requested_bytes"] > row["predicted_bytes"] + SLACK]
+
+
+def test_a_softmax_head_keeps_its_logits_for_the_loss():
+    """Keras's cross-entropy reads a softmax output's logits (``_keras_logits``), so the
+    softmax cannot write into their buffer in the step, as it did in the isolated forward:
+    the segmentation head's forward statement requested one output (64 KiB) more than
+    predicted (the U-Net of benchmarks/user_check.py, 180 KiB at 64x64)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((32, 32, 8))
+    hidden = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Conv2D(4, 1, activation="softmax", name="head")(hidden))
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((4, 32, 32, 8)), tf.float32)
+    y = tf.constant(rng.integers(0, 4, (4, 32, 32)), tf.int32)
+    graph, rows = _ledger(model, x, y, keras.losses.SparseCategoricalCrossentropy())
+    head = next(row for row in rows if row["scope"] == f"forward_{graph.names.index('head')}")
+    assert head["requested_bytes"] is not None
+    assert not _over(rows), _over(rows)
