@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import tfremat.extract.overlap as overlap_module
 from tfremat.extract import extract
-from tfremat.extract.overlap import batch_from_specs, measure_plain_overlap
+from tfremat.extract.overlap import PlainOverlap, batch_from_specs, measure_plain_overlap
 from tfremat.planner import plan_graph, plan_summary
 from tfremat.runtime import executor
 from tfremat.runtime import timing as turns
@@ -63,6 +63,7 @@ def test_one_inter_op_thread_measures_nothing(monkeypatch, tmp_path):
     model = _model()
     extraction = extract(model, _batch(), loss="mse", cost_model="profile", repeats=1)
     assert extraction.plain_overlap == 1.0
+    assert extraction.plain_overlap_range == (1.0, 1.0) and extraction.plain_overlap_load is None
     result = plan_graph(extraction.graph, None, "checkpoint_all", cache=False)
     result = dataclasses.replace(result, extraction=extraction)
     assert result.plain_overlap == 1.0
@@ -79,9 +80,12 @@ def test_measured_overlap_leaves_the_model_and_optimizer_as_they_were(parallel, 
     x, y = _batch()
     loss = lambda labels, preds: tf.reduce_mean(tf.square(labels[0] - preds[0]))  # noqa: E731
     with caplog.at_level(logging.INFO, logger="tfremat.extract.overlap"):
-        factor = measure_plain_overlap(model, tf.constant(x), [tf.constant(y)], loss, optimizer)
+        overlap = measure_plain_overlap(model, tf.constant(x), [tf.constant(y)], loss, optimizer)
     assert any("plain overlap of" in r.getMessage() for r in caplog.records)
-    assert factor > 0 and np.isfinite(factor)
+    assert overlap.factor > 0 and np.isfinite(overlap.factor)
+    # The quartiles of the rounds hold their median, whatever the load made of them.
+    assert overlap_module.MIN_ROUNDS <= overlap.rounds <= overlap_module.MAX_ROUNDS
+    assert overlap.low <= overlap.factor <= overlap.high
     after = [v.numpy() for v in model.variables + optimizer.variables]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
     assert int(optimizer.iterations.numpy()) == 0
@@ -93,13 +97,16 @@ def test_the_overlap_is_cached_with_the_profile(parallel, monkeypatch, tmp_path)
 
     def fake(*args):
         measured.append(args)
-        return 1.25
+        return PlainOverlap(1.25, 1.1, 1.4, 7, 3.5)
 
     monkeypatch.setattr("tfremat.extract.extractor.measure_plain_overlap", fake)
     first = extract(_model(), _batch(), loss="mse", cost_model="profile", repeats=1)
     second = extract(_model(), _batch(), loss="mse", cost_model="profile", repeats=1)
     assert len(measured) == 1 and not first.cache_hit and second.cache_hit
     assert first.plain_overlap == second.plain_overlap == 1.25
+    # The quartiles and the load come back from the cache with the factor.
+    assert first.plain_overlap_range == second.plain_overlap_range == (1.1, 1.4)
+    assert first.plain_overlap_load == second.plain_overlap_load == 3.5
     # The flops cost model times nothing, the overlap included.
     assert extract(_model(), _batch(), loss="mse", cost_model="flops", use_cache=False).plain_overlap == 1.0
     assert len(measured) == 1
@@ -108,13 +115,24 @@ def test_the_overlap_is_cached_with_the_profile(parallel, monkeypatch, tmp_path)
 def test_the_plan_says_the_time_over_plain_with_the_overlap():
     extraction = extract(_model(), _batch(), loss="mse", cost_model="flops", use_cache=False)
     result = plan_graph(extraction.graph, "95% of activations", "chen_sqrtn", cache=False)
-    result = dataclasses.replace(result, extraction=types.SimpleNamespace(plain_overlap=1.1))
-    assert result.predicted_time_over_plain == pytest.approx((1 + result.overhead) * 1.1)
+    measured = types.SimpleNamespace(plain_overlap=1.1, plain_overlap_range=(0.9, 1.3), plain_overlap_load=4.0)
+    result = dataclasses.replace(result, extraction=measured)
+    slower = 1 + result.overhead
+    assert result.predicted_time_over_plain == pytest.approx(slower * 1.1)
+    assert result.predicted_time_over_plain_range == pytest.approx((slower * 0.9, slower * 1.3))
     row = result.summary()
     assert row["plain_overlap"] == 1.1
-    assert row["predicted_time_over_plain"] == pytest.approx((1 + result.overhead) * 1.1, abs=1e-4)
+    assert row["predicted_time_over_plain"] == pytest.approx(slower * 1.1, abs=1e-4)
+    assert row["predicted_time_over_plain_range"] == pytest.approx([slower * 0.9, slower * 1.3], abs=1e-4)
     line = plan_summary(result)
-    assert f"{(1 + result.overhead) * 1.1:.2f}x plain training's time" in line and "takes 0.91x the time of one operation at a time" in line
+    assert f"{slower * 1.1:.2f}x plain training's time ({slower * 0.9:.2f}-{slower * 1.3:.2f}x over the rounds at load 4.0" in line
+    assert "takes 0.91x the time of one operation at a time" in line
+    # An overlap given without its rounds (an extraction of an older tfremat) has no spread.
+    unspread = dataclasses.replace(result, extraction=types.SimpleNamespace(plain_overlap=1.1))
+    assert unspread.predicted_time_over_plain_range == pytest.approx((slower * 1.1, slower * 1.1))
+    assert " at load" not in plan_summary(unspread)
+    on_default = dataclasses.replace(result, step_sequential=False)
+    assert on_default.predicted_time_over_plain_range == pytest.approx((slower, slower))
 
 
 def test_the_rounds_stop_once_the_median_is_known_or_the_time_is_spent():
@@ -183,7 +201,8 @@ _SCRIPT = textwrap.dedent(
     unchanged = all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables + optimizer.variables))
     result = dataclasses.replace(plan_graph(extraction.graph, None, "checkpoint_all", cache=False),
                                  extraction=extraction)
-    print("RESULT", json.dumps(dict(overlap=extraction.plain_overlap, unchanged=unchanged,
+    print("RESULT", json.dumps(dict(overlap=extraction.plain_overlap, range=extraction.plain_overlap_range,
+                                    load=extraction.plain_overlap_load, unchanged=unchanged,
                                     summary=result.summary(), line=plan_summary(result))))
     """
 )
@@ -197,6 +216,10 @@ def test_default_threads_measure_the_overlap(tmp_path):
     assert found["overlap"] > 0 and found["overlap"] != 1.0
     assert found["summary"]["plain_overlap"] == round(found["overlap"], 4)
     assert "plain training" in found["line"]
+    low, high = found["range"]
+    assert low <= found["overlap"] <= high and found["load"] is not None and found["load"] >= 0
+    assert found["summary"]["predicted_time_over_plain_range"] == pytest.approx([low, high], abs=2e-4)  # checkpoint-all
+    assert f"{low:.2f}-{high:.2f}x over the rounds at load" in found["line"]
 
 
 _LSTM_SCRIPT = textwrap.dedent(
@@ -220,9 +243,10 @@ _LSTM_SCRIPT = textwrap.dedent(
     x = tf.zeros((8, 64), tf.int32)
     y = [tf.one_hot(tf.zeros(8, tf.int32), 2)]
     loss = lambda labels, preds: tf.reduce_mean(keras.losses.categorical_crossentropy(labels[0], preds[0]))
-    factor = measure_plain_overlap(model, x, y, loss, keras.optimizers.SGD())
+    overlap = measure_plain_overlap(model, x, y, loss, keras.optimizers.SGD())
     rounds = [int(m.group(1)) for m in (re.search(r"median of (\\d+) rounds", line) for line in lines) if m]
-    print("RESULT", json.dumps(dict(overlap=factor, rounds=rounds, max_rounds=MAX_ROUNDS)))
+    print("RESULT", json.dumps(dict(overlap=overlap.factor, low=overlap.low, high=overlap.high,
+                                    measured_rounds=overlap.rounds, rounds=rounds, max_rounds=MAX_ROUNDS)))
     """
 )
 
@@ -238,3 +262,4 @@ def test_default_threads_measure_a_loop_step_s_overlap(tmp_path):
                        TFREMAT_CACHE_DIR=str(tmp_path / "cache"))
     assert 0.2 < found["overlap"] < 5 and found["overlap"] != 1.0
     assert len(found["rounds"]) == 1 and overlap_module.MIN_ROUNDS <= found["rounds"][0] <= found["max_rounds"]
+    assert found["measured_rounds"] == found["rounds"][0] and found["low"] <= found["overlap"] <= found["high"]

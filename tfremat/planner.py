@@ -147,6 +147,24 @@ class PlanResult:
         return (1 + self.overhead) * self.plain_overlap
 
     @property
+    def plain_overlap_range(self) -> tuple[float, float]:
+        """The first and third quartile of the plain overlap's rounds
+        (:attr:`tfremat.extract.extractor.Extraction.plain_overlap_range`); both
+        :attr:`plain_overlap` where it was not measured or does not apply."""
+        if not self.step_sequential or self.extraction is None:
+            return (self.plain_overlap, self.plain_overlap)
+        low, high = getattr(self.extraction, "plain_overlap_range", (self.plain_overlap, self.plain_overlap))
+        return (float(low), float(high))
+
+    @property
+    def predicted_time_over_plain_range(self) -> tuple[float, float]:
+        """:attr:`predicted_time_over_plain` from each end of :attr:`plain_overlap_range`: where
+        one measurement's noise puts it at the load the overlap was measured at (the load at
+        training moves it further, :mod:`tfremat.extract.overlap`)."""
+        low, high = self.plain_overlap_range
+        return ((1 + self.overhead) * low, (1 + self.overhead) * high)
+
+    @property
     def facts(self) -> SolverFacts | None:
         """What the solver proved (status, objective, best bound, gap, ...); None for heuristics."""
         return self.schedule.facts
@@ -163,6 +181,7 @@ class PlanResult:
             "overhead": round(self.overhead, 6),
             "plain_overlap": round(self.plain_overlap, 4),
             "predicted_time_over_plain": round(self.predicted_time_over_plain, 4),
+            "predicted_time_over_plain_range": [round(t, 4) for t in self.predicted_time_over_plain_range],
             "recomputations": self.schedule.recompute_count,
             "gap": self.facts.gap if self.facts is not None else None,
             "solve_seconds": round(self.solve_seconds, 3),
@@ -275,8 +294,12 @@ def plan_summary(result: PlanResult) -> str:
             f"{format_bytes(result.predicted_peak_bytes)}{budget} (checkpoint all "
             f"{format_bytes(result.checkpoint_all_peak_bytes)}), predicted overhead {100 * result.overhead:+.1f}%")
     if result.plain_overlap != 1.0:
-        line += (f", {result.predicted_time_over_plain:.2f}x plain training's time (plain training on TensorFlow's "
-                 f"default executor takes {1 / result.plain_overlap:.2f}x the time of one operation at a time)")
+        low, high = result.predicted_time_over_plain_range
+        load = getattr(result.extraction, "plain_overlap_load", None)
+        at = "" if load is None else f" at load {load:.1f}"
+        line += (f", {result.predicted_time_over_plain:.2f}x plain training's time ({low:.2f}-{high:.2f}x over the "
+                 f"rounds{at}; plain training on TensorFlow's default executor takes {1 / result.plain_overlap:.2f}x "
+                 f"the time of one operation at a time, less on idle cores, more on busy ones)")
     facts = result.facts
     if result.inexact_implementations:
         named = sorted({name for _, name in result.inexact_implementations})

@@ -38,7 +38,7 @@ from tfremat.extract.layer_graph import (
 )
 from tfremat.extract.losses import loss_cache_name, resolve_loss
 from tfremat.extract.opening import DEFAULT_GRANULARITY
-from tfremat.extract.overlap import batch_from_specs, measure_plain_overlap
+from tfremat.extract.overlap import PlainOverlap, batch_from_specs, measure_plain_overlap
 from tfremat.extract.profile_cache import (
     cache_key,
     layer_signature,
@@ -73,6 +73,10 @@ class Extraction:
             over its seconds on TensorFlow's default one (:mod:`~tfremat.extract.overlap`);
             1.0, not measured, with one inter-op thread, the ``"flops"`` cost model, ``timing=False``,
             several replicas or XLA. Cached with the profile.
+        plain_overlap_range: the first and third quartile of the overlap's per-round ratios
+            (both ``plain_overlap`` when it was not measured): the noise of one measurement.
+        plain_overlap_load: the 1-minute load average the overlap was measured at (None: not
+            measured); the factor moves with the load (:mod:`~tfremat.extract.overlap`).
     """
 
     graph: DFGraph
@@ -81,6 +85,8 @@ class Extraction:
     profile_seconds: float
     cache_hit: bool
     plain_overlap: float = 1.0
+    plain_overlap_range: tuple[float, float] = (1.0, 1.0)
+    plain_overlap_load: float | None = None
 
 
 def extract(
@@ -252,9 +258,10 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
     if cached is not None:
         overlap = cached[3]
     elif cost_model == "profile" and timed and replicas == 1 and not xla and not tf.distribute.has_strategy():
-        overlap = measure_plain_overlap(model, *batch_from_specs(model, in_specs, label_specs), loss_fn, optimizer)
+        overlap = PlainOverlap.of(
+            measure_plain_overlap(model, *batch_from_specs(model, in_specs, label_specs), loss_fn, optimizer))
     else:
-        overlap = 1.0
+        overlap = PlainOverlap()
     profile_seconds = 0.0 if cached is not None else time.perf_counter() - profile_started
     if cached is None and use_cache:
         store_cache(key, analyses, loss_analysis, alternatives, overlap)
@@ -276,7 +283,8 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
         "extract %s: %d nodes, %d edges in %.2f s (profiling %.2f s)", model.name, graph.size, len(graph.edges),
         seconds, profile_seconds,
     )
-    return Extraction(graph, table, seconds, profile_seconds, cached is not None, overlap)
+    return Extraction(graph, table, seconds, profile_seconds, cached is not None, overlap.factor,
+                      (overlap.low, overlap.high), overlap.load)
 
 
 def _check_arguments(model, sample_batch, input_signature, cost_model: str, weight_grads: str,

@@ -23,12 +23,23 @@ each executor's first call (its instantiation; the two together about as long as
 and the timed rounds: 1.6-11 s of a 6.7-36 s uncached extraction on 2 loaded cores, 60-75% of
 it the traces and first calls (benchmarks/results/first_step_latency.md;
 fidelity_default_threads.md for how two extractions agree).
+
+The factor holds for the load it was measured at, not for the model: the default executor's
+inter-op threads gain on a machine with idle cores and lose on a busy one. A bidirectional GRU
+measured 1.25 at load 2.1 and 0.64-0.78 at load 5.6 on 2 cores, and one 5-round median
+moves 9-18% at one load (benchmarks/results/executor_time.md, "The GRU's overlap"). So the
+measurement keeps the quartiles of its per-round ratios and the load average it ran at
+(:class:`PlainOverlap`), and the plan states the range they give
+(:attr:`tfremat.planner.PlanResult.predicted_time_over_plain_range`); they cost nothing beyond
+the rounds already timed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import os
 import statistics
 import time
 
@@ -41,7 +52,7 @@ from tfremat.runtime import executor
 from tfremat.runtime.executor import sequential
 from tfremat.runtime.timing import time_in_turns
 
-__all__ = ["batch_from_specs", "measure_plain_overlap", "plain_overlap_applies"]
+__all__ = ["PlainOverlap", "batch_from_specs", "measure_plain_overlap", "plain_overlap_applies"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +70,57 @@ TARGET_SECONDS = 1.5
 PRECISION = 0.02
 
 
+@dataclasses.dataclass(frozen=True)
+class PlainOverlap:
+    """A plain overlap as measured (module docstring).
+
+    Attributes:
+        factor: the median over rounds of (plain step on the single-threaded executor) /
+            (plain step on the default one); 1.0 when not measured.
+        low, high: the first and third quartile of the per-round ratios: the spread the load
+            left in them (equal to ``factor`` when not measured).
+        rounds: the rounds timed (0: not measured).
+        load: the 1-minute load average when the rounds ended (None: not measured, or the
+            platform has none); the factor holds for a load like it.
+    """
+
+    factor: float = 1.0
+    low: float = 1.0
+    high: float = 1.0
+    rounds: int = 0
+    load: float | None = None
+
+    @classmethod
+    def of(cls, value) -> "PlainOverlap":
+        """``value`` itself, or a factor given as a number (measured elsewhere, without its
+        rounds: no spread)."""
+        if isinstance(value, PlainOverlap):
+            return value
+        return cls(float(value), float(value), float(value))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PlainOverlap":
+        load = data["load"]
+        return cls(float(data["factor"]), float(data["low"]), float(data["high"]), int(data["rounds"]),
+                   None if load is None else float(load))
+
+
 def plain_overlap_applies() -> bool:
     """Whether TensorFlow's default executor may run several operations at once (more than
     one inter-op thread), so that plain training can overlap what the step runs in turn."""
     return not executor.sequential_ops()
 
 
-def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
+def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> PlainOverlap:
     """The median over rounds of a plain training step's seconds on the single-threaded
-    executor over its seconds on the default one (module docstring); 1.0 without measuring
-    when there is one inter-op thread, the plain step calls functions (the compiled step
-    will run on the default executor too) or ``optimizer`` cannot be copied from its config
-    (the last two logged).
+    executor over its seconds on the default one, with the quartiles of the rounds and the
+    load (module docstring); ``PlainOverlap()`` (1.0) without measuring when there is one
+    inter-op thread, the plain step calls functions (the compiled step will run on the
+    default executor too) or ``optimizer`` cannot be copied from its config (the last two
+    logged).
 
     The steps train ``model`` with a fresh copy of ``optimizer`` (its own slots and step
     count, ``optimizer`` itself untouched); the model's variables (weights, batch-norm
@@ -83,7 +133,7 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
         optimizer: the Keras optimizer whose configuration the steps use.
     """
     if not plain_overlap_applies():
-        return 1.0
+        return PlainOverlap()
     started = time.perf_counter()
     try:
         fresh = type(optimizer).from_config(optimizer.get_config())
@@ -91,7 +141,7 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
         logger.warning("plain overlap not measured (1.0): %s cannot be copied from its config (%s: %s); the "
                        "predicted time over plain leaves out what plain training gains by running operations "
                        "together", type(optimizer).__name__, type(error).__name__, error)
-        return 1.0
+        return PlainOverlap()
     saved = [v.numpy() for v in model.variables]
     try:
         default_step = plain_train_step(model, loss_fn, fresh)
@@ -102,7 +152,7 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
         if blocking is not None:
             logger.info("plain overlap of %s: 1.0, not measured: the step runs on TensorFlow's default executor as "
                         "plain training does, since %s", model.name, blocking.describe())
-            return 1.0
+            return PlainOverlap()
         # One trace serves both executors (tracing a 6-block transformer took 4.5 s, a second
         # instantiation 1.2 s), unless the step holds a loop: a loop traced for the
         # single-threaded executor stays a While operation, which a default trace lowers
@@ -122,10 +172,11 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> float:
     finally:
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     logger.info("plain overlap of %s: %.3f (single-threaded over default executor, median of %d rounds, quartiles "
-                "%.3f-%.3f) in %.1f s", model.name, timing.ratio, timing.rounds, *timing.ratio_quartiles,
-                time.perf_counter() - started)
-    return timing.ratio
+                "%.3f-%.3f, load %s) in %.1f s", model.name, timing.ratio, timing.rounds, *timing.ratio_quartiles,
+                "unknown" if load is None else f"{load:.1f}", time.perf_counter() - started)
+    return PlainOverlap(timing.ratio, *timing.ratio_quartiles, timing.rounds, load)
 
 
 def _enough_rounds(began: float):

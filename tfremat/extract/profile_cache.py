@@ -2,8 +2,8 @@
 
 An entry is ``<cache_dir>/<key>.json`` holding ``{"calls": [CallAnalysis dict, ...],
 "loss": CallAnalysis dict, "implementations": [{name: CallAnalysis dict}, ...], "plain_overlap":
-float}`` (per call, its layer's alternatives when they were measured; the plain overlap,
-:mod:`tfremat.extract.overlap`). The key hashes the cache version, the
+PlainOverlap dict}`` (per call, its layer's alternatives when they were measured; the plain
+overlap with the quartiles of its rounds and its load, :mod:`tfremat.extract.overlap`). The key hashes the cache version, the
 TensorFlow version, the device, the inter-op thread setting, the cost model, whether
 alternatives are measured, whether the calls were timed compiled by XLA
 (``extract(..., xla=True)``), the loss, the input and label specs,
@@ -24,12 +24,13 @@ import tensorflow as tf
 
 from tfremat.cache import read_entry, warn_once, write_atomically
 from tfremat.extract.analysis import CallAnalysis
+from tfremat.extract.overlap import PlainOverlap
 
 __all__ = ["cache_dir", "code_fingerprint", "layer_signature", "cache_key", "load_cache", "store_cache"]
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 34
+_CACHE_VERSION = 35
 _SCALARS = (bool, int, float, str, type(None))
 _LIBRARY_MODULES = ("keras", "tensorflow", "tf_keras", "builtins", "abc", "typing")
 
@@ -145,8 +146,8 @@ def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def load_cache(key: str,
-               num_calls: int) -> tuple[list[CallAnalysis], CallAnalysis, list[dict[str, CallAnalysis]], float] | None:
+def load_cache(key: str, num_calls: int
+               ) -> tuple[list[CallAnalysis], CallAnalysis, list[dict[str, CallAnalysis]], PlainOverlap] | None:
     """The cached measurements of every call, of the loss and of every call's alternatives,
     and the plain overlap, or None on a miss.
 
@@ -164,7 +165,7 @@ def load_cache(key: str,
         calls = [CallAnalysis.from_dict(d) for d in data["calls"]]
         loss = CallAnalysis.from_dict(data["loss"])
         alternatives = [{name: CallAnalysis.from_dict(d) for name, d in one.items()} for one in data["implementations"]]
-        overlap = float(data["plain_overlap"])
+        overlap = PlainOverlap.from_dict(data["plain_overlap"])
         if len(calls) != num_calls or len(alternatives) != num_calls:
             raise ValueError(f"{len(calls)} calls cached for a model with {num_calls}")
     except Exception as err:  # noqa: BLE001 - whatever an entry holds, it is a miss, never the user's error
@@ -175,13 +176,13 @@ def load_cache(key: str,
 
 
 def store_cache(key: str, calls: list[CallAnalysis], loss: CallAnalysis,
-                alternatives: list[dict[str, CallAnalysis]], plain_overlap: float = 1.0) -> None:
+                alternatives: list[dict[str, CallAnalysis]], plain_overlap: PlainOverlap = PlainOverlap()) -> None:
     """Writes an entry atomically (:func:`tfremat.cache.write_atomically`: a temporary file
     with a unique name, then a rename). A directory that cannot be written is logged once
     and skipped: extraction goes on without caching."""
     data = {"calls": [a.to_dict() for a in calls], "loss": loss.to_dict(),
             "implementations": [{name: a.to_dict() for name, a in one.items()} for one in alternatives],
-            "plain_overlap": plain_overlap}
+            "plain_overlap": plain_overlap.to_dict()}
     directory = cache_dir()
     try:
         write_atomically(os.path.join(directory, f"{key}.json"), json.dumps(data))
