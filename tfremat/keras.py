@@ -98,18 +98,28 @@ class RematCallback(keras.callbacks.Callback):
             whole when it is less than twice the request; docs/memory-model.md). Each
             new step is run four times before training (its state put back): one warm-up,
             then three reads (:data:`~tfremat.allocator_check.ALLOCATOR_READS`), held as the
-            largest plus their spread (the peak moves from run to run); while that exceeds
+            largest plus a margin for the steps not read: their spread, or a fifth of the
+            step's own bytes above the variables and the batch, whichever is more (the
+            peak moves with the allocator's free chunks:
+            :data:`~tfremat.allocator_check.ALLOCATOR_MARGIN`); while that exceeds
             the budget, the step is planned again under the budget less the excess, up to
             :data:`~tfremat.allocator_check.ALLOCATOR_ROUNDS` plans, else :class:`InfeasibleBudgetError`. The first
             :data:`~tfremat.allocator_check.WATCHED_STEPS` training steps are read too (not
             under a strategy or XLA), and one over the budget has the step planned again from
             the next on. The planning budget accepted is kept with the schedule cache, where
             another process with the same model and budget starts.
-            None (default): for every budget but ``"min"`` (the least memory within an
-            overhead bound, which has no smaller plan to fall back on) and a share at or
-            above the checkpoint-all peak (nothing is recomputed: the step is
-            ``model.fit``'s own). Skipped, with a warning, when the allocator keeps no
-            statistics (on CPU, TensorFlow imported before tfremat).
+            None (default): for every budget but ``"min"`` and a share at or above the
+            checkpoint-all peak (nothing is recomputed: the step is ``model.fit``'s own).
+            ``"min"`` promises the least requested memory the strategy finds within its
+            overhead bound, not an allocator figure: there is no smaller plan to fall back
+            on, so its step's allocator peak is read as the check reads it, held with the
+            same margin, and reported (the compiling phase's line, :attr:`allocator_peaks`)
+            as the memory that plan needs, above its prediction by the allocator's chunks
+            (a GRU at ``"min"``: 53.68 MiB predicted, 54.3-60.1 MiB allocator;
+            benchmarks/results/user_check_2.md). ``allocator_check=True`` holds a ``"min"``
+            plan's bytes as an amount, which a smaller plan rarely reaches: it is then
+            refused in the allocator's terms. Skipped, with a warning, when the allocator
+            keeps no statistics (on CPU, TensorFlow imported before tfremat).
         bandwidth: the host link of the strategies that offload activations to host memory
             (pofo, pofo_ap, autocapper, opportunist), in bytes per second; None: measured on
             the GPU (:func:`~tfremat.runtime.host_link.host_link_bandwidth`), required on a
@@ -139,6 +149,10 @@ class RematCallback(keras.callbacks.Callback):
     Attributes:
         plans: ``{batch shapes: PlanResult}`` for every shape trained so far (under a
             strategy, the shapes of one replica's batch).
+        allocator_peaks: ``{batch shapes: bytes}``, the allocator's peak held for each
+            shape's step (:func:`~tfremat.allocator_check.held_peak`): the accepted plan's
+            where ``allocator_check`` held it, and a ``"min"`` plan's, read and not held
+            (see ``allocator_check``).
     """
 
     def __init__(self, budget, strategy: str = "optimal", solver: str | None = None, time_limit: float | None = None,
@@ -201,8 +215,11 @@ class RematCallback(keras.callbacks.Callback):
         # is compiled with XLA, read at on_train_begin.
         self._strategy = None
         self._jit_compile = False
-        # The phase lines of a new step, the last closed after its first run (which traces it).
+        # The phase lines of a new step, the last closed after its first run (which traces it),
+        # and the line of a re-plan that a watched training step asked for.
         self._tracing: PhaseProgress | None = None
+        self._replanning: PhaseProgress | None = None
+        self.allocator_peaks: dict = {}
 
     # What the compiled steps were planned with; changing one later would leave steps
     # planned for the old value in use, so they are fixed when the callback is built.
@@ -244,6 +261,7 @@ class RematCallback(keras.callbacks.Callback):
         setup = _training_setup(model)
         if len(setup) != len(self._steps_belong_to) or any(a is not b for a, b in zip(setup, self._steps_belong_to)):
             self._steps, self.plans, self._watched, self._steps_belong_to = {}, {}, {}, setup
+            self.allocator_peaks = {}
         if model.train_function != self._train_function:  # else left over from a fit stopped between steps
             self._original_train_function = model.train_function
         model.train_function = self._train_function
@@ -272,8 +290,7 @@ class RematCallback(keras.callbacks.Callback):
             if get_strategy(self.strategy).offloads:
                 options["bandwidth"] = self.bandwidth
             # One line per phase (PhaseProgress): each can take seconds to minutes.
-            shapes = [tuple(t.shape) for t in tf.nest.flatten(x)]
-            phases = PhaseProgress(f"tfremat batch {shapes[0] if len(shapes) == 1 else shapes}", bool(self.verbose))
+            phases = PhaseProgress(_batch_label(x), bool(self.verbose))
             self._tracing = phases  # closed after the first step, or when a phase raises
             phases.start("extracting the training graph and profiling its layers")
             # The model's own loss, loss weights and optimizer, as tfremat.plan_model takes
@@ -302,20 +319,37 @@ class RematCallback(keras.callbacks.Callback):
             phases.done(plan_summary(result))
             logger.info("batch shape %s: %s, %s", key, self.strategy, plan_summary(result))
             checks_allocator = self._checks_allocator(result, strategy)
+            reads_min = not checks_allocator and self._reads_min_allocator(result, strategy)
             # The check runs the step four times and may plan again: its seconds are this phase's.
-            phases.start("compiling the step" + (" and holding its allocator peak to the budget"
-                                                 if checks_allocator else ""))
+            phases.start("compiling the step" + (" and holding its allocator peak to the budget" if checks_allocator
+                                                 else " and reading its allocator peak" if reads_min else ""))
             step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, strategy=strategy,
                                 return_outputs=True, jit_compile=self._jit_compile)
             if checks_allocator:
                 result, step, planning = self._within_allocator(result, step, x, y, sample_weight, options, strategy)
                 if planning is not None and strategy is None and not self._jit_compile:
                     self._watched[key] = [WATCHED_STEPS, planning, options]
+            elif reads_min:
+                peak = allocator_peak(step, model, x, y, sample_weight)
+                if peak is not None:
+                    self.allocator_peaks[key] = peak
+                    phases.done(f"the allocator's peak {format_bytes(peak)} held, for the {self.budget!r} plan's "
+                                f"{format_bytes(result.predicted_peak_bytes)} predicted")
+                    logger.info("batch shape %s: %r plan predicted at %s, the allocator's peak %s held", key,
+                                self.budget, format_bytes(result.predicted_peak_bytes), format_bytes(peak))
+                    phases.start("running the first step")
             if strategy is not None:
                 step = DistributedTrainStep(model, step)
             self.plans[key] = result
             self._steps[key] = step
         return self._steps[key]
+
+    def _reads_min_allocator(self, result, strategy=None) -> bool:
+        """Whether the allocator's peak of a ``"min"`` plan's step is read (not held: no
+        smaller plan to fall back on) and kept in :attr:`allocator_peaks`: with
+        ``allocator_check`` None, on one device, without XLA."""
+        return (budget_kind(self.budget) == "min" and self.allocator_check is None and strategy is None
+                and not self._jit_compile and result.budget_bytes is not None)
 
     def _checks_allocator(self, result, strategy=None) -> bool:
         """Whether ``result``'s step is held to its budget for the allocator's peak
@@ -352,6 +386,7 @@ class RematCallback(keras.callbacks.Callback):
             return None if None in peaks else max(peaks)
 
         def accepted(candidate, peak):
+            self.allocator_peaks[_shape_key(x, y)] = peak
             if self._jit_compile:
                 self._warn_xla_allocator(candidate, x, y, sample_weight, devices, result.budget_bytes, peak)
 
@@ -395,8 +430,17 @@ class RematCallback(keras.callbacks.Callback):
             return outputs
         logger.info("a training step's allocator peak %s exceeds the budget %s: planning again",
                     format_bytes(peak), format_bytes(result.budget_bytes))
-        result, new_step, planning = self._within_allocator(result, step, x, y, sample_weight, options,
-                                                            exceeded=(planning, peak))
+        # Its own line, with the batch's prefix, for the solver's progress (_replanned).
+        self._replanning = PhaseProgress(_batch_label(x), bool(self.verbose))
+        self._replanning.start(f"a training step's allocator peak {format_bytes(peak)} exceeds the budget "
+                               f"{format_bytes(result.budget_bytes)}: planning again")
+        try:
+            result, new_step, planning = self._within_allocator(result, step, x, y, sample_weight, options,
+                                                                exceeded=(planning, peak))
+            self._replanning.done(plan_summary(result))
+        finally:
+            self._replanning.close()
+            self._replanning = None
         self.plans[key], self._steps[key] = result, new_step
         self._watched[key] = [WATCHED_STEPS, planning, options]
         return outputs
@@ -407,8 +451,12 @@ class RematCallback(keras.callbacks.Callback):
         compiled step."""
         from tfremat.static_graph.compile import compile_step
 
-        replanned = with_rounding(replan(result, planning_budget, self.strategy, options, self.cache, self.verbose,
-                                         planner=plan_graph, log=logger))
+        # The solver's progress on the open phase's line, with the batch's prefix.
+        phases = self._tracing or self._replanning
+        progress = ({"progress": phases.solver_progress(result.extraction.graph.total_cost)}
+                    if phases is not None and get_strategy(self.strategy).takes_solver_options else {})
+        replanned = with_rounding(replan(result, planning_budget, self.strategy, {**options, **progress}, self.cache,
+                                         0 if progress else self.verbose, planner=plan_graph, log=logger))
         step = compile_step(replanned.extraction, replanned.schedule, optimizer=self.model.optimizer,
                             strategy=strategy, return_outputs=True, jit_compile=self._jit_compile)
         return replanned, step
@@ -469,6 +517,12 @@ class RematCallback(keras.callbacks.Callback):
             self._tracing.done("traced and ran the first step")
             self._tracing = None
         return logs
+
+
+def _batch_label(x) -> str:
+    """The prefix of a batch shape's progress lines: ``tfremat batch (8, 64, 64, 3)``."""
+    shapes = [tuple(t.shape) for t in tf.nest.flatten(x)]
+    return f"tfremat batch {shapes[0] if len(shapes) == 1 else shapes}"
 
 
 def _shape_key(x, y) -> tuple:
