@@ -31,40 +31,48 @@ MODELS = {
     # name: (budget, batch, default steps)
     "densenet121": ("45% of activations", 8, 20),
     "five_conv": ("95% of activations", 16, 20),
+    # benchmarks/user_check.py's models (its builders, Adam, its losses)
+    "unet_seg": ("60% of activations", 4, 20),
+    "small_cnn": ("60% of activations", 16, 20),
 }
 
 
 def build(name: str):
+    """The model, compiled, and its loss."""
     # Imported here, not at the top: the worker imports tfremat before Keras and TensorFlow.
     import keras
     from models import five_conv_net
 
     if name == "five_conv":
-        return five_conv_net(), (32, 32, 3)
+        return five_conv_net(), "categorical_crossentropy"
+    from user_check import build as user_build
+
     keras.utils.set_random_seed(0)
-    model = keras.applications.DenseNet121(weights=None, input_shape=(64, 64, 3), classes=10)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="categorical_crossentropy")
-    return model, (64, 64, 3)
+    if name == "densenet121":
+        model, loss = keras.applications.DenseNet121(weights=None, input_shape=(64, 64, 3), classes=10), \
+            "categorical_crossentropy"
+    else:
+        model, loss = user_build(name)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+    return model, loss
 
 
 def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> dict:
-    import numpy as np
-
     import tfremat  # noqa: F401 - before TensorFlow: the CPU allocator keeps statistics
     import keras
     import tensorflow as tf
 
     import tfremat.keras as remat_keras
     import tfremat.runtime.memory as memory
+    from tfremat.model_planning import synthetic_batch
     from tfremat.runtime.memory import measure_step_peak
 
     budget, batch, _ = MODELS[name]
-    model, shape = build(name)
-    rng = np.random.default_rng(0)
+    model, loss = build(name)
+    seeds = iter(range(10**6))
 
     def data(n):
-        x = rng.standard_normal((n, *shape)).astype("float32")
-        return x, np.eye(10, dtype="float32")[rng.integers(0, 10, n)]
+        return synthetic_batch(model, n, loss=loss, seed=next(seeds))
 
     # What the check holds (one per plan it measured), the reads behind it, and each plan
     # with whether it came from the schedule cache.
@@ -110,6 +118,7 @@ def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> 
         per_step.append(measure_step_peak(lambda a, b: step(a, b, None), bx, by, resident=variables, warmup=0))
     return {"model": name, "check": check, "budget": plan.budget_bytes, "predicted": plan.predicted_peak_bytes,
             "checkpoint_all": plan.checkpoint_all_peak_bytes, "held": held, "reads": reads, "plans": plans,
+            "overhead": plan.overhead,
             "per_step": per_step,
             "first_s": times["first"], "first_cpu_s": times["first_cpu"], "load": os.getloadavg()[0]}
 
@@ -157,8 +166,9 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     table = ["| model | allocator_check | budget MiB | plans (planning budget MiB, prediction MiB, cached?) | "
-             "check: reads MiB -> held | peak per step MiB (min-max) | max/budget | first step s (wall/CPU) | load |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "check: reads MiB -> held | peak per step MiB (min-max) | max/budget | overhead | "
+             "first step s (wall/CPU) | load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         steps = row["per_step"]
         plans = "; ".join(f"{mib(b)}, {mib(p)}, {'hit' if c else 'solved'}" for b, p, c in row["plans"])
@@ -166,7 +176,8 @@ def main() -> None:
         held = ", ".join(mib(h) for h in row["held"])
         table.append(f"| {row['model']} | {row['label']} | {mib(row['budget'])} | {plans} | "
                      f"{f'{reads} -> {held}' if row['held'] else '-'} | {mib(min(steps))}-{mib(max(steps))} "
-                     f"({len(steps)} steps) | {max(steps) / row['budget']:.3f} | {row['first_s']:.1f} / "
+                     f"({len(steps)} steps) | {max(steps) / row['budget']:.3f} | +{100 * row['overhead']:.1f}% | "
+                     f"{row['first_s']:.1f} / "
                      f"{row['first_cpu_s']:.1f} | {row['load']:.1f} |")
     text = "\n".join(table)
     print(text)
