@@ -53,9 +53,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.allocator_check import (
-    ALLOCATOR_ROUNDS,
     allocator_peak,
-    next_planning_budget,
+    hold_allocator_peak,
     replan_strategy,
     replica_allocators,
     wants_allocator_check,
@@ -354,7 +353,8 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
     Each worker runs the step on its replica's batch ``x, y`` (every replica at once: the
     step's all-reduce is a collective) and reads its own allocator's peak; the workers
     gather the peaks and all take the largest, so they decide alike whether to plan again
-    and under what budget (the budget less the excess). The chief plans and broadcasts
+    and under what budget: :func:`tfremat.allocator_check.hold_allocator_peak`'s loop, the
+    one-process check's, with no planning budget remembered. The chief plans and broadcasts
     the schedule, as for the first plan, so every worker keeps one schedule. Skipped on
     every worker when one cannot read its allocator (a CPU allocator without statistics,
     or replicas sharing one: :func:`tfremat.allocator_check.replica_allocators`).
@@ -372,7 +372,6 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
             the largest peak within the budget, or the chief could not plan under the
             reduced budget (on every worker).
     """
-    from tfremat.budget import format_bytes
     from tfremat.static_graph.compile import compile_step
 
     if settings.allocator_check is False or plan.budget_bytes is None:
@@ -394,44 +393,46 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
             "which cannot be read per device; the budget holds for each replica's requested bytes", name)
         return plan, step, None
     chief_replica = int(np.flatnonzero(rows[:, 2])[0])
-    budget = planning_budget = plan.budget_bytes
-    for _ in range(ALLOCATOR_ROUNDS):
-        local = [allocator_peak(step, model, x, y, sample_weight, device=device) for device in devices]
+
+    def read_peak(candidate):
+        # Every worker reads and gathers, so all take the same largest peak and decide alike.
+        local = [allocator_peak(candidate, model, x, y, sample_weight, device=device) for device in devices]
         peaks = collectives.gather([-1 if None in local else max(local)])[:, 0]
         if (peaks < 0).any():
             logger.warning("%s: allocator_check skipped: a worker's allocator keeps no statistics (its log says why)",
                            name)
-            return plan, step, None
-        peak = int(peaks.max())
-        if peak <= budget:
-            if planning_budget != budget:
-                logger.info("%s: planned under %s so that the largest allocator peak over the workers (%s) stays "
-                            "within the budget %s", name, format_bytes(planning_budget), format_bytes(peak),
-                            format_bytes(budget))
-            return dataclasses.replace(plan, budget_bytes=budget), step, peak
-        planning_budget = next_planning_budget(planning_budget, budget, peak, plan.predicted_peak_bytes)
-        logger.info("%s: the largest allocator peak over the workers %s exceeds the budget %s (prediction %s); "
-                    "planning again under %s", name, format_bytes(peak), format_bytes(budget),
-                    format_bytes(plan.predicted_peak_bytes), format_bytes(planning_budget))
-        detail = (f"the largest allocator peak over the workers was {format_bytes(peak)}, "
-                  f"{format_bytes(peak - plan.predicted_peak_bytes)} above the {format_bytes(plan.predicted_peak_bytes)} "
-                  f"predicted, and no schedule fits {format_bytes(max(planning_budget, 0))}; allocator_check=False holds "
-                  "the budget for requested bytes only")
-        if planning_budget <= 0:
-            raise InfeasibleBudgetError(budget, strategy=settings.strategy, detail=detail)
+            return None
+        return int(peaks.max())
+
+    def plan_at(current, planning_budget):
         try:
-            data = _chief_plan(collectives, plan.extraction.graph, planning_budget, settings, chief, chief_replica,
-                               verbose=verbose, replanning=plan)
-        except TfrematError as error:
-            raise InfeasibleBudgetError(budget, strategy=settings.strategy, detail=f"{detail} ({error})") from error
-        plan = _plan_result(plan.extraction, data, settings.strategy)
-        step = compile_step(plan.extraction, plan.schedule, optimizer=model.optimizer, strategy=distribution,
-                            return_outputs=True)
-    raise InfeasibleBudgetError(
-        budget, strategy=settings.strategy,
-        detail=f"the largest allocator peak over the workers stayed above it after {ALLOCATOR_ROUNDS} plans (last "
-               f"{format_bytes(peak)}, planned under {format_bytes(planning_budget)}); allocator_check=False holds the "
-               "budget for requested bytes only")
+            data = _chief_plan(collectives, current.extraction.graph, planning_budget, settings, chief, chief_replica,
+                               verbose=verbose, replanning=current)
+        except InfeasibleBudgetError:
+            raise
+        except TfrematError as error:  # the chief's failure, told on every worker
+            raise InfeasibleBudgetError(planning_budget, strategy=settings.strategy, detail=str(error)) from error
+        replanned = _plan_result(current.extraction, data, settings.strategy)
+        return replanned, compile_step(replanned.extraction, replanned.schedule, optimizer=model.optimizer,
+                                       strategy=distribution, return_outputs=True)
+
+    held = []
+    # No remembered planning budget (cache=False): a worker's own cache could start it where
+    # another worker's does not, and their collectives would part.
+    plan, step, _ = hold_allocator_peak(plan, step, plan_at, read_peak, strategy=settings.strategy,
+                                        options=settings.options, cache=False,
+                                        accepted=lambda _step, peak: held.append(peak), log=_WorkerLog(logger, name))
+    return plan, step, held[-1] if held else None
+
+
+class _WorkerLog(logging.LoggerAdapter):
+    """The module's logger with the worker's name before each message."""
+
+    def __init__(self, log: logging.Logger, name: str):
+        super().__init__(log, {"worker": name})
+
+    def process(self, msg, kwargs):
+        return f"{self.extra['worker']}: {msg}", kwargs
 
 
 def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation_data, callbacks, strategy: str,
