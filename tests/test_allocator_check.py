@@ -117,3 +117,20 @@ def test_min_is_not_read_when_the_check_is_off(monkeypatch):
     callback = RematCallback("min", cost_model="flops", cache=False, verbose=0, allocator_check=False)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
     assert callback.allocator_peaks == {}
+
+
+def test_a_refusal_names_optimizer_state_only_where_the_optimizer_keeps_some():
+    """fit's refusals name what the graph's fixed memory holds (user_check_2 finding 8):
+    plain SGD keeps no state per weight, Adam two slots per weight."""
+    model, (x, y) = five_conv_net(), batch()
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="categorical_crossentropy")
+    callback = RematCallback("1%", cost_model="flops", cache=False, verbose=0)
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    assert "(weights, gradients, the batch)" in str(refused.value), refused.value
+    assert "optimizer state" not in str(refused.value)
+    model.compile(optimizer="adam", loss="categorical_crossentropy")
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[RematCallback("1%", cost_model="flops", cache=False, verbose=0)])
+    assert "(weights, gradients, optimizer state, the batch)" in str(refused.value), refused.value

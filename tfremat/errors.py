@@ -28,6 +28,7 @@ __all__ = [
     "CompileError",
     "failure_status",
     "FIXED_PARTS",
+    "fixed_parts",
     "is_int",
     "is_number",
 ]
@@ -35,6 +36,17 @@ __all__ = [
 
 #: What a training step's fixed memory holds, as :class:`InfeasibleBudgetError` names it.
 FIXED_PARTS = ("weights", "gradients", "optimizer state", "the batch")
+
+
+def fixed_parts(optimizer) -> tuple[str, ...]:
+    """What the fixed memory of a step training with ``optimizer`` holds, as a refused budget
+    names it: :data:`FIXED_PARTS`, less "optimizer state" where the optimizer keeps none per
+    weight (plain SGD's variables are its step count and learning rate, scalars the
+    extraction does not count), or ``optimizer`` is None."""
+    variables = [] if optimizer is None else getattr(optimizer, "variables", [])
+    if any(len(variable.shape) > 0 for variable in variables):
+        return FIXED_PARTS
+    return tuple(part for part in FIXED_PARTS if part != "optimizer state")
 
 
 def is_int(value) -> bool:

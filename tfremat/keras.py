@@ -40,6 +40,7 @@ from tfremat.errors import (
     CompileError,
     InfeasibleBudgetError,
     TfrematError,
+    fixed_parts,
 )
 from tfremat.extract.checks import refuse_unmodelled_training
 from tfremat.extract.extractor import COST_MODELS
@@ -313,8 +314,12 @@ class RematCallback(keras.callbacks.Callback):
             phases.start(f"planning with {self.strategy}")
             progress = {"progress": phases.solver_progress(extraction.graph.total_cost)} if takes_solver_options else {}
             options = exact_only_options(extraction, self.strategy, self.exact_gradients, options)
-            result = plan_graph(extraction.graph, self.budget, self.strategy, cache=self.cache, verbose=0,
-                                **options, **progress)
+            try:
+                result = plan_graph(extraction.graph, self.budget, self.strategy, cache=self.cache, verbose=0,
+                                    **options, **progress)
+            except InfeasibleBudgetError as error:
+                # Named as the graph's fixed memory holds them: no optimizer state for plain SGD.
+                raise error.with_fixed_parts(fixed_parts(model.optimizer)) from error.__cause__
             result = with_rounding(dataclasses.replace(result, extraction=extraction))
             phases.done(plan_summary(result))
             logger.info("batch shape %s: %s, %s", key, self.strategy, plan_summary(result))
