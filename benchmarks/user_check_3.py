@@ -610,6 +610,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=DEFAULT_OUT, help="the markdown table (default %(default)s)")
     parser.add_argument("--json", help="the rows as JSON (default: --out with .json)")
     parser.add_argument("--from_json", help="render saved rows (comma separated files; later rows replace earlier)")
+    parser.add_argument("--measured_at", help="the tree the rows were measured at, for the header (default: this "
+                                              "checkout's git log -1)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -640,7 +642,8 @@ def main(argv=None) -> int:
                 print(f"{name}: {row.get('error') or 'done'} ({row['wall_s']:.0f} s, load {load:.1f})", flush=True)
     commit = subprocess.run(["git", "log", "-1", "--oneline"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     loads = [r["load"] for r in rows if "load" in r]
-    header = (f"At `{commit}`; 1-minute load average {min(loads):.1f}-{max(loads):.1f} at the rows' starts "
+    at = args.measured_at or f"`{commit}`"
+    header = (f"At {at}; 1-minute load average {min(loads):.1f}-{max(loads):.1f} at the rows' starts "
               "(2 shared cores).") if loads else ""
     with open(args.out, "w") as handle:
         handle.write(render(rows, sys.argv[1:] if argv is None else argv, header))
