@@ -15,8 +15,20 @@ blocks of ``--rounds`` rounds on the two executors, each block's median and quar
 the factor the overlap's stopping rule (2% or 1.5 s, :mod:`tfremat.extract.overlap`) would have
 taken from each block's first rounds.
 
+``loops``: where the time over plain of a loop model goes (issue 33 item 2). One process
+extracts ``--model`` (``gru_text``: user_check.py's, batch 16; ``bilstm_text`` or a non-loop
+control such as ``transformer_encoder``: conformance.py's, batch ``--batch``) uncached, plans
+``--budget`` with ``--strategy`` and compiles that step and the checkpoint-all step. Then, in
+``--blocks_timed`` blocks of ``--rounds`` rounds, it times four steps in turns (order reversed
+every other round): the two compiled steps, the plain tape step on the single-threaded
+executor (``plain_seq``) and on the default one (``plain_def``). Per block: the medians and
+quartiles of per-round ``step/plain_seq`` (what ``1 + overhead`` predicts), ``plain_seq/plain_def``
+(the overlap at that moment) and ``step/plain_def`` (what ``predicted_time_over_plain`` and its
+range predict, from the overlap the extraction measured at its own load).
+
     python benchmarks/executor_time.py convnext --depthwise grouped
     python benchmarks/executor_time.py gru --blocks 4 --rounds 25
+    python benchmarks/executor_time.py loops --model gru_text --budget min --blocks_timed 3 --rounds 10
 """
 
 from __future__ import annotations
@@ -153,9 +165,97 @@ def gru(args) -> dict:
     return {"model": model.name, "blocks": blocks}
 
 
+def _loop_model(name: str, batch: int):
+    """``(model, x, y, loss)`` for ``loops``: gru_text at batch 16 as user_check.py runs it, else
+    a conformance.py model at ``batch``."""
+    from tfremat.model_planning import synthetic_batch
+
+    if name == "gru_text":
+        from user_check import _gru_text
+
+        keras.utils.set_random_seed(0)
+        return _gru_text(), tf.zeros((16, 200), tf.int32), tf.zeros((16, 1), tf.float32), "binary_crossentropy"
+    import conformance
+
+    model = conformance.build(name)
+    x, y = synthetic_batch(model, batch, loss="categorical_crossentropy", seed=0)
+    return model, tf.constant(x), tf.constant(y), "categorical_crossentropy"
+
+
+def _quartiles(values: list[float]) -> dict:
+    low, median, high = statistics.quantiles(values, n=4, method="inclusive")
+    return {"median": round(statistics.median(values), 4), "quartiles": [round(low, 4), round(high, 4)]}
+
+
+def loops(args) -> dict:
+    from tfremat.plan.baselines import checkpoint_all
+
+    model, x, y, loss = _loop_model(args.model, args.batch)
+    began = time.perf_counter()
+    extraction = extract(model, (x, y), loss=loss, optimizer=keras.optimizers.Adam(), use_cache=False)
+    extract_seconds = time.perf_counter() - began
+    graph = extraction.graph
+    result = dataclasses.replace(plan_graph(graph, args.budget, args.strategy, cache=False, verbose=0),
+                                 extraction=extraction)
+    steps = {}
+    for name, schedule in (("all", checkpoint_all(graph)), ("planned", result.schedule)):
+        optimizer = keras.optimizers.Adam()
+        optimizer.build(model.trainable_variables)
+        steps[name] = compile_step(extraction, schedule, optimizer=optimizer)
+    loss_fn = extraction.side_table.loss_fn
+    plain_seq_step = plain_train_step(model, loss_fn, keras.optimizers.Adam())
+    plain_def_step = plain_train_step(model, loss_fn, keras.optimizers.Adam())
+
+    def plain_seq():
+        with executor.sequential():
+            out = plain_seq_step(x, [y])
+            out.numpy()
+        return out
+
+    runs = {"all": lambda: steps["all"](x, y), "planned": lambda: steps["planned"](x, y), "plain_seq": plain_seq,
+            "plain_def": lambda: plain_def_step(x, [y])}
+    for run in runs.values():  # traces, instantiates, decides the compiled steps' executor
+        tf.nest.flatten(run())[0].numpy()
+    order = list(runs)
+    blocks = []
+    for _ in range(args.blocks_timed):
+        load = os.getloadavg()[0]
+        seconds = {name: [] for name in order}
+        for round_ in range(args.rounds):
+            for name in order if round_ % 2 == 0 else order[::-1]:
+                started = time.perf_counter()
+                tf.nest.flatten(runs[name]())[0].numpy()
+                seconds[name].append(time.perf_counter() - started)
+
+        def ratio(a, b):
+            return _quartiles([p / q for p, q in zip(seconds[a], seconds[b])])
+
+        blocks.append({
+            "load": round(load, 2), "load_after": round(os.getloadavg()[0], 2),
+            "plain_seq_ms": round(1e3 * statistics.median(seconds["plain_seq"]), 1),
+            "all/plain_seq": ratio("all", "plain_seq"), "planned/plain_seq": ratio("planned", "plain_seq"),
+            "plain_seq/plain_def": ratio("plain_seq", "plain_def"), "planned/plain_def": ratio("planned", "plain_def"),
+        })
+    low, high = result.predicted_time_over_plain_range
+    measured = statistics.median(b["planned/plain_def"]["median"] for b in blocks)
+    return {
+        "model": model.name, "nodes": graph.size, "budget": args.budget, "strategy": args.strategy,
+        "extract_s": round(extract_seconds, 1), "step_sequential": steps["planned"].sequential,
+        "total_cost_ms": round(1e3 * graph.total_cost, 1), "overhead": round(result.overhead, 4),
+        "overlap": round(extraction.plain_overlap, 4),
+        "overlap_range": [round(v, 4) for v in extraction.plain_overlap_range],
+        "overlap_load": None if extraction.plain_overlap_load is None else round(extraction.plain_overlap_load, 2),
+        "predicted": round(result.predicted_time_over_plain, 4), "predicted_range": [round(low, 4), round(high, 4)],
+        "blocks": blocks, "measured": round(measured, 4),
+        "measured/predicted": round(measured / result.predicted_time_over_plain, 4),
+        "in_range": bool(0.87 * low <= measured <= 1.15 * high),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("kind", choices=["convnext", "gru"])
+    parser.add_argument("kind", choices=["convnext", "gru", "loops"])
+    parser.add_argument("--model", default="gru_text", help="loops: gru_text or a conformance.py model name")
     parser.add_argument("--depthwise", choices=["grouped", "layer"], default="grouped")
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--size", type=int, default=64)
@@ -166,7 +266,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--blocks_timed", type=int, default=3)
     args = parser.parse_args()
-    print(json.dumps(convnext(args) if args.kind == "convnext" else gru(args)))
+    print(json.dumps({"convnext": convnext, "gru": gru, "loops": loops}[args.kind](args)))
 
 
 if __name__ == "__main__":

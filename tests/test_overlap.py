@@ -125,14 +125,28 @@ def test_the_plan_says_the_time_over_plain_with_the_overlap():
     assert row["predicted_time_over_plain"] == pytest.approx(slower * 1.1, abs=1e-4)
     assert row["predicted_time_over_plain_range"] == pytest.approx([slower * 0.9, slower * 1.3], abs=1e-4)
     line = plan_summary(result)
-    assert f"{slower * 1.1:.2f}x plain training's time ({slower * 0.9:.2f}-{slower * 1.3:.2f}x over the rounds at load 4.0" in line
-    assert "takes 0.91x the time of one operation at a time" in line
+    assert f"{slower * 1.1:.2f}x plain training's time ({slower * 0.9:.2f}-{slower * 1.3:.2f}x at load 4.0, where" in line
+    assert "took 0.91x the time of one operation at a time" in line
     # An overlap given without its rounds (an extraction of an older tfremat) has no spread.
     unspread = dataclasses.replace(result, extraction=types.SimpleNamespace(plain_overlap=1.1))
     assert unspread.predicted_time_over_plain_range == pytest.approx((slower * 1.1, slower * 1.1))
     assert " at load" not in plan_summary(unspread)
     on_default = dataclasses.replace(result, step_sequential=False)
     assert on_default.predicted_time_over_plain_range == pytest.approx((slower, slower))
+
+
+def test_the_stated_range_holds_the_quartiles_and_at_least_min_spread():
+    """Tight quartiles (five steady rounds) widen to MIN_SPREAD either side, wide ones stay;
+    an unmeasured overlap has no spread."""
+    spread = overlap_module.MIN_SPREAD
+    tight = PlainOverlap(0.8, 0.79, 0.81, 5, 3.9)
+    assert tight.expected_range() == pytest.approx((0.8 * (1 - spread), 0.8 * (1 + spread)))
+    wide = PlainOverlap(0.7, 0.44, 0.94, 5, 4.3)
+    assert wide.expected_range() == (0.44, 0.94)
+    lopsided = PlainOverlap(1.0, 0.6, 1.02, 9, None)
+    assert lopsided.expected_range() == pytest.approx((0.6, 1 + spread))
+    assert PlainOverlap().expected_range() == (1.0, 1.0) and PlainOverlap.of(1.25).expected_range() == (1.25, 1.25)
+    assert PlainOverlap.from_dict(tight.to_dict()) == tight
 
 
 def test_the_rounds_stop_once_the_median_is_known_or_the_time_is_spent():
@@ -219,7 +233,7 @@ def test_default_threads_measure_the_overlap(tmp_path):
     low, high = found["range"]
     assert low <= found["overlap"] <= high and found["load"] is not None and found["load"] >= 0
     assert found["summary"]["predicted_time_over_plain_range"] == pytest.approx([low, high], abs=2e-4)  # checkpoint-all
-    assert f"{low:.2f}-{high:.2f}x over the rounds at load" in found["line"]
+    assert f"{low:.2f}-{high:.2f}x at load" in found["line"]
 
 
 _LSTM_SCRIPT = textwrap.dedent(

@@ -148,9 +148,9 @@ class PlanResult:
 
     @property
     def plain_overlap_range(self) -> tuple[float, float]:
-        """The first and third quartile of the plain overlap's rounds
-        (:attr:`tfremat.extract.extractor.Extraction.plain_overlap_range`); both
-        :attr:`plain_overlap` where it was not measured or does not apply."""
+        """Where the plain overlap is expected at a like load: its rounds' quartiles, at least
+        10% either side (:attr:`tfremat.extract.extractor.Extraction.plain_overlap_range`);
+        both :attr:`plain_overlap` where it was not measured or does not apply."""
         if not self.step_sequential or self.extraction is None:
             return (self.plain_overlap, self.plain_overlap)
         low, high = getattr(self.extraction, "plain_overlap_range", (self.plain_overlap, self.plain_overlap))
@@ -159,8 +159,8 @@ class PlanResult:
     @property
     def predicted_time_over_plain_range(self) -> tuple[float, float]:
         """:attr:`predicted_time_over_plain` from each end of :attr:`plain_overlap_range`: where
-        one measurement's noise puts it at the load the overlap was measured at (the load at
-        training moves it further, :mod:`tfremat.extract.overlap`)."""
+        the step is expected at a load like the one the overlap was measured at (another load
+        moves it further, :mod:`tfremat.extract.overlap`)."""
         low, high = self.plain_overlap_range
         return ((1 + self.overhead) * low, (1 + self.overhead) * high)
 
@@ -297,9 +297,9 @@ def plan_summary(result: PlanResult) -> str:
         low, high = result.predicted_time_over_plain_range
         load = getattr(result.extraction, "plain_overlap_load", None)
         at = "" if load is None else f" at load {load:.1f}"
-        line += (f", {result.predicted_time_over_plain:.2f}x plain training's time ({low:.2f}-{high:.2f}x over the "
-                 f"rounds{at}; plain training on TensorFlow's default executor takes {1 / result.plain_overlap:.2f}x "
-                 f"the time of one operation at a time, less on idle cores, more on busy ones)")
+        line += (f", {result.predicted_time_over_plain:.2f}x plain training's time ({low:.2f}-{high:.2f}x{at}, where "
+                 f"plain training on TensorFlow's default executor took {1 / result.plain_overlap:.2f}x the time of one "
+                 "operation at a time: less on idle cores, more on busy ones)")
     facts = result.facts
     if result.inexact_implementations:
         named = sorted({name for _, name in result.inexact_implementations})

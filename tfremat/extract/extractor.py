@@ -73,8 +73,10 @@ class Extraction:
             over its seconds on TensorFlow's default one (:mod:`~tfremat.extract.overlap`);
             1.0, not measured, with one inter-op thread, the ``"flops"`` cost model, ``timing=False``,
             several replicas or XLA. Cached with the profile.
-        plain_overlap_range: the first and third quartile of the overlap's per-round ratios
-            (both ``plain_overlap`` when it was not measured): the noise of one measurement.
+        plain_overlap_range: the first and third quartile of the overlap's per-round ratios,
+            widened to at least 10% of it either side
+            (:meth:`~tfremat.extract.overlap.PlainOverlap.expected_range`; both ``plain_overlap``
+            when it was not measured): where it is expected at a like load.
         plain_overlap_load: the 1-minute load average the overlap was measured at (None: not
             measured); the factor moves with the load (:mod:`~tfremat.extract.overlap`).
     """
@@ -284,7 +286,7 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
         seconds, profile_seconds,
     )
     return Extraction(graph, table, seconds, profile_seconds, cached is not None, overlap.factor,
-                      (overlap.low, overlap.high), overlap.load)
+                      overlap.expected_range(), overlap.load)
 
 
 def _check_arguments(model, sample_batch, input_signature, cost_model: str, weight_grads: str,

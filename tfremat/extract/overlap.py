@@ -29,8 +29,11 @@ inter-op threads gain on a machine with idle cores and lose on a busy one. A bid
 measured 1.25 at load 2.1 and 0.64-0.78 at load 5.6 on 2 cores, and one 5-round median
 moves 9-18% at one load (benchmarks/results/executor_time.md, "The GRU's overlap"). So the
 measurement keeps the quartiles of its per-round ratios and the load average it ran at
-(:class:`PlainOverlap`), and the plan states the range they give
-(:attr:`tfremat.planner.PlanResult.predicted_time_over_plain_range`); they cost nothing beyond
+(:class:`PlainOverlap`), and the plan states the range they give, widened to at least
+:data:`MIN_SPREAD` either side (:meth:`PlainOverlap.expected_range`,
+:attr:`tfremat.planner.PlanResult.predicted_time_over_plain_range`): five steady rounds gave
+quartiles 0.793-0.799 where the same process measured 0.70-0.75 a minute later at the same
+load (benchmarks/results/executor_time.md, "Loop models in turns"). They cost nothing beyond
 the rounds already timed.
 """
 
@@ -68,6 +71,10 @@ MIN_ROUNDS = 5
 MAX_ROUNDS = 25
 TARGET_SECONDS = 1.5
 PRECISION = 0.02
+# The least relative spread the stated range has either side of the factor: measured again in
+# the same process at the same load, the factor of a bidirectional GRU or LSTM moved by up to
+# 14% from the extraction's (benchmarks/results/executor_time.md, "Loop models in turns").
+MIN_SPREAD = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +104,14 @@ class PlainOverlap:
         if isinstance(value, PlainOverlap):
             return value
         return cls(float(value), float(value), float(value))
+
+    def expected_range(self) -> tuple[float, float]:
+        """Where a later measurement at a like load is expected: the quartiles, widened to
+        at least MIN_SPREAD of the factor either side (a few steady rounds can agree far more
+        closely than two measurements do); ``(factor, factor)`` when not measured."""
+        if self.rounds == 0:
+            return (self.factor, self.factor)
+        return (min(self.low, self.factor * (1 - MIN_SPREAD)), max(self.high, self.factor * (1 + MIN_SPREAD)))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
