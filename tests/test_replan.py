@@ -59,7 +59,7 @@ def test_the_check_replans_with_the_heuristic_and_falls_back_to_the_strategy(mon
     monkeypatch.setattr(tk, "with_rounding", lambda result: result)
     monkeypatch.setattr(compile_module, "compile_step", lambda *a, **k: "step")
     callback = types.SimpleNamespace(strategy="optimal", cache=False, verbose=0, _jit_compile=False,
-                                     model=types.SimpleNamespace(optimizer=None))
+                                     _tracing=None, _replanning=None, model=types.SimpleNamespace(optimizer=None))
     first = dataclasses.replace(plan_graph(graph, budget, "eviction", cache=False, verbose=0), strategy="optimal")
     first = types.SimpleNamespace(**{f.name: getattr(first, f.name) for f in dataclasses.fields(first)
                                      if f.name != "extraction"},
