@@ -33,7 +33,7 @@ MODELS = {
     "five_conv": ("95% of activations", 16, 20),
     # benchmarks/user_check.py's models (its builders, Adam, its losses)
     "unet_seg": ("60% of activations", 4, 20),
-    "small_cnn": ("60% of activations", 16, 20),
+    "ts_transformer": ("50%", 8, 20),
 }
 
 
