@@ -24,11 +24,15 @@ every other round): the two compiled steps, the plain tape step on the single-th
 executor (``plain_seq``) and on the default one (``plain_def``). Per block: the medians and
 quartiles of per-round ``step/plain_seq`` (what ``1 + overhead`` predicts), ``plain_seq/plain_def``
 (the overlap at that moment) and ``step/plain_def`` (what ``predicted_time_over_plain`` and its
-range predict, from the overlap the extraction measured at its own load).
+range predict, from the overlap the extraction measured at its own load). With ``--trace N``
+it then traces the checkpoint-all step and ``plain_seq`` N times each under TensorFlow's
+profiler and splits the ``WhileOp-StartBody`` events into loops of the sequence's length (one
+loop at a time on the single-threaded executor): each loop's span inside the step, against
+the profiled costs of the loop nodes.
 
     python benchmarks/executor_time.py convnext --depthwise grouped
     python benchmarks/executor_time.py gru --blocks 4 --rounds 25
-    python benchmarks/executor_time.py loops --model gru_text --budget min --blocks_timed 3 --rounds 10
+    python benchmarks/executor_time.py loops --model gru_text --budget min --blocks_timed 3 --rounds 15 --trace 3
 """
 
 from __future__ import annotations
@@ -187,6 +191,41 @@ def _quartiles(values: list[float]) -> dict:
     return {"median": round(statistics.median(values), 4), "quartiles": [round(low, 4), round(high, 4)]}
 
 
+def _loop_spans(run, iterations: int) -> tuple[float, list[float]]:
+    """``(ms of the traced call, ms of each loop in it)``: ``run()`` once under TensorFlow's
+    profiler (host events), its ``WhileOp-StartBody`` events in time order cut into loops of
+    ``iterations``."""
+    import glob
+    import tempfile
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    logdir = tempfile.mkdtemp(prefix="executor_time_")
+    tf.profiler.experimental.start(logdir, tf.profiler.experimental.ProfilerOptions(host_tracer_level=2))
+    run()
+    tf.profiler.experimental.stop()
+    bodies, total = [], 0.0
+    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            if not plane.name.startswith("/host:"):
+                continue
+            names = {key: meta.name for key, meta in plane.event_metadata.items()}
+            for line in plane.lines:
+                base = line.timestamp_ns * 1000
+                for event in line.events:
+                    name = names[event.metadata_id]
+                    if name == "WhileOp-StartBody":
+                        bodies.append((base + event.offset_ps, base + event.offset_ps + event.duration_ps))
+                    elif name == "KernelAndDeviceFunc::Run":
+                        total = max(total, event.duration_ps * 1e-9)
+    bodies.sort()
+    loops_ = [bodies[i:i + iterations] for i in range(0, len(bodies), iterations)]
+    return round(total, 2), [round((loop[-1][1] - loop[0][0]) * 1e-9, 2) for loop in loops_]
+
+
 def loops(args) -> dict:
     from tfremat.plan.baselines import checkpoint_all
 
@@ -248,7 +287,13 @@ def loops(args) -> dict:
         "predicted": round(result.predicted_time_over_plain, 4), "predicted_range": [round(low, 4), round(high, 4)],
         "blocks": blocks, "measured": round(measured, 4),
         "measured/predicted": round(measured / result.predicted_time_over_plain, 4),
-        "in_range": bool(0.87 * low <= measured <= 1.15 * high),
+        "in_range": bool(low <= measured <= high),
+        "in_band": bool(0.87 * low <= measured <= 1.15 * high),
+        "loop_nodes_ms": {graph.names[i]: round(1e3 * graph.cost[i], 2) for i in range(graph.size)
+                          if 1e3 * graph.cost[i] >= 1.0},
+        "traces": [{"load": round(os.getloadavg()[0], 2),
+                    "all": _loop_spans(runs["all"], int(x.shape[1])),
+                    "plain_seq": _loop_spans(plain_seq, int(x.shape[1]))} for _ in range(args.trace)],
     }
 
 
@@ -265,6 +310,7 @@ def main():
     parser.add_argument("--strategy", default="optimal")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--blocks_timed", type=int, default=3)
+    parser.add_argument("--trace", type=int, default=0, help="loops: profiler traces of the step and plain_seq")
     args = parser.parse_args()
     print(json.dumps({"convnext": convnext, "gru": gru, "loops": loops}[args.kind](args)))
 
