@@ -58,3 +58,29 @@ def test_a_softmax_head_keeps_its_logits_for_the_loss():
     head = next(row for row in rows if row["scope"] == f"forward_{graph.names.index('head')}")
     assert head["requested_bytes"] is not None
     assert not _over(rows), _over(rows)
+
+
+def test_a_dropout_forward_is_measured_with_its_scaling_before_its_mask():
+    """Dropout's ``Mul(x, 1 / keep)`` reads nothing of its random chain, so TensorFlow's
+    executor ran it before the uniform draw (scaled input, draw and mask live at once) or
+    after the draw was freed, from one trace to the next: the measured forward workspace
+    was one output or nothing (1 in 6-12 traces, oneDNN on or off), and the step, which ran
+    it first, requested one output over the prediction at the dropout's forward statement.
+    The forward is also measured with such operations first (``_sources_first``)."""
+    from tfremat.extract.analysis import _CallTracer, _requested_peak, _sample
+
+    shape = (8, 96, 192)
+    output = int(np.prod(shape)) * 4
+    layer = keras.layers.Dropout(0.25)
+    layer.build(shape)
+    spec = tf.TensorSpec(shape, tf.float32)
+    tracer = _CallTracer(lambda xs: layer(xs[0], training=True), [spec], [True], [], one_call=False)
+    args = ([_sample(spec)], tf.constant(1.0))
+    peaks = []
+    for _ in range(8):
+        function = tracer.trace("kept_forward", greediest=True)
+        assert tracer.records["kept_forward"]["sources_first"]
+        peaks.append(_requested_peak(function, args, 1))
+    # The output, the boolean mask it keeps (a quarter of it), and the scaled input alive
+    # beside the uniform draw: one output more.
+    assert min(peaks) >= 2 * output + output // 4, peaks

@@ -701,7 +701,9 @@ class _CallTracer:
 
         ``greediest``: the backward's operations run one at a time in the order that holds
         the most of its temporaries at once (:func:`_run_greediest`); the step's executor
-        may pick it where the isolated run does not.
+        may pick it where the isolated run does not. With ``fetch="kept_forward"`` the
+        forward's operations that read only its inputs run first instead
+        (:func:`_sources_first`).
         """
         one_call, variables = self.one_call, self.variables
         graph = tf.compat.v1.get_default_graph()
@@ -746,7 +748,7 @@ class _CallTracer:
         # filter gradient of a convolution when only its input gradient is taken), which
         # the step's graph prunes; the flops count only what runs.
         running = _needed_ops([g for g in (*input_part, *weight_part) if g is not None], mark)
-        if greediest:
+        if greediest and fetch != "kept_forward":
             _run_greediest(running, [g for g in (*input_part, *weight_part) if g is not None] + upstream)
         self.records[fetch] = {"forward_ops": operations[:mark], "backward_ops": operations[mark:],
                                "running_backward_ops": running, "reads": reads,
@@ -761,6 +763,9 @@ class _CallTracer:
             return grads
         if fetch == "consumed":
             return grads + upstream
+        if fetch == "kept_forward" and greediest:
+            self.records[fetch]["sources_first"] = _sources_first(
+                [op for op in operations[:mark] if op.type != "Placeholder"])
         if fetch == "kept_forward":
             # Keras's cross-entropies read a softmax/sigmoid output's logits (``_keras_logits``),
             # which then outlive the activation: alone, it wrote into their buffer, and the
@@ -1009,6 +1014,9 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
         # makes them: a LayerNormalization's full-size temporary counted 0 and its forward
         # statement requested one output more than predicted (benchmarks/results/layernorm_forward.md).
         fwd_peak = max(fwd_peak, _requested_peak(tracer.trace("kept_forward"), args, warmup))
+        sources_first = tracer.trace("kept_forward", greediest=True)
+        if tracer.records["kept_forward"]["sources_first"]:
+            fwd_peak = max(fwd_peak, _requested_peak(sources_first, args, warmup))
     consumed = analysis.residual_bytes and not analysis.reads_output and held_concrete is None
     if consumed:
         # The residuals die as the gradient reads them: the node's residual part has no
@@ -1258,6 +1266,49 @@ def _run_greediest(ops, kept) -> None:
         ordered.append(chosen)
     for previous, op in zip(ordered, ordered[1:]):
         op._add_control_input(previous)  # pylint: disable=protected-access
+
+
+def _sources_first(ops) -> bool:
+    """Makes the operations of a forward (``ops``, its inputs' placeholders left out) that
+    read only the call's inputs and constants run before every other operation that does
+    not wait for them already; True when there were such operations.
+
+    Dropout's ``Mul(x, 1 / keep)`` reads nothing of its random chain; run first, the scaled
+    input, the uniform draw and the mask are live at once, as in the step, where the
+    isolated forward often ran it after the draw was freed (one output less with oneDNN off:
+    benchmarks/results/layernorm_forward.md, tests/test_requested_statements.py). The
+    forward is not chained as a backward is (:func:`_run_greediest`): Grappler fuses a
+    convolution with its bias and activation, and a control edge between fused operations
+    closes a cycle. Only operations that Grappler cannot reassociate with their readers
+    are moved (:func:`_runs_first`)."""
+    off = _off_chain(ops)
+    early = [op for op in ops if _runs_first(op, off)]
+    if not early:
+        return False
+    inside = {id(op) for op in ops}
+    waits = _waits_within(ops, inside)
+    firsts = {id(op) for op in early}
+    for op in ops:
+        if id(op) not in firsts and id(op) not in off and not waits[id(op)] & firsts:
+            op._add_control_inputs(early)  # pylint: disable=protected-access
+    return True
+
+
+# Elementwise arithmetic that Grappler's arithmetic optimizer may reassociate with an
+# operand that multiplies or adds a constant: ``(x * c) * y`` becomes ``(x * y) * c``.
+_REASSOCIABLE_OPS = frozenset({"Mul", "AddV2", "Add", "Sub", "RealDiv", "Div", "AddN", "Neg", "MulNoNan"})
+
+
+def _runs_first(op, off: set[int]) -> bool:
+    """Whether ``op``, one that constant folding may rewrite (its id in ``off``), may run
+    before the rest of its forward (:func:`_sources_first`): it reads the call's inputs and
+    constants only, at least one input, and no reader could be reassociated with it."""
+    if id(op) not in off or op.type in _SHAPE_OPS or op.op_def.is_stateful:
+        return False
+    kinds = [t.op.type for t in op.inputs]
+    if "Placeholder" not in kinds or any(k not in _SHAPE_OPS and k != "Placeholder" for k in kinds):
+        return False
+    return not any(reader.type in _REASSOCIABLE_OPS for t in op.outputs for reader in t.consumers())
 
 
 def _off_chain(ops) -> set[int]:

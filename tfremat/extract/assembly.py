@@ -471,12 +471,19 @@ def _implementation(name: str, a: CallAnalysis, num_inputs: int, flops: bool, we
 
 def _inputs_backward_needs(analysis: CallAnalysis, num_inputs: int) -> tuple[int, ...]:
     """The positions of the inputs a backward node depends on: those its gradient reads,
-    or every input when it reads some but not all. When a schedule recomputes a read input
-    after the forward call, the compiled step re-runs the call on the current inputs to
-    rebuild the gradient (so that the tape's older copy is not kept alive), and that call
-    needs all of them: ``einsum`` over attention probabilities and values reads a transposed
-    copy of the values (a residual) and the probabilities, not the values themselves."""
-    if analysis.reads_inputs and len(analysis.reads_inputs) < num_inputs:
+    or every input when it reads some but not all and not the forward node's value. When a
+    schedule recomputes a read input after the forward call, the compiled step re-runs the
+    call on the current inputs to rebuild the gradient (so that the tape's older copy is
+    not kept alive), and that call needs all of them. A gradient that also reads the
+    forward value is never rebuilt: plans recompute its forward node in the backward
+    node's stage instead, which reads the inputs through the forward node's own edges
+    (:func:`tfremat.plan.schedule.with_fresh_gradient_reads`). So ``einsum`` over attention
+    probabilities and values, which reads a transposed copy of the values (a residual) and
+    the probabilities, does not keep the values: the timeseries Transformer of
+    benchmarks/user_check.py held 4 MiB per block the step had freed
+    (benchmarks/results/fidelity_requested.md)."""
+    reads_value = (analysis.reads_output or analysis.residual_bytes) and not analysis.one_gradient_call
+    if analysis.reads_inputs and len(analysis.reads_inputs) < num_inputs and not reads_value:
         return tuple(range(num_inputs))
     return analysis.reads_inputs
 
