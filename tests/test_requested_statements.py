@@ -84,3 +84,26 @@ def test_a_dropout_forward_is_measured_with_its_scaling_before_its_mask():
     # The output, the boolean mask it keeps (a quarter of it), and the scaled input alive
     # beside the uniform draw: one output more.
     assert min(peaks) >= 2 * output + output // 4, peaks
+
+
+def test_attention_values_are_not_kept_for_the_einsum_that_read_them():
+    """The einsum of attention probabilities (with dropout: not fused into one
+    dot_product_attention) and values keeps a transposed copy of the
+    values (a residual) and reads the probabilities: its backward node no longer depends on
+    the values node (``assembly._inputs_backward_needs``), whose output the step frees after
+    the forward einsum (4 MiB per block of the timeseries Transformer of
+    benchmarks/user_check.py); the step still requests no more than predicted anywhere."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((32, 4))
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=32, dropout=0.25)(inputs, inputs)
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Add()([inputs, attended]))
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(pooled))
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((4, 32, 4)), tf.float32)
+    y = tf.constant(np.eye(3, dtype="float32")[rng.integers(0, 3, 4)])
+    graph, rows = _ledger(model, x, y, keras.losses.CategoricalCrossentropy())
+    value = next(i for i, name in enumerate(graph.names) if name.endswith("/value"))
+    (einsum,) = [s for s in graph.successors[value] if not graph.is_backward[s]]
+    assert "einsum" in graph.names[einsum] and graph.residual_bytes[einsum] > 0
+    assert value not in graph.predecessors[graph.backward_of[einsum]]
+    assert not _over(rows), _over(rows)
