@@ -523,6 +523,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             "plain_overlap": round(result.plain_overlap, 4),
             "step_executor": "single-threaded" if step.sequential else "default",
             "predicted_time_over_plain": round(result.predicted_time_over_plain, 4),
+            "predicted_time_over_plain_range": [round(t, 4) for t in result.predicted_time_over_plain_range],
             # Forward work the step repeats beyond the plan's recomputations (a gradient
             # rebuilt on a recomputed input; interpreter.TraceReport), for the time's account.
             "recomputed_layer_calls": step.report.recomputed_layer_calls,
