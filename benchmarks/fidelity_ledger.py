@@ -122,7 +122,7 @@ def _events(step, x, y, graph, scope: str) -> list[str]:
             out.append(f"{'+' if allocation else '-'}{requested / 1024:.1f} KiB {info['op'] if allocation else ops.get(addr)}"
                        f" -> {current / MiB:.3f} MiB{'' if mine else ' (other)'}")
         if out and not mine and len(out) > 400:
-            break
+            out = [line for line in out if not line.endswith("(other)")]  # the scope's own, to the end
     while out and out[-1].endswith("(other)"):
         out.pop()
     return out
