@@ -19,8 +19,8 @@ names:
 - ``xla_share``: ``model.compile(jit_compile=True)`` at a share of the peak.
 
 Per check: whether both ran (a refusal's text kept whole), the per-epoch logs of both (largest
-difference per key), the weights after (:func:`tfremat.numerics.closeness`, all of
-``get_weights``: batch-norm statistics and optimizer-free state included), the plans (one per
+difference per key), the weights after (:func:`tfremat.numerics.closeness` over all of
+``get_weights``, batch-norm statistics included), the plans (one per
 batch shape), and on the step of the first batch shape: the allocator's peak (three reads of
 :func:`tfremat.allocator_check.allocator_peak`), the bytes it requests, its time against a plain
 tape step in turns over the plan's ``predicted_time_over_plain``, and the seconds from ``fit``
@@ -201,9 +201,11 @@ def _history_differences(plain: dict, remat: dict) -> dict:
 
 def run_pair(make, fit_kwargs, budget, timing_batch, *, extra=None, plain_callbacks=None, remat_callbacks=None):
     """Trains ``make()`` with plain ``model.fit(**fit_kwargs)`` then a fresh ``make()`` with
-    ``tfremat.fit(model, budget, **fit_kwargs)``; the row of the comparison and the two models."""
+    ``tfremat.fit(model, budget, **fit_kwargs)``, retrying a refused budget at the one the refusal
+    names; ``extra(plain_model, model)`` adds columns before the step is read and timed.
+
+    Returns ``(row, plain model, model, RematCallback or None)``."""
     import keras
-    import tensorflow as tf
 
     import tfremat
     from tfremat.numerics import closeness
@@ -384,7 +386,6 @@ def check_lstm_mask_lambda(budget, work):
 
 
 def check_mirrored_2cpu(budget, work):
-    import keras
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -398,8 +399,9 @@ def check_mirrored_2cpu(budget, work):
             model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         return model
 
-    row, plain_model, model, remat = run_pair(make, {"x": x, "y": y, "batch_size": 32, "epochs": 1, "shuffle": False},
-                                              budget, (tf.constant(x[:16]), tf.constant(y[:16])))
+    # The step is planned for one replica's half of the batch of 32.
+    row, *_ = run_pair(make, {"x": x, "y": y, "batch_size": 32, "epochs": 1, "shuffle": False}, budget,
+                       (tf.constant(x[:16]), tf.constant(y[:16])))
     row["replicas"] = strategy.num_replicas_in_sync
     return row
 
