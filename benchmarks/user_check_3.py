@@ -276,6 +276,11 @@ def step_measures(remat, model, batch) -> dict:
     out.update({"budget_bytes": result.budget_bytes, "fit_predicted": result.predicted_peak_bytes,
                 "fit_planned_time": result.predicted_time_over_plain, "fit_overhead": result.overhead,
                 "checkpoint_all_peak": result.checkpoint_all_peak_bytes})
+    if remat._strategy is not None:
+        # Both replicas run on one allocator (logical CPUs): no per-replica read, and the
+        # plain tape step is no distributed one.
+        out["memory_error"] = "not read: the replicas (logical CPUs) share one allocator"
+        return out
     try:
         reads = [allocator_peak(step, model, xb, yb, reads=1) for _ in range(3)]
         out["fit_allocator"] = reads
