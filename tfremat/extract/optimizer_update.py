@@ -29,10 +29,15 @@ fingerprint and share budgets) differed between processes and no cached schedule
 result is stored with the profiles (``<cache dir>/optimizer_update/``, keyed by the
 optimizer's class, code and config, TensorFlow, the device and the inter-op setting): a
 later process reads the first one's count.
+
+The probe is measured where no ``tf.distribute`` strategy is active: under one (``fit``
+extracts as replica 0 inside the model's strategy scope) its variables would be made by the
+strategy's variable creator and the clone's slots refused as not of its scope.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -111,7 +116,7 @@ def update_temporaries(optimizer, *, use_cache: bool = True) -> UpdateTemporarie
         if stored is not None:
             _cache[key] = stored
         else:
-            measured = _measure(optimizer)
+            measured = _outside_strategy(_measure, optimizer)
             if measured is not None and use_cache:
                 _store(key, measured)
             _cache[key] = measured if measured is not None else UpdateTemporaries(_UNMEASURED, 0.0)
@@ -179,6 +184,20 @@ def _store(key: str, temporaries: UpdateTemporaries) -> None:
         write_atomically(path, json.dumps(dataclasses.asdict(temporaries)))
     except OSError as error:
         warn_once(os.path.dirname(path), "written", error)
+
+
+def _outside_strategy(work, *args):
+    """``work(*args)`` where no ``tf.distribute`` strategy or replica context is active.
+
+    A strategy's scope and replica context live on the thread's default graph, and
+    TensorFlow refuses to enter the default strategy's scope inside another strategy's, so
+    under a strategy the work runs in a thread of its own (which also has no trace and no
+    gradient tape of the caller's). Without one it runs here, in the caller's thread.
+    """
+    if not tf.distribute.has_strategy():
+        return work(*args)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tfremat-update-probe") as pool:
+        return pool.submit(work, *args).result()
 
 
 def _measure(optimizer) -> UpdateTemporaries | None:
