@@ -992,13 +992,16 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     That peak is the largest over three orders of the gradient's operations: gated, ungated
     and the greediest one (:func:`_run_greediest`).
 
-    For a call whose gradient reads its output (not a loop's), the backward's peak is also
-    measured on the ``"dying"`` trace (in the same three orders), which returns the gradients only:
-    the upstream gradients and the output die inside it, so ``ReluGrad`` writes into the
-    upstream gradient's buffer as in the step, where the held trace makes it allocate one
-    more output-sized buffer. Its workspace (``dying_backward_workspace``, the same
-    subtraction) holds only where the backward node is the upstream's sole reader, which
-    graph assembly decides (:func:`tfremat.extract.assembly.sole_upstream`).
+    For a call whose gradient reads its output or, as above, only residuals (not a loop's),
+    the backward's peak is also measured on the ``"dying"`` trace (in the same three
+    orders), which returns the gradients only: the upstream gradients and the output die
+    inside it, so ``ReluGrad`` writes into the upstream gradient's buffer as in the step,
+    where the held trace makes it allocate one more output-sized buffer, and an attention
+    einsum's upstream dies once both its gradients have read it (the timeseries
+    Transformer's einsum backward: 4,225 KiB of workspace held, 130 KiB dying;
+    benchmarks/results/fidelity_requested.md). Its workspace (``dying_backward_workspace``,
+    the same subtraction) holds only where the backward node is the upstream's sole
+    reader, which graph assembly decides (:func:`tfremat.extract.assembly.sole_upstream`).
 
     Within :func:`xla_costs` the seconds are timed on the forward and the step's trace
     compiled by XLA (:func:`_xla_functions`); the workspaces are measured as above. Within
@@ -1037,9 +1040,10 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     held_bytes = (0 if consumed else analysis.output_bytes) + upstream_bytes + analysis.residual_bytes \
         + analysis.small_residual_bytes
     dying = None
-    if analysis.reads_output and held_concrete is None and not _XLA_LAYOUTS.get():
-        # The step's gradient writes into the upstream gradient's buffer (ReluGrad) when the
-        # node is its last reader; held to the end here, it cannot (benchmarks/results/forwarded_upstream.md).
+    if (analysis.reads_output or consumed) and held_concrete is None and not _XLA_LAYOUTS.get():
+        # The step's gradient writes into the upstream gradient's buffer (ReluGrad), or frees
+        # it once read, when the node is its last reader; held to the end here, it cannot
+        # (benchmarks/results/forwarded_upstream.md).
         dying_peak = max(_requested_peak(tracer.trace("dying", gated=gated, greediest=greedy), args, warmup)
                          for gated, greedy in ((True, False), (False, False), (True, True)))
         dying = max(0, dying_peak - held_bytes - analysis.input_grad_bytes - weight_grad_bytes)
