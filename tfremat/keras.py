@@ -114,8 +114,9 @@ class RematCallback(keras.callbacks.Callback):
             ``"min"`` promises the least requested memory the strategy finds within its
             overhead bound, not an allocator figure: there is no smaller plan to fall back
             on, so its step's allocator peak is read as the check reads it, held with the
-            same margin, and reported (the compiling phase's line, :attr:`allocator_peaks`)
-            as the memory that plan needs, above its prediction by the allocator's chunks
+            same margin, and reported (the compiling phase's line, :attr:`allocator_peaks`,
+            which also keeps the largest of the first watched training steps' reads) as the
+            memory that plan needs, above its prediction by the allocator's chunks
             (a GRU at ``"min"``: 53.68 MiB predicted, 54.3-60.1 MiB allocator;
             benchmarks/results/user_check_2.md). ``allocator_check=True`` holds a ``"min"``
             plan's bytes as an amount, which a smaller plan rarely reaches: it is then
@@ -338,6 +339,7 @@ class RematCallback(keras.callbacks.Callback):
                 peak = allocator_peak(step, model, x, y, sample_weight)
                 if peak is not None:
                     self.allocator_peaks[key] = peak
+                    self._watched[key] = [WATCHED_STEPS, None, options]  # read, not held
                     phases.done(f"the allocator's peak {format_bytes(peak)} held, for the {self.budget!r} plan's "
                                 f"{format_bytes(result.predicted_peak_bytes)} predicted")
                     logger.info("batch shape %s: %r plan predicted at %s, the allocator's peak %s held", key,
@@ -420,14 +422,18 @@ class RematCallback(keras.callbacks.Callback):
         :data:`~tfremat.allocator_check.WATCHED_STEPS` steps: reads the step's allocator peak
         and, over the budget, plans again (from the next step on) under the budget less the
         excess, as the check does. The check's runs before training see other free chunks
-        than training's steps, which can peak higher (docs/memory-model.md)."""
+        than training's steps, which can peak higher (docs/memory-model.md). A ``"min"``
+        plan's steps (``planning`` None) are read only: :attr:`allocator_peaks` keeps the
+        largest of its check and these reads."""
         key = _shape_key(x, y)
         remaining, planning, options = self._watched[key]
         model = self.model
         resident = [*model.variables, *model.optimizer.variables, *tf.nest.flatten((x, y))]
         outputs, peak = training_step_peak(lambda: step(x, y, sample_weight), None, resident)
         result = self.plans[key]
-        if peak <= result.budget_bytes:
+        if planning is None:
+            self.allocator_peaks[key] = max(self.allocator_peaks.get(key, 0), peak)
+        if planning is None or peak <= result.budget_bytes:
             if remaining > 1:
                 self._watched[key][0] = remaining - 1
             else:
