@@ -5,7 +5,9 @@ instead of deep inside extraction or a compiled step.
 
 * ``LossFunctionWrapper``: the wrapper Keras puts around a loss given by name or as a plain
   function (``model.compile`` uses it; keras exports no equivalent).
-* ``node_flops``: TensorFlow's registered FLOP count of a graph node.
+* ``node_flops``: TensorFlow's registered FLOP count of a graph node (with TensorFlow's
+  deprecation warnings silenced: the Conv2D and profiler FLOP functions call a deprecated
+  helper, whose 3-line warning the user can do nothing about).
 * ``resource_handle_data``: the shapes and dtypes a resource handle (a ``TensorList``,
   a variable) carries.
 * ``keras_global_attribute`` / ``set_keras_global_attribute`` and
@@ -28,6 +30,7 @@ from tensorflow.python.framework.ops import get_stats_for_node_def
 from tensorflow.python.ops.handle_data_util import (
     get_resource_handle_data as resource_handle_data,
 )
+from tensorflow.python.util.deprecation import silence as silence_deprecation
 
 __all__ = [
     "LossFunctionWrapper", "node_flops", "resource_handle_data", "keras_global_attribute",
@@ -37,9 +40,15 @@ __all__ = [
 
 def node_flops(graph, node_def) -> float | None:
     """TensorFlow's FLOP count of ``node_def`` in ``graph``; None when none is registered
-    or it cannot be computed (unknown shapes)."""
-    try:
-        stats = get_stats_for_node_def(graph, node_def, "flops")
-    except (ValueError, TypeError):
-        return None
-    return float(stats.value) if stats.value else None
+    or it cannot be computed (unknown shapes).
+
+    Several FLOP functions call ``tensor_shape_from_node_def_name``, deprecated, whose
+    warning would print on the first extraction of any conv model: silenced here. The
+    errors are caught inside the silence, which restores the setting only on a normal exit.
+    """
+    with silence_deprecation():
+        try:
+            stats = get_stats_for_node_def(graph, node_def, "flops")
+        except (ValueError, TypeError):
+            stats = None
+    return float(stats.value) if stats is not None and stats.value else None
