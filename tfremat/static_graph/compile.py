@@ -214,7 +214,8 @@ class CompiledStep:
             if blocking is not None:
                 _warn_parallel_ops(f"the step of {self.graph.name} runs on TensorFlow's default executor, as plain "
                                    f"training does: {blocking.describe()}; the single-threaded executor holds an "
-                                   "inter-op thread for each call and waited for ever once they ran out")
+                                   "inter-op thread for each call and waited for ever once they ran out",
+                                   key=("calls functions", self.graph.name, _blocking_kind(blocking)))
                 # Traced again for that executor, which lowers the conditionals to control-flow
                 # primitives (a LossScaleOptimizer's step requested 1 MiB more with an If).
                 self.sequential = False
@@ -317,26 +318,45 @@ def check_acyclic(func_graph, graph: DFGraph) -> None:
     )
 
 
-_warned_parallel: set[str] = set()
+_warned_parallel: set = set()
 
 
-def _warn_parallel_ops(why: str) -> None:
-    """Warns once per process and cause ``why`` (what runs the step on an executor other
-    than the single-threaded one) when TensorFlow runs several ops at a time there.
+def _warn_parallel_ops(why: str, key: Any = None) -> None:
+    """Warns once per process and cause (``key``, else the text ``why``: what runs the step
+    on an executor other than the single-threaded one) when TensorFlow runs several ops at a
+    time there. A text naming traced functions (``cond_true_21000``) differs in every step
+    compiled for the same model (each batch shape, each replan): its caller keys it on the
+    model and the kind of call, so that one ``fit`` warns once.
 
     On TensorFlow's default executor the operations of one statement run together: a
     transformer's checkpoint-all step requested 1.21x its predicted peak with the default
     inter-op threads, 0.99x with one or on the single-threaded executor
     (benchmarks/step_overhead.py)."""
-    if why in _warned_parallel or executor.sequential_ops():
+    key = why if key is None else key
+    if key in _warned_parallel or executor.sequential_ops():
         return
-    _warned_parallel.add(why)
+    _warned_parallel.add(key)
     logger.warning(
         "%s; TensorFlow runs several ops at a time there (TF_NUM_INTEROP_THREADS is not 1), while the memory "
         "prediction assumes one op at a time, so the step can exceed its predicted peak; set "
         "TF_NUM_INTEROP_THREADS=1 before importing TensorFlow, or call "
         "tf.config.threading.set_inter_op_parallelism_threads(1) before it runs anything", why,
     )
+
+
+def _blocking_kind(blocking: executor.BlockingCall) -> str:
+    """The kind of what keeps a step off the single-threaded executor, as
+    :meth:`~tfremat.runtime.executor.BlockingCall.describe` words it, without the names of
+    the traced functions (new in every trace)."""
+    if blocking.devices:
+        return "devices"
+    if blocking.op_type.startswith("Collective"):
+        return "collective"
+    if any("_conv_xla" in name for name in blocking.reached):
+        return "grouped convolution"
+    if blocking.conditional:
+        return "conditional"
+    return "xla function" if blocking.xla else "function"
 
 
 def _devices_exchanging(plan: ExecutionPlan, strategy: Any) -> str:
