@@ -183,7 +183,7 @@ def _loop_model(name: str, batch: int):
 
     model = conformance.build(name)
     x, y = synthetic_batch(model, batch, loss="categorical_crossentropy", seed=0)
-    return model, tf.constant(x), tf.constant(y), "categorical_crossentropy"
+    return model, tf.nest.map_structure(tf.constant, x), tf.constant(y), "categorical_crossentropy"
 
 
 def _quartiles(values: list[float]) -> dict:
@@ -272,6 +272,9 @@ def loops(args) -> dict:
         blocks.append({
             "load": round(load, 2), "load_after": round(os.getloadavg()[0], 2),
             "plain_seq_ms": round(1e3 * statistics.median(seconds["plain_seq"]), 1),
+            "all_ms": round(1e3 * statistics.median(seconds["all"]), 1),
+            "least_ms": {name: round(1e3 * min(seconds[name]), 2) for name in order},
+            "recompute_ms": round(1e3 * statistics.median(p - a for p, a in zip(seconds["planned"], seconds["all"])), 2),
             "all/plain_seq": ratio("all", "plain_seq"), "planned/plain_seq": ratio("planned", "plain_seq"),
             "plain_seq/plain_def": ratio("plain_seq", "plain_def"), "planned/plain_def": ratio("planned", "plain_def"),
         })
@@ -281,6 +284,7 @@ def loops(args) -> dict:
         "model": model.name, "nodes": graph.size, "budget": args.budget, "strategy": args.strategy,
         "extract_s": round(extract_seconds, 1), "step_sequential": steps["planned"].sequential,
         "total_cost_ms": round(1e3 * graph.total_cost, 1), "overhead": round(result.overhead, 4),
+        "predicted_recompute_ms": round(1e3 * result.overhead * graph.total_cost, 2),
         "overlap": round(extraction.plain_overlap, 4),
         "overlap_range": [round(v, 4) for v in extraction.plain_overlap_range],
         "overlap_load": None if extraction.plain_overlap_load is None else round(extraction.plain_overlap_load, 2),

@@ -79,6 +79,8 @@ class Extraction:
             when it was not measured): where it is expected at a like load.
         plain_overlap_load: the 1-minute load average the overlap was measured at (None: not
             measured); the factor moves with the load (:mod:`~tfremat.extract.overlap`).
+        plain_step_seconds: a plain step's least seconds on the single-threaded executor,
+            timed with the overlap (None: not measured; :attr:`tfremat.planner.PlanResult.step_share`).
     """
 
     graph: DFGraph
@@ -89,6 +91,7 @@ class Extraction:
     plain_overlap: float = 1.0
     plain_overlap_range: tuple[float, float] = (1.0, 1.0)
     plain_overlap_load: float | None = None
+    plain_step_seconds: float | None = None
 
 
 def extract(
@@ -286,7 +289,7 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
         seconds, profile_seconds,
     )
     return Extraction(graph, table, seconds, profile_seconds, cached is not None, overlap.factor,
-                      overlap.expected_range(), overlap.load)
+                      overlap.expected_range(), overlap.load, overlap.step_seconds)
 
 
 def _check_arguments(model, sample_batch, input_signature, cost_model: str, weight_grads: str,

@@ -89,6 +89,9 @@ class PlainOverlap:
         rounds: the rounds timed (0: not measured).
         load: the 1-minute load average when the rounds ended (None: not measured, or the
             platform has none); the factor holds for a load like it.
+        step_seconds: the plain step's least seconds on the single-threaded executor over
+            the rounds (None: not measured): with the graph's costs, the share of the step
+            they account for (:attr:`tfremat.planner.PlanResult.step_share`).
     """
 
     factor: float = 1.0
@@ -96,6 +99,7 @@ class PlainOverlap:
     high: float = 1.0
     rounds: int = 0
     load: float | None = None
+    step_seconds: float | None = None
 
     @classmethod
     def of(cls, value) -> "PlainOverlap":
@@ -118,9 +122,9 @@ class PlainOverlap:
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlainOverlap":
-        load = data["load"]
+        load, step = data["load"], data.get("step_seconds")
         return cls(float(data["factor"]), float(data["low"]), float(data["high"]), int(data["rounds"]),
-                   None if load is None else float(load))
+                   None if load is None else float(load), None if step is None else float(step))
 
 
 def plain_overlap_applies() -> bool:
@@ -191,7 +195,7 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> PlainOverlap:
     logger.info("plain overlap of %s: %.3f (single-threaded over default executor, median of %d rounds, quartiles "
                 "%.3f-%.3f, load %s) in %.1f s", model.name, timing.ratio, timing.rounds, *timing.ratio_quartiles,
                 "unknown" if load is None else f"{load:.1f}", time.perf_counter() - started)
-    return PlainOverlap(timing.ratio, *timing.ratio_quartiles, timing.rounds, load)
+    return PlainOverlap(timing.ratio, *timing.ratio_quartiles, timing.rounds, load, timing.least_seconds)
 
 
 def _enough_rounds(began: float):

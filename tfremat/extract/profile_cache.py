@@ -3,8 +3,8 @@
 An entry is ``<cache_dir>/<key>.json`` holding ``{"calls": [CallAnalysis dict, ...],
 "loss": CallAnalysis dict, "implementations": [{name: CallAnalysis dict}, ...], "plain_overlap":
 PlainOverlap dict}`` (per call, its layer's alternatives when they were measured; the plain
-overlap with the quartiles of its rounds and its load, :mod:`tfremat.extract.overlap`). The key hashes the cache version, the
-TensorFlow version, the device, the inter-op thread setting, the cost model, whether
+overlap with the quartiles of its rounds, its load and the plain step's least seconds,
+:mod:`tfremat.extract.overlap`). The key hashes the cache version, the TensorFlow version, the device, the inter-op thread setting, the cost model, whether
 alternatives are measured, whether the calls were timed compiled by XLA
 (``extract(..., xla=True)``), the loss, the input and label specs,
 the dtype policy and every call's layer signature and wiring. A layer's signature includes
@@ -30,7 +30,7 @@ __all__ = ["cache_dir", "code_fingerprint", "layer_signature", "cache_key", "loa
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 37
+_CACHE_VERSION = 38
 _SCALARS = (bool, int, float, str, type(None))
 _LIBRARY_MODULES = ("keras", "tensorflow", "tf_keras", "builtins", "abc", "typing")
 

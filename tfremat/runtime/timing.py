@@ -35,6 +35,9 @@ class TurnTiming:
         ratio_quartiles: the first and third quartile of the per-round ratios: the spread
             the load left in the ratio.
         rounds: the rounds timed.
+        least_seconds: the step's least run: what it costs on a quiet machine (load only
+            adds time), as the profiled costs are each call's least run.
+        reference_least_seconds: the reference's least run.
     """
 
     seconds: float
@@ -42,6 +45,8 @@ class TurnTiming:
     ratio: float
     ratio_quartiles: tuple[float, float]
     rounds: int
+    least_seconds: float = 0.0
+    reference_least_seconds: float = 0.0
 
 
 def time_in_turns(step: Callable[[], object], reference: Callable[[], object], rounds: int,
@@ -86,4 +91,5 @@ def time_in_turns(step: Callable[[], object], reference: Callable[[], object], r
     low, high = quartiles[0], quartiles[2]
     return TurnTiming(seconds=float(statistics.median(mine)), reference_seconds=float(statistics.median(theirs)),
                       ratio=float(statistics.median(ratios)), ratio_quartiles=(float(low), float(high)),
-                      rounds=len(ratios))
+                      rounds=len(ratios), least_seconds=float(min(mine)),
+                      reference_least_seconds=float(min(theirs)))

@@ -1,0 +1,108 @@
+"""The share of a plain step that the graph's costs account for (PlanResult.step_share, issue
+33 item 2): the step also runs the optimizer's updates, which no node's cost holds and every
+schedule pays alike, so the predicted time over plain counts the recomputation against the
+whole step, ``(1 + overhead * step_share) * plain_overlap``
+(benchmarks/results/executor_time.md, "The step's time beyond the graph's costs").
+
+Structural only: the step's seconds are given, or checked to be timed and kept, never bounded.
+"""
+
+import dataclasses
+import types
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfremat.extract import extract
+from tfremat.extract.overlap import PlainOverlap, measure_plain_overlap
+from tfremat.planner import plan_graph
+from tfremat.runtime import executor
+from tfremat.runtime import timing as turns
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Dropout(0.2)(h)
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h))
+    return keras.Model(inputs, outputs)
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((4, 8, 8, 3)).astype("float32"), rng.standard_normal((4, 2)).astype("float32")
+
+
+@pytest.fixture
+def parallel(monkeypatch):
+    """The overlap is measured as with several inter-op threads."""
+    monkeypatch.setattr(executor, "sequential_ops", lambda: False)
+
+
+def _planned():
+    extraction = extract(_model(), _batch(), loss="mse", cost_model="flops", use_cache=False)
+    result = plan_graph(extraction.graph, "95% of activations", "chen_sqrtn", cache=False)
+    assert result.overhead > 0
+    return result
+
+
+def test_the_recomputation_counts_against_the_whole_step():
+    result = _planned()
+    total = result.graph.total_cost
+    timed = dataclasses.replace(result, extraction=types.SimpleNamespace(
+        plain_overlap=1.1, plain_overlap_range=(0.9, 1.3), plain_overlap_load=4.0, plain_step_seconds=1.25 * total))
+    assert timed.step_share == pytest.approx(0.8)
+    assert timed.step_overhead == pytest.approx(0.8 * result.overhead)
+    slower = 1 + 0.8 * result.overhead
+    assert timed.predicted_time_over_plain == pytest.approx(slower * 1.1)
+    assert timed.predicted_time_over_plain_range == pytest.approx((slower * 0.9, slower * 1.3))
+    row = timed.summary()
+    assert row["overhead"] == pytest.approx(result.overhead, abs=1e-6)
+    assert row["step_overhead"] == pytest.approx(0.8 * result.overhead, abs=1e-6)
+    assert row["predicted_time_over_plain"] == pytest.approx(slower * 1.1, abs=1e-4)
+
+
+def test_a_step_faster_than_its_costs_or_not_timed_keeps_the_overhead():
+    result = _planned()
+    # Costs above the step's time (a profile's excess) never raise the overhead.
+    faster = dataclasses.replace(result, extraction=types.SimpleNamespace(
+        plain_overlap=1.0, plain_step_seconds=0.5 * result.graph.total_cost))
+    untimed = dataclasses.replace(result, extraction=types.SimpleNamespace(plain_overlap=1.0, plain_step_seconds=None))
+    older = dataclasses.replace(result, extraction=types.SimpleNamespace(plain_overlap=1.0))
+    for kept in (faster, untimed, older, result):
+        assert kept.step_share == 1.0 and kept.step_overhead == result.overhead
+        assert kept.predicted_time_over_plain == pytest.approx(1 + result.overhead)
+
+
+def test_the_step_seconds_round_trip_and_an_older_entry_has_none():
+    overlap = PlainOverlap(0.8, 0.79, 0.81, 5, 3.9, 0.0123)
+    assert PlainOverlap.from_dict(overlap.to_dict()) == overlap
+    older = {key: value for key, value in overlap.to_dict().items() if key != "step_seconds"}
+    assert PlainOverlap.from_dict(older) == dataclasses.replace(overlap, step_seconds=None)
+
+
+def test_time_in_turns_keeps_each_side_s_least_run():
+    step = lambda: tf.constant(0.0)  # noqa: E731
+    timing = turns.time_in_turns(step, step, rounds=5, warmup=1)
+    assert 0 < timing.least_seconds <= timing.seconds
+    assert 0 < timing.reference_least_seconds <= timing.reference_seconds
+
+
+def test_the_measured_overlap_times_the_plain_step_and_the_extraction_keeps_it(parallel, monkeypatch, tmp_path):
+    model, (x, y) = _model(), _batch()
+    measured = measure_plain_overlap(model, tf.constant(x), [tf.constant(y)],
+                                     lambda labels, preds: tf.reduce_mean((labels[0] - preds[0]) ** 2),
+                                     keras.optimizers.Adam())
+    assert measured.rounds >= 1 and measured.step_seconds is not None and measured.step_seconds > 0
+    monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("tfremat.extract.extractor.measure_plain_overlap",
+                        lambda *args: PlainOverlap(1.25, 1.1, 1.4, 7, 3.5, 0.0042))
+    first = extract(_model(), _batch(), loss="mse", cost_model="profile", repeats=1)
+    second = extract(_model(), _batch(), loss="mse", cost_model="profile", repeats=1)
+    assert not first.cache_hit and second.cache_hit
+    assert first.plain_step_seconds == second.plain_step_seconds == 0.0042
+    assert extract(_model(), _batch(), loss="mse", cost_model="flops", use_cache=False).plain_step_seconds is None
