@@ -28,11 +28,17 @@ range predict, from the overlap the extraction measured at its own load). With `
 it then traces the checkpoint-all step and ``plain_seq`` N times each under TensorFlow's
 profiler and splits the ``WhileOp-StartBody`` events into loops of the sequence's length (one
 loop at a time on the single-threaded executor): each loop's span inside the step, against
-the profiled costs of the loop nodes.
+the profiled costs of the loop nodes. With ``--attribute N`` it traces each compiled step N
+times and cuts the trace into the plan's statements by the operations its allocations name:
+per kind (forward, recomputed forward, backward, loss, the optimizer's updates, other), the
+step's ms against the graph's costs. The row also gives the ms of each step (least and
+median), the recomputation's ms (planned less checkpoint-all, per round) against the plan's,
+and the prediction before and after the step share (:attr:`tfremat.planner.PlanResult.step_share`).
 
     python benchmarks/executor_time.py convnext --depthwise grouped
     python benchmarks/executor_time.py gru --blocks 4 --rounds 25
     python benchmarks/executor_time.py loops --model gru_text --budget min --blocks_timed 3 --rounds 15 --trace 3
+    python benchmarks/executor_time.py loops --model transformer_encoder --budget min --rounds 20 --attribute 3
 """
 
 from __future__ import annotations
@@ -226,6 +232,84 @@ def _loop_spans(run, iterations: int) -> tuple[float, list[float]]:
     return round(total, 2), [round((loop[-1][1] - loop[0][0]) * 1e-9, 2) for loop in loops_]
 
 
+def _statement_times(run) -> dict[tuple, float]:
+    """Seconds of each part of one traced ``run()`` of a compiled step: TensorFlow's host trace
+    has no event per operation on the single-threaded executor, but each allocation names its
+    operation (``tf_op``), and the step's names carry the statement (``step/forward_<node>/``,
+    ``step/reforward_<node>/``, ``step/loss_<node>/``; a gradient ``gradient_tape/step/forward_<node>/``,
+    the optimizer ``adam...``). A part runs from its first allocation to the next part's, so
+    an operation that allocates nothing counts in the part before it. Keys: ``(kind, node)``
+    with kind forward, reforward, backward (node: its forward's), loss, or ``("other", name)``."""
+    import glob
+    import re
+    import tempfile
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    statement = re.compile(r"^(?:gradient_tape/)?step/(re)?(forward|loss)_(\d+)/")
+    logdir = tempfile.mkdtemp(prefix="executor_time_")
+    tf.profiler.experimental.start(logdir, tf.profiler.experimental.ProfilerOptions(host_tracer_level=2))
+    run()
+    tf.profiler.experimental.stop()
+    allocations, call = [], None
+    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            if not plane.name.startswith("/host:"):
+                continue
+            names = {key: meta.name for key, meta in plane.event_metadata.items()}
+            stat_names = {key: meta.name for key, meta in plane.stat_metadata.items()}
+            for line in plane.lines:
+                base = line.timestamp_ns * 1000
+                for event in line.events:
+                    name = names[event.metadata_id]
+                    if name == "KernelAndDeviceFunc::Run":
+                        call = (base + event.offset_ps, base + event.offset_ps + event.duration_ps)
+                    elif name == "MemoryAllocation":
+                        op = next((stat.str_value or stat_names.get(stat.ref_value, "") for stat in event.stats
+                                   if stat_names.get(stat.metadata_id) == "tf_op"), "")
+                        allocations.append((base + event.offset_ps, op))
+    parts = []
+    for time_, op in sorted(a for a in allocations if call[0] <= a[0] <= call[1]):
+        match = statement.match(op)
+        if match is None:
+            key = ("other", op.split("/")[0])
+        elif op.startswith("gradient_tape/"):
+            key = ("backward", int(match.group(3)))
+        else:
+            key = (("re" if match.group(1) else "") + match.group(2), int(match.group(3)))
+        if not parts or parts[-1][0] != key:
+            parts.append((key, time_))
+    parts.append((None, call[1]))
+    seconds = {("other", "before the first allocation"): (parts[0][1] - call[0]) * 1e-12}
+    for (key, start), (_, end) in zip(parts, parts[1:]):
+        seconds[key] = seconds.get(key, 0.0) + (end - start) * 1e-12
+    return seconds
+
+
+def _attributed(run, graph, side_table, traces: int) -> dict:
+    """Per kind of statement, the least over ``traces`` traced runs of the ms the step spent
+    in it (:func:`_statement_times`) against the graph's costs of those statements' nodes.
+    The trace's allocation events slow both the step and the profile's calls."""
+    backward_of = {entry.forward_node: entry.node for entry in side_table.entries if entry.kind == "backward"}
+    _statement_times(run)  # the process's first trace ran 2-3x slower
+    runs = [_statement_times(run) for _ in range(traces)]
+    kinds: dict[str, list[float]] = {}
+    costs: dict[str, float] = {}
+    for k, seconds in enumerate(runs):
+        for (kind, node), value in seconds.items():
+            label = node if kind == "other" else kind
+            kinds.setdefault(label, [0.0] * len(runs))[k] += value
+            if kind != "other" and k == 0:
+                cost_node = backward_of[node] if kind == "backward" else node
+                costs[kind] = costs.get(kind, 0.0) + graph.cost[cost_node]
+    return {label: {"step_ms": round(1e3 * min(values), 2),
+                    **({"cost_ms": round(1e3 * costs[label], 2)} if label in costs else {})}
+            for label, values in sorted(kinds.items(), key=lambda item: -min(item[1]))}
+
+
 def loops(args) -> dict:
     from tfremat.plan.baselines import checkpoint_all
 
@@ -288,9 +372,13 @@ def loops(args) -> dict:
         "overlap": round(extraction.plain_overlap, 4),
         "overlap_range": [round(v, 4) for v in extraction.plain_overlap_range],
         "overlap_load": None if extraction.plain_overlap_load is None else round(extraction.plain_overlap_load, 2),
+        "plain_step_ms": None if extraction.plain_step_seconds is None else round(1e3 * extraction.plain_step_seconds, 2),
+        "step_share": round(result.step_share, 4),
+        "predicted_before": round((1 + result.overhead) * result.plain_overlap, 4),
         "predicted": round(result.predicted_time_over_plain, 4), "predicted_range": [round(low, 4), round(high, 4)],
         "blocks": blocks, "measured": round(measured, 4),
         "measured/predicted": round(measured / result.predicted_time_over_plain, 4),
+        "measured/predicted_before": round(measured / ((1 + result.overhead) * result.plain_overlap), 4),
         "in_range": bool(low <= measured <= high),
         "in_band": bool(0.87 * low <= measured <= 1.15 * high),
         "loop_nodes_ms": {graph.names[i]: round(1e3 * graph.cost[i], 2) for i in range(graph.size)
@@ -298,6 +386,9 @@ def loops(args) -> dict:
         "traces": [{"load": round(os.getloadavg()[0], 2),
                     "all": _loop_spans(runs["all"], int(x.shape[1])),
                     "plain_seq": _loop_spans(plain_seq, int(x.shape[1]))} for _ in range(args.trace)],
+        "attributed": _attributed(runs["all"], graph, extraction.side_table, args.attribute) if args.attribute else None,
+        "attributed_planned": (_attributed(runs["planned"], graph, extraction.side_table, args.attribute)
+                               if args.attribute else None),
     }
 
 
@@ -315,6 +406,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--blocks_timed", type=int, default=3)
     parser.add_argument("--trace", type=int, default=0, help="loops: profiler traces of the step and plain_seq")
+    parser.add_argument("--attribute", type=int, default=0,
+                        help="loops: profiler traces of each compiled step, cut into statements by their allocations")
     args = parser.parse_args()
     print(json.dumps({"convnext": convnext, "gru": gru, "loops": loops}[args.kind](args)))
 
