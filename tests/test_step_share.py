@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfremat.extract import extract
 from tfremat.extract.overlap import PlainOverlap, measure_plain_overlap
-from tfremat.planner import plan_graph
+from tfremat.planner import plan_graph, plan_summary
 from tfremat.runtime import executor
 from tfremat.runtime import timing as turns
 
@@ -64,6 +64,10 @@ def test_the_recomputation_counts_against_the_whole_step():
     assert row["overhead"] == pytest.approx(result.overhead, abs=1e-6)
     assert row["step_overhead"] == pytest.approx(0.8 * result.overhead, abs=1e-6)
     assert row["predicted_time_over_plain"] == pytest.approx(slower * 1.1, abs=1e-4)
+    line = plan_summary(timed)
+    assert (f"predicted overhead {100 * result.overhead:+.1f}% of the graph's costs, "
+            f"{100 * 0.8 * result.overhead:+.1f}% of a plain step, {slower * 1.1:.2f}x plain training's time") in line
+    assert "of a plain step" not in plan_summary(result)
 
 
 def test_a_step_faster_than_its_costs_or_not_timed_keeps_the_overhead():

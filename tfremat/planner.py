@@ -91,8 +91,9 @@ class PlanResult:
         overhead: extra time as a fraction of one plain step (simulated makespan / total
             cost - 1): recomputation, and waits for host copies when the schedule offloads.
             The costs are those of operations run one at a time, as the step runs them;
-            :attr:`predicted_time_over_plain` adds what plain training gains by overlapping
-            them.
+            :attr:`step_overhead` counts it against the whole plain step, optimizer updates
+            included, and :attr:`predicted_time_over_plain` adds what plain training gains
+            by overlapping operations.
         solve_seconds: wall-clock seconds spent choosing the schedule (0 on a cache hit).
         from_cache: the schedule came from the on-disk cache.
         extraction: the model's extraction (graph + side table) when planned from a model.
@@ -312,6 +313,8 @@ def plan_summary(result: PlanResult) -> str:
     line = (f"{result.schedule.recompute_count} recomputations, predicted peak "
             f"{format_bytes(result.predicted_peak_bytes)}{budget} (checkpoint all "
             f"{format_bytes(result.checkpoint_all_peak_bytes)}), predicted overhead {100 * result.overhead:+.1f}%")
+    if result.step_share < 1.0:
+        line += f" of the graph's costs, {100 * result.step_overhead:+.1f}% of a plain step"
     if result.plain_overlap != 1.0:
         low, high = result.predicted_time_over_plain_range
         load = getattr(result.extraction, "plain_overlap_load", None)

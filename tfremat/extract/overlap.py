@@ -10,7 +10,7 @@ training runs lowered to control-flow operations on the default executor and the
 ``While`` operations (benchmarks/results/fidelity_default_threads.md). The factor measured here,
 median over rounds of (plain step on the single-threaded executor) / (plain step on the
 default one), turns the predicted overhead into the predicted time over plain training:
-``(1 + overhead) * factor`` (:attr:`tfremat.planner.PlanResult.predicted_time_over_plain`).
+``(1 + step_overhead) * factor`` (:attr:`tfremat.planner.PlanResult.predicted_time_over_plain`).
 It scales every schedule alike, so the planners never see it.
 
 With one inter-op thread both executors run one operation at a time: the factor is 1.0 and
