@@ -153,7 +153,8 @@ class RematCallback(keras.callbacks.Callback):
             strategy, the shapes of one replica's batch).
         allocator_peaks: ``{batch shapes: bytes}``, the allocator's peak held for each
             shape's step (:func:`~tfremat.allocator_check.held_peak`): the accepted plan's
-            where ``allocator_check`` held it, and a ``"min"`` plan's, read and not held
+            where ``allocator_check`` held it (requested bytes under XLA), and a ``"min"``
+            plan's, read and not held, raised to its first training steps' largest read
             (see ``allocator_check``).
     """
 
