@@ -48,10 +48,11 @@ ALLOCATOR_READS = 3
 #: free chunks the allocator holds when it runs, set by what ran before (a re-plan, the
 #: check putting the variables back, a new batch): the check's reads, all in one such state,
 #: repeat to the byte while training's steps move. The U-Net of benchmarks/user_check.py
-#: (64x64, batch 4) read 14-20% of its step's own bytes apart over the steps of one plan
-#: (43.38-47.00 MiB for a 41.95 MiB plan, 23.8 MiB resident), DenseNet121 64x64 batch 8
-#: 14%; a plan whose values are all one size (a chain of like convolutions) reads alike
-#: everywhere and pays this in vain (benchmarks/results/allocator_check.md).
+#: (64x64, batch 4) read 12-20% of its step's own bytes apart over the steps of one plan
+#: (42.46-47.00 MiB for a 41.95 MiB plan, 23.8 MiB resident), DenseNet121 64x64 batch 8
+#: 8-10%; a GRU's embedding gradient put its steps in two states 27% apart, which this does
+#: not cover, and a plan whose values are all one size (a chain of like convolutions) reads
+#: alike everywhere and pays it in vain (benchmarks/results/allocator_check.md).
 ALLOCATOR_MARGIN = 0.2
 
 #: Training steps after a check accepted a plan whose allocator peak is read (statistics reset
