@@ -260,7 +260,7 @@ def remember_planning_budget(cache, graph, budget_bytes: int, strategy: str, opt
 
 def hold_allocator_peak(result, step, plan_at: Callable, read_peak: Callable, *, strategy: str, options: dict,
                         cache, exceeded: tuple[int, int] | None = None, accepted: Callable | None = None,
-                        log: logging.Logger = logger) -> tuple:
+                        log: logging.Logger = logger, count: str = "allocator") -> tuple:
     """Plans ``result``'s graph (``result.extraction.graph``) again until the allocator's peak
     of its compiled ``step`` is within ``result.budget_bytes``: the re-plan loop of
     :class:`tfremat.keras.RematCallback` and :func:`tfremat.value_and_grad`.
@@ -278,7 +278,9 @@ def hold_allocator_peak(result, step, plan_at: Callable, read_peak: Callable, *,
     planning budget accepted below the budget is remembered likewise. ``exceeded``:
     ``(planning budget, peak)`` of a plan that a training step found over the budget,
     planned again first. ``accepted(step, peak)`` is called on the plan accepted. ``log``:
-    the caller's logger, which tells each round.
+    the caller's logger, which tells each round. ``count``: what ``read_peak`` reads, as a
+    refusal words it: ``"allocator"`` (the allocator's peak and its chunks) or ``"requested"``
+    (the bytes an XLA step requests, over its prediction).
 
     Returns:
         ``(result, step, planning budget)``: the accepted result (its ``budget_bytes`` the
@@ -336,7 +338,7 @@ def hold_allocator_peak(result, step, plan_at: Callable, read_peak: Callable, *,
             smallest = error.min_feasible_bytes
             if read_smallest or smallest is None or not planning_budget < smallest < previous:
                 raise _chunks_refusal(budget, peak, result.predicted_peak_bytes, planning_budget, error,
-                                      strategy) from error
+                                      strategy, count) from error
             # A smaller plan's chunks are not this plan's: U-Net's 41.95 MiB plan read up to 4.8
             # MiB above its requested bytes, its 34.45 MiB plan 2.0 (benchmarks/results/
             # allocator_check.md). The smallest plan found is read before refusing.
@@ -346,35 +348,45 @@ def hold_allocator_peak(result, step, plan_at: Callable, read_peak: Callable, *,
                 replanned, step = plan_at(result, int(smallest))
             except (InfeasibleBudgetError, SolverTimeLimitError):
                 raise _chunks_refusal(budget, peak, result.predicted_peak_bytes, planning_budget, error,
-                                      strategy) from error
+                                      strategy, count) from error
             planning_budget, read_smallest = int(smallest), True
         result, peak = replanned, None
+    what, unchecked = (("the XLA step's requested bytes", "the predicted bytes") if count == "requested"
+                       else ("the allocator's peak", "requested bytes"))
     raise InfeasibleBudgetError(
         budget, strategy=strategy,
-        detail=f"the allocator's peak stayed above it after {ALLOCATOR_ROUNDS} plans (last {format_bytes(last)} "
+        detail=f"{what} stayed above it after {ALLOCATOR_ROUNDS} plans (last {format_bytes(last)} "
                f"held, planned under {format_bytes(planning_budget)}); allocator_check=False holds the budget for "
-               "requested bytes only",
+               f"{unchecked} only",
     )
 
 
 def _chunks_refusal(budget: int, peak: int, predicted: int, planning_budget: int, error: InfeasibleBudgetError,
-                    strategy: str) -> InfeasibleBudgetError:
+                    strategy: str, count: str = "allocator") -> InfeasibleBudgetError:
     """The refusal of a budget that no plan held for the allocator's peak, in the allocator's
     terms: the smallest plan's prediction plus the chunks the last plan's peak showed (``peak``
     held against its ``predicted`` bytes) is the smallest budget found. The planner's own
     figures are below the budget (ResNet50 at 300MiB: "smallest feasible 289.64 MiB" for a
-    300 MiB budget it refused; benchmarks/user_check.py)."""
+    300 MiB budget it refused; benchmarks/user_check.py). ``count="requested"``: ``peak`` is
+    the bytes an XLA step requests (held instead of the allocator's peak), worded so."""
     chunks = max(peak - predicted, 0)
     smallest = None if error.min_feasible_bytes is None else error.min_feasible_bytes + chunks
+    excess = "that excess" if count == "requested" else "those chunks"
     smallest_plan = ("" if error.min_feasible_bytes is None else
-                     f"the smallest plan's {format_bytes(error.min_feasible_bytes)} predicted plus those "
-                     "chunks is the smallest budget found; ")
+                     f"the smallest plan's {format_bytes(error.min_feasible_bytes)} predicted plus {excess} "
+                     "is the smallest budget found; ")
+    if count == "requested":
+        held = (f"held for the bytes the XLA step requests: it requests {format_bytes(peak)}, "
+                f"{format_bytes(chunks)} over the {format_bytes(predicted)} predicted")
+        unchecked = "the predicted bytes only, which XLA's request exceeds"
+    else:
+        held = (f"held for the allocator's peak: it was {format_bytes(peak)} held, its chunks adding "
+                f"{format_bytes(chunks)} to the {format_bytes(predicted)} predicted")
+        unchecked = "requested bytes only"
     return InfeasibleBudgetError(
         budget, smallest, None, strategy,
-        detail=f"held for the allocator's peak: it was {format_bytes(peak)} held, its chunks adding "
-               f"{format_bytes(chunks)} to the {format_bytes(predicted)} predicted, and "
-               f"no schedule fits {format_bytes(max(planning_budget, 0))}; {smallest_plan}"
-               "allocator_check=False holds the budget for requested bytes only",
+        detail=f"{held}, and no schedule fits {format_bytes(max(planning_budget, 0))}; {smallest_plan}"
+               f"allocator_check=False holds the budget for {unchecked}",
     )
 
 

@@ -263,7 +263,7 @@ class ValueAndGrad:
             return replanned, self._compiled(replanned)
 
         return hold_allocator_peak(result, step, plan_at, read_peak, strategy=settings.strategy,
-                                   options=settings.options, cache=settings.cache)
+                                   options=settings.options, cache=settings.cache, count=count)
 
 
 def _eagerly(work: Callable):

@@ -8,6 +8,7 @@ in its message. Nothing in tfremat returns a ``feasible=False`` flag instead of 
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 
@@ -27,6 +28,7 @@ __all__ = [
     "ExtractionError",
     "CompileError",
     "failure_status",
+    "format_bytes_up",
     "FIXED_PARTS",
     "fixed_parts",
     "is_int",
@@ -115,7 +117,14 @@ class InfeasibleBudgetError(TfrematError):
         fixed_parts: what the fixed memory holds, as the message names it (default
             :data:`FIXED_PARTS`; :func:`tfremat.value_and_grad` plans no optimizer state).
         shown: how a byte count is written in the message: in the form the user gave the
-            budget ("93% (22.80 MiB)" for a share), bytes otherwise.
+            budget ("93% (22.80 MiB)" for a share), bytes otherwise; the smallest feasible
+            budget in bytes is rounded up at the precision shown, so that copied back as the
+            budget it is accepted (:func:`format_bytes_up`).
+        budget_text: the budget as the user wrote it ("'70% of activations'"), when the
+            message should say it rather than bytes.
+        batch: the batch the budget was refused for, as the message opens with it
+            ("batch (8, 64, 64, 3), the last batch: 8 samples of 32"), or None.
+        advice: what else avoids the refusal, added to the message's advice, or None.
     """
 
     def __init__(
@@ -131,6 +140,8 @@ class InfeasibleBudgetError(TfrematError):
         shown: Callable[[float], str] | None = None,
         budget_text: str | None = None,
         fixed_parts: Sequence[str] = FIXED_PARTS,
+        batch: str | None = None,
+        advice: str | None = None,
     ):
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
@@ -142,29 +153,40 @@ class InfeasibleBudgetError(TfrematError):
         self.shown = shown
         self.budget_text = budget_text
         self.fixed_parts = tuple(fixed_parts)
+        self.batch = batch
+        self.advice = advice
         super().__init__(self._message())
+
+    def _with(self, **changes) -> "InfeasibleBudgetError":
+        """The same error with the keyword attributes in ``changes`` replaced."""
+        keywords = {name: getattr(self, name) for name in ("fixed_bytes", "shown", "budget_text", "fixed_parts",
+                                                           "batch", "advice")}
+        return InfeasibleBudgetError(self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes,
+                                     self.strategy, self.detail, self.proven, **{**keywords, **changes})
 
     def in_terms(self, *, fixed_bytes: int, shown: Callable[[float], str] | None,
                  budget_text: str | None = None) -> "InfeasibleBudgetError":
         """The same error told in the user's terms (see the attributes); ``budget_text`` is
         the budget as the user wrote it."""
-        return InfeasibleBudgetError(
-            self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes, self.strategy, self.detail,
-            self.proven, fixed_bytes=fixed_bytes, shown=shown, budget_text=budget_text, fixed_parts=self.fixed_parts,
-        )
+        return self._with(fixed_bytes=fixed_bytes, shown=shown, budget_text=budget_text)
 
     def with_fixed_parts(self, fixed_parts: Sequence[str]) -> "InfeasibleBudgetError":
         """The same error naming ``fixed_parts`` as what the fixed memory holds."""
-        return InfeasibleBudgetError(
-            self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes, self.strategy, self.detail,
-            self.proven, fixed_bytes=self.fixed_bytes, shown=self.shown, budget_text=self.budget_text,
-            fixed_parts=fixed_parts,
-        )
+        return self._with(fixed_parts=tuple(fixed_parts))
+
+    def for_batch(self, batch: str, advice: str | None = None) -> "InfeasibleBudgetError":
+        """The same error naming the batch it was refused for and, in ``advice``, what else
+        avoids it (a smaller last batch: ``drop_remainder=True``)."""
+        return self._with(batch=batch, advice=advice)
 
     def _message(self) -> str:
         if self.shown is None:
             budget_text, smallest_text, bound_text = format_bytes_apart(
                 self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes)
+            if self.min_feasible_bytes is not None:
+                # Rounded up, so that the figure copied back as the budget is accepted.
+                smallest_text = smallest_text.replace(format_bytes(self.min_feasible_bytes),
+                                                      format_bytes_up(self.min_feasible_bytes), 1)
         else:
             budget_text, smallest_text, bound_text = (
                 None if n is None else self.shown(n)
@@ -176,6 +198,8 @@ class InfeasibleBudgetError(TfrematError):
         parts = [f"budget of {budget_text} is infeasible"]
         if self.strategy:
             parts[0] = f"strategy {self.strategy!r}: " + parts[0]
+        if self.batch:
+            parts[0] = f"{self.batch}: " + parts[0]
         if fixed_over:
             parts.append(f"the fixed memory alone ({held}) is "
                          f"{format_bytes(self.fixed_bytes)}, which no schedule moves")
@@ -200,7 +224,22 @@ class InfeasibleBudgetError(TfrematError):
             advice = "Raise the budget or the time limit."
         else:
             advice = "Raise the budget or try strategy='optimal'."
+        if self.advice:
+            advice += f" {self.advice}"
         return f"{message}. {advice}"
+
+
+def format_bytes_up(n: float) -> str:
+    """``n`` bytes as :func:`~tfremat.units.format_bytes` writes them, rounded up at the
+    precision shown rather than to nearest: 26469652 bytes is "25.25 MiB", which parsed back
+    is at least ``n`` ("25.24 MiB" is 26466058, a smallest feasible budget refused when copied;
+    benchmarks/results/user_check_3.md finding 3)."""
+    text = format_bytes(n)
+    number, unit = text.split()
+    if unit == "B":
+        return f"{math.ceil(n)} B"
+    scale = 1024 ** ("KiB", "MiB", "GiB", "TiB").index(unit) * 1024
+    return f"{math.ceil(n * 100 / scale) / 100:.2f} {unit}"
 
 
 class BudgetFormatError(TfrematError, ValueError):

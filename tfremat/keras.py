@@ -55,6 +55,7 @@ from tfremat.model_planning import (
 )
 from tfremat.multi_worker import refuse_model_fit
 from tfremat.plan.offload import check_bandwidth
+from tfremat.plan.registry import in_user_terms, parse_graph_budget
 from tfremat.planner import PhaseProgress, check_cache_argument, plan_graph, plan_summary
 from tfremat.runtime.host_link import host_link_bandwidth
 from tfremat.static_graph.train_step import DistributedTrainStep, update_metrics
@@ -206,6 +207,8 @@ class RematCallback(keras.callbacks.Callback):
         self.verbose = verbose
         self.plans: dict = {}
         self._steps: dict = {}
+        # Per batch shape: the budget it is planned under (_share_budget).
+        self._budgets: dict = {}
         # Per batch shape checked: [training steps still read, planning budget, plan options]
         # (allocator_check.WATCHED_STEPS).
         self._watched: dict = {}
@@ -264,6 +267,7 @@ class RematCallback(keras.callbacks.Callback):
         setup = _training_setup(model)
         if len(setup) != len(self._steps_belong_to) or any(a is not b for a, b in zip(setup, self._steps_belong_to)):
             self._steps, self.plans, self._watched, self._steps_belong_to = {}, {}, {}, setup
+            self._budgets = {}
             self.allocator_peaks = {}
         if model.train_function != self._train_function:  # else left over from a fit stopped between steps
             self._original_train_function = model.train_function
@@ -313,15 +317,24 @@ class RematCallback(keras.callbacks.Callback):
                                            strategy=self.strategy)
             phases.done(f"{extraction.graph.size} nodes (profiling {extraction.profile_seconds:.1f}s)"
                         if not extraction.cache_hit else f"{extraction.graph.size} nodes, profiles from the cache")
-            phases.start(f"planning with {self.strategy}")
+            budget, floor = self._share_budget(key, extraction.graph)
+            self._budgets[key] = budget
+            if budget == self.budget:
+                phases.start(f"planning with {self.strategy}")
+            else:
+                # A smaller (last) batch keeps the bytes the share gave a larger one (_share_budget).
+                larger = f"the batch of {floor[0][0]}" if floor[0] else "a larger batch"
+                held = (f"under {format_bytes(budget)}, the {self.budget!r} of {larger} (more than the "
+                        f"{format_bytes(floor[1])} it is of this batch's step)")
+                phases.start(f"planning with {self.strategy} {held}")
+                logger.info("batch shape %s: planning %s", key, held)
             progress = {"progress": phases.solver_progress(extraction.graph.total_cost)} if takes_solver_options else {}
             options = exact_only_options(extraction, self.strategy, self.exact_gradients, options)
             try:
-                result = plan_graph(extraction.graph, self.budget, self.strategy, cache=self.cache, verbose=0,
+                result = plan_graph(extraction.graph, budget, self.strategy, cache=self.cache, verbose=0,
                                     **options, **progress)
             except InfeasibleBudgetError as error:
-                # Named as the graph's fixed memory holds them: no optimizer state for plain SGD.
-                raise error.with_fixed_parts(fixed_parts(model.optimizer)) from error.__cause__
+                raise self._refusal(error, extraction.graph, key, budget) from error.__cause__
             result = with_rounding(dataclasses.replace(result, extraction=extraction))
             phases.done(plan_summary(result))
             logger.info("batch shape %s: %s, %s", key, self.strategy, plan_summary(result))
@@ -333,7 +346,11 @@ class RematCallback(keras.callbacks.Callback):
             step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, strategy=strategy,
                                 return_outputs=True, jit_compile=self._jit_compile)
             if checks_allocator:
-                result, step, planning = self._within_allocator(result, step, x, y, sample_weight, options, strategy)
+                try:
+                    result, step, planning = self._within_allocator(result, step, x, y, sample_weight, options,
+                                                                    strategy)
+                except InfeasibleBudgetError as error:
+                    raise self._refusal(error, extraction.graph, key, budget) from error.__cause__
                 if planning is not None and strategy is None and not self._jit_compile:
                     self._watched[key] = [WATCHED_STEPS, planning, options]
             elif reads_min:
@@ -351,6 +368,55 @@ class RematCallback(keras.callbacks.Callback):
             self.plans[key] = result
             self._steps[key] = step
         return self._steps[key]
+
+    def _share_budget(self, key: tuple, graph) -> tuple:
+        """The budget the batch shape ``key`` is planned under, and ``(larger shape, the share's
+        own bytes here)`` when that is not the budget as given.
+
+        A share ("70%", "70% of activations") is resolved against each batch shape's own
+        step, but no shape is held to fewer bytes than it resolved to for a larger shape this
+        callback planned before (one no smaller in any dimension: the full batches before a
+        smaller last one). A fit's peak then stays within the share of its largest batch, and
+        its smaller last batch, whose fixed memory and allocator margin weigh more against its
+        own share, is not refused mid-epoch: it usually recomputes nothing
+        (benchmarks/results/user_check_3.md finding 2: 200 samples in batches of 32 at
+        "70% of activations" trained six batches, then refused the batch of 8)."""
+        if budget_kind(self.budget) not in ("share", "activations"):
+            return self.budget, None
+        larger = [(plan.budget_bytes, shape) for shape, plan in self.plans.items()
+                  if plan.budget_bytes is not None and _covers(shape, key)]
+        if not larger:
+            return self.budget, None
+        floor, shape = max(larger)
+        own = parse_graph_budget(graph, self.budget)
+        if floor <= own:
+            return self.budget, None
+        return floor, (shape[0] if shape else None, own)
+
+    def _refusal(self, error: InfeasibleBudgetError, graph, key: tuple, budget) -> InfeasibleBudgetError:
+        """``error`` for the batch shape ``key`` told as the user can act on it: the budget as
+        written, the smallest one in the same terms (a share when a share was given: an
+        allocator check's refusal is in bytes), what the fixed memory holds (no optimizer
+        state for plain SGD), the batch named, and for a batch smaller than one planned
+        before (a last batch) that ``drop_remainder=True`` avoids its shape. ``budget``: the
+        budget the shape was planned under (:meth:`_share_budget`)."""
+        kind = budget_kind(self.budget)
+        if kind in ("share", "activations"):
+            error = in_user_terms(error, graph, self.budget)
+            if budget != self.budget:
+                error = error.in_terms(fixed_bytes=error.fixed_bytes, shown=error.shown,
+                                       budget_text=f"{self.budget!r} as it was resolved for a larger batch")
+        error = error.with_fixed_parts(fixed_parts(self.model.optimizer))
+        samples = key[0][0] if key and key[0] else None
+        larger = [shape[0][0] for shape in self.plans if _covers(shape, key) and shape[0]]
+        label = _batch_label_of(key)
+        if samples is None or not larger:
+            return error.for_batch(label)
+        return error.for_batch(
+            f"{label}, the last batch: {samples} samples of {max(larger)}",
+            advice=(f"The last batch is smaller ({samples} samples), so it is planned on its own; batching with "
+                    "drop_remainder=True (tf.data) or a batch size that divides the number of samples avoids its "
+                    "shape."))
 
     def _reads_min_allocator(self, result, strategy=None) -> bool:
         """Whether the allocator's peak of a ``"min"`` plan's step is read (not held: no
@@ -401,7 +467,7 @@ class RematCallback(keras.callbacks.Callback):
         return hold_allocator_peak(result, step, lambda current, planning: self._replanned(current, planning, options,
                                                                                             strategy),
                                    read_peak, strategy=self.strategy, options=options, cache=self.cache,
-                                   exceeded=exceeded, accepted=accepted, log=logger)
+                                   exceeded=exceeded, accepted=accepted, log=logger, count=count)
 
     def _warn_xla_allocator(self, step, x, y, sample_weight, devices, budget: int, requested: int) -> None:
         """Warns when an XLA step whose requested bytes fit the budget peaks over it in the
@@ -450,6 +516,10 @@ class RematCallback(keras.callbacks.Callback):
             result, new_step, planning = self._within_allocator(result, step, x, y, sample_weight, options,
                                                                 exceeded=(planning, peak))
             self._replanning.done(plan_summary(result))
+        except InfeasibleBudgetError as error:
+            # The budget as the user wrote it, not the planning budget the step was over.
+            raise self._refusal(error, result.extraction.graph, key, self._budgets.get(key, self.budget)) \
+                from error.__cause__
         finally:
             self._replanning.close()
             self._replanning = None
@@ -535,6 +605,19 @@ def _batch_label(x) -> str:
     """The prefix of a batch shape's progress lines: ``tfremat batch (8, 64, 64, 3)``."""
     shapes = [tuple(t.shape) for t in tf.nest.flatten(x)]
     return f"tfremat batch {shapes[0] if len(shapes) == 1 else shapes}"
+
+
+def _batch_label_of(key: tuple) -> str:
+    """A batch shape ``key`` (:func:`_shape_key`) as a refusal names it: its first input's shape."""
+    return f"batch {key[0]}" if key else "batch"
+
+
+def _covers(shape: tuple, key: tuple) -> bool:
+    """Whether the batch shapes ``shape`` are larger than ``key``: the same tensors and ranks,
+    no dimension smaller and one larger (a full batch against a smaller last one)."""
+    return (shape != key and len(shape) == len(key)
+            and all(len(a) == len(b) and all(m is not None and n is not None and m >= n for m, n in zip(a, b))
+                    for a, b in zip(shape, key)))
 
 
 def _shape_key(x, y) -> tuple:

@@ -11,7 +11,7 @@ import dataclasses
 import warnings
 
 from tfremat.cache import ScheduleCache
-from tfremat.errors import ArgumentError, InfeasibleBudgetError, TfrematError, is_int
+from tfremat.errors import ArgumentError, InfeasibleBudgetError, TfrematError, fixed_parts, is_int
 from tfremat.graph import DFGraph
 from tfremat.planner import PlanResult, check_cache_argument, plan_graph
 from tfremat.strategies import get_strategy
@@ -223,12 +223,30 @@ def plan_model(
     check_keras_model(model)
     get_strategy(strategy)
     check_exact_gradients(exact_gradients)
-    extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
-                               cost_model=cost_model, cache=cache, granularity=granularity,
-                               implementations=wants_implementations([strategy]), budget=budget, strategy=strategy)
-    options = exact_only_options(extraction, strategy, exact_gradients, options)
-    result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **options)
+    try:
+        extraction = extract_model(model, x, y, batch_size=batch_size, loss=loss, optimizer=optimizer,
+                                   cost_model=cost_model, cache=cache, granularity=granularity,
+                                   implementations=wants_implementations([strategy]), budget=budget,
+                                   strategy=strategy)
+        options = exact_only_options(extraction, strategy, exact_gradients, options)
+        result = plan_graph(extraction.graph, budget, strategy, cache=cache, verbose=verbose, **options)
+    except InfeasibleBudgetError as error:
+        # Named as the fixed memory holds them: no optimizer state for plain SGD.
+        raise error.with_fixed_parts(_fixed_parts_of(model, optimizer)) from error.__cause__
     return with_rounding(dataclasses.replace(result, extraction=extraction))
+
+
+def _fixed_parts_of(model, optimizer) -> tuple[str, ...]:
+    """:func:`~tfremat.errors.fixed_parts` of the optimizer ``plan_model`` trains with (the
+    one given, else the model's), read from a built copy where it is not built yet: an unbuilt
+    optimizer holds no slots, whatever it will keep per weight."""
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    if isinstance(optimizer, str):
+        optimizer = keras_optimizer(optimizer, "optimizer")
+    if optimizer is not None and not getattr(optimizer, "built", True):
+        optimizer = type(optimizer).from_config(optimizer.get_config())
+        optimizer.build(model.trainable_variables)
+    return fixed_parts(optimizer)
 
 
 def check_exact_gradients(exact_gradients) -> None:
