@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 
 import keras
 import tensorflow as tf
@@ -331,8 +332,13 @@ class RematCallback(keras.callbacks.Callback):
             progress = {"progress": phases.solver_progress(extraction.graph.total_cost)} if takes_solver_options else {}
             options = exact_only_options(extraction, self.strategy, self.exact_gradients, options)
             try:
-                result = plan_graph(extraction.graph, budget, self.strategy, cache=self.cache, verbose=0,
-                                    **options, **progress)
+                with warnings.catch_warnings():
+                    if budget != self.budget:
+                        # Above this batch's checkpoint-all peak is what the rule gives it, not a
+                        # budget to lower.
+                        warnings.filterwarnings("ignore", message=".*at or above the checkpoint-all peak")
+                    result = plan_graph(extraction.graph, budget, self.strategy, cache=self.cache, verbose=0,
+                                        **options, **progress)
             except InfeasibleBudgetError as error:
                 raise self._refusal(error, extraction.graph, key, budget) from error.__cause__
             result = with_rounding(dataclasses.replace(result, extraction=extraction))
