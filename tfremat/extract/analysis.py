@@ -60,8 +60,8 @@ read off the run's allocations and count as residuals (:func:`_hidden_residual_b
 non-trainable variables are restored afterwards: extraction leaves the model exactly as it
 found it. The backward workspace of a call that runs a while loop is the largest over a few
 traces (see :func:`_other_orders_peaks`), on the single-threaded executor with one more
-loop variable (:func:`_loop_peak`), and that of a call whose gradient reads residuals
-only the largest over three orders of its operations (:func:`_run_greediest`).
+loop variable (:func:`_loop_peak`), and that of any other call the largest over three
+orders of its operations, the greediest among them (:func:`_run_greediest`).
 
 Within :func:`xla_costs` (``extract(..., xla=True)``, for a step compiled with
 ``jit_compile=True``) the seconds are those of the same calls compiled by XLA: the timed
@@ -625,7 +625,8 @@ class _CallTracer:
     analysis reads and the run the backward is measured on), ``"probe"`` (the step at
     another batch size, :func:`_batch_sized_vectors`), ``"held"`` (the forward returning
     only a loop's accumulators, :func:`_held_bytes`), ``"ungated"`` (the step without
-    the order the compiled step imposes) and ``"kept_forward"`` (the forward returning its
+    the order the compiled step imposes), ``"greediest"`` (the step's backward in the order
+    of :func:`_run_greediest`) and ``"kept_forward"`` (the forward returning its
     outputs and what the gradient reads of it, the backward pruned: the forward as the step
     runs it, with the tape holding its residuals).
     """
@@ -1169,12 +1170,18 @@ def _other_orders_peaks(tracer: _CallTracer, loop: bool, inputs, warmup: int) ->
     temporaries are in flight at once: the peak differs between traces (several-fold on a
     small LSTM) and is the same on every run of one. The step's trace is another draw, so
     the largest over :data:`_LOOP_TRACES` traces counts (:func:`_loop_peak`). Without a
-    loop, the ungated order (:meth:`_CallTracer.forward_backward`).
+    loop, the ungated order (:meth:`_CallTracer.forward_backward`) and the greediest one
+    (:func:`_run_greediest`): Keras's batch-norm gradient is elementwise operations on
+    batch-sized maps whose order the executor picks per process, one more map live in
+    some (8 or 12 MiB on a (32, 32, 32, 32) input, so a CNN's checkpoint-all peak was
+    37.24 MiB in one fresh process and 41.24 in the next; user_check_3.md finding 9,
+    tests/test_batch_norm_workspace.py); the greediest order holds the most.
     """
     args = (inputs, tf.constant(1.0))
     if loop:
         return [_requested_peak(tracer.trace("step"), args, warmup) for _ in range(_LOOP_TRACES - 1)]
-    return [_requested_peak(tracer.trace("ungated", gated=False), args, warmup)]
+    return [_requested_peak(tracer.trace("ungated", gated=False), args, warmup),
+            _requested_peak(tracer.trace("greediest", greediest=True), args, warmup)]
 
 
 def _loop_peak(record: dict, part: str, peaks: Sequence[int]) -> int:
