@@ -358,7 +358,8 @@ def loops(args) -> dict:
             "plain_seq_ms": round(1e3 * statistics.median(seconds["plain_seq"]), 1),
             "all_ms": round(1e3 * statistics.median(seconds["all"]), 1),
             "least_ms": {name: round(1e3 * min(seconds[name]), 2) for name in order},
-            "recompute_ms": round(1e3 * statistics.median(p - a for p, a in zip(seconds["planned"], seconds["all"])), 2),
+            "recompute_ms": round(1e3 * statistics.median(
+                planned - all_ for planned, all_ in zip(seconds["planned"], seconds["all"])), 2),
             "all/plain_seq": ratio("all", "plain_seq"), "planned/plain_seq": ratio("planned", "plain_seq"),
             "plain_seq/plain_def": ratio("plain_seq", "plain_def"), "planned/plain_def": ratio("planned", "plain_def"),
         })
@@ -372,7 +373,8 @@ def loops(args) -> dict:
         "overlap": round(extraction.plain_overlap, 4),
         "overlap_range": [round(v, 4) for v in extraction.plain_overlap_range],
         "overlap_load": None if extraction.plain_overlap_load is None else round(extraction.plain_overlap_load, 2),
-        "plain_step_ms": None if extraction.plain_step_seconds is None else round(1e3 * extraction.plain_step_seconds, 2),
+        "plain_step_ms": (None if extraction.plain_step_seconds is None
+                          else round(1e3 * extraction.plain_step_seconds, 2)),
         "step_share": round(result.step_share, 4),
         "predicted_before": round((1 + result.overhead) * result.plain_overlap, 4),
         "predicted": round(result.predicted_time_over_plain, 4), "predicted_range": [round(low, 4), round(high, 4)],
@@ -386,7 +388,8 @@ def loops(args) -> dict:
         "traces": [{"load": round(os.getloadavg()[0], 2),
                     "all": _loop_spans(runs["all"], int(x.shape[1])),
                     "plain_seq": _loop_spans(plain_seq, int(x.shape[1]))} for _ in range(args.trace)],
-        "attributed": _attributed(runs["all"], graph, extraction.side_table, args.attribute) if args.attribute else None,
+        "attributed": (_attributed(runs["all"], graph, extraction.side_table, args.attribute)
+                       if args.attribute else None),
         "attributed_planned": (_attributed(runs["planned"], graph, extraction.side_table, args.attribute)
                                if args.attribute else None),
     }
