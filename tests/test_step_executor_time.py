@@ -155,14 +155,14 @@ def test_measure_model_predicts_the_time_on_the_executor_its_step_ran_on(paralle
     sequential = measure_model(_model("plain"), None, strategy="chen_sqrtn", batch_size=4, steps=2,
                                cache=False, verbose=0)
     assert sequential["step_executor"] == "single-threaded" and sequential["plain_overlap"] == 1.25
-    assert sequential["predicted_time_over_plain"] == pytest.approx(1.25 * (1 + sequential["predicted_overhead"]),
+    assert sequential["predicted_time_over_plain"] == pytest.approx(1.25 * (1 + sequential["predicted_step_overhead"]),
                                                                     abs=1e-3)
     low, high = sequential["predicted_time_over_plain_range"]
     assert low <= sequential["predicted_time_over_plain"] <= high
     on_default = measure_model(_model("grouped"), None, strategy="chen_sqrtn", batch_size=4, steps=2,
                                cost_model="flops", cache=False, verbose=0)
     assert on_default["step_executor"] == "default" and on_default["plain_overlap"] == 1.0
-    assert on_default["predicted_time_over_plain"] == pytest.approx(1 + on_default["predicted_overhead"], abs=1e-3)
+    assert on_default["predicted_time_over_plain"] == pytest.approx(1 + on_default["predicted_step_overhead"], abs=1e-3)
 
 
 @pytest.mark.parametrize("kind, sequential", [("plain", True), ("cond", False)])

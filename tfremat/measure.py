@@ -527,6 +527,9 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             "time_over_plain_quartiles": [round(q, 4) for q in timing.ratio_quartiles],
             "timed_rounds": timing.rounds,
             "predicted_overhead": round(result.overhead, 4),
+            # The same recomputation against the whole plain step (the optimizer's updates
+            # included), which the predicted time uses: PlanResult.step_share.
+            "predicted_step_overhead": round(result.step_overhead, 4),
             # Plain training overlaps operations the step runs in turn (tfremat.extract.overlap),
             # unless the step runs on the default executor too.
             "plain_overlap": round(result.plain_overlap, 4),
