@@ -172,3 +172,18 @@ def test_plan_model_names_optimizer_state_only_where_kept():
         tfremat.plan_model(model, "1%", x, y, batch_size=8, optimizer="adam", cost_model="flops", cache=False,
                            verbose=0)
     assert "optimizer state" in str(refused.value), refused.value
+
+
+def test_value_and_grad_keeps_the_share_of_larger_arguments():
+    """value_and_grad applies the same rule: arguments of a smaller batch are planned under the
+    bytes the share gave the larger example arguments."""
+    model = five_conv_net()
+    loss = keras.losses.CategoricalCrossentropy()
+    x, y = next(iter(dataset(samples=32)))
+    g = tfremat.value_and_grad(lambda a, b: loss(b, model(a, training=True)), SHARE, x, y, cost_model="flops",
+                               cache=False, verbose=0, allocator_check=False, time_limit=30)
+    g(x[:8], y[:8])
+    by_batch = {key[1][0][0][0]: plan for key, plan in g.plans.items()}
+    assert sorted(by_batch) == [8, 32]
+    assert by_batch[8].budget_bytes == by_batch[32].budget_bytes > parse_graph_budget(
+        by_batch[8].extraction.graph, SHARE)

@@ -25,7 +25,7 @@ from tfremat.errors import BudgetFormatError, is_int, is_number
 from tfremat.units import format_bytes
 
 __all__ = ["parse_budget", "check_budget", "is_share", "budget_kind", "is_absolute_min", "format_bytes", "MIN_BUDGET",
-           "ABSOLUTE_MIN_BUDGET"]
+           "ABSOLUTE_MIN_BUDGET", "larger_shapes", "share_floor"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -144,6 +144,34 @@ def is_absolute_min(budget) -> bool:
     """Whether ``budget`` is ``"absolute min"``: the least peak at any compute cost, where
     ``"min"`` keeps to one extra forward pass."""
     return isinstance(budget, str) and _words(budget) == ABSOLUTE_MIN_BUDGET
+
+
+def larger_shapes(shapes: tuple, other: tuple) -> bool:
+    """Whether the tensor shapes ``shapes`` (a tuple of shape tuples) are larger than ``other``:
+    the same tensors and ranks, no dimension smaller and one larger (a full batch against a
+    smaller last one)."""
+    return (shapes != other and len(shapes) == len(other)
+            and all(len(a) == len(b) and all(m is not None and n is not None and m >= n for m, n in zip(a, b))
+                    for a, b in zip(shapes, other)))
+
+
+def share_floor(budget, planned, shapes: tuple) -> tuple[int, tuple] | None:
+    """The bytes a share ``budget`` holds the tensor shapes ``shapes`` to at least, and the
+    larger shapes it came from: the most it resolved to for a larger shape planned before
+    (``planned``: ``(shapes, budget bytes)`` pairs). None for an amount, ``"min"``, or where
+    no larger shape was planned.
+
+    A share ("70%", "70% of activations") is resolved against each batch shape's own step,
+    but never to fewer bytes than for a larger shape planned by the same fit or
+    ``value_and_grad``: a smaller last batch, whose fixed memory and allocator margin weigh
+    more against its own share, is then not refused mid-epoch (it usually recomputes
+    nothing), and the peak stays within the share of the largest batch
+    (benchmarks/results/user_check_3.md finding 2: 200 samples in batches of 32 at
+    "70% of activations" trained six batches, then refused the batch of 8)."""
+    if budget_kind(budget) not in ("share", "activations"):
+        return None
+    larger = [(bytes_, other) for other, bytes_ in planned if bytes_ is not None and larger_shapes(other, shapes)]
+    return max(larger) if larger else None
 
 
 def _words(text: str) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable
 
 import keras
@@ -33,12 +34,13 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.allocator_check import hold_allocator_peak, replan, step_allocator_peak, wants_allocator_check
-from tfremat.budget import check_budget
+from tfremat.budget import budget_kind, check_budget, format_bytes, share_floor
 from tfremat.cache import ScheduleCache
 from tfremat.errors import ArgumentError, ExtractionError, InfeasibleBudgetError
 from tfremat.extract.extractor import COST_MODELS, extract
 from tfremat.extract.opening import DEFAULT_GRANULARITY, GRANULARITIES
 from tfremat.model_planning import wants_implementations
+from tfremat.plan.registry import in_user_terms, parse_graph_budget
 from tfremat.planner import PlanResult, check_cache_argument, plan_graph, split_solver_options
 
 __all__ = ["value_and_grad", "ValueAndGrad"]
@@ -221,18 +223,45 @@ class ValueAndGrad:
                              use_cache=settings.cache is not False and settings.cache is not None,
                              weight_grads="fixed", implementations=wants_implementations([settings.strategy]),
                              xla="memory" if settings.jit_compile else False)
+        budget = self._share_budget(specs, extraction.graph)
         try:
-            result = plan_graph(extraction.graph, settings.budget, settings.strategy, cache=settings.cache,
-                                verbose=settings.verbose, **settings.options)
+            with warnings.catch_warnings():
+                if budget != settings.budget:
+                    # Above this shape's checkpoint-all peak is what the rule gives it, not a budget to lower.
+                    warnings.filterwarnings("ignore", message=".*at or above the checkpoint-all peak")
+                result = plan_graph(extraction.graph, budget, settings.strategy, cache=settings.cache,
+                                    verbose=settings.verbose, **settings.options)
             result = dataclasses.replace(result, extraction=extraction)
             step = self._compiled(result)
             if wants_allocator_check(settings.allocator_check, settings.budget, result):
                 result, step, _ = self._within_allocator(result, step, specs, model)
         except InfeasibleBudgetError as error:
-            raise error.with_fixed_parts(_FIXED_PARTS) from error.__cause__
+            if budget_kind(settings.budget) in ("share", "activations"):
+                # An allocator check's refusal, or a budget kept from a larger shape, is in bytes.
+                error = in_user_terms(error, extraction.graph, settings.budget)
+                if budget != settings.budget:
+                    error = error.in_terms(fixed_bytes=error.fixed_bytes, shown=error.shown,
+                                           budget_text=f"{settings.budget!r} as it was resolved for larger arguments")
+            raise error.with_fixed_parts(_FIXED_PARTS).for_batch(f"arguments of shapes {[s for s, _ in specs]}") \
+                from error.__cause__
         self.plans[key] = result
         self._steps[key] = step
         return key
+
+    def _share_budget(self, specs: tuple, graph):
+        """The budget arguments of ``specs`` are planned under: a share is never resolved to
+        fewer bytes than for larger arguments (the same dtypes) planned before
+        (:func:`~tfremat.budget.share_floor`: a smaller last batch keeps the full batches')."""
+        budget = self._settings.budget
+        dtypes = tuple(dtype for _, dtype in specs)
+        planned = [(tuple(shape for shape, _ in key[1]), plan.budget_bytes) for key, plan in self.plans.items()
+                   if tuple(dtype for _, dtype in key[1]) == dtypes]
+        floor = share_floor(budget, planned, tuple(shape for shape, _ in specs))
+        if floor is None or floor[0] <= parse_graph_budget(graph, budget):
+            return budget
+        logger.info("arguments of shapes %s: planning under %s, the %r of larger arguments %s (more than it is here)",
+                    [shape for shape, _ in specs], format_bytes(floor[0]), budget, list(floor[1]))
+        return floor[0]
 
     def _compiled(self, result: PlanResult):
         """``result``'s step, returning the gradients (no optimizer)."""

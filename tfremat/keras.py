@@ -35,7 +35,7 @@ from tfremat.allocator_check import (
     training_step_peak,
     wants_allocator_check,
 )
-from tfremat.budget import budget_kind, check_budget, format_bytes
+from tfremat.budget import budget_kind, check_budget, format_bytes, larger_shapes, share_floor
 from tfremat.errors import (
     ArgumentError,
     CompileError,
@@ -376,28 +376,17 @@ class RematCallback(keras.callbacks.Callback):
         return self._steps[key]
 
     def _share_budget(self, key: tuple, graph) -> tuple:
-        """The budget the batch shape ``key`` is planned under, and ``(larger shape, the share's
-        own bytes here)`` when that is not the budget as given.
-
-        A share ("70%", "70% of activations") is resolved against each batch shape's own
-        step, but no shape is held to fewer bytes than it resolved to for a larger shape this
-        callback planned before (one no smaller in any dimension: the full batches before a
-        smaller last one). A fit's peak then stays within the share of its largest batch, and
-        its smaller last batch, whose fixed memory and allocator margin weigh more against its
-        own share, is not refused mid-epoch: it usually recomputes nothing
-        (benchmarks/results/user_check_3.md finding 2: 200 samples in batches of 32 at
-        "70% of activations" trained six batches, then refused the batch of 8)."""
-        if budget_kind(self.budget) not in ("share", "activations"):
+        """The budget the batch shape ``key`` is planned under, and ``(larger batch's first
+        shape, the share's own bytes here)`` when that is not the budget as given: a share is
+        never resolved to fewer bytes than for a larger batch shape planned before
+        (:func:`~tfremat.budget.share_floor`: a smaller last batch keeps the full batches')."""
+        floor = share_floor(self.budget, [(shape, plan.budget_bytes) for shape, plan in self.plans.items()], key)
+        if floor is None:
             return self.budget, None
-        larger = [(plan.budget_bytes, shape) for shape, plan in self.plans.items()
-                  if plan.budget_bytes is not None and _covers(shape, key)]
-        if not larger:
-            return self.budget, None
-        floor, shape = max(larger)
         own = parse_graph_budget(graph, self.budget)
-        if floor <= own:
+        if floor[0] <= own:
             return self.budget, None
-        return floor, (shape[0] if shape else None, own)
+        return floor[0], (floor[1][0] if floor[1] else None, own)
 
     def _refusal(self, error: InfeasibleBudgetError, graph, key: tuple, budget) -> InfeasibleBudgetError:
         """``error`` for the batch shape ``key`` told as the user can act on it: the budget as
@@ -414,7 +403,7 @@ class RematCallback(keras.callbacks.Callback):
                                        budget_text=f"{self.budget!r} as it was resolved for a larger batch")
         error = error.with_fixed_parts(fixed_parts(self.model.optimizer))
         samples = key[0][0] if key and key[0] else None
-        larger = [shape[0][0] for shape in self.plans if _covers(shape, key) and shape[0]]
+        larger = [shape[0][0] for shape in self.plans if larger_shapes(shape, key) and shape[0]]
         label = _batch_label_of(key)
         if samples is None or not larger:
             return error.for_batch(label)
@@ -616,14 +605,6 @@ def _batch_label(x) -> str:
 def _batch_label_of(key: tuple) -> str:
     """A batch shape ``key`` (:func:`_shape_key`) as a refusal names it: its first input's shape."""
     return f"batch {key[0]}" if key else "batch"
-
-
-def _covers(shape: tuple, key: tuple) -> bool:
-    """Whether the batch shapes ``shape`` are larger than ``key``: the same tensors and ranks,
-    no dimension smaller and one larger (a full batch against a smaller last one)."""
-    return (shape != key and len(shape) == len(key)
-            and all(len(a) == len(b) and all(m is not None and n is not None and m >= n for m, n in zip(a, b))
-                    for a, b in zip(shape, key)))
 
 
 def _shape_key(x, y) -> tuple:
