@@ -41,13 +41,16 @@ def _plans_by_batch(plans):
     return {shapes[0][0]: plan for shapes, plan in plans.items()}
 
 
-def test_the_last_batch_keeps_the_budget_of_the_full_batches():
+def test_the_last_batch_keeps_the_budget_of_the_full_batches(capsys):
     """The batch of 8 is planned under the bytes "70% of activations" gave the batches of 32,
     more than the share is of its own step, so the fit's peak stays within the share of its
-    largest batch and the last batch is not refused."""
+    largest batch and the last batch is not refused; its phase line says so."""
     model = five_conv_net()
     plans = tfremat.fit(model, SHARE, dataset(), cost_model="flops", cache=False, allocator_check=False,
-                        verbose=0, time_limit=30).plans
+                        verbose=1, time_limit=30).plans
+    lines = [part for line in capsys.readouterr().err.splitlines() for part in line.split("\r")]
+    assert [line for line in lines if line.startswith("tfremat batch (8, 32, 32, 3)")
+            and f"the {SHARE!r} of the batch of 32 (more than the" in line], lines
     by_batch = _plans_by_batch(plans)
     assert sorted(by_batch) == [8, 32]
     full, last = by_batch[32], by_batch[8]
