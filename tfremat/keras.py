@@ -85,7 +85,10 @@ class RematCallback(keras.callbacks.Callback):
 
     Args:
         budget: bytes, "3.5GiB"-style strings, or a share of the checkpoint-all peak
-            ("50%" or 0.5), applied to every batch shape.
+            ("50%" or 0.5, "50% of activations"), applied to every batch shape. A share is
+            resolved against each shape's own step, but never to fewer bytes than for a larger
+            shape planned before: a smaller last batch keeps the full batches' bytes (its
+            phase line says so; :func:`~tfremat.budget.share_floor`).
         strategy: the strategy name (default "optimal", the MILP).
         solver: MILP solver name ("highs" default, "gurobi" when licensed).
         time_limit: MILP time limit in seconds per batch shape (None: 60 s,
