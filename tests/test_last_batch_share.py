@@ -21,7 +21,8 @@ import tfremat
 import tfremat.keras as remat_keras
 from tfremat import allocator_check
 from tfremat.budget import parse_budget
-from tfremat.errors import InfeasibleBudgetError, format_bytes_up
+from tfremat.errors import InfeasibleBudgetError
+from tfremat.units import format_bytes_up
 from tfremat.plan.registry import parse_graph_budget
 from tfremat.plan.simulator import simulate
 from tfremat.planner import plan_graph

@@ -8,11 +8,10 @@ in its message. Nothing in tfremat returns a ``feasible=False`` flag instead of 
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable, Sequence
 
-from tfremat.units import format_bytes, format_bytes_apart
+from tfremat.units import format_bytes, format_bytes_apart, format_bytes_up
 
 __all__ = [
     "TfrematError",
@@ -28,7 +27,6 @@ __all__ = [
     "ExtractionError",
     "CompileError",
     "failure_status",
-    "format_bytes_up",
     "FIXED_PARTS",
     "fixed_parts",
     "is_int",
@@ -227,19 +225,6 @@ class InfeasibleBudgetError(TfrematError):
         if self.advice:
             advice += f" {self.advice}"
         return f"{message}. {advice}"
-
-
-def format_bytes_up(n: float) -> str:
-    """``n`` bytes as :func:`~tfremat.units.format_bytes` writes them, rounded up at the
-    precision shown rather than to nearest: 26469652 bytes is "25.25 MiB", which parsed back
-    is at least ``n`` ("25.24 MiB" is 26466058, a smallest feasible budget refused when copied;
-    benchmarks/results/user_check_3.md finding 3)."""
-    text = format_bytes(n)
-    number, unit = text.split()
-    if unit == "B":
-        return f"{math.ceil(n)} B"
-    scale = 1024 ** ("KiB", "MiB", "GiB", "TiB").index(unit) * 1024
-    return f"{math.ceil(n * 100 / scale) / 100:.2f} {unit}"
 
 
 class BudgetFormatError(TfrematError, ValueError):

@@ -1,6 +1,8 @@
 """Byte counts as people read them."""
 
-__all__ = ["format_bytes", "format_bytes_apart"]
+import math
+
+__all__ = ["format_bytes", "format_bytes_apart", "format_bytes_up"]
 
 
 def format_bytes(n: float) -> str:
@@ -11,6 +13,19 @@ def format_bytes(n: float) -> str:
             return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     return f"{value:.2f} TiB"
+
+
+def format_bytes_up(n: float) -> str:
+    """``n`` bytes as :func:`~tfremat.units.format_bytes` writes them, rounded up at the
+    precision shown rather than to nearest: 26469652 bytes is "25.25 MiB", which parsed back
+    is at least ``n`` ("25.24 MiB" is 26466058, a smallest feasible budget refused when copied;
+    benchmarks/results/user_check_3.md finding 3)."""
+    text = format_bytes(n)
+    _, unit = text.split()
+    if unit == "B":
+        return f"{math.ceil(n)} B"
+    scale = 1024 ** ("KiB", "MiB", "GiB", "TiB").index(unit) * 1024
+    return f"{math.ceil(n * 100 / scale) / 100:.2f} {unit}"
 
 
 def format_bytes_apart(*sizes: float | None) -> list[str | None]:

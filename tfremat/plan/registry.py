@@ -18,8 +18,9 @@ import inspect
 import math
 from collections.abc import Callable, Mapping
 
-from tfremat.budget import budget_kind, format_bytes, is_share, parse_budget
+from tfremat.budget import budget_kind, is_share, parse_budget
 from tfremat.errors import ArgumentError, GraphError, InfeasibleBudgetError
+from tfremat.units import format_bytes_up
 from tfremat.graph import DFGraph
 from tfremat.plan.schedule import with_fresh_gradient_reads
 from tfremat.plan.simulator import checkpoint_all_peak, simulate
@@ -188,10 +189,10 @@ def in_user_terms(error: InfeasibleBudgetError, graph: DFGraph, budget,
         moving = max(reference - fixed, 1)
 
         def shown(n):
-            return f"{math.ceil(100 * max(n - fixed, 0) / moving)}% of activations ({format_bytes(n)})"
+            return f"{math.ceil(100 * max(n - fixed, 0) / moving)}% of activations ({format_bytes_up(n)})"
     else:
         def shown(n):
-            return f"{math.ceil(100 * n / reference)}% ({format_bytes(n)})"
+            return f"{math.ceil(100 * n / reference)}% ({format_bytes_up(n)})"
     return error.in_terms(fixed_bytes=fixed, shown=shown, budget_text=repr(budget))
 
 
