@@ -179,3 +179,23 @@ def five_conv_net(seed=0):
     model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="categorical_crossentropy")
     return model
+
+
+def tiny_bn_dropout_net(seed=0):
+    """A conv, a batch norm and a dropout on 8x8x3 images, two outputs: the smallest model whose
+    plain step has state to put back (the overlap and step-share tests)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Dropout(0.2)(h)
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h))
+    return keras.Model(inputs, outputs)
+
+
+def tiny_bn_dropout_batch(seed=0):
+    """A batch of 4 for :func:`tiny_bn_dropout_net`: images and regression targets."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((4, 8, 8, 3)).astype("float32"), rng.standard_normal((4, 2)).astype("float32")

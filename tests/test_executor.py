@@ -192,16 +192,6 @@ def _batch():
                                                                                  tf.float32)
 
 
-@pytest.fixture
-def parallel(monkeypatch):
-    """compile_step sees several inter-op threads, as in a process with TensorFlow's default
-    (the tests run with one, where the step keeps the default executor)."""
-    import tfremat.static_graph.compile as compile_module
-
-    monkeypatch.setattr(executor, "sequential_ops", lambda: False)
-    monkeypatch.setattr(compile_module, "_warned_parallel", set())
-
-
 def _step(model, x, y, **options):
     extraction = extract(model, (x, y), cost_model="flops", use_cache=False)
     return compile_step(extraction, get_strategy("chen_sqrtn")(extraction.graph), **options)

@@ -23,34 +23,13 @@ import tfremat.extract.overlap as overlap_module
 from tfremat.extract import extract
 from tfremat.extract.overlap import PlainOverlap, batch_from_specs, measure_plain_overlap
 from tfremat.planner import plan_graph, plan_summary
-from tfremat.runtime import executor
 from tfremat.runtime import timing as turns
 
+from models import tiny_bn_dropout_batch, tiny_bn_dropout_net
 from subprocess_result import run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-def _model():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8, 8, 3))
-    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
-    h = keras.layers.BatchNormalization()(h)
-    h = keras.layers.Dropout(0.2)(h)
-    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h))
-    return keras.Model(inputs, outputs)
-
-
-def _batch():
-    rng = np.random.default_rng(0)
-    return rng.standard_normal((4, 8, 8, 3)).astype("float32"), rng.standard_normal((4, 2)).astype("float32")
-
-
-@pytest.fixture
-def parallel(monkeypatch):
-    """The overlap is measured as with several inter-op threads."""
-    monkeypatch.setattr(executor, "sequential_ops", lambda: False)
 
 
 def test_one_inter_op_thread_measures_nothing(monkeypatch, tmp_path):
@@ -60,8 +39,8 @@ def test_one_inter_op_thread_measures_nothing(monkeypatch, tmp_path):
         raise AssertionError("no plain step runs with one inter-op thread")
 
     monkeypatch.setattr(overlap_module, "plain_train_step", refused)
-    model = _model()
-    extraction = extract(model, _batch(), loss="mse", cost_model="profile", repeats=1)
+    model = tiny_bn_dropout_net()
+    extraction = extract(model, tiny_bn_dropout_batch(), loss="mse", cost_model="profile", repeats=1)
     assert extraction.plain_overlap == 1.0
     assert extraction.plain_overlap_range == (1.0, 1.0) and extraction.plain_overlap_load is None
     result = plan_graph(extraction.graph, None, "checkpoint_all", cache=False)
@@ -73,11 +52,11 @@ def test_one_inter_op_thread_measures_nothing(monkeypatch, tmp_path):
 
 
 def test_measured_overlap_leaves_the_model_and_optimizer_as_they_were(parallel, caplog):
-    model = _model()
+    model = tiny_bn_dropout_net()
     optimizer = keras.optimizers.Adam()
     optimizer.build(model.trainable_variables)
     before = [v.numpy().copy() for v in model.variables + optimizer.variables]
-    x, y = _batch()
+    x, y = tiny_bn_dropout_batch()
     loss = lambda labels, preds: tf.reduce_mean(tf.square(labels[0] - preds[0]))  # noqa: E731
     with caplog.at_level(logging.INFO, logger="tfremat.extract.overlap"):
         overlap = measure_plain_overlap(model, tf.constant(x), [tf.constant(y)], loss, optimizer)
@@ -100,20 +79,20 @@ def test_the_overlap_is_cached_with_the_profile(parallel, monkeypatch, tmp_path)
         return PlainOverlap(1.25, 1.1, 1.4, 7, 3.5)
 
     monkeypatch.setattr("tfremat.extract.extractor.measure_plain_overlap", fake)
-    first = extract(_model(), _batch(), loss="mse", cost_model="profile", repeats=1)
-    second = extract(_model(), _batch(), loss="mse", cost_model="profile", repeats=1)
+    first = extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="profile", repeats=1)
+    second = extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="profile", repeats=1)
     assert len(measured) == 1 and not first.cache_hit and second.cache_hit
     assert first.plain_overlap == second.plain_overlap == 1.25
     # The quartiles and the load come back from the cache with the factor.
     assert first.plain_overlap_range == second.plain_overlap_range == (1.1, 1.4)
     assert first.plain_overlap_load == second.plain_overlap_load == 3.5
     # The flops cost model times nothing, the overlap included.
-    assert extract(_model(), _batch(), loss="mse", cost_model="flops", use_cache=False).plain_overlap == 1.0
+    assert extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="flops", use_cache=False).plain_overlap == 1.0
     assert len(measured) == 1
 
 
 def test_the_plan_says_the_time_over_plain_with_the_overlap():
-    extraction = extract(_model(), _batch(), loss="mse", cost_model="flops", use_cache=False)
+    extraction = extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="flops", use_cache=False)
     result = plan_graph(extraction.graph, "95% of activations", "chen_sqrtn", cache=False)
     measured = types.SimpleNamespace(plain_overlap=1.1, plain_overlap_range=(0.9, 1.3), plain_overlap_load=4.0)
     result = dataclasses.replace(result, extraction=measured)
@@ -186,7 +165,7 @@ def test_batch_from_specs_gives_valid_indices_in_the_model_s_structure():
     assert sorted(x) == ["mask", "tokens"] and x["tokens"].dtype == tf.int32 and not np.any(x["tokens"].numpy())
     assert y[0].shape == (2, 5, 3) and np.all((y[0].numpy() >= 0) & (y[0].numpy() < 1))
     assert model(x).shape == (2, 5, 3)
-    x, _ = batch_from_specs(_model(), [tf.TensorSpec((4, 8, 8, 3), tf.float32)], [])
+    x, _ = batch_from_specs(tiny_bn_dropout_net(), [tf.TensorSpec((4, 8, 8, 3), tf.float32)], [])
     assert x.shape == (4, 8, 8, 3)
 
 

@@ -10,7 +10,6 @@ import logging
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 from tfremat.extract import extract
@@ -36,14 +35,6 @@ def _model(name: str):
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(hidden)), name=name)
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     return model
-
-
-@pytest.fixture
-def parallel(monkeypatch):
-    import tfremat.static_graph.compile as compile_module
-
-    monkeypatch.setattr(executor, "sequential_ops", lambda: False)
-    monkeypatch.setattr(compile_module, "_warned_parallel", set())
 
 
 def _warnings(caplog):

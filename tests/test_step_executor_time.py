@@ -58,16 +58,6 @@ def _batch():
             tf.constant(rng.standard_normal((4, 2)), tf.float32))
 
 
-@pytest.fixture
-def parallel(monkeypatch):
-    """As with several inter-op threads (the step on the single-threaded executor, the
-    overlap measured); each test's warnings are new."""
-    import tfremat.static_graph.compile as compile_module
-
-    monkeypatch.setattr(executor, "sequential_ops", lambda: False)
-    monkeypatch.setattr(compile_module, "_warned_parallel", set())
-
-
 def _traced(model, x, y):
     @tf.function(autograph=False)
     def forward(a):

@@ -11,40 +11,19 @@ import dataclasses
 import types
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
 from tfremat.extract import extract
 from tfremat.extract.overlap import PlainOverlap, measure_plain_overlap
 from tfremat.planner import plan_graph, plan_summary
-from tfremat.runtime import executor
 from tfremat.runtime import timing as turns
 
-
-def _model():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8, 8, 3))
-    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
-    h = keras.layers.BatchNormalization()(h)
-    h = keras.layers.Dropout(0.2)(h)
-    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h))
-    return keras.Model(inputs, outputs)
-
-
-def _batch():
-    rng = np.random.default_rng(0)
-    return rng.standard_normal((4, 8, 8, 3)).astype("float32"), rng.standard_normal((4, 2)).astype("float32")
-
-
-@pytest.fixture
-def parallel(monkeypatch):
-    """The overlap is measured as with several inter-op threads."""
-    monkeypatch.setattr(executor, "sequential_ops", lambda: False)
+from models import tiny_bn_dropout_batch, tiny_bn_dropout_net
 
 
 def _planned():
-    extraction = extract(_model(), _batch(), loss="mse", cost_model="flops", use_cache=False)
+    extraction = extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="flops", use_cache=False)
     result = plan_graph(extraction.graph, "95% of activations", "chen_sqrtn", cache=False)
     assert result.overhead > 0
     return result
@@ -97,7 +76,7 @@ def test_time_in_turns_keeps_each_side_s_least_run():
 
 
 def test_the_measured_overlap_times_the_plain_step_and_the_extraction_keeps_it(parallel, monkeypatch, tmp_path):
-    model, (x, y) = _model(), _batch()
+    model, (x, y) = tiny_bn_dropout_net(), tiny_bn_dropout_batch()
     measured = measure_plain_overlap(model, tf.constant(x), [tf.constant(y)],
                                      lambda labels, preds: tf.reduce_mean((labels[0] - preds[0]) ** 2),
                                      keras.optimizers.Adam())
@@ -105,8 +84,8 @@ def test_the_measured_overlap_times_the_plain_step_and_the_extraction_keeps_it(p
     monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr("tfremat.extract.extractor.measure_plain_overlap",
                         lambda *args: PlainOverlap(1.25, 1.1, 1.4, 7, 3.5, 0.0042))
-    first = extract(_model(), _batch(), loss="mse", cost_model="profile", repeats=1)
-    second = extract(_model(), _batch(), loss="mse", cost_model="profile", repeats=1)
+    first = extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="profile", repeats=1)
+    second = extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="profile", repeats=1)
     assert not first.cache_hit and second.cache_hit
     assert first.plain_step_seconds == second.plain_step_seconds == 0.0042
-    assert extract(_model(), _batch(), loss="mse", cost_model="flops", use_cache=False).plain_step_seconds is None
+    assert extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="flops", use_cache=False).plain_step_seconds is None
