@@ -199,14 +199,18 @@ def test_compile_step_with_strategy_in_a_custom_loop_trains_as_model_fit(mirrore
 
 def test_the_plan_is_per_replica_batch_with_resident_gradients(mirrored):
     # Global batches of 8 and 4 (the last) on two replicas: planned for 4 and 2 samples.
-    assert sorted(mirrored["plans"]) == ["2", "4"]
-    for batch, plan in mirrored["plans"].items():
+    plans = mirrored["plans"]
+    assert sorted(plans) == ["2", "4"]
+    for batch, plan in plans.items():
         assert plan["weight_grads"] == "fixed", batch  # the all-reduce holds every gradient
         assert plan["predicted"] <= plan["budget"], (batch, plan)
-        assert plan["recomputations"] > 0, (batch, plan)
         # Both replicas' traced steps recompute forward nodes, the same number.
         replica_1, replica_0 = mirrored["recomputed"][batch]
-        assert replica_0 == replica_1 > 0, (batch, mirrored["recomputed"])
+        assert replica_0 == replica_1, (batch, mirrored["recomputed"])
+    assert plans["4"]["recomputations"] > 0 and mirrored["recomputed"]["4"][0] > 0, plans["4"]
+    # The last batch keeps at least the bytes the share gave the full one (budget.share_floor),
+    # so it may recompute nothing (with oneDNN off its checkpoint-all peak fits them).
+    assert plans["2"]["budget"] >= plans["4"]["budget"], plans
 
 
 def test_the_replica_plan_counts_the_all_reduce_buffers(mirrored):
