@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -610,7 +611,11 @@ STARTUP = re.compile(r"oneDNN custom operations|cpu_feature_guard|rebuild Tensor
 PROFILER = re.compile(r"profiler_session\.cc|save_profile\.cc")
 
 
-def run_check(check: str, steps: int, timeout: float, cache_dir: str) -> dict:
+def run_child(script: str, child_args: list[str], timeout: float, cache_dir: str, sample: int = 60) -> dict:
+    """One check in a fresh process, as a user has it: ``script --child ...`` under TensorFlow's
+    default inter-op threads and oneDNN setting, the BFC allocator and an empty tfremat cache.
+    Its row (the last ``USER_CHECK_ROW`` line, or the error) with its wall seconds and stderr
+    lines counted (those from TensorFlow's profiler apart), ``sample`` of the others kept."""
     env = dict(os.environ)
     env.pop("TF_NUM_INTEROP_THREADS", None)  # TensorFlow's default, as a user has it
     env.pop("TF_ENABLE_ONEDNN_OPTS", None)
@@ -618,7 +623,7 @@ def run_check(check: str, steps: int, timeout: float, cache_dir: str) -> dict:
     env["TFREMAT_CACHE_DIR"] = cache_dir
     began = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", check, "--steps", str(steps)],
+        done = subprocess.run([sys.executable, os.path.abspath(script), "--child", *child_args],
                               env=env, capture_output=True, text=True, timeout=timeout)
         stdout, stderr = done.stdout, done.stderr
     except subprocess.TimeoutExpired as error:
@@ -628,10 +633,30 @@ def run_check(check: str, steps: int, timeout: float, cache_dir: str) -> dict:
     rows = [line.split(" ", 1)[1] for line in stdout.splitlines() if line.startswith("USER_CHECK_ROW ")]
     row = json.loads(rows[-1]) if rows else {"error": "no result: " + (stderr.strip().splitlines() or ["?"])[-1]}
     lines = [line for line in re.split(r"[\r\n]", stderr) if not STARTUP.search(line)]
+    row.update({"wall_s": time.perf_counter() - began, "stderr_lines": len(lines),
+                "profiler_lines": sum(bool(PROFILER.search(line)) for line in lines),
+                "stderr_sample": [line for line in lines if not PROFILER.search(line)][:sample]})
+    return row
+
+
+def run_rows(names: list[str], run_one: Callable[[str, str], dict], prefix: str) -> list[dict]:
+    """``run_one(name, cache_dir)`` for each check, each with its own empty cache, the load
+    at its start recorded and a line printed as it ends."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix=prefix) as cache_dir:
+        for name in names:
+            load = os.getloadavg()[0]
+            row = run_one(name, os.path.join(cache_dir, name))
+            row["load"] = load
+            rows.append(row)
+            print(f"{name}: {row.get('error') or 'done'} ({row['wall_s']:.0f} s, load {load:.1f})", flush=True)
+    return rows
+
+
+def run_check(check: str, steps: int, timeout: float, cache_dir: str) -> dict:
+    row = run_child(__file__, [check, "--steps", str(steps)], timeout, cache_dir)
     row.update({"check": check, "model": CHECKS[check][0], "budget": CHECKS[check][1], "batch": CHECKS[check][2],
-                "kind": CHECKS[check][3], "options": CHECKS[check][4], "wall_s": time.perf_counter() - began,
-                "stderr_lines": len(lines), "profiler_lines": sum(bool(PROFILER.search(line)) for line in lines),
-                "stderr_sample": [line for line in lines if not PROFILER.search(line)][:60]})
+                "kind": CHECKS[check][3], "options": CHECKS[check][4]})
     return row
 
 
@@ -743,14 +768,7 @@ def main(argv=None) -> int:
     if args.list or not names:
         print("\n".join(f"{n}: {CHECKS[n][0]} at {CHECKS[n][1]}, batch {CHECKS[n][2]}" for n in CHECKS))
         return 0 if args.list else 2
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="tfremat_user_check_") as cache_dir:
-        for name in names:
-            load = os.getloadavg()[0]
-            row = run_check(name, args.steps, args.timeout, os.path.join(cache_dir, name))
-            row["load"] = load
-            rows.append(row)
-            print(f"{name}: {row.get('error') or 'done'} ({row['wall_s']:.0f} s, load {load:.1f})", flush=True)
+    rows = run_rows(names, lambda name, cache: run_check(name, args.steps, args.timeout, cache), "tfremat_user_check_")
     write(rows, args, argv)
     return 0
 

@@ -48,7 +48,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)  # this checkout's tfremat
 
-from user_check import PROFILER, STARTUP, TIME_BAND, _fresh, _mib  # noqa: E402
+from user_check import TIME_BAND, _fresh, _mib, run_child, run_rows  # noqa: E402
 
 DEFAULT_OUT = os.path.join(HERE, "results", "user_check_3.md")
 MiB = 2**20
@@ -504,27 +504,8 @@ def child(check: str) -> None:
 # ---------------------------------------------------------------- parent: run, collect, render
 
 def run_check(check: str, timeout: float, cache_dir: str) -> dict:
-    env = dict(os.environ)
-    env.pop("TF_NUM_INTEROP_THREADS", None)
-    env.pop("TF_ENABLE_ONEDNN_OPTS", None)
-    env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-    env["TFREMAT_CACHE_DIR"] = cache_dir
-    began = time.perf_counter()
-    try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", check],
-                              env=env, capture_output=True, text=True, timeout=timeout)
-        stdout, stderr = done.stdout, done.stderr
-    except subprocess.TimeoutExpired as error:
-        stdout = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
-        stderr = error.stderr.decode() if isinstance(error.stderr, bytes) else (error.stderr or "")
-        stdout += "\nUSER_CHECK_ROW " + json.dumps({"error": f"over the {timeout:.0f} s limit"})
-    rows = [line.split(" ", 1)[1] for line in stdout.splitlines() if line.startswith("USER_CHECK_ROW ")]
-    row = json.loads(rows[-1]) if rows else {"error": "no result: " + (stderr.strip().splitlines() or ["?"])[-1]}
-    lines = [line for line in re.split(r"[\r\n]", stderr) if not STARTUP.search(line)]
-    row.update({"check": check, "budget": CHECKS[check][0], "what": CHECKS[check][1],
-                "wall_s": time.perf_counter() - began, "stderr_lines": len(lines),
-                "profiler_lines": sum(bool(PROFILER.search(line)) for line in lines),
-                "stderr_sample": [line for line in lines if not PROFILER.search(line)][:80]})
+    row = run_child(__file__, [check], timeout, cache_dir, sample=80)
+    row.update({"check": check, "budget": CHECKS[check][0], "what": CHECKS[check][1]})
     return row
 
 
@@ -639,14 +620,7 @@ def main(argv=None) -> int:
         if args.list or not names:
             print("\n".join(f"{n}: {CHECKS[n][1]} at {CHECKS[n][0]}" for n in CHECKS))
             return 0 if args.list else 2
-        rows = []
-        with tempfile.TemporaryDirectory(prefix="tfremat_user_check_3_") as cache_dir:
-            for name in names:
-                load = os.getloadavg()[0]
-                row = run_check(name, args.timeout, os.path.join(cache_dir, name))
-                row["load"] = load
-                rows.append(row)
-                print(f"{name}: {row.get('error') or 'done'} ({row['wall_s']:.0f} s, load {load:.1f})", flush=True)
+        rows = run_rows(names, lambda name, cache: run_check(name, args.timeout, cache), "tfremat_user_check_3_")
     commit = subprocess.run(["git", "log", "-1", "--oneline"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     loads = [r["load"] for r in rows if "load" in r]
     at = args.measured_at or f"`{commit}`"
