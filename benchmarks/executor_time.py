@@ -197,10 +197,9 @@ def _quartiles(values: list[float]) -> dict:
     return {"median": round(statistics.median(values), 4), "quartiles": [round(low, 4), round(high, 4)]}
 
 
-def _loop_spans(run, iterations: int) -> tuple[float, list[float]]:
-    """``(ms of the traced call, ms of each loop in it)``: ``run()`` once under TensorFlow's
-    profiler (host events), its ``WhileOp-StartBody`` events in time order cut into loops of
-    ``iterations``."""
+def _host_events(run) -> list[tuple[str, int, int, str]]:
+    """``run()`` once under TensorFlow's profiler: its host events as ``(name, start ps,
+    duration ps, tf_op)``, the last the operation an allocation names (empty for other events)."""
     import glob
     import tempfile
 
@@ -210,7 +209,7 @@ def _loop_spans(run, iterations: int) -> tuple[float, list[float]]:
     tf.profiler.experimental.start(logdir, tf.profiler.experimental.ProfilerOptions(host_tracer_level=2))
     run()
     tf.profiler.experimental.stop()
-    bodies, total = [], 0.0
+    events = []
     for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
         space = xplane_pb2.XSpace()
         with open(path, "rb") as f:
@@ -219,14 +218,26 @@ def _loop_spans(run, iterations: int) -> tuple[float, list[float]]:
             if not plane.name.startswith("/host:"):
                 continue
             names = {key: meta.name for key, meta in plane.event_metadata.items()}
+            stat_names = {key: meta.name for key, meta in plane.stat_metadata.items()}
             for line in plane.lines:
                 base = line.timestamp_ns * 1000
                 for event in line.events:
-                    name = names[event.metadata_id]
-                    if name == "WhileOp-StartBody":
-                        bodies.append((base + event.offset_ps, base + event.offset_ps + event.duration_ps))
-                    elif name == "KernelAndDeviceFunc::Run":
-                        total = max(total, event.duration_ps * 1e-9)
+                    op = next((stat.str_value or stat_names.get(stat.ref_value, "") for stat in event.stats
+                               if stat_names.get(stat.metadata_id) == "tf_op"), "")
+                    events.append((names[event.metadata_id], base + event.offset_ps, event.duration_ps, op))
+    return events
+
+
+def _loop_spans(run, iterations: int) -> tuple[float, list[float]]:
+    """``(ms of the traced call, ms of each loop in it)``: ``run()`` once under TensorFlow's
+    profiler (:func:`_host_events`), its ``WhileOp-StartBody`` events in time order cut into
+    loops of ``iterations``."""
+    bodies, total = [], 0.0
+    for name, start, duration, _ in _host_events(run):
+        if name == "WhileOp-StartBody":
+            bodies.append((start, start + duration))
+        elif name == "KernelAndDeviceFunc::Run":
+            total = max(total, duration * 1e-9)
     bodies.sort()
     loops_ = [bodies[i:i + iterations] for i in range(0, len(bodies), iterations)]
     return round(total, 2), [round((loop[-1][1] - loop[0][0]) * 1e-9, 2) for loop in loops_]
@@ -240,37 +251,15 @@ def _statement_times(run) -> dict[tuple, float]:
     the optimizer ``adam...``). A part runs from its first allocation to the next part's, so
     an operation that allocates nothing counts in the part before it. Keys: ``(kind, node)``
     with kind forward, reforward, backward (node: its forward's), loss, or ``("other", name)``."""
-    import glob
     import re
-    import tempfile
-
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     statement = re.compile(r"^(?:gradient_tape/)?step/(re)?(forward|loss)_(\d+)/")
-    logdir = tempfile.mkdtemp(prefix="executor_time_")
-    tf.profiler.experimental.start(logdir, tf.profiler.experimental.ProfilerOptions(host_tracer_level=2))
-    run()
-    tf.profiler.experimental.stop()
     allocations, call = [], None
-    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
-        space = xplane_pb2.XSpace()
-        with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-        for plane in space.planes:
-            if not plane.name.startswith("/host:"):
-                continue
-            names = {key: meta.name for key, meta in plane.event_metadata.items()}
-            stat_names = {key: meta.name for key, meta in plane.stat_metadata.items()}
-            for line in plane.lines:
-                base = line.timestamp_ns * 1000
-                for event in line.events:
-                    name = names[event.metadata_id]
-                    if name == "KernelAndDeviceFunc::Run":
-                        call = (base + event.offset_ps, base + event.offset_ps + event.duration_ps)
-                    elif name == "MemoryAllocation":
-                        op = next((stat.str_value or stat_names.get(stat.ref_value, "") for stat in event.stats
-                                   if stat_names.get(stat.metadata_id) == "tf_op"), "")
-                        allocations.append((base + event.offset_ps, op))
+    for name, start, duration, op in _host_events(run):
+        if name == "KernelAndDeviceFunc::Run":
+            call = (start, start + duration)
+        elif name == "MemoryAllocation":
+            allocations.append((start, op))
     parts = []
     for time_, op in sorted(a for a in allocations if call[0] <= a[0] <= call[1]):
         match = statement.match(op)
@@ -302,8 +291,10 @@ def _attributed(run, graph, side_table, traces: int) -> dict:
         for (kind, node), value in seconds.items():
             label = node if kind == "other" else kind
             kinds.setdefault(label, [0.0] * len(runs))[k] += value
-            if kind != "other" and k == 0:
-                cost_node = backward_of[node] if kind == "backward" else node
+            # A forward whose gradient the tape computes inside another node's backward (a view
+            # the side table folds away) has no backward node: its time counts, its cost is the other's.
+            cost_node = backward_of.get(node) if kind == "backward" else node
+            if kind != "other" and k == 0 and cost_node is not None:
                 costs[kind] = costs.get(kind, 0.0) + graph.cost[cost_node]
     return {label: {"step_ms": round(1e3 * min(values), 2),
                     **({"cost_ms": round(1e3 * costs[label], 2)} if label in costs else {})}
