@@ -9,7 +9,6 @@ import pytest
 
 from tfremat.plan.schedule import Schedule, checkpoint_all_s, solve_r_given_s, stale_gradient_reads
 from tfremat.plan.simulator import simulate
-from tfremat.static_graph import compile_step
 
 from training_case import TrainingCase
 
