@@ -1,10 +1,11 @@
 """The share of a plain step that the graph's costs account for (PlanResult.step_share, issue
 33 item 2): the step also runs the optimizer's updates, which no node's cost holds and every
 schedule pays alike, so the predicted time over plain counts the recomputation against the
-whole step, ``(1 + overhead * step_share) * plain_overlap``
-(benchmarks/results/executor_time.md, "The step's time beyond the graph's costs").
+whole step, ``(1 + overhead * step_share) * plain_overlap``, with the share
+``total_cost / (total_cost + update seconds)`` (benchmarks/results/executor_time.md, "The step's
+time beyond the graph's costs"; benchmarks/results/step_share.md).
 
-Structural only: the step's seconds are given, or checked to be timed and kept, never bounded.
+Structural only: the update's seconds are given, or checked to be timed and kept, never bounded.
 """
 
 import dataclasses
@@ -33,7 +34,8 @@ def test_the_recomputation_counts_against_the_whole_step():
     result = _planned()
     total = result.graph.total_cost
     timed = dataclasses.replace(result, extraction=types.SimpleNamespace(
-        plain_overlap=1.1, plain_overlap_range=(0.9, 1.3), plain_overlap_load=4.0, plain_step_seconds=1.25 * total))
+        plain_overlap=1.1, plain_overlap_range=(0.9, 1.3), plain_overlap_load=4.0, plain_step_seconds=3 * total,
+        plain_update_seconds=0.25 * total))
     assert timed.step_share == pytest.approx(0.8)
     assert timed.step_overhead == pytest.approx(0.8 * result.overhead)
     slower = 1 + 0.8 * result.overhead
@@ -49,23 +51,22 @@ def test_the_recomputation_counts_against_the_whole_step():
     assert "of a plain step" not in plan_summary(result)
 
 
-def test_a_step_faster_than_its_costs_or_not_timed_keeps_the_overhead():
+def test_an_update_not_timed_keeps_the_overhead():
     result = _planned()
-    # Costs above the step's time (a profile's excess) never raise the overhead.
-    faster = dataclasses.replace(result, extraction=types.SimpleNamespace(
-        plain_overlap=1.0, plain_step_seconds=0.5 * result.graph.total_cost))
-    untimed = dataclasses.replace(result, extraction=types.SimpleNamespace(plain_overlap=1.0, plain_step_seconds=None))
+    # The plain step's own least run no longer sets the share: only the update's seconds do.
+    untimed = dataclasses.replace(result, extraction=types.SimpleNamespace(
+        plain_overlap=1.0, plain_step_seconds=2 * result.graph.total_cost, plain_update_seconds=None))
     older = dataclasses.replace(result, extraction=types.SimpleNamespace(plain_overlap=1.0))
-    for kept in (faster, untimed, older, result):
+    for kept in (untimed, older, result):
         assert kept.step_share == 1.0 and kept.step_overhead == result.overhead
         assert kept.predicted_time_over_plain == pytest.approx(1 + result.overhead)
 
 
 def test_the_step_seconds_round_trip_and_an_older_entry_has_none():
-    overlap = PlainOverlap(0.8, 0.79, 0.81, 5, 3.9, 0.0123)
+    overlap = PlainOverlap(0.8, 0.79, 0.81, 5, 3.9, 0.0123, 0.0021)
     assert PlainOverlap.from_dict(overlap.to_dict()) == overlap
-    older = {key: value for key, value in overlap.to_dict().items() if key != "step_seconds"}
-    assert PlainOverlap.from_dict(older) == dataclasses.replace(overlap, step_seconds=None)
+    older = {key: value for key, value in overlap.to_dict().items() if key not in ("step_seconds", "update_seconds")}
+    assert PlainOverlap.from_dict(older) == dataclasses.replace(overlap, step_seconds=None, update_seconds=None)
 
 
 def test_time_in_turns_keeps_each_side_s_least_run():
@@ -81,11 +82,15 @@ def test_the_measured_overlap_times_the_plain_step_and_the_extraction_keeps_it(p
                                      lambda labels, preds: tf.reduce_mean((labels[0] - preds[0]) ** 2),
                                      keras.optimizers.Adam())
     assert measured.rounds >= 1 and measured.step_seconds is not None and measured.step_seconds > 0
+    # The update is timed from TensorFlow's trace, without calling from Python: within the step's run.
+    assert measured.update_seconds is not None and 0 < measured.update_seconds < measured.step_seconds
     monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr("tfremat.extract.extractor.measure_plain_overlap",
-                        lambda *args: PlainOverlap(1.25, 1.1, 1.4, 7, 3.5, 0.0042))
+                        lambda *args: PlainOverlap(1.25, 1.1, 1.4, 7, 3.5, 0.0042, 0.0007))
     first = extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="profile", repeats=1)
     second = extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="profile", repeats=1)
     assert not first.cache_hit and second.cache_hit
     assert first.plain_step_seconds == second.plain_step_seconds == 0.0042
-    assert extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="flops", use_cache=False).plain_step_seconds is None
+    assert first.plain_update_seconds == second.plain_update_seconds == 0.0007
+    untimed = extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="flops", use_cache=False)
+    assert untimed.plain_step_seconds is None and untimed.plain_update_seconds is None

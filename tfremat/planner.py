@@ -144,15 +144,20 @@ class PlanResult:
     @property
     def step_share(self) -> float:
         """The share of a plain step's seconds on the single-threaded executor that the
-        graph's costs account for, at most 1; 1.0 where the step was not timed (the plain
-        overlap not measured). The rest, the optimizer's updates above all, every schedule
-        pays alike: a 6-block transformer's costs were 16 ms of a 22 ms step, and its plan
+        graph's costs account for: ``total_cost / (total_cost + update seconds)``, the
+        optimizer update timed as the costs are, with the plain overlap
+        (:class:`tfremat.extract.overlap.PlainOverlap`); 1.0 where it was not timed (the
+        overlap not measured). The update is what every schedule pays alike and no node's
+        cost holds: a 6-block transformer's costs were 16 ms of a 22 ms step, and its plan
         ran +24% where +33% of the costs was planned (benchmarks/results/executor_time.md,
-        "The step's time beyond the graph's costs")."""
-        seconds = getattr(self.extraction, "plain_step_seconds", None)
-        if not seconds or not self.graph.total_cost:
+        "The step's time beyond the graph's costs"). Costs over costs plus update, rather
+        than over the plain step's least run, so that a profile slowed by the load as a
+        whole moves the share little (benchmarks/results/step_share.md)."""
+        update = getattr(self.extraction, "plain_update_seconds", None)
+        total = self.graph.total_cost
+        if update is None or not total:
             return 1.0
-        return min(1.0, self.graph.total_cost / seconds)
+        return total / (total + update)
 
     @property
     def step_overhead(self) -> float:

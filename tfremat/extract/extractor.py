@@ -80,7 +80,9 @@ class Extraction:
         plain_overlap_load: the 1-minute load average the overlap was measured at (None: not
             measured); the factor moves with the load (:mod:`~tfremat.extract.overlap`).
         plain_step_seconds: a plain step's least seconds on the single-threaded executor,
-            timed with the overlap (None: not measured; :attr:`tfremat.planner.PlanResult.step_share`).
+            timed with the overlap (None: not measured).
+        plain_update_seconds: its optimizer update's least seconds, timed as the costs are
+            (None: not measured; :attr:`tfremat.planner.PlanResult.step_share`).
     """
 
     graph: DFGraph
@@ -92,6 +94,7 @@ class Extraction:
     plain_overlap_range: tuple[float, float] = (1.0, 1.0)
     plain_overlap_load: float | None = None
     plain_step_seconds: float | None = None
+    plain_update_seconds: float | None = None
 
 
 def extract(
@@ -289,7 +292,8 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
         seconds, profile_seconds,
     )
     return Extraction(graph, table, seconds, profile_seconds, cached is not None, overlap.factor,
-                      overlap.expected_range(), overlap.load, overlap.step_seconds)
+                      overlap.expected_range(), overlap.load, overlap.step_seconds,
+                      overlap.update_seconds)
 
 
 def _check_arguments(model, sample_batch, input_signature, cost_model: str, weight_grads: str,

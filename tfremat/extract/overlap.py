@@ -35,6 +35,12 @@ measurement keeps the quartiles of its per-round ratios and the load average it 
 quartiles 0.793-0.799 where the same process measured 0.70-0.75 a minute later at the same
 load (benchmarks/results/executor_time.md, "Loop models in turns"). They cost nothing beyond
 the rounds already timed.
+
+The same measurement times the plain step's optimizer update apart (:class:`_UpdateTiming`),
+as the profiled calls are timed: no node's cost holds it, and with the graph's costs it gives
+the share of the step the recomputation is counted against
+(:attr:`tfremat.planner.PlanResult.step_share`). Its own trace and first call add to the
+measurement (benchmarks/results/step_share.md).
 """
 
 from __future__ import annotations
@@ -49,8 +55,10 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfremat.extract.layer_graph import model_input_names
+from tfremat.extract.layer_graph import model_input_names, model_output_names
 from tfremat.extract.plain_step import plain_train_step
+from tfremat.extract.side_table import flatten_by_name
+from tfremat.extract.timing import TracedRounds
 from tfremat.runtime import executor
 from tfremat.runtime.executor import sequential
 from tfremat.runtime.timing import time_in_turns
@@ -75,6 +83,10 @@ PRECISION = 0.02
 # the same process at the same load, the factor of a bidirectional GRU or LSTM moved by up to
 # 14% from the extraction's (benchmarks/results/executor_time.md, "Loop models in turns").
 MIN_SPREAD = 0.10
+# Timed runs of the optimizer update per pass (_UpdateTiming), two passes: one before the
+# overlap's rounds and one after. Few, since every run's allocations are read off the trace
+# in Python (a transformer's Adam update runs about 4000 operations).
+UPDATE_ROUNDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +102,11 @@ class PlainOverlap:
         load: the 1-minute load average when the rounds ended (None: not measured, or the
             platform has none); the factor holds for a load like it.
         step_seconds: the plain step's least seconds on the single-threaded executor over
-            the rounds (None: not measured): with the graph's costs, the share of the step
-            they account for (:attr:`tfremat.planner.PlanResult.step_share`).
+            the rounds (None: not measured).
+        update_seconds: the optimizer update's least seconds on the single-threaded
+            executor, timed as the profiled calls are (:func:`_time_update`; None: not
+            measured): with the graph's costs, the share of the step they account for
+            (:attr:`tfremat.planner.PlanResult.step_share`).
     """
 
     factor: float = 1.0
@@ -100,6 +115,7 @@ class PlainOverlap:
     rounds: int = 0
     load: float | None = None
     step_seconds: float | None = None
+    update_seconds: float | None = None
 
     @classmethod
     def of(cls, value) -> "PlainOverlap":
@@ -122,9 +138,12 @@ class PlainOverlap:
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlainOverlap":
-        load, step = data["load"], data.get("step_seconds")
+        def optional(key):
+            value = data.get(key)
+            return None if value is None else float(value)
+
         return cls(float(data["factor"]), float(data["low"]), float(data["high"]), int(data["rounds"]),
-                   None if load is None else float(load), None if step is None else float(step))
+                   optional("load"), optional("step_seconds"), optional("update_seconds"))
 
 
 def plain_overlap_applies() -> bool:
@@ -186,16 +205,72 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> PlainOverlap:
 
         run_sequential()  # the warm-up: traces and instantiates both, untimed
         default_step(x, y).numpy()
+        update = _UpdateTiming(model, loss_fn, fresh, x, y)
+        update.run_pass()
         timing = time_in_turns(run_sequential, lambda: default_step(x, y), MAX_ROUNDS, warmup=0,
                                enough=_enough_rounds(time.perf_counter()))
+        update.run_pass()
     finally:
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     logger.info("plain overlap of %s: %.3f (single-threaded over default executor, median of %d rounds, quartiles "
-                "%.3f-%.3f, load %s) in %.1f s", model.name, timing.ratio, timing.rounds, *timing.ratio_quartiles,
-                "unknown" if load is None else f"{load:.1f}", time.perf_counter() - started)
-    return PlainOverlap(timing.ratio, *timing.ratio_quartiles, timing.rounds, load, timing.least_seconds)
+                "%.3f-%.3f, load %s; plain step %.2f ms, its optimizer update %.2f ms) in %.1f s", model.name,
+                timing.ratio, timing.rounds, *timing.ratio_quartiles, "unknown" if load is None else f"{load:.1f}",
+                1e3 * timing.least_seconds, 1e3 * update.least, time.perf_counter() - started)
+    return PlainOverlap(timing.ratio, *timing.ratio_quartiles, timing.rounds, load, timing.least_seconds, update.least)
+
+
+class _UpdateTiming:
+    """The seconds of the plain step's optimizer update, timed as the profiled calls are
+    (:mod:`tfremat.extract.analysis`): a traced function of the gradients, run on the
+    single-threaded executor in rounds within TensorFlow's trace
+    (:class:`~tfremat.extract.timing.TracedRounds`), its least run over passes that are
+    seconds apart (each :meth:`run_pass`), so a stall of the loaded machine costs one pass only.
+
+    No node's cost holds the update and every schedule runs it alike
+    (:attr:`tfremat.planner.PlanResult.step_share`). Timed against the profiled costs, not
+    against the plain step's least run from Python: that moved -23% to +34% between 5-25
+    rounds and 60 later rounds of one process, and the costs 15-20% between extractions,
+    where a share of costs over costs plus update moves with the update's small part only
+    (benchmarks/results/step_share.md).
+
+    The gradients are one batch's from an eager tape, of the types the plain step hands
+    the optimizer (an embedding's are ``IndexedSlices``); the update moves the model's
+    trainable variables and ``optimizer``'s (the caller restores the model's).
+    """
+
+    def __init__(self, model, loss_fn, optimizer, x, y):
+        with tf.GradientTape() as tape:
+            preds = model(x, training=True)
+            loss = loss_fn(flatten_by_name(y, model_output_names(model), "outputs"), tf.nest.flatten(preds))
+        pairs = [(g, v) for g, v in zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+                 if g is not None]
+        variables = [v for _, v in pairs]
+
+        def update(gradients):
+            optimizer.apply_gradients(zip(gradients, variables))
+            return tf.constant(0.0)
+
+        self._gradients = [g for g, _ in pairs]
+        with sequential():
+            self._update = tf.function(update, autograph=False).get_concrete_function(self._gradients)
+            self._update(self._gradients).numpy()  # its instantiation, outside the trace
+        self.least = math.inf
+
+    def run_pass(self) -> None:
+        """Times UPDATE_ROUNDS runs of the update and keeps the least run so far."""
+        def rounds() -> int:
+            with sequential():
+                for _ in range(UPDATE_ROUNDS):
+                    self._update(self._gradients).numpy()
+            return UPDATE_ROUNDS
+
+        def done(seconds: list[list[float]]) -> None:
+            self.least = min(self.least, *seconds[0])
+
+        with TracedRounds() as trace:
+            trace.run([self._update.function_def.signature.name], rounds, 0, done)
 
 
 def _enough_rounds(began: float):
