@@ -94,3 +94,26 @@ def test_the_measured_overlap_times_the_plain_step_and_the_extraction_keeps_it(p
     assert first.plain_update_seconds == second.plain_update_seconds == 0.0007
     untimed = extract(tiny_bn_dropout_net(), tiny_bn_dropout_batch(), loss="mse", cost_model="flops", use_cache=False)
     assert untimed.plain_step_seconds is None and untimed.plain_update_seconds is None
+
+
+def test_measure_model_s_predicted_time_uses_the_update_s_share(parallel, monkeypatch):
+    import tfremat.extract.extractor as extractor
+    from tfremat.measure import measure_model
+
+    extractions, extract_now = [], extractor.extract
+
+    def kept(*args, **kwargs):
+        extractions.append(extract_now(*args, **kwargs))
+        return extractions[-1]
+
+    monkeypatch.setattr(extractor, "extract", kept)
+    monkeypatch.setattr(extractor, "measure_plain_overlap",
+                        lambda *args: PlainOverlap(1.25, 1.1, 1.4, 7, 3.5, 1.0, 0.001))
+    model = tiny_bn_dropout_net()
+    model.compile(optimizer="adam", loss="mse")
+    row = measure_model(model, None, strategy="chen_sqrtn", batch_size=4, steps=2, cache=False,
+                        verbose=0)
+    total = extractions[0].graph.total_cost
+    assert row["step_share"] == pytest.approx(total / (total + 0.001), abs=1e-4) and row["step_share"] < 1
+    assert row["predicted_step_overhead"] == pytest.approx(row["predicted_overhead"] * row["step_share"], abs=1e-3)
+    assert row["predicted_time_over_plain"] == pytest.approx(1.25 * (1 + row["predicted_step_overhead"]), abs=1e-3)

@@ -433,7 +433,9 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
         and the ratios measured/predicted, requested/predicted, peak/plain and time/plain
         (time_over_plain: the median of the per-round ratios; time_over_plain_quartiles:
         their first and third quartile, the spread the machine's load left; timed_rounds),
-        predicted_overhead, plain_overlap and predicted_time_over_plain (what time_over_plain
+        predicted_overhead, predicted_step_overhead and step_share (the overhead against the
+        whole plain step, optimizer update included: :attr:`tfremat.planner.PlanResult.step_share`),
+        plain_overlap and predicted_time_over_plain (what time_over_plain
         is predicted to be: :attr:`tfremat.planner.PlanResult.predicted_time_over_plain`,
         for step_executor, "single-threaded" or "default", the executor the step ran on),
         recomputed_layer_calls and costly_vjp_rebuilds (the compiled step's
@@ -530,6 +532,7 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
             # The same recomputation against the whole plain step (the optimizer's updates
             # included), which the predicted time uses: PlanResult.step_share.
             "predicted_step_overhead": round(result.step_overhead, 4),
+            "step_share": round(result.step_share, 4),
             # Plain training overlaps operations the step runs in turn (tfremat.extract.overlap),
             # unless the step runs on the default executor too.
             "plain_overlap": round(result.plain_overlap, 4),
