@@ -1,15 +1,21 @@
 """Does a plan accepted by ``allocator_check`` keep the allocator's peak within the budget on
 later steps, and what does the check cost the first step?
 
-One worker process per run (``--worker``) trains a model with ``RematCallback(budget)`` for one
-epoch, timing the first step (extraction, planning, the check's runs and re-plans, the trace),
-and records the check's reads; it then trains ``--steps`` more steps with the accepted step,
-each on a new batch, reading the allocator's peak of each with fresh statistics
-(:func:`tfremat.runtime.memory.measure_step_peak`, no warm-up). The driver runs, per model:
-the check off, on in a first process (an empty schedule cache) and on in a second process
-(the first's cache), and writes a markdown table.
+One worker process per run (``--worker``) trains a model with ``RematCallback(budget)`` in one
+``fit`` of ``1 + --steps`` batches, timing the first step (extraction, planning, the check's
+runs and re-plans, the trace) and recording the check's reads; every later training step's
+allocator peak is read with fresh statistics (a Keras callback: the peak above what was
+allocated when the batch began, plus the model's and the optimizer's variables). From the
+sixth step on, every fifth step first replaces eight tensors of random sizes (4 KB-2.4 MB)
+that stay alive across the steps, as a user's own work between steps would (the U-Net of
+benchmarks/user_check.py read 1.021x its budget so). A refused budget is a row too. The
+driver runs, per model: the check off, on in a first process (an empty schedule cache) and
+on in a second process (the first's cache), and writes a markdown table; ``--runs`` picks
+some of them, ``--trees`` runs each with the ``tfremat`` of other checkouts in turns (a
+``git archive`` of an earlier commit: before and after on the same rows).
 
     python benchmarks/allocator_check.py --out benchmarks/results/allocator_check.md
+    python benchmarks/allocator_check.py --only unet_seg,gru_text --runs on1 --trees before=/tmp/old,after=.
 """
 
 from __future__ import annotations
@@ -34,7 +40,15 @@ MODELS = {
     # benchmarks/user_check.py's models (its builders, Adam, its losses)
     "unet_seg": ("60% of activations", 4, 20),
     "ts_transformer": ("50%", 8, 20),
+    "gru_text": ("min", 16, 20),
+    # benchmarks/user_check_3.py's models, compiled as its checks compile them
+    "multi_io": ("60% of activations", 16, 20),
+    "accum_lr_schedule": ("70% of activations", 32, 20),
 }
+
+#: The driver's runs per model: (name for --runs, label, check).
+RUNS = (("off1", "off, cold caches", "off"), ("on1", "on, first process", "on"),
+        ("on2", "on, second process", "on"), ("off2", "off, warm caches", "off"))
 
 
 def build(name: str):
@@ -51,6 +65,22 @@ def build(name: str):
     if name == "densenet121":
         model, loss = keras.applications.DenseNet121(weights=None, input_shape=(64, 64, 3), classes=10), \
             "categorical_crossentropy"
+    elif name == "multi_io":
+        from user_check_3 import _multi_io
+
+        model = _multi_io()
+        loss = {"class": "sparse_categorical_crossentropy", "score": "mse"}
+        model.compile(optimizer="adam", loss=loss, loss_weights={"class": 1.0, "score": 0.5},
+                      metrics={"class": ["accuracy"], "score": ["mae"]})
+        return model, loss
+    elif name == "accum_lr_schedule":
+        from user_check_3 import _cnn
+
+        model, loss = _cnn(), "sparse_categorical_crossentropy"
+        schedule = keras.optimizers.schedules.ExponentialDecay(1e-3, decay_steps=1, decay_rate=0.5)
+        model.compile(optimizer=keras.optimizers.Adam(learning_rate=schedule, gradient_accumulation_steps=2),
+                      loss=loss, metrics=["accuracy"])
+        return model, loss
     else:
         model, loss = user_build(name)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
@@ -60,19 +90,16 @@ def build(name: str):
 def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> dict:
     import tfremat  # noqa: F401 - before TensorFlow: the CPU allocator keeps statistics
     import keras
+    import numpy as np
     import tensorflow as tf
 
     import tfremat.keras as remat_keras
     import tfremat.runtime.memory as memory
+    from tfremat.errors import InfeasibleBudgetError
     from tfremat.model_planning import synthetic_batch
-    from tfremat.runtime.memory import measure_step_peak
 
     budget, batch, _ = MODELS[name]
     model, loss = build(name)
-    seeds = iter(range(10**6))
-
-    def data(n):
-        return synthetic_batch(model, n, loss=loss, seed=next(seeds))
 
     # What the check holds (one per plan it measured), the reads behind it, and each plan
     # with whether it came from the schedule cache.
@@ -94,32 +121,44 @@ def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> 
 
     remat_keras.allocator_peak, memory.measure_step_peak = recording_peak, recording_measure
     remat_keras.plan_graph = recording_plan
-    times = {}
+    times, per_step, kept = {}, [], []
+    rng = np.random.default_rng(1)
 
-    class FirstStep(keras.callbacks.Callback):
+    class Steps(keras.callbacks.Callback):
+        """Times the first step; reads every later step's allocator peak, keeping tensors of
+        random sizes alive from the sixth step on (replaced every fifth)."""
+
         def on_train_begin(self, logs=None):
             times["begin"], times["cpu"] = time.perf_counter(), time.process_time()
 
-        def on_train_batch_end(self, batch_index, logs=None):
-            if batch_index == 0:
+        def on_train_batch_begin(self, index, logs=None):
+            if index >= 5 and index % 5 == 0:
+                kept.clear()
+                kept.extend(tf.ones([int(rng.integers(1024, 600 * 1024))]) for _ in range(8))
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            times["start"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+        def on_train_batch_end(self, index, logs=None):
+            if index == 0:
                 times["first"] = time.perf_counter() - times["begin"]
                 times["first_cpu"] = time.process_time() - times["cpu"]
+                return
+            variables = list(model.variables) + list(model.optimizer.variables)
+            per_step.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - times["start"]
+                            + memory.resident_bytes(variables))
 
     callback = remat_keras.RematCallback(budget, time_limit=time_limit, cache=cache, verbose=0,
                                          allocator_check={"on": None, "off": False}[check])
-    x, y = data(3 * batch)
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[FirstStep(), callback])
+    x, y = synthetic_batch(model, (1 + steps) * batch, loss=loss, seed=0)
+    row = {"model": name, "check": check, "held": held, "reads": reads, "plans": plans, "per_step": per_step}
+    try:
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Steps(), callback])
+    except InfeasibleBudgetError as error:
+        return {**row, "refused": str(error), "first_s": time.perf_counter() - times["begin"],
+                "first_cpu_s": time.process_time() - times["cpu"], "load": os.getloadavg()[0]}
     (plan,) = callback.plans.values()
-    (step,) = callback._steps.values()
-    variables = list(model.variables) + list(model.optimizer.variables)
-    per_step = []
-    for _ in range(steps):
-        bx, by = (tf.constant(a) for a in data(batch))
-        per_step.append(measure_step_peak(lambda a, b: step(a, b, None), bx, by, resident=variables, warmup=0))
-    return {"model": name, "check": check, "budget": plan.budget_bytes, "predicted": plan.predicted_peak_bytes,
-            "checkpoint_all": plan.checkpoint_all_peak_bytes, "held": held, "reads": reads, "plans": plans,
-            "overhead": plan.overhead,
-            "per_step": per_step,
+    return {**row, "budget": plan.budget_bytes, "predicted": plan.predicted_peak_bytes,
+            "checkpoint_all": plan.checkpoint_all_peak_bytes, "overhead": plan.overhead,
             "first_s": times["first"], "first_cpu_s": times["first_cpu"], "load": os.getloadavg()[0]}
 
 
@@ -127,65 +166,81 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=",".join(MODELS), help="models, comma-separated")
-    parser.add_argument("--steps", type=int, default=None, help="steps read after fit (default per model)")
-    parser.add_argument("--time_limit", type=float, default=20.0)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--worker", nargs=3, metavar=("MODEL", "CHECK", "CACHE"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        name, check, cache = args.worker
-        steps = args.steps if args.steps is not None else MODELS[name][2]
-        print("RESULT " + json.dumps(worker(name, check, cache, steps, args.time_limit)), flush=True)
-        return
-    rows = []
-    for name in args.only.split(","):
-        with tempfile.TemporaryDirectory(prefix="tfremat_allocator_check_") as cache:
-            # The profile cache is shared by all three runs; the schedule cache starts empty for
-            # the check's first process, whose re-plans the second process should find.
-            env = dict(os.environ, TFREMAT_CACHE_DIR=cache)
-            # One directory for profiles and schedules: the first run (check off) profiles and
-            # solves the first plan; the check's first process finds those and solves its
-            # re-plans, which its second process should find; the last run times the step
-            # with every cache warm and no check.
-            for label, check in (("off, cold caches", "off"), ("on, first process", "on"),
-                                 ("on, second process", "on"), ("off, warm caches", "off")):
-                command = [sys.executable, __file__, "--worker", name, check, os.path.join(cache, "schedules"),
-                           "--time_limit", str(args.time_limit)]
-                if args.steps is not None:
-                    command += ["--steps", str(args.steps)]
-                done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-                if not lines:
-                    sys.stderr.write(done.stderr[-4000:])
-                    raise SystemExit(f"{name} {label}: worker failed")
-                row = json.loads(lines[-1][len("RESULT "):])
-                row["label"] = label
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    table = ["| model | allocator_check | budget MiB | plans (planning budget MiB, prediction MiB, cached?) | "
-             "check: reads MiB -> held | peak per step MiB (min-max) | max/budget | overhead | "
+def render(rows: list[dict]) -> str:
+    table = ["| model | tree | allocator_check | budget MiB | plans (planning budget MiB, prediction MiB, cached?) | "
+             "check: reads MiB -> held | peak per later step MiB (min-max) | max/budget | max/held | overhead | "
              "first step s (wall/CPU) | load |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        steps = row["per_step"]
         plans = "; ".join(f"{mib(b)}, {mib(p)}, {'hit' if c else 'solved'}" for b, p, c in row["plans"])
         reads = ", ".join(mib(r) for r in row["reads"])
         held = ", ".join(mib(h) for h in row["held"])
-        table.append(f"| {row['model']} | {row['label']} | {mib(row['budget'])} | {plans} | "
-                     f"{f'{reads} -> {held}' if row['held'] else '-'} | {mib(min(steps))}-{mib(max(steps))} "
-                     f"({len(steps)} steps) | {max(steps) / row['budget']:.3f} | +{100 * row['overhead']:.1f}% | "
-                     f"{row['first_s']:.1f} / "
-                     f"{row['first_cpu_s']:.1f} | {row['load']:.1f} |")
-    text = "\n".join(table)
+        checked = f"{reads} -> {held}" if row["held"] else "-"
+        times = f"{row['first_s']:.1f} / {row['first_cpu_s']:.1f}"
+        if "refused" in row:
+            table.append(f"| {row['model']} | {row['tree']} | {row['label']} | refused | {plans} | {checked} | "
+                         f"{row['refused'][:160]} | | | | {times} | {row['load']:.1f} |")
+            continue
+        steps = row["per_step"]
+        over_held = f"{max(steps) / row['held'][-1]:.3f}" if row["held"] else "-"
+        table.append(f"| {row['model']} | {row['tree']} | {row['label']} | {mib(row['budget'])} | {plans} | "
+                     f"{checked} | {mib(min(steps))}-{mib(max(steps))} ({len(steps)} steps) | "
+                     f"{max(steps) / row['budget']:.3f} | {over_held} | +{100 * row['overhead']:.1f}% | {times} | "
+                     f"{row['load']:.1f} |")
+    return "\n".join(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(MODELS), help="models, comma-separated")
+    parser.add_argument("--runs", default=",".join(name for name, _, _ in RUNS),
+                        help="runs per model, comma-separated, of " + ", ".join(name for name, _, _ in RUNS))
+    parser.add_argument("--trees", default=None,
+                        help="label=path,...: checkouts whose tfremat each run imports, in turns (default: this one)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps read after the first (default per model)")
+    parser.add_argument("--time_limit", type=float, default=20.0)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--worker", nargs=4, metavar=("MODEL", "CHECK", "CACHE", "TREE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        name, check, cache, tree = args.worker
+        sys.path.insert(0, os.path.abspath(tree))  # that checkout's tfremat, imported first
+        steps = args.steps if args.steps is not None else MODELS[name][2]
+        print("RESULT " + json.dumps(worker(name, check, cache, steps, args.time_limit)), flush=True)
+        return
+    trees = [("", ROOT)] if not args.trees else [tuple(item.split("=", 1)) for item in args.trees.split(",")]
+    runs = [run for run in RUNS if run[0] in args.runs.split(",")]
+    rows = []
+    for name in args.only.split(","):
+        # One cache directory per tree (profiles and schedules): the first run (check off)
+        # profiles and solves the first plan; the check's first process finds those and
+        # solves its re-plans, which its second process should find; the last run times the
+        # step with every cache warm and no check. The trees take turns run by run.
+        with tempfile.TemporaryDirectory(prefix="tfremat_allocator_check_") as cache_root:
+            for _, label, check in runs:
+                for tree_label, tree in trees:
+                    cache = os.path.join(cache_root, tree_label or "tree")
+                    env = dict(os.environ, TFREMAT_CACHE_DIR=cache, TF_CPU_ALLOCATOR_USE_BFC="true")
+                    command = [sys.executable, __file__, "--worker", name, check, os.path.join(cache, "schedules"),
+                               tree, "--time_limit", str(args.time_limit)]
+                    if args.steps is not None:
+                        command += ["--steps", str(args.steps)]
+                    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+                    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+                    if not lines:
+                        sys.stderr.write(done.stderr[-4000:])
+                        raise SystemExit(f"{name} {label} {tree_label}: worker failed")
+                    row = json.loads(lines[-1][len("RESULT "):])
+                    row["label"], row["tree"] = label, tree_label or "-"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    text = render(rows)
     print(text)
     if args.out:
         with open(args.out, "a", encoding="utf-8") as f:
-            f.write(text + "\n\nPer step (MiB):\n\n")
+            f.write(text + "\n\nPer later step (MiB):\n\n")
             for row in rows:
-                f.write(f"- {row['model']} {row['label']}: {', '.join(mib(s) for s in row['per_step'])}\n")
+                f.write(f"- {row['model']} {row['tree']} {row['label']}: {', '.join(mib(s) for s in row['per_step'])}\n")
             f.write("\n")
 
 

@@ -140,7 +140,8 @@ def test_rounded_up_sizes_parse_to_at_least_the_size(n):
 class _Plan:
     budget_bytes: int
     predicted_peak_bytes: int
-    extraction: object = dataclasses.field(default_factory=lambda: types.SimpleNamespace(graph=None))
+    extraction: object = dataclasses.field(
+        default_factory=lambda: types.SimpleNamespace(graph=types.SimpleNamespace(fixed_bytes=0)))
 
 
 @pytest.mark.parametrize("count", ["requested", "allocator"])

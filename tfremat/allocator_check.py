@@ -3,8 +3,8 @@
 The plan bounds the bytes the step requests; TensorFlow's BFC allocator can peak above them
 (whole chunks, docs/memory-model.md). :class:`tfremat.keras.RematCallback`,
 :func:`tfremat.multi_worker.fit_multi_worker` and :func:`tfremat.value_and_grad` run the
-planned step a few times, hold each replica's allocator peak with a margin for the steps not
-read (:func:`held_peak`) and plan again under the excess (:func:`hold_allocator_peak`, the one
+planned step a few times, some in other states of the allocator's free chunks, hold each
+replica's allocator peak (:func:`held_peak`) and plan again under the excess (:func:`hold_allocator_peak`, the one
 re-plan loop); these are the pieces they use (the callback also reads its first training
 steps: :data:`WATCHED_STEPS`). The planning budget a check accepted
 is remembered next to the schedule cache (:func:`remember_planning_budget`), so another
@@ -13,6 +13,7 @@ process with the same graph and budget plans under it first and finds its schedu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -26,9 +27,9 @@ from tfremat.budget import budget_kind, format_bytes
 from tfremat.cache import ScheduleCache, default_cache_dir, read_entry, warn_once, write_atomically
 from tfremat.errors import CompileError, InfeasibleBudgetError, SolverTimeLimitError
 
-__all__ = ["ALLOCATOR_ROUNDS", "ALLOCATOR_READS", "ALLOCATOR_MARGIN", "PLANNING_GRID", "WATCHED_STEPS", "wants_allocator_check",
+__all__ = ["ALLOCATOR_ROUNDS", "ALLOCATOR_READS", "PERTURBED_READS", "ALLOCATOR_SLACK", "PLANNING_GRID", "WATCHED_STEPS", "wants_allocator_check",
            "hold_allocator_peak", "replan", "allocator_peak", "step_allocator_peak", "held_peak", "training_step_peak",
-           "replica_allocators", "next_planning_budget",
+           "replica_allocators", "next_planning_budget", "perturbing_sizes",
            "replan_strategy", "remembered_planning_budget", "remember_planning_budget"]
 
 logger = logging.getLogger(__name__)
@@ -42,18 +43,23 @@ ALLOCATOR_ROUNDS = 3
 #: 118.6-123.1 MiB over 12 training steps of one plan (benchmarks/allocator_check.py).
 ALLOCATOR_READS = 3
 
-#: The least margin the check holds above its largest read, as a share of the step's own
-#: allocator bytes (the read less the variables and the batch). BFC hands out a free chunk
-#: whole when it is under twice the request, so the peak of one plan's step depends on the
-#: free chunks the allocator holds when it runs, set by what ran before (a re-plan, the
-#: check putting the variables back, a new batch): the check's reads, all in one such state,
-#: repeat to the byte while training's steps move. The U-Net of benchmarks/user_check.py
-#: (64x64, batch 4) read 12-20% of its step's own bytes apart over the steps of one plan
-#: (42.46-47.00 MiB for a 41.95 MiB plan, 23.8 MiB resident), DenseNet121 64x64 batch 8
-#: 8-10%; a GRU's embedding gradient put its steps in two states 27% apart, which this does
-#: not cover, and a plan whose values are all one size (a chain of like convolutions) reads
-#: alike everywhere and pays it in vain (benchmarks/results/allocator_check.md).
-ALLOCATOR_MARGIN = 0.2
+#: Reads of a step after the allocator's free chunks were put in another state (one each,
+#: after the :data:`ALLOCATOR_READS`): BFC hands out a free chunk whole when it is under twice
+#: the request, so the peak of one plan's step depends on the free chunks present when it runs,
+#: set by what ran before (the batch's buffers, a re-plan, a user's tensors kept between
+#: steps); reads in one state repeat to the byte. Before each, tensors the size of the step's
+#: largest values and of random sizes are made, some kept alive across the read and the others
+#: freed in a random order, leaving holes the step's requests may take whole
+#: (:func:`perturbed_state`). A GRU's embedding gradient put its training steps 27% of the
+#: step's own bytes above the check's reads, and a U-Net 1.021x its budget with a user's
+#: tensors kept alive, which a fixed margin of a fifth missed, while it refused plans that read
+#: under the budget in training (benchmarks/results/allocator_check.md).
+PERTURBED_READS = 4
+
+#: The slack held above the largest read, plain or perturbed, as a share of the step's own
+#: allocator bytes (the read less the variables and the batch): for states none of the reads
+#: put the allocator in.
+ALLOCATOR_SLACK = 0.03
 
 #: Training steps after a check accepted a plan whose allocator peak is read (statistics reset
 #: before each) and held to the budget, a plan exceeding it planned again between two steps.
@@ -70,23 +76,22 @@ PLANNING_GRID = 256
 def wants_allocator_check(allocator_check: bool | None, budget, result) -> bool:
     """Whether a plan for ``budget`` is held to it for the allocator's peak:
     ``allocator_check`` True or False as given; None (the default) for every budget but
-    ``"min"`` (no smaller plan to fall back on) and shares at or above the checkpoint-all
-    peak (nothing recomputed: the step is ``model.fit``'s own). Never without a budget."""
+    ``"min"`` (no smaller plan to fall back on). Shares at or above the checkpoint-all peak
+    are held too: a refusal's smallest budget, in a share, may round up to one, and the step
+    that recomputes nothing still peaks above its prediction in the allocator (mixed_float16:
+    1.18x at "100% of activations"; benchmarks/results/user_check_3.md). Never without a
+    budget."""
     if result.budget_bytes is None or allocator_check is False:
         return False
-    if allocator_check:
-        return True
-    kind = budget_kind(budget)
-    if kind == "min":
-        return False
-    return kind == "bytes" or result.budget_bytes < result.checkpoint_all_peak_bytes
+    return bool(allocator_check) or budget_kind(budget) != "min"
 
 
 def allocator_peak(step, model, x, y, sample_weight=None, device: str | None = None,
                    count: str = "allocator", reads: int = ALLOCATOR_READS) -> int | None:
     """The allocator's peak of ``device`` (default: the default device's) that a training
     ``step`` of ``model`` is held to: :func:`step_allocator_peak` of ``step(x, y,
-    sample_weight)``, the model's and the optimizer's variables resident and put back. A step
+    sample_weight)``, the model's and the optimizer's variables resident and put back, the
+    allocator perturbed with the sizes of the step's graph (:func:`perturbing_sizes`). A step
     compiled with a strategy gets ``x, y`` (one replica's batch) on every replica, so each
     replica device's allocator sees one replica's step."""
     optimizer = model.optimizer
@@ -94,48 +99,105 @@ def allocator_peak(step, model, x, y, sample_weight=None, device: str | None = N
         optimizer.build(model.trainable_variables)  # its slots exist before the runs, as in training
     variables = list(model.variables) + list(optimizer.variables)
     return step_allocator_peak(lambda a, b: step(a, b, sample_weight), x, y, variables, device=device, count=count,
-                               reads=reads)
+                               reads=reads, sizes=perturbing_sizes(getattr(step, "graph", None)))
+
+
+def perturbing_sizes(graph, largest: int = 8) -> tuple[int, ...]:
+    """The ``largest`` distinct sizes of the values, workspaces and weight gradients of
+    ``graph`` (a :class:`~tfremat.graph.DFGraph`; None: none), largest first: the requests
+    whose chunks move the step's peak most, for :func:`perturbed_state`."""
+    if graph is None:
+        return ()
+    sizes = {*graph.output_bytes, *graph.workspace_bytes, *getattr(graph, "weight_grad_bytes", ())}
+    return tuple(sorted((size for size in sizes if size > 0), reverse=True)[:largest])
+
+
+@contextlib.contextmanager
+def perturbed_state(device: str | None, own_bytes: int, sizes: Sequence[int], seed: int):
+    """The allocator of ``device`` put in another free-chunk state for the reads inside:
+    tensors of up to ``own_bytes`` in all (the step's own allocator bytes, so the check asks
+    for at most twice the step's) are made, in a random order, of sizes a random 1-1.9 times
+    the step's large ``sizes`` (holes its requests would take whole, BFC giving a chunk under
+    twice the request whole) and log-uniform sizes from 4 KiB to half the step's bytes; about
+    half, and a small tensor after each, stay alive until the block ends, the others are freed
+    in a random order. ``seed``: the state (the check's reads are repeatable)."""
+    import numpy as np
+
+    from tfremat.runtime.memory import default_device
+
+    rng = np.random.default_rng(seed)
+    floor = 4096
+    upper = max(own_bytes // 2, 2 * floor)
+    wanted = [int(size * rng.uniform(1.0, 1.9)) for size in sizes if floor <= size <= own_bytes]
+    wanted += [int(np.exp(rng.uniform(np.log(floor), np.log(upper)))) for _ in range(8)]
+    rng.shuffle(wanted)
+    kept, freed, total = [], [], 0
+    with tf.device(device or default_device()):
+        for size in wanted:
+            if total + size > own_bytes:
+                continue
+            total += size
+            (kept if rng.random() < 0.5 else freed).append(tf.ones([size // 4], tf.float32))
+            kept.append(tf.ones([int(rng.integers(64, floor))], tf.float32))  # no merging with the next
+    for index in rng.permutation(len(freed)):
+        freed[index] = None
+    try:
+        yield
+    finally:
+        kept.clear()
 
 
 def step_allocator_peak(run_step: Callable, x, y, variables: Sequence, device: str | None = None,
-                        count: str = "allocator", reads: int = ALLOCATOR_READS) -> int | None:
+                        count: str = "allocator", reads: int = ALLOCATOR_READS,
+                        perturbed: int = PERTURBED_READS, sizes: Sequence[int] = ()) -> int | None:
     """The allocator's peak of ``device`` that the step ``run_step(x, y)`` is held to:
-    :func:`held_peak` of ``reads`` runs, each read with fresh statistics, after one untimed run
-    that traces it; in the graph's convention (:func:`tfremat.runtime.memory.measure_step_peak`:
-    ``variables``, ``x`` and ``y`` counted resident), with the state the runs change put back:
-    ``variables``, Python's ``random`` and Keras's global seed generator (one that the trace
-    created is forgotten, as the extraction does, but the step keeps the state it advanced).
-    None when the allocator keeps no statistics (a warning says so). ``count`` as
+    :func:`held_peak` of ``reads`` runs in the allocator's state as found, each read with fresh
+    statistics, after one untimed run that traces it, and of ``perturbed`` runs each in another
+    state (:func:`perturbed_state`, with ``sizes``: the step's large requests,
+    :func:`perturbing_sizes`); in the graph's convention
+    (:func:`tfremat.runtime.memory.measure_step_peak`: ``variables``, ``x`` and ``y`` counted
+    resident), with the state the runs change put back: ``variables``, Python's ``random`` and
+    Keras's global seed generator (one that the trace created is forgotten, as the extraction
+    does, but the step keeps the state it advanced). None when the allocator keeps no
+    statistics (a warning says so). ``count`` as
     :func:`~tfremat.runtime.memory.measure_step_peak` takes it; ``"requested"`` is read once
-    and held as read (the profiler's events, the same every run).
+    and held as read (the profiler's events, the same every run and in every state).
     """
     from tfremat.runtime.memory import measure_step_peak, resident_bytes
     from tfremat.runtime.state import state_restored
 
     variables = list(variables)
+    resident = resident_bytes([*variables, *tf.nest.flatten((x, y))])
     runs = 1 if count == "requested" else max(1, reads)
+    peaks: list[int] = []
+
+    def read(warmup: int) -> None:
+        peaks.append(measure_step_peak(run_step, x, y, resident=variables, device=device, warmup=warmup, count=count))
+
     with state_restored(variables):
         try:
-            peaks = [measure_step_peak(run_step, x, y, resident=variables, device=device,
-                                       warmup=1 if run == 0 else 0, count=count)
-                     for run in range(runs)]
+            for run in range(runs):
+                read(1 if run == 0 else 0)
+            if count != "requested":
+                own = max(max(peaks) - resident, 0)
+                for state in range(perturbed):
+                    with perturbed_state(device, own, sizes, seed=state):
+                        read(0)
         except CompileError as error:
             logger.warning("allocator_check skipped: %s", error)
             return None
     if count == "requested":
         return peaks[0]
-    return held_peak(peaks, resident_bytes([*variables, *tf.nest.flatten((x, y))]))
+    return held_peak(peaks, resident)
 
 
 def held_peak(peaks: Sequence[int], resident: int = 0) -> int:
-    """The peak a plan is held to from the allocator's peaks over a few runs of its step
-    (``resident``: the bytes of the variables and the batch they count): the largest plus a
-    margin for the steps not read, their spread (largest less smallest) or
-    :data:`ALLOCATOR_MARGIN` of the largest's bytes above ``resident``, whichever is more.
-    The spread alone held no later step: a U-Net plan whose check read alike three times
-    read 1.05-1.08x that over training (benchmarks/allocator_check.py)."""
+    """The peak a plan is held to from the allocator's peaks over runs of its step in several
+    states of the allocator's free chunks (:func:`step_allocator_peak`; ``resident``: the bytes
+    of the variables and the batch they count): the largest, plus :data:`ALLOCATOR_SLACK` of
+    its bytes above ``resident`` for the states not read."""
     largest = max(peaks)
-    return largest + max(largest - min(peaks), int(ALLOCATOR_MARGIN * max(largest - resident, 0)))
+    return largest + int(ALLOCATOR_SLACK * max(largest - resident, 0))
 
 
 def training_step_peak(run, device: str | None, resident: Sequence) -> tuple:
@@ -166,16 +228,27 @@ def replica_allocators(strategy) -> list[str] | None:
     return [f"{d.device_type}:{d.device_index or 0}" for d in devices]
 
 
-def next_planning_budget(planning_budget: int, budget: int, peak: int, predicted: int) -> int:
+def next_planning_budget(planning_budget: int, budget: int, peak: int, predicted: int,
+                         fixed: int | None = None) -> int:
     """The budget to plan under after a plan predicted at ``predicted`` bytes, planned under
-    ``planning_budget``, peaked at ``peak`` in the allocator against ``budget``: less by the
-    excess over the budget, and at most the budget less what the chunks added to the plan's
-    bytes (``peak - predicted``), rounded down to a multiple of ``budget / PLANNING_GRID``
-    (:data:`PLANNING_GRID`). A plan a little under the last one often lands in the same
-    chunks, so stepping by the excess over the budget alone could spend every round
-    (a five-conv net at "95% of activations": 0.12 MiB a round for 3 rounds)."""
+    ``planning_budget``, held at ``peak`` against ``budget``, rounded down to a multiple of
+    ``budget / PLANNING_GRID`` (:data:`PLANNING_GRID`) and at most the planning budget less
+    one such step. With ``fixed`` (the graph's fixed bytes: weights, gradients, optimizer
+    state, the batch): the prediction whose held peak is the budget when the allocator's
+    excess scales with the bytes a plan adds to ``fixed`` (whole chunks and the held slack go
+    with the step's own bytes), so a smaller plan is credited with a smaller excess;
+    subtracting the whole excess of the budget's plan aimed 1.2 MiB under the plan that held
+    on U-Net (benchmarks/results/allocator_check.md). Without: the budget less that whole
+    excess (``peak - predicted``), and at most the planning budget less the excess over the
+    budget, for a plan whose excess did not scale: a plan a little under the last one often
+    lands in the same chunks (a five-conv net at "95% of activations": 0.12 MiB a round for
+    3 rounds)."""
     step = max(1, budget // PLANNING_GRID)
-    return min(planning_budget - (peak - budget), budget - (peak - predicted)) // step * step
+    if fixed is not None and peak > fixed and predicted > fixed:
+        aim = fixed + (budget - fixed) * (predicted - fixed) // (peak - fixed)
+    else:
+        aim = min(planning_budget - (peak - budget), budget - (peak - predicted))
+    return min(aim, planning_budget - step) // step * step
 
 
 def replan_strategy(result, strategy: str) -> str:
@@ -326,7 +399,10 @@ def hold_allocator_peak(result, step, plan_at: Callable, read_peak: Callable, *,
                         remember_planning_budget(cache, graph, budget, strategy, options, planning_budget)
                 return dataclasses.replace(result, budget_bytes=budget), step, planning_budget
         previous = planning_budget
-        planning_budget = next_planning_budget(planning_budget, budget, peak, result.predicted_peak_bytes)
+        # The first plan over is aimed by the excess scaled to the next plan's bytes; a plan
+        # over after that one subtracts its whole excess (the scaling did not hold for it).
+        planning_budget = next_planning_budget(planning_budget, budget, peak, result.predicted_peak_bytes,
+                                               graph.fixed_bytes if previous == budget else None)
         log.info("the allocator's peak %s held exceeds the budget %s (prediction %s); planning again under %s",
                  format_bytes(peak), format_bytes(budget), format_bytes(result.predicted_peak_bytes),
                  format_bytes(planning_budget))

@@ -33,7 +33,13 @@ import networkx as nx
 import numpy as np
 import tensorflow as tf
 
-from tfremat.allocator_check import hold_allocator_peak, replan, step_allocator_peak, wants_allocator_check
+from tfremat.allocator_check import (
+    hold_allocator_peak,
+    perturbing_sizes,
+    replan,
+    step_allocator_peak,
+    wants_allocator_check,
+)
 from tfremat.budget import budget_kind, check_budget, format_bytes, share_floor
 from tfremat.cache import ScheduleCache
 from tfremat.errors import ArgumentError, ExtractionError, InfeasibleBudgetError
@@ -88,11 +94,12 @@ def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal
         allocator_check: hold the budget for the device allocator's peak, where
             out-of-memory happens, not only for the bytes the step requests (see
             :class:`tfremat.keras.RematCallback`): each new argument shape's step is run
-            four times when it is planned (one warm-up, three reads on zeros shaped like the
-            arguments, the layers' variables and random state put back), and planned again
-            under the budget less the peak's excess while it exceeds the budget. With
+            eight times when it is planned (one warm-up, three reads on zeros shaped like the
+            arguments and four more with the allocator's free chunks put in other states, the
+            layers' variables and random state put back), and planned again under a smaller
+            planning budget while the held peak exceeds the budget. With
             ``jit_compile`` the bytes XLA requests are held instead. None (default): for
-            every budget but ``"min"`` and a share at or above the checkpoint-all peak
+            every budget but ``"min"``
             (:func:`tfremat.allocator_check.wants_allocator_check`); False holds the budget
             for requested bytes only (the plan's prediction).
         **options: the strategy's solver options (``solver``, ``time_limit``, ...) or an
@@ -128,8 +135,8 @@ def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal
     if not isinstance(jit_compile, bool):
         raise ArgumentError(f"jit_compile must be True or False, got {jit_compile!r}")
     if allocator_check is not None and not isinstance(allocator_check, bool):
-        raise ArgumentError(f"allocator_check must be True, False or None (the default: every budget but 'min' and "
-                            f"shares at or above the checkpoint-all peak), got {allocator_check!r}")
+        raise ArgumentError(f"allocator_check must be True, False or None (the default: every budget but 'min'), "
+                            f"got {allocator_check!r}")
     settings = _Settings(budget, strategy, cost_model, granularity, cache, verbose, per_strategy.get(strategy, {}),
                          jit_compile, allocator_check)
     return ValueAndGrad(fn, settings, example_args)
@@ -284,7 +291,8 @@ class ValueAndGrad:
         count = "requested" if settings.jit_compile else "allocator"
 
         def read_peak(candidate):
-            return step_allocator_peak(candidate, arguments, self._label, variables, count=count)
+            return step_allocator_peak(candidate, arguments, self._label, variables, count=count,
+                                       sizes=perturbing_sizes(getattr(candidate, "graph", None)))
 
         def plan_at(current, planning_budget):
             replanned = replan(current, planning_budget, settings.strategy, settings.options, settings.cache,

@@ -102,24 +102,24 @@ class RematCallback(keras.callbacks.Callback):
             out-of-memory happens, not only for the bytes the step's operations request
             (what the prediction counts; TensorFlow's BFC allocator hands a free chunk out
             whole when it is less than twice the request; docs/memory-model.md). Each
-            new step is run four times before training (its state put back): one warm-up,
-            then three reads (:data:`~tfremat.allocator_check.ALLOCATOR_READS`), held as the
-            largest plus a margin for the steps not read: their spread, or a fifth of the
-            step's own bytes above the variables and the batch, whichever is more (the
-            peak moves with the allocator's free chunks:
-            :data:`~tfremat.allocator_check.ALLOCATOR_MARGIN`); while that exceeds
-            the budget, the step is planned again under the budget less the excess, up to
+            new step is run eight times before training (its state put back): one warm-up,
+            three reads (:data:`~tfremat.allocator_check.ALLOCATOR_READS`) and four with the
+            allocator's free chunks put in other states
+            (:data:`~tfremat.allocator_check.PERTURBED_READS`: the peak moves with them),
+            held as the largest plus a small slack of the step's own bytes
+            (:data:`~tfremat.allocator_check.ALLOCATOR_SLACK`); while that exceeds
+            the budget, the step is planned again under a smaller planning budget, up to
             :data:`~tfremat.allocator_check.ALLOCATOR_ROUNDS` plans, else :class:`InfeasibleBudgetError`. The first
             :data:`~tfremat.allocator_check.WATCHED_STEPS` training steps are read too (not
             under a strategy or XLA), and one over the budget has the step planned again from
             the next on. The planning budget accepted is kept with the schedule cache, where
             another process with the same model and budget starts.
-            None (default): for every budget but ``"min"`` and a share at or above the
-            checkpoint-all peak (nothing is recomputed: the step is ``model.fit``'s own).
+            None (default): for every budget but ``"min"``, shares at or above the
+            checkpoint-all peak included (a refusal's smallest share may round up to one).
             ``"min"`` promises the least requested memory the strategy finds within its
             overhead bound, not an allocator figure: there is no smaller plan to fall back
             on, so its step's allocator peak is read as the check reads it, held with the
-            same margin, and reported (the compiling phase's line, :attr:`allocator_peaks`,
+            same slack, and reported (the compiling phase's line, :attr:`allocator_peaks`,
             which also keeps the largest of the first watched training steps' reads) as the
             memory that plan needs, above its prediction by the allocator's chunks
             (a GRU at ``"min"``: 53.68 MiB predicted, 54.3-60.1 MiB allocator;

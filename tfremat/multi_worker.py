@@ -382,8 +382,7 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
     wants = wants_allocator_check(settings.allocator_check, settings.budget, plan)
     if settings.allocator_check is None and devices is not None and any(d.startswith("CPU") for d in devices):
         wants = False  # the input pipeline shares a CPU replica's allocator (docstring)
-    # The default decision reads this worker's checkpoint-all peak, which profiled costs
-    # move between workers: the workers check when any wants to, and all can.
+    # The workers check when any wants to, and all can (a worker's plan may differ).
     rows = collectives.gather([int(wants), int(devices is not None), int(chief)])
     if not rows[:, 0].any():
         return plan, step, None
