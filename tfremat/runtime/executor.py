@@ -40,10 +40,7 @@ Three facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``
   executor (conditionals lowered to control-flow primitives) and run on the default one,
   which runs one op at a time with one inter-op thread (with several, a warning naming the
   first call :func:`blocking_call` finds: Keras runs a grouped ``Conv2D`` on CPU as a call of
-  its ``jit_compile=True`` function ``_conv_xla``, so ConvNeXt's step is one of these). A
-  step whose calls are all in an optimizer update that runs after the backward pass (a
-  ``LossScaleOptimizer``'s) keeps its plan on this executor and runs only the update on the
-  default one, as a second call (``CompiledStep.update_apart``).
+  its ``jit_compile=True`` function ``_conv_xla``, so ConvNeXt's step is one of these).
 
 ``compile_step``, the profiler and the optimizer update probe use it only with several
 inter-op threads (:func:`step_executor`). With one, used for every step too, it ran a

@@ -42,14 +42,6 @@ class CompiledStep:
     a custom loop), where the step stays a call of its own. :attr:`function` called
     directly runs on the executor of its caller.
 
-    When only the optimizer update calls functions (a ``LossScaleOptimizer``'s ``tf.cond``
-    on finite gradients, ``gradient_accumulation_steps``), which the single-threaded
-    executor can wait on for ever, and the extraction holds every weight gradient to the
-    end of the step (``weight_grads="fixed"``, as it does for those optimizers), a call is
-    two calls (:attr:`update_apart`): :attr:`function`, the plan's forward and backward on
-    the single-threaded executor, returning the gradients, then the update on the default
-    executor, after the backward pass as the graph's memory model places it.
-
     Attributes:
         graph: the extracted graph.
         side_table: the extraction's side table.
@@ -62,8 +54,6 @@ class CompiledStep:
         function: the underlying ``tf.function`` (for ``get_concrete_function``).
         jit_compile: whether the step is compiled with XLA.
         sequential: whether calls run on the single-threaded executor (see :func:`compile_step`).
-        update_apart: whether the optimizer update is a call of its own on the default
-            executor, after :attr:`function` (see above); known once the step was called.
     """
 
     def __init__(self, graph: DFGraph, side_table: Any, schedule: Schedule, plan: ExecutionPlan, optimizer: Any,
@@ -83,10 +73,6 @@ class CompiledStep:
         # Whether the traced step calls functions, which the single-threaded executor can
         # wait for for ever (executor.calls_functions); None: not traced yet.
         self._calls_functions: bool | None = None
-        # The optimizer update when it runs apart from the plan (update_apart), and the
-        # variables whose gradients the plan's function returns, in that order.
-        self._update_function = None
-        self._updated: list = []
         self.variables = list(side_table.model.trainable_variables)
         self._regularized = [v for v in self.variables if getattr(v, "regularizer", None) is not None]
         # No AutoGraph: the interpreter has no tensor-dependent Python control flow, and
@@ -94,18 +80,11 @@ class CompiledStep:
         # function, whose executor would run it (tfremat.runtime.executor).
         self.function = self._make_function()
 
-    def _make_function(self, body=None):
+    def _make_function(self):
         return tf.function(
-            body or (self._distributed_step if self.strategy is not None else self._step),
-            jit_compile=self.jit_compile, autograph=False,
-            experimental_attributes=executor.NOT_INLINED if self.sequential else None,
+            self._distributed_step if self.strategy is not None else self._step, jit_compile=self.jit_compile,
+            autograph=False, experimental_attributes=executor.NOT_INLINED if self.sequential else None,
         )
-
-    @property
-    def update_apart(self) -> bool:
-        """Whether the optimizer update runs as a call of its own after :attr:`function`
-        (class docstring)."""
-        return self._update_function is not None
 
     def _replica_step(self, x, y, sample_weight, replicas: int):
         if not self.apply_gradients:
@@ -114,19 +93,6 @@ class CompiledStep:
             loss, _, weight_grads, self._report = interpret_plan(self.graph, self.side_table, self.plan, x, y,
                                                                  sample_weight=sample_weight, xla=self.jit_compile)
             return loss, [weight_grads[id(v)][1] if id(v) in weight_grads else None for v in self.variables]
-        loss, predictions, pairs = self._planned_gradients(x, y, sample_weight, replicas)
-        # Each variable's update waits only for its own (gated) gradient, and the statement
-        # after the variable's last use waits for the update, so weight gradients are freed
-        # as the backward pass goes, as the graph's memory model says.
-        update_ops = _apply_without_barrier(self.optimizer, pairs)
-        if update_ops and self.side_table.weight_grads == "transient":
-            order_updates(self._report, update_ops)
-        return self._returned(loss, predictions)
-
-    def _planned_gradients(self, x, y, sample_weight, replicas: int):
-        """The plan's forward and backward pass with the optimizer's loss scale and the
-        weight penalties: ``(loss, predictions, [(gradient, variable), ...])``, the loss
-        unscaled and, over ``replicas``, the global batch's."""
         # The loss to differentiate, as Keras's ``train_step`` forms it: multiplied by the
         # optimizer's loss scale (a ``LossScaleOptimizer`` under ``mixed_float16``, whose
         # ``apply_gradients`` divides the gradients by it again). Keras losses divide by
@@ -146,25 +112,15 @@ class CompiledStep:
         missing = [v.path for v in self.variables if id(v) not in weight_grads]
         if missing:
             logger.debug("no gradient reaches %d trainable variables: %s", len(missing), ", ".join(missing))
-        return loss, predictions, pairs
-
-    def _returned(self, loss, predictions):
-        """What a call returns: the loss, or ``(loss, y_pred)`` with ``return_outputs``."""
+        # Each variable's update waits only for its own (gated) gradient, and the statement
+        # after the variable's last use waits for the update, so weight gradients are freed
+        # as the backward pass goes, as the graph's memory model says.
+        update_ops = _apply_without_barrier(self.optimizer, pairs)
+        if update_ops and self.side_table.weight_grads == "transient":
+            order_updates(report, update_ops)
         if self.return_outputs:
             return loss, self._structure_outputs(predictions)
         return loss
-
-    def _planned_part(self, x, y, sample_weight=None):
-        """The step without its optimizer update (:attr:`update_apart`): ``(loss,
-        predictions or [], gradients)``, the gradients of :attr:`_updated` in order."""
-        loss, predictions, pairs = self._planned_gradients(x, y, sample_weight, 1)
-        self._updated = [variable for _, variable in pairs]
-        return loss, predictions if self.return_outputs else [], [gradient for gradient, _ in pairs]
-
-    def _update_part(self, gradients):
-        """The optimizer update of :meth:`_planned_part`'s gradients, as the whole step
-        applies them (:func:`_apply_without_barrier`)."""
-        _apply_without_barrier(self.optimizer, list(zip(gradients, self._updated)))
 
     def _add_weight_penalties(self, loss, weight_grads: dict):
         """Adds the weight regularizers' penalties (``kernel_regularizer``,
@@ -255,8 +211,6 @@ class CompiledStep:
                 graph = self.function.get_concrete_function(*args).graph
             blocking = executor.blocking_call(graph)
             self._calls_functions = blocking is not None
-            if blocking is not None and self._splits_update(args, blocking):
-                blocking = None
             if blocking is not None:
                 _warn_parallel_ops(f"the step of {self.graph.name} runs on TensorFlow's default executor, as plain "
                                    f"training does: {blocking.describe()}; the single-threaded executor holds an "
@@ -269,12 +223,7 @@ class CompiledStep:
                 self.function = self._make_function()
         try:
             with executor.sequential() if self.sequential else contextlib.nullcontext():
-                result = self.function(*args)
-            if self._update_function is None:
-                return result
-            loss, predictions, gradients = result
-            self._update_function(gradients)  # on the default executor, its conditionals lowered
-            return self._returned(loss, predictions)
+                return self.function(*args)
         except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as error:
             if not self.sequential or "single-threaded executor" not in str(error).lower():
                 raise
@@ -297,35 +246,6 @@ class CompiledStep:
                 "With oneDNN on (the default on AVX-512 CPUs) TF_ENABLE_ONEDNN_OPTS=0 turns its graph rewrites off; "
                 "please report the model"
             ) from error
-
-    def _splits_update(self, args, blocking: executor.BlockingCall) -> bool:
-        """Makes the step two calls (:attr:`update_apart`) when what keeps it off the
-        single-threaded executor (``blocking``, found in its trace) is in the optimizer
-        update alone and the graph holds every weight gradient to the end of the step;
-        returns whether it did.
-
-        The graph then counts the update after the backward pass, on gradients that all
-        exist (``DFGraph.weight_grads_to_end``, the update's temporaries as fixed bytes
-        measured on the default executor, :mod:`tfremat.extract.optimizer_update`), which a
-        second call is. With transient gradients each update runs inside the backward pass
-        and the step stays one call on the default executor, whose inter-op threads run a
-        statement's operations together, which the one-op-at-a-time prediction does not
-        describe (benchmarks/mixed_precision_step.py compares the two).
-        """
-        if (self.strategy is not None or not self.apply_gradients or self.jit_compile
-                or self.side_table.weight_grads != "fixed"):
-            return False
-        planned = self._make_function(self._planned_part)
-        with executor.sequential():
-            graph = planned.get_concrete_function(*args).graph
-        if executor.calls_functions(graph):
-            return False
-        self.function = planned
-        self._update_function = tf.function(self._update_part, autograph=False)
-        logger.info("the step of %s runs its optimizer update as a call of its own on TensorFlow's default executor "
-                    "(%s), after the plan's forward and backward pass on the single-threaded one",
-                    self.graph.name, blocking.describe())
-        return True
 
     def trace(self):
         """Traces the step for the extraction's input signature (once), filling the report.
@@ -540,11 +460,9 @@ def compile_step(
             runs one at a time already and is kept (module docstring of the executor
             module). Not where the step's devices exchange values (several replicas of
             ``strategy``, or an offloading plan on a GPU), or where it calls functions (a
-            ``tf.cond``, a grouped convolution: found in its trace), which that executor
+            ``tf.cond``, a loss scale's update: found in its trace), which that executor
             can deadlock: those steps, and ``sequential=False``, run on the default
-            executor (with several inter-op threads a warning says so). A step whose only
-            such calls are in its optimizer update (a loss scale's ``tf.cond``) runs the
-            update apart on the default executor (:attr:`CompiledStep.update_apart`).
+            executor (with several inter-op threads a warning says so).
 
     Returns:
         A :class:`CompiledStep`.
