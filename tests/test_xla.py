@@ -304,6 +304,7 @@ def test_xla_costs_are_timed_on_functions_compiled_by_xla(monkeypatch):
 
     timed, measured = [], []
     least_seconds, requested_peak = analysis._least_seconds, analysis._requested_peak
+    requested_peaks = analysis._requested_peaks
 
     def recording(calls, repeats, warmup):
         timed.extend(fn for fn, _ in calls)
@@ -313,6 +314,10 @@ def test_xla_costs_are_timed_on_functions_compiled_by_xla(monkeypatch):
         measured.append(fn)
         return requested_peak(fn, args, warmup)
 
+    def recording_peaks(runs, warmup, **options):
+        measured.extend(fn for fn, _ in runs)
+        return requested_peaks(runs, warmup, **options)
+
     def recording_kernels(trace, calls, repeats, warmup, done, traced_pass=analysis._traced_pass):
         timed.extend(fn for fn, _ in calls)
         return traced_pass(trace, calls, repeats, warmup, done)
@@ -320,6 +325,7 @@ def test_xla_costs_are_timed_on_functions_compiled_by_xla(monkeypatch):
     monkeypatch.setattr(analysis, "_least_seconds", recording)
     monkeypatch.setattr(analysis, "_traced_pass", recording_kernels)
     monkeypatch.setattr(analysis, "_requested_peak", recording_peak)
+    monkeypatch.setattr(analysis, "_requested_peaks", recording_peaks)
     monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
 
     def compiled_by_xla(fn) -> bool:

@@ -59,7 +59,7 @@ read off the run's allocations and count as residuals (:func:`_hidden_residual_b
 ``training=True``, which would move batch-norm statistics and dropout seeds, so the layer's
 non-trainable variables are restored afterwards: extraction leaves the model exactly as it
 found it. The backward workspace of a call that runs a while loop is the largest over a few
-traces (see :func:`_other_orders_peaks`), on the single-threaded executor with one more
+traces (see :func:`_other_orders`), on the single-threaded executor with one more
 loop variable (:func:`_loop_peak`), and that of any other call the largest over three
 orders of its operations, the greediest among them (:func:`_run_greediest`).
 
@@ -115,7 +115,8 @@ from tfremat.runtime import executor
 from tfremat.runtime.gradient_order import input_then_weight_gradients, needed_ops
 from tfremat.runtime.internals import node_flops, resource_handle_data
 from tfremat.runtime.memory import (
-    _allocation_events,
+    AllocationWindows,
+    _replayed_peak,
     default_device,
     requested_peak,
     reset_allocator_peak,
@@ -138,7 +139,7 @@ _VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGrad
 _CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
 # A gradient made by one of these may be folded into a constant, whose buffer no reader can take.
 _CONSTANT_LIKE_OPS = frozenset({"Const", "ZerosLike", "OnesLike", "Fill", "Zeros"})
-_LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (_other_orders_peaks)
+_LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is kept (_other_orders)
 # Per loop call (_loop_key) and part ("forward", "backward"): the largest over its profiles
 # in this process of the least requested peak of a profile's traces, and the largest peak
 # (_loop_peak); with "held", the fewest bytes its accumulators held (_loop_residuals).
@@ -553,19 +554,59 @@ def _on_grid(seconds: float) -> float:
     return _COST_GRID ** round(math.log(seconds, _COST_GRID))
 
 
-def _peak_unless_cycle(fn: Callable, args, warmup: int) -> int:
-    """:func:`_requested_peak` of a trace whose added order (:func:`_sources_first`) may close
-    a cycle once Grappler has rewritten the graph: with oneDNN off a ``monet`` variant of a
-    VGG block's convolution ran "129 nodes in a cycle" (tests/test_layer_variants.py). That
-    order cannot run, so it adds nothing to the largest over the orders that can (0)."""
-    try:
-        return _requested_peak(fn, args, warmup)
-    except tf.errors.InvalidArgumentError as error:
-        if "in a cycle" not in str(error):
-            raise
-        logger.debug("%s: the forward with the inputs' own operations first closes a cycle; order left out",
-                     getattr(fn, "name", fn))
-        return 0
+def _requested_peaks(runs: Sequence[tuple[Callable, tuple]], warmup: int, may_cycle: int | None = None,
+                     held: int | None = None) -> list[list[tuple]]:
+    """The allocation events of one measured run of each ``fn(*args)`` of ``runs``, after
+    ``warmup`` unmeasured runs of it (at least one), as :func:`_requested_peak` measures
+    each; their requested peaks are :func:`~tfremat.runtime.memory._replayed_peak` of them.
+
+    The first run of each (which instantiates the function: Grappler and its kernels) runs
+    before the profiler starts, the further warm-up run and the measured one of each in
+    turn inside one profiler session, the measured ones each in its window
+    (:class:`~tfremat.runtime.memory.AllocationWindows`): a session of its own per peak cost
+    about 20 ms of wall time, most of a small layer's peak. The runs and the bytes they
+    request are those of separate sessions (``benchmarks/first_step_latency.py --phases``
+    compares the graph's memory fields with the per-peak sessions bit for bit).
+
+    ``may_cycle``: the position of a run whose added order (:func:`_sources_first`) may
+    close a cycle once Grappler has rewritten the graph: with oneDNN off a ``monet`` variant
+    of a VGG block's convolution ran "129 nodes in a cycle" (tests/test_layer_variants.py).
+    That order cannot run, so it adds nothing to the largest over the orders that can (no
+    events). ``held``: the position of a run whose results are held to the end of its window
+    (:func:`_hidden_residual_bytes`), so that none of them is freed in it.
+
+    Raises:
+        ExtractionError: the allocator keeps no statistics (:func:`reset_allocator_peak`).
+    """
+    device = default_device()
+    reset_allocator_peak(device)  # raises, saying how to turn the statistics on, when they are off
+    runnable = []
+    for position, (fn, args) in enumerate(runs):
+        try:
+            synchronize(fn(*args))
+        except tf.errors.InvalidArgumentError as error:
+            if position != may_cycle or "in a cycle" not in str(error):
+                raise
+            logger.debug("%s: the forward with the inputs' own operations first closes a cycle; order left out",
+                         getattr(fn, "name", fn))
+            continue
+        runnable.append(position)
+    windows = {}
+    with AllocationWindows(device) as session:
+        for position in runnable:
+            fn, args = runs[position]
+            for _ in range(max(1, warmup) - 1):
+                synchronize(fn(*args))
+
+            def run(fn=fn, args=args, hold=position == held):
+                result = fn(*args)
+                synchronize(result)
+                if hold:
+                    kept.append(result)
+
+            kept = []
+            windows[position] = session.run(run)
+    return [session.events(windows[position]) if position in windows else [] for position in range(len(runs))]
 
 
 def _requested_peak(fn: Callable, args, warmup: int) -> int:
@@ -781,8 +822,7 @@ class _CallTracer:
         if fetch == "consumed":
             return grads + upstream
         if fetch == "kept_forward" and greediest:
-            self.records[fetch]["sources_first"] = _sources_first(
-                [op for op in operations[:mark] if op.type != "Placeholder"])
+            _sources_first(_forward_without_inputs(self.records[fetch]))
         if fetch == "kept_forward":
             # Keras's cross-entropies read a softmax/sigmoid output's logits (``_keras_logits``),
             # which then outlive the activation: alone, it wrote into their buffer, and the
@@ -1067,42 +1107,53 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     inputs = [_sample(s) for s in tracer.input_specs]
     weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in tracer.variables)
     timed_forward = (held_concrete, (inputs, tf.constant(1.0))) if held_concrete is not None else (forward_concrete, (inputs,))
-    fwd_peak = _requested_peak(*timed_forward, warmup)
     args = (inputs, tf.constant(1.0))
+    # Every function whose requested peak counts, traced first and measured in one profiler
+    # session (_requested_peaks): forward ones, backward ones, then the "dying" ones.
+    forward_runs = [timed_forward]
+    sources_first = None  # the position of the forward whose added order may close a cycle
     if held_concrete is None and not _XLA_LAYOUTS.get():
         # Alone, the forward's residuals have no reader and Grappler folds the arithmetic that
         # makes them: a LayerNormalization's full-size temporary counted 0 and its forward
         # statement requested one output more than predicted (benchmarks/results/layernorm_forward.md).
-        fwd_peak = max(fwd_peak, _requested_peak(tracer.trace("kept_forward"), args, warmup))
-        sources_first = tracer.trace("kept_forward", greediest=True)
-        if tracer.records["kept_forward"]["sources_first"]:
-            fwd_peak = max(fwd_peak, _peak_unless_cycle(sources_first, args, warmup))
+        forward_runs.append((tracer.trace("kept_forward"), args))
+        if _first_ops(_forward_without_inputs(tracer.records["kept_forward"])):
+            sources_first = len(forward_runs)
+            forward_runs.append((tracer.trace("kept_forward", greediest=True), args))
     consumed = analysis.residual_bytes and not analysis.reads_output and held_concrete is None
     if consumed:
         # The residuals die as the gradient reads them: the node's residual part has no
         # other reader, and the simulator counts it as resident for the whole backward node.
-        fb_peak = max(_requested_peak(tracer.trace("consumed", gated=gated, greediest=greedy), args, warmup)
-                      for gated, greedy in ((True, False), (False, False), (True, True)))
+        backward_runs = [(tracer.trace("consumed", gated=gated, greediest=greedy), args)
+                         for gated, greedy in ((True, False), (False, False), (True, True))]
     else:
-        fb_peaks = [_requested_peak(fb_concrete, args, warmup),
-                    *_other_orders_peaks(tracer, held_concrete is not None, inputs, warmup)]
-        fb_peak = _loop_peak(tracer.records["step"], "backward", fb_peaks)
-    fwd_peak = _loop_peak(tracer.records["step"], "forward", [fwd_peak])
+        backward_runs = [(fb_concrete, args), *_other_orders(tracer, held_concrete is not None, args)]
     # A loop's accumulators, which its forward allocates, are counted by _held_bytes already.
-    hidden = 0 if _XLA_LAYOUTS.get() or held_concrete is not None else _hidden_residual_bytes(
-        fb_concrete, args, tracer.records["step"], warmup)
+    hidden_run = [] if _XLA_LAYOUTS.get() or held_concrete is not None else [(fb_concrete, args)]
+    dying_runs = []
+    if (analysis.reads_output or consumed) and held_concrete is None and not _XLA_LAYOUTS.get():
+        # The step's gradient writes into the upstream gradient's buffer (ReluGrad), or frees
+        # it once read, when the node is its last reader; held to the end here, it cannot
+        # (benchmarks/results/forwarded_upstream.md).
+        dying_runs = [(tracer.trace("dying", gated=gated, greediest=greedy), args)
+                      for gated, greedy in ((True, False), (False, False), (True, True))]
+    runs = forward_runs + backward_runs + hidden_run + dying_runs
+    events = _requested_peaks(runs, warmup, may_cycle=sources_first,
+                              held=len(forward_runs) + len(backward_runs) if hidden_run else None)
+    peaks = [_replayed_peak(run_events)[0] for run_events in events]
+    fwd_peak = _loop_peak(tracer.records["step"], "forward", [max(peaks[:len(forward_runs)])])
+    fb_peaks = peaks[len(forward_runs):len(forward_runs) + len(backward_runs)]
+    fb_peak = max(fb_peaks) if consumed else _loop_peak(tracer.records["step"], "backward", fb_peaks)
+    hidden = _hidden_residual_bytes(events[len(forward_runs) + len(backward_runs)], tracer.records["step"]) \
+        if hidden_run else 0
     if hidden:
         logger.debug("layer %s: its kernels keep %d bytes from the forward to the backward", layer_name, hidden)
         analysis = dataclasses.replace(analysis, residual_bytes=analysis.residual_bytes + hidden)
     held_bytes = (0 if consumed else analysis.output_bytes) + upstream_bytes + analysis.residual_bytes \
         + analysis.small_residual_bytes
     dying = None
-    if (analysis.reads_output or consumed) and held_concrete is None and not _XLA_LAYOUTS.get():
-        # The step's gradient writes into the upstream gradient's buffer (ReluGrad), or frees
-        # it once read, when the node is its last reader; held to the end here, it cannot
-        # (benchmarks/results/forwarded_upstream.md).
-        dying_peak = max(_requested_peak(tracer.trace("dying", gated=gated, greediest=greedy), args, warmup)
-                         for gated, greedy in ((True, False), (False, False), (True, True)))
+    if dying_runs:
+        dying_peak = max(peaks[len(runs) - len(dying_runs):])
         dying = max(0, dying_peak - held_bytes - analysis.input_grad_bytes - weight_grad_bytes)
     measured = dataclasses.replace(
         analysis,
@@ -1137,7 +1188,7 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     return _timed(measured, make_calls, repeats, warmup, layer_name, xla, finish)
 
 
-def _hidden_residual_bytes(fb_concrete, args, record: dict, warmup: int) -> int:
+def _hidden_residual_bytes(events: list[tuple], record: dict) -> int:
     """Bytes a forward operation allocates beyond its outputs that live until the backward
     reads them: a kernel's own residual, invisible in the traced graph.
 
@@ -1147,28 +1198,17 @@ def _hidden_residual_bytes(fb_concrete, args, record: dict, warmup: int) -> int:
     the forward, the U-Net's compiled step requested 0.47% more than its prediction
     (``benchmarks/extraction.py``); with ``TF_ENABLE_ONEDNN_OPTS=0`` there is none.
 
-    Read off one run of the gated ``"step"`` trace (after ``warmup`` runs), whose results
-    are held until the allocations are read: an allocation made by a forward operation
-    before the backward's first, and freed before the run ends, is one the backward kept
-    alive (the outputs and the traced residuals are returned, so they are not freed; the
-    forward's own temporaries are freed before the backward starts). Counted as growing
-    with the batch. Not measured for a call that runs a while loop (its accumulators are
-    sized by :func:`_held_bytes`) nor for a step compiled by XLA, which runs no oneDNN
-    kernel.
+    Read off the allocation ``events`` (in time order) of one run of the gated ``"step"``
+    trace (:func:`_requested_peaks`), whose results were held to the end of its window: an
+    allocation made by a forward operation before the backward's first, and freed before the run
+    ends, is one the backward kept alive (the outputs and the traced residuals are returned, so
+    they are not freed; the forward's own temporaries are freed before the backward starts).
+    Counted as growing with the batch. Not measured for a call that runs a while loop (its
+    accumulators are sized by :func:`_held_bytes`) nor for a step compiled by XLA, which runs no
+    oneDNN kernel.
     """
     forward = {op.name for op in record["forward_ops"]}
     backward = {op.name for op in record["backward_ops"]}
-    for _ in range(max(1, warmup)):
-        synchronize(fb_concrete(*args))
-    held = []
-
-    def run():
-        result = fb_concrete(*args)
-        synchronize(result)
-        held.append(result)
-
-    events = sorted(_allocation_events(run, default_device()), key=lambda e: (e[0], not e[1]))
-    del held
     started = next((time for time, allocation, _, _, info in events if allocation and info["op"] in backward), None)
     if started is None:
         return 0
@@ -1217,9 +1257,9 @@ def _xla_compiled(layer_name: str):
         ) from error
 
 
-def _other_orders_peaks(tracer: _CallTracer, loop: bool, inputs, warmup: int) -> list[int]:
-    """The requested peaks of the backward in the orders the step may run it in, besides
-    the ``"step"`` trace already measured.
+def _other_orders(tracer: _CallTracer, loop: bool, args) -> list[tuple[Callable, tuple]]:
+    """The backward in the orders the step may run it in, besides the ``"step"`` trace, as
+    functions to measure the requested peaks of on ``args`` (:func:`_requested_peaks`).
 
     A loop's gradient comes out of each trace with its operations in another order (not
     fixed by Python's hash seed either), and the order decides how many iterations'
@@ -1233,11 +1273,9 @@ def _other_orders_peaks(tracer: _CallTracer, loop: bool, inputs, warmup: int) ->
     37.24 MiB in one fresh process and 41.24 in the next; user_check_3.md finding 9,
     tests/test_batch_norm_workspace.py); the greediest order holds the most.
     """
-    args = (inputs, tf.constant(1.0))
     if loop:
-        return [_requested_peak(tracer.trace("step"), args, warmup) for _ in range(_LOOP_TRACES - 1)]
-    return [_requested_peak(tracer.trace("ungated", gated=False), args, warmup),
-            _requested_peak(tracer.trace("greediest", greediest=True), args, warmup)]
+        return [(tracer.trace("step"), args) for _ in range(_LOOP_TRACES - 1)]
+    return [(tracer.trace("ungated", gated=False), args), (tracer.trace("greediest", greediest=True), args)]
 
 
 def _loop_peak(record: dict, part: str, peaks: Sequence[int]) -> int:
@@ -1348,10 +1386,10 @@ def _sources_first(ops) -> bool:
     convolution with its bias and activation, and a control edge between fused operations
     closes a cycle. Only operations that Grappler cannot reassociate with their readers
     are moved (:func:`_runs_first`)."""
-    off = _off_chain(ops)
-    early = [op for op in ops if _runs_first(op, off)]
+    early = _first_ops(ops)
     if not early:
         return False
+    off = _off_chain(ops)
     inside = {id(op) for op in ops}
     waits = _waits_within(ops, inside)
     firsts = {id(op) for op in early}
@@ -1359,6 +1397,21 @@ def _sources_first(ops) -> bool:
         if id(op) not in firsts and id(op) not in off and not waits[id(op)] & firsts:
             op._add_control_inputs(early)  # pylint: disable=protected-access
     return True
+
+
+def _first_ops(ops) -> list:
+    """The operations of a forward (``ops``, its inputs' placeholders left out) that
+    :func:`_sources_first` runs first: those that read only the call's inputs and
+    constants and that Grappler cannot reassociate with their readers (:func:`_runs_first`).
+    Read off one trace of a call, it holds for every trace of it: without any, the order
+    that runs them first is the call's own, and is neither traced nor measured."""
+    off = _off_chain(ops)
+    return [op for op in ops if _runs_first(op, off)]
+
+
+def _forward_without_inputs(record: dict) -> list:
+    """The forward operations of a trace's record, its inputs' placeholders left out."""
+    return [op for op in record["forward_ops"] if op.type != "Placeholder"]
 
 
 # Elementwise arithmetic that Grappler's arithmetic optimizer may reassociate with an

@@ -31,7 +31,7 @@ import tensorflow as tf
 from tfremat.errors import CompileError, ExtractionError
 from tfremat.runtime.profiler import profiler_trace
 
-__all__ = ["measure_step_peak", "requested_peak", "requested_peak_live", "reset_allocator_peak", "resident_bytes", "default_device", "synchronize"]
+__all__ = ["AllocationWindows", "measure_step_peak", "requested_peak", "requested_peak_live", "reset_allocator_peak", "resident_bytes", "default_device", "synchronize"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,12 @@ def requested_peak_live(run: Callable[[], None], device: str, *,
     events = _allocation_events(run, device)
     if not events and not allow_empty:
         raise CompileError(f"the profiler recorded no allocation on {device}")
-    events.sort(key=lambda e: (e[0], not e[1]))
+    return _replayed_peak(events)
+
+
+def _replayed_peak(events: list[tuple]) -> tuple[int, list[dict]]:
+    """:func:`requested_peak_live` of the allocation ``events`` of one run (any order)."""
+    events = sorted(events, key=lambda e: (e[0], not e[1]))
     live: dict = {}
     current = peak = 0
     at_peak: list = []
@@ -184,6 +189,95 @@ def requested_peak_live(run: Callable[[], None], device: str, *,
         else:
             current -= live.pop(addr, (requested, None))[0]
     return peak, [{**info, "bytes": requested} for requested, info in at_peak]
+
+
+class AllocationWindows:
+    """Several runs' allocation events read off one profiler session, each run's as
+    :func:`requested_peak` reads them from a session of its own.
+
+    Starting, stopping and reading a profiler session cost about 20 ms of wall time (4 ms
+    of CPU) whatever it records, and profiling one layer call measures the requested peaks
+    of six to ten functions (:func:`tfremat.extract.analysis._profile_call`). Inside the
+    context, :meth:`run` marks its run with a trace event of its own
+    (``tf.profiler.experimental.Trace``), recorded on the clock the allocation events are;
+    on leaving, each run's events are those between its event's start and end. What runs
+    in the session outside :meth:`run` (warm-up runs) is not counted.
+
+    Example:
+        >>> with AllocationWindows("CPU:0") as windows:
+        ...     first = windows.run(lambda: synchronize(fn(x)))
+        >>> windows.peak(first)
+    """
+
+    _MARK = "tfremat_allocation_window_"
+
+    def __init__(self, device: str):
+        self.device = device
+        self._count = 0
+        self._events: list[list[tuple]] | None = None
+
+    def __enter__(self) -> "AllocationWindows":
+        self._logdir = tempfile.TemporaryDirectory(prefix="tfremat_memory_")
+        self._trace = profiler_trace(self._logdir.name)
+        self._trace.__enter__()
+        return self
+
+    def run(self, run: Callable[[], None]) -> int:
+        """Runs ``run()`` (it must finish its device work before it returns) in a window of
+        its own; returns the window's index for :meth:`events` and :meth:`peak`."""
+        index = self._count
+        self._count += 1
+        with tf.profiler.experimental.Trace(f"{self._MARK}{index}"):
+            run()
+        return index
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._trace.__exit__(*exc)
+            if exc[0] is None:
+                self._events = self._windowed(self._logdir.name)
+        finally:
+            self._logdir.cleanup()
+
+    def _windowed(self, logdir: str) -> list[list[tuple]]:
+        spaces = _spaces(logdir)
+        spans = _marked_spans(spaces, self._MARK)
+        if sorted(spans) != list(range(self._count)):
+            raise CompileError(f"the profiler's trace shows {len(spans)} of the {self._count} marked runs: this "
+                               "TensorFlow's profiler events differ from 2.21's (tfremat.runtime.memory)")
+        windows: list[list[tuple]] = [[] for _ in range(self._count)]
+        starts = sorted((start, end, index) for index, (start, end) in spans.items())
+        for event in _space_allocation_events(spaces, self.device):
+            for start, end, index in starts:
+                if start <= event[0] <= end:
+                    windows[index].append(event)
+                    break
+        return windows
+
+    def events(self, index: int) -> list[tuple]:
+        """The allocation events of window ``index`` (:func:`allocation_events`' form, in time order)."""
+        return sorted(self._events[index], key=lambda e: (e[0], not e[1]))
+
+    def peak(self, index: int) -> int:
+        """The requested peak of window ``index`` (:func:`requested_peak` with ``allow_empty``)."""
+        return _replayed_peak(self._events[index])[0]
+
+
+def _marked_spans(spaces: list, prefix: str) -> dict[int, tuple[int, int]]:
+    """``{index: (start ps, end ps)}`` of the trace events named ``prefix<index>`` in
+    parsed ``XSpace`` protos (:func:`_spaces`)."""
+    spans = {}
+    for space in spaces:
+        for plane in space.planes:
+            marks = {k: int(v.name[len(prefix):]) for k, v in plane.event_metadata.items() if v.name.startswith(prefix)}
+            if not marks:
+                continue
+            for line in plane.lines:
+                for event in line.events:
+                    if event.metadata_id in marks:
+                        start = line.timestamp_ns * 1000 + event.offset_ps
+                        spans[marks[event.metadata_id]] = (start, start + event.duration_ps)
+    return spans
 
 
 def _allocation_events(run: Callable[[], None], device: str) -> list[tuple]:
@@ -200,15 +294,32 @@ def allocation_events(logdir: str, device: str) -> list[tuple]:
     files, at any depth): ``(time_ps, is_allocation, addr, requested_bytes, {op, region,
     shape})``, unsorted. benchmarks/distributed.py profiles one step inside ``fit`` and
     reads its directory with this."""
+    return _space_allocation_events(_spaces(logdir), device)
+
+
+def _spaces(logdir: str) -> list:
+    """The ``XSpace`` protos of a profiler log directory (its ``*.xplane.pb`` files, at any depth).
+
+    Raises:
+        CompileError: the profiler protos are missing from this TensorFlow build.
+    """
     try:
         from tensorflow.tsl.profiler.protobuf import xplane_pb2
     except ImportError as error:  # pragma: no cover - depends on the TensorFlow build
         raise CompileError(f"count='requested' needs TensorFlow's profiler protos: {error}") from error
-    events = []
+    spaces = []
     for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
         space = xplane_pb2.XSpace()
         with open(path, "rb") as f:
             space.ParseFromString(f.read())
+        spaces.append(space)
+    return spaces
+
+
+def _space_allocation_events(spaces: list, device: str) -> list[tuple]:
+    """:func:`allocation_events` of parsed ``XSpace`` protos."""
+    events = []
+    for space in spaces:
         for plane in space.planes:
             stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
             kinds = {
