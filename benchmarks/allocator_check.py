@@ -3,7 +3,10 @@ later steps, and what does the check cost the first step?
 
 One worker process per run (``--worker``) trains a model with ``RematCallback(budget)`` in one
 ``fit`` of ``1 + --steps`` batches, timing the first step (extraction, planning, the check's
-runs and re-plans, the trace) and recording the check's reads; every later training step's
+runs and re-plans, the trace) and recording the check's reads (and, per perturbed read, the
+bytes its state keeps allocated over the step's own bytes: ``footprint``) and the watched
+training steps' reads (``watched``, the first step's included: one over the budget plans
+again); every later training step's
 allocator peak is read with fresh statistics (a Keras callback: the peak above what was
 allocated when the batch began, plus the model's and the optimizer's variables). From the
 sixth step on, every fifth step first replaces eight tensors of random sizes (4 KB-2.4 MB)
@@ -21,6 +24,7 @@ some of them, ``--trees`` runs each with the ``tfremat`` of other checkouts in t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -93,6 +97,7 @@ def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> 
     import numpy as np
     import tensorflow as tf
 
+    import tfremat.allocator_check as allocator_check
     import tfremat.keras as remat_keras
     import tfremat.runtime.memory as memory
     from tfremat.errors import InfeasibleBudgetError
@@ -121,6 +126,30 @@ def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> 
 
     remat_keras.allocator_peak, memory.measure_step_peak = recording_peak, recording_measure
     remat_keras.plan_graph = recording_plan
+    # The watched training steps' reads (the first step's included), which may plan again.
+    watched, real_training_peak = [], getattr(remat_keras, "training_step_peak", None)
+
+    def recording_training_peak(*args, **kwargs):
+        outputs, peak = real_training_peak(*args, **kwargs)
+        watched.append(peak)
+        return outputs, peak
+
+    if real_training_peak is not None:
+        remat_keras.training_step_peak = recording_training_peak
+    # The bytes a perturbed state keeps allocated during its read, over the step's own bytes
+    # (a tree without perturbed reads records none).
+    footprint = []
+    real_perturbed = getattr(allocator_check, "perturbed_state", None)
+
+    @contextlib.contextmanager
+    def recording_perturbed(device, own_bytes, *args, **kwargs):
+        start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        with real_perturbed(device, own_bytes, *args, **kwargs) as made:
+            footprint.append((tf.config.experimental.get_memory_info("CPU:0")["current"] - start) / max(own_bytes, 1))
+            yield made
+
+    if real_perturbed is not None:
+        allocator_check.perturbed_state = recording_perturbed
     times, per_step, kept = {}, [], []
     rng = np.random.default_rng(1)
 
@@ -150,7 +179,8 @@ def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> 
     callback = remat_keras.RematCallback(budget, time_limit=time_limit, cache=cache, verbose=0,
                                          allocator_check={"on": None, "off": False}[check])
     x, y = synthetic_batch(model, (1 + steps) * batch, loss=loss, seed=0)
-    row = {"model": name, "check": check, "held": held, "reads": reads, "plans": plans, "per_step": per_step}
+    row = {"model": name, "check": check, "held": held, "reads": reads, "plans": plans, "per_step": per_step,
+           "footprint": footprint, "watched": watched}
     try:
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Steps(), callback])
     except InfeasibleBudgetError as error:

@@ -60,6 +60,32 @@ def test_the_last_batch_keeps_the_budget_of_the_full_batches(capsys):
     assert last.predicted_peak_bytes <= full.budget_bytes
 
 
+def test_a_last_batch_under_the_full_batches_bytes_is_held_at_once(monkeypatch):
+    """The check holds the last batch too (its share resolved to the full batches' bytes, above
+    its own checkpoint-all peak): read in the allocator, plain and perturbed, its step is
+    accepted with its first plan, neither planned again nor refused. The full batches' reads
+    are made up (their prediction), so only the last batch's are the allocator's."""
+    real_peak = remat_keras.allocator_peak
+    last_batch_reads = []
+
+    def read(step, model, x, y, *args, **kwargs):
+        if int(x.shape[0]) == 32:
+            return simulate(step.graph, step.schedule).peak_bytes
+        last_batch_reads.append(real_peak(step, model, x, y, *args, **kwargs))
+        return last_batch_reads[-1]
+
+    monkeypatch.setattr(remat_keras, "allocator_peak", read)
+    model = five_conv_net()
+    callback = remat_keras.RematCallback(SHARE, cost_model="flops", cache=False, verbose=0, time_limit=30)
+    model.fit(dataset(), epochs=1, verbose=0, callbacks=[callback])
+    by_batch = _plans_by_batch(callback.plans)
+    full, last = by_batch[32], by_batch[8]
+    assert last.budget_bytes == full.budget_bytes
+    assert len(last_batch_reads) == 1 and last_batch_reads[0] <= last.budget_bytes, last_batch_reads
+    (held,) = [peak for shapes, peak in callback.allocator_peaks.items() if shapes[0][0] == 8]
+    assert held == last_batch_reads[0]
+
+
 def _fake_reads(monkeypatch, excess_of_batch):
     """The check reads each plan's prediction plus ``excess_of_batch(batch size)``; the watched
     training steps read nothing over the budget."""
