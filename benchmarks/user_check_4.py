@@ -56,7 +56,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)  # this checkout's tfremat
 
 from user_check import TIME_BAND, _mib, run_child, run_rows  # noqa: E402
-from user_check_3 import _images, _training, run_pair, step_measures  # noqa: E402
+from user_check_3 import _images, _training, raw_allocator_reads, run_pair, step_measures  # noqa: E402
 
 DEFAULT_JSON = os.path.join(HERE, "results", "user_check_4.json")
 MiB = 2**20
@@ -117,21 +117,6 @@ def _nbytes(*arrays) -> int:
     import tensorflow as tf
 
     return int(sum(np.asarray(a).nbytes for a in tf.nest.flatten(arrays)))
-
-
-def raw_allocator_reads(remat, model, batch, reads: int = 3) -> list[int]:
-    """Three allocator reads of the first batch shape's step, each as it is, without the margin
-    :func:`tfremat.allocator_check.held_peak` adds (which ``user_check_3.step_measures``'s
-    ``fit_allocator`` includes); the state the runs change is put back."""
-    from tfremat.runtime.memory import measure_step_peak
-    from tfremat.runtime.state import state_restored
-
-    step = remat._steps[next(iter(remat.plans))]
-    xb, yb = batch
-    variables = list(model.variables) + list(model.optimizer.variables)
-    with state_restored(variables):
-        return [measure_step_peak(lambda a, b: step(a, b, None), xb, yb, resident=variables, warmup=1 if i == 0 else 0)
-                for i in range(reads)]
 
 
 def fit_with_step_peaks(make, fit_kwargs, budget, timing_batch, batch_bytes, **kwargs) -> dict:
@@ -599,7 +584,9 @@ def render(rows) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         training = _training(row) if row.get("history_diff") is not None else ""
-        alloc = max(row["fit_allocator"]) if row.get("fit_allocator") and None not in row["fit_allocator"] else None
+        # The held peak; rows written before step_measures read raw reads kept it in fit_allocator.
+        alloc = row.get("fit_allocator_held") or (max(row["fit_allocator"]) if row.get("fit_allocator")
+                                                  and None not in row["fit_allocator"] else None)
         budget = row.get("budget_bytes")
         planned, measured = row.get("fit_planned_time"), row.get("fit_time")
         written = row.get("budget_as_written", row["budget"])
