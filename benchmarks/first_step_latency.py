@@ -450,17 +450,17 @@ def compare_peaks(names) -> list[str]:
     run before the shared one for every other call, after it for the others."""
     from tfremat.extract import analysis, extract
 
-    shared = analysis._requested_peaks
+    in_session = analysis._requested_peaks
     pairs = []
 
-    def both(runs, warmup, may_cycle=None, held=None):
+    def both(runs, warmup, may_cycle=None, held=None, shared=True):
         def alone():
             return {position: analysis._requested_peak(fn, args, warmup) for position, (fn, args) in enumerate(runs)
                     if position not in (held, may_cycle)}
 
         first = len(pairs) % 2 == 0
         separate = alone() if first else None
-        events = shared(runs, warmup, may_cycle=may_cycle, held=held)
+        events = in_session(runs, warmup, may_cycle=may_cycle, held=held, shared=shared)
         separate = separate if first else alone()
         pairs.extend((peak, analysis._replayed_peak(events[position])[0]) for position, peak in separate.items())
         return events
