@@ -66,11 +66,31 @@ def refuse_unmodelled_training(model) -> None:
     leaves = [layer for layer in model._flatten_layers(include_self=False) if not layer._layers and layer._losses]
     names = [layer.name for layer in leaves] or [model.name]
     raise ExtractionError(
-        f"layers {names} add losses to the model (add_loss); the rematerialized step trains on the compiled "
-        "loss and the weight regularizers alone and would drop them. Add the term to the loss function, or "
-        "express it as a weight regularizer",
+        f"layers {names} add losses to the model; the rematerialized step trains on the compiled loss and the "
+        f"weight regularizers alone and would drop them. {_added_loss_remedy(leaves[0] if leaves else model)}",
         layer=names[0],
     )
+
+
+def _added_loss_remedy(layer) -> str:
+    """What a user whose ``layer`` adds a loss in ``call`` can do instead.
+
+    A Keras loss function sees only ``y_true`` and ``y_pred``, so a term computed from an
+    inner activation cannot move into ``model.compile(loss=...)``; it can move into the loss
+    function of :func:`tfremat.value_and_grad` once the model returns that activation. Keras
+    divides an activity penalty by the batch size (``keras.src.layers.layer.Layer.__call__``);
+    the advice repeats it so that training is unchanged.
+    """
+    if getattr(layer, "activity_regularizer", None) is not None:
+        return (f"{layer.name!r} has an activity_regularizer=, whose penalty a Keras loss cannot compute (it sees "
+                "only y_true and y_pred): remove activity_regularizer=, return the layer's output as a second model "
+                "output, and train with tfremat.value_and_grad in a custom loop or train_step "
+                '(README, "Custom training loops"): pred, h = model(x, training=True); loss = loss_fn(y, pred) + '
+                "regularizer(h) / batch_size, with the layer's regularizer divided by the batch size as Keras does")
+    return ("Compute the term in the loss function from tensors the model returns (a second output for an inner "
+            "activation), with model.compile(loss=...) when it needs only y_true and y_pred, else with "
+            'tfremat.value_and_grad in a custom loop or train_step (README, "Custom training loops"); or express '
+            "a term on a weight as a weight regularizer (kernel_regularizer=)")
 
 
 def check_layer(layer, name: str) -> None:
@@ -97,7 +117,8 @@ def analyze_checked(call: LayerCall, takes_training: bool, specs, grads, batch, 
 
     Raises:
         ExtractionError: the call changed a plain Python attribute of a user layer, or the
-            layer added losses (activity regularization, ``add_loss``) in ``call``.
+            layer added losses (``activity_regularizer=``, ``add_loss``) in ``call``, with
+            the route that keeps the term (:func:`_added_loss_remedy`).
     """
     layer = call.layer
     user_layer = not type(layer).__module__.startswith("keras")
@@ -117,9 +138,10 @@ def analyze_checked(call: LayerCall, takes_training: bool, specs, grads, batch, 
                 layer=call.name,
             )
     if len(getattr(layer, "losses", ())) > len(regularized_variables(layer)):
+        source = "activity_regularizer=" if getattr(layer, "activity_regularizer", None) is not None else "add_loss"
         raise ExtractionError(
-            f"layer {call.name!r} adds losses in call() (activity regularization / add_loss); tfremat's "
-            "graph has one loss node and would drop them. Move the term into the loss function.",
+            f"layer {call.name!r} adds losses in call() ({source}); tfremat's graph has one loss node, the "
+            f"compiled loss, and would drop them. {_added_loss_remedy(layer)}",
             layer=call.name,
         )
     return analysis

@@ -28,7 +28,9 @@ from tfremat.errors import ExtractionError
 from tfremat.extract.opening import (
     DEFAULT_GRANULARITY,
     GRANULARITIES,
+    KeptWhole,
     detach_recorded_nodes,
+    log_kept,
     open_layer,
 )
 from tfremat.extract.side_table import TensorRef
@@ -240,7 +242,7 @@ def walk_model(model, granularity: str = DEFAULT_GRANULARITY,
         raise ExtractionError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     graph = require_functional(model)
     shapes = input_shapes if input_shapes is not None else [t.shape for t in graph.inputs]
-    walker = _Walker(granularity)
+    walker = _Walker(granularity, len(_leaf_layers(model)))
     inputs = []
     for index, (tensor, shape) in enumerate(zip(graph.inputs, shapes)):
         ref = TensorRef("model_input", index)
@@ -257,6 +259,13 @@ def walk_model(model, granularity: str = DEFAULT_GRANULARITY,
     return walker.calls, outputs
 
 
+def _leaf_layers(layer) -> list:
+    """The layers inside ``layer`` (nested ones included) that compute and hold no sublayers."""
+    return [inner for inner in layer._flatten_layers(include_self=False)
+            if not isinstance(inner, keras.layers.InputLayer)
+            and not inner._flatten_layers(include_self=False, recursive=False)]
+
+
 class _Walker:
     """Walks functional graphs, nested models and opened layers into one list of calls.
 
@@ -266,8 +275,9 @@ class _Walker:
     sequence length and the batch size.
     """
 
-    def __init__(self, granularity: str):
+    def __init__(self, granularity: str, model_leaf_layers: int):
         self.granularity = granularity
+        self.model_leaf_layers = max(model_leaf_layers, 1)
         self.calls: list[LayerCall] = []
         self.names_seen: dict[str, int] = {}
         self.symbolic: dict[TensorRef, keras.KerasTensor] = {}
@@ -294,6 +304,9 @@ class _Walker:
                     outs = self._walk_nested(op, inner, node, refs, prefix)
                 else:
                     opened = open_layer(op, node, self.granularity, [self.symbolic[r] for r in arg_refs])
+                    if isinstance(opened, KeptWhole):
+                        log_kept(op, opened, len(_leaf_layers(op)) / self.model_leaf_layers)
+                        opened = None
                     if opened is not None:
                         try:
                             outs = self.walk(opened, arg_refs, f"{prefix}{op.name}/")

@@ -10,7 +10,8 @@ issue 22; how Keras records a layer call: ``keras.src.layers.layer.Layer.__call_
 
 A layer is opened only when the recorded graph computes what the layer computes, with the
 same trainable and non-trainable state, so that the step trains exactly as the whole call
-would. It stays one node, with the reason logged once per layer class, when:
+would. Otherwise it stays one node, for a reason (:class:`KeptWhole`) that the walker logs
+once per layer class (:func:`log_kept`), when:
 
 * it is a Keras RNN: its time steps run in one ``while`` loop, and splitting the loop into
   chunks of steps would change the layer's call (not done);
@@ -30,11 +31,17 @@ that holds sublayers (custom blocks, ``MultiHeadAttention``, keras-hub's transfo
 ``"op"`` also opens variable-free layers whose ``call`` composes several operations. A
 subclassed ``keras.Model`` called inside a functional model is opened as a custom block is
 (the way tfremat plans a subclassed model); a functional one is flattened by the walker.
+
+A layer kept whole that holds most of the model's layers leaves the planner almost nothing to
+recompute: a subclassed model that stays one node is planned as input, one call and the
+loss, and every budget below checkpoint-all is out of reach. That is logged as a warning
+with what to change (issue 33); any other kept layer at INFO level.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import keras
@@ -46,19 +53,36 @@ from tfremat.runtime.internals import (
     set_keras_global_attribute,
 )
 
-__all__ = ["GRANULARITIES", "DEFAULT_GRANULARITY", "open_layer", "detach_recorded_nodes"]
+__all__ = ["GRANULARITIES", "DEFAULT_GRANULARITY", "KeptWhole", "open_layer", "log_kept", "detach_recorded_nodes"]
 
 logger = logging.getLogger(__name__)
 
 GRANULARITIES = ("layer", "sublayer", "op")
 DEFAULT_GRANULARITY = "sublayer"
 
-_reasons_logged: set[tuple[str, str]] = set()
+#: Share of the model's leaf layers above which a layer kept whole is warned about.
+DOMINANT_SHARE = 0.5
+
+_reasons_logged: set[tuple[str, str, bool]] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptWhole:
+    """Why a layer with sublayers stays one node, and what its author can change.
+
+    Attributes:
+        reason: what keeps the recorded graph from computing what the call computes.
+        remedy: the change to the layer's code that lets it be opened.
+    """
+
+    reason: str
+    remedy: str
 
 
 def open_layer(layer, node, granularity: str, inputs):
-    """The graph of ``layer``'s call at ``node`` as a ``keras.Function``, or None when the
-    layer stays one node (see the module docstring; the reason is logged once per class).
+    """The graph of ``layer``'s call at ``node`` as a ``keras.Function``; else None, or a
+    :class:`KeptWhole` saying why a layer that holds sublayers stays one node (see the
+    module docstring), for the caller to log (:func:`log_kept`).
 
     ``inputs`` are the call's tensor arguments, in the order ``tf.nest.flatten((args,
     kwargs))`` gives them, as ``KerasTensor`` s whose shapes are as known as the model's
@@ -73,28 +97,46 @@ def open_layer(layer, node, granularity: str, inputs):
     if not has_sublayers and granularity != "op":
         return None
     if isinstance(layer, keras.layers.RNN):
-        _log_kept(layer, "a Keras RNN runs its time steps in one while loop; chunks of steps are not separate calls")
-        return None
+        return KeptWhole("a Keras RNN runs its time steps in one while loop; chunks of steps are not separate calls",
+                         "a smaller batch or shorter sequences lower its memory; recomputation cannot split it")
     if not has_sublayers and layer.variables:
         return None
-    reason = _dtype_reason(layer, node)
-    if reason:
-        _log_kept(layer, reason)
-        return None
+    kept = _dtype_reason(layer, node)
+    if kept:
+        return kept
     try:
         function = _record_call(layer, node, inputs)
     except Exception as error:  # noqa: BLE001 - any failure to run symbolically keeps the layer whole
-        _log_kept(layer, f"its call does not run on symbolic tensors ({type(error).__name__}: {error})")
-        return None
-    reason = _coverage_reason(layer, function) or _inference_call_reason(function)
-    if reason is None and not has_sublayers and _operation_count(function) < 2:
-        reason = "its call is a single operation"
-    if reason:
+        return KeptWhole(f"its call does not run on symbolic tensors ({type(error).__name__}: {error})",
+                         "write that step with keras.ops (keras.ops.cond, keras.ops.where) in place of Python "
+                         "control flow on tensor values or raw TensorFlow ops")
+    kept = _coverage_reason(layer, function) or _inference_call_reason(function)
+    single_operation = not has_sublayers and _operation_count(function) < 2
+    if kept or single_operation:
         detach_recorded_nodes(function)
-        if has_sublayers:
-            _log_kept(layer, reason)
-        return None
+        return kept if has_sublayers else None
     return function
+
+
+def log_kept(layer, kept: KeptWhole, share: float) -> None:
+    """Logs why ``layer`` stays one node, once per layer class and reason: as a warning
+    with the remedy when the layer holds more than :data:`DOMINANT_SHARE` of the model's
+    leaf layers (``share``), since recomputation then has next to nothing to choose from and
+    budgets much below checkpoint-all cannot be met; else at INFO level."""
+    dominant = share > DOMINANT_SHARE
+    key = (type(layer).__qualname__, kept.reason, dominant)
+    if key in _reasons_logged:
+        return
+    _reasons_logged.add(key)
+    if dominant:
+        logger.warning(
+            "layer %r (%s) stays one node with %.0f%% of the model's layers inside it, so recomputation has next "
+            "to nothing to choose and budgets much below checkpoint-all cannot be met: %s. To let tfremat split "
+            "it, %s",
+            layer.name, type(layer).__name__, 100 * share, kept.reason, kept.remedy,
+        )
+    else:
+        logger.info("layer %r (%s) stays one node: %s", layer.name, type(layer).__name__, kept.reason)
 
 
 def detach_recorded_nodes(function) -> None:
@@ -118,8 +160,14 @@ def _record_call(layer, node, inputs):
 
     A ``StatelessScope`` discards any state update that runs eagerly while recording (a
     seed drawn outside a sublayer call, say); such a layer then fails the coverage check.
-    The call runs in a Keras call context with ``training=True``, as inside ``model.fit``,
-    so a sublayer records ``training=False`` only when the layer passes it explicitly.
+    The call runs with ``training=True`` and in a Keras call context with
+    ``training=True``, as inside ``model.fit``, so that a ``call`` that branches on
+    ``training`` in Python (noise or dropout under ``if training:``) records its training
+    branch, and a sublayer records ``training=False`` only when the layer passes it
+    explicitly. The node's own recorded ``training`` is replaced, not kept: Keras records
+    the default of the call's signature there (``def call(self, x, training=False)``), and
+    a functional model in ``fit`` replaces it with ``training=True`` too
+    (``keras.src.models.functional.operation_fn``).
     """
     flat = [t for t in tf.nest.flatten((node.arguments.args, node.arguments.kwargs)) if isinstance(t, keras.KerasTensor)]
     placeholders = {id(t): keras.Input(batch_shape=known.shape, dtype=t.dtype, sparse=t.sparse)
@@ -130,7 +178,7 @@ def _record_call(layer, node, inputs):
 
     args = tf.nest.map_structure(symbolic, tuple(node.arguments.args))
     kwargs = tf.nest.map_structure(symbolic, dict(node.arguments.kwargs))
-    if layer._call_has_training_arg and kwargs.get("training") is None:
+    if layer._call_has_training_arg:
         kwargs["training"] = True
     context = CallContext(entry_layer=layer)
     context.set_value("training", True)
@@ -178,7 +226,7 @@ def _traced_output_specs(layer):
             object.__delattr__(sublayer, "compute_output_spec")
 
 
-def _coverage_reason(layer, function) -> str | None:
+def _coverage_reason(layer, function) -> KeptWhole | None:
     """Why the recorded graph does not carry the layer's whole state, or None when it does."""
     covered = set()
     for nodes in function._nodes_by_depth.values():
@@ -187,35 +235,39 @@ def _coverage_reason(layer, function) -> str | None:
     missing = [v for v in layer.variables if id(v) not in covered]
     if missing:
         names = ", ".join(v.path for v in missing[:3]) + (" ..." if len(missing) > 3 else "")
-        return (f"its call uses {len(missing)} variable(s) outside its recorded sublayer calls ({names}); "
-                "their gradients or updates would be lost")
+        return KeptWhole(
+            f"its call uses {len(missing)} variable(s) outside its recorded sublayer calls ({names}); their gradients "
+            "or updates would be lost",
+            "move each such variable into a sublayer that call() calls on its inputs (a weight read by an op into a "
+            "small layer that owns it; random draws into keras.layers.Dropout or GaussianNoise called on a tensor, "
+            "not a constant)",
+        )
     return None
 
 
-def _inference_call_reason(function) -> str | None:
+def _inference_call_reason(function) -> KeptWhole | None:
     """Why a sublayer called in inference mode keeps the layer whole, or None."""
     for nodes in function._nodes_by_depth.values():
         for recorded in nodes:
             if recorded.arguments is not None and recorded.arguments.kwargs.get("training") is False:
-                return f"it calls {recorded.operation.name!r} with training=False"
+                return KeptWhole(
+                    f"it calls {recorded.operation.name!r} with training=False",
+                    "pass the call's own training on (training=training); to freeze a BatchNormalization, set its "
+                    "trainable = False, which keeps it in inference mode while training",
+                )
     return None
 
 
-def _dtype_reason(layer, node) -> str | None:
+def _dtype_reason(layer, node) -> KeptWhole | None:
     """Why mixed precision keeps the layer whole, or None."""
     compute = keras.backend.standardize_dtype(layer.compute_dtype)
     for tensor in tf.nest.flatten((node.arguments.args, node.arguments.kwargs)):
         if isinstance(tensor, keras.KerasTensor) and "float" in tensor.dtype and tensor.dtype != compute:
-            return f"an input of dtype {tensor.dtype} is cast to its compute dtype {compute} on entry"
+            return KeptWhole(f"an input of dtype {tensor.dtype} is cast to its compute dtype {compute} on entry",
+                             f"give it inputs already in {compute} (keras.ops.cast them in the layer before it)")
     return None
 
 
 def _operation_count(function) -> int:
     return sum(1 for nodes in function._nodes_by_depth.values() for n in nodes if not n.is_input and n.operation is not None)
 
-
-def _log_kept(layer, reason: str) -> None:
-    key = (type(layer).__qualname__, reason)
-    if key not in _reasons_logged:
-        _reasons_logged.add(key)
-        logger.info("layer %r (%s) stays one node: %s", layer.name, type(layer).__name__, reason)
