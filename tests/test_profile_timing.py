@@ -146,3 +146,14 @@ def test_batch_norm_residuals_are_the_same_in_every_extraction():
                                                   layer.trainable_variables, 8, profile=True))
     assert {(a.residual_bytes, a.small_residual_bytes) for a in analyses} == {(0, analyses[0].small_residual_bytes)}
     assert analyses[0].small_residual_bytes > 0
+
+
+def test_a_call_the_trace_missed_is_timed_by_its_other_rounds():
+    """A mid-round call whose region TensorFlow's trace missed leaves that round out of the
+    function's seconds instead of failing the extraction; a function no round timed is an
+    error (the trace's events are not the ones this TensorFlow version writes)."""
+    names = ["f", "g"]
+    calls = [(0, "f", 1.0), (1, "g", 2.0), (2, "f", None), (3, "g", 2.5), (4, "f", 1.5), (5, "g", 3.0)]
+    assert timing._attributed(calls, names) == [[1.0, 1.5], [2.0, 2.5, 3.0]]
+    with pytest.raises(RuntimeError, match="no execution of 'f'"):
+        timing._attributed([(0, "f", None), (1, "g", 2.0)], names)

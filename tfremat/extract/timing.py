@@ -124,9 +124,9 @@ def _traced():
 
 def _attributed(calls: list[tuple[int, str, float | None]], names: Sequence[str]) -> list[list[float]]:
     """Per position of ``names``, the seconds of the ``calls`` (in time order, rounds of
-    ``names``) made there; the last round's may miss their ends (:func:`_settle`)."""
+    ``names``) made there; a call whose end the trace missed (the last round's may,
+    :func:`_settle`) is left out."""
     seconds: list[list[float]] = [[] for _ in names]
-    last_round = len(calls) - len(names)
     for k, (_, name, span) in enumerate(calls):
         position = k % len(names)
         if name != names[position]:
@@ -136,9 +136,9 @@ def _attributed(calls: list[tuple[int, str, float | None]], names: Sequence[str]
                 "(tfremat.extract.timing)")
         if span is not None:
             seconds[position].append(span)
-        elif k < last_round:
-            raise RuntimeError(f"TensorFlow's trace shows no execution of {name!r} (call {k} of {len(calls)}): "
-                               "this TensorFlow's profiler events differ from 2.21's (tfremat.extract.timing)")
+    # A call whose region the trace missed (seen once in a mid-round call of a dispatch-only
+    # function at load 3: 'no execution of __inference_<lambda> (call 42 of 144)') is timed by its
+    # other rounds; only a function with no timed round at all means the events are not 2.21's.
     if not all(seconds):
         raise RuntimeError(f"TensorFlow's trace shows no execution of {names[seconds.index([])]!r}")
     return seconds
