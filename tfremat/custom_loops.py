@@ -38,6 +38,7 @@ from tfremat.allocator_check import (
     perturbing_sizes,
     replan,
     step_allocator_peak,
+    unchecked_from,
     wants_allocator_check,
 )
 from tfremat.budget import budget_kind, check_budget, format_bytes, share_floor
@@ -300,7 +301,9 @@ class ValueAndGrad:
             return replanned, self._compiled(replanned)
 
         return hold_allocator_peak(result, step, plan_at, read_peak, strategy=settings.strategy,
-                                   options=settings.options, cache=settings.cache, count=count)
+                                   options=settings.options, cache=settings.cache, count=count,
+                                   unchecked_from=unchecked_from(settings.allocator_check, settings.budget,
+                                                                 result.extraction.graph))
 
 
 def _eagerly(work: Callable):

@@ -33,6 +33,7 @@ from tfremat.allocator_check import (
     replan,
     replica_allocators,
     training_step_peak,
+    unchecked_from,
     wants_allocator_check,
 )
 from tfremat.budget import budget_kind, check_budget, format_bytes, larger_shapes, share_floor
@@ -347,7 +348,7 @@ class RematCallback(keras.callbacks.Callback):
             result = with_rounding(dataclasses.replace(result, extraction=extraction))
             phases.done(plan_summary(result))
             logger.info("batch shape %s: %s, %s", key, self.strategy, plan_summary(result))
-            checks_allocator = self._checks_allocator(result, strategy)
+            checks_allocator = self._checks_allocator(result, strategy, budget)
             reads_min = not checks_allocator and self._reads_min_allocator(result, strategy)
             # The check runs the step four times and may plan again: its seconds are this phase's.
             phases.start("compiling the step" + (" and holding its allocator peak to the budget" if checks_allocator
@@ -423,11 +424,13 @@ class RematCallback(keras.callbacks.Callback):
         return (budget_kind(self.budget) == "min" and self.allocator_check is None and strategy is None
                 and not self._jit_compile and result.budget_bytes is not None)
 
-    def _checks_allocator(self, result, strategy=None) -> bool:
+    def _checks_allocator(self, result, strategy=None, budget=None) -> bool:
         """Whether ``result``'s step is held to its budget for the allocator's peak
         (``allocator_check``; None: see the class docstring; under a strategy whose replicas
-        share one allocator, never: :func:`replica_allocators`)."""
-        if not wants_allocator_check(self.allocator_check, self.budget, result):
+        share one allocator, never: :func:`replica_allocators`). ``budget``: the shape's
+        (:meth:`_share_budget`; default the budget as given): the bytes a share was resolved
+        to for a larger batch are held like bytes, also above this shape's checkpoint-all peak."""
+        if not wants_allocator_check(self.allocator_check, self.budget if budget is None else budget, result):
             return False
         if strategy is not None and replica_allocators(strategy) is None:
             log = logger.warning if self.allocator_check else logger.info
@@ -465,7 +468,10 @@ class RematCallback(keras.callbacks.Callback):
         return hold_allocator_peak(result, step, lambda current, planning: self._replanned(current, planning, options,
                                                                                             strategy),
                                    read_peak, strategy=self.strategy, options=options, cache=self.cache,
-                                   exceeded=exceeded, accepted=accepted, log=logger, count=count)
+                                   exceeded=exceeded, accepted=accepted, log=logger, count=count,
+                                   unchecked_from=unchecked_from(self.allocator_check,
+                                                                 self._budgets.get(_shape_key(x, y), self.budget),
+                                                                 result.extraction.graph))
 
     def _warn_xla_allocator(self, step, x, y, sample_weight, devices, budget: int, requested: int) -> None:
         """Warns when an XLA step whose requested bytes fit the budget peaks over it in the

@@ -127,6 +127,16 @@ def max_batch_size(
 ) -> MaxBatchResult:
     """The largest batch whose schedule fits ``budget`` within the compute overhead limit.
 
+    The answer holds ``budget`` for the bytes the schedule is predicted to request, as
+    ``allocator_check=False`` does: the device allocator's peak is not judged (it needs the
+    step compiled and run at each batch). BFC's whole chunks can put that peak well above the
+    prediction, so :func:`tfremat.fit` at the answer's batch and the same budget, which holds
+    the allocator's peak by default, may recompute more than the answer's cost, or refuse the
+    budget and name a larger one (an 8-conv net at "32MiB": batch 48, predicted within 1.31x,
+    then refused by ``fit``'s check; benchmarks/user_check_4.py ``--only maxbatch``,
+    benchmarks/results/user_check_4.md). For an answer ``fit`` holds, search under the budget
+    less the allocator's excess that ``fit``'s refusal or ``allocator_peaks`` shows.
+
     ``search`` doubles the batch from ``min_batch`` until a size does not fit, then
     bisects. This assumes feasibility is monotone in the batch (true when bytes and costs
     grow with it). ``direct`` solves one MILP (module docstring).
