@@ -100,7 +100,7 @@ def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal
             layers' variables and random state put back), and planned again under a smaller
             planning budget while the held peak exceeds the budget. With
             ``jit_compile`` the bytes XLA requests are held instead. None (default): for
-            every budget but ``"min"``
+            every budget but ``"min"`` and shares at or above the checkpoint-all peak
             (:func:`tfremat.allocator_check.wants_allocator_check`); False holds the budget
             for requested bytes only (the plan's prediction).
         **options: the strategy's solver options (``solver``, ``time_limit``, ...) or an
@@ -136,8 +136,8 @@ def value_and_grad(fn: Callable, budget, *example_args, strategy: str = "optimal
     if not isinstance(jit_compile, bool):
         raise ArgumentError(f"jit_compile must be True or False, got {jit_compile!r}")
     if allocator_check is not None and not isinstance(allocator_check, bool):
-        raise ArgumentError(f"allocator_check must be True, False or None (the default: every budget but 'min'), "
-                            f"got {allocator_check!r}")
+        raise ArgumentError(f"allocator_check must be True, False or None (the default: every budget but 'min' and "
+                            f"shares at or above the checkpoint-all peak), got {allocator_check!r}")
     settings = _Settings(budget, strategy, cost_model, granularity, cache, verbose, per_strategy.get(strategy, {}),
                          jit_compile, allocator_check)
     return ValueAndGrad(fn, settings, example_args)

@@ -115,8 +115,9 @@ class RematCallback(keras.callbacks.Callback):
             under a strategy or XLA), and one over the budget has the step planned again from
             the next on. The planning budget accepted is kept with the schedule cache, where
             another process with the same model and budget starts.
-            None (default): for every budget but ``"min"``, shares at or above the
-            checkpoint-all peak included (a refusal's smallest share may round up to one).
+            None (default): for every budget but ``"min"`` and shares at or above the
+            checkpoint-all peak (nothing recomputed; a refusal names such a share only where
+            the checkpoint-all step was read within it).
             ``"min"`` promises the least requested memory the strategy finds within its
             overhead bound, not an allocator figure: there is no smaller plan to fall back
             on, so its step's allocator peak is read as the check reads it, held with the
@@ -455,6 +456,8 @@ class RematCallback(keras.callbacks.Callback):
         # XLA takes one block for all of a step's temporaries, which the allocator may serve
         # from a chunk up to twice its size: what XLA requests is held instead.
         count = "requested" if self._jit_compile else "allocator"
+        # A share resolved for a larger batch is held as bytes (_checks_allocator).
+        shape_budget = self._budgets.get(_shape_key(x, y), self.budget) if self._budgets else self.budget
 
         def read_peak(candidate):
             peaks = [allocator_peak(candidate, model, x, y, sample_weight, device=d, count=count) for d in devices]
@@ -469,8 +472,7 @@ class RematCallback(keras.callbacks.Callback):
                                                                                             strategy),
                                    read_peak, strategy=self.strategy, options=options, cache=self.cache,
                                    exceeded=exceeded, accepted=accepted, log=logger, count=count,
-                                   unchecked_from=unchecked_from(self.allocator_check,
-                                                                 self._budgets.get(_shape_key(x, y), self.budget),
+                                   unchecked_from=unchecked_from(self.allocator_check, shape_budget,
                                                                  result.extraction.graph))
 
     def _warn_xla_allocator(self, step, x, y, sample_weight, devices, budget: int, requested: int) -> None:
