@@ -323,7 +323,7 @@ def test_a_refused_budgets_figure_is_accepted_when_copied_back():
         allocator_check.hold_allocator_peak(_GraphPlan(80, 80, "copied back"), 80, plan_at, read_peak,
                                             strategy="optimal", options={}, cache=False)
     named = refused.value.min_feasible_bytes
-    assert named == read_peak(70) == 95, refused.value  # the smallest plan, read
+    assert named == 95 + int(0.03 * 95) and read_peak(70) == 95, refused.value  # the smallest plan read, a slack
     assert "allocator_check=False" in str(refused.value)
     accepted, step, planning = allocator_check.hold_allocator_peak(
         _GraphPlan(named, named, "copied back"), named, plan_at, read_peak, strategy="optimal", options={},
@@ -340,16 +340,17 @@ def test_a_refusal_names_no_unchecked_share_its_step_reads_over():
     with pytest.raises(InfeasibleBudgetError) as refused:
         allocator_check.hold_allocator_peak(_GraphPlan(190, 190, "unchecked"), 190, plan_at, read_peak,
                                             strategy="optimal", options={}, cache=False, unchecked_from=199)
-    assert planned[-1] == 200 and refused.value.min_feasible_bytes == read_peak(200) == 286, (planned, refused.value)
+    assert planned[-1] == 200 and read_peak(200) == 286, planned
+    assert refused.value.min_feasible_bytes == 286 + int(0.03 * 286), refused.value
     # Told as a share of activations (the graph's fixed bytes 0), unclipped.
     graph = types.SimpleNamespace(fixed_bytes=0, weight_grads_to_end_bytes=0)
     from tfremat.plan.registry import in_user_terms
-    assert "143% of activations" in str(in_user_terms(refused.value, graph, "95% of activations", reference=200))
+    assert "147% of activations" in str(in_user_terms(refused.value, graph, "95% of activations", reference=200))
     # Without unchecked_from (bytes, or allocator_check=True) the smallest plan read is named.
     with pytest.raises(InfeasibleBudgetError) as refused:
         allocator_check.hold_allocator_peak(_GraphPlan(190, 190, "checked"), 190, plan_at, read_peak,
                                             strategy="optimal", options={}, cache=False)
-    assert refused.value.min_feasible_bytes == read_peak(150) == 200
+    assert refused.value.min_feasible_bytes == read_peak(150) + int(0.03 * 200) == 206
 
 
 def test_a_re_plan_out_of_time_is_a_refusal_in_the_allocators_terms():
@@ -365,7 +366,7 @@ def test_a_re_plan_out_of_time_is_a_refusal_in_the_allocators_terms():
                                             strategy="optimal", options={}, cache=False)
     text = str(refused.value)
     assert "held for the allocator's peak" in text and "time limit of 20 s" in text, text
-    assert "allocator_check=False" in text and refused.value.min_feasible_bytes == 120, text
+    assert "allocator_check=False" in text and refused.value.min_feasible_bytes == 120 + int(0.03 * 120), text
     assert refused.value.__cause__ is None or isinstance(refused.value.__cause__, SolverTimeLimitError)
 
     seen = {}
