@@ -138,7 +138,14 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
             freed.add((i, part))
             statements.append(Statement(Op.DEALLOCATE, i, t, part=part))
 
-    computed_in, kept_in = _rows(R), _rows(S)
+    computed_in = _rows(R)
+    # The kept values a stage may free before its computations: those not kept into the next
+    # stage, and those with parts (a part may not be kept on). A value kept on whole is never
+    # freed there, so it is left out of the walk (in order, as before).
+    kept_on = np.zeros_like(S)
+    kept_on[:-1] = S[1:]
+    has_parts = np.array([bool(b) for b in graph.residual_bytes])
+    may_free_in = _rows(S & (~kept_on | has_parts))
     prefetched = _rows(prefetch_stages(R, S, schedule.H))
     for t in range(n):
         keep_next = S[t + 1].tolist() if t + 1 < n else [False] * n
@@ -159,7 +166,7 @@ def build_plan(graph: DFGraph, schedule: Schedule) -> ExecutionPlan:
             for key in reads[k]:
                 if last_use.get(key, -1) < k:
                     last_use[key] = k
-        for i in kept_in[t]:
+        for i in may_free_in[t]:
             for part in parts[i]:
                 if (i, part) not in last_use and not kept(i, part):
                     free(i, part, t)

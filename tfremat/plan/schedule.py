@@ -537,20 +537,47 @@ def solve_r_given_s(graph: DFGraph, S: np.ndarray, H: np.ndarray | None = None) 
     """
     n = graph.size
     S = np.asarray(S, dtype=bool)
-    H = np.zeros((n, n), dtype=bool) if H is None else np.asarray(H, dtype=bool)
-    R = np.eye(n, dtype=bool)
-    preds = graph.predecessors
-    for t in range(n):
-        row_r = R[t]
-        row_s = S[t]
-        if t + 1 < n:
-            row_r[: t] |= (S[t + 1, : t] & ~row_s[: t] & ~H[t, : t]) | (H[t + 1, : t] & ~H[t, : t])
-        for k in range(t, -1, -1):
-            if row_r[k]:
-                for i in preds[k]:
-                    if not row_s[i]:
-                        row_r[i] = True
+    # Row t: the nodes stage t computes because of stage t+1 (columns before t).
+    R = np.zeros((n, n), dtype=bool)
+    R[:-1] = S[1:] & ~S[:-1]
+    if H is not None:
+        H = np.asarray(H, dtype=bool)
+        R[:-1] &= ~H[:-1]
+        R[:-1] |= H[1:] & ~H[:-1]
+    R = np.tril(R, -1)
+    R[np.arange(n), np.arange(n)] = True
+    # Then the inputs of computed nodes that are not kept, in every stage at once, until
+    # none is added: inputs precede their readers, so this closure marks what Checkmate's
+    # backward walk over each stage marks, visiting only the computed nodes.
+    inputs = _input_table(graph)
+    stages, nodes = np.nonzero(R)
+    while len(nodes):
+        stages, nodes = _inputs_of(inputs, stages, nodes)
+        new = ~S[stages, nodes] & ~R[stages, nodes]
+        stages, nodes = stages[new], nodes[new]
+        if len(nodes):
+            flat = np.unique(stages * n + nodes)
+            stages, nodes = flat // n, flat % n
+            R[stages, nodes] = True
     return R
+
+
+def _input_table(graph: DFGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The graph's inputs as flat arrays: per node its in-degree and the position of its
+    first input in the concatenation of every node's inputs, and that concatenation."""
+    in_degree = np.fromiter((len(p) for p in graph.predecessors), dtype=np.int64, count=graph.size)
+    inputs = np.fromiter((i for p in graph.predecessors for i in p), dtype=np.int64, count=int(in_degree.sum()))
+    return in_degree, np.cumsum(in_degree) - in_degree, inputs
+
+
+def _inputs_of(table, stages: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every ``(stage, input of node)`` pair of the ``(stage, node)`` pairs given, as two
+    arrays (an input read by two nodes of a stage appears twice)."""
+    in_degree, first_input, inputs = table
+    per_pair = in_degree[nodes]
+    pair = np.repeat(np.arange(len(nodes)), per_pair)
+    offset = np.arange(len(pair)) - np.repeat(np.cumsum(per_pair) - per_pair, per_pair)
+    return stages[pair], inputs[first_input[nodes][pair] + offset]
 
 
 def prune_s(graph: DFGraph, R: np.ndarray, S: np.ndarray) -> np.ndarray:
@@ -563,10 +590,8 @@ def prune_s(graph: DFGraph, R: np.ndarray, S: np.ndarray) -> np.ndarray:
     n = graph.size
     R = np.asarray(R, dtype=bool)
     read = np.zeros((n, n), dtype=bool)
-    for t in range(n):
-        for k in np.flatnonzero(R[t]):
-            for i in graph.predecessors[k]:
-                read[t, i] = True
+    stages, inputs = _inputs_of(_input_table(graph), *np.nonzero(R))
+    read[stages, inputs] = True
     read &= ~R
     pruned = np.zeros((n, n), dtype=bool)
     needed_next = np.zeros(n, dtype=bool)
