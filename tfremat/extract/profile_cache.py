@@ -30,7 +30,7 @@ __all__ = ["cache_dir", "code_fingerprint", "layer_signature", "cache_key", "loa
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 41  # 41: the plain overlap keeps its optimizer update's seconds (update_seconds)
+_CACHE_VERSION = 42  # 42: nested layers' names left out of layer signatures; 41: the plain overlap keeps its optimizer update's seconds (update_seconds)
 _SCALARS = (bool, int, float, str, type(None))
 _LIBRARY_MODULES = ("keras", "tensorflow", "tf_keras", "builtins", "abc", "typing")
 
@@ -55,7 +55,24 @@ def layer_signature(layer) -> str:
         logger.debug("layer %s: get_config raised %s; fingerprinted by its state", layer.name, type(error).__name__)
         return f"{kind}~{json.dumps(_layer_state(layer), sort_keys=True, default=str)}"
     config.pop("name", None)
-    return f"{kind}:{json.dumps(config, sort_keys=True, default=str)}"
+    return f"{kind}:{json.dumps(_unnamed(config), sort_keys=True, default=str)}"
+
+
+def _unnamed(value):
+    """``value`` (a layer's config) without the names of the layers serialized inside it: a
+    ``TimeDistributed``'s or ``Bidirectional``'s inner layer carries Keras's automatic name
+    (``"dense"`` in one model, ``"dense_6"`` in the next), which left every new model's layer
+    out of the cache (benchmarks/results/user_check_4.md, finding 5). A dtype policy's name
+    (``"mixed_float16"``) says how the layer computes and is kept."""
+    if isinstance(value, dict):
+        out = {key: _unnamed(item) for key, item in value.items()}
+        inner = out.get("config")
+        if isinstance(inner, dict) and "class_name" in out and "DTypePolicy" not in str(out["class_name"]):
+            inner.pop("name", None)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_unnamed(item) for item in value]
+    return value
 
 
 def _layer_state(layer) -> dict:
