@@ -221,7 +221,9 @@ def max_batch_size(
     its costs from the line through the two profiled graphs; ``"search"`` extracts every
     batch size tried. The default "profile" cost model measures each node's workspace (on CPU a
     convolution's gradient can need tens of MiB of scratch), which "flops" leaves at zero,
-    so keep "profile" when the answer must fit.
+    so keep "profile" when the answer must fit. The answer holds the budget for predicted
+    (requested) bytes, not the allocator's peak that :func:`fit` holds by default: ``fit`` at
+    that batch may recompute more or refuse the budget (:func:`tfremat.maxbatch.max_batch_size`).
 
     Args:
         model: a Keras model whose inputs have static shapes apart from the batch.

@@ -382,7 +382,8 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
     wants = wants_allocator_check(settings.allocator_check, settings.budget, plan)
     if settings.allocator_check is None and devices is not None and any(d.startswith("CPU") for d in devices):
         wants = False  # the input pipeline shares a CPU replica's allocator (docstring)
-    # The workers check when any wants to, and all can (a worker's plan may differ).
+    # The workers check when any wants to, and all can: a worker's plan, and with it whether its
+    # budget is below its checkpoint-all peak, may differ.
     rows = collectives.gather([int(wants), int(devices is not None), int(chief)])
     if not rows[:, 0].any():
         return plan, step, None
