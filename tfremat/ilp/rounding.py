@@ -41,21 +41,26 @@ def round_candidates(model: CheckmateModel, x: np.ndarray, num_samples: int, rng
 
 def cheapest_rounding(
     model: CheckmateModel, x: np.ndarray, budget_bytes: int, num_samples: int, rng: np.random.Generator,
-    strategy: str, deadline: float | None = None,
-) -> tuple[Schedule | None, int]:
+    strategy: str, deadline: float | None = None, cost_to_beat: float | None = None,
+) -> tuple[Schedule | None, int | None]:
     """The cheapest rounding of the LP point ``x`` (completed by solve R given S) whose
     simulated peak fits ``budget_bytes`` (the user's budget: approx_lp builds its model for
-    a smaller allowance), or None, and the smallest peak of any rounding. Stops at
-    ``deadline`` (a ``time.perf_counter()`` time) after the first rounding."""
+    a smaller allowance), or None, and the smallest peak of any rounding simulated. Stops at
+    ``deadline`` (a ``time.perf_counter()`` time) after the first rounding.
+
+    With ``cost_to_beat`` only roundings cheaper than it count: the others are not
+    simulated (their cost is known from R alone), so the smallest peak is over the cheaper
+    ones (None when there are none)."""
     graph = model.graph
-    best, best_cost, smallest_peak = None, None, None
+    best, best_cost, smallest_peak = None, cost_to_beat, None
     for S in round_candidates(model, x, num_samples, rng):
         schedule = schedule_from_keep_matrix(graph, S, strategy)
-        peak = simulate(graph, schedule).peak_bytes
-        smallest_peak = peak if smallest_peak is None else min(smallest_peak, peak)
         cost = schedule.cost(graph)
-        if peak <= budget_bytes and (best is None or cost < best_cost):
-            best, best_cost = schedule, cost
+        if best_cost is None or cost < best_cost:
+            peak = simulate(graph, schedule).peak_bytes
+            smallest_peak = peak if smallest_peak is None else min(smallest_peak, peak)
+            if peak <= budget_bytes:
+                best, best_cost = schedule, cost
         if deadline is not None and time.perf_counter() > deadline:
             break
     return best, smallest_peak
@@ -66,7 +71,7 @@ def cheaper_rounding(model: CheckmateModel, lp_x: np.ndarray, incumbent: Schedul
     """The cheaper of ``incumbent`` (or None) and the cheapest rounding of the LP point
     ``lp_x`` that fits the model's budget."""
     rng = np.random.default_rng(seed)
-    rounded, _ = cheapest_rounding(model, lp_x, int(model.budget_bytes), _COMPETING_SAMPLES, rng, strategy, deadline)
-    if rounded is not None and (incumbent is None or rounded.cost(model.graph) < incumbent.cost(model.graph)):
-        return rounded
-    return incumbent
+    cost_to_beat = None if incumbent is None else incumbent.cost(model.graph)
+    rounded, _ = cheapest_rounding(model, lp_x, int(model.budget_bytes), _COMPETING_SAMPLES, rng, strategy, deadline,
+                                   cost_to_beat)
+    return incumbent if rounded is None else rounded
