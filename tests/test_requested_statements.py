@@ -67,7 +67,7 @@ def test_a_dropout_forward_is_measured_with_its_scaling_before_its_mask():
     was one output or nothing (1 in 6-12 traces, oneDNN on or off), and the step, which ran
     it first, requested one output over the prediction at the dropout's forward statement.
     The forward is also measured with such operations first (``_sources_first``)."""
-    from tfremat.extract.analysis import _CallTracer, _requested_peak, _sample
+    from tfremat.extract.analysis import _CallTracer, _first_ops, _forward_without_inputs, _requested_peak, _sample
 
     shape = (8, 96, 192)
     output = int(np.prod(shape)) * 4
@@ -79,7 +79,8 @@ def test_a_dropout_forward_is_measured_with_its_scaling_before_its_mask():
     peaks = []
     for _ in range(8):
         function = tracer.trace("kept_forward", greediest=True)
-        assert tracer.records["kept_forward"]["sources_first"]
+        # The scaling reads only the layer's input: an operation the sources-first order moves.
+        assert _first_ops(_forward_without_inputs(tracer.records["kept_forward"]))
         peaks.append(_requested_peak(function, args, 1))
     # The output, the boolean mask it keeps (a quarter of it), and the scaled input alive
     # beside the uniform draw: one output more.
