@@ -50,7 +50,7 @@ sys.path.insert(0, HERE)  # user_check_3's models
 sys.path.insert(0, sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv else ROOT)
 
 import conformance  # noqa: E402
-from provenance import header  # noqa: E402
+from provenance import header, load_line, write_report  # noqa: E402
 
 _ROUNDS = re.compile(r"median of (\d+) rounds")
 
@@ -510,13 +510,8 @@ def main(argv=None):
                  "inter-op threads, oneDNN on; checkouts: " + ", ".join(f"{v} `{t}`" for v, t in trees.items()),
                  *(render_phases(*kept_runs(args.from_keep, trees)) if args.from_keep
                    else phase_report(names, trees, args.repeats, args.keep)), "",
-                 "Load average over the last 1 / 5 / 15 minutes at the end: "
-                 + " / ".join(f"{load:.1f}" for load in os.getloadavg()) + f" on {os.cpu_count()} CPUs."]
-        text = "\n".join(lines)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
-        sys.stdout.write(text + "\n")
+                 load_line()]
+        write_report("\n".join(lines), args.out)
         return
     if not args.only:
         parser.error("--only is required without --phases")
@@ -554,13 +549,8 @@ def main(argv=None):
                            f"{statistics.median(r['rounds_s'] for r in measured):.2f} | "
                            f"{', '.join(format(r['overlap'], '.3f') for r in measured)} |")
     lines += summary
-    lines += ["", "Load average over the last 1 / 5 / 15 minutes at the end: "
-              + " / ".join(f"{load:.1f}" for load in os.getloadavg()) + f" on {os.cpu_count()} CPUs."]
-    text = "\n".join(lines)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    sys.stdout.write(text + "\n")
+    lines += ["", load_line()]
+    write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

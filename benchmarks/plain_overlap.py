@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the test models
 sys.path.insert(0, ROOT)  # this checkout's tfremat, not an installed one
 
 import conformance  # noqa: E402
-from provenance import header  # noqa: E402
+from provenance import header, load_line, write_report  # noqa: E402
 
 
 def measure(name: str, batch: int, repeats: int) -> list[tuple[float, float]]:
@@ -64,13 +64,8 @@ def main(argv=None):
         results = measure(name, args.batch, args.repeats)
         lines.append(f"| {name} | {', '.join(f'{f:.3f}' for f, _ in results)} | "
                      f"{', '.join(f'{s:.1f}' for _, s in results)} |")
-    lines += ["", "Load average over the last 1 / 5 / 15 minutes: "
-              + " / ".join(f"{load:.1f}" for load in os.getloadavg()) + f" on {os.cpu_count()} CPUs."]
-    text = "\n".join(lines)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    sys.stdout.write(text + "\n")
+    lines += ["", load_line()]
+    write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
+from provenance import header, load_line, write_report  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -191,18 +193,13 @@ def main(argv=None):
     first = next(iter(trees.values()))[0]
     for stall in (args.stall.split(",") if args.stall else []):
         trees[f"stall={stall}"] = (first, float(stall))
-    lines = ["Fresh process per run; `plan_graph(graph, budget, \"optimal\")` with fit's options (time_limit 60, "
+    lines = [header(argv), "", "Fresh process per run; `plan_graph(graph, budget, \"optimal\")` with fit's options (time_limit 60, "
              "stall_time 5 unless the variant says); variants: "
              + ", ".join(f"{v} `{t}`" + ("" if s is None else f" stall_time={s}") for v, (t, s) in trees.items())
              + f"; {os.cpu_count()} CPUs.", "", *report([os.path.abspath(p) for p in args.graphs], trees, args.repeats,
                                                         args.keep), "",
-             "Load average over the last 1 / 5 / 15 minutes at the end: "
-             + " / ".join(f"{load:.1f}" for load in os.getloadavg()) + "."]
-    text = "\n".join(lines)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    sys.stdout.write(text + "\n")
+             load_line()]
+    write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

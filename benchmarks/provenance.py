@@ -7,6 +7,7 @@ checkout's tfremat, not an installed one) and start each results file with
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -52,3 +53,18 @@ def header(argv: list[str] | None = None) -> str:
     """One markdown line: the command, the commit it ran at and, for the benchmarks that
     run TensorFlow, its kernels (:func:`kernels`)."""
     return f"Command: `{command(argv)}` (commit {commit()}).{kernels()}"
+
+
+def load_line() -> str:
+    """One markdown line: the load averages when the run ended and the CPU count, against which
+    a ratio measured on a shared machine is read."""
+    return ("Load average over the last 1 / 5 / 15 minutes at the end: "
+            + " / ".join(f"{load:.1f}" for load in os.getloadavg()) + f" on {os.cpu_count()} CPUs.")
+
+
+def write_report(text: str, out: str | None) -> None:
+    """Writes a results file's ``text`` to ``out`` (when given) and to standard output."""
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    sys.stdout.write(text + "\n")

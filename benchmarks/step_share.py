@@ -79,7 +79,7 @@ def main(argv=None):
         sys.stdout.write(RESULT + json.dumps(child(args.child, args.batch, args.plan, args.steps)) + "\n")
         return
     sys.path.insert(0, HERE)
-    from provenance import header
+    from provenance import header, load_line, write_report
 
     rows = []
     for _ in range(args.repeats):
@@ -103,12 +103,8 @@ def main(argv=None):
           f"{r['predicted_before']:.3f} | {r['predicted_after']:.3f} | {r['measured']:.3f} | "
           f"{r['measured'] / r['predicted_before']:.3f} | {r['measured'] / r['predicted_after']:.3f} | "
           f"{r['extract_s']:.1f} |" for r in rows),
-        "", "Load average over the last 1 / 5 / 15 minutes at the end: "
-        + " / ".join(f"{load:.1f}" for load in os.getloadavg()) + f" on {os.cpu_count()} CPUs."])
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    sys.stdout.write(text + "\n")
+        "", load_line()])
+    write_report(text, args.out)
 
 
 if __name__ == "__main__":
