@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -506,22 +507,32 @@ def check_xla_share(budget, work):
     return row
 
 
-def child(check: str) -> None:
-    budget = CHECKS[check][0]
+def child_row(check_fn: Callable[[str, str], dict], budget: str, prefix: str) -> None:
+    """The child process's part: ``check_fn(budget, work folder)``'s row printed for
+    :func:`user_check.run_child` (an error of the check's own setup as the row)."""
     try:
-        with tempfile.TemporaryDirectory(prefix="user_check_3_") as work:
-            row = globals()[f"check_{check}"](budget, work)
+        with tempfile.TemporaryDirectory(prefix=prefix) as work:
+            row = check_fn(budget, work)
     except Exception as error:  # outside the fits: the check's own setup
         row = {"error": f"check setup: {type(error).__name__}: {error}"}
     print("USER_CHECK_ROW " + json.dumps(row, default=float), flush=True)
 
 
+def child(check: str) -> None:
+    child_row(globals()[f"check_{check}"], CHECKS[check][0], "user_check_3_")
+
+
 # ---------------------------------------------------------------- parent: run, collect, render
 
-def run_check(check: str, timeout: float, cache_dir: str) -> dict:
-    row = run_child(__file__, [check], timeout, cache_dir, sample=80)
-    row.update({"check": check, "budget": CHECKS[check][0], "what": CHECKS[check][1]})
+def listed_row(script: str, checks: dict, check: str, timeout: float, cache_dir: str) -> dict:
+    """``check`` of ``checks`` (name -> (budget, what)) run by ``script`` in a fresh process."""
+    row = run_child(script, [check], timeout, cache_dir, sample=80)
+    row.update({"check": check, "budget": checks[check][0], "what": checks[check][1]})
     return row
+
+
+def run_check(check: str, timeout: float, cache_dir: str) -> dict:
+    return listed_row(__file__, CHECKS, check, timeout, cache_dir)
 
 
 def _training(row) -> str:

@@ -47,7 +47,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,7 +55,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)  # this checkout's tfremat
 
 from user_check import TIME_BAND, _mib, run_child, run_rows  # noqa: E402
-from user_check_3 import _images, _training, raw_allocator_reads, run_pair, step_measures  # noqa: E402
+from user_check_3 import (_images, _training, child_row, listed_row, raw_allocator_reads, run_pair,  # noqa: E402
+                          step_measures)
 
 DEFAULT_JSON = os.path.join(HERE, "results", "user_check_4.json")
 MiB = 2**20
@@ -543,21 +543,13 @@ def check_mobilenetv3small(budget, work):
 
 
 def child(check: str) -> None:
-    budget = CHECKS[check][0]
-    try:
-        with tempfile.TemporaryDirectory(prefix="user_check_4_") as work:
-            row = globals()[f"check_{check}"](budget, work)
-    except Exception as error:  # outside the fits: the check's own setup
-        row = {"error": f"check setup: {type(error).__name__}: {error}"}
-    print("USER_CHECK_ROW " + json.dumps(row, default=float), flush=True)
+    child_row(globals()[f"check_{check}"], CHECKS[check][0], "user_check_4_")
 
 
 # ---------------------------------------------------------------- parent: run, collect, render
 
 def run_check(check: str, timeout: float, cache_dir: str) -> dict:
-    row = run_child(__file__, [check], timeout, cache_dir, sample=80)
-    row.update({"check": check, "budget": CHECKS[check][0], "what": CHECKS[check][1]})
-    return row
+    return listed_row(__file__, CHECKS, check, timeout, cache_dir)
 
 
 def _peaks_cell(peaks, budget) -> str:
