@@ -349,7 +349,7 @@ class RematCallback(keras.callbacks.Callback):
             result = with_rounding(dataclasses.replace(result, extraction=extraction))
             phases.done(plan_summary(result))
             logger.info("batch shape %s: %s, %s", key, self.strategy, plan_summary(result))
-            checks_allocator = self._checks_allocator(result, strategy, budget)
+            checks_allocator = self._checks_allocator(result, strategy, budget, key)
             reads_min = not checks_allocator and self._reads_min_allocator(result, strategy)
             # The check runs the step four times and may plan again: its seconds are this phase's.
             phases.start("compiling the step" + (" and holding its allocator peak to the budget" if checks_allocator
@@ -425,13 +425,23 @@ class RematCallback(keras.callbacks.Callback):
         return (budget_kind(self.budget) == "min" and self.allocator_check is None and strategy is None
                 and not self._jit_compile and result.budget_bytes is not None)
 
-    def _checks_allocator(self, result, strategy=None, budget=None) -> bool:
+    def _checks_allocator(self, result, strategy=None, budget=None, key=None) -> bool:
         """Whether ``result``'s step is held to its budget for the allocator's peak
         (``allocator_check``; None: see the class docstring; under a strategy whose replicas
         share one allocator, never: :func:`replica_allocators`). ``budget``: the shape's
-        (:meth:`_share_budget`; default the budget as given): the bytes a share was resolved
-        to for a larger batch are held like bytes, also above this shape's checkpoint-all peak."""
-        if not wants_allocator_check(self.allocator_check, self.budget if budget is None else budget, result):
+        (:meth:`_share_budget`; default the budget as given) for the batch shape ``key``. The
+        bytes a share was resolved to for a larger batch shape are held like bytes,
+        also above this shape's checkpoint-all peak, where the larger batch's plan was held;
+        where it was not (the share recomputed nothing there), neither is this shape's: a last
+        batch is not refused for what the full batches were never held to (with oneDNN off a
+        half batch's convolution scratch peaked above the full batch's bytes)."""
+        floor = None if budget is None or budget == self.budget else share_floor(
+            self.budget, [(shape, plan.budget_bytes) for shape, plan in self.plans.items()], key)
+        if floor is not None:
+            wanted = wants_allocator_check(self.allocator_check, self.budget, self.plans[floor[1]])
+        else:
+            wanted = wants_allocator_check(self.allocator_check, self.budget if budget is None else budget, result)
+        if not wanted:
             return False
         if strategy is not None and replica_allocators(strategy) is None:
             log = logger.warning if self.allocator_check else logger.info
