@@ -351,7 +351,7 @@ class RematCallback(keras.callbacks.Callback):
             logger.info("batch shape %s: %s, %s", key, self.strategy, plan_summary(result))
             checks_allocator = self._checks_allocator(result, strategy, budget, key)
             reads_min = not checks_allocator and self._reads_min_allocator(result, strategy)
-            # The check runs the step four times and may plan again: its seconds are this phase's.
+            # The check runs the step eight times and may plan again: its seconds are this phase's.
             phases.start("compiling the step" + (" and holding its allocator peak to the budget" if checks_allocator
                                                  else " and reading its allocator peak" if reads_min else ""))
             step = compile_step(result.extraction, result.schedule, optimizer=model.optimizer, strategy=strategy,
