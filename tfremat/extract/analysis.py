@@ -1353,8 +1353,11 @@ def _run_greediest(ops, kept) -> None:
     it may swap with their reader (``(x * c) * y`` becomes ``(x * y) * c`` in ``Erf``'s
     gradient, each node keeping its control inputs). Either inside the chain closed a
     cycle ("the graph couldn't be sorted in topological order", logged on every layer
-    norm and four times on every GELU Dense; ``tests/test_greediest_chain.py``)."""
+    norm and four times on every GELU Dense; ``tests/test_greediest_chain.py``). So does
+    that reader once the chain makes it wait for an operation other than its own inputs
+    (:func:`_swappable_readers`)."""
     off = _off_chain(ops)
+    off |= _swappable_readers(ops, off)
     ops = [op for op in ops if id(op) not in off]
     inside = {id(op) for op in ops}
     kept_names = {t.name for t in kept}
@@ -1457,6 +1460,21 @@ def _off_chain(ops) -> set[int]:
         if id(op) in constant or any(constant_inputs):
             off.add(id(op))
     return off
+
+
+def _swappable_readers(ops, off: set[int]) -> set[int]:
+    """Ids of those of ``ops`` that Grappler may reassociate with an operand it may rewrite
+    (ids in ``off``, :func:`_off_chain`): elementwise arithmetic (:data:`_REASSOCIABLE_OPS`)
+    reading elementwise arithmetic with a constant operand, as ``(x * c) * y`` in ``Erf``'s
+    gradient. Chained, such a reader waits for the operation before it; where that is not
+    one of its inputs (``TimeDistributed(Dense(activation="gelu"))`` unrolls the GELU once
+    per time step, and the greediest order runs every step's ``Exp`` before the first
+    step's product), constant folding's swap closed a cycle: "arithmetic_optimizer failed
+    ... topological order" and three more lines per profile
+    (``tests/test_greediest_chain_unrolled.py``)."""
+    return {id(op) for op in ops
+            if op.type in _REASSOCIABLE_OPS
+            and any(id(t.op) in off and t.op.type in _REASSOCIABLE_OPS for t in op.inputs)}
 
 
 def _waits_within(ops, inside: set[int]) -> dict[int, set[int]]:
