@@ -5,7 +5,8 @@ whole step, ``(1 + overhead * step_share) * plain_overlap``, with the share
 ``total_cost / (total_cost + update seconds)`` (benchmarks/results/executor_time.md, "The step's
 time beyond the graph's costs"; benchmarks/results/step_share.md).
 
-Structural only: the update's seconds are given, or checked to be timed and kept, never bounded.
+Structural only: the update's seconds are given, or checked to be timed and kept, never bounded;
+the parts of a traced step are attributed exactly on hand-made allocator events.
 """
 
 import dataclasses
@@ -16,7 +17,8 @@ import pytest
 import tensorflow as tf
 
 from tfremat.extract import extract
-from tfremat.extract.overlap import PlainOverlap, measure_plain_overlap
+from tfremat.extract.overlap import PlainOverlap, attributed_seconds, measure_plain_overlap
+from tfremat.extract.plain_step import StepParts, plain_train_step
 from tfremat.planner import plan_graph, plan_summary
 from tfremat.runtime import timing as turns
 
@@ -82,7 +84,7 @@ def test_the_measured_overlap_times_the_plain_step_and_the_extraction_keeps_it(p
                                      lambda labels, preds: tf.reduce_mean((labels[0] - preds[0]) ** 2),
                                      keras.optimizers.Adam())
     assert measured.rounds >= 1 and measured.step_seconds is not None and measured.step_seconds > 0
-    # The update is timed from TensorFlow's trace, without calling from Python: within the step's run.
+    # The update is read off the traced step's runs: a part of the step's run.
     assert measured.update_seconds is not None and 0 < measured.update_seconds < measured.step_seconds
     monkeypatch.setenv("TFREMAT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr("tfremat.extract.extractor.measure_plain_overlap",
@@ -117,3 +119,32 @@ def test_measure_model_s_predicted_time_uses_the_update_s_share(parallel, monkey
     assert row["step_share"] == pytest.approx(total / (total + 0.001), abs=1e-4) and row["step_share"] < 1
     assert row["predicted_step_overhead"] == pytest.approx(row["predicted_overhead"] * row["step_share"], abs=1e-3)
     assert row["predicted_time_over_plain"] == pytest.approx(1.25 * (1 + row["predicted_step_overhead"]), abs=1e-3)
+
+
+def test_each_allocating_operation_owns_the_time_to_the_next_one():
+    parts = StepParts()
+    for part, names in (("forward", ["model/dense/MatMul", "model/dense/BiasAdd"]), ("loss", ["mse/sub"]),
+                        ("backward", ["gradient_tape/model/dense/MatMul", "AddN"]), ("update", ["adam/Mul"])):
+        parts.record(part, [types.SimpleNamespace(name=name) for name in names])
+    us = 1_000_000  # picoseconds
+    events = [(0, "model/dense/MatMul"), (2 * us, None), (3 * us, "model/dense/BiasAdd"), (4 * us, "mse/sub"),
+              (5 * us, "gradient_tape/model/dense/MatMul"), (9 * us, "adam/Mul"), (10 * us, "AddN"),
+              (11 * us, "adam/Sqrt_1"), (12 * us, "ConstantFolding/x"), (14 * us, None)]
+    seconds = attributed_seconds(events, parts)
+    # adam/Sqrt_1 was not recorded (Grappler's), but its top scope holds the update only.
+    assert seconds == pytest.approx({"forward": 4e-6, "loss": 1e-6, "backward": 5e-6, "update": 2e-6,
+                                     "other": 2e-6})
+    assert sum(seconds.values()) == pytest.approx(14e-6)  # from the first allocation to the last event
+
+
+def test_the_plain_step_records_which_part_made_each_operation():
+    model, (x, y) = tiny_bn_dropout_net(), tiny_bn_dropout_batch()
+    step = plain_train_step(model, lambda labels, preds: tf.reduce_mean((labels[0] - preds[0]) ** 2),
+                            keras.optimizers.Adam())
+    graph = step.get_concrete_function(tf.constant(x), [tf.constant(y)]).graph
+    parts = {step.parts.of(op.name) for op in graph.get_operations()}
+    assert {"forward", "loss", "backward", "update"} <= parts
+    matmuls = {step.parts.of(op.name) for op in graph.get_operations() if op.type == "MatMul"}
+    assert matmuls == {"forward", "backward"}
+    # The step's names are a user's step's: no scope of its own above the model's.
+    assert any(op.name.startswith(model.name) for op in graph.get_operations())

@@ -36,36 +36,40 @@ quartiles 0.793-0.799 where the same process measured 0.70-0.75 a minute later a
 load (benchmarks/results/executor_time.md, "Loop models in turns"). They cost nothing beyond
 the rounds already timed.
 
-The same measurement times the plain step's optimizer update apart (:class:`_UpdateTiming`),
-as the profiled calls are timed: no node's cost holds it, and with the graph's costs it gives
-the share of the step the recomputation is counted against
-(:attr:`tfremat.planner.PlanResult.step_share`). Its own trace and first call add to the
-measurement (benchmarks/results/step_share.md).
+The same measurement traces a few of the plain step's runs on the single-threaded executor and
+reads off the trace how long each part of the step ran (:class:`_StepTrace`): the optimizer
+update, which no node's cost holds, with the graph's costs gives the share of the step the
+recomputation is counted against (:attr:`tfremat.planner.PlanResult.step_share`); the other
+parts say where the step's time goes (benchmarks/results/step_share.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import math
 import os
 import statistics
+import tempfile
 import time
 
 import numpy as np
 import tensorflow as tf
 
-from tfremat.extract.layer_graph import model_input_names, model_output_names
-from tfremat.extract.plain_step import plain_train_step
-from tfremat.extract.side_table import flatten_by_name
-from tfremat.extract.timing import TracedRounds
+from tfremat.extract.layer_graph import model_input_names
+from tfremat.extract.plain_step import StepParts, plain_train_step
 from tfremat.runtime import executor
 from tfremat.runtime.executor import sequential
+from tfremat.runtime.profiler import profiler_trace
 from tfremat.runtime.timing import time_in_turns
 
-__all__ = ["PlainOverlap", "batch_from_specs", "measure_plain_overlap", "plain_overlap_applies"]
+__all__ = ["PlainOverlap", "attributed_seconds", "batch_from_specs", "measure_plain_overlap", "plain_overlap_applies",
+           "step_parts"]
 
 logger = logging.getLogger(__name__)
+
+_EXECUTE = "EagerLocalExecute: "  # the profiler's event for a function call (TensorFlow 2.21)
 
 # Rounds timed after the warm-up: at least MIN_ROUNDS, then until the median ratio is known
 # to PRECISION (its standard error over it, :func:`_median_error`), the rounds took
@@ -83,9 +87,9 @@ PRECISION = 0.02
 # the same process at the same load, the factor of a bidirectional GRU or LSTM moved by up to
 # 14% from the extraction's (benchmarks/results/executor_time.md, "Loop models in turns").
 MIN_SPREAD = 0.10
-# Timed runs of the optimizer update per pass (_UpdateTiming), two passes: one before the
-# overlap's rounds and one after. Few, since every run's allocations are read off the trace
-# in Python (a transformer's Adam update runs about 4000 operations).
+# Traced runs of the plain step per pass (_StepTrace), two passes: one before the overlap's
+# rounds and one after. Few, since every run's allocations are read off the trace in Python
+# (a 2-layer GPT-2's step at batch 8 allocates about 530 times).
 UPDATE_ROUNDS = 5
 
 
@@ -103,9 +107,9 @@ class PlainOverlap:
             platform has none); the factor holds for a load like it.
         step_seconds: the plain step's least seconds on the single-threaded executor over
             the rounds (None: not measured).
-        update_seconds: the optimizer update's least seconds on the single-threaded
-            executor, timed as the profiled calls are (:func:`_time_update`; None: not
-            measured): with the graph's costs, the share of the step they account for
+        update_seconds: the optimizer update's least seconds within the plain step's runs on
+            the single-threaded executor, read off their trace (:class:`_StepTrace`; None:
+            not measured): with the graph's costs, the share of the step they account for
             (:attr:`tfremat.planner.PlanResult.step_share`).
     """
 
@@ -205,72 +209,133 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> PlainOverlap:
 
         run_sequential()  # the warm-up: traces and instantiates both, untimed
         default_step(x, y).numpy()
-        update = _UpdateTiming(model, loss_fn, fresh, x, y)
-        update.run_pass()
+        with sequential():
+            called = sequential_step.get_concrete_function(x, y).function_def.signature.name
+        parts = _StepTrace(run_sequential, called, sequential_step.parts)
+        parts.run_pass()
         timing = time_in_turns(run_sequential, lambda: default_step(x, y), MAX_ROUNDS, warmup=0,
                                enough=_enough_rounds(time.perf_counter()))
-        update.run_pass()
+        parts.run_pass()
     finally:
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     logger.info("plain overlap of %s: %.3f (single-threaded over default executor, median of %d rounds, quartiles "
-                "%.3f-%.3f, load %s; plain step %.2f ms, its optimizer update %.2f ms) in %.1f s", model.name,
+                "%.3f-%.3f, load %s; plain step %.2f ms, traced by part: %s) in %.1f s", model.name,
                 timing.ratio, timing.rounds, *timing.ratio_quartiles, "unknown" if load is None else f"{load:.1f}",
-                1e3 * timing.least_seconds, 1e3 * update.least, time.perf_counter() - started)
-    return PlainOverlap(timing.ratio, *timing.ratio_quartiles, timing.rounds, load, timing.least_seconds, update.least)
+                1e3 * timing.least_seconds, ", ".join(f"{part} {1e3 * seconds:.2f} ms" for part, seconds in
+                                                      sorted(parts.least.items())) or "no allocator events",
+                time.perf_counter() - started)
+    return PlainOverlap(timing.ratio, *timing.ratio_quartiles, timing.rounds, load, timing.least_seconds, parts.update)
 
 
-class _UpdateTiming:
-    """The seconds of the plain step's optimizer update, timed as the profiled calls are
-    (:mod:`tfremat.extract.analysis`): a traced function of the gradients, run on the
-    single-threaded executor in rounds within TensorFlow's trace
-    (:class:`~tfremat.extract.timing.TracedRounds`), its least run over passes that are
-    seconds apart (each :meth:`run_pass`), so a stall of the loaded machine costs one pass only.
+class _StepTrace:
+    """The plain step's seconds on the single-threaded executor, part by part, read off
+    TensorFlow's trace of its runs (:func:`step_parts`): the least of each part over
+    UPDATE_ROUNDS runs per pass, the passes seconds apart (each :meth:`run_pass`), so a stall
+    of the loaded machine costs one pass only.
 
-    No node's cost holds the update and every schedule runs it alike
-    (:attr:`tfremat.planner.PlanResult.step_share`). Timed against the profiled costs, not
-    against the plain step's least run from Python: that moved -23% to +34% between 5-25
-    rounds and 60 later rounds of one process, and the costs 15-20% between extractions,
-    where a share of costs over costs plus update moves with the update's small part only
-    (benchmarks/results/step_share.md).
-
-    The gradients are one batch's from an eager tape, of the types the plain step hands
-    the optimizer (an embedding's are ``IndexedSlices``); the update moves the model's
-    trainable variables and ``optimizer``'s (the caller restores the model's).
+    The update's part is what no node's cost holds and every schedule runs alike
+    (:attr:`tfremat.planner.PlanResult.step_share`). Read off the step's own runs, it costs
+    a trace of runs the overlap makes anyway, where a traced function of the update alone
+    cost its own trace and first call (3-4 s of a transformer's uncached extraction;
+    benchmarks/results/step_share.md). The runs are traced as the profiled calls are, with
+    the allocator's events, so the parts are in the costs' terms.
     """
 
-    def __init__(self, model, loss_fn, optimizer, x, y):
-        with tf.GradientTape() as tape:
-            preds = model(x, training=True)
-            loss = loss_fn(flatten_by_name(y, model_output_names(model), "outputs"), tf.nest.flatten(preds))
-        pairs = [(g, v) for g, v in zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-                 if g is not None]
-        variables = [v for _, v in pairs]
+    def __init__(self, run_step, function_name: str, parts: StepParts):
+        self._run_step = run_step
+        self._function_name = function_name
+        self._parts = parts
+        self.least: dict[str, float] = {}
 
-        def update(gradients):
-            optimizer.apply_gradients(zip(gradients, variables))
-            return tf.constant(0.0)
-
-        self._gradients = [g for g, _ in pairs]
-        with sequential():
-            self._update = tf.function(update, autograph=False).get_concrete_function(self._gradients)
-            self._update(self._gradients).numpy()  # its instantiation, outside the trace
-        self.least = math.inf
+    @property
+    def update(self) -> float | None:
+        """The update's least seconds (None: the trace held no allocator events)."""
+        return self.least.get("update")
 
     def run_pass(self) -> None:
-        """Times UPDATE_ROUNDS runs of the update and keeps the least run so far."""
-        def rounds() -> int:
-            with sequential():
+        """Runs and traces UPDATE_ROUNDS steps and keeps each part's least seconds so far."""
+        with tempfile.TemporaryDirectory(prefix="tfremat_step_") as logdir:
+            with profiler_trace(logdir):
                 for _ in range(UPDATE_ROUNDS):
-                    self._update(self._gradients).numpy()
-            return UPDATE_ROUNDS
+                    self._run_step()
+            for run in step_parts(logdir, self._function_name, self._parts):
+                for part, seconds in run.items():
+                    self.least[part] = min(self.least.get(part, math.inf), seconds)
 
-        def done(seconds: list[list[float]]) -> None:
-            self.least = min(self.least, *seconds[0])
 
-        with TracedRounds() as trace:
-            trace.run([self._update.function_def.signature.name], rounds, 0, done)
+def step_parts(logdir: str, function_name: str, parts: StepParts) -> list[dict[str, float]]:
+    """Per traced run of ``function_name`` in the profiler log ``logdir``, its seconds by part
+    (``parts``: the plain step's :class:`~tfremat.extract.plain_step.StepParts`).
+
+    The single-threaded executor marks no operation in the trace, but the allocator does:
+    each allocation names the operation that requested it, in the order they ran. The time
+    from one operation's first allocation to the next allocating operation's is that
+    operation's (with the operations between that allocate nothing: a variable's read or
+    assignment, a reshape, which belong to the same part but at a part's edge); the last
+    one's ends at the run's last allocator event. Empty without allocator events (no BFC
+    allocator)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    runs = []
+    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            if plane.name.startswith("/host:"):
+                runs.extend(_plane_runs(plane, function_name))
+    return [attributed_seconds(events, parts) for events in runs]
+
+
+def _plane_runs(plane, function_name: str) -> list[list[tuple[int, str | None]]]:
+    """Per call of ``function_name`` on ``plane``, the allocator events on the thread that
+    ran it: ``(time ps, operation name)`` for an allocation, ``(time ps, None)`` for a
+    deallocation, in time order."""
+    stat_names = {key: meta.name for key, meta in plane.stat_metadata.items()}
+    op_stat = next((key for key, name in stat_names.items() if name == "tf_op"), None)
+    kinds = {key: meta.name for key, meta in plane.event_metadata.items()
+             if meta.name in ("MemoryAllocation", "MemoryDeallocation", _EXECUTE + function_name)}
+    calls, by_line = [], {}
+    for line in plane.lines:
+        base = line.timestamp_ns * 1000
+        for event in line.events:
+            kind = kinds.get(event.metadata_id)
+            if kind is None:
+                continue
+            time_ps = base + event.offset_ps
+            if kind.startswith(_EXECUTE):
+                calls.append((time_ps, time_ps + event.duration_ps))
+                continue
+            op = None
+            if kind == "MemoryAllocation":
+                for stat in event.stats:
+                    if stat.metadata_id == op_stat:
+                        op = stat_names.get(stat.ref_value, "") if stat.ref_value else stat.str_value
+            by_line.setdefault(line.id, []).append((time_ps, op or None))
+    runs = []
+    for begin, end in sorted(calls):
+        within = {line_id: [e for e in events if begin <= e[0] <= end] for line_id, events in by_line.items()}
+        # The executor's thread is the one that allocated most: another thread's events
+        # (an intra-op worker's scratch) mark no operation's start.
+        busiest = max(within.values(), key=lambda events: sum(op is not None for _, op in events), default=[])
+        if any(op is not None for _, op in busiest):
+            runs.append(sorted(busiest, key=lambda e: e[0]))
+    return runs
+
+
+def attributed_seconds(events: list[tuple[int, str | None]], parts: StepParts) -> dict[str, float]:
+    """Seconds by part (``parts``) of one run's allocator events in time order
+    (:func:`_plane_runs`): from each allocation to the next one, the last one's to the last
+    event."""
+    seconds: dict[str, float] = {}
+    marks = [(time_ps, op) for time_ps, op in events if op is not None]
+    ends = [time_ps for time_ps, _ in marks[1:]] + [events[-1][0]]
+    for (time_ps, op), end in zip(marks, ends):
+        part = parts.of(op)
+        seconds[part] = seconds.get(part, 0.0) + (end - time_ps) * 1e-12
+    return seconds
 
 
 def _enough_rounds(began: float):

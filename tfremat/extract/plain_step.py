@@ -25,15 +25,48 @@ from tfremat.extract.layer_graph import model_output_names
 from tfremat.extract.side_table import flatten_by_name
 from tfremat.runtime.memory import measure_step_peak
 
-__all__ = ["measure_plain_step_peak", "plain_train_step"]
+__all__ = ["StepParts", "measure_plain_step_peak", "plain_train_step"]
 
 logger = logging.getLogger(__name__)
+
+
+class StepParts:
+    """Which part of a plain step made each of its operations: ``forward``, ``loss``,
+    ``backward`` (the tape's gradient, with its sums at fan-out), ``update`` or ``other``
+    (the step's inputs and outputs, operations Grappler made under names of its own).
+
+    Recorded while the step is traced, from the operations each part added to the graph,
+    rather than by name scopes of the step's own: a scope renames every operation, and
+    Grappler breaks ties by name (a forward scope that sorted before ``gradient_tape/``
+    changed a mixed-precision step's memory; tfremat/extract/checks.py), so the plain step
+    keeps the names a user's step has. A profiler trace names the operations that ran, so
+    this attributes a run's seconds to the parts (:func:`tfremat.extract.overlap.step_parts`).
+    """
+
+    def __init__(self):
+        self._by_name: dict[str, str] = {}
+        self._by_scope: dict[str, str] = {}
+
+    def record(self, part: str, operations) -> None:
+        """Marks ``operations`` (just added to the traced graph) as made by ``part``."""
+        for op in operations:
+            self._by_name[op.name] = part
+            scope = op.name.split("/", 1)[0]
+            # A top scope that holds one part's operations names that part for operations
+            # Grappler renamed within it (a fused op, a folded constant).
+            self._by_scope[scope] = part if self._by_scope.get(scope, part) == part else "other"
+
+    def of(self, op_name: str) -> str:
+        """The part that made ``op_name`` (by its top name scope where Grappler renamed it)."""
+        return self._by_name.get(op_name) or self._by_scope.get(op_name.split("/", 1)[0], "other")
 
 
 def plain_train_step(model, loss_fn, optimizer):
     """A plain training step ``step(x, y) -> loss`` as a ``tf.function``: the model's forward
     on a gradient tape, ``loss_fn`` on its outputs, the optimizer's update (built first, so
-    its slots exist before the step, as they do before a compiled one).
+    its slots exist before the step, as they do before a compiled one). The function's
+    ``parts`` (:class:`StepParts`) says which part of the step made each operation, once it
+    is traced.
 
     Traced without AutoGraph, as the profiler's calls and the compiled step are: a model they
     can trace gives the same operations, without converting each user layer's code first (the
@@ -42,15 +75,27 @@ def plain_train_step(model, loss_fn, optimizer):
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
 
+    parts = StepParts()
+
     @functools.partial(tf.function, autograph=False)
     def step(inputs, labels):
+        graph = tf.compat.v1.get_default_graph()
+
+        def recorded(part: str, run):
+            first = len(graph.get_operations())
+            result = run()
+            parts.record(part, graph.get_operations()[first:])
+            return result
+
         with tf.GradientTape() as tape:
-            preds = model(inputs, training=True)
-            loss = loss_fn(flatten_by_name(labels, model_output_names(model), "outputs"), tf.nest.flatten(preds))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            preds = recorded("forward", lambda: model(inputs, training=True))
+            loss = recorded("loss", lambda: loss_fn(flatten_by_name(labels, model_output_names(model), "outputs"),
+                                                    tf.nest.flatten(preds)))
+        grads = recorded("backward", lambda: tape.gradient(loss, model.trainable_variables))
+        recorded("update", lambda: optimizer.apply_gradients(zip(grads, model.trainable_variables)))
         return loss
 
+    step.parts = parts
     return step
 
 
