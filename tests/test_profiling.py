@@ -86,24 +86,27 @@ def _scripted_traced_pass(monkeypatch, passes):
     return answered
 
 
-def test_each_call_keeps_its_least_seconds_over_the_timing_passes(monkeypatch):
+def test_each_call_keeps_the_mean_of_its_least_half_of_the_timing_passes(monkeypatch):
     """Within timing_passes a call is timed once per pass, all passes when the final
-    analyses are asked for, and each timed function (the dispatch, the forward, the
-    forward and backward) keeps its least seconds over them."""
+    analyses are asked for, a call that makes most of the step (here the only one) in three
+    times as many, and each timed function (the dispatch, the forward, the forward and
+    backward) keeps the mean of its least half of them."""
     layer = keras.layers.Dense(4)
     layer.build((2, 3))
     spec = tf.TensorSpec([2, 3], tf.float32)
     # (dispatch, forward, forward and backward) per pass: each is least in another pass.
-    answered = _scripted_traced_pass(monkeypatch, [(1.0, 3.0, 10.0), (0.5, 2.0, 7.0), (0.25, 4.0, 6.0)])
+    answered = _scripted_traced_pass(
+        monkeypatch, [(1.0, 3.0, 10.0), (0.5, 2.0, 7.0), (0.25, 4.0, 6.0), *[(2.0, 5.0, 12.0)] * 6])
     with analysis.timing_passes(3) as passes:
         first = analysis.analyze_call(lambda xs: layer(xs[0]), "dense", [spec], [True], layer.trainable_variables,
                                       2, profile=True, repeats=5, warmup=2)
         assert answered == [] and first.forward_seconds == first.backward_seconds == 0.0
         final = passes.final(first)
     # The fewest rounds are shared among the passes; the passes after the first warm up once.
-    assert answered == [(2, 2), (2, 1), (2, 1)]
-    assert final.forward_seconds == analysis._on_grid(2.0 - 0.25)
-    assert final.backward_seconds == analysis._on_grid(6.0 - 2.0)
+    assert answered == [(2, 2), *[(2, 1)] * 8]
+    # The least four of nine: dispatch 0.25, 0.5, 1, 2; forward 2, 3, 4, 5; both 6, 7, 10, 12.
+    assert final.forward_seconds == analysis._on_grid(3.5 - 0.9375)
+    assert final.backward_seconds == analysis._on_grid(8.75 - 3.5)
     assert passes.final(first) is final
     assert dataclasses.replace(final, forward_seconds=0.0, backward_seconds=0.0) == \
         dataclasses.replace(first, forward_seconds=0.0, backward_seconds=0.0)
@@ -111,10 +114,20 @@ def test_each_call_keeps_its_least_seconds_over_the_timing_passes(monkeypatch):
     assert passes.final(final) is final
 
 
+def test_the_calls_that_make_most_of_the_step_get_the_extra_passes():
+    """_largest keeps the fewest calls, largest first by their longest function, whose
+    seconds make the share asked for."""
+    timings = [types.SimpleNamespace(chosen=lambda size=size: [0.0, size / 2, size]) for size in (5.0, 80.0, 10.0, 5.0)]
+    assert analysis._largest(timings, 0.8) == [timings[1]]
+    assert analysis._largest(timings, 0.85) == [timings[1], timings[2]]
+    assert analysis._largest(timings, 1.0) == [timings[1], timings[2], timings[0], timings[3]]
+
+
 def test_an_extraction_times_every_call_in_every_pass(monkeypatch):
     """extract() times each distinct call and the loss _TIMING_PASSES times, in passes over
     all of them (the second pass starts after the last call's first), each pass in one
-    trace."""
+    trace; then the calls that make most of the step twice as many times more, in rounds
+    of them, their passes sharing a trace."""
     timed, traces = [], []
     traced_pass = analysis._traced_pass
 
@@ -130,11 +143,14 @@ def test_an_extraction_times_every_call_in_every_pass(monkeypatch):
     model = keras.Model(x, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(5, activation="relu")(x)))
     batch = (np.ones((4, 6), np.float32), np.eye(3, dtype=np.float32)[[0, 1, 2, 0]])
     extract(model, batch, cost_model="profile", use_cache=False)
-    groups = len(timed) // analysis._TIMING_PASSES
-    assert analysis._TIMING_PASSES >= 2 and len(timed) == analysis._TIMING_PASSES * groups and groups >= 3
+    passes, groups = analysis._TIMING_PASSES, len({id(fn) for fn in timed})
+    assert passes >= 2 and groups >= 3
     first_pass = [id(fn) for fn in timed[:groups]]
-    for k in range(1, analysis._TIMING_PASSES):
+    for k in range(1, passes):
         assert [id(fn) for fn in timed[k * groups:(k + 1) * groups]] == first_pass
-    assert len({id(trace) for trace in traces}) == analysis._TIMING_PASSES
-    assert all(len({id(trace) for trace in traces[k * groups:(k + 1) * groups]}) == 1
-               for k in range(analysis._TIMING_PASSES))
+    assert len({id(trace) for trace in traces[:passes * groups]}) == passes
+    assert all(len({id(trace) for trace in traces[k * groups:(k + 1) * groups]}) == 1 for k in range(passes))
+    extra = [id(fn) for fn in timed[passes * groups:]]
+    large = extra[:len(extra) // (2 * passes)]
+    assert 1 <= len(large) <= groups and extra == large * (2 * passes) and set(large) <= set(first_pass)
+    assert len({id(trace) for trace in traces[passes * groups:]}) == 1

@@ -150,6 +150,9 @@ _LOOP_PEAKS: dict[tuple[str, str], tuple[int, int]] = {}
 _MIN_TIMING_SECONDS = 0.05
 _MAX_TIMED_RUNS = 400
 _TIMING_PASSES = 3
+# The calls that make this share of the timed seconds, largest first, are timed in three times
+# as many passes: where the step's time is, one window's load moved a profile's costs most.
+_LARGE_CALLS_SHARE = 0.8
 # Traced timings per trace within a pass (TracedRounds): a trace costs 10-20 ms to start,
 # stop and read besides its events, and one over a whole pass of a large model would hold
 # all its events at once.
@@ -256,10 +259,12 @@ class _Timing:
             _traced_pass(trace, calls, self.repeats, warmup, self.passes.append)
 
     def chosen(self) -> list[float]:
-        """Each function's least seconds over the passes: a stall that slows every run of
-        one window (the process waiting for a core for 50 ms on a loaded machine) costs
-        that window only, for each of the timed functions apart."""
-        return [min(seconds) for seconds in zip(*self.passes)]
+        """Each function's mean over its least half of the passes (the least of three):
+        a stall that slows every run of one window (the process waiting for a core
+        for 50 ms on a loaded machine) costs that window only, for each of the timed
+        functions apart, and the mean of a few quiet windows repeats better than the least
+        one (``benchmarks/profile_spread.py``)."""
+        return [float(np.mean(sorted(seconds)[:max(1, len(seconds) // 2)])) for seconds in zip(*self.passes)]
 
 
 class TimingPasses:
@@ -286,21 +291,16 @@ class TimingPasses:
             self._timings[id(derived)] = (derived, entry[1], seconds_of)
 
     def final(self, analysis: "CallAnalysis") -> "CallAnalysis":
-        """``analysis`` with the least seconds over the passes; the passes not run yet run
-        on the first call. An analysis not timed here (read from the cache) is returned as is."""
+        """``analysis`` with its seconds chosen over the passes (:meth:`_Timing.chosen`); the
+        passes not run yet run on the first call, the calls that make most of the step
+        (:data:`_LARGE_CALLS_SHARE`) in three times as many. An analysis not timed here (read
+        from the cache) is returned as is."""
         if not self._done:
             self._done = True
             timings = list({id(timing): timing for _, timing, _ in self._timings.values()}.values())
             for done in range(self.passes):
-                due = [timing for timing in timings if len(timing.passes) == done]
-                for timing in due:
-                    if not timing.traced:
-                        timing.run_pass()
-                traced = [timing for timing in due if timing.traced]
-                for first in range(0, len(traced), _TIMINGS_PER_TRACE):
-                    with TracedRounds() as trace:
-                        for timing in traced[first:first + _TIMINGS_PER_TRACE]:
-                            timing.run_pass(trace)
+                _run_passes([timing for timing in timings if len(timing.passes) == done], 1)
+            _run_passes(_largest(timings, _LARGE_CALLS_SHARE), 2 * self.passes)
         entry = self._timings.get(id(analysis))
         if entry is None:
             return analysis
@@ -308,6 +308,36 @@ class TimingPasses:
             _, timing, adapt = entry
             self._final[id(analysis)] = adapt(timing.finish(timing.chosen()))
         return self._final[id(analysis)]
+
+
+def _run_passes(timings: Sequence[_Timing], passes: int) -> None:
+    """``passes`` more passes over ``timings``; the traced ones in traces of at most
+    :data:`_TIMINGS_PER_TRACE` timings' rounds, consecutive passes sharing a trace."""
+    traced = []
+    for _ in range(passes):
+        for timing in timings:
+            if timing.traced:
+                traced.append(timing)
+            else:
+                timing.run_pass()
+    for first in range(0, len(traced), _TIMINGS_PER_TRACE):
+        with TracedRounds() as trace:
+            for timing in traced[first:first + _TIMINGS_PER_TRACE]:
+                timing.run_pass(trace)
+
+
+def _largest(timings: Sequence[_Timing], share: float) -> list[_Timing]:
+    """The fewest of ``timings``, largest first by their least seconds so far (the longest
+    timed function of each), whose seconds make ``share`` of all of theirs."""
+    sizes = [max(timing.chosen()) for timing in timings]
+    order = sorted(range(len(timings)), key=lambda k: -sizes[k])
+    total, kept = 0.0, []
+    for k in order:
+        if total >= share * sum(sizes):
+            break
+        kept.append(timings[k])
+        total += sizes[k]
+    return kept
 
 
 @contextlib.contextmanager
