@@ -531,41 +531,38 @@ def hold_allocator_peak(result, step, plan_at: Callable, read_peak: Callable, *,
             # Its schedule left the cache and was not found again: check from the budget.
             log.info("the remembered planning budget %s found no plan (%s); checking from the budget",
                      format_bytes(remembered), error)
+
+    def read(planning: int) -> int | None:
+        """The held peak of the current step (planned under ``planning``), recorded."""
+        peak = read_peak(step)
+        if peak is not None:
+            read_here[planning] = max(peak, read_here.get(planning, 0))
+            _remember_held(cache, graph, strategy, options, planning, peak)
+        return peak
+
+    def accept(planning: int, peak: int, log_it: bool) -> tuple:
+        if accepted is not None:
+            accepted(step, peak)
+        if log_it and planning != budget:
+            log.info("planned under %s so that the allocator's peak (%s held) stays within the budget %s",
+                     format_bytes(planning), format_bytes(peak), format_bytes(budget))
+        if planning != budget and planning != remembered:
+            remember_planning_budget(cache, graph, budget, strategy, options, planning)
+        return dataclasses.replace(result, budget_bytes=budget), step, planning
+
     first_predicted = result.predicted_peak_bytes
     last, read_smallest, failure = peak, False, None
     for _ in range(ALLOCATOR_ROUNDS):
         if peak is None:
-            peak = read_peak(step)
+            peak = read(planning_budget)
             if peak is None:
                 return result, step, None
             last = peak
-            read_here[planning_budget] = max(peak, read_here.get(planning_budget, 0))
-            _remember_held(cache, graph, strategy, options, planning_budget, peak)
             if peak <= budget:
-                if accepted is not None:
-                    accepted(step, peak)
-                if planning_budget != budget:
-                    log.info("planned under %s so that the allocator's peak (%s held) stays within the budget %s",
-                             format_bytes(planning_budget), format_bytes(peak), format_bytes(budget))
-                    if planning_budget != remembered:
-                        remember_planning_budget(cache, graph, budget, strategy, options, planning_budget)
-                return dataclasses.replace(result, budget_bytes=budget), step, planning_budget
+                return accept(planning_budget, peak, log_it=True)
         previous = planning_budget
-        # The first plan over is aimed by the excess scaled to the next plan's bytes; a plan
-        # over after that one subtracts its whole excess (the scaling did not hold for it).
-        planning_budget = next_planning_budget(planning_budget, budget, peak, result.predicted_peak_bytes,
-                                               graph.fixed_bytes if previous == budget else None)
-        # A plan read within the budget before bounds the aim from below, and after one aimed
-        # plan read over, is planned under at once (aims between read over in a row: MHA +
-        # GroupNorm at the 86% of activations a refusal named).
-        known = _known_planning_budget({**held, **read_here}, budget, previous)
-        if known is not None and (known > planning_budget or previous != budget):
-            log.info("a plan under %s was read within the budget %s before: planning under it",
-                     format_bytes(known), format_bytes(budget))
-            planning_budget = known
-        log.info("the allocator's peak %s held exceeds the budget %s (prediction %s); planning again under %s",
-                 format_bytes(peak), format_bytes(budget), format_bytes(result.predicted_peak_bytes),
-                 format_bytes(planning_budget))
+        planning_budget = _aimed_planning_budget(previous, budget, peak, result.predicted_peak_bytes,
+                                                 graph.fixed_bytes, {**held, **read_here}, log)
         try:
             if planning_budget <= 0:
                 raise InfeasibleBudgetError(planning_budget, strategy=strategy)
@@ -590,25 +587,51 @@ def hold_allocator_peak(result, step, plan_at: Callable, read_peak: Callable, *,
         failure = None
     if peak is None:
         # The rounds ended on a plan not read yet (the smallest found): read it, for the figure.
-        peak = read_peak(step)
+        peak = read(planning_budget)
         if peak is not None:
-            read_here[planning_budget] = max(peak, read_here.get(planning_budget, 0))
-            _remember_held(cache, graph, strategy, options, planning_budget, peak)
             last = peak
             if peak <= budget:
-                if accepted is not None:
-                    accepted(step, peak)
-                remember_planning_budget(cache, graph, budget, strategy, options, planning_budget)
-                return dataclasses.replace(result, budget_bytes=budget), step, planning_budget
-    # Reads over this budget only: a record of another process may hold a plan within it
-    # that read over here.
-    smallest = min([peak for peak in {**held, **read_here}.values() if peak > budget] + [last])
-    if unchecked_from is not None and smallest >= unchecked_from:
-        smallest = _checkpoint_all_held(result, plan_at, read_peak, unchecked_from, log) or smallest
-    # The budget copied back is checked in other allocator states: a second slack.
-    smallest += int(REFUSAL_SLACK * max(smallest - graph.fixed_bytes, 0))
+                return accept(planning_budget, peak, log_it=False)
+    smallest = _refusal_figure(result, {**held, **read_here}, last, plan_at, read_peak, unchecked_from, log)
     raise _allocator_refusal(budget, last, result.predicted_peak_bytes, first_predicted, planning_budget, smallest,
                              failure, strategy, count)
+
+
+def _aimed_planning_budget(previous: int, budget: int, peak: int, predicted: int, fixed: int,
+                           held: dict[int, int], log: logging.Logger) -> int:
+    """The budget to plan under after the plan planned under ``previous`` and predicted at
+    ``predicted`` bytes was held at ``peak``, over ``budget``: the first plan over is aimed
+    by the excess scaled to the next plan's bytes above ``fixed``, a plan over after that one
+    subtracts its whole excess (the scaling did not hold for it; :func:`next_planning_budget`).
+    A plan read within the budget before (``held``: by planning budget) bounds the aim from
+    below, and after one aimed plan read over, is planned under at once (aims between read
+    over in a row: MHA + GroupNorm at the 86% of activations a refusal named)."""
+    planning_budget = next_planning_budget(previous, budget, peak, predicted, fixed if previous == budget else None)
+    known = _known_planning_budget(held, budget, previous)
+    if known is not None and (known > planning_budget or previous != budget):
+        log.info("a plan under %s was read within the budget %s before: planning under it",
+                 format_bytes(known), format_bytes(budget))
+        planning_budget = known
+    log.info("the allocator's peak %s held exceeds the budget %s (prediction %s); planning again under %s",
+             format_bytes(peak), format_bytes(budget), format_bytes(predicted), format_bytes(planning_budget))
+    return planning_budget
+
+
+def _refusal_figure(result, held: dict[int, int], last: int, plan_at: Callable, read_peak: Callable,
+                    unchecked_from: int | None, log: logging.Logger) -> int:
+    """The smallest budget a refusal of ``result.budget_bytes`` names: the smallest held peak
+    over the budget of a plan read (``held``: by planning budget, this process's and other
+    processes' records; ``last``: the last plan's), or where that is a share the check does
+    not hold (``unchecked_from`` and up), the checkpoint-all step's
+    (:func:`_checkpoint_all_held`); plus :data:`REFUSAL_SLACK` of its bytes above the graph's
+    fixed bytes, as the budget copied back is checked in other states of the allocator."""
+    graph = result.extraction.graph
+    # Reads over this budget only: a record of another process may hold a plan within it
+    # that read over here.
+    smallest = min([peak for peak in held.values() if peak > result.budget_bytes] + [last])
+    if unchecked_from is not None and smallest >= unchecked_from:
+        smallest = _checkpoint_all_held(result, plan_at, read_peak, unchecked_from, log) or smallest
+    return smallest + int(REFUSAL_SLACK * max(smallest - graph.fixed_bytes, 0))
 
 
 def _checkpoint_all_held(result, plan_at: Callable, read_peak: Callable, unchecked_from: int,
