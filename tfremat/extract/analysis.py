@@ -46,8 +46,8 @@ profile to profile, where the median moves with the load. Elapsed time, not the 
 CPU time, which was steadier under load but weighs a call by the threads it runs on: the
 step's time, what the plan predicts, is elapsed time. A busy machine also slows every run for a second or two at a
 time, longer than one call's timing, so within an extraction every call is timed in
-:data:`_TIMING_PASSES` passes over all the calls, each timed function keeping its least
-seconds over them (:func:`timing_passes`). The forward and the forward-plus-backward are timed in turns,
+:data:`_TIMING_PASSES` passes over all the calls, the calls that make most of the step
+in three times as many, each timed function keeping the mean of its least half (:func:`timing_passes`). The forward and the forward-plus-backward are timed in turns,
 so the backward (their difference) is taken under one load, and every cost is rounded to a
 relative grid (:func:`_on_grid`) so that two profiles whose costs differ by noise give the
 solvers the same numbers. The peak of the bytes the run's operations request
@@ -146,7 +146,8 @@ _LOOP_TRACES = 4  # traces of a loop call's backward whose largest workspace is 
 _LOOP_PEAKS: dict[tuple[str, str], tuple[int, int]] = {}
 # Timing (_rounds): runs go on until they took this long and numbered `repeats`, or
 # this many; the least run of those is the cost. Within timing_passes every call is timed
-# this many times, in passes over all the calls, and each keeps its least.
+# this many times, in passes over all the calls (the largest calls three times as many), and each
+# keeps the mean of its least half (_Timing.chosen).
 _MIN_TIMING_SECONDS = 0.05
 _MAX_TIMED_RUNS = 400
 _TIMING_PASSES = 3
@@ -346,8 +347,9 @@ def timing_passes(passes: int | None = None):
     ``passes`` times (``passes`` defaults to :data:`_TIMING_PASSES`), in passes over all of
     them when the first analysis is asked for its final form (:meth:`TimingPasses.final`;
     on CPU each pass in one trace, :class:`~tfremat.extract.timing.TracedRounds`; an XLA or
-    GPU call once at analysis and ``passes - 1`` times there); each timed function keeps
-    its least seconds over the passes.
+    GPU call once at analysis and ``passes - 1`` times there), the calls that make
+    :data:`_LARGE_CALLS_SHARE` of the timed seconds ``2 * passes`` times more; each timed
+    function keeps the mean of its least half of the passes (:meth:`_Timing.chosen`).
 
     A busy machine slows every run for seconds at a time (on the 2-core machine at a load
     of 7, all runs of a call were 25-35% slower for a second or two, and least over a
