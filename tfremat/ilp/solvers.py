@@ -13,6 +13,7 @@ HiGHS libraries.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
@@ -55,6 +56,13 @@ _GUROBI_REPORT_SECONDS = 5.0
 # Seconds HiGHS gets to stop after Ctrl-C (it checks between simplex iterations and MIP
 # nodes, far more often) before the solve is left behind in its thread.
 _INTERRUPT_GRACE_SECONDS = 2.0
+# Seconds past its stall rule (CPU seconds) or time limit (wall seconds) that a MILP is
+# waited for before it is left to stop in its thread with the best solution it reported.
+# HiGHS 1.15 calls the interrupt callback and checks its time limit every ~0.1 s of the
+# search, but not while its root waits for the analytic centre (an interior-point solve of
+# the whole model, started at the root with neither callbacks nor a time limit): 4.5 CPU s
+# on the saved first-step transformer's model (benchmarks/results/planning_time.md).
+_OVERRUN_GRACE_SECONDS = 1.0
 # The thread count HiGHS's process-wide scheduler was last started with ("unset" before
 # the first run).
 _highs_scheduler_threads: int | None | str = "unset"
@@ -174,7 +182,10 @@ def solve_model(
             solution (counted from the solve's start when ``start`` is given, else from the
             first solution, and from each improving one), with status ``feasible`` and
             ``stalled`` set; None or ``math.inf``: never. A search that found nothing better for a while
-            rarely does later (docs/solver.md). For the relaxation with a stoppable
+            rarely does later (docs/solver.md). A MILP that HiGHS has not stopped a second
+            (``_OVERRUN_GRACE_SECONDS``) after the rule, or after ``time_limit``, is returned
+            with the best solution it reported (else ``start``) and left to stop in its thread:
+            HiGHS's root waits for its analytic centre without calling back. For the relaxation with a stoppable
             ``lp_method``, which finds no solutions, stop after this many CPU seconds (checked
             between simplex iterations), its bound from the duals so far; other LPs ignore it.
 
@@ -366,6 +377,12 @@ class _StallClock:
             self.stopped = True
         return self.stopped
 
+    def overrun(self) -> float:
+        """CPU seconds since the rule's time ran out (0 while it has not, or never can)."""
+        if self.stall_time is None or self.since is None:
+            return 0.0
+        return max(time.process_time() - self.since - self.stall_time, 0.0)
+
 
 def _highs_lp(highspy, model, relax: bool):
     """``model`` as a HiGHS LP (column-wise matrix, infinite bounds as HiGHS's infinity),
@@ -422,6 +439,8 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
 
     began = time.perf_counter()
     found: list[np.ndarray] = []
+    # The MILP's last reported bound, for a solve left behind (_run_highs's give_up).
+    last_bound: list[float] = []
     # A stoppable LP has no solutions to restart the clock: it runs from the start.
     stall = _StallClock(stall_time, started=start is not None or relax)
     if relax and stall_time is not None:
@@ -436,6 +455,8 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
             data = event.data_out
             incumbent = data.mip_primal_bound if abs(data.mip_primal_bound) < inf else None
             bound = data.mip_dual_bound if abs(data.mip_dual_bound) < inf else None
+            if bound is not None:
+                last_bound[:] = [bound]
             progress(Progress(data.running_time, incumbent, bound, _relative_gap(incumbent, bound)))
 
         def on_solution(event) -> None:
@@ -447,6 +468,9 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
             on_event(event)
 
         def stop_when_stalled(event) -> None:
+            bound = event.data_out.mip_dual_bound
+            if abs(bound) < inf:
+                last_bound[:] = [bound]
             if stall.stalled():
                 event.interrupt()
 
@@ -466,10 +490,30 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
         # solution) a later run asking for another thread count unless it is reset.
         highspy.Highs.resetGlobalScheduler(True)
         _highs_scheduler_threads = threads
-    run_status, interrupted = _run_highs(h, found)
+    def give_up() -> bool:
+        # Only a MILP is left behind: an LP has no solution to return.
+        if relax:
+            return False
+        if stall.stalled() and stall.overrun() >= _OVERRUN_GRACE_SECONDS:
+            return True
+        return time_limit is not None and time.perf_counter() - began >= time_limit + _OVERRUN_GRACE_SECONDS
+
+    run_status, interrupted = _run_highs(h, found, give_up)
+    # A solve left behind (by Ctrl-C or give_up): the best solution it reported, or the start.
+    best_reported = found[-1] if found else None if start is None or relax else np.asarray(start, dtype=float)
+    if run_status is None and not interrupted:
+        x = best_reported
+        objective = None if x is None else float(np.dot(model.cost, x))
+        bound = last_bound[0] if last_bound else None
+        name = (SolveStatus.NO_SOLUTION if x is None else SolveStatus.FEASIBLE if stall.stopped
+                else SolveStatus.TIME_LIMIT)
+        logger.info("HiGHS did not stop within %ss of its %s; its solve is left to stop in its thread",
+                    _OVERRUN_GRACE_SECONDS, "stall rule" if stall.stopped else "time limit")
+        return SolveResult(x, name, objective, bound, _relative_gap(objective, bound),
+                           time.perf_counter() - began, "highs", stalled=stall.stopped)
     if interrupted and run_status is None:
         raise SolveInterrupted(f"HiGHS was interrupted (Ctrl-C) after {time.perf_counter() - began:.1f}s",
-                               x=found[-1] if found else None, model=model, solver="highs")
+                               x=best_reported, model=model, solver="highs")
     if run_status == highspy.HighsStatus.kError:
         raise SolverError(f"HiGHS could not run the model: {h.modelStatusToString(h.getModelStatus())}")
     seconds = time.perf_counter() - began
@@ -510,7 +554,7 @@ def _solve_highs(model, relax, time_limit, mip_gap, threads, seed, start, progre
                        stalled=stall.stopped)
 
 
-def _run_highs(h, found: list):
+def _run_highs(h, found: list, give_up: Callable[[], bool] | None = None):
     """``h.run()``, stoppable by Ctrl-C within a second or two: ``(run status, interrupted)``.
 
     In the main thread (where Python runs signal handlers) HiGHS runs in a thread of its
@@ -521,8 +565,10 @@ def _run_highs(h, found: list):
     between the steps of a MIP, but not inside a MIP's root LP, which can take minutes:
     then the status is None and the solve is left to stop in its thread at its next
     check (the next solve waits for it: ``_wait_for_abandoned_solve``), and ``found``
-    holds the solutions HiGHS reported. Elsewhere ``h.run()`` runs in place (no signal
-    reaches that thread).
+    holds the solutions HiGHS reported. ``give_up`` (checked every 0.1 s) leaves the solve
+    the same way without Ctrl-C: status None, not interrupted; it is cancelled through the
+    callbacks too. Elsewhere ``h.run()`` runs in place (no signal reaches that thread, and
+    ``give_up`` is not read).
     """
     global _abandoned_solve
     if threading.current_thread() is not threading.main_thread():
@@ -553,6 +599,10 @@ def _run_highs(h, found: list):
     try:
         while thread.is_alive():
             thread.join(0.1)
+            if thread.is_alive() and give_up is not None and give_up():
+                stop.set()
+                _abandoned_solve = thread
+                return None, False
     except KeyboardInterrupt:
         interrupted = True
         stop.set()
@@ -573,12 +623,16 @@ def _run_highs(h, found: list):
 
 
 def _wait_for_abandoned_solve() -> None:
-    """Waits for a solve that Ctrl-C left running (HiGHS's scheduler is process-wide)."""
+    """Waits for a solve that Ctrl-C or ``give_up`` left running (HiGHS's scheduler is
+    process-wide, and HiGHS threads alive at exit abort the process)."""
     global _abandoned_solve
     if _abandoned_solve is not None and _abandoned_solve.is_alive():
-        logger.warning("waiting for the HiGHS solve interrupted earlier to stop")
+        logger.info("waiting for the HiGHS solve left running earlier to stop")
         _abandoned_solve.join()
     _abandoned_solve = None
+
+
+atexit.register(_wait_for_abandoned_solve)
 
 
 def _solve_gurobi(model, relax, time_limit, mip_gap, threads, seed, start, progress, presolve,
