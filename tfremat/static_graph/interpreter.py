@@ -48,10 +48,13 @@ weight gradient) were all deferred to the end of the backward pass, holding weig
 gradients that the graph counts as transient (docs/compiled-step.md, "Evidence").
 
 Every statement is created under a control dependency on the previous compute
-statement's token. That total order is what keeps a recomputation late (TensorFlow would
-otherwise run it as soon as its inputs exist, raising the peak) and distinct from the
-first computation (common-subexpression elimination does not merge operations with
-different control inputs). Control edges do not extend tensor lifetimes.
+statement's token, except in a chain of statements each of which reads the one before
+it, which share the token before the chain (:func:`_chained_computes`: a token inside it
+kept Grappler from regrouping arithmetic across layers as it does in plain training).
+That order is what keeps a recomputation late (TensorFlow would otherwise run it as soon
+as its inputs exist, raising the peak) and distinct from the first computation
+(common-subexpression elimination does not merge operations with different control
+inputs). Control edges do not extend tensor lifetimes.
 
 A token is an ``IdentityN`` that reads the statement's outputs as data (:func:`_token`),
 not the outputs themselves. Graph passes that merge a producer into its consumer check
@@ -81,6 +84,7 @@ interpreter cannot consume a tensor after its deallocate statement.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -241,8 +245,12 @@ class _Interpreter:
         # product of forward and gradient values, and with the forward scopes first it moved
         # a softmax gradient's scale multiply into the forward (a float32 buffer per
         # attention call kept until the backward under mixed_float16;
-        # tests/test_mixed_precision.py).
-        with tf.name_scope("step"):
+        # tests/test_mixed_precision.py). Plain training's forward names sort first, so
+        # the step is not bitwise like it where such a tie decides the rounding (a
+        # hard-swish's gradient; benchmarks/results/mobilenetv3_exact.md).
+        chained = _chained_computes(self.graph, plan, self._last_weight_uses(plan))
+        in_chain, chain_produced = False, []
+        with tf.name_scope("step"), contextlib.ExitStack() as chain_block:
             for position, statement in enumerate(plan):
                 node = statement.node
                 if statement.op is Op.ALLOCATE:
@@ -254,15 +262,26 @@ class _Interpreter:
                     self.report.recompute_statements += statement.recompute
                     first_op = len(tf_graph.get_operations())
                     self.tie = self.previous if self.xla and statement.recompute else None
-                    with tf.control_dependencies(self.token):
-                        produced = self._compute(node, statement.recompute, last_compute[node] == position)
+                    if not in_chain:
+                        chain_block.enter_context(tf.control_dependencies(self.token))
+                        in_chain = True
+                    produced = self._compute(node, statement.recompute, last_compute[node] == position)
                     self.report.statement_ops.append(tf_graph.get_operations()[first_op:])
                     produced = [t for t in produced if t is not None]
                     self.freed_parts.pop(node, None)
                     held_bytes[position] = self._held_bytes(node)
+                    if not chained[position]:
+                        chain_block.close()
+                        in_chain = False
+                        if produced or chain_produced:
+                            self.token = [_token(produced or chain_produced)]
+                        chain_produced = []
+                    elif produced:
+                        chain_produced = produced
                     if produced:
-                        self.token = [_token(produced)]
                         self.previous = produced
+                    # A chained statement is never a layer's last use (_chained_computes).
+                    if produced and not chained[position]:
                         layer = self.table[self.table[node].forward_node].layer if self.table[node].kind != "loss" else None
                         for variable in getattr(layer, "trainable_variables", ()):
                             self.last_reader[id(variable)] = self.token
@@ -317,6 +336,19 @@ class _Interpreter:
         self.report.ledger_bytes = self._ledger(plan, held_bytes)
         self._log_summary()
         return self.loss, self.predictions, gated
+
+    def _last_weight_uses(self, plan: ExecutionPlan) -> set[int]:
+        """Positions of the compute statements that are the last use of a layer with
+        trainable variables: its weight gradients are gated on their tokens (``run``)."""
+        last_use: dict[int, int] = {}
+        for position, statement in enumerate(plan):
+            entry = self.table[statement.node] if statement.op is Op.COMPUTE else None
+            if entry is None or entry.kind == "loss":
+                continue
+            layer = self.table[entry.forward_node].layer
+            if getattr(layer, "trainable_variables", ()):
+                last_use[id(layer)] = position
+        return set(last_use.values())
 
     def _log_summary(self) -> None:
         """One line for what the per-node debug lines say (the node numbers are in the debug log)."""
@@ -892,3 +924,44 @@ def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
                                scale_loss or (lambda loss: loss), sample_weight, plan.implementations, xla)
     loss, predictions, weight_grads = interpreter.run(plan)
     return loss, predictions, weight_grads, interpreter.report
+
+
+def _chained_computes(graph: DFGraph, plan: ExecutionPlan, weight_gates: set[int]) -> dict[int, bool]:
+    """Compute statement position -> whether the next compute statement reads its node
+    with nothing but allocate statements and deallocates of values never offloaded in
+    between (a deallocate of an offloaded value makes the next statement wait for the
+    copy, which needs a token), and the statement is not in ``weight_gates``, the last
+    uses of layers whose weight gradients wait for its token: a token made only for them
+    would have no reader in the statement chain, so TensorFlow's executor would run it
+    late and hold the outputs it reads (an input gradient) until then.
+
+    No token is made between two such statements: the second reads the first's outputs, so
+    it runs after them anyway, and both are created in one ``tf.control_dependencies`` block
+    on the token before the chain, where an operation that reads one made in the block gets
+    no control input (as in plain training). Grappler's arithmetic optimizer rewrites a sum
+    only where the inner ``Add`` has no other data consumer and the root none control
+    input; a token reading a batch norm's output, and a control input on the ``Add`` that
+    reads it, kept the batch norm's final add from being regrouped into a residual ``Add``
+    as plain training does, so the gradients differed in the last bits
+    (benchmarks/results/mobilenetv3_exact.md, tests/test_mobilenetv3_exact.py). Without a
+    control edge inside the chain, a producer merged into its consumer (oneDNN's ``Pad``
+    into ``Conv2D``) cannot wait on itself.
+    """
+    statements = plan.statements
+    offloaded: set[int] = set()
+    chained: dict[int, bool] = {}
+    for position, statement in enumerate(statements):
+        if statement.op is Op.OFFLOAD:
+            offloaded.add(statement.node)
+        if statement.op is not Op.COMPUTE:
+            continue
+        chained[position] = False
+        if position in weight_gates:
+            continue
+        for later in statements[position + 1:]:
+            if later.op is Op.COMPUTE:
+                chained[position] = statement.node in graph.predecessors[later.node]
+                break
+            if not (later.op is Op.ALLOCATE or (later.op is Op.DEALLOCATE and later.node not in offloaded)):
+                break
+    return chained
