@@ -831,6 +831,24 @@ def test_a_model_with_its_own_train_step_or_compute_loss_is_refused():
         tfremat.fit(model, "100%", x, y, batch_size=8, epochs=1, cost_model="flops", verbose=0)
 
 
+def test_a_train_step_override_compiled_without_a_loss_is_told_the_way_in():
+    """keras.io's VAE overrides train_step, compiles with an optimizer alone and trains on x:
+    fit answered "pass y", then "compile the model first", never the refusal naming
+    value_and_grad (the fifth user check, benchmarks/results/user_check_5.md)."""
+    class OwnStep(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    x, _ = data(16)
+    base = compiled_convnet()
+    model = OwnStep(base.inputs, base.outputs)
+    model.compile(optimizer="adam")
+    with pytest.raises(ExtractionError, match="overrides train_step.*tfremat.value_and_grad"):
+        tfremat.fit(model, "70%", x, batch_size=8, epochs=1, cost_model="flops", verbose=0)
+    with pytest.raises(ExtractionError, match="overrides train_step.*tfremat.value_and_grad"):
+        model.fit(x, x, batch_size=8, epochs=1, verbose=0, callbacks=[RematCallback("70%", cost_model="flops")])
+
+
 def _dense_model(seed=0):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((8,))

@@ -129,15 +129,21 @@ def fit(
     Raises:
         ArgumentError: ``model`` is no ``keras.Model``, or ``budget`` is None.
         TfrematError: the model is not compiled.
+        ExtractionError: the model overrides ``train_step``, ``compute_loss`` or ``call``, or
+            adds losses (checked first: such a model is often compiled without a loss).
     """
     import keras
 
+    from tfremat.extract.checks import refuse_unmodelled_training
     from tfremat.keras import RematCallback
 
     check_keras_model(model)
     if budget is None:
         raise ArgumentError("budget=None: tfremat.fit needs a budget (bytes, '3.5GiB' or '50%'); without one every "
                             "activation is kept, which is model.fit's own step: call model.fit to train without a limit")
+    # A train_step override (keras.io's VAE, GAN) is compiled without a loss and trains without
+    # labels: its refusal names the way in (value_and_grad), which the checks below would hide.
+    refuse_unmodelled_training(model)
     if y is None and x is not None and all(hasattr(a, "shape") for a in _flat(x)):
         raise ArgumentError("y=None: tfremat.fit trains on labelled batches; pass y with the arrays x, or x as a "
                             "tf.data.Dataset yielding (x, y) batches")

@@ -248,9 +248,9 @@ class RematCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self.model
+        refuse_unmodelled_training(model)  # first: a train_step override is compiled without a loss
         if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
             raise TfrematError("RematCallback needs a compiled model (model.compile(optimizer=..., loss=...))")
-        refuse_unmodelled_training(model)
         check_distribute_strategy(model.distribute_strategy)
         refuse_model_fit(model)  # MultiWorkerMirroredStrategy: tfremat.fit trains in a loop of its own
         self._strategy = model.distribute_strategy if is_distributed(model.distribute_strategy) else None
