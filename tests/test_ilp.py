@@ -896,7 +896,7 @@ def test_cli_solve_ctrl_c_exits_130_with_the_best_schedule(tmp_path):
     with open(tmp_path / "stdout", "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "tfremat.cli", "solve", f"--graph={graph_file}", "--strategy=optimal",
-             "--time_limit=120", "--budget=20%", "--json"],
+             "--time_limit=120", "--budget=20%", "--json", "--verbosity=0"],  # INFO: the incumbents
             stdout=out, stderr=subprocess.PIPE, text=True, cwd=_REPO,
         )
     # The signal goes after the first incumbent is reported, not after a fixed sleep: a

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from graph_factories import random_training_graph
@@ -144,6 +147,33 @@ def test_phase_progress_writes_one_line_per_phase_and_nothing_when_disabled(caps
     quiet.update("anything")
     quiet.done("89 nodes")
     assert capsys.readouterr().err == ""
+
+
+def test_a_warning_or_log_record_starts_its_own_line_while_a_phase_is_open():
+    """A warning written while a phase's line was open continued it ("gap 34.30%schedule
+    repair is not ...", the fifth user check); the progress now goes on below it. In a
+    subprocess: Python's own stderr handlers, not pytest's captures."""
+    script = textwrap.dedent("""
+        import logging, warnings
+        from tfremat.planner import PhaseProgress
+        phases = PhaseProgress("tfremat batch (8, 4)")
+        phases.start("planning")
+        phases.update("gap 34.30%")
+        logging.getLogger("tfremat.ilp.milp").warning("schedule repair is not a solution")
+        phases.update("gap 10.00%")
+        warnings.warn("a Python warning")
+        phases.done("3 recomputations")
+        logging.getLogger("tfremat").warning("after the phase")
+    """)
+    # bytes: text mode's universal newlines would turn each "\r" into a line break
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, check=True).stderr.decode()
+    lines = [line.split("\r")[-1].rstrip() for line in err.rstrip("\n").split("\n")]
+    assert lines[0] == "tfremat batch (8, 4): planning: gap 34.30%"
+    assert lines[1] == "schedule repair is not a solution"
+    assert lines[2] == "tfremat batch (8, 4): planning: gap 10.00%"
+    assert lines[3].endswith("UserWarning: a Python warning")
+    assert lines[-2].startswith("tfremat batch (8, 4): planning: 3 recomputations, ")
+    assert lines[-1] == "after the phase"
 
 
 def test_plan_graph_verbose_zero_is_silent_and_the_summary_says_what_the_plan_gives(capfd):

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 from tfremat.budget import check_budget
 from tfremat.errors import (
@@ -551,6 +552,10 @@ def main(argv: list[str]) -> None:
     # inter-op threads TF runs sibling gradient ops together, each with its own scratch).
     os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if not FLAGS["verbosity"].present:
+        # absl logs INFO by default: every module's solver and extraction notes would
+        # interleave with the progress lines; --verbosity=0 brings them back.
+        absl_logging.set_verbosity(absl_logging.WARNING)
     FLAGS.command = argv[1]
     _catch_sigint()
     try:

@@ -237,6 +237,64 @@ def _extra(cost: float, total_cost: float) -> str:
     return f"{100 * (cost / total_cost - 1):+.1f}%" if total_cost > 0 else f"{cost:.6g}"
 
 
+class _OpenLines:
+    """The progress lines left open on stderr (rewritten in place with ``\\r``). A log record
+    or a Python warning written while one is open ends it first, so that the message starts
+    a line of its own instead of continuing the progress line ("gap 34.30%schedule repair
+    is not ..."); the progress goes on below it. The hooks (a filter on the root logger's
+    handlers and on ``logging.lastResort``, a wrapper of ``warnings.showwarning``) are in
+    place only while a line is open."""
+
+    def __init__(self):
+        self.lines: list = []
+        self._handlers: list[logging.Handler] = []
+        self._showwarning = None
+
+    def opened(self, line) -> None:
+        if line in self.lines:
+            return
+        if not self.lines:
+            self._hook()
+        self.lines.append(line)
+
+    def closed(self, line) -> None:
+        if line in self.lines:
+            self.lines.remove(line)
+            if not self.lines:
+                self._unhook()
+
+    def end_lines(self, *_) -> bool:
+        """Ends the open lines (a newline once), keeping them open for their next rewrite."""
+        if any(line.width for line in self.lines):
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+        for line in self.lines:
+            line.width = 0
+        return True  # as a logging filter: the record is written
+
+    def _hook(self) -> None:
+        self._handlers = [*logging.getLogger().handlers, *([logging.lastResort] if logging.lastResort else [])]
+        for handler in self._handlers:
+            handler.addFilter(self.end_lines)
+        self._showwarning = warnings.showwarning
+        shown = self._showwarning
+
+        def showwarning(*args, **kwargs):
+            self.end_lines()
+            shown(*args, **kwargs)
+
+        warnings.showwarning = showwarning
+
+    def _unhook(self) -> None:
+        for handler in self._handlers:
+            handler.removeFilter(self.end_lines)
+        self._handlers = []
+        warnings.showwarning = self._showwarning
+
+
+_OPEN_LINES = _OpenLines()
+
+
 class _SolverProgress:
     """A one-line progress display of the solver's best schedule, bound and gap on stderr
     (:func:`describe_report`), rewritten in place."""
@@ -247,6 +305,7 @@ class _SolverProgress:
         self.width = 0
 
     def __call__(self, report) -> None:
+        _OPEN_LINES.opened(self)
         line = f"{self.label}: {describe_report(report, self.total_cost)}"
         sys.stderr.write("\r" + line.ljust(self.width))
         sys.stderr.flush()
@@ -255,6 +314,8 @@ class _SolverProgress:
     def close(self) -> None:
         if self.width:
             sys.stderr.write("\n")
+        self.width = 0
+        _OPEN_LINES.closed(self)
 
 
 class PhaseProgress:
@@ -292,6 +353,7 @@ class PhaseProgress:
         seconds = time.perf_counter() - self.started
         self._write(f"\r{self.label}: {self.what}: {result}, {seconds:.1f}s", end="\n")
         self.width = 0
+        _OPEN_LINES.closed(self)
         return seconds
 
     def close(self) -> None:
@@ -300,10 +362,13 @@ class PhaseProgress:
             sys.stderr.write("\n")
             sys.stderr.flush()
         self.width = 0
+        _OPEN_LINES.closed(self)
 
     def _write(self, line: str, end: str = "") -> None:
         if not self.enabled:
             return
+        if not end:
+            _OPEN_LINES.opened(self)
         visible = len(line.lstrip("\r"))
         sys.stderr.write(line + " " * max(self.width - visible, 0) + end)
         sys.stderr.flush()
