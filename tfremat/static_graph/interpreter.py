@@ -956,12 +956,22 @@ def _chained_computes(graph: DFGraph, plan: ExecutionPlan, weight_gates: set[int
         if statement.op is not Op.COMPUTE:
             continue
         chained[position] = False
-        if position in weight_gates:
+        if position in weight_gates or not _first_forward(graph, statement):
             continue
         for later in statements[position + 1:]:
             if later.op is Op.COMPUTE:
-                chained[position] = statement.node in graph.predecessors[later.node]
+                chained[position] = _first_forward(graph, later) and statement.node in graph.predecessors[later.node]
                 break
             if not (later.op is Op.ALLOCATE or (later.op is Op.DEALLOCATE and later.node not in offloaded)):
                 break
     return chained
+
+
+def _first_forward(graph: DFGraph, statement) -> bool:
+    """Whether ``statement`` is a forward node's first computation (not a recomputation,
+    a backward node or the loss): only those are chained (:func:`_chained_computes`). In a
+    chain of backward statements the operations that do not read the previous statement
+    (the values of an attention's probabilities-times-values gradient) lost their place
+    after it and ran at another point, so a statement requested more than its prediction
+    (tests/test_requested_statements.py)."""
+    return statement.op is Op.COMPUTE and not statement.recompute and not graph.is_backward[statement.node]
