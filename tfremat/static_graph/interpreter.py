@@ -50,7 +50,8 @@ gradients that the graph counts as transient (docs/compiled-step.md, "Evidence")
 Every statement is created under a control dependency on the previous compute
 statement's token, except in a chain of first forward computations each of which reads
 the one before it, which share the token before the chain (:func:`_chained_computes`: a
-token inside it kept Grappler from regrouping arithmetic across layers as it does in plain training).
+token inside it kept Grappler from regrouping arithmetic across layers as it does in
+plain training).
 That order is what keeps a recomputation late (TensorFlow would otherwise run it as soon
 as its inputs exist, raising the peak) and distinct from the first computation
 (common-subexpression elimination does not merge operations with different control
@@ -929,8 +930,9 @@ def interpret_plan(graph: DFGraph, side_table: Any, plan: ExecutionPlan, x, y,
 def _chained_computes(graph: DFGraph, plan: ExecutionPlan, weight_gates: set[int]) -> dict[int, bool]:
     """Compute statement position -> whether both it and the next compute statement are
     first forward computations (:func:`_first_forward`) and the next reads its node, with
-    nothing but allocate statements and deallocates of values never offloaded in between (a deallocate of an offloaded value makes the next statement wait for the
-    copy, which needs a token), and the statement is not in ``weight_gates``, the last
+    nothing but allocate statements and deallocates of values never offloaded in between
+    (a deallocate of an offloaded value makes the next statement wait for the copy, which
+    needs a token), and the statement is not in ``weight_gates``, the last
     uses of layers whose weight gradients wait for its token: a token made only for them
     would have no reader in the statement chain, so TensorFlow's executor would run it
     late and hold the outputs it reads (an input gradient) until then.
