@@ -11,6 +11,7 @@ from tfremat.graph import DFGraph
 from tfremat.ilp.deadlines import seconds_left
 from tfremat.ilp.formulation import (
     build_milp,
+    has_step_rules,
     lower_bound_reason,
     memory_lower_bound,
     r_column_count,
@@ -149,6 +150,11 @@ def _solve_approx_lp(graph, budget_bytes, incumbent, *, began, solver, time_limi
         if allowance == 1.0:
             if result.status == SolveStatus.INFEASIBLE:
                 _, heuristic_peak = best_baseline(graph, budget_bytes, 0.0, portfolio_deadline(began, time_limit))
+                # The model's step rules may cut off every schedule that fits (has_step_rules).
+                if has_step_rules(graph):
+                    raise infeasible_error(graph, budget_bytes, heuristic_peak, "approx_lp",
+                                           "the LP relaxation within the MILP's step rules is infeasible",
+                                           proven=False)
                 raise infeasible_error(graph, budget_bytes, heuristic_peak, "approx_lp",
                                        "the LP relaxation is infeasible", lower_bound_bytes=budget_bytes + 1)
             lp_bound = max(lp_bound, result.best_bound or 0.0)

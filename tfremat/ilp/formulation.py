@@ -39,7 +39,10 @@ there are fixed at 0, :func:`weight_gradient_stages`), and a split backward
 (weight-gradient node w, input-gradient node w+1) recomputes w+1 only right after w, and
 runs nothing else in stage w+1 unless it recomputes w there too. A forward node runs
 after its backward only to recompute a later node that was kept neither (a backward
-node), so little is given up; graphs without weight gradients (Checkmate's) are
+node), so little cost is given up; but near the smallest feasible budget that may be the
+only way to fit, so these rules and the fresh-gradient rows below (the step rules,
+:func:`has_step_rules`) can make the model infeasible where a schedule fits, and
+``step_rules=False`` leaves them out. Graphs without weight gradients (Checkmate's) are
 unchanged.
 
 With ``DFGraph.weight_grads_to_end`` (the optimizer updates all run after the backward
@@ -155,6 +158,7 @@ __all__ = [
     "memory_lower_bound",
     "last_descendants",
     "weight_gradient_stages",
+    "has_step_rules",
     "r_column_count",
     "implementation_modes",
     "cheapest_implementations",
@@ -261,6 +265,20 @@ def weight_gradient_stages(graph: DFGraph) -> np.ndarray:
     return until
 
 
+def has_step_rules(graph: DFGraph, choose_implementations: bool = False) -> bool:
+    """Whether :func:`build_milp`'s step rules may cut schedules off ``graph``: a forward
+    node with weight gradients not computed after its weight-gradient node's stage
+    (:func:`weight_gradient_stages`), split backwards kept together
+    (:func:`_split_weight_gradient_rows`), no backward node on a stale input
+    (:func:`_fresh_gradient_rows`). Each keeps the model's memory exact, but a schedule
+    they cut off may be the only one that fits a budget (a layer recomputed after its
+    backward pass, to free a value held across the heaviest node: issue 33), so the
+    model's infeasibility proves nothing about the budget where they apply."""
+    weight_rules = not graph.weight_grads_to_end and any(graph.weight_grad_bytes)
+    fresh_rules = bool(graph.inputs_read_with_forward) or (choose_implementations and bool(graph.implementations))
+    return weight_rules or fresh_rules
+
+
 def weight_gradients_to_end(graph: DFGraph) -> tuple[np.ndarray, dict[int, tuple[int, int]]]:
     """With ``weight_grads_to_end`` (module doc): per stage t, the weight-gradient bytes
     held through it, those of every layer whose take node (its first backward node) is
@@ -322,7 +340,8 @@ class _Layout:
     workspaces, and with ``keep_columns`` the keep column arrays, filled as the columns are
     built (n x n: only a model needs them, not its bounds)."""
 
-    def __init__(self, graph: DFGraph, choose_implementations: bool, keep_columns: bool = False):
+    def __init__(self, graph: DFGraph, choose_implementations: bool, keep_columns: bool = False,
+                 step_rules: bool = True):
         n = graph.size
         self.graph = graph
         self.modes = implementation_modes(graph) if choose_implementations else {}
@@ -350,7 +369,7 @@ class _Layout:
             successors[source] = sorted(set(successors[source]) | set(successors[view]))
         self.values = tuple(self._values_of(i, successors[i]) for i in range(n))
         self.last = _last_descendants([sorted({k for v in values for k, _ in v.readers}) for values in self.values])
-        self.until = weight_gradient_stages(graph)
+        self.until = weight_gradient_stages(graph) if step_rules else np.full(n, n - 1)
         self.held, self.held_own = weight_gradients_to_end(graph)
         self.most_values = max(map(len, self.values))
         # Per node, the bytes it makes by the mode that makes them (None: every computation).
@@ -1257,6 +1276,7 @@ def build_milp(
     peak_within_cost: float | None = None,
     exact_stages: Iterable[int] | None = None,
     choose_implementations: bool = False,
+    step_rules: bool = True,
 ) -> CheckmateModel:
     """Builds Checkmate's MILP for ``graph`` under ``budget_bytes`` (see the module doc).
 
@@ -1279,6 +1299,11 @@ def build_milp(
         choose_implementations: choose every node's implementation among the graph's
             alternatives jointly with the schedule (MONeT; module doc). False: the
             graph's own numbers (Checkmate's model).
+        step_rules: build the rules :func:`has_step_rules` names. False leaves them
+            out; the model then counts no more memory than the simulator for any
+            schedule (the weight gradients a rule kept out of a moment are not counted
+            there), so it is a relaxation of every schedule: its infeasibility proves
+            that none fits ``budget_bytes``, and its solutions must be simulated.
 
     Returns:
         The model. Its objective, times ``cost_scale``, is the total compute cost of the
@@ -1287,7 +1312,7 @@ def build_milp(
     if peak_within_cost is not None and exact_stages is not None:
         raise ArgumentError("peak_within_cost needs every stage accounted exactly; leave exact_stages=None")
     n = graph.size
-    layout = _Layout(graph, choose_implementations, keep_columns=True)
+    layout = _Layout(graph, choose_implementations, keep_columns=True, step_rules=step_rules)
     scale, capacity, cost_scale = _units(layout, budget_bytes)
     b = SparseBuilder()
     cols = _schedule_columns(b, layout, cost_scale, minimize_peak=peak_within_cost is not None)
@@ -1295,9 +1320,10 @@ def build_milp(
         _dependency_rows(b, cols, t)
         _keep_or_recompute_rows(b, layout, t, cols.r_index)
     _implementation_rows(b, cols)
-    _split_weight_gradient_rows(b, cols)
+    if step_rules:
+        _split_weight_gradient_rows(b, cols)
     _view_rows(b, layout)
-    fresh_keys = _fresh_gradient_rows(b, cols)
+    fresh_keys = _fresh_gradient_rows(b, cols) if step_rules else []
 
     exact_stage = np.ones(n, dtype=bool) if exact_stages is None else np.isin(np.arange(n), list(exact_stages))
     free_start = len(b.cost)

@@ -38,6 +38,7 @@ from tfremat.ilp.formulation import (
     CheckmateModel,
     build_milp,
     cheapest_implementations,
+    has_step_rules,
     lower_bound_reason,
     memory_lower_bound,
     no_remat_cost,
@@ -479,7 +480,9 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, prob
     holds for the exact model. A solution that overflows only in exact stages, by no more
     than the solver's tolerance (memory in units of the budget), lowers the model's budget
     by the overflow and is solved again; bounds and infeasibility proofs of a lowered
-    model are not used.
+    model are not used. An infeasibility proof of the model holds within its step rules
+    only: the model without them decides (:func:`_without_step_rules`), and a schedule that
+    fits (the heuristic's, or that model's when cheaper) is returned as ``feasible``.
 
     Once a schedule fits, ``stall_time`` ends the rounds too: a solve stopped by it, or a
     round that ends with an overflowing solution once ``stall_time`` seconds of CPU time
@@ -499,13 +502,17 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, prob
     lowered = 0.0
     solve_seconds = 0.0
     proven = False
+    # The model was proven infeasible: the search ended, not the time.
+    model_infeasible = False
     rounds_began = time.process_time()  # CPU time, as the stall rule counts it
     while True:
         start = model.encode(incumbent) if incumbent is not None else None
         if incumbent is not None and start is None:
-            # Expected after lowering the budget (the incumbent may peak above it); else a defect.
-            logger.log(logging.INFO if lowered else logging.WARNING,
-                       "schedule %s is not a solution of this model (it uses a variable the model prunes, or peaks "
+            # Expected after lowering the budget (the incumbent may peak above it) and from a
+            # heuristic that breaks the step rules (recomputes a layer after its backward); else a defect.
+            expected = lowered or has_step_rules(graph, problem.choose_implementations)
+            logger.log(logging.INFO if expected else logging.WARNING,
+                       "schedule %s is not a solution of this model (it breaks the model's step rules, or peaks "
                        "above its lowered budget); solving without a MIP start", incumbent.strategy)
         logger.info("%s: %d variables, %d constraints, %d of %d stages exact, start %s", problem.strategy,
                     model.num_vars, model.num_constraints, len(exact_stages), graph.size,
@@ -520,8 +527,20 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, prob
         solve_seconds += result.seconds
         stalled = result.stalled
         if result.status == SolveStatus.INFEASIBLE and not lowered:
-            raise problem.infeasible(graph, budget_bytes, smallest_peak, f"{result.solver} proved no schedule fits",
-                                     lower_bound_bytes=budget_bytes + 1)
+            # A proof about the model, whose step rules may cut off every schedule that fits.
+            none_fits, relaxed = _without_step_rules(graph, budget_bytes, problem, solver=solver, deadline=deadline,
+                                                     threads=threads, seed=seed, start=incumbent, mip_gap=mip_gap,
+                                                     stall_time=stall_time)
+            if incumbent is None and relaxed is None:
+                raise _infeasible_beyond_step_rules(problem, graph, budget_bytes, smallest_peak, result.solver,
+                                                    none_fits)
+            if relaxed is not None and (incumbent is None or relaxed.cost(graph) < incumbent.cost(graph)):
+                incumbent = relaxed
+                tracker.offer(incumbent)
+            logger.info("%s: %s proved that no schedule within the model's step rules fits; returning %s, which "
+                        "breaks them", problem.strategy, result.solver, incumbent.strategy)
+            bound, model_infeasible = problem.cost_floor(graph), True
+            break
         if result.best_bound is not None and not lowered:
             bound = max(bound, result.best_bound)
             tracker.raise_bound(bound)
@@ -571,13 +590,67 @@ def _solve_with_stage_rows(graph, model, baseline, smallest_peak, lp_bound, prob
     if proven or relative_gap(cost, bound) <= mip_gap:
         status = SolveStatus.OPTIMAL
     else:
-        status = SolveStatus.TIME_LIMIT if time_limit is not None and not stalled else SolveStatus.FEASIBLE
+        status = (SolveStatus.TIME_LIMIT if time_limit is not None and not stalled and not model_infeasible
+                  else SolveStatus.FEASIBLE)
     return incumbent.with_facts(SolverFacts(
         status=status, objective=cost, best_bound=min(bound, cost), seconds=time.perf_counter() - began,
         solve_seconds=solve_seconds, num_vars=model.num_vars, num_constraints=model.num_constraints,
         solver=result.solver, warm_start=baseline.strategy if baseline is not None else None, peak_bytes=peak,
         budget_bytes=budget_bytes, exact_stages=len(exact_stages),
     ), strategy=problem.strategy)
+
+
+def _without_step_rules(graph, budget_bytes, problem, *, solver, deadline, threads, seed, relax=False,
+                        start: Schedule | None = None, mip_gap=None, stall_time=None) -> tuple[bool, Schedule | None]:
+    """After the model was proven infeasible at ``budget_bytes``: whether no schedule at all
+    fits, and a schedule that does, by the model without its step rules
+    (``build_milp(..., step_rules=False)``, a relaxation of every schedule).
+
+    Only that relaxation's infeasibility proves that no schedule fits: the step rules cut
+    off schedules that recompute a layer after its backward pass, which a budget may need
+    (issue 33: on a masked text transformer ``eviction`` fitted budgets the model was
+    "proven" infeasible at, so the figure the refusal named was refused again). Its
+    solution counts no more memory than the simulator, so it is returned only when it
+    simulates within the budget, and is searched from ``start`` (a schedule that fits),
+    with ``mip_gap`` and ``stall_time`` as the model's own search. ``relax``: solve its LP
+    only (a large model's); no schedule comes back then.
+
+    Returns:
+        ``(proven, schedule)``: proven True when no schedule fits (always, on a graph
+        without step rules); the relaxation's schedule when it fits, else None.
+    """
+    choose = problem.choose_implementations
+    if not has_step_rules(graph, choose):
+        return True, None
+    # Exact in every stage unless only its LP is solved: its solutions then overflow only
+    # where they break the rules, and its proofs are as tight as it allows.
+    model = build_milp(graph, budget_bytes, exact_stages=() if relax else None, choose_implementations=choose,
+                       step_rules=False)
+    encoded = None if start is None or relax else model.encode(start)
+    result = solve_model(model, solver=solver, relax=relax, time_limit=seconds_left(deadline, _FINISH_SECONDS),
+                         mip_gap=None if relax else mip_gap, threads=threads, seed=seed, start=encoded,
+                         presolve=model.num_vars <= _PRESOLVE_MAX_COLUMNS, quiet=True,
+                         lp_method=lp_method(model, solver) if relax else "simplex",
+                         stall_time=None if encoded is None else stall_time)
+    if result.status == SolveStatus.INFEASIBLE:
+        return True, None
+    if relax or result.x is None:
+        return False, None
+    schedule = model.schedule(result.x, problem.strategy)
+    return False, schedule if simulate(graph, schedule).peak_bytes <= budget_bytes else None
+
+
+def _infeasible_beyond_step_rules(problem, graph, budget_bytes, smallest_peak, solver, proven):
+    """The infeasible-budget error after the model with step rules was proven infeasible
+    and nothing fits: proven (``budget_bytes + 1`` as the lower bound, a fact about this
+    budget) only when the model without them is infeasible too (:func:`_without_step_rules`)."""
+    if proven:
+        return problem.infeasible(graph, budget_bytes, smallest_peak, f"{solver} proved no schedule fits",
+                                  lower_bound_bytes=budget_bytes + 1)
+    return problem.infeasible(
+        graph, budget_bytes, smallest_peak,
+        f"{solver} proved that no schedule within the MILP's step rules fits (a layer is not recomputed after its "
+        "backward pass), and no heuristic fits", proven=False)
 
 
 def _baseline_result(graph, baseline, status, began, budget_bytes, problem, bound=None, mip_gap=None, model=None,
@@ -638,8 +711,13 @@ def _solve_large(graph, model, baseline, smallest_peak, problem, *, began, solve
         stall_time=stall_time if baseline is not None else None,
     )
     if lp.status == SolveStatus.INFEASIBLE:
-        raise problem.infeasible(graph, budget_bytes, smallest_peak, f"{lp.solver} proved the LP relaxation infeasible",
-                                 lower_bound_bytes=budget_bytes + 1)
+        # A proof about the model, whose step rules may cut off every schedule that fits.
+        if baseline is None:
+            none_fits, _ = _without_step_rules(graph, budget_bytes, problem, solver=solver, deadline=deadline,
+                                               threads=threads, seed=seed, relax=True)
+            raise _infeasible_beyond_step_rules(problem, graph, budget_bytes, smallest_peak, lp.solver, none_fits)
+        return _baseline_result(graph, baseline, SolveStatus.FEASIBLE, began, budget_bytes, problem, bound=floor,
+                                mip_gap=mip_gap, model=model, solver=lp.solver)
     bound = max(floor, lp.best_bound or 0.0)
     tracker, incumbent = incumbent, baseline
     tracker.raise_bound(bound)
