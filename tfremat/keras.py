@@ -117,7 +117,8 @@ class RematCallback(keras.callbacks.Callback):
             another process with the same model and budget starts.
             None (default): for every budget but ``"min"`` and shares at or above the
             checkpoint-all peak (nothing recomputed; a refusal names such a share only where
-            the checkpoint-all step was read within it).
+            the checkpoint-all step was read within it), and not on a distribution
+            strategy's CPU replica (its input pipeline shares the allocator).
             ``"min"`` promises the least requested memory the strategy finds within its
             overhead bound, not an allocator figure: there is no smaller plan to fall back
             on, so its step's allocator peak is read as the check reads it, held with the
@@ -369,10 +370,11 @@ class RematCallback(keras.callbacks.Callback):
                 if peak is not None:
                     self.allocator_peaks[key] = peak
                     self._watched[key] = [WATCHED_STEPS, None, options]  # read, not held
-                    phases.done(f"the allocator's peak {format_bytes(peak)} held, for the {self.budget!r} plan's "
-                                f"{format_bytes(result.predicted_peak_bytes)} predicted")
-                    logger.info("batch shape %s: %r plan predicted at %s, the allocator's peak %s held", key,
-                                self.budget, format_bytes(result.predicted_peak_bytes), format_bytes(peak))
+                    # "min" is read, not held: there is no smaller plan to hold it with.
+                    phases.done(f"the allocator needs {format_bytes(peak)} for the {self.budget!r} plan's "
+                                f"{format_bytes(result.predicted_peak_bytes)} predicted (read, not held)")
+                    logger.info("batch shape %s: %r plan predicted at %s, the allocator needs %s (read, not held)",
+                                key, self.budget, format_bytes(result.predicted_peak_bytes), format_bytes(peak))
                     phases.start("running the first step")
             if strategy is not None:
                 step = DistributedTrainStep(model, step)
@@ -427,8 +429,9 @@ class RematCallback(keras.callbacks.Callback):
 
     def _checks_allocator(self, result, strategy=None, budget=None, key=None) -> bool:
         """Whether ``result``'s step is held to its budget for the allocator's peak
-        (``allocator_check``; None: see the class docstring; under a strategy whose replicas
-        share one allocator, never: :func:`replica_allocators`). ``budget``: the shape's
+        (``allocator_check``; None: see the class docstring, and not on a strategy's CPU
+        replica; under a strategy whose replicas share one allocator, never:
+        :func:`replica_allocators`). ``budget``: the shape's
         (:meth:`_share_budget`; default the budget as given) for the batch shape ``key``. The
         bytes a share was resolved to for a larger batch shape are held like bytes,
         also above this shape's checkpoint-all peak, where the larger batch's plan was held;
@@ -442,6 +445,14 @@ class RematCallback(keras.callbacks.Callback):
         else:
             wanted = wants_allocator_check(self.allocator_check, self.budget if budget is None else budget, result)
         if not wanted:
+            return False
+        if strategy is not None and self.allocator_check is None and "CPU" in (replica_allocators(strategy) or ["CPU"])[0]:
+            # The distributed input pipeline's prefetched batches share a CPU replica's
+            # allocator: its reads are not the step's, and held them a third above what the
+            # steps used (MirroredStrategy on one CPU, benchmarks/results/user_check_5.md).
+            logger.info("allocator_check not run by default on a CPU replica of %s (the input pipeline shares its "
+                        "allocator): the budget holds for requested bytes; allocator_check=True runs it",
+                        type(strategy).__name__)
             return False
         if strategy is not None and replica_allocators(strategy) is None:
             log = logger.warning if self.allocator_check else logger.info
@@ -495,7 +506,7 @@ class RematCallback(keras.callbacks.Callback):
         if None in peaks or max(peaks) <= budget:
             return
         logger.warning("with jit_compile=True the step requests %s, within the budget %s, but the allocator's peak "
-                       "is %s: XLA takes its temporaries as one block, which the allocator may serve from a chunk up "
+                       "can reach %s (the largest read in other states of its free chunks, plus a slack): XLA takes its temporaries as one block, which the allocator may serve from a chunk up "
                        "to twice its size; the budget holds for requested bytes. Compile the model with "
                        "jit_compile=False to hold the allocator's peak", format_bytes(requested), format_bytes(budget),
                        format_bytes(max(peaks)))
