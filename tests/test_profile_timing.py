@@ -157,3 +157,19 @@ def test_a_call_the_trace_missed_is_timed_by_its_other_rounds():
     assert timing._attributed(calls, names) == [[1.0, 1.5], [2.0, 2.5, 3.0]]
     with pytest.raises(RuntimeError, match="no execution of 'f'"):
         timing._attributed([(0, "f", None), (1, "g", 2.0)], names)
+
+
+def test_calls_with_like_inputs_share_one_dispatch_function():
+    """The function that computes nothing (subtracted from every profiled call's seconds) is
+    traced once per structure of input specs: two calls with like inputs time the same
+    function, a call with other inputs its own, and it still returns its inputs unchanged."""
+    first = (tf.ones([2, 3]), tf.constant(1.0))
+    like = (tf.zeros([2, 3]), tf.constant(2.0))
+    other = ([tf.ones([2, 3])], tf.constant(1.0))
+    shared = analysis._dispatch_only(first)
+    assert analysis._dispatch_only(like) is shared
+    assert analysis._dispatch_only(other) is not shared
+    assert analysis._dispatch_only((tf.ones([4, 3]), tf.constant(1.0))) is not shared
+    returned = shared(*like)
+    np.testing.assert_array_equal(returned[0].numpy(), like[0].numpy())
+    assert float(returned[1]) == 2.0

@@ -165,6 +165,8 @@ _NO_COMPUTE_OPS = frozenset(
      "Size", "Rank", "Reshape", "StopGradient", "VarHandleOp", "AssignVariableOp", "AssignAddVariableOp",
      "AssignSubVariableOp", "BroadcastGradientArgs", "ZerosLike", "OnesLike"}
 )
+# The functions that compute nothing, by the structure of their inputs' specs, device and XLA (_dispatch_only).
+_DISPATCH_FUNCTIONS: dict[tuple, Callable] = {}
 # Whether profiled seconds are those of XLA-compiled calls (xla_costs).
 _XLA_COSTS = contextvars.ContextVar("tfremat_xla_costs", default=False)
 # Whether the layout copies XLA makes for a call's gradient count as its residuals (xla_layouts).
@@ -565,10 +567,20 @@ def _dispatch_only(args: tuple, xla: bool = False):
 
     With ``xla`` an XLA function that returns a scalar: launching an executable costs
     more than calling a graph function, and an XLA identity would copy its inputs (its
-    outputs cannot share the caller's buffers), which is computing."""
-    if xla:
-        return tf.function(lambda *xs: tf.zeros([]), autograph=False, jit_compile=True).get_concrete_function(*args)
-    return tf.function(lambda *xs: tf.nest.map_structure(tf.identity, xs)).get_concrete_function(*args)
+    outputs cannot share the caller's buffers), which is computing.
+
+    One function per structure of ``args``' specs, device and ``xla`` in the process
+    (:data:`_DISPATCH_FUNCTIONS`): the functions for two calls with like inputs are the
+    same computation, and tracing and instantiating one per profiled call cost a trace and
+    a Grappler pass each (111 on EfficientNetV2B0, ``benchmarks/first_step_latency.py``)."""
+    key = (xla, default_device(), repr(tf.nest.map_structure(lambda t: (tuple(t.shape), t.dtype.name), args)))
+    if key not in _DISPATCH_FUNCTIONS:
+        if xla:
+            function = tf.function(lambda *xs: tf.zeros([]), autograph=False, jit_compile=True)
+        else:
+            function = tf.function(lambda *xs: tf.nest.map_structure(tf.identity, xs))
+        _DISPATCH_FUNCTIONS[key] = function.get_concrete_function(*args)
+    return _DISPATCH_FUNCTIONS[key]
 
 
 def _less_dispatch(seconds: float, dispatch: float) -> float:

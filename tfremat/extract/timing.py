@@ -176,8 +176,11 @@ def _plane_calls(plane, wanted: set[str]) -> list[tuple[int, str, float | None]]
         base = line.timestamp_ns * 1000
         open_regions = []
         line_records = records.setdefault(line.id, [])
-        kept = sorted(((event.offset_ps, kinds[event.metadata_id], event) for event in line.events
-                       if event.metadata_id in kinds), key=lambda item: item[0])
+        # One lookup per event: a trace holds hundreds of thousands, and this loop was most of
+        # reading one (benchmarks/first_step_latency.py, Session 29).
+        kept = [(event.offset_ps, kind, event) for event in line.events
+                if (kind := kinds.get(event.metadata_id)) is not None]
+        kept.sort(key=lambda item: item[0])
         for offset, kind, event in kept:
             time = base + offset
             if kind == _RECORD:
