@@ -22,6 +22,11 @@ once per layer class (:func:`log_kept`), when:
   step calls every layer with ``training=True``, as ``model.fit`` does;
 * its compute dtype differs from a floating input's dtype (mixed precision: ``__call__``
   casts inputs before ``call``, which calling ``call`` itself would skip);
+* a tensor it reads or returns carries a Keras mask (``Embedding(mask_zero=True)`` or
+  ``Masking`` upstream, a ``compute_mask``): Keras hands masks from layer to layer as an
+  attribute of the tensors, not as graph values, so the recorded graph would compute without
+  them (a ``MultiHeadAttention`` opened so attended to padding, issue 33), and its outputs
+  would lose the mask the layer sets on them;
 * its ``call`` cannot run symbolically (a raw TensorFlow op on a ``KerasTensor``, Python
   control flow on tensor values): the error is the reason.
 
@@ -49,6 +54,7 @@ import tensorflow as tf
 
 from tfremat.runtime.internals import (
     CallContext,
+    get_keras_mask,
     keras_global_attribute,
     set_keras_global_attribute,
 )
@@ -101,7 +107,7 @@ def open_layer(layer, node, granularity: str, inputs):
                          "a smaller batch or shorter sequences lower its memory; recomputation cannot split it")
     if not has_sublayers and layer.variables:
         return None
-    kept = _dtype_reason(layer, node)
+    kept = _dtype_reason(layer, node) or _mask_reason(node)
     if kept:
         return kept
     try:
@@ -265,6 +271,16 @@ def _dtype_reason(layer, node) -> KeptWhole | None:
         if isinstance(tensor, keras.KerasTensor) and "float" in tensor.dtype and tensor.dtype != compute:
             return KeptWhole(f"an input of dtype {tensor.dtype} is cast to its compute dtype {compute} on entry",
                              f"give it inputs already in {compute} (keras.ops.cast them in the layer before it)")
+    return None
+
+
+def _mask_reason(node) -> KeptWhole | None:
+    """Why a Keras mask on the call's tensors keeps the layer whole, or None."""
+    tensors = tf.nest.flatten((node.arguments.args, node.arguments.kwargs)) + list(node.outputs)
+    if any(isinstance(t, keras.KerasTensor) and get_keras_mask(t) is not None for t in tensors):
+        return KeptWhole("its inputs or outputs carry a Keras mask, which the layers inside it would not receive",
+                         "compute the mask as a tensor (keras.ops.not_equal(token_ids, 0)) and pass it as an argument "
+                         "(MultiHeadAttention's attention_mask=), with mask_zero=False upstream")
     return None
 
 

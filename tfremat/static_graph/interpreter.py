@@ -99,6 +99,7 @@ from tfremat.graph import DFGraph
 from tfremat.plan.execution import ExecutionPlan, Op
 from tfremat.plan.simulator import held_weight_gradients
 from tfremat.runtime.gradient_order import input_then_weight_gradients
+from tfremat.runtime.internals import get_keras_mask, set_keras_mask
 from tfremat.runtime.layer_variants import running
 from tfremat.runtime.memory import resident_bytes
 from tfremat.runtime.state import (
@@ -210,6 +211,11 @@ class _Interpreter:
         # of a layer that owns it (several for a layer called more than once).
         self.weight_grads: dict[int, tuple[Any, list]] = {}
         self.last_reader: dict[int, list] = {}
+        # Keras masks (_with_keras_masks): per (source, index, output_index) of a value, the
+        # mask its tensor carries in plain training so far; per node, the masks its first
+        # call was given.
+        self.keras_masks: dict[tuple, Any] = {}
+        self.call_masks: dict[int, list] = {}
         self.report = TraceReport()
 
     # ----- reading resident values -----
@@ -497,7 +503,7 @@ class _Interpreter:
                     tape.watch([tensor, _logits(tensor)])
 
             def call():
-                return entry.layer(*args, **kwargs)
+                return self._with_keras_masks(node, entry, inputs, lambda: entry.layer(*args, **kwargs))
 
             graph = tf.compat.v1.get_default_graph()
             first_op = len(graph.get_operations())
@@ -534,6 +540,34 @@ class _Interpreter:
                 f"layer {entry.name!r} returned {len(outputs)} tensors, the extraction recorded {entry.num_outputs}"
             )
         return outputs, tape, one_call
+
+    def _with_keras_masks(self, node: int, entry, inputs: list, call: Callable[[], Any]):
+        """``call()`` with each of ``inputs`` carrying the Keras mask that plain training's
+        call of the node sees.
+
+        Keras hands masks from layer to layer as an attribute of the tensors
+        (``_keras_mask``, set on a layer's outputs by its ``__call__``: ``Embedding(mask_zero=True)``,
+        ``Masking``, a ``compute_mask``), and layers change it on their inputs:
+        ``MultiHeadAttention`` reads its query's mask, then clears the masks of its inputs.
+        A recomputation or a rebuilt gradient reads a resident tensor an earlier consumer
+        cleared, and a copy made to order a statement (:meth:`_ordered`) or a prefetched
+        copy carries none: each would compute unmasked (issue 33). So the masks follow the
+        first calls, which run in the order of plain training's calls (the order of the
+        functional graph), and every later call of a node gets the masks of its first call;
+        a mask tensor read again that way stays alive until then (one bool per token).
+        """
+        first_call = node not in self.call_masks
+        keys = [(ref.source, ref.index, ref.output_index) for ref in entry.inputs]
+        if first_call:
+            self.call_masks[node] = [self.keras_masks.get(key) for key in keys]
+        for tensor, mask in zip(inputs, self.call_masks[node]):
+            set_keras_mask(tensor, mask)
+        outputs = call()
+        if first_call:
+            self.keras_masks.update((key, get_keras_mask(tensor)) for key, tensor in zip(keys, inputs))
+            self.keras_masks.update((("node", node, k), get_keras_mask(tensor))
+                                    for k, tensor in enumerate(tf.nest.flatten(outputs)))
+        return outputs
 
     def _ordered(self, tensors: list, node: int | None = None) -> list:
         """``tensors`` made new values to XLA that exist only after the previous statement
@@ -579,6 +613,8 @@ class _Interpreter:
 
     def _loss(self, node: int, entry) -> list:
         predictions = [self._tensor(ref, node) for ref in entry.inputs]
+        for ref, prediction in zip(entry.inputs, predictions):  # Keras's losses apply the outputs' masks
+            set_keras_mask(prediction, self.keras_masks.get((ref.source, ref.index, ref.output_index)))
         # Cross-entropy losses read a softmax/sigmoid output's logits (``_keras_logits``)
         # directly, as plain training does; their gradient is then taken at the logits so
         # it follows the same path (the backward node picks the logits up again). Other
