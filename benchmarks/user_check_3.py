@@ -535,6 +535,53 @@ def run_check(check: str, timeout: float, cache_dir: str) -> dict:
     return listed_row(__file__, CHECKS, check, timeout, cache_dir)
 
 
+def json_rows_main(argv, doc: str, script: str, checks: dict, child_fn: Callable[[str], None],
+                   render_fn: Callable[[list], str], default_json: str, prefix: str) -> int:
+    """The command line of a user check whose rows are kept as JSON (user_check_4, _5):
+    ``--only``/``--list`` choose checks of ``checks`` (name -> (budget, what)), each run by
+    ``script`` in a fresh process (``--child``: ``child_fn``), the rows saved after each
+    check and rendered by ``render_fn``; ``--from_json`` renders saved rows. ``doc``: the
+    script's docstring, whose first paragraph describes it."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--only", help="check names or substrings, comma separated")
+    parser.add_argument("--list", action="store_true", help="list the checks and exit")
+    parser.add_argument("--timeout", type=float, default=400, help="seconds per check (default 400)")
+    parser.add_argument("--json", default=default_json, help="the rows as JSON (default %(default)s)")
+    parser.add_argument("--from_json", help="render saved rows (comma separated files; later rows replace earlier)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child_fn(args.child)
+        return 0
+    if args.from_json:
+        rows = {}
+        for path in args.from_json.split(","):
+            with open(path) as handle:
+                rows.update({row["check"]: row for row in json.load(handle)})
+        print(render_fn([rows[n] for n in checks if n in rows]))
+        return 0
+    names = list(checks)
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        names = [n for n in names if any(w in n for w in wanted)]
+    if args.list or not names:
+        print("\n".join(f"{n}: {checks[n][1]} at {checks[n][0]}" for n in checks))
+        return 0 if args.list else 2
+    done = []
+
+    def run_and_save(name, cache):  # the rows so far are saved after each check
+        done.append(listed_row(script, checks, name, args.timeout, cache))
+        with open(args.json, "w") as handle:
+            json.dump(done, handle, indent=1, default=float)
+        return done[-1]
+
+    rows = run_rows(names, run_and_save, prefix)
+    with open(args.json, "w") as handle:  # with the last row's load, which run_rows adds
+        json.dump(rows, handle, indent=1, default=float)
+    print(render_fn(rows))
+    return 0
+
+
 def _training(row) -> str:
     if row.get("plain_error"):
         return "plain Keras failed"

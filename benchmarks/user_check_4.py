@@ -42,8 +42,6 @@ names (substrings), ``--list``, ``--timeout`` seconds per check, ``--from_json``
 saved rows (comma separated files; a later row of a check replaces an earlier one).
 """
 
-import argparse
-import json
 import os
 import subprocess
 import sys
@@ -54,8 +52,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)  # this checkout's tfremat
 
-from user_check import TIME_BAND, _mib, run_child, run_rows  # noqa: E402
-from user_check_3 import (_images, _training, child_row, listed_row, raw_allocator_reads, run_pair,  # noqa: E402
+from user_check import TIME_BAND, _mib  # noqa: E402
+from user_check_3 import (_images, _training, child_row, json_rows_main, raw_allocator_reads, run_pair,  # noqa: E402
                           step_measures)
 
 DEFAULT_JSON = os.path.join(HERE, "results", "user_check_4.json")
@@ -548,10 +546,6 @@ def child(check: str) -> None:
 
 # ---------------------------------------------------------------- parent: run, collect, render
 
-def run_check(check: str, timeout: float, cache_dir: str) -> dict:
-    return listed_row(__file__, CHECKS, check, timeout, cache_dir)
-
-
 def _peaks_cell(peaks, budget) -> str:
     if not peaks:
         return ""
@@ -602,44 +596,7 @@ def render(rows) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", help="check names or substrings, comma separated")
-    parser.add_argument("--list", action="store_true", help="list the checks and exit")
-    parser.add_argument("--timeout", type=float, default=400, help="seconds per check (default 400)")
-    parser.add_argument("--json", default=DEFAULT_JSON, help="the rows as JSON (default %(default)s)")
-    parser.add_argument("--from_json", help="render saved rows (comma separated files; later rows replace earlier)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        child(args.child)
-        return 0
-    if args.from_json:
-        rows = {}
-        for path in args.from_json.split(","):
-            with open(path) as handle:
-                rows.update({row["check"]: row for row in json.load(handle)})
-        print(render([rows[n] for n in CHECKS if n in rows]))
-        return 0
-    names = list(CHECKS)
-    if args.only:
-        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        names = [n for n in names if any(w in n for w in wanted)]
-    if args.list or not names:
-        print("\n".join(f"{n}: {CHECKS[n][1]} at {CHECKS[n][0]}" for n in CHECKS))
-        return 0 if args.list else 2
-    done = []
-
-    def run_and_save(name, cache):  # the rows so far are saved after each check
-        done.append(run_check(name, args.timeout, cache))
-        with open(args.json, "w") as handle:
-            json.dump(done, handle, indent=1, default=float)
-        return done[-1]
-
-    rows = run_rows(names, run_and_save, "tfremat_user_check_4_")
-    with open(args.json, "w") as handle:  # with the last row's load, which run_rows adds
-        json.dump(rows, handle, indent=1, default=float)
-    print(render(rows))
-    return 0
+    return json_rows_main(argv, __doc__, __file__, CHECKS, child, render, DEFAULT_JSON, "tfremat_user_check_4_")
 
 
 if __name__ == "__main__":
