@@ -118,6 +118,7 @@ from tfremat.runtime.memory import (
     AllocationWindows,
     _replayed_peak,
     default_device,
+    order_free_peak,
     requested_peak,
     reset_allocator_peak,
     synchronize,
@@ -957,7 +958,7 @@ def analyze_call(
         upstream_bytes = sum(tensor_bytes(s, d, "an output gradient", layer_name) for s, d in output_specs
                              if _is_float(tf.as_dtype(d)))
         analysis = _profile_call(analysis, tracer, forward_concrete, fb_concrete, held_concrete, upstream_bytes,
-                                 repeats, warmup, layer_name)
+                                 batch_size, repeats, warmup, layer_name)
     if _XLA_LAYOUTS.get():
         timed, analysis = analysis, _with_xla_layouts(analysis, tracer, layer_name)
         if _TIMING.get() is not None:
@@ -1128,7 +1129,7 @@ def _loop_residuals(tracer: _CallTracer, read_tensors, layer_name: str):
 
 
 def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete, fb_concrete, held_concrete,
-                  upstream_bytes: int, repeats: int, warmup: int, layer_name: str) -> CallAnalysis:
+                  upstream_bytes: int, batch_size: int, repeats: int, warmup: int, layer_name: str) -> CallAnalysis:
     """``analysis`` with the seconds and the workspaces measured on the device.
 
     The forward is timed alone, or for a loop with the tape filling its accumulators (the
@@ -1154,6 +1155,12 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     benchmarks/results/fidelity_requested.md). Its workspace (``dying_backward_workspace``,
     the same subtraction) holds only where the backward node is the upstream's sole
     reader, which graph assembly decides (:func:`tfremat.extract.assembly.sole_upstream`).
+
+    The forward's peak (not a loop's) counts its allocations smaller than one example's
+    output as live throughout (:func:`~tfremat.runtime.memory.order_free_peak`): which of a
+    batch norm's per-channel vectors were live at its peak depended on the order the runtime
+    drew for that trace, and with it the workspace (up to 40% of it) from one extraction to
+    the next (benchmarks/results/profile_agreement.md, "Session 29 (W)").
 
     Within :func:`xla_costs` the seconds are timed on the forward and the step's trace
     compiled by XLA (:func:`_xla_functions`); the workspaces are measured as above. Within
@@ -1197,7 +1204,12 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
                               held=len(forward_runs) + len(backward_runs) if hidden_run else None,
                               shared=held_concrete is None)
     peaks = [_replayed_peak(run_events)[0] for run_events in events]
-    fwd_peak = _loop_peak(tracer.records["step"], "forward", [max(peaks[:len(forward_runs)])])
+    if held_concrete is None and not _loop_variable_bytes(tracer.records["step"]["forward_ops"]):
+        small_bytes = analysis.output_bytes // max(1, batch_size)
+        forward_peaks = [order_free_peak(run_events, small_bytes) for run_events in events[:len(forward_runs)]]
+    else:
+        forward_peaks = peaks[:len(forward_runs)]
+    fwd_peak = _loop_peak(tracer.records["step"], "forward", [max(forward_peaks)])
     fb_peaks = peaks[len(forward_runs):len(forward_runs) + len(backward_runs)]
     fb_peak = max(fb_peaks) if consumed else _loop_peak(tracer.records["step"], "backward", fb_peaks)
     hidden = _hidden_residual_bytes(events[len(forward_runs) + len(backward_runs)], tracer.records["step"]) \

@@ -31,7 +31,7 @@ import tensorflow as tf
 from tfremat.errors import CompileError, ExtractionError
 from tfremat.runtime.profiler import profiler_trace
 
-__all__ = ["AllocationWindows", "measure_step_peak", "requested_peak", "requested_peak_live", "reset_allocator_peak", "resident_bytes", "default_device", "synchronize"]
+__all__ = ["AllocationWindows", "measure_step_peak", "order_free_peak", "requested_peak", "requested_peak_live", "reset_allocator_peak", "resident_bytes", "default_device", "synchronize"]
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +189,32 @@ def _replayed_peak(events: list[tuple]) -> tuple[int, list[dict]]:
         else:
             current -= live.pop(addr, (requested, None))[0]
     return peak, [{**info, "bytes": requested} for requested, info in at_peak]
+
+
+def order_free_peak(events: list[tuple], small_bytes: int) -> int:
+    """The requested peak of one run's allocation ``events`` with every allocation under
+    ``small_bytes`` counted as live from the start to the end: the replayed peak of the
+    others plus the total of those.
+
+    An upper bound of the peak over every order in which the runtime may run the small
+    operations, and the same bound whichever it ran. The executor runs a function's
+    independent operations in an order drawn per instantiation (identical
+    ``FunctionDef``s, different orders), so a batch norm's forward peaked with two to
+    five of its per-channel vectors (statistics, moving-average updates) live, by trace,
+    and the graph's workspace figures differed from one extraction to the next
+    (benchmarks/results/profile_agreement.md, "Session 29 (W)")."""
+    kept, small_live = [], set()
+    total_small = 0
+    for event in sorted(events, key=lambda e: (e[0], not e[1])):
+        _, allocation, addr, requested, _ = event
+        if allocation and requested < small_bytes:
+            small_live.add(addr)
+            total_small += requested
+        elif not allocation and addr in small_live:
+            small_live.discard(addr)  # its free, whatever bytes the event carries
+        else:
+            kept.append(event)
+    return _replayed_peak(kept)[0] + total_small
 
 
 class AllocationWindows:
