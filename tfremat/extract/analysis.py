@@ -1156,7 +1156,7 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     the same subtraction) holds only where the backward node is the upstream's sole
     reader, which graph assembly decides (:func:`tfremat.extract.assembly.sole_upstream`).
 
-    The forward's peak (not a loop's) counts its allocations smaller than one example's
+    The forward's peak (not a loop's) counts its allocations no larger than one example's
     output as live throughout (:func:`~tfremat.runtime.memory.order_free_peak`): which of a
     batch norm's per-channel vectors were live at its peak depended on the order the runtime
     drew for that trace, and with it the workspace (up to 40% of it) from one extraction to
@@ -1205,8 +1205,11 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
                               shared=held_concrete is None)
     peaks = [_replayed_peak(run_events)[0] for run_events in events]
     if held_concrete is None and not _loop_variable_bytes(tracer.records["step"]["forward_ops"]):
-        small_bytes = analysis.output_bytes // max(1, batch_size)
-        forward_peaks = [order_free_peak(run_events, small_bytes) for run_events in events[:len(forward_runs)]]
+        # Up to one example's output: on a 1x1 map a per-channel vector is that large.
+        small_bytes = analysis.output_bytes // max(1, batch_size) + 1
+        small_total = _small_output_bytes(_forward_without_inputs(tracer.records["step"]), small_bytes)
+        forward_peaks = [order_free_peak(run_events, small_bytes, small_total)
+                         for run_events in events[:len(forward_runs)]]
     else:
         forward_peaks = peaks[:len(forward_runs)]
     fwd_peak = _loop_peak(tracer.records["step"], "forward", [max(forward_peaks)])
@@ -1254,6 +1257,16 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
         )
 
     return _timed(measured, make_calls, repeats, warmup, layer_name, xla, finish)
+
+
+def _small_output_bytes(ops, small_bytes: int) -> int:
+    """Bytes of the outputs under ``small_bytes`` of ``ops`` (a forward's operations) that
+    may take a buffer of their own: all but constants, variable reads and views
+    (:data:`_VIEW_OPS`). What the forward's small operations allocate in the order that
+    forwards no buffer (:func:`~tfremat.runtime.memory.order_free_peak`); a batch norm's
+    forward allocated 7 or 8 of its 13 per-channel vectors, by trace."""
+    return sum(size for op in ops if op.type not in _NOT_RESIDUAL_OPS | _VIEW_OPS
+               for size in map(_static_bytes, op.outputs) if size < small_bytes)
 
 
 def _hidden_residual_bytes(events: list[tuple], record: dict) -> int:

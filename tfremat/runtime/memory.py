@@ -191,10 +191,10 @@ def _replayed_peak(events: list[tuple]) -> tuple[int, list[dict]]:
     return peak, [{**info, "bytes": requested} for requested, info in at_peak]
 
 
-def order_free_peak(events: list[tuple], small_bytes: int) -> int:
+def order_free_peak(events: list[tuple], small_bytes: int, small_total: int = 0) -> int:
     """The requested peak of one run's allocation ``events`` with every allocation under
     ``small_bytes`` counted as live from the start to the end: the replayed peak of the
-    others plus the total of those.
+    others plus the total of those, or ``small_total`` if that is more.
 
     An upper bound of the peak over every order in which the runtime may run the small
     operations, and the same bound whichever it ran. The executor runs a function's
@@ -202,7 +202,10 @@ def order_free_peak(events: list[tuple], small_bytes: int) -> int:
     ``FunctionDef``s, different orders), so a batch norm's forward peaked with two to
     five of its per-channel vectors (statistics, moving-average updates) live, by trace,
     and the graph's workspace figures differed from one extraction to the next
-    (benchmarks/results/profile_agreement.md, "Session 29 (W)")."""
+    (benchmarks/results/profile_agreement.md, "Session 29 (W)"). Which small operations
+    allocate also depends on the order (one that forwards its input's buffer allocates
+    nothing when it is that input's last reader): ``small_total``, their bytes counted off
+    the graph, makes the total the same in every order."""
     kept, small_live = [], set()
     total_small = 0
     for event in sorted(events, key=lambda e: (e[0], not e[1])):
@@ -214,7 +217,7 @@ def order_free_peak(events: list[tuple], small_bytes: int) -> int:
             small_live.discard(addr)  # its free, whatever bytes the event carries
         else:
             kept.append(event)
-    return _replayed_peak(kept)[0] + total_small
+    return _replayed_peak(kept)[0] + max(total_small, small_total)
 
 
 class AllocationWindows:
