@@ -9,7 +9,11 @@ block, under random schedules that recompute more than any strategy
 (tests/test_schedule_gradients.py's ``_random_schedule``, whose ViT test also checks
 training steps). Beyond matching plain Keras within float32's tolerances, a recomputation
 runs the same operations on the same values, so the step's gradients equal
-checkpoint-all's to rounding far below them.
+checkpoint-all's to rounding far below them: within a tenth of the per-tensor tolerance.
+Not bit for bit: first forward computations are chained for Grappler and recomputations are
+not (tfremat.static_graph.interpreter._chained_computes), so with oneDNN off Grappler
+regroups a sum at checkpoint-all that it leaves in a recomputation (1.8e-6 per tensor since
+the chains came in).
 """
 
 import keras
@@ -19,7 +23,7 @@ tf = pytest.importorskip("tensorflow")
 from test_schedule_gradients import _random_schedule  # noqa: E402
 from training_case import TrainingCase  # noqa: E402
 
-from tfremat.numerics import closeness  # noqa: E402
+from tfremat.numerics import TENSOR_TOLERANCE, closeness  # noqa: E402
 from tfremat.plan.execution import build_plan  # noqa: E402
 from tfremat.static_graph.interpreter import interpret_plan  # noqa: E402
 from tfremat.strategies import get_strategy  # noqa: E402
@@ -81,4 +85,4 @@ def test_random_schedules_of_an_inverted_residual_net_give_plain_keras_gradients
     case.reset()
     to_plain = closeness(gradients, case.plain_gradients())
     assert to_plain.equal, (seed, case.model.trainable_variables[to_plain.worst_tensor].path, to_plain)
-    assert closeness(gradients, checkpoint_all_gradients).max_tensor_error <= 1e-6
+    assert closeness(gradients, checkpoint_all_gradients).max_tensor_error <= TENSOR_TOLERANCE / 10
