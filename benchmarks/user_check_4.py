@@ -563,6 +563,20 @@ def _alloc_cell(row, held) -> str:
     return text
 
 
+def time_cells(row) -> list[str]:
+    """The measured time over plain (quartiles), its ratio to the plan's (marked out of
+    :data:`TIME_BAND`) and the first step's seconds (plain Keras's in brackets)."""
+    planned, measured = row.get("fit_planned_time"), row.get("fit_time")
+    cells = ["", ""]
+    if measured is not None and planned:
+        q = row["fit_time_quartiles"]
+        ratio = measured / planned
+        cells = [f"{measured:.3f} ({q[0]:.2f}-{q[1]:.2f})",
+                 f"{ratio:.3f}" + ("" if TIME_BAND[0] <= ratio <= TIME_BAND[1] else " **out**")]
+    first, plain_first = row.get("first_step_s"), row.get("plain_first_step_s")
+    return cells + ["" if first is None else f"{first:.1f}" + ("" if plain_first is None else f" ({plain_first:.1f})")]
+
+
 def render(rows) -> str:
     out = ["| check | budget | training | predicted MiB | requested MiB | alloc MiB raw (held) | "
            "budget MiB | in-fit step peaks MiB (steps) | plain in-fit MiB | planned | time/plain | time ratio | "
@@ -574,7 +588,7 @@ def render(rows) -> str:
         alloc = row.get("fit_allocator_held") or (max(row["fit_allocator"]) if row.get("fit_allocator")
                                                   and None not in row["fit_allocator"] else None)
         budget = row.get("budget_bytes")
-        planned, measured = row.get("fit_planned_time"), row.get("fit_time")
+        planned = row.get("fit_planned_time")
         written = row.get("budget_as_written", row["budget"])
         if row.get("retried_at"):
             written = " -> ".join([written, *row["retried_at"]])
@@ -582,15 +596,7 @@ def render(rows) -> str:
                  _mib(row.get("fit_predicted")), _mib(row.get("fit_requested")), _alloc_cell(row, alloc), _mib(budget),
                  _peaks_cell(row.get("step_peaks"), budget), _peaks_cell(row.get("plain_step_peaks"), None),
                  "" if planned is None else f"{planned:.3f}"]
-        if measured is not None and planned:
-            q = row["fit_time_quartiles"]
-            ratio = measured / planned
-            cells += [f"{measured:.3f} ({q[0]:.2f}-{q[1]:.2f})",
-                      f"{ratio:.3f}" + ("" if TIME_BAND[0] <= ratio <= TIME_BAND[1] else " **out**")]
-        else:
-            cells += ["", ""]
-        first, plain_first = row.get("first_step_s"), row.get("plain_first_step_s")
-        cells.append("" if first is None else f"{first:.1f}" + ("" if plain_first is None else f" ({plain_first:.1f})"))
+        cells += time_cells(row)
         out.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
     return "\n".join(out) + "\n"
 

@@ -51,10 +51,10 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)  # this checkout's tfremat
 
-from user_check import TIME_BAND, _mib  # noqa: E402
+from user_check import _mib  # noqa: E402
 import user_check_3  # noqa: E402
 from user_check_3 import _images, _training, child_row, json_rows_main, run_pair  # noqa: E402
-from user_check_4 import _nbytes, _peaks_cell, step_peaks_callback  # noqa: E402
+from user_check_4 import _nbytes, _peaks_cell, step_peaks_callback, time_cells  # noqa: E402
 
 DEFAULT_JSON = os.path.join(HERE, "results", "user_check_5.json")
 TRAIN_STEPS = 9  # the first step plans; the 8 after it are read
@@ -486,7 +486,7 @@ def render(rows) -> str:
         budget = row.get("budget_bytes")
         alloc = max(row["fit_allocator"]) if row.get("fit_allocator") else None
         alloc_cell = _mib(alloc) + (f" **{alloc / budget:.3f}x**" if alloc and budget and alloc > budget else "")
-        planned, measured = row.get("fit_planned_time"), row.get("fit_time")
+        planned = row.get("fit_planned_time")
         written = row.get("budget_as_written", row["budget"])
         if row.get("retried_at"):
             written = " -> ".join([written, *row["retried_at"]])
@@ -494,15 +494,7 @@ def render(rows) -> str:
         cells = [row["check"], written, exact, _mib(row.get("fit_predicted")), _mib(row.get("fit_requested")),
                  alloc_cell, _mib(budget), _peaks_cell(row.get("step_peaks"), budget),
                  _peaks_cell(row.get("plain_step_peaks"), None), "" if planned is None else f"{planned:.3f}"]
-        if measured is not None and planned:
-            q = row["fit_time_quartiles"]
-            ratio = measured / planned
-            cells += [f"{measured:.3f} ({q[0]:.2f}-{q[1]:.2f})",
-                      f"{ratio:.3f}" + ("" if TIME_BAND[0] <= ratio <= TIME_BAND[1] else " **out**")]
-        else:
-            cells += ["", ""]
-        first, plain_first = row.get("first_step_s"), row.get("plain_first_step_s")
-        cells.append("" if first is None else f"{first:.1f}" + ("" if plain_first is None else f" ({plain_first:.1f})"))
+        cells += time_cells(row)
         cells.append(_messages(row))
         out.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
     return "\n".join(out) + "\n"
