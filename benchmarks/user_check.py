@@ -737,6 +737,24 @@ def render(rows: list[dict], argv: list[str], header_lines: list[str]) -> str:
     return "\n".join(out) + "\n"
 
 
+def saved_rows(from_json: str) -> dict:
+    """Rows saved as JSON by check name, from comma-separated files (later rows replace earlier)."""
+    rows = {}
+    for path in from_json.split(","):
+        with open(path) as handle:
+            rows.update({row["check"]: row for row in json.load(handle)})
+    return rows
+
+
+def chosen_checks(checks, only: str | None) -> list[str]:
+    """The names of ``checks`` that contain one of ``only``'s comma-separated substrings (all without)."""
+    names = list(checks)
+    if only:
+        wanted = [w.strip() for w in only.split(",") if w.strip()]
+        names = [n for n in names if any(w in n for w in wanted)]
+    return names
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="check names or substrings, comma separated")
@@ -755,16 +773,10 @@ def main(argv=None) -> int:
         child(args.child, args.steps)
         return 0
     if args.from_json:
-        rows = {}
-        for path in args.from_json.split(","):
-            with open(path) as handle:
-                rows.update({row["check"]: row for row in json.load(handle)})
+        rows = saved_rows(args.from_json)
         write(list(rows.values()), args, argv)
         return 0
-    names = list(CHECKS)
-    if args.only:
-        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        names = [n for n in names if any(w in n for w in wanted)]
+    names = chosen_checks(CHECKS, args.only)
     if args.list or not names:
         print("\n".join(f"{n}: {CHECKS[n][0]} at {CHECKS[n][1]}, batch {CHECKS[n][2]}" for n in CHECKS))
         return 0 if args.list else 2

@@ -49,7 +49,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)  # this checkout's tfremat
 
-from user_check import TIME_BAND, _fresh, _mib, run_child, run_rows  # noqa: E402
+from user_check import TIME_BAND, _fresh, _mib, chosen_checks, run_child, run_rows, saved_rows  # noqa: E402
 
 DEFAULT_OUT = os.path.join(HERE, "results", "user_check_3.md")
 MiB = 2**20
@@ -554,16 +554,10 @@ def json_rows_main(argv, doc: str, script: str, checks: dict, child_fn: Callable
         child_fn(args.child)
         return 0
     if args.from_json:
-        rows = {}
-        for path in args.from_json.split(","):
-            with open(path) as handle:
-                rows.update({row["check"]: row for row in json.load(handle)})
+        rows = saved_rows(args.from_json)
         print(render_fn([rows[n] for n in checks if n in rows]))
         return 0
-    names = list(checks)
-    if args.only:
-        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        names = [n for n in names if any(w in n for w in wanted)]
+    names = chosen_checks(checks, args.only)
     if args.list or not names:
         print("\n".join(f"{n}: {checks[n][1]} at {checks[n][0]}" for n in checks))
         return 0 if args.list else 2
@@ -681,16 +675,10 @@ def main(argv=None) -> int:
         return 0
     json_out = args.json or os.path.splitext(args.out)[0] + ".json"
     if args.from_json:
-        rows = {}
-        for path in args.from_json.split(","):
-            with open(path) as handle:
-                rows.update({row["check"]: row for row in json.load(handle)})
+        rows = saved_rows(args.from_json)
         rows = [rows[n] for n in CHECKS if n in rows]
     else:
-        names = list(CHECKS)
-        if args.only:
-            wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-            names = [n for n in names if any(w in n for w in wanted)]
+        names = chosen_checks(CHECKS, args.only)
         if args.list or not names:
             print("\n".join(f"{n}: {CHECKS[n][1]} at {CHECKS[n][0]}" for n in CHECKS))
             return 0 if args.list else 2
