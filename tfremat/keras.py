@@ -446,7 +446,10 @@ class RematCallback(keras.callbacks.Callback):
             wanted = wants_allocator_check(self.allocator_check, self.budget if budget is None else budget, result)
         if not wanted:
             return False
-        if strategy is not None and self.allocator_check is None and "CPU" in (replica_allocators(strategy) or ["CPU"])[0]:
+        if strategy is None:
+            return True
+        allocators = replica_allocators(strategy)
+        if self.allocator_check is None and (allocators is None or allocators[0].startswith("CPU")):
             # The distributed input pipeline's prefetched batches share a CPU replica's
             # allocator: its reads are not the step's, and held them a third above what the
             # steps used (MirroredStrategy on one CPU, benchmarks/results/user_check_5.md).
@@ -454,7 +457,7 @@ class RematCallback(keras.callbacks.Callback):
                         "allocator): the budget holds for requested bytes; allocator_check=True runs it",
                         type(strategy).__name__)
             return False
-        if strategy is not None and replica_allocators(strategy) is None:
+        if allocators is None:
             log = logger.warning if self.allocator_check else logger.info
             log("allocator_check skipped: the %d replicas of %s share one allocator (logical devices of one CPU), "
                 "which cannot be read per device; the budget holds for each replica's requested bytes (the plan's "
