@@ -152,10 +152,14 @@ PHASES = (
     ("requested peaks", "tfremat.extract.analysis", "_requested_peaks"),
     ("hidden residuals", "tfremat.extract.analysis", "_hidden_residual_bytes"),
     ("loop bytes", "tfremat.extract.analysis", "_held_bytes"),
-    ("dispatch functions", "tfremat.extract.analysis", "_dispatch_only"),
+    ("dispatch functions", "tfremat.extract.analysis", "dispatch_only"),
     ("loss analysis", "tfremat.extract.extractor", "analyze_loss"),
-    ("timing passes", "tfremat.extract.analysis", "TimingPasses.final"),
+    ("timing passes", "tfremat.extract.call_timing", "TimingPasses.final"),
     ("plain overlap", "tfremat.extract.extractor", "measure_plain_overlap"),
+    ("plain step trace", "tfremat.extract.overlap", "_traced_steps"),
+    ("first calls", "tfremat.extract.overlap", "_first_calls"),
+    ("step trace passes", "tfremat.extract.overlap", "_StepTrace.run_pass"),
+    ("timed rounds", "tfremat.extract.overlap", "time_in_turns"),
     ("assembly", "tfremat.extract.extractor", "assemble"),
     ("optimizer update probe", "tfremat.extract.assembly", "update_temporaries"),
     ("planning", "tfremat.planner", "plan_graph"),
@@ -181,6 +185,10 @@ PHASE_ROWS = (
     (("extraction", "loss analysis"), "- loss analysis"),
     (("extraction", "timing passes"), "- timing passes"),
     (("extraction", "plain overlap"), "- plain overlap (overlap.py)"),
+    (("extraction", "plain overlap", "plain step trace"), "  - plain step trace"),
+    (("extraction", "plain overlap", "first calls"), "  - each executor's first call"),
+    (("extraction", "plain overlap", "step trace passes"), "  - step trace passes (profiler)"),
+    (("extraction", "plain overlap", "timed rounds"), "  - timed rounds"),
     (("extraction", "assembly"), "- assembly"),
     (("extraction", "assembly", "optimizer update probe"), "  - optimizer update probe"),
     (("planning",), "planning"),
@@ -194,6 +202,9 @@ PHASE_ROWS = (
     (("allocator check", "compile"), "- compiling again"),
 )
 PHASE_MODELS = ("cnn", "transformer_encoder", "bilstm_text", "distilbert")
+# Larger models for --only (keras.applications at 64x64, batch 8, Adam, "80%", as user_check_5's
+# efficientnetv2b0): name -> constructor.
+APPLICATIONS = {"efficientnetv2b0": "EfficientNetV2B0", "resnet50": "ResNet50"}
 
 
 class PhaseClock:
@@ -268,6 +279,13 @@ def _phase_model(name: str):
         for row, keep in enumerate(rng.integers(16, 64, 8)):
             tokens[row, keep:], mask[row, keep:] = 0, 0
         return model, {"token_ids": tokens, "padding_mask": mask}, rng.integers(0, 3, 8), 8, "60% of activations"
+    if name in APPLICATIONS:
+        import keras
+
+        model = getattr(keras.applications, APPLICATIONS[name])(input_shape=(64, 64, 3), weights=None, classes=10)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        rng = np.random.default_rng(0)
+        return model, rng.random((8, 64, 64, 3), dtype="float32"), rng.integers(0, 10, 8), 8, "80%"
     model = conformance.build(name)
     model.compile(optimizer="adam", loss="categorical_crossentropy")
     x, y = synthetic_batch(model, 8, loss="categorical_crossentropy", seed=0)

@@ -39,7 +39,7 @@ import models  # noqa: E402
 from provenance import header  # noqa: E402
 
 from tfremat.errors import InfeasibleBudgetError, SolverTimeLimitError  # noqa: E402
-from tfremat.extract import analysis, extract  # noqa: E402
+from tfremat.extract import call_timing, extract  # noqa: E402
 from tfremat.planner import plan_graph  # noqa: E402
 
 logger = logging.getLogger("benchmarks.profile_agreement")
@@ -51,8 +51,8 @@ LARGE_SHARE = 0.5  # the large nodes: the fewest, largest first, whose costs mak
 BUDGET = "60% of activations"
 # How a profiled call is timed on CPU: from TensorFlow's trace (the library's way), or its
 # least wall seconds from Python, less those of a call that computes nothing (before it):
-# whether a timing is traced (analysis._Timing.traced).
-TIMERS = {"trace": analysis._Timing.traced, "wall": False}
+# whether a timing is traced (call_timing._Timing.traced).
+TIMERS = {"trace": call_timing._Timing.traced, "wall": False}
 
 
 def build(name):
@@ -83,12 +83,12 @@ def plan_facts(graph, time_limit):
 
 def agreement(name, time_limit, timer="trace"):
     """One row: ``name`` profiled twice with ``timer`` (see :data:`TIMERS`)."""
-    traced = analysis._Timing.traced
-    analysis._Timing.traced = TIMERS[timer]
+    traced = call_timing._Timing.traced
+    call_timing._Timing.traced = TIMERS[timer]
     try:
         return _agreement(name, time_limit) | {"timer": timer}
     finally:
-        analysis._Timing.traced = traced
+        call_timing._Timing.traced = traced
 
 
 def _agreement(name, time_limit):
@@ -140,10 +140,10 @@ def render(rows, argv):
         "one factor); `min`: the share of the checkpoint-all peak "
         "`\"min\"` resolves to, first and second profile; `load`: the 1-minute load average "
         "when the row started and finished (2 cores, shared with other jobs). Timing: every call timed in "
-        f"{analysis._TIMING_PASSES} passes of at least {analysis._MIN_TIMING_SECONDS:g} s over all the calls, "
-        f"then {2 * analysis._TIMING_PASSES} more over the calls making {100 * analysis._LARGE_CALLS_SHARE:.0f}% "
+        f"{call_timing._TIMING_PASSES} passes of at least {call_timing._MIN_TIMING_SECONDS:g} s over all the calls, "
+        f"then {2 * call_timing._TIMING_PASSES} more over the calls making {100 * call_timing._LARGE_CALLS_SHARE:.0f}% "
         "of the timed seconds, each timed function keeping the mean of its least half of the passes "
-        "(`tfremat.extract.analysis.timing_passes`); `timer`: "
+        "(`tfremat.extract.call_timing.timing_passes`); `timer`: "
         "`trace` reads each call's seconds off TensorFlow's profiler trace (`tfremat.extract.timing`, the "
         "library's), `wall` times it from Python less a call that computes nothing (before the trace). "
         "TensorFlow's default inter-op threads, so every call is traced and run on its single-threaded "
@@ -170,9 +170,9 @@ def main(argv=None):
     parser.add_argument("--only", default=None, help="model names, comma separated")
     parser.add_argument("--time_limit", type=float, default=20.0, help="seconds per optimal solve")
     parser.add_argument("--passes", type=int, default=None,
-                        help=f"timing passes per extraction (default {analysis._TIMING_PASSES}; 1: one window per call)")
+                        help=f"timing passes per extraction (default {call_timing._TIMING_PASSES}; 1: one window per call)")
     parser.add_argument("--window", type=float, default=None,
-                        help=f"least seconds of one timing window (default {analysis._MIN_TIMING_SECONDS:g})")
+                        help=f"least seconds of one timing window (default {call_timing._MIN_TIMING_SECONDS:g})")
     parser.add_argument("--timers", default="trace",
                         help="timers to compare, comma separated, each model profiled with each in turns: trace "
                              "(TensorFlow's trace, the library's), wall (Python wall seconds less a call that "
@@ -187,9 +187,9 @@ def main(argv=None):
         parser.error(f"--only, --passes, --window and --timers need --out "
                      f"(the default {DEFAULT_OUT} holds the defaults)")
     if args.passes is not None:
-        analysis._TIMING_PASSES = args.passes
+        call_timing._TIMING_PASSES = args.passes
     if args.window is not None:
-        analysis._MIN_TIMING_SECONDS = args.window
+        call_timing._MIN_TIMING_SECONDS = args.window
     names = args.only.split(",") if args.only else [*TEST_MODELS, *CONFORMANCE_MODELS]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("tfremat").setLevel(logging.ERROR)

@@ -1,7 +1,7 @@
 """Where two profiles' cost differences come from (issue 33 item 3): within a process or across.
 
 One extraction of a model (``cost_model="profile"``, no cache) registers every profiled call's
-timed functions; their timing passes (:class:`tfremat.extract.analysis.TimingPasses`) are then
+timed functions; their timing passes (:class:`tfremat.extract.call_timing.TimingPasses`) are then
 run ``--repeats`` times more on the same traced functions, each repeat a full profile's timing.
 Each repeat gives every call's forward and backward seconds off the cost grid (the grid is
 patched out, so a 1% change reads as 1%). Written as JSON lines (one per repeat), so that several
@@ -43,22 +43,22 @@ LARGE_SHARE = 0.5
 def profile_repeats(name, repeats, shares=(None,)):
     """Yields one dict per repeat: per timed call, its forward and backward seconds. The
     repeats take turns over ``shares``, each (when not None) set as
-    ``analysis._LARGE_CALLS_SHARE`` for its repeat (0: no call gets the extra passes, the
+    ``call_timing._LARGE_CALLS_SHARE`` for its repeat (0: no call gets the extra passes, the
     timing before them), so that two settings meet the same load."""
     import profile_agreement
-    from tfremat.extract import analysis, extract
+    from tfremat.extract import call_timing, extract
 
     captured = []
-    final = analysis.TimingPasses.final
+    final = call_timing.TimingPasses.final
 
     def capturing(self, a):
         if not captured or captured[-1] is not self:
             captured.append(self)
         return final(self, a)
 
-    analysis.TimingPasses.final = capturing
-    grid, analysis._on_grid = analysis._on_grid, lambda seconds: seconds
-    large_share = analysis._LARGE_CALLS_SHARE
+    call_timing.TimingPasses.final = capturing
+    grid, call_timing._on_grid = call_timing._on_grid, lambda seconds: seconds
+    large_share = call_timing._LARGE_CALLS_SHARE
     try:
         model, batch = profile_agreement.build(name)
         extract(model, batch, cost_model="profile", use_cache=False)
@@ -72,7 +72,7 @@ def profile_repeats(name, repeats, shares=(None,)):
                 passes._done, passes._final = False, {}
             share = shares[repeat % len(shares)]
             if share is not None:
-                analysis._LARGE_CALLS_SHARE = share
+                call_timing._LARGE_CALLS_SHARE = share
             load = os.getloadavg()[0]
             began = time.perf_counter()
             costs = {}
@@ -85,9 +85,9 @@ def profile_repeats(name, repeats, shares=(None,)):
             yield {"repeat": repeat, "share": share, "load": load, "seconds": time.perf_counter() - began, "costs": costs,
                    "passes": [timing.passes for timing in timings]}
     finally:
-        analysis.TimingPasses.final = final
-        analysis._on_grid = grid
-        analysis._LARGE_CALLS_SHARE = large_share
+        call_timing.TimingPasses.final = final
+        call_timing._on_grid = grid
+        call_timing._LARGE_CALLS_SHARE = large_share
 
 
 def _rel(a, b):

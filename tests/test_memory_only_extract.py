@@ -7,7 +7,7 @@ tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
 
 from tfremat.errors import ExtractionError  # noqa: E402
-from tfremat.extract import analysis, extractor  # noqa: E402
+from tfremat.extract import call_timing, extractor  # noqa: E402
 from tfremat.extract.extractor import extract  # noqa: E402
 
 
@@ -41,9 +41,9 @@ def _no_timing(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a memory-only extraction timed a call")
 
-    monkeypatch.setattr(analysis, "_least_seconds", refuse)
-    monkeypatch.setattr(analysis, "_kernel_seconds", refuse)
-    monkeypatch.setattr(analysis, "_compiled_least_seconds", refuse)
+    monkeypatch.setattr(call_timing, "_least_seconds", refuse)
+    monkeypatch.setattr(call_timing, "_kernel_seconds", refuse)
+    monkeypatch.setattr(call_timing, "_compiled_least_seconds", refuse)
     monkeypatch.setattr(extractor, "measure_plain_overlap", refuse)
 
 

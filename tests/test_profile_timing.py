@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-from tfremat.extract import analysis, extract
+from tfremat.extract import analysis, call_timing, extract
 from tfremat.extract import profile_cache, timing
 from tfremat.extract.profile_cache import cache_key
 from tfremat.runtime import executor
@@ -31,7 +31,8 @@ def test_profiled_calls_are_traced_and_run_on_the_steps_executor(monkeypatch, se
         return synchronize(value)
 
     monkeypatch.setattr(analysis, "synchronize", recording)
-    monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
+    monkeypatch.setattr(call_timing, "synchronize", recording)
+    monkeypatch.setattr(call_timing, "_MIN_TIMING_SECONDS", 0.0)
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6, 4))
     hidden = keras.layers.LSTM(5, name="lstm")(inputs)
@@ -110,7 +111,7 @@ def test_the_trace_refuses_calls_out_of_the_order_given():
 def test_a_profile_on_cpu_reads_its_seconds_off_the_trace(monkeypatch):
     """extract() times every call on CPU from the trace (_traced_pass), never from Python."""
     traced = []
-    traced_pass = analysis._traced_pass
+    traced_pass = call_timing._traced_pass
 
     def recording(trace, calls, repeats, warmup, done):
         traced.extend(fn for fn, _ in calls)
@@ -119,9 +120,9 @@ def test_a_profile_on_cpu_reads_its_seconds_off_the_trace(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a call was timed from Python on CPU")
 
-    monkeypatch.setattr(analysis, "_traced_pass", recording)
-    monkeypatch.setattr(analysis, "_least_seconds", refuse)
-    monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
+    monkeypatch.setattr(call_timing, "_traced_pass", recording)
+    monkeypatch.setattr(call_timing, "_least_seconds", refuse)
+    monkeypatch.setattr(call_timing, "_MIN_TIMING_SECONDS", 0.0)
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
     model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax", name="head")(inputs))
@@ -166,10 +167,10 @@ def test_calls_with_like_inputs_share_one_dispatch_function():
     first = (tf.ones([2, 3]), tf.constant(1.0))
     like = (tf.zeros([2, 3]), tf.constant(2.0))
     other = ([tf.ones([2, 3])], tf.constant(1.0))
-    shared = analysis._dispatch_only(first)
-    assert analysis._dispatch_only(like) is shared
-    assert analysis._dispatch_only(other) is not shared
-    assert analysis._dispatch_only((tf.ones([4, 3]), tf.constant(1.0))) is not shared
+    shared = call_timing.dispatch_only(first)
+    assert call_timing.dispatch_only(like) is shared
+    assert call_timing.dispatch_only(other) is not shared
+    assert call_timing.dispatch_only((tf.ones([4, 3]), tf.constant(1.0))) is not shared
     returned = shared(*like)
     np.testing.assert_array_equal(returned[0].numpy(), like[0].numpy())
     assert float(returned[1]) == 2.0

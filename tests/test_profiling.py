@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.extract import analysis, extract
+from tfremat.extract import analysis, call_timing, extract
 
 
 def _conv_net():
@@ -44,7 +44,7 @@ def test_two_profiles_agree_that_the_convolutions_dominate_the_step():
         assert cost[convolutions].sum() >= 0.75 * cost.sum(), (first / first.sum(), second / second.sum())
     # Every cost lies on the grid, so equal up to noise below its step means equal.
     for cost in first:
-        assert cost == 0 or math.isclose(analysis._on_grid(cost), cost, rel_tol=1e-12)
+        assert cost == 0 or math.isclose(call_timing._on_grid(cost), cost, rel_tol=1e-12)
 
 
 def test_least_seconds_takes_many_runs_of_a_tiny_call_in_turns(monkeypatch):
@@ -53,7 +53,7 @@ def test_least_seconds_takes_many_runs_of_a_tiny_call_in_turns(monkeypatch):
     # rounds early, cannot change how many run.
     tick = 2.0**-10
     now = [0.0]
-    monkeypatch.setattr(analysis, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(call_timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     order = []
 
     def tiny(name):
@@ -63,10 +63,10 @@ def test_least_seconds_takes_many_runs_of_a_tiny_call_in_turns(monkeypatch):
             return tf.constant(0.0)
         return run
 
-    least = analysis._least_seconds([(tiny("a"), ()), (tiny("b"), ())], repeats=3, warmup=1)
+    least = call_timing._least_seconds([(tiny("a"), ()), (tiny("b"), ())], repeats=3, warmup=1)
     assert least == [tick, tick]
     # A call of a millisecond runs until the minimum time has passed: far more than 3 rounds.
-    rounds = min(math.ceil(analysis._MIN_TIMING_SECONDS / (2 * tick)), analysis._MAX_TIMED_RUNS)
+    rounds = min(math.ceil(call_timing._MIN_TIMING_SECONDS / (2 * tick)), call_timing._MAX_TIMED_RUNS)
     assert rounds > 3
     assert len(order) == 2 * (1 + rounds)
     assert order[:6] == ["a", "b", "a", "b", "a", "b"]
@@ -82,7 +82,7 @@ def _scripted_traced_pass(monkeypatch, passes):
         answered.append((repeats, warmup))
         done(list(least))
 
-    monkeypatch.setattr(analysis, "_traced_pass", scripted)
+    monkeypatch.setattr(call_timing, "_traced_pass", scripted)
     return answered
 
 
@@ -97,7 +97,7 @@ def test_each_call_keeps_the_mean_of_its_least_half_of_the_timing_passes(monkeyp
     # (dispatch, forward, forward and backward) per pass: each is least in another pass.
     answered = _scripted_traced_pass(
         monkeypatch, [(1.0, 3.0, 10.0), (0.5, 2.0, 7.0), (0.25, 4.0, 6.0), *[(2.0, 5.0, 12.0)] * 6])
-    with analysis.timing_passes(3) as passes:
+    with call_timing.timing_passes(3) as passes:
         first = analysis.analyze_call(lambda xs: layer(xs[0]), "dense", [spec], [True], layer.trainable_variables,
                                       2, profile=True, repeats=5, warmup=2)
         assert answered == [] and first.forward_seconds == first.backward_seconds == 0.0
@@ -105,8 +105,8 @@ def test_each_call_keeps_the_mean_of_its_least_half_of_the_timing_passes(monkeyp
     # The fewest rounds are shared among the passes; the passes after the first warm up once.
     assert answered == [(2, 2), *[(2, 1)] * 8]
     # The least four of nine: dispatch 0.25, 0.5, 1, 2; forward 2, 3, 4, 5; both 6, 7, 10, 12.
-    assert final.forward_seconds == analysis._on_grid(3.5 - 0.9375)
-    assert final.backward_seconds == analysis._on_grid(8.75 - 3.5)
+    assert final.forward_seconds == call_timing._on_grid(3.5 - 0.9375)
+    assert final.backward_seconds == call_timing._on_grid(8.75 - 3.5)
     assert passes.final(first) is final
     assert dataclasses.replace(final, forward_seconds=0.0, backward_seconds=0.0) == \
         dataclasses.replace(first, forward_seconds=0.0, backward_seconds=0.0)
@@ -118,9 +118,9 @@ def test_the_calls_that_make_most_of_the_step_get_the_extra_passes():
     """_largest keeps the fewest calls, largest first by their longest function, whose
     seconds make the share asked for."""
     timings = [types.SimpleNamespace(chosen=lambda size=size: [0.0, size / 2, size]) for size in (5.0, 80.0, 10.0, 5.0)]
-    assert analysis._largest(timings, 0.8) == [timings[1]]
-    assert analysis._largest(timings, 0.85) == [timings[1], timings[2]]
-    assert analysis._largest(timings, 1.0) == [timings[1], timings[2], timings[0], timings[3]]
+    assert call_timing._largest(timings, 0.8) == [timings[1]]
+    assert call_timing._largest(timings, 0.85) == [timings[1], timings[2]]
+    assert call_timing._largest(timings, 1.0) == [timings[1], timings[2], timings[0], timings[3]]
 
 
 def test_an_extraction_times_every_call_in_every_pass(monkeypatch):
@@ -129,21 +129,21 @@ def test_an_extraction_times_every_call_in_every_pass(monkeypatch):
     trace; then the calls that make most of the step twice as many times more, in rounds
     of them, their passes sharing a trace."""
     timed, traces = [], []
-    traced_pass = analysis._traced_pass
+    traced_pass = call_timing._traced_pass
 
     def recording(trace, calls, repeats, warmup, done):
         timed.append(calls[-1][0])
         traces.append(trace)  # kept alive: their ids stay distinct
         return traced_pass(trace, calls, repeats, warmup, done)
 
-    monkeypatch.setattr(analysis, "_traced_pass", recording)
-    monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
+    monkeypatch.setattr(call_timing, "_traced_pass", recording)
+    monkeypatch.setattr(call_timing, "_MIN_TIMING_SECONDS", 0.0)
     keras.utils.set_random_seed(0)
     x = keras.Input((6,))
     model = keras.Model(x, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(5, activation="relu")(x)))
     batch = (np.ones((4, 6), np.float32), np.eye(3, dtype=np.float32)[[0, 1, 2, 0]])
     extract(model, batch, cost_model="profile", use_cache=False)
-    passes, groups = analysis._TIMING_PASSES, len({id(fn) for fn in timed})
+    passes, groups = call_timing._TIMING_PASSES, len({id(fn) for fn in timed})
     assert passes >= 2 and groups >= 3
     first_pass = [id(fn) for fn in timed[:groups]]
     for k in range(1, passes):

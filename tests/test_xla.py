@@ -300,10 +300,10 @@ def test_xla_costs_are_timed_on_functions_compiled_by_xla(monkeypatch):
     functions compiled by XLA (``_XlaMustCompile``), and without it none; the workspaces
     are measured on TensorFlow's kernels either way, and the two profiles are cached apart.
     The mechanism is checked, not a timing: which is cheaper depends on the machine."""
-    from tfremat.extract import analysis
+    from tfremat.extract import analysis, call_timing
 
     timed, measured = [], []
-    least_seconds, requested_peak = analysis._least_seconds, analysis._requested_peak
+    least_seconds, requested_peak = call_timing._least_seconds, analysis._requested_peak
     requested_peaks = analysis._requested_peaks
 
     def recording(calls, repeats, warmup):
@@ -318,15 +318,15 @@ def test_xla_costs_are_timed_on_functions_compiled_by_xla(monkeypatch):
         measured.extend(fn for fn, _ in runs)
         return requested_peaks(runs, warmup, **options)
 
-    def recording_kernels(trace, calls, repeats, warmup, done, traced_pass=analysis._traced_pass):
+    def recording_kernels(trace, calls, repeats, warmup, done, traced_pass=call_timing._traced_pass):
         timed.extend(fn for fn, _ in calls)
         return traced_pass(trace, calls, repeats, warmup, done)
 
-    monkeypatch.setattr(analysis, "_least_seconds", recording)
-    monkeypatch.setattr(analysis, "_traced_pass", recording_kernels)
+    monkeypatch.setattr(call_timing, "_least_seconds", recording)
+    monkeypatch.setattr(call_timing, "_traced_pass", recording_kernels)
     monkeypatch.setattr(analysis, "_requested_peak", recording_peak)
     monkeypatch.setattr(analysis, "_requested_peaks", recording_peaks)
-    monkeypatch.setattr(analysis, "_MIN_TIMING_SECONDS", 0.0)
+    monkeypatch.setattr(call_timing, "_MIN_TIMING_SECONDS", 0.0)
 
     def compiled_by_xla(fn) -> bool:
         attr = fn.function_def.attr.get("_XlaMustCompile")

@@ -21,8 +21,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import ExtractionError, is_int
-from tfremat.extract.analysis import CallAnalysis, analyze_loss, memory_only, timing_passes, xla_costs, xla_layouts
+from tfremat.extract.analysis import CallAnalysis, analyze_loss, memory_only, xla_costs, xla_layouts
 from tfremat.extract.assembly import assemble, backward_flags, weight_gradient_lifetime
+from tfremat.extract.call_timing import timing_passes
 from tfremat.extract.checks import (
     analyze_checked,
     check_layer,
