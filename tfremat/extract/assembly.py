@@ -378,7 +378,7 @@ def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, ou
         layer=layer, call_args=call.call_args, call_kwargs=MappingProxyType(dict(call.call_kwargs)),
         inputs=call.inputs, takes_training=takes_training(layer), one_gradient_call=a.one_gradient_call,
         trainable_variables=tuple(trainable_variables(layer)), num_outputs=call.num_outputs,
-        input_needs_grad=needs,
+        input_needs_grad=needs, clears_masks=call.clears_masks, output_masks=call.output_masks,
     )
     nodes.entries[i] = NodeEntry(
         node=i, kind="forward", name=call.name, forward_node=i, backward_node=b,

@@ -28,12 +28,17 @@ from tfremat.errors import ExtractionError
 from tfremat.extract.opening import (
     DEFAULT_GRANULARITY,
     GRANULARITIES,
+    MASK_CHANGED,
+    MASK_UNTRACED,
     KeptWhole,
     detach_recorded_nodes,
     log_kept,
+    mask_sources,
+    may_open,
     open_layer,
 )
 from tfremat.extract.side_table import TensorRef
+from tfremat.runtime.internals import get_keras_mask
 
 __all__ = [
     "LayerCall", "walk_model", "functional_view", "require_functional", "functional_model", "model_input_names",
@@ -57,6 +62,11 @@ class LayerCall:
         inputs: the tensor references, flattened.
         num_outputs: number of flattened output tensors.
         output_shapes: static shapes (without the batch dimension) of the outputs.
+        clears_masks: the first call of an opened layer that clears its inputs' Keras masks
+            (``MultiHeadAttention``): those inputs, whose masks the calls after it no longer
+            see (:mod:`~tfremat.extract.opening`, "Keras masks").
+        output_masks: per output, the Keras mask that the opened layer whose output it is
+            sets on it, as a reference to the mask's value; empty when none.
     """
 
     position: int
@@ -67,6 +77,8 @@ class LayerCall:
     inputs: tuple[TensorRef, ...]
     num_outputs: int
     output_shapes: tuple
+    clears_masks: tuple[TensorRef, ...] = ()
+    output_masks: tuple[TensorRef | None, ...] = ()
 
 
 def functional_view(model) -> object | None:
@@ -273,6 +285,11 @@ class _Walker:
     shapes fix, the batch included: a layer is opened by recording its call on such
     tensors, since a layer like keras-hub's decoder builds its causal mask from the
     sequence length and the batch size.
+
+    ``masks_touched`` holds the references that an earlier call of a Keras layer read (and
+    so may have changed the Keras mask of in place) or whose masks an opened call cleared:
+    a layer whose masked input is one of them stays one node (:data:`MASK_CHANGED`), since
+    the mask it sees in ``model.fit`` may not be the one recorded when the model was built.
     """
 
     def __init__(self, granularity: str, model_leaf_layers: int):
@@ -281,6 +298,7 @@ class _Walker:
         self.calls: list[LayerCall] = []
         self.names_seen: dict[str, int] = {}
         self.symbolic: dict[TensorRef, keras.KerasTensor] = {}
+        self.masks_touched: set[TensorRef] = set()
 
     def walk(self, graph, input_refs, prefix) -> list[TensorRef]:
         """Appends the calls of ``graph`` to ``calls``; returns the refs of its outputs."""
@@ -303,20 +321,80 @@ class _Walker:
                 if inner is not None:
                     outs = self._walk_nested(op, inner, node, refs, prefix)
                 else:
-                    opened = open_layer(op, node, self.granularity, [self.symbolic[r] for r in arg_refs])
-                    if isinstance(opened, KeptWhole):
-                        log_kept(op, opened, len(_leaf_layers(op)) / self.model_leaf_layers)
-                        opened = None
-                    if opened is not None:
-                        try:
-                            outs = self.walk(opened, arg_refs, f"{prefix}{op.name}/")
-                        finally:
-                            detach_recorded_nodes(opened)
-                    else:
-                        outs = self._add_call(op, node, refs, arg_refs, prefix)
+                    outs = self._open_or_add(op, node, refs, tensor_args, arg_refs, prefix)
                 for t, r in zip(node.outputs, outs):
                     refs[id(t)] = r
         return [refs[id(t)] for t in graph.outputs]
+
+    def _open_or_add(self, op, node, refs, tensor_args, arg_refs, prefix) -> list[TensorRef]:
+        """Walks ``op``'s call at ``node`` opened (:func:`open_layer`) when it can be, else
+        adds it as one call; returns the references of its outputs.
+
+        The Keras masks its arguments and outputs carry become values of the graph first
+        (:func:`mask_sources`; the nodes that compute them are walked before the opened
+        calls, so they run before them), then the opened call is walked with the masks as
+        inputs after its arguments; its first call gets the inputs whose masks it clears,
+        and the calls that make its outputs the masks Keras sets on them.
+        """
+        if not may_open(op, self.granularity):
+            return self._add_call(op, node, refs, arg_refs, prefix)
+        masks = [get_keras_mask(t) for t in tensor_args]
+        output_masks = [get_keras_mask(t) for t in node.outputs]
+        mask_functions: dict[int, tuple] = {}
+        opened = self._mask_functions(masks + output_masks, refs, node, mask_functions)
+        if opened is None and any(m is not None and r in self.masks_touched for m, r in zip(masks, arg_refs)):
+            opened = MASK_CHANGED
+        if opened is None:
+            known = [None if m is None else self._known_mask(m, refs, mask_functions) for m in masks]
+            opened = open_layer(op, node, self.granularity, [self.symbolic[r] for r in arg_refs], known)
+        if isinstance(opened, KeptWhole):
+            log_kept(op, opened, len(_leaf_layers(op)) / self.model_leaf_layers)
+            opened = None
+        if opened is None:
+            return self._add_call(op, node, refs, arg_refs, prefix)
+        try:
+            for mask_id, (function, sources) in mask_functions.items():
+                (refs[mask_id],) = self.walk(function, sources, prefix)
+            start = len(self.calls)
+            mask_refs = [refs[id(m)] for m in masks if m is not None]
+            outs = self.walk(opened.function, arg_refs + mask_refs, f"{prefix}{op.name}/")
+        finally:
+            detach_recorded_nodes(opened.function)
+        cleared = tuple(arg_refs[p] for p in opened.clears_masks)
+        if cleared and start < len(self.calls):
+            first = self.calls[start]
+            self.calls[start] = dataclasses.replace(first, clears_masks=first.clears_masks + cleared)
+            self.masks_touched.update(cleared)
+        for out, mask in zip(outs, output_masks):
+            if mask is not None and out.source == "node" and out.index >= start:
+                producer = self.calls[out.index]
+                given = list(producer.output_masks or [None] * producer.num_outputs)
+                given[out.output_index] = refs[id(mask)]
+                self.calls[out.index] = dataclasses.replace(producer, output_masks=tuple(given))
+        return outs
+
+    def _mask_functions(self, masks, refs, node, functions: dict) -> KeptWhole | None:
+        """Fills ``functions`` with ``id(mask) -> (keras.Function, source references)`` for
+        each of ``masks`` that is not a value of the walk yet; :data:`MASK_UNTRACED` when
+        one is not computed from the walk's tensors by recorded operations (or only through
+        ``node``'s own outputs)."""
+        own_outputs = {id(t) for t in node.outputs}
+        for mask in masks:
+            if mask is None or id(mask) in refs or id(mask) in functions:
+                continue
+            sources = mask_sources(mask, set(refs) | own_outputs)
+            if sources is None or any(id(t) in own_outputs for t in sources):
+                return MASK_UNTRACED
+            functions[id(mask)] = (keras.Function(sources, [mask]), [refs[id(t)] for t in sources])
+        return None
+
+    def _known_mask(self, mask, refs, functions: dict):
+        """``mask`` as a ``KerasTensor`` with the shape the walk's input shapes fix."""
+        if id(mask) in refs:
+            return self.symbolic[refs[id(mask)]]
+        function, sources = functions[id(mask)]
+        (spec,) = tf.nest.flatten(function.compute_output_spec([self.symbolic[r] for r in sources]))
+        return keras.KerasTensor(spec.shape, dtype=spec.dtype)
 
     def _walk_nested(self, model, inner, node, refs, prefix) -> list[TensorRef]:
         inner_inputs = [refs[id(t)] for t in node.input_tensors]
@@ -353,6 +431,8 @@ class _Walker:
                 output_shapes=tuple(tuple(t.shape[1:]) for t in node.outputs),
             )
         )
+        if isinstance(op, keras.layers.Layer):
+            self.masks_touched.update(arg_refs)
         outputs = [TensorRef("node", position, index) for index in range(len(node.outputs))]
         for ref, tensor in zip(outputs, self._output_tensors(op, node, arg_refs)):
             self.symbolic[ref] = tensor

@@ -22,11 +22,8 @@ once per layer class (:func:`log_kept`), when:
   step calls every layer with ``training=True``, as ``model.fit`` does;
 * its compute dtype differs from a floating input's dtype (mixed precision: ``__call__``
   casts inputs before ``call``, which calling ``call`` itself would skip);
-* a tensor it reads or returns carries a Keras mask (``Embedding(mask_zero=True)`` or
-  ``Masking`` upstream, a ``compute_mask``): Keras hands masks from layer to layer as an
-  attribute of the tensors, not as graph values, so the recorded graph would compute without
-  them (a ``MultiHeadAttention`` opened so attended to padding, issue 33), and its outputs
-  would lose the mask the layer sets on them;
+* a Keras mask on a tensor it reads or returns cannot be made a value of the graph, or an
+  earlier call may have changed the mask its input carries (see "Keras masks" below);
 * its ``call`` cannot run symbolically (a raw TensorFlow op on a ``KerasTensor``, Python
   control flow on tensor values): the error is the reason.
 
@@ -54,12 +51,17 @@ import tensorflow as tf
 
 from tfremat.runtime.internals import (
     CallContext,
+    CallSpec,
     get_keras_mask,
     keras_global_attribute,
     set_keras_global_attribute,
+    set_keras_mask,
 )
 
-__all__ = ["GRANULARITIES", "DEFAULT_GRANULARITY", "KeptWhole", "open_layer", "log_kept", "detach_recorded_nodes"]
+__all__ = [
+    "GRANULARITIES", "DEFAULT_GRANULARITY", "KeptWhole", "OpenedCall", "open_layer", "log_kept",
+    "detach_recorded_nodes", "may_open", "mask_sources", "MASK_UNTRACED", "MASK_CHANGED",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +87,38 @@ class KeptWhole:
     remedy: str
 
 
-def open_layer(layer, node, granularity: str, inputs):
-    """The graph of ``layer``'s call at ``node`` as a ``keras.Function``; else None, or a
+@dataclasses.dataclass(frozen=True)
+class OpenedCall:
+    """A layer call recorded as a graph (:func:`open_layer`).
+
+    Attributes:
+        function: the recorded ``keras.Function``; its inputs are the call's tensor
+            arguments, then one mask placeholder per argument given a mask, in order.
+        clears_masks: positions of the tensor arguments whose Keras masks the call clears
+            (``MultiHeadAttention`` clears its inputs' masks before its sublayers run).
+    """
+
+    function: object
+    clears_masks: tuple[int, ...]
+
+
+#: Why a layer stays one node when a mask it reads cannot be made a value of the graph.
+MASK_UNTRACED = KeptWhole(
+    "a Keras mask on its inputs or outputs is not computed from the model's tensors by operations Keras recorded",
+    "compute the mask as a tensor (keras.ops.not_equal(token_ids, 0)) and pass it as an argument "
+    "(MultiHeadAttention's attention_mask=), with mask_zero=False upstream",
+)
+#: Why a layer stays one node when an earlier call may have changed its input's mask.
+MASK_CHANGED = KeptWhole(
+    "an earlier layer call reads the same masked input and may have changed its Keras mask in place "
+    "(MultiHeadAttention clears its inputs' masks), so the mask it reads in model.fit is not the one recorded",
+    "pass the masks as arguments (MultiHeadAttention's query_mask=, value_mask= or attention_mask=), so that no "
+    "call depends on what another one changed in place",
+)
+
+
+def open_layer(layer, node, granularity: str, inputs, masks=None):
+    """The graph of ``layer``'s call at ``node`` as an :class:`OpenedCall`; else None, or a
     :class:`KeptWhole` saying why a layer that holds sublayers stays one node (see the
     module docstring), for the caller to log (:func:`log_kept`).
 
@@ -94,24 +126,26 @@ def open_layer(layer, node, granularity: str, inputs):
     kwargs))`` gives them, as ``KerasTensor`` s whose shapes are as known as the model's
     input shapes make them; the function's inputs are placeholders of those shapes, and its
     outputs are the call's outputs flattened, so the caller maps them to the references of
-    the enclosing graph. Its nodes are recorded on the sublayers;
+    the enclosing graph. ``masks``, aligned with ``inputs``: the Keras mask each argument
+    carries, as a ``KerasTensor`` of known shape, or None; each becomes the mask of its
+    argument's placeholder and an input of the function after the arguments (module
+    docstring, "Keras masks"). Its nodes are recorded on the sublayers;
     :func:`detach_recorded_nodes` removes them once walked.
     """
-    if granularity == "layer" or not isinstance(layer, keras.layers.Layer):
+    if not may_open(layer, granularity):
         return None
     has_sublayers = bool(layer._flatten_layers(include_self=False, recursive=False))
-    if not has_sublayers and granularity != "op":
-        return None
     if isinstance(layer, keras.layers.RNN):
         return KeptWhole("a Keras RNN runs its time steps in one while loop; chunks of steps are not separate calls",
                          "a smaller batch or shorter sequences lower its memory; recomputation cannot split it")
     if not has_sublayers and layer.variables:
         return None
-    kept = _dtype_reason(layer, node) or _mask_reason(node)
+    kept = _dtype_reason(layer, node)
     if kept:
         return kept
+    masks = list(masks or [None] * len(inputs))
     try:
-        function = _record_call(layer, node, inputs)
+        function, clears = _record_call(layer, node, inputs, masks)
     except Exception as error:  # noqa: BLE001 - any failure to run symbolically keeps the layer whole
         return KeptWhole(f"its call does not run on symbolic tensors ({type(error).__name__}: {error})",
                          "write that step with keras.ops (keras.ops.cond, keras.ops.where) in place of Python "
@@ -121,7 +155,15 @@ def open_layer(layer, node, granularity: str, inputs):
     if kept or single_operation:
         detach_recorded_nodes(function)
         return kept if has_sublayers else None
-    return function
+    return OpenedCall(function, clears)
+
+
+def may_open(layer, granularity: str) -> bool:
+    """Whether :func:`open_layer` considers opening ``layer`` at ``granularity`` at all: a
+    Keras layer that holds sublayers, or at ``"op"`` any Keras layer."""
+    if granularity == "layer" or not isinstance(layer, keras.layers.Layer):
+        return False
+    return granularity == "op" or bool(layer._flatten_layers(include_self=False, recursive=False))
 
 
 def log_kept(layer, kept: KeptWhole, share: float) -> None:
@@ -160,9 +202,39 @@ def detach_recorded_nodes(function) -> None:
             node_list.remove(node)
 
 
-def _record_call(layer, node, inputs):
+def mask_sources(mask, known: set[int]) -> list | None:
+    """The tensors among ``known`` (ids of ``KerasTensor`` s the caller has values for)
+    from which Keras's recorded operations compute ``mask``, for a ``keras.Function`` from
+    them to the mask; None when its history reaches a model input or an operation outside
+    ``known`` without passing one (a mask made outside the graph), so it cannot be made a
+    value of the graph (module docstring, "Keras masks")."""
+    sources, seen, stack = {}, set(), [mask]
+    while stack:
+        tensor = stack.pop()
+        if id(tensor) in known:
+            sources.setdefault(id(tensor), tensor)
+            continue
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        history = getattr(tensor, "_keras_history", None)
+        if history is None or history.operation is None:
+            return None
+        recorded = history.operation._inbound_nodes[history.node_index]
+        if recorded.is_input or not recorded.input_tensors:
+            return None
+        stack.extend(recorded.input_tensors)
+    return list(sources.values())
+
+
+def _record_call(layer, node, inputs, masks):
     """Calls ``layer.call`` on fresh symbolic inputs shaped like ``inputs`` in place of
-    ``node``'s tensor arguments.
+    ``node``'s tensor arguments, each carrying a fresh placeholder for its mask in
+    ``masks`` (None: no mask); returns the ``keras.Function`` and the positions whose mask
+    the call cleared.
+
+    The mask arguments ``Layer.__call__`` fills in from the attributes (``mask=``,
+    ``value_mask=``) are in the node's recorded arguments already, and so placeholders too.
 
     A ``StatelessScope`` discards any state update that runs eagerly while recording (a
     seed drawn outside a sublayer call, say); such a layer then fails the coverage check.
@@ -178,12 +250,18 @@ def _record_call(layer, node, inputs):
     flat = [t for t in tf.nest.flatten((node.arguments.args, node.arguments.kwargs)) if isinstance(t, keras.KerasTensor)]
     placeholders = {id(t): keras.Input(batch_shape=known.shape, dtype=t.dtype, sparse=t.sparse)
                     for t, known in zip(flat, inputs)}
+    mask_placeholders = [None if mask is None else keras.Input(batch_shape=mask.shape, dtype=mask.dtype)
+                         for mask in masks]
+    for tensor, mask in zip(flat, mask_placeholders):
+        if mask is not None:
+            set_keras_mask(placeholders[id(tensor)], mask)
 
     def symbolic(value):
         return placeholders[id(value)] if isinstance(value, keras.KerasTensor) else value
 
     args = tf.nest.map_structure(symbolic, tuple(node.arguments.args))
     kwargs = tf.nest.map_structure(symbolic, dict(node.arguments.kwargs))
+    _fill_in_mask_arguments(layer, args, kwargs)
     if layer._call_has_training_arg:
         kwargs["training"] = True
     context = CallContext(entry_layer=layer)
@@ -198,7 +276,28 @@ def _record_call(layer, node, inputs):
     outputs = tf.nest.flatten(outputs)
     if len(outputs) != len(node.outputs) or not all(isinstance(t, keras.KerasTensor) for t in outputs):
         raise ValueError(f"it returned {len(outputs)} values where the recorded call returned {len(node.outputs)} tensors")
-    return keras.Function([placeholders[id(t)] for t in flat], outputs)
+    cleared = tuple(position for position, (tensor, mask) in enumerate(zip(flat, mask_placeholders))
+                    if mask is not None and get_keras_mask(placeholders[id(tensor)]) is None)
+    function_inputs = [placeholders[id(t)] for t in flat] + [m for m in mask_placeholders if m is not None]
+    return keras.Function(function_inputs, outputs), cleared
+
+
+def _fill_in_mask_arguments(layer, args, kwargs: dict) -> None:
+    """Fills in ``kwargs`` the mask arguments that ``Layer.__call__`` fills in from its
+    tensor arguments' Keras masks before it calls ``call`` (``mask=`` for a call of one
+    tensor argument, else ``query_mask=`` for ``query`` and so on), where the call takes
+    one and is not given it. Keras records them in the node only when it did not convert
+    the arguments first (not for ``MultiHeadAttention``'s two), so in ``model.fit`` they
+    come from the attributes; recording ``call`` directly skips ``__call__``."""
+    spec = CallSpec(layer._call_signature, layer._call_context_args, args, dict(kwargs))
+    tensors = spec.tensor_arguments_dict
+    if len(tensors) == 1:
+        wanted = {"mask": next(iter(tensors.values()))}
+    else:
+        wanted = {f"{name}_mask": value for name, value in tensors.items()}
+    for name, value in wanted.items():
+        if name in spec.arguments_dict and spec.arguments_dict[name] is None:
+            kwargs[name] = tf.nest.map_structure(get_keras_mask, value)
 
 
 @contextlib.contextmanager
@@ -271,16 +370,6 @@ def _dtype_reason(layer, node) -> KeptWhole | None:
         if isinstance(tensor, keras.KerasTensor) and "float" in tensor.dtype and tensor.dtype != compute:
             return KeptWhole(f"an input of dtype {tensor.dtype} is cast to its compute dtype {compute} on entry",
                              f"give it inputs already in {compute} (keras.ops.cast them in the layer before it)")
-    return None
-
-
-def _mask_reason(node) -> KeptWhole | None:
-    """Why a Keras mask on the call's tensors keeps the layer whole, or None."""
-    tensors = tf.nest.flatten((node.arguments.args, node.arguments.kwargs)) + list(node.outputs)
-    if any(isinstance(t, keras.KerasTensor) and get_keras_mask(t) is not None for t in tensors):
-        return KeptWhole("its inputs or outputs carry a Keras mask, which the layers inside it would not receive",
-                         "compute the mask as a tensor (keras.ops.not_equal(token_ids, 0)) and pass it as an argument "
-                         "(MultiHeadAttention's attention_mask=), with mask_zero=False upstream")
     return None
 
 

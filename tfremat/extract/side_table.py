@@ -120,6 +120,9 @@ class NodeEntry:
             the batch (per-channel statistics, cast weights), counted in fixed bytes.
         workspace_bytes: transient bytes while the node runs, as put in the graph.
         cost: the node's cost as put in the graph.
+        clears_masks, output_masks: Keras masks an opened layer clears on its inputs
+            before this call, and sets on this call's outputs
+            (:class:`~tfremat.extract.layer_graph.LayerCall`).
     """
 
     node: int
@@ -145,6 +148,8 @@ class NodeEntry:
     small_residual_bytes: int = 0
     workspace_bytes: int = 0
     cost: float = 0.0
+    clears_masks: tuple[TensorRef, ...] = ()
+    output_masks: tuple[TensorRef | None, ...] = ()
 
     def fill_in(self, resolve: Callable[[TensorRef], Any]) -> tuple[tuple, dict]:
         """The call's ``(args, kwargs)`` with every :class:`TensorRef` replaced by ``resolve(ref)``.

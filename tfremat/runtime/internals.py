@@ -15,6 +15,8 @@ instead of deep inside extraction or a compiled step.
   ``keras.random`` calls lives.
 * ``CallContext``: what an outer layer call hands its sublayers (``training``); Keras keeps
   the active one in the global attribute ``"current_call_ctx"``.
+* ``CallSpec``: a layer call's arguments bound to its ``call`` signature, as
+  ``Layer.__call__`` binds them to fill in mask arguments (``mask=``, ``value_mask=``).
 * ``get_keras_mask`` / ``set_keras_mask``: the Keras mask a tensor carries (``_keras_mask``,
   set by ``Embedding(mask_zero=True)`` or ``Masking``), read and replaced the way Keras does.
 """
@@ -26,7 +28,7 @@ from keras.src.backend.common.global_state import (
     set_global_attribute as set_keras_global_attribute,
 )
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
-from keras.src.layers.layer import CallContext
+from keras.src.layers.layer import CallContext, CallSpec
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
 from tensorflow.python.framework.ops import get_stats_for_node_def
@@ -37,7 +39,8 @@ from tensorflow.python.util.deprecation import silence as silence_deprecation
 
 __all__ = [
     "LossFunctionWrapper", "node_flops", "resource_handle_data", "keras_global_attribute",
-    "set_keras_global_attribute", "GLOBAL_SEED_GENERATOR", "CallContext", "get_keras_mask", "set_keras_mask",
+    "set_keras_global_attribute", "GLOBAL_SEED_GENERATOR", "CallContext", "CallSpec", "get_keras_mask",
+    "set_keras_mask",
 ]
 
 

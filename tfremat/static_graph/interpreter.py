@@ -216,6 +216,8 @@ class _Interpreter:
         # call was given.
         self.keras_masks: dict[tuple, Any] = {}
         self.call_masks: dict[int, list] = {}
+        # node -> the outputs of its first computation (_first_tensor).
+        self.first_outputs: dict[int, list] = {}
         self.report = TraceReport()
 
     # ----- reading resident values -----
@@ -555,10 +557,18 @@ class _Interpreter:
         first calls, which run in the order of plain training's calls (the order of the
         functional graph), and every later call of a node gets the masks of its first call;
         a mask tensor read again that way stays alive until then (one bool per token).
+
+        An opened layer (:mod:`tfremat.extract.opening`, "Keras masks") reads its masks as
+        inputs; what its whole call did to the attributes is done here at the first calls:
+        the masks it clears on its inputs are cleared before its first call
+        (``entry.clears_masks``), and its outputs get the masks Keras sets on them where the
+        call that makes them left none (``entry.output_masks``, the mask's first
+        computation, as ``Layer.__call__`` sets them once).
         """
         first_call = node not in self.call_masks
-        keys = [(ref.source, ref.index, ref.output_index) for ref in entry.inputs]
+        keys = [_mask_key(ref) for ref in entry.inputs]
         if first_call:
+            self.keras_masks.update((_mask_key(ref), None) for ref in entry.clears_masks)
             self.call_masks[node] = [self.keras_masks.get(key) for key in keys]
         for tensor, mask in zip(inputs, self.call_masks[node]):
             set_keras_mask(tensor, mask)
@@ -567,7 +577,22 @@ class _Interpreter:
             self.keras_masks.update((key, get_keras_mask(tensor)) for key, tensor in zip(keys, inputs))
             self.keras_masks.update((("node", node, k), get_keras_mask(tensor))
                                     for k, tensor in enumerate(tf.nest.flatten(outputs)))
+            for k, ref in enumerate(entry.output_masks):
+                if ref is not None and self.keras_masks[("node", node, k)] is None:
+                    self.keras_masks[("node", node, k)] = self._first_tensor(ref, node)
         return outputs
+
+    def _first_tensor(self, ref, reader: int):
+        """The tensor of ``ref`` as its first computation made it (a Keras mask that an
+        attribute hands on, which the plan may have freed as a value since)."""
+        if ref.source == "model_input":
+            return self.x[ref.index]
+        if ref.index not in self.first_outputs:
+            raise CompileError(
+                f"node {reader} ({self.graph.names[reader]}) carries the Keras mask of node {ref.index} "
+                f"({self.graph.names[ref.index]}), which the plan has not computed before it"
+            )
+        return self.first_outputs[ref.index][ref.output_index]
 
     def _ordered(self, tensors: list, node: int | None = None) -> list:
         """``tensors`` made new values to XLA that exist only after the previous statement
@@ -606,6 +631,7 @@ class _Interpreter:
         outputs, tape, one_call = self._call_layer(node, entry, inputs, "recompute" if recompute else "forward")
         generation = self.generation.get(node, -1) + 1
         self.generation[node] = generation
+        self.first_outputs.setdefault(node, list(outputs))
         instance = _Instance(outputs, tape, inputs, [self._input_generation(r) for r in entry.inputs], one_call)
         self.instances[node] = instance
         self.resident[node] = instance
@@ -614,7 +640,7 @@ class _Interpreter:
     def _loss(self, node: int, entry) -> list:
         predictions = [self._tensor(ref, node) for ref in entry.inputs]
         for ref, prediction in zip(entry.inputs, predictions):  # Keras's losses apply the outputs' masks
-            set_keras_mask(prediction, self.keras_masks.get((ref.source, ref.index, ref.output_index)))
+            set_keras_mask(prediction, self.keras_masks.get(_mask_key(ref)))
         # Cross-entropy losses read a softmax/sigmoid output's logits (``_keras_logits``)
         # directly, as plain training does; their gradient is then taken at the logits so
         # it follows the same path (the backward node picks the logits up again). Other
@@ -894,6 +920,11 @@ def _add_gradients(parts: list):
             parts[0].dense_shape,
         )
     return tf.add_n([tf.convert_to_tensor(p) for p in parts])
+
+
+def _mask_key(ref) -> tuple:
+    """The key of a value's tensor in ``_Interpreter.keras_masks``."""
+    return ref.source, ref.index, ref.output_index
 
 
 def _token(tensors):
