@@ -114,6 +114,18 @@ def test_each_call_keeps_the_mean_of_its_least_half_of_the_timing_passes(monkeyp
     assert passes.final(final) is final
 
 
+def test_call_costs_take_the_dispatch_off_the_forward_and_the_difference_for_the_backward():
+    """A node's costs from its timed functions: the forward less the function that computes
+    nothing, the backward the forward-plus-backward less the forward, each at least 5% of its
+    timing and on the grid; the loss (no forward-plus-backward) has no backward."""
+    grid = call_timing._COST_GRID
+    assert call_timing.call_costs(2e-6, 30e-6, 100e-6) == (call_timing._on_grid(28e-6), call_timing._on_grid(70e-6))
+    assert call_timing._on_grid(28e-6) == grid ** round(math.log(28e-6, grid))
+    # The dispatch above the forward and a forward-plus-backward below the forward: 5% floors.
+    assert call_timing.call_costs(40e-6, 30e-6, 20e-6) == (call_timing._on_grid(1.5e-6), call_timing._on_grid(1e-6))
+    assert call_timing.call_costs(2e-6, 30e-6) == (call_timing._on_grid(28e-6), 0.0)
+
+
 def test_the_calls_that_make_most_of_the_step_get_the_extra_passes():
     """_largest keeps the fewest calls, largest first by their longest function, whose
     seconds make the share asked for."""
