@@ -76,9 +76,19 @@ def plan_facts(graph, time_limit):
         except (InfeasibleBudgetError, SolverTimeLimitError) as error:
             facts[key] = type(error).__name__
             continue
-        facts[key] = ((np.asarray(result.schedule.R), np.asarray(result.schedule.S)) if key == "schedule"
-                      else result.budget_bytes / result.checkpoint_all_peak_bytes)
+        facts[key] = result.schedule if key == "schedule" else result.budget_bytes / result.checkpoint_all_peak_bytes
     return facts
+
+
+def cross_costs(graphs, schedules):
+    """How much each profile's schedule costs more than the other's, both costed under the other
+    profile's costs (``cost_b(schedule_a) / cost_b(schedule_b) - 1`` and the same the other way):
+    what a user pays for a schedule chosen on one profile when the other was right. None when
+    either profile has no schedule."""
+    if any(isinstance(s, str) for s in schedules):
+        return None
+    (a, b), (schedule_a, schedule_b) = graphs, schedules
+    return (schedule_a.cost(b) / schedule_b.cost(b) - 1, schedule_b.cost(a) / schedule_a.cost(a) - 1)
 
 
 def agreement(name, time_limit, timer="trace"):
@@ -109,9 +119,10 @@ def _agreement(name, time_limit):
     large = np.zeros(len(a), bool)
     large[order[:int(np.searchsorted(np.cumsum(a[order]), LARGE_SHARE * a.sum())) + 1]] = True
     plans = [plan_facts(g, time_limit) for g in graphs]
-    same = plans[0]["schedule"] == plans[1]["schedule"] if isinstance(plans[0]["schedule"], str) else (
-        not isinstance(plans[1]["schedule"], str)
-        and all(np.array_equal(p, q) for p, q in zip(plans[0]["schedule"], plans[1]["schedule"])))
+    schedules = [p["schedule"] for p in plans]
+    same = schedules[0] == schedules[1] if isinstance(schedules[0], str) else (
+        not isinstance(schedules[1], str)
+        and all(np.array_equal(p, q) for p, q in ((schedules[0].R, schedules[1].R), (schedules[0].S, schedules[1].S))))
     mins = [p["min"] if isinstance(p["min"], str) else f"{100 * p['min']:.1f}%" for p in plans]
     row = {
         "model": name, "nodes": len(a), "median": np.median(rel), "p90": np.quantile(rel, 0.9), "worst": rel.max(),
@@ -119,10 +130,14 @@ def _agreement(name, time_limit):
         "large_median": np.median(rel[large]), "large_worst": rel[large].max(),
         "share_median": np.median(rel_share[large]), "share_worst": rel_share[large].max(),
         "step_share": (np.abs(a - b) / a.sum()).max(), "totals": b.sum() / a.sum(), "seconds": seconds,
-        "same_schedule": same, "min": mins, "load": (load, os.getloadavg()[0]),
+        "same_schedule": same, "cross": cross_costs(graphs, schedules), "min": mins, "load": (load, os.getloadavg()[0]),
     }
     logger.info("%s: %s", name, row)
     return row
+
+
+def _cross_cell(cross) -> str:
+    return "-" if cross is None else f"{100 * cross[0]:+.2f}% / {100 * cross[1]:+.2f}%"
 
 
 def render(rows, argv):
@@ -135,7 +150,9 @@ def render(rows, argv):
         "`|a - b| / min(a, b)` per node; `large`: the fewest nodes, largest first, that make "
         f"{100 * LARGE_SHARE:.0f}% of the step; `step`: the largest `|a - b|` as a share of the step; "
         "`totals`: second step's total cost over the first's; `schedule`: `optimal` at "
-        f"{BUDGET} picks the same R and S from both; `large shares`: `rel` of the large nodes' "
+        f"{BUDGET} picks the same R and S from both; `cross`: each profile's schedule costed under the other "
+        "profile's costs, over the other's own schedule, less 1 (first's schedule, second's): what choosing on the "
+        "wrong profile costs; `large shares`: `rel` of the large nodes' "
         "shares of their profile's step (the solvers' choices do not change when every cost is scaled by "
         "one factor); `min`: the share of the checkpoint-all peak "
         "`\"min\"` resolves to, first and second profile; `load`: the 1-minute load average "
@@ -150,8 +167,8 @@ def render(rows, argv):
         "executor, as the step runs.",
         "",
         "| model | timer | nodes | rel median | rel p90 | rel worst (node) | large | large median | large worst "
-        "| large shares median / worst | step | totals | profile s | schedule | min | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| large shares median / worst | step | totals | profile s | schedule | cross | min | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -160,6 +177,7 @@ def render(rows, argv):
             f"{100 * r['large_worst']:.1f}% | {100 * r['share_median']:.1f}% / {100 * r['share_worst']:.1f}% | "
             f"{100 * r['step_share']:.1f}% | {r['totals']:.3f} | "
             f"{r['seconds'][0]:.1f} / {r['seconds'][1]:.1f} | {'same' if r['same_schedule'] else 'differs'} | "
+            f"{_cross_cell(r['cross'])} | "
             f"{r['min'][0]} / {r['min'][1]} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
         )
     return "\n".join(lines)
