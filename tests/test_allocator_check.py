@@ -379,3 +379,123 @@ def test_a_re_plan_out_of_time_is_a_refusal_in_the_allocators_terms():
                                    strategy="optimal", facts=None, budget_bytes=100)
     allocator_check.replan(result, 90, "optimal", {"time_limit": 60.0}, False, 0, planner=planner)
     assert seen["time_limit"] == allocator_check.REPLAN_TIME_LIMIT < 60
+
+
+def test_a_planner_refusal_names_the_smallest_plans_held_peak_and_that_is_accepted_copied_back():
+    """Where the check would hold the planner's smallest feasible budget, the refusal names the
+    smallest plan's held peak, read from the allocator, not the planner's prediction, which the
+    check refused again (text classifier: "75%" named "98%", refused naming "105%";
+    user_check_5 finding 2); copied back it is accepted, under the smallest plan's planning
+    budget. Made-up plans: none under 70, each held 20 above its prediction."""
+    plan_at, read_peak, planned = _plans_over_from(70, lambda predicted: 20)
+    refused = InfeasibleBudgetError(40, 70, 60, "optimal", detail="node 3 needs 60", proven=True)
+
+    def plan_smallest(planning_budget):
+        return plan_at(_GraphPlan(planning_budget, planning_budget, "planner refusal"), planning_budget)
+
+    named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
+                                                 strategy="optimal", options={}, cache=False)
+    assert named.min_feasible_bytes == 90 + int(0.03 * 90), named  # the held peak, a slack
+    assert (named.budget_bytes, named.lower_bound_bytes, named.proven) == (40, 60, True)
+    assert "node 3 needs 60" in str(named) and "read from the allocator" in str(named), named
+    accepted, step, planning = allocator_check.hold_allocator_peak(
+        _GraphPlan(named.min_feasible_bytes, named.min_feasible_bytes, "planner refusal"), named.min_feasible_bytes,
+        plan_at, read_peak, strategy="optimal", options={}, cache=False)
+    assert planning == 70 and read_peak(step) <= named.min_feasible_bytes
+    # Not held (the check would not run, or cannot read): the planner's refusal as it was.
+    for checks, reads in ((lambda plan: False, read_peak), (lambda plan: True, lambda step: None)):
+        assert allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, reads, checks,
+                                                    strategy="optimal", options={}, cache=False) is refused
+
+
+def test_a_planner_refusal_whose_smallest_plan_reads_over_every_checked_share_names_checkpoint_all():
+    """Where the smallest plan is held at a share the check does not hold (``unchecked_from``
+    and up), the refusal names the checkpoint-all step's held peak and says plainly that at it
+    nothing is recomputed."""
+    plan_at, read_peak, planned = _plans_over_from(150, lambda predicted: 50 + (predicted == 200) * 30)
+    refused = InfeasibleBudgetError(100, 150, None, "optimal")
+
+    def plan_smallest(planning_budget):
+        return plan_at(_GraphPlan(planning_budget, planning_budget, "unchecked refusal"), planning_budget)
+
+    named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
+                                                 strategy="optimal", options={}, cache=False, unchecked_from=199)
+    assert planned == [150, 200] and named.min_feasible_bytes == 280 + int(0.03 * 280), named
+    assert "nothing recomputed" in str(named) and "checkpoint-all" in str(named), named
+
+
+def _fixed_bytes_peak(excess_share):
+    """A made-up allocator for fit's check: the step's predicted peak plus ``excess_share`` of
+    its bytes above the graph's fixed bytes (as whole chunks add to a plan's own bytes)."""
+    def peak(step, *_args, **_kwargs):
+        predicted = simulate(step.graph, step.schedule).peak_bytes
+        return predicted + int(excess_share * max(predicted - step.graph.fixed_bytes, 0))
+
+    return peak
+
+
+@pytest.mark.parametrize("make, shape", [("five_conv_net", (32, 32, 3)), ("unet", (32, 32, 3))])
+def test_every_budget_a_refusal_names_trains_when_copied_back(monkeypatch, make, shape):
+    """Every budget fit's refusals name, the planner's (at "50%") and the check's (at the
+    planner's own figure), copied back verbatim trains without a refusal: one copy-back. The
+    allocator is made up (a third above the plan's own bytes, so the check refuses the
+    planner's figure) and the training steps read nothing over, so nothing here depends on
+    the machine's allocator."""
+    import re
+
+    import models
+
+    monkeypatch.setattr(remat_keras, "allocator_peak", _fixed_bytes_peak(1 / 3))
+    monkeypatch.setattr(remat_keras, "training_step_peak", lambda run, device, resident: (run(), 0))
+    rng = np.random.default_rng(0)
+    model = getattr(models, make)()
+    model.compile(optimizer="adam", loss="categorical_crossentropy")
+    x = rng.standard_normal((BATCH, *shape)).astype("float32")
+    classes = model.output_shape[-1]
+    y = np.eye(classes, dtype="float32")[rng.integers(0, classes, model.output_shape[1:-1] + (BATCH,))]
+    y = np.moveaxis(y, -2, 0) if y.ndim > 2 else y
+
+    def fit(budget, **options):
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[RematCallback(budget, cost_model="flops", cache=False, verbose=0, **options)])
+
+    def named(budget, **options):
+        with pytest.raises(InfeasibleBudgetError) as refused:
+            fit(budget, **options)
+        return re.search(r"smallest feasible budget found is (\d+%)", str(refused.value)).group(1), refused.value
+
+    read_figure, refusal = named("50%")
+    assert "read from the allocator" in str(refusal), refusal
+    fit(read_figure)
+    planners_figure, _ = named("50%", allocator_check=False)
+    if int(planners_figure[:-1]) < int(read_figure[:-1]):
+        checks_figure, refusal = named(planners_figure)
+        assert "held for the allocator's peak" in str(refusal), refusal
+        fit(checks_figure)
+
+
+def test_value_and_grad_names_a_budget_its_check_accepts(monkeypatch):
+    """tfremat.value_and_grad's planner refusal takes the same path as fit's (one function,
+    :func:`allocator_check.planner_refusal_read`): the figure is the smallest plan's held peak,
+    and copied back it plans. The allocator is made up, as above."""
+    import re
+
+    import tfremat
+    import tfremat.custom_loops as custom_loops
+
+    monkeypatch.setattr(custom_loops, "step_allocator_peak", _fixed_bytes_peak(1 / 3))
+    model, (x, y) = five_conv_net(), batch()
+    loss = keras.losses.CategoricalCrossentropy()
+
+    def fn(a, b):
+        return loss(b, model(a, training=True))
+
+    x, y = tf.constant(x), tf.constant(y)
+    fast = {"cost_model": "flops", "cache": False, "verbose": 0}
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        tfremat.value_and_grad(fn, "50%", x, y, **fast)
+    assert "read from the allocator" in str(refused.value), refused.value
+    figure = re.search(r"smallest feasible budget found is (\d+%)", str(refused.value)).group(1)
+    g = tfremat.value_and_grad(fn, figure, x, y, **fast)
+    held = _fixed_bytes_peak(1 / 3)(g._steps[g._example_key])
+    assert held <= g.plan.budget_bytes, (held, g.plan)

@@ -33,7 +33,7 @@ from tfremat.errors import CompileError, InfeasibleBudgetError, SolverTimeLimitE
 
 __all__ = ["ALLOCATOR_ROUNDS", "ALLOCATOR_READS", "PERTURBED_READS", "PERTURBED_KEPT_SHARE", "ALLOCATOR_SLACK",
            "PLANNING_GRID", "WATCHED_STEPS", "REPLAN_TIME_LIMIT", "REFUSAL_SLACK", "wants_allocator_check",
-           "unchecked_from",
+           "unchecked_from", "planner_refusal_read",
            "hold_allocator_peak", "replan", "allocator_peak", "step_allocator_peak", "held_peak", "training_step_peak",
            "replica_allocators", "next_planning_budget", "perturbing_sizes",
            "replan_strategy", "remembered_planning_budget", "remember_planning_budget"]
@@ -592,10 +592,64 @@ def hold_allocator_peak(result, step, plan_at: Callable, read_peak: Callable, *,
             last = peak
             if peak <= budget:
                 return accept(planning_budget, peak, log_it=False)
-    smallest = _refusal_figure(result, {**held, **read_here}, last, plan_at, read_peak, unchecked_from, log)
+    smallest, everything = _refusal_figure(result, {**held, **read_here}, last, plan_at, read_peak, unchecked_from,
+                                           log)
     raise _allocator_refusal(budget, last, result.predicted_peak_bytes, first_predicted, planning_budget, smallest,
-                             failure, strategy, count)
+                             failure, strategy, count, checkpoint_all_held=everything)
 
+
+
+def planner_refusal_read(error: InfeasibleBudgetError, plan_smallest: Callable, plan_at: Callable,
+                         read_peak: Callable, checks: Callable, *, strategy: str, options: dict, cache,
+                         log: logging.Logger = logger, count: str = "allocator",
+                         unchecked_from: int | None = None) -> InfeasibleBudgetError:
+    """The planner's refusal ``error`` naming a smallest budget the allocator check accepts:
+    the one path of :class:`tfremat.keras.RematCallback`, :func:`tfremat.value_and_grad` and
+    :func:`tfremat.multi_worker.fit_multi_worker` for a budget no schedule fits.
+
+    The planner's smallest feasible budget is a prediction, and a check that holds it
+    (``checks(result)``, as it would hold the budget) reads the allocator above it: a text
+    classifier's refusal of "75%" named "98%", refused again by the check for 4.62 MiB held
+    (benchmarks/results/user_check_5.md). So the smallest plan the planner found is planned
+    (``plan_smallest(planning budget) -> (result, step)``), its step read as
+    :func:`hold_allocator_peak` reads (``read_peak``, recorded for the check of the budget
+    copied back, which plans under it) and the refusal names :func:`_refusal_figure`'s figure
+    (``plan_at``: as :func:`hold_allocator_peak` takes it, for the checkpoint-all step
+    where the figure is a share the check does not hold). The planner's own figure, and
+    ``error`` unchanged, where nothing can be planned, checked or read.
+    """
+    smallest = error.min_feasible_bytes
+    if smallest is None:
+        return error
+    planning = math.ceil(smallest)
+    try:
+        result, step = plan_smallest(planning)
+    except (InfeasibleBudgetError, SolverTimeLimitError) as failure:
+        log.info("the smallest plan found, under %s, was not planned again (%s): refusing with the planner's figure",
+                 format_bytes(planning), failure)
+        return error
+    if not checks(result):
+        return error
+    log.info("no schedule fits %s: reading the allocator's peak of the smallest plan found (%s predicted), so that "
+             "the budget the refusal names is one the check holds", format_bytes(error.budget_bytes),
+             format_bytes(result.predicted_peak_bytes))
+    peak = read_peak(step)
+    if peak is None:
+        return error
+    graph = result.extraction.graph
+    _remember_held(cache, graph, strategy, options, planning, peak)
+    figure, everything = _refusal_figure(dataclasses.replace(result, budget_bytes=error.budget_bytes),
+                                         _held_plans(cache, graph, strategy, options), peak, plan_at, read_peak,
+                                         unchecked_from, log)
+    read = "its XLA step requesting" if count == "requested" else "held in the allocator at"
+    detail = (f"the smallest budget found was read from the allocator: the smallest plan found, predicted at "
+              f"{format_bytes(result.predicted_peak_bytes)}, was {read} {format_bytes(peak)}; "
+              f"{_named_figure(everything, count)}")
+    return InfeasibleBudgetError(
+        error.budget_bytes, max(figure, smallest), error.lower_bound_bytes, error.strategy,
+        f"{error.detail}; {detail}" if error.detail else detail, error.proven, fixed_bytes=error.fixed_bytes,
+        shown=error.shown, budget_text=error.budget_text, fixed_parts=error.fixed_parts, batch=error.batch,
+        advice=error.advice)
 
 def _aimed_planning_budget(previous: int, budget: int, peak: int, predicted: int, fixed: int,
                            held: dict[int, int], log: logging.Logger) -> int:
@@ -618,20 +672,27 @@ def _aimed_planning_budget(previous: int, budget: int, peak: int, predicted: int
 
 
 def _refusal_figure(result, held: dict[int, int], last: int, plan_at: Callable, read_peak: Callable,
-                    unchecked_from: int | None, log: logging.Logger) -> int:
+                    unchecked_from: int | None, log: logging.Logger) -> tuple[int, int | None]:
     """The smallest budget a refusal of ``result.budget_bytes`` names: the smallest held peak
     over the budget of a plan read (``held``: by planning budget, this process's and other
     processes' records; ``last``: the last plan's), or where that is a share the check does
     not hold (``unchecked_from`` and up), the checkpoint-all step's
     (:func:`_checkpoint_all_held`); plus :data:`REFUSAL_SLACK` of its bytes above the graph's
-    fixed bytes, as the budget copied back is checked in other states of the allocator."""
+    fixed bytes, as the budget copied back is checked in other states of the allocator.
+
+    Returns:
+        ``(figure, checkpoint-all held peak)``: the second None unless the figure is the
+        checkpoint-all step's, so that the refusal can say nothing is recomputed at it.
+    """
     graph = result.extraction.graph
     # Reads over this budget only: a record of another process may hold a plan within it
     # that read over here.
     smallest = min([peak for peak in held.values() if peak > result.budget_bytes] + [last])
+    everything = None
     if unchecked_from is not None and smallest >= unchecked_from:
-        smallest = _checkpoint_all_held(result, plan_at, read_peak, unchecked_from, log) or smallest
-    return smallest + int(REFUSAL_SLACK * max(smallest - graph.fixed_bytes, 0))
+        everything = _checkpoint_all_held(result, plan_at, read_peak, unchecked_from, log)
+        smallest = everything or smallest
+    return smallest + int(REFUSAL_SLACK * max(smallest - graph.fixed_bytes, 0)), everything
 
 
 def _checkpoint_all_held(result, plan_at: Callable, read_peak: Callable, unchecked_from: int,
@@ -657,7 +718,7 @@ def _checkpoint_all_held(result, plan_at: Callable, read_peak: Callable, uncheck
 
 def _allocator_refusal(budget: int, peak: int, predicted: int, first_predicted: int, planning_budget: int,
                        smallest: int, failure: Exception | None, strategy: str,
-                       count: str = "allocator") -> InfeasibleBudgetError:
+                       count: str = "allocator", checkpoint_all_held: int | None = None) -> InfeasibleBudgetError:
     """The refusal of a budget that no plan held for the allocator's peak, in the allocator's
     terms: the last plan's ``peak`` held against its ``predicted`` bytes, why the loop ended
     (``failure``: no schedule fits ``planning_budget``, or none was found in the time limit;
@@ -668,7 +729,9 @@ def _allocator_refusal(budget: int, peak: int, predicted: int, first_predicted: 
     The planner's own figures are below the budget (ResNet50 at 300MiB: "smallest feasible
     289.64 MiB" for a 300 MiB budget it refused; benchmarks/user_check.py).
     ``count="requested"``: ``peak`` is the bytes an XLA step requests (held instead of the
-    allocator's peak), worded so."""
+    allocator's peak), worded so. ``checkpoint_all_held``: the checkpoint-all step's held
+    peak where ``smallest`` is that step's (:func:`_refusal_figure`), said plainly: at it
+    nothing is recomputed."""
     chunks = max(peak - predicted, 0)
     if count == "requested":
         held = (f"held for the bytes the XLA step requests: it requests {format_bytes(peak)}, "
@@ -689,9 +752,20 @@ def _allocator_refusal(budget: int, peak: int, predicted: int, first_predicted: 
                 f"{format_bytes(first_predicted)})"
     return InfeasibleBudgetError(
         budget, smallest, None, strategy,
-        detail=f"{held}, and {ended}; the smallest budget found is the smallest held peak of a plan read, with a slack; "
+        detail=f"{held}, and {ended}; {_named_figure(checkpoint_all_held, count)}; "
                f"allocator_check=False holds the budget for {unchecked}",
     )
+
+
+def _named_figure(checkpoint_all_held: int | None, count: str) -> str:
+    """What a refusal's smallest budget is, in words: a plan's held peak, or where it is the
+    checkpoint-all step's (``checkpoint_all_held``), that at it nothing is recomputed."""
+    if checkpoint_all_held is None:
+        return "the smallest budget found is the smallest held peak of a plan read, with a slack"
+    read = "requesting" if count == "requested" else "held in the allocator at"
+    return (f"every plan read that recomputes was held at a share the check does not hold (above 99%), so the "
+            f"smallest budget found is the step that recomputes nothing (checkpoint-all, as model.fit's), "
+            f"{read} {format_bytes(checkpoint_all_held)}, with a slack: at it the model trains with nothing recomputed")
 
 
 def replan(result, planning_budget: int, strategy: str, options: dict, cache, verbose: int,

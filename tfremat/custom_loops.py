@@ -36,6 +36,7 @@ import tensorflow as tf
 from tfremat.allocator_check import (
     hold_allocator_peak,
     perturbing_sizes,
+    planner_refusal_read,
     replan,
     step_allocator_peak,
     unchecked_from,
@@ -232,16 +233,31 @@ class ValueAndGrad:
                              weight_grads="fixed", implementations=wants_implementations([settings.strategy]),
                              xla="memory" if settings.jit_compile else False)
         budget = self._share_budget(specs, extraction.graph)
-        try:
+
+        def plan_at_budget(planning_budget):
             with warnings.catch_warnings():
-                if budget != settings.budget:
+                if planning_budget != settings.budget:
                     # Above this shape's checkpoint-all peak is what the rule gives it, not a budget to lower.
                     warnings.filterwarnings("ignore", message=".*at or above the checkpoint-all peak")
-                result = plan_graph(extraction.graph, budget, settings.strategy, cache=settings.cache,
-                                    verbose=settings.verbose, **settings.options)
-            result = dataclasses.replace(result, extraction=extraction)
-            step = self._compiled(result)
-            if wants_allocator_check(settings.allocator_check, settings.budget, result):
+                planned = plan_graph(extraction.graph, planning_budget, settings.strategy, cache=settings.cache,
+                                     verbose=settings.verbose, **settings.options)
+            planned = dataclasses.replace(planned, extraction=extraction)
+            return planned, self._compiled(planned)
+
+        def checks(planned):
+            return wants_allocator_check(settings.allocator_check, settings.budget, planned)
+
+        try:
+            try:
+                result, step = plan_at_budget(budget)
+            except InfeasibleBudgetError as error:
+                plan_at, read_peak, count = self._allocator_hooks(specs, model)
+                raise planner_refusal_read(error, plan_at_budget, plan_at, read_peak, checks,
+                                           strategy=settings.strategy, options=settings.options, cache=settings.cache,
+                                           count=count, unchecked_from=unchecked_from(
+                                               settings.allocator_check, settings.budget, extraction.graph)) \
+                    from error.__cause__
+            if checks(result):
                 result, step, _ = self._within_allocator(result, step, specs, model)
         except InfeasibleBudgetError as error:
             if budget_kind(settings.budget) in ("share", "activations"):
@@ -285,6 +301,19 @@ class ValueAndGrad:
         values), ``model``'s variables (the traced loss's layers: the weights, batch-norm
         statistics and seed generators the step reads and moves) resident and put back."""
         settings = self._settings
+        plan_at, read_peak, count = self._allocator_hooks(specs, model)
+        return hold_allocator_peak(result, step, plan_at, read_peak, strategy=settings.strategy,
+                                   options=settings.options, cache=settings.cache, count=count,
+                                   unchecked_from=unchecked_from(settings.allocator_check, settings.budget,
+                                                                 result.extraction.graph))
+
+    def _allocator_hooks(self, specs: tuple, model) -> tuple:
+        """``(plan_at, read_peak, count)`` of the allocator check of arguments shaped ``specs``,
+        for :meth:`_within_allocator` and a planner's refusal alike
+        (:func:`~tfremat.allocator_check.planner_refusal_read`): the step read on zeros shaped
+        like the arguments, ``model``'s variables resident and put back; ``count`` what it
+        reads."""
+        settings = self._settings
         arguments = [tf.zeros(shape, dtype) for shape, dtype in specs]
         variables = list(model.variables)
         # XLA takes one block for all of a step's temporaries, which the allocator may serve
@@ -300,10 +329,7 @@ class ValueAndGrad:
                                settings.verbose)
             return replanned, self._compiled(replanned)
 
-        return hold_allocator_peak(result, step, plan_at, read_peak, strategy=settings.strategy,
-                                   options=settings.options, cache=settings.cache, count=count,
-                                   unchecked_from=unchecked_from(settings.allocator_check, settings.budget,
-                                                                 result.extraction.graph))
+        return plan_at, read_peak, count
 
 
 def _eagerly(work: Callable):

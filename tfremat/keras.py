@@ -22,6 +22,8 @@ import contextlib
 import dataclasses
 import logging
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import keras
 import tensorflow as tf
@@ -30,6 +32,7 @@ from tfremat.allocator_check import (
     WATCHED_STEPS,
     allocator_peak,
     hold_allocator_peak,
+    planner_refusal_read,
     replan,
     replica_allocators,
     training_step_peak,
@@ -346,6 +349,7 @@ class RematCallback(keras.callbacks.Callback):
                     result = plan_graph(extraction.graph, budget, self.strategy, cache=self.cache, verbose=0,
                                         **options, **progress)
             except InfeasibleBudgetError as error:
+                error = self._read_refusal(error, extraction, budget, key, x, y, sample_weight, options, strategy)
                 raise self._refusal(error, extraction.graph, key, budget) from error.__cause__
             result = with_rounding(dataclasses.replace(result, extraction=extraction))
             phases.done(plan_summary(result))
@@ -475,6 +479,21 @@ class RematCallback(keras.callbacks.Callback):
 
         Returns ``(result, step, planning budget)``; the planning budget is None when the
         allocator keeps no statistics (nothing was held)."""
+        hooks = self._allocator_hooks(result.extraction.graph, x, y, sample_weight, options, strategy)
+
+        def accepted(candidate, peak):
+            self.allocator_peaks[_shape_key(x, y)] = peak
+            if self._jit_compile:
+                self._warn_xla_allocator(candidate, x, y, sample_weight, hooks.devices, result.budget_bytes, peak)
+
+        return hold_allocator_peak(result, step, hooks.plan_at, hooks.read_peak, strategy=self.strategy,
+                                   options=options, cache=self.cache, exceeded=exceeded, accepted=accepted,
+                                   log=logger, count=hooks.count, unchecked_from=hooks.unchecked_from)
+
+    def _allocator_hooks(self, graph, x, y, sample_weight, options, strategy=None) -> _CheckHooks:
+        """What the allocator check of the batch ``x, y`` (of ``graph``) reads and plans with,
+        for :meth:`_within_allocator` and :meth:`_read_refusal` alike (under a strategy, each
+        replica runs the step on ``x, y``, one replica's batch)."""
         model = self.model
         devices = [None] if strategy is None else replica_allocators(strategy)
         # XLA takes one block for all of a step's temporaries, which the allocator may serve
@@ -487,17 +506,30 @@ class RematCallback(keras.callbacks.Callback):
             peaks = [allocator_peak(candidate, model, x, y, sample_weight, device=d, count=count) for d in devices]
             return None if None in peaks else max(peaks)
 
-        def accepted(candidate, peak):
-            self.allocator_peaks[_shape_key(x, y)] = peak
-            if self._jit_compile:
-                self._warn_xla_allocator(candidate, x, y, sample_weight, devices, result.budget_bytes, peak)
+        return _CheckHooks(read_peak, lambda current, planning: self._replanned(current, planning, options, strategy),
+                           count, unchecked_from(self.allocator_check, shape_budget, graph), devices)
 
-        return hold_allocator_peak(result, step, lambda current, planning: self._replanned(current, planning, options,
-                                                                                            strategy),
-                                   read_peak, strategy=self.strategy, options=options, cache=self.cache,
-                                   exceeded=exceeded, accepted=accepted, log=logger, count=count,
-                                   unchecked_from=unchecked_from(self.allocator_check, shape_budget,
-                                                                 result.extraction.graph))
+    def _read_refusal(self, error: InfeasibleBudgetError, extraction, budget, key: tuple, x, y, sample_weight,
+                      options: dict, strategy=None) -> InfeasibleBudgetError:
+        """The planner's refusal of ``budget`` for the batch shape ``key``, naming a smallest
+        budget the allocator check accepts where the check would hold it
+        (:func:`~tfremat.allocator_check.planner_refusal_read`)."""
+        from tfremat.static_graph.compile import compile_step
+
+        def plan_smallest(planning_budget):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*at or above the checkpoint-all peak")
+                planned = plan_graph(extraction.graph, planning_budget, self.strategy, cache=self.cache, verbose=0,
+                                     **options)
+            planned = with_rounding(dataclasses.replace(planned, extraction=extraction))
+            return planned, compile_step(extraction, planned.schedule, optimizer=self.model.optimizer,
+                                         strategy=strategy, return_outputs=True, jit_compile=self._jit_compile)
+
+        hooks = self._allocator_hooks(extraction.graph, x, y, sample_weight, options, strategy)
+        return planner_refusal_read(error, plan_smallest, hooks.plan_at, hooks.read_peak,
+                                    lambda planned: self._checks_allocator(planned, strategy, budget, key),
+                                    strategy=self.strategy, options=options, cache=self.cache, log=logger,
+                                    count=hooks.count, unchecked_from=hooks.unchecked_from)
 
     def _warn_xla_allocator(self, step, x, y, sample_weight, devices, budget: int, requested: int) -> None:
         """Warns when an XLA step whose requested bytes fit the budget peaks over it in the
@@ -629,6 +661,21 @@ class RematCallback(keras.callbacks.Callback):
             self._tracing.done("traced and ran the first step")
             self._tracing = None
         return logs
+
+
+class _CheckHooks(NamedTuple):
+    """What :class:`RematCallback`'s allocator check of one batch reads and plans with."""
+
+    #: ``read_peak(step)``: the step's held peak, the largest over a strategy's replicas.
+    read_peak: Callable
+    #: ``plan_at(result, planning budget) -> (result, step)``.
+    plan_at: Callable
+    #: What ``read_peak`` reads: ``"allocator"``, or ``"requested"`` under XLA.
+    count: str
+    #: :func:`~tfremat.allocator_check.unchecked_from` of the batch's budget.
+    unchecked_from: int | None
+    #: The replicas' allocators (``[None]``: the default device's).
+    devices: list
 
 
 def _batch_label(x) -> str:
