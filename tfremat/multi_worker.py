@@ -55,6 +55,7 @@ import tensorflow as tf
 from tfremat.allocator_check import (
     allocator_peak,
     hold_allocator_peak,
+    planner_refusal_read,
     replan_strategy,
     replica_allocators,
     wants_allocator_check,
@@ -226,14 +227,18 @@ def disagreements(rows: np.ndarray, chief_replica: int) -> list[str]:
     return list(dict.fromkeys(problems))
 
 
-def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1) -> PlanResult:
+def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1, sample_weight=None) -> PlanResult:
     """The chief's plan for the per-replica batch ``(x, y)``, the same on every worker,
     with this worker's extraction (module docstring, steps 1-3).
 
     Raises:
         PlanMismatchError: a worker's graph structure, settings or versions differ from
             the chief's (named), or one could not extract its graph.
-        TfrematError: the chief could not plan (its error, on every worker).
+        InfeasibleBudgetError: no schedule fits the budget (the chief's refusal, on every
+            worker), naming a smallest budget the allocator check accepts where it would
+            hold it (:func:`tfremat.allocator_check.planner_refusal_read`, the steps read on
+            ``x, y, sample_weight``).
+        TfrematError: the chief could not plan otherwise (its error, on every worker).
     """
     from tfremat.extract.extractor import extract
     from tfremat.model_planning import exact_only_options, loss_and_optimizer, wants_implementations
@@ -265,9 +270,36 @@ def agreed_plan(strategy, model, x, y, settings: _Settings, *, verbose: int = 1)
     # exact_gradients leaves out the layer implementations that change rounding, as on one device.
     settings = dataclasses.replace(settings, options=exact_only_options(
         extraction, settings.strategy, settings.exact_gradients, settings.options))
-    data = _chief_plan(collectives, extraction.graph, settings.budget, settings, chief, chief_replica,
-                       verbose=verbose)
+    try:
+        data = _chief_plan(collectives, extraction.graph, settings.budget, settings, chief, chief_replica,
+                           verbose=verbose)
+    except InfeasibleBudgetError as error:
+        raise _read_refusal(error, strategy, model, extraction, x, y, settings, sample_weight=sample_weight,
+                            verbose=verbose) from error.__cause__
     return _plan_result(extraction, data, settings.strategy)
+
+
+def _read_refusal(error: InfeasibleBudgetError, distribution, model, extraction, x, y, settings: _Settings, *,
+                  sample_weight, verbose: int) -> InfeasibleBudgetError:
+    """The chief's refusal ``error`` (on every worker), naming a smallest budget the
+    allocator check accepts where the workers would hold it: the smallest plan found, planned
+    by the chief, read as :func:`allocator_checked` reads (every worker at once, the largest
+    peak), by :func:`tfremat.allocator_check.planner_refusal_read`."""
+    from tfremat.static_graph.compile import compile_step
+
+    if settings.allocator_check is False:
+        return error  # the same on every worker (the settings are agreed): no collective
+    check = _WorkerCheck(distribution, model, x, y, settings, sample_weight=sample_weight, verbose=verbose)
+
+    def plan_smallest(planning_budget):
+        data = _chief_plan(check.collectives, extraction.graph, planning_budget, settings, check.chief,
+                           check.chief_replica, verbose=verbose)
+        planned = _plan_result(extraction, data, settings.strategy)
+        return planned, compile_step(extraction, planned.schedule, optimizer=model.optimizer, strategy=distribution,
+                                     return_outputs=True)
+
+    return planner_refusal_read(error, plan_smallest, check.plan_at, check.read_peak, check.wanted,
+                                strategy=settings.strategy, options=settings.options, cache=False, log=check.log)
 
 
 def _chief_plan(collectives: _Collectives, graph: DFGraph, budget, settings: _Settings, chief: bool,
@@ -300,11 +332,21 @@ def _chief_plan(collectives: _Collectives, graph: DFGraph, budget, settings: _Se
         except TfrematError as error:
             # Shared before it is raised: the other workers wait for the schedule.
             planning_error = error
-            document = json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
+            shared = {"error": f"{type(error).__name__}: {error}"}
+            if isinstance(error, InfeasibleBudgetError):
+                shared["refusal"] = {name: getattr(error, name) for name in (
+                    "budget_bytes", "min_feasible_bytes", "lower_bound_bytes", "strategy", "detail", "proven")}
+            document = json.dumps(shared).encode()
     length = int(collectives.gather([len(document)])[:, 0].max())
     data = json.loads(collectives.broadcast(document, chief_replica, length).decode())
     if planning_error is not None:
         raise planning_error
+    if "refusal" in data:
+        # The chief's refusal as an error of its own, so that every worker reads its smallest plan.
+        refusal = data["refusal"]
+        raise InfeasibleBudgetError(refusal["budget_bytes"], refusal["min_feasible_bytes"],
+                                    refusal["lower_bound_bytes"], refusal["strategy"], refusal["detail"],
+                                    refusal["proven"])
     if "error" in data:
         raise TfrematError(f"the chief could not plan for the per-replica batch: {data['error']}")
     return data
@@ -372,57 +414,78 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
             the largest peak within the budget, or the chief could not plan under the
             reduced budget (on every worker).
     """
-    from tfremat.static_graph.compile import compile_step
-
     if settings.allocator_check is False or plan.budget_bytes is None:
         return plan, step, None  # the same on every worker (the settings are agreed): no collective
-    name, chief = _worker_name(distribution)
-    collectives = _Collectives(distribution)
-    devices = replica_allocators(distribution)
-    wants = wants_allocator_check(settings.allocator_check, settings.budget, plan)
-    if settings.allocator_check is None and devices is not None and any(d.startswith("CPU") for d in devices):
-        wants = False  # the input pipeline shares a CPU replica's allocator (docstring)
-    # The workers check when any wants to, and all can: a worker's plan, and with it whether its
-    # budget is below its checkpoint-all peak, may differ.
-    rows = collectives.gather([int(wants), int(devices is not None), int(chief)])
-    if not rows[:, 0].any():
+    check = _WorkerCheck(distribution, model, x, y, settings, sample_weight=sample_weight, verbose=verbose)
+    if not check.wanted(plan):
         return plan, step, None
-    if not rows[:, 1].all():
-        (logger.warning if settings.allocator_check else logger.info)(
-            "%s: allocator_check skipped: a worker's replicas share one allocator (logical devices of one CPU), "
-            "which cannot be read per device; the budget holds for each replica's requested bytes", name)
-        return plan, step, None
-    chief_replica = int(np.flatnonzero(rows[:, 2])[0])
-
-    def read_peak(candidate):
-        # Every worker reads and gathers, so all take the same largest peak and decide alike.
-        local = [allocator_peak(candidate, model, x, y, sample_weight, device=device) for device in devices]
-        peaks = collectives.gather([-1 if None in local else max(local)])[:, 0]
-        if (peaks < 0).any():
-            logger.warning("%s: allocator_check skipped: a worker's allocator keeps no statistics (its log says why)",
-                           name)
-            return None
-        return int(peaks.max())
-
-    def plan_at(current, planning_budget):
-        try:
-            data = _chief_plan(collectives, current.extraction.graph, planning_budget, settings, chief, chief_replica,
-                               verbose=verbose, replanning=current)
-        except InfeasibleBudgetError:
-            raise
-        except TfrematError as error:  # the chief's failure, told on every worker
-            raise InfeasibleBudgetError(planning_budget, strategy=settings.strategy, detail=str(error)) from error
-        replanned = _plan_result(current.extraction, data, settings.strategy)
-        return replanned, compile_step(replanned.extraction, replanned.schedule, optimizer=model.optimizer,
-                                       strategy=distribution, return_outputs=True)
-
     held = []
     # No remembered planning budget (cache=False): a worker's own cache could start it where
     # another worker's does not, and their collectives would part.
-    plan, step, _ = hold_allocator_peak(plan, step, plan_at, read_peak, strategy=settings.strategy,
+    plan, step, _ = hold_allocator_peak(plan, step, check.plan_at, check.read_peak, strategy=settings.strategy,
                                         options=settings.options, cache=False,
-                                        accepted=lambda _step, peak: held.append(peak), log=_WorkerLog(logger, name))
+                                        accepted=lambda _step, peak: held.append(peak), log=check.log)
     return plan, step, held[-1] if held else None
+
+
+class _WorkerCheck:
+    """What the workers' allocator check reads and plans with, for :func:`allocator_checked`
+    and a refusal's read (:func:`_read_refusal`) alike: each method is a collective every
+    worker calls at the same point (one gather on construction finds the chief's replica)."""
+
+    def __init__(self, distribution, model, x, y, settings: _Settings, *, sample_weight, verbose: int):
+        self.distribution, self.model, self.x, self.y = distribution, model, x, y
+        self.settings, self.sample_weight, self.verbose = settings, sample_weight, verbose
+        self.name, self.chief = _worker_name(distribution)
+        self.log = _WorkerLog(logger, self.name)
+        self.collectives = _Collectives(distribution)
+        self.devices = replica_allocators(distribution)
+        self.chief_replica = int(np.flatnonzero(self.collectives.gather([int(self.chief)])[:, 0])[0])
+
+    def wanted(self, plan: PlanResult) -> bool:
+        """Whether the workers hold ``plan``'s step to its budget: when any wants to, and all
+        can (a worker's plan, and with it whether its budget is below its checkpoint-all
+        peak, may differ)."""
+        settings, devices = self.settings, self.devices
+        wants = wants_allocator_check(settings.allocator_check, settings.budget, plan)
+        if settings.allocator_check is None and devices is not None and any(d.startswith("CPU") for d in devices):
+            wants = False  # the input pipeline shares a CPU replica's allocator (allocator_checked)
+        rows = self.collectives.gather([int(wants), int(devices is not None)])
+        if not rows[:, 0].any():
+            return False
+        if not rows[:, 1].all():
+            (logger.warning if settings.allocator_check else logger.info)(
+                "%s: allocator_check skipped: a worker's replicas share one allocator (logical devices of one CPU), "
+                "which cannot be read per device; the budget holds for each replica's requested bytes", self.name)
+            return False
+        return True
+
+    def read_peak(self, candidate) -> int | None:
+        """The largest held peak of ``candidate`` over the workers: every worker reads and
+        gathers, so all take the same largest peak and decide alike."""
+        local = [allocator_peak(candidate, self.model, self.x, self.y, self.sample_weight, device=device)
+                 for device in self.devices]
+        peaks = self.collectives.gather([-1 if None in local else max(local)])[:, 0]
+        if (peaks < 0).any():
+            logger.warning("%s: allocator_check skipped: a worker's allocator keeps no statistics (its log says why)",
+                           self.name)
+            return None
+        return int(peaks.max())
+
+    def plan_at(self, current: PlanResult, planning_budget: int) -> tuple:
+        """``current``'s graph planned again by the chief under ``planning_budget``, and its step."""
+        from tfremat.static_graph.compile import compile_step
+
+        try:
+            data = _chief_plan(self.collectives, current.extraction.graph, planning_budget, self.settings, self.chief,
+                               self.chief_replica, verbose=self.verbose, replanning=current)
+        except InfeasibleBudgetError:
+            raise
+        except TfrematError as error:  # the chief's failure, told on every worker
+            raise InfeasibleBudgetError(planning_budget, strategy=self.settings.strategy, detail=str(error)) from error
+        replanned = _plan_result(current.extraction, data, self.settings.strategy)
+        return replanned, compile_step(replanned.extraction, replanned.schedule, optimizer=self.model.optimizer,
+                                       strategy=self.distribution, return_outputs=True)
 
 
 class _WorkerLog(logging.LoggerAdapter):
@@ -514,7 +577,8 @@ def fit_multi_worker(model, budget, x, y, *, batch_size, epochs: int, validation
             lambda v: v if v is None else distribution.experimental_local_results(v)[0], (x_batch, y_batch, w_batch))
         shapes = tuple(tuple(t.shape) for t in tf.nest.flatten((local_x, local_y)))
         if shapes not in steps:
-            plan = agreed_plan(distribution, model, local_x, local_y, settings, verbose=verbose if chief else 0)
+            plan = agreed_plan(distribution, model, local_x, local_y, settings, verbose=verbose if chief else 0,
+                               sample_weight=local_w)
             logger.info("%s, per-replica batch %s: %s", name, shapes, plan_summary(plan))
             step = compile_step(plan.extraction, plan.schedule, optimizer=model.optimizer, strategy=distribution,
                                 return_outputs=True)
