@@ -381,6 +381,79 @@ def test_a_re_plan_out_of_time_is_a_refusal_in_the_allocators_terms():
     assert seen["time_limit"] == allocator_check.REPLAN_TIME_LIMIT < 60
 
 
+def _buffer_address(variable) -> int:
+    """Where ``variable``'s buffer lies: a read (``ReadVariableOp``) shares the variable's
+    buffer, and numpy's DLPack view of it shares the read's."""
+    inner = variable if isinstance(variable, tf.Variable) else variable.value
+    return np.from_dlpack(tf.raw_ops.ReadVariableOp(resource=inner.handle, dtype=inner.dtype)).ctypes.data
+
+
+def _chunks_handed_out() -> list[int]:
+    """Where the allocator puts tensors of a few sizes made one after the other (then freed):
+    the same while its free chunks stay as they are."""
+    made = [tf.ones([n]) for n in (100, 5000, 300, 70000, 20, 1200)]
+    return [np.from_dlpack(t).ctypes.data for t in made]
+
+
+def test_the_checks_restore_writes_each_variable_back_into_its_own_buffer():
+    """The check's runs end in a restore of the variables (runtime.state.state_restored). An
+    ``assign`` would hand each variable a new buffer and free the old one, so the first training
+    step after the check would run among free chunks none of the check's reads saw (a U-Net's
+    first step read over its held peak so: benchmarks/results/allocator_check.md, Session 30).
+    The restore writes into the buffers the variables have, and the values are the saved ones
+    to the bit; the allocator holds no more bytes after it than before, and hands the same
+    requests the same chunks (its temporaries are freed into the chunks they split)."""
+    from tfremat.runtime.state import state_restored
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+                              keras.layers.Dropout(0.5, seed=1), keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss="mse")
+    x, y = np.ones((4, 8), "float32"), np.zeros((4, 4), "float32")
+    model.train_on_batch(x, y)
+    variables = list(model.variables) + list(model.optimizer.variables)
+    saved = [v.numpy() for v in variables]
+    probe = tf.Variable(tf.ones([64]))
+    moved_from = _buffer_address(probe)
+    assert _buffer_address(probe) == moved_from  # the probe reads the buffer itself
+    probe.assign(probe.numpy())
+    assert _buffer_address(probe) != moved_from  # and sees an assign move it
+    with state_restored(variables):
+        for _ in range(2):
+            model.train_on_batch(x, y)
+        assert any(not np.array_equal(v.numpy(), s) for v, s in zip(variables, saved))
+        before = [_buffer_address(v) for v in variables]
+        current = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        chunks = _chunks_handed_out()
+        if _chunks_handed_out() != chunks:
+            pytest.skip("something else in this process allocates on the CPU meanwhile")
+    assert [_buffer_address(v) for v in variables] == before
+    assert tf.config.experimental.get_memory_info("CPU:0")["current"] == current
+    assert _chunks_handed_out() == chunks
+    for variable, value in zip(variables, saved):
+        assert variable.numpy().tobytes() == value.tobytes(), variable.path
+
+
+def test_a_restore_is_exact_where_writing_in_place_would_not_be():
+    """Subtracting the current value and adding the saved one (the in-place restore) cannot give
+    -0.0, a subnormal (the CPU kernels flush them) or anything after an infinite current value;
+    those variables, and a bool one (no such kernels), are assigned: still exact."""
+    from tfremat.runtime.state import restore
+
+    saved = np.array([-0.0, 1e-40, 1.0, np.nan, -1e-45, 3.5], np.float32)
+    variable = tf.Variable(np.array([1.0, 2.0, np.inf, 3.0, np.nan, -0.0], np.float32))
+    restore(variable, saved)
+    assert variable.numpy().tobytes() == saved.tobytes()
+    flags = tf.Variable([True, False])
+    restore(flags, np.array([False, True]))
+    assert flags.numpy().tolist() == [False, True]
+    counter = tf.Variable(np.int64(2**62))
+    counter.assign_add(1)  # its own buffer, no longer its initial value's, as training leaves it
+    address = _buffer_address(counter)
+    restore(counter, np.int64(-(2**63)))
+    assert counter.numpy() == -(2**63) and _buffer_address(counter) == address
+
+
 def test_a_planner_refusal_names_the_smallest_plans_held_peak_and_that_is_accepted_copied_back():
     """Where the check would hold the planner's smallest feasible budget, the refusal names the
     smallest plan's held peak, read from the allocator, not the planner's prediction, which the

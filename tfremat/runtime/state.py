@@ -29,6 +29,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from tfremat.runtime.internals import (
@@ -40,6 +41,7 @@ from tfremat.runtime.internals import (
 __all__ = [
     "StateSnapshot", "stateful_variables", "call_with_snapshot", "call_replaying", "stateful_random_ops",
     "reads_global_seed_generator", "global_seed_generator", "forget_global_seed_generator", "state_restored",
+    "restore",
 ]
 
 # Random ops whose state lives outside any Keras variable (TensorFlow's global or
@@ -156,11 +158,57 @@ def reads_global_seed_generator(graph, operations) -> bool:
     return any(tensor is inner for op in operations for tensor in op.inputs for inner in captured)
 
 
+def _same_bits(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _restored_in_place(variable, value: np.ndarray) -> bool:
+    """Writes ``value`` into ``variable``'s existing buffer; whether it now holds ``value`` bit for bit.
+
+    ``assign`` hands the variable the assigned tensor's buffer and frees its own
+    (TensorFlow's ``AssignVariableOp`` never copies: every later write copies on write
+    instead), so a restore by ``assign`` moves every variable's buffer and leaves the
+    allocator's chunks other than the reads before it saw them. ``AssignSubVariableOp`` and
+    ``AssignAddVariableOp`` write into the variable's buffer while nothing else holds it:
+    subtracting the current value (a separate tensor, allocated and freed again) leaves
+    zeros, adding ``value`` leaves ``value``. That is exact except where the current value
+    is infinite or NaN, ``value`` is -0.0 (0.0 + -0.0 is 0.0), or ``value`` is subnormal
+    (TensorFlow's CPU kernels flush them to zero), hence the comparison of the bits read
+    back. A variable that already holds ``value`` is not written at all: a write copies a
+    buffer that something else still shares (a learning rate's, its initial value's) into a
+    new one. A variable of a tf.distribute strategy (one buffer per replica) or of a dtype
+    without those kernels (bool) is left as it was: False.
+    """
+    inner = variable if isinstance(variable, tf.Variable) else variable.value  # a Keras variable's tf.Variable
+    dtype = tf.as_dtype(value.dtype)
+    if isinstance(inner, tf.distribute.DistributedValues) or not (dtype.is_floating or dtype.is_integer
+                                                                   or dtype.is_complex):
+        return False
+    current = inner.numpy()
+    if _same_bits(current, value):
+        return True
+    with tf.device(inner.device):
+        tf.raw_ops.AssignSubVariableOp(resource=inner.handle, value=tf.constant(current))
+        tf.raw_ops.AssignAddVariableOp(resource=inner.handle, value=tf.constant(value))
+    return _same_bits(inner.numpy(), value)
+
+
+def restore(variable, value: np.ndarray) -> None:
+    """Sets ``variable`` to ``value`` (a copy read with ``numpy()``) bit for bit, in the
+    buffer it already has where that is exact (:func:`_restored_in_place`), else by
+    ``assign``: a restore then leaves the allocator's chunks where the variable's own
+    updates left them, as a training step does (its optimizer updates write in place)."""
+    if not _restored_in_place(variable, value):
+        variable.assign(value)
+
+
 @contextlib.contextmanager
 def state_restored(variables: Sequence):
-    """Puts back, on exit, the values of ``variables``, Python's ``random`` state and Keras's
-    global seed generator: its state, or, when the block created it, its absence (so the
-    next unseeded ``keras.random`` call creates it as plain training would)."""
+    """Puts back, on exit, the values of ``variables`` (each in its own buffer where that is
+    exact: :func:`restore`), Python's ``random`` state and Keras's global seed generator: its
+    state, or, when the block created it, its absence (so the next unseeded ``keras.random``
+    call creates it as plain training would)."""
     saved = [v.numpy() for v in variables]
     python_random = random.getstate()
     generator = global_seed_generator()
@@ -169,9 +217,9 @@ def state_restored(variables: Sequence):
         yield
     finally:
         for variable, value in zip(variables, saved):
-            variable.assign(value)
+            restore(variable, value)
         random.setstate(python_random)
         if generator is not None:
-            generator.state.assign(generator_state)
+            restore(generator.state, generator_state)
         elif global_seed_generator() is not None:
             forget_global_seed_generator()
