@@ -14,6 +14,10 @@ user picks:
 - ``text_mask_tfdata``: keras.io's text classifier (``TokenAndPositionEmbedding`` with
   ``mask_zero=True``, a transformer block) on a ``tf.data.Dataset`` of ``(x, y, sample_weight)``,
   ``tfremat.fit`` at ``"75%"``;
+- ``text_mask_copy_back``: the same model's refusals at ``"75%"``: seconds to the refusal with the
+  allocator check (the planner's smallest plan read from the allocator) and with
+  ``allocator_check=False`` (the planner's figure), in turns; then every figure named (by the
+  planner's refusal, and by the check's refusal of the planner's own figure) copied back verbatim;
 - ``class_weight_cnn``: a small CNN with ``class_weight``, ``tfremat.fit`` at a size in MiB
   picked from ``tfremat.plan_model``'s checkpoint-all peak;
 - ``mirrored_one_device``: a CNN built and compiled under ``tf.distribute.MirroredStrategy`` on
@@ -65,6 +69,8 @@ CHECKS = {
     "cct_stochastic_depth": ("60% of activations", "keras.io CCT: conv tokenizer, StochasticDepth, sequence pooling"),
     "perceiver_latents": ("min", "Perceiver-style latents + cross-attention; model.fit(callbacks=[RematCallback])"),
     "text_mask_tfdata": ("75%", "TokenAndPositionEmbedding(mask_zero), transformer; tf.data (x, y, sample_weight)"),
+    "text_mask_copy_back": ("75%", "text_mask's refusals: seconds to refuse with and without the allocator read, "
+                                   "every figure named copied back"),
     "class_weight_cnn": ("70% of plan_model's checkpoint-all peak, in MiB", "CNN, class_weight"),
     "mirrored_one_device": ("70% of activations", "MirroredStrategy on the one CPU"),
     "jit_transformer": ("70%", "transformer classifier, compile(jit_compile=True)"),
@@ -310,21 +316,79 @@ def check_perceiver_latents(budget, work):
     return row
 
 
-def check_text_mask_tfdata(budget, work):
+def _text_mask_data(batch=16, length=64):
+    """The text checks' data: token rows padded with zeros, labels, and the dataset of
+    ``(x, y, sample_weight)`` batches."""
     import numpy as np
     import tensorflow as tf
 
     rng = np.random.default_rng(0)
-    batch, n, length = 16, 16 * TRAIN_STEPS, 64
+    n = batch * TRAIN_STEPS
     x = rng.integers(1, 2000, (n, length)).astype("int32")
     for row_, keep in enumerate(rng.integers(8, length, n)):
         x[row_, keep:] = 0
     y = rng.integers(0, 2, n)
     sample_weight = rng.uniform(0.5, 2.0, n).astype("float32")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y, sample_weight)).batch(batch).prefetch(2)
+    return x, y, tf.data.Dataset.from_tensor_slices((x, y, sample_weight)).batch(batch).prefetch(2)
+
+
+def check_text_mask_tfdata(budget, work):
+    import tensorflow as tf
+
+    batch = 16
+    x, y, dataset = _text_mask_data(batch)
     fit_kwargs = {"x": dataset, "epochs": 1}
-    return fit_compared(lambda: _compiled(_text_transformer(length)), fit_kwargs, budget,
+    return fit_compared(lambda: _compiled(_text_transformer(x.shape[1])), fit_kwargs, budget,
                         (tf.constant(x[:batch]), tf.constant(y[:batch])), _nbytes(x[:batch], y[:batch]))
+
+
+def check_text_mask_copy_back(budget, work, rounds=3):
+    """Seconds to ``budget``'s refusal with the check's read and without (``allocator_check=False``),
+    in turns, the load before each; then each figure named fitted at verbatim, refusals followed
+    once more (a second copy-back is what the fix removes)."""
+    import re
+
+    import keras
+
+    import tfremat
+
+    _, _, dataset = _text_mask_data()
+
+    def refusal(at, **options):
+        keras.utils.set_random_seed(0)
+        model = _compiled(_text_transformer(64))
+        began = time.perf_counter()
+        try:
+            tfremat.fit(model, at, dataset, epochs=1, verbose=0, **options)
+            return time.perf_counter() - began, None, "trained"
+        except Exception as error:
+            seconds, text = time.perf_counter() - began, f"{type(error).__name__}: {error}"
+            named = re.search(r"smallest feasible budget found is ([\d.]+(?: ?[KMG]i?B|%)(?: of activations)?)", text)
+            return seconds, named.group(1) if named else None, text
+
+    row = {"refusal_seconds": {"checked": [], "unchecked": []}, "loads": [], "named": {}, "copy_backs": []}
+    refusal(budget, allocator_check=False)  # the profile and the schedules cached first: not timed
+    for _ in range(rounds):
+        for mode, options in (("checked", {}), ("unchecked", {"allocator_check": False})):
+            row["loads"].append(os.getloadavg()[0])
+            seconds, named, text = refusal(budget, **options)
+            row["refusal_seconds"][mode].append(seconds)
+            row["named"][mode] = named
+            row.setdefault("texts", {})[mode] = text
+    for source in ("checked", "unchecked"):  # the planner's figure read, and the planner's own
+        at, chain = row["named"][source], []
+        while at is not None and len(chain) < 3:
+            _, named, text = refusal(at)
+            chain.append({"budget": at, "outcome": "trained" if named is None and text == "trained" else text})
+            at = named
+        row["copy_backs"].append({"from": source, "chain": chain})
+    checked, unchecked = (sorted(row["refusal_seconds"][m]) for m in ("checked", "unchecked"))
+    row["outcome"] = (f"refusal of {budget}: {checked[len(checked) // 2]:.2f} s with the read, "
+                      f"{unchecked[len(unchecked) // 2]:.2f} s without (medians); " +
+                      "; ".join(" -> ".join([budget] + [c["budget"] for c in chain["chain"]]) +
+                                (" trains" if chain["chain"] and chain["chain"][-1]["outcome"] == "trained" else " refused")
+                                for chain in row["copy_backs"]))
+    return row
 
 
 def check_class_weight_cnn(budget, work):
