@@ -28,6 +28,7 @@ from tfremat.model_planning import (
     check_keras_model,
     exact_only_options,
     loss_and_optimizer,
+    sample_batch,
     synthetic_batch,
     wants_implementations,
     with_rounding,
@@ -387,7 +388,7 @@ def _restore(model, saved) -> None:
         variable.assign(value)
 
 
-def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", steps: int = 5, loss=None,
+def measure_model(model, budget, x=None, y=None, *, batch_size: int | None = None, strategy: str = "optimal", steps: int = 5, loss=None,
                   optimizer=None, cost_model: str = "profile", granularity: str = "sublayer", seed: int = 0,
                   verbose: int = 1, cache=True, exact_gradients: bool = False, explain: bool = False,
                   **strategy_options) -> dict:
@@ -401,8 +402,13 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
     Args:
         model: a Keras model (its weights are restored afterwards, also when a step raises).
         budget: any budget form of :func:`tfremat.planner.plan_graph`.
-        batch_size: the batch size; the data is random, its labels made for the loss
-            (:func:`tfremat.model_planning.synthetic_batch`).
+        x, y: the data to measure on, as :func:`tfremat.plan_model` takes them (arrays with
+            ``batch_size``, or a ``tf.data.Dataset`` of batches): its first batch is the one
+            measured. Without them the data is random, its labels made for the loss
+            (:func:`tfremat.model_planning.synthetic_batch`), which needs every input axis
+            but the batch fixed and numeric inputs; a model with a time axis of unknown
+            length or string inputs (a ``StringLookup`` inside) is measured on its own data.
+        batch_size: the batch size (with arrays or without data; a dataset's batches fix it).
         strategy: the strategy name.
         steps: timed rounds, each one planned step and one plain step back to back
             (:func:`time_in_turns`), after the peaks are measured.
@@ -449,21 +455,28 @@ def measure_model(model, budget, *, batch_size: int, strategy: str = "optimal", 
 
     Raises:
         ArgumentError: ``model`` is no ``keras.Model``, ``steps`` or ``batch_size`` not an
-            int >= 1, an unknown optimizer name, or no loss or optimizer (an uncompiled
-            model without ``loss=`` / ``optimizer=``), before anything runs.
+            int >= 1 (``batch_size`` may be left out with a dataset), data that
+            :func:`tfremat.plan_model` refuses, an unknown optimizer name, or no loss or
+            optimizer (an uncompiled model without ``loss=`` / ``optimizer=``), before anything runs.
     """
     from tfremat.extract.extractor import extract
     from tfremat.static_graph.compile import compile_step
 
     check_keras_model(model)
-    for name, value in (("steps", steps), ("batch_size", batch_size)):
+    checked = [("steps", steps)] + ([] if isinstance(x, tf.data.Dataset) else [("batch_size", batch_size)])
+    for name, value in checked:
         if not is_int(value) or value < 1:
             raise ArgumentError(f"{name}={value!r} must be an int >= 1")
     check_exact_gradients(exact_gradients)
     training = loss_and_optimizer(model, loss, optimizer)
     if training["optimizer"] is None:
         raise ArgumentError("no optimizer: compile the model or pass optimizer= (a Keras optimizer or its name)")
-    x, y = tf.nest.map_structure(tf.constant, synthetic_batch(model, batch_size, loss=training["loss"], seed=seed))
+    if x is None and y is None:
+        batch = synthetic_batch(model, batch_size, loss=training["loss"], seed=seed)
+    else:
+        batch = sample_batch(model, x, y, batch_size)
+    x, y = tf.nest.map_structure(tf.convert_to_tensor, batch)
+    batch_size = int(tf.nest.flatten(x)[0].shape[0])
     saved = [v.numpy() for v in model.variables]
     try:
         extraction = extract(model, sample_batch=(x, y), cost_model=cost_model, granularity=granularity,
