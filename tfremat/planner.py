@@ -468,7 +468,8 @@ def plan_graph(
         # warnings.warn, not the log: the caller can act on it, and the default filter shows it
         # once per call site and budget (compare plans every strategy at one budget).
         warnings.warn(f"budget={budget!r} ({format_bytes(budget_bytes)}) is at or above the checkpoint-all peak "
-                      f"({format_bytes(reference)}): nothing will be recomputed; give a smaller budget to save memory",
+                      f"({format_bytes(reference)}): nothing will be recomputed; a smaller budget saves memory where a "
+                      "schedule fits it (a refusal names the least one)",
                       UserWarning, stacklevel=2)
     options = strategy_options(strategy, **options)
     check_options(function, options, f"strategy {strategy!r}")
