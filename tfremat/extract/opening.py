@@ -233,8 +233,8 @@ def _record_call(layer, node, inputs, masks):
     ``masks`` (None: no mask); returns the ``keras.Function`` and the positions whose mask
     the call cleared.
 
-    The mask arguments ``Layer.__call__`` fills in from the attributes (``mask=``,
-    ``value_mask=``) are in the node's recorded arguments already, and so placeholders too.
+    Where an argument carries a mask, the mask arguments ``Layer.__call__`` would fill in
+    from the attributes are filled in (:func:`_fill_in_mask_arguments`).
 
     A ``StatelessScope`` discards any state update that runs eagerly while recording (a
     seed drawn outside a sublayer call, say); such a layer then fails the coverage check.
@@ -261,7 +261,8 @@ def _record_call(layer, node, inputs, masks):
 
     args = tf.nest.map_structure(symbolic, tuple(node.arguments.args))
     kwargs = tf.nest.map_structure(symbolic, dict(node.arguments.kwargs))
-    _fill_in_mask_arguments(layer, args, kwargs)
+    if any(mask is not None for mask in mask_placeholders):
+        _fill_in_mask_arguments(layer, args, kwargs)
     if layer._call_has_training_arg:
         kwargs["training"] = True
     context = CallContext(entry_layer=layer)
