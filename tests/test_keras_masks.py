@@ -225,3 +225,46 @@ def test_the_masked_text_transformer_opened_and_recomputed_trains_like_model_fit
     for step in (1, 5):
         difference = closeness(remat_at.weights[step], plain_at.weights[step])
         assert difference.equal, (step, difference)
+
+
+class _MaskingBlock(layers.Layer):
+    """Two dense layers whose ``compute_mask`` masks the all-zero time steps of its input (as ``Masking``)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner, self.outer = layers.Dense(8, activation="relu"), layers.Dense(8)
+
+    def call(self, x):
+        return self.outer(self.inner(x))
+
+    def compute_mask(self, x, mask=None):
+        return ops.any(ops.not_equal(x, 0.0), axis=-1)
+
+
+def _masked_tagger():
+    """Per-step tags of a masked sequence: the loss skips the padded steps only through the
+    mask the block's ``__call__`` sets on its output, which the last Dense hands on."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((LENGTH, 4))
+    return keras.Model(inputs, layers.Dense(3, activation="softmax")(_MaskingBlock(name="block")(inputs)))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("budget, strategy", [("100%", "checkpoint_all"), ("90%", "eviction")])
+def test_an_opened_block_hands_the_mask_its_call_sets_to_the_layers_and_loss_after_it(budget, strategy):
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(32, LENGTH, 4)).astype("float32")
+    for row, kept in enumerate(rng.integers(2, LENGTH, 32)):
+        x[row, kept:] = 0.0
+    y = rng.integers(0, 3, (32, LENGTH))
+    plain, remat = _masked_tagger(), _masked_tagger()
+    for model in (plain, remat):
+        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    plain.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
+    history = tfremat.fit(remat, budget, x=x, y=y, batch_size=16, shuffle=False, epochs=1, verbose=0,
+                          strategy=strategy, cost_model="flops", allocator_check=False)
+    (plan,) = history.plans.values()
+    names = plan.extraction.graph.names
+    assert "block" not in names and any(name.startswith("block/") for name in names)
+    difference = closeness(remat.get_weights(), plain.get_weights())
+    assert difference.equal, difference
