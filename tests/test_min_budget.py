@@ -63,31 +63,31 @@ def _own_overhead(graph, budget: int) -> float:
 
 @pytest.mark.parametrize("graph", _GRAPHS, ids=lambda g: g.name)
 def test_min_is_the_least_budget_counted_within_one_pass_and_half_a_step(graph):
-    from tfremat.strategies import MIN_OVERHEAD_CAP, least_budget_within
+    from tfremat.strategies import MIN_OVERHEAD_CAP, _cheapest_within, least_budget_within
 
     least = least_budget_within(graph)
     result = plan_graph(graph, "min", "eviction", cache=False, verbose=0)
     assert result.budget_bytes == least and result.predicted_peak_bytes <= least
     if least < checkpoint_all_peak(graph):
-        assert _counted(graph, least) and _own_overhead(graph, least) <= MIN_OVERHEAD_CAP + 1e-9
+        assert _counted(graph, least) and _cheapest_within(graph, least, MIN_OVERHEAD_CAP)
         # Graphs this small have fewer activation bytes than grid steps: the search works to
-        # the byte. A byte less, no proxy counts one pass or eviction's own schedule is over half a step.
-        assert not _counted(graph, least - 1) or _own_overhead(graph, least - 1) > MIN_OVERHEAD_CAP
+        # the byte. A byte less, no proxy counts one pass or no heuristic's schedule is within half a step.
+        assert not _counted(graph, least - 1) or not _cheapest_within(graph, least - 1, MIN_OVERHEAD_CAP)
 
 
 def test_the_half_step_cap_raises_min_where_the_profile_makes_the_forward_pass_dear():
     """Forward nodes a hundred times the backward's cost: one pass counted in nodes is most
-    of the step as profiled, so the budget rises until eviction's schedule costs at most
-    half a step (and optimal, which starts from it)."""
-    from tfremat.strategies import MIN_OVERHEAD_CAP, least_budget_within
+    of the step as profiled, so the budget rises until a heuristic of the portfolio finds a
+    schedule of at most half a step (and optimal, which starts from the portfolio)."""
+    from tfremat.strategies import MIN_OVERHEAD_CAP, _cheapest_within, least_budget_within
 
     plain = _chain(16)
     dear = plain.replaced(cost=[1.0 if backward else 100.0 for backward in plain.is_backward])
     uncapped = least_budget_within(dear, cap=float("inf"))
     assert uncapped == least_budget_within(plain, cap=float("inf"))  # the count ignores the profile
-    assert _own_overhead(dear, uncapped) > MIN_OVERHEAD_CAP
+    assert not _cheapest_within(dear, uncapped, MIN_OVERHEAD_CAP)
     capped = least_budget_within(dear)
-    assert capped > uncapped and _own_overhead(dear, capped) <= MIN_OVERHEAD_CAP
+    assert capped > uncapped and _cheapest_within(dear, capped, MIN_OVERHEAD_CAP)
 
 
 _DATA = Path(__file__).parent / "data"
@@ -124,6 +124,50 @@ def test_twenty_percent_cost_noise_does_not_move_min(model):
         noise = random.Random(seed)
         shares.add(least_budget_within(graph.replaced(cost=[c * noise.uniform(0.8, 1.2) for c in graph.cost])))
     assert len(shares) == 1, sorted(shares)
+
+
+_GRAPHS_DIR = Path(__file__).parent.parent / "benchmarks" / "graphs"
+
+
+def _transformer_encoder(run: int):
+    """benchmarks/conformance.py's transformer_encoder (batch 2), profiled twice in one
+    process (benchmarks/graphs/README.md): its attention backward's workspace differs
+    between the two, so the tests below put both on the first one's memory figures."""
+    from tfremat.graph import load_graph
+
+    return load_graph(_GRAPHS_DIR / f"min_transformer_encoder_profile{run}.json")
+
+
+def _with_profile_noise(graph, seed: int):
+    """``graph`` with each node's cost scaled as two profiles of one model differed: the
+    nodes making half the step by 0.9-1.1x, the others by 0.5-2x (seeded)."""
+    noise = random.Random(seed)
+    large, summed = set(), 0.0
+    for node in sorted(range(graph.size), key=lambda i: -graph.cost[i]):
+        if summed >= graph.total_cost / 2:
+            break
+        large.add(node)
+        summed += graph.cost[node]
+    return graph.replaced(cost=[cost * (noise.uniform(0.9, 1.1) if node in large else 2 ** noise.uniform(-1, 1))
+                                for node, cost in enumerate(graph.cost)])
+
+
+def test_profile_noise_does_not_move_min_where_eviction_alone_is_near_the_cap():
+    """transformer_encoder at its "min": eviction, planned under the first profile, picked a
+    schedule over half a step (+52%) where under the second it picked +38%, and "min" rose
+    a grid step on the first only; the cap now holds to the cheapest of the portfolio's
+    heuristics (chen_greedy_ap's +42% under either)."""
+    from tfremat.strategies import MIN_OVERHEAD_CAP, _cheapest_within, least_budget_within
+
+    first = _transformer_encoder(1)
+    second = _transformer_encoder(2).replaced(workspace_bytes=list(first.workspace_bytes))
+    graphs = [first, second] + [_with_profile_noise(first, seed) for seed in range(3)]
+    budgets = {least_budget_within(graph) for graph in graphs}
+    assert len(budgets) == 1, sorted(budgets)
+    least = budgets.pop()
+    assert least < checkpoint_all_peak(first) / 2
+    assert _own_overhead(first, least) > MIN_OVERHEAD_CAP  # eviction's own schedule alone is over the cap
+    assert all(_cheapest_within(graph, least, MIN_OVERHEAD_CAP) for graph in graphs)
 
 
 def test_min_keeps_to_the_bound_where_absolute_min_does_not():
