@@ -105,13 +105,13 @@ def _weights_cell(actual, expected) -> dict:
             "error": close.max_tensor_error}
 
 
-def fit_compared(make, fit_kwargs, budget, timing_batch, batch_bytes) -> dict:
-    """:func:`user_check_3.run_pair` with the weights after steps 1 and 5 and the allocator's
-    peak of every step read in both fits (:func:`user_check_4.step_peaks_callback`)."""
+def fit_compared(make, fit_kwargs, budget, timing_batch, batch_bytes, extra=None) -> dict:
+    """:func:`user_check_3.run_pair` (``extra`` passed on) with the weights after steps 1 and 5
+    and the allocator's peak of every step read in both fits (:func:`user_check_4.step_peaks_callback`)."""
     plain_peaks, remat_peaks = step_peaks_callback(batch_bytes), step_peaks_callback(batch_bytes)
     plain_weights, remat_weights = weights_at_callback(), weights_at_callback()
-    row, _, _, remat = run_pair(make, fit_kwargs, budget, timing_batch, plain_callbacks=[plain_peaks, plain_weights],
-                                remat_callbacks=[remat_peaks, remat_weights])
+    row, _, _, remat = run_pair(make, fit_kwargs, budget, timing_batch, extra=extra,
+                                plain_callbacks=[plain_peaks, plain_weights], remat_callbacks=[remat_peaks, remat_weights])
     row["plain_step_peaks"] = plain_peaks.peaks[1:]
     row["step_peaks"] = remat_peaks.peaks[1:] if "error" not in row else []
     row["budget_as_written"] = budget

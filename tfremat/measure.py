@@ -388,9 +388,10 @@ def _restore(model, saved) -> None:
         variable.assign(value)
 
 
-def measure_model(model, budget, x=None, y=None, *, batch_size: int | None = None, strategy: str = "optimal", steps: int = 5, loss=None,
-                  optimizer=None, cost_model: str = "profile", granularity: str = "sublayer", seed: int = 0,
-                  verbose: int = 1, cache=True, exact_gradients: bool = False, explain: bool = False,
+def measure_model(model, budget, x=None, y=None, *, batch_size: int | None = None, strategy: str = "optimal",
+                  steps: int = 5, loss=None, optimizer=None, cost_model: str = "profile",
+                  granularity: str = "sublayer", seed: int = 0, verbose: int = 1, cache=True,
+                  exact_gradients: bool = False, explain: bool = False,
                   **strategy_options) -> dict:
     """Plans, compiles and runs ``model``'s step under ``budget``, and a plain training step.
 
