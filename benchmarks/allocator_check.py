@@ -15,10 +15,16 @@ benchmarks/user_check.py read 1.021x its budget so). A refused budget is a row t
 driver runs, per model: the check off, on in a first process (an empty schedule cache) and
 on in a second process (the first's cache), and writes a markdown table; ``--runs`` picks
 some of them, ``--trees`` runs each with the ``tfremat`` of other checkouts in turns (a
-``git archive`` of an earlier commit: before and after on the same rows).
+``git archive`` of an earlier commit: before and after on the same rows), ``--repeats`` runs
+``on1`` that many times in turns, each from the cache as the runs before it left it (a first
+process each time: the first training step after the check moves from process to process).
+``--reads_after N`` reads each plan the check read N more times straight after its check
+returned, with no warm-up run (``after_check``, restored as the check restores): the first of
+them is the first run in the state the check's restore leaves.
 
     python benchmarks/allocator_check.py --out benchmarks/results/allocator_check.md
     python benchmarks/allocator_check.py --only unet_seg,gru_text --runs on1 --trees before=/tmp/old,after=.
+    python benchmarks/allocator_check.py --only unet_seg --runs off1,on1 --repeats 4 --steps 2 --trees ...
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -95,7 +102,7 @@ def build(name: str):
     return model, loss
 
 
-def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> dict:
+def worker(name: str, check: str, cache: str, steps: int, time_limit: float, reads_after: int = 0) -> dict:
     import tfremat  # noqa: F401 - before TensorFlow: the CPU allocator keeps statistics
     import keras
     import numpy as np
@@ -106,17 +113,23 @@ def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> 
     import tfremat.runtime.memory as memory
     from tfremat.errors import InfeasibleBudgetError
     from tfremat.model_planning import synthetic_batch
+    from tfremat.runtime.state import state_restored
 
     budget, batch, _ = MODELS[name]
     model, loss = build(name)
 
     # What the check holds (one per plan it measured), the reads behind it, and each plan
     # with whether it came from the schedule cache.
-    held, reads, plans = [], [], []
+    held, reads, plans, after_check = [], [], [], []
     real_peak, real_measure, real_plan = remat_keras.allocator_peak, memory.measure_step_peak, remat_keras.plan_graph
 
-    def recording_peak(*args, **kwargs):
-        held.append(real_peak(*args, **kwargs))
+    def recording_peak(step, model, x, y, sample_weight=None, **kwargs):
+        held.append(real_peak(step, model, x, y, sample_weight, **kwargs))
+        if reads_after:
+            variables = list(model.variables) + list(model.optimizer.variables)
+            with state_restored(variables):
+                after_check.append([real_measure(lambda a, b: step(a, b, sample_weight), x, y, resident=variables,
+                                                 device=kwargs.get("device"), warmup=0) for _ in range(reads_after)])
         return held[-1]
 
     def recording_measure(*args, **kwargs):
@@ -184,7 +197,7 @@ def worker(name: str, check: str, cache: str, steps: int, time_limit: float) -> 
                                          allocator_check={"on": None, "off": False}[check])
     x, y = synthetic_batch(model, (1 + steps) * batch, loss=loss, seed=0)
     row = {"model": name, "check": check, "held": held, "reads": reads, "plans": plans, "per_step": per_step,
-           "footprint": footprint, "watched": watched}
+           "footprint": footprint, "watched": watched, "after_check": after_check}
     try:
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Steps(), callback])
     except InfeasibleBudgetError as error:
@@ -202,23 +215,25 @@ def mib(n: float) -> str:
 
 def render(rows: list[dict]) -> str:
     table = ["| model | tree | allocator_check | budget MiB | plans (planning budget MiB, prediction MiB, cached?) | "
-             "check: reads MiB -> held | peak per later step MiB (min-max) | max/budget | max/held | overhead | "
-             "first step s (wall/CPU) | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "check: reads MiB -> held | first step MiB (/held) | peak per later step MiB (min-max) | max/budget | "
+             "max/held | overhead | first step s (wall/CPU) | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         plans = "; ".join(f"{mib(b)}, {mib(p)}, {'hit' if c else 'solved'}" for b, p, c in row["plans"])
         reads = ", ".join(mib(r) for r in row["reads"])
         held = ", ".join(mib(h) for h in row["held"])
         checked = f"{reads} -> {held}" if row["held"] else "-"
         times = f"{row['first_s']:.1f} / {row['first_cpu_s']:.1f}"
+        first = row.get("watched") or []
+        first = f"{mib(first[0])} ({first[0] / row['held'][-1]:.3f})" if first and row["held"] else "-"
         if "refused" in row:
             table.append(f"| {row['model']} | {row['tree']} | {row['label']} | refused | {plans} | {checked} | "
-                         f"{row['refused'][:160]} | | | | {times} | {row['load']:.1f} |")
+                         f"{first} | {row['refused'][:160]} | | | | {times} | {row['load']:.1f} |")
             continue
         steps = row["per_step"]
         over_held = f"{max(steps) / row['held'][-1]:.3f}" if row["held"] else "-"
         table.append(f"| {row['model']} | {row['tree']} | {row['label']} | {mib(row['budget'])} | {plans} | "
-                     f"{checked} | {mib(min(steps))}-{mib(max(steps))} ({len(steps)} steps) | "
+                     f"{checked} | {first} | {mib(min(steps))}-{mib(max(steps))} ({len(steps)} steps) | "
                      f"{max(steps) / row['budget']:.3f} | {over_held} | +{100 * row['overhead']:.1f}% | {times} | "
                      f"{row['load']:.1f} |")
     return "\n".join(table)
@@ -231,7 +246,11 @@ def main() -> None:
                         help="runs per model, comma-separated, of " + ", ".join(name for name, _, _ in RUNS))
     parser.add_argument("--trees", default=None,
                         help="label=path,...: checkouts whose tfremat each run imports, in turns (default: this one)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="processes of on1, in turns, each from the cache the runs before it left")
     parser.add_argument("--steps", type=int, default=None, help="training steps read after the first (default per model)")
+    parser.add_argument("--reads_after", type=int, default=0,
+                        help="reads of each checked plan straight after its check, no warm-up")
     parser.add_argument("--time_limit", type=float, default=20.0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "CHECK", "CACHE", "TREE"), help=argparse.SUPPRESS)
@@ -240,7 +259,7 @@ def main() -> None:
         name, check, cache, tree = args.worker
         sys.path.insert(0, os.path.abspath(tree))  # that checkout's tfremat, imported first
         steps = args.steps if args.steps is not None else MODELS[name][2]
-        print("RESULT " + json.dumps(worker(name, check, cache, steps, args.time_limit)), flush=True)
+        print("RESULT " + json.dumps(worker(name, check, cache, steps, args.time_limit, args.reads_after)), flush=True)
         return
     trees = [("", ROOT)] if not args.trees else [tuple(item.split("=", 1)) for item in args.trees.split(",")]
     runs = [run for run in RUNS if run[0] in args.runs.split(",")]
@@ -251,14 +270,24 @@ def main() -> None:
         # solves its re-plans, which its second process should find; the last run times the
         # step with every cache warm and no check. The trees take turns run by run.
         with tempfile.TemporaryDirectory(prefix="tfremat_allocator_check_") as cache_root:
-            for _, label, check in runs:
+            repeated = [run for run in runs for _ in range(args.repeats if run[0] == "on1" else 1)]
+            for run_name, label, check in repeated:
                 for tree_label, tree in trees:
                     cache = os.path.join(cache_root, tree_label or "tree")
+                    if run_name == "on1" and args.repeats > 1:
+                        before_on1 = cache + ".before_on1"
+                        if not os.path.isdir(before_on1):
+                            os.makedirs(cache, exist_ok=True)
+                            shutil.copytree(cache, before_on1)
+                        shutil.rmtree(cache)
+                        shutil.copytree(before_on1, cache)
                     env = dict(os.environ, TFREMAT_CACHE_DIR=cache, TF_CPU_ALLOCATOR_USE_BFC="true")
                     command = [sys.executable, __file__, "--worker", name, check, os.path.join(cache, "schedules"),
                                tree, "--time_limit", str(args.time_limit)]
                     if args.steps is not None:
                         command += ["--steps", str(args.steps)]
+                    if args.reads_after:
+                        command += ["--reads_after", str(args.reads_after)]
                     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
                     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
                     if not lines:
