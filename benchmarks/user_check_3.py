@@ -231,7 +231,7 @@ def run_pair(make, fit_kwargs, budget, timing_batch, *, extra=None, plain_callba
             break
         except Exception as error:
             text = f"{type(error).__name__}: {error}"
-            suggested = re.search(r"smallest feasible budget found is ([\d.]+(?: ?[KMG]i?B|%)(?: of activations)?)",
+            suggested = re.search(r'smallest feasible budget found is "?([\d.]+(?: ?[KMG]i?B|%)(?: of activations)?)',
                                   text)
             if attempt < 2 and suggested:
                 budget = suggested.group(1)

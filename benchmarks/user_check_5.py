@@ -363,7 +363,7 @@ def check_text_mask_copy_back(budget, work, rounds=3):
             return time.perf_counter() - began, None, "trained"
         except Exception as error:
             seconds, text = time.perf_counter() - began, f"{type(error).__name__}: {error}"
-            named = re.search(r"smallest feasible budget found is ([\d.]+(?: ?[KMG]i?B|%)(?: of activations)?)", text)
+            named = re.search(r'smallest feasible budget found is "?([\d.]+(?: ?[KMG]i?B|%)(?: of activations)?)', text)
             return seconds, named.group(1) if named else None, text
 
     row = {"refusal_seconds": {"checked": [], "unchecked": []}, "loads": [], "named": {}, "copy_backs": []}

@@ -24,6 +24,7 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -499,7 +500,8 @@ def hold_allocator_peak(result, step, plan_at: Callable, read_peak: Callable, *,
     ``"allocator"`` (the allocator's peak and its chunks) or ``"requested"`` (the bytes an
     XLA step requests, over its prediction). ``unchecked_from``: the bytes from which a budget
     the refusal names goes unchecked when copied back (:func:`unchecked_from`); where the
-    smallest held peak is there, the checkpoint-all step is read and its held peak named.
+    smallest held peak is there, the checkpoint-all step is read, and named unless a plan that
+    recomputes holds below it, which is named as an amount in bytes (:func:`_refusal_figure`).
 
     Returns:
         ``(result, step, planning budget)``: the accepted result (its ``budget_bytes`` the
@@ -592,11 +594,9 @@ def hold_allocator_peak(result, step, plan_at: Callable, read_peak: Callable, *,
             last = peak
             if peak <= budget:
                 return accept(planning_budget, peak, log_it=False)
-    smallest, everything = _refusal_figure(result, {**held, **read_here}, last, plan_at, read_peak, unchecked_from,
-                                           log)
-    raise _allocator_refusal(budget, last, result.predicted_peak_bytes, first_predicted, planning_budget, smallest,
-                             failure, strategy, count, checkpoint_all_held=everything)
-
+    figure = _refusal_figure(result, {**held, **read_here}, last, plan_at, read_peak, unchecked_from, log)
+    raise _allocator_refusal(budget, last, result.predicted_peak_bytes, first_predicted, planning_budget, figure,
+                             failure, strategy, count)
 
 
 def planner_refusal_read(error: InfeasibleBudgetError, plan_smallest: Callable, plan_at: Callable,
@@ -638,18 +638,19 @@ def planner_refusal_read(error: InfeasibleBudgetError, plan_smallest: Callable, 
         return error
     graph = result.extraction.graph
     _remember_held(cache, graph, strategy, options, planning, peak)
-    figure, everything = _refusal_figure(dataclasses.replace(result, budget_bytes=error.budget_bytes),
-                                         _held_plans(cache, graph, strategy, options), peak, plan_at, read_peak,
-                                         unchecked_from, log)
+    figure = _refusal_figure(dataclasses.replace(result, budget_bytes=error.budget_bytes),
+                             _held_plans(cache, graph, strategy, options), peak, plan_at, read_peak, unchecked_from,
+                             log)
     read = "its XLA step requesting" if count == "requested" else "held in the allocator at"
     detail = (f"the smallest budget found was read from the allocator: the smallest plan found, predicted at "
               f"{format_bytes(result.predicted_peak_bytes)}, was {read} {format_bytes(peak)}; "
-              f"{_named_figure(everything, count)}")
+              f"{_named_figure(figure, count)}")
     return InfeasibleBudgetError(
-        error.budget_bytes, max(figure, smallest), error.lower_bound_bytes, error.strategy,
+        error.budget_bytes, max(figure.bytes, smallest), error.lower_bound_bytes, error.strategy,
         f"{error.detail}; {detail}" if error.detail else detail, error.proven, fixed_bytes=error.fixed_bytes,
         shown=error.shown, budget_text=error.budget_text, fixed_parts=error.fixed_parts, batch=error.batch,
-        advice=error.advice)
+        advice=error.advice, smallest_as_amount=figure.as_amount)
+
 
 def _aimed_planning_budget(previous: int, budget: int, peak: int, predicted: int, fixed: int,
                            held: dict[int, int], log: logging.Logger) -> int:
@@ -671,28 +672,51 @@ def _aimed_planning_budget(previous: int, budget: int, peak: int, predicted: int
     return planning_budget
 
 
+class _RefusalFigure(NamedTuple):
+    """The smallest budget a refusal names (:func:`_refusal_figure`) and what it is."""
+
+    #: The bytes named: ``held`` plus :data:`REFUSAL_SLACK` of its bytes above the fixed bytes.
+    bytes: int
+    #: The held peak of the plan named.
+    held: int
+    #: The checkpoint-all step's held peak where it was read (the smallest plan read was held
+    #: at a share the check does not hold), else None.
+    checkpoint_all_held: int | None
+    #: The figure is a plan that recomputes, held at a share the check does not hold, named as
+    #: an amount in bytes (which the check holds at every size).
+    as_amount: bool
+
+
 def _refusal_figure(result, held: dict[int, int], last: int, plan_at: Callable, read_peak: Callable,
-                    unchecked_from: int | None, log: logging.Logger) -> tuple[int, int | None]:
+                    unchecked_from: int | None, log: logging.Logger) -> _RefusalFigure:
     """The smallest budget a refusal of ``result.budget_bytes`` names: the smallest held peak
     over the budget of a plan read (``held``: by planning budget, this process's and other
-    processes' records; ``last``: the last plan's), or where that is a share the check does
-    not hold (``unchecked_from`` and up), the checkpoint-all step's
-    (:func:`_checkpoint_all_held`); plus :data:`REFUSAL_SLACK` of its bytes above the graph's
-    fixed bytes, as the budget copied back is checked in other states of the allocator.
+    processes' records; ``last``: the last plan's), plus :data:`REFUSAL_SLACK` of its bytes
+    above the graph's fixed bytes, as the budget copied back is checked in other states of
+    the allocator.
 
-    Returns:
-        ``(figure, checkpoint-all held peak)``: the second None unless the figure is the
-        checkpoint-all step's, so that the refusal can say nothing is recomputed at it.
+    Where that peak, told as a share, is one the check does not hold (``unchecked_from`` and
+    up), the checkpoint-all step is read (:func:`_checkpoint_all_held`): a share there trains
+    it unchecked. If it holds at or below the smallest plan read, it is named (nothing
+    recomputed); else the smallest plan read is named as an amount in bytes, which the check
+    holds at every size: the masked text transformer's smallest plan held 4.44 MiB against
+    checkpoint-all's 5.01 MiB (benchmarks/results/user_check_5.md, "Session 30 (A2)").
     """
     graph = result.extraction.graph
+
+    def named(peak: int, checkpoint_all: int | None, as_amount: bool) -> _RefusalFigure:
+        return _RefusalFigure(peak + int(REFUSAL_SLACK * max(peak - graph.fixed_bytes, 0)), peak, checkpoint_all,
+                              as_amount)
+
     # Reads over this budget only: a record of another process may hold a plan within it
     # that read over here.
     smallest = min([peak for peak in held.values() if peak > result.budget_bytes] + [last])
-    everything = None
-    if unchecked_from is not None and smallest >= unchecked_from:
-        everything = _checkpoint_all_held(result, plan_at, read_peak, unchecked_from, log)
-        smallest = everything or smallest
-    return smallest + int(REFUSAL_SLACK * max(smallest - graph.fixed_bytes, 0)), everything
+    if unchecked_from is None or smallest < unchecked_from:
+        return named(smallest, None, False)
+    everything = _checkpoint_all_held(result, plan_at, read_peak, unchecked_from, log)
+    if everything is not None and everything <= smallest:
+        return named(everything, everything, False)
+    return named(smallest, everything, True)
 
 
 def _checkpoint_all_held(result, plan_at: Callable, read_peak: Callable, unchecked_from: int,
@@ -717,21 +741,19 @@ def _checkpoint_all_held(result, plan_at: Callable, read_peak: Callable, uncheck
 
 
 def _allocator_refusal(budget: int, peak: int, predicted: int, first_predicted: int, planning_budget: int,
-                       smallest: int, failure: Exception | None, strategy: str,
-                       count: str = "allocator", checkpoint_all_held: int | None = None) -> InfeasibleBudgetError:
+                       figure: _RefusalFigure, failure: Exception | None, strategy: str,
+                       count: str = "allocator") -> InfeasibleBudgetError:
     """The refusal of a budget that no plan held for the allocator's peak, in the allocator's
     terms: the last plan's ``peak`` held against its ``predicted`` bytes, why the loop ended
     (``failure``: no schedule fits ``planning_budget``, or none was found in the time limit;
     None: :data:`ALLOCATOR_ROUNDS` plans read over), and as the smallest budget found
-    ``smallest``, the smallest held peak of a plan read plus :data:`REFUSAL_SLACK` (a budget
+    :func:`_refusal_figure`'s ``figure``, a held peak plus :data:`REFUSAL_SLACK` (a budget
     that plan was read within, so that copied back it is accepted: the check plans under that
-    plan's planning budget).
+    plan's planning budget), in words (:func:`_named_figure`).
     The planner's own figures are below the budget (ResNet50 at 300MiB: "smallest feasible
     289.64 MiB" for a 300 MiB budget it refused; benchmarks/user_check.py).
     ``count="requested"``: ``peak`` is the bytes an XLA step requests (held instead of the
-    allocator's peak), worded so. ``checkpoint_all_held``: the checkpoint-all step's held
-    peak where ``smallest`` is that step's (:func:`_refusal_figure`), said plainly: at it
-    nothing is recomputed."""
+    allocator's peak), worded so."""
     chunks = max(peak - predicted, 0)
     if count == "requested":
         held = (f"held for the bytes the XLA step requests: it requests {format_bytes(peak)}, "
@@ -751,21 +773,32 @@ def _allocator_refusal(budget: int, peak: int, predicted: int, first_predicted: 
         ended = f"it stayed above the budget after {ALLOCATOR_ROUNDS} plans (the first predicted at " \
                 f"{format_bytes(first_predicted)})"
     return InfeasibleBudgetError(
-        budget, smallest, None, strategy,
-        detail=f"{held}, and {ended}; {_named_figure(checkpoint_all_held, count)}; "
+        budget, figure.bytes, None, strategy,
+        detail=f"{held}, and {ended}; {_named_figure(figure, count)}; "
                f"allocator_check=False holds the budget for {unchecked}",
+        smallest_as_amount=figure.as_amount,
     )
 
 
-def _named_figure(checkpoint_all_held: int | None, count: str) -> str:
-    """What a refusal's smallest budget is, in words: a plan's held peak, or where it is the
-    checkpoint-all step's (``checkpoint_all_held``), that at it nothing is recomputed."""
-    if checkpoint_all_held is None:
+def _named_figure(figure: _RefusalFigure, count: str) -> str:
+    """What a refusal's smallest budget ``figure`` is, in words: a plan's held peak; where the
+    smallest plan read was held at a share the check does not hold, a plan that recomputes
+    named as an amount and what it saves against recomputing nothing, or the checkpoint-all
+    step's held peak and that at it nothing is recomputed."""
+    if figure.checkpoint_all_held is None and not figure.as_amount:
         return "the smallest budget found is the smallest held peak of a plan read, with a slack"
     read = "requesting" if count == "requested" else "held in the allocator at"
-    return (f"every plan read that recomputes was held at a share the check does not hold (above 99%), so the "
-            f"smallest budget found is the step that recomputes nothing (checkpoint-all, as model.fit's), "
-            f"{read} {format_bytes(checkpoint_all_held)}, with a slack: at it the model trains with nothing recomputed")
+    unchecked = "every plan read that recomputes was held at a share the check does not hold (above 99%)"
+    if not figure.as_amount:
+        return (f"{unchecked}, none below the step that recomputes nothing, so the smallest budget found is that step "
+                f"(checkpoint-all, as model.fit's), {read} {format_bytes(figure.checkpoint_all_held)}, with a slack: "
+                f"at it the model trains with nothing recomputed")
+    text = (f"{unchecked}, so the smallest budget found is named as an amount in bytes, which the check holds at "
+            f"every size: the smallest plan read, {read} {format_bytes(figure.held)}, with a slack")
+    if figure.checkpoint_all_held is None:
+        return text
+    return (f"{text}; it saves {format_bytes(figure.checkpoint_all_held - figure.held)} against recomputing nothing "
+            f"(checkpoint-all, as model.fit's, {read} {format_bytes(figure.checkpoint_all_held)})")
 
 
 def replan(result, planning_budget: int, strategy: str, options: dict, cache, verbose: int,

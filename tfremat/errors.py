@@ -123,6 +123,11 @@ class InfeasibleBudgetError(TfrematError):
         batch: the batch the budget was refused for, as the message opens with it
             ("batch (8, 64, 64, 3), the last batch: 8 samples of 32"), or None.
         advice: what else avoids the refusal, added to the message's advice, or None.
+        smallest_as_amount: the smallest feasible budget is named in bytes, as an amount to
+            pass as the budget, whatever form the budget was given in: an allocator check
+            holds a share below 99% only, and an amount at every size, so a plan that
+            recomputes and is held above 99% can only be asked for in bytes
+            (:func:`tfremat.allocator_check.planner_refusal_read`).
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class InfeasibleBudgetError(TfrematError):
         fixed_parts: Sequence[str] = FIXED_PARTS,
         batch: str | None = None,
         advice: str | None = None,
+        smallest_as_amount: bool = False,
     ):
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
@@ -153,12 +159,13 @@ class InfeasibleBudgetError(TfrematError):
         self.fixed_parts = tuple(fixed_parts)
         self.batch = batch
         self.advice = advice
+        self.smallest_as_amount = smallest_as_amount
         super().__init__(self._message())
 
     def _with(self, **changes) -> "InfeasibleBudgetError":
         """The same error with the keyword attributes in ``changes`` replaced."""
         keywords = {name: getattr(self, name) for name in ("fixed_bytes", "shown", "budget_text", "fixed_parts",
-                                                           "batch", "advice")}
+                                                           "batch", "advice", "smallest_as_amount")}
         return InfeasibleBudgetError(self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes,
                                      self.strategy, self.detail, self.proven, **{**keywords, **changes})
 
@@ -191,6 +198,8 @@ class InfeasibleBudgetError(TfrematError):
                 for n in (self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes))
         if self.budget_text is not None:
             budget_text = f"{self.budget_text} ({format_bytes(self.budget_bytes)})"
+        if self.smallest_as_amount and self.min_feasible_bytes is not None:
+            smallest_text = f'"{format_bytes_up(self.min_feasible_bytes)}", an amount in bytes'
         fixed_over = self.fixed_bytes is not None and self.fixed_bytes >= self.budget_bytes
         held = ", ".join(self.fixed_parts)
         parts = [f"budget of {budget_text} is infeasible"]
@@ -211,7 +220,7 @@ class InfeasibleBudgetError(TfrematError):
         if self.lower_bound_bytes is not None:
             parts.append(f"no schedule can use less than {bound_text}")
         message = "; ".join(parts)
-        if self.detail and not fixed_over:
+        if self.detail:
             message += f" ({self.detail})"
         if fixed_over:
             smaller = "batch, model or optimizer state" if "optimizer state" in self.fixed_parts else "batch or model"

@@ -58,6 +58,7 @@ from tfremat.allocator_check import (
     planner_refusal_read,
     replan_strategy,
     replica_allocators,
+    unchecked_from,
     wants_allocator_check,
 )
 from tfremat.errors import ArgumentError, InfeasibleBudgetError, TfrematError
@@ -299,7 +300,9 @@ def _read_refusal(error: InfeasibleBudgetError, distribution, model, extraction,
                                      return_outputs=True)
 
     return planner_refusal_read(error, plan_smallest, check.plan_at, check.read_peak, check.wanted,
-                                strategy=settings.strategy, options=settings.options, cache=False, log=check.log)
+                                strategy=settings.strategy, options=settings.options, cache=False, log=check.log,
+                                unchecked_from=unchecked_from(settings.allocator_check, settings.budget,
+                                                              extraction.graph))
 
 
 def _chief_plan(collectives: _Collectives, graph: DFGraph, budget, settings: _Settings, chief: bool,
@@ -424,7 +427,9 @@ def allocator_checked(distribution, model, plan: PlanResult, step, x, y, setting
     # another worker's does not, and their collectives would part.
     plan, step, _ = hold_allocator_peak(plan, step, check.plan_at, check.read_peak, strategy=settings.strategy,
                                         options=settings.options, cache=False,
-                                        accepted=lambda _step, peak: held.append(peak), log=check.log)
+                                        accepted=lambda _step, peak: held.append(peak), log=check.log,
+                                        unchecked_from=unchecked_from(settings.allocator_check, settings.budget,
+                                                                      plan.extraction.graph))
     return plan, step, held[-1] if held else None
 
 
