@@ -58,7 +58,7 @@ from user_check_4 import _nbytes, step_peaks_callback  # noqa: E402
 from user_check_5 import TRAIN_STEPS, _compiled, fit_compared, weights_at_callback  # noqa: E402
 
 DEFAULT_JSON = os.path.join(HERE, "results", "user_check_6.json")
-SUGGESTED = r"smallest feasible budget found is ([\d.]+(?: ?[KMG]i?B|%)(?: of activations)?)"  # as run_pair reads it
+SUGGESTED = r'smallest feasible budget found is "?([\d.]+(?: ?[KMG]i?B|%)(?: of activations)?)'  # as run_pair reads it
 
 # name: (budget, what the check exercises)
 CHECKS = {
