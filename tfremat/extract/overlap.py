@@ -19,10 +19,12 @@ update, Keras's XLA-compiled grouped convolution on CPU: :func:`tfremat.runtime.
 the compiled step, holding the same calls, then runs on the default executor as plain training
 does, and the factor measured for the single-threaded one does not apply (ConvNeXt-like
 blocks planned +0.3% as 1.21x plain ran 1.05x; benchmarks/results/executor_time.md). Measured, it costs a trace of the plain step (two with control flow),
-each executor's first call (its instantiation; the two together about as long as the trace)
-and the timed rounds: 1.6-11 s of a 6.7-36 s uncached extraction on 2 loaded cores, 60-75% of
-it the traces and first calls (benchmarks/results/first_step_latency.md;
-fidelity_default_threads.md for how two extractions agree).
+each executor's first call (its instantiation: Grappler, then the executor's setup; the two
+together about as long as the trace on small models, more than twice as long on
+EfficientNetV2B0) and the timed rounds: 1.6-11 s of a 6.7-36 s uncached extraction on 2 loaded
+cores, 60-85% of it the traces and first calls; 18.5 of EfficientNetV2B0's 63 CPU s at 64x64
+(benchmarks/results/first_step_latency.md, "Session 30 (E)"; fidelity_default_threads.md for
+how two extractions agree).
 
 The factor holds for the load it was measured at, not for the model: the default executor's
 inter-op threads gain on a machine with idle cores and lose on a busy one. A bidirectional GRU
@@ -186,20 +188,10 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> PlainOverlap:
         return PlainOverlap()
     saved = [v.numpy() for v in model.variables]
     try:
-        default_step = plain_train_step(model, loss_fn, fresh)
-        # Traced on the default executor: a conditional or call is the same operation in
-        # either executor's trace (only its lowering attribute differs).
-        graph = default_step.get_concrete_function(x, y).graph
-        blocking = executor.blocking_call(graph)
-        if blocking is not None:
-            logger.info("plain overlap of %s: 1.0, not measured: the step runs on TensorFlow's default executor as "
-                        "plain training does, since %s", model.name, blocking.describe())
+        steps = _traced_steps(model, x, y, loss_fn, fresh)
+        if steps is None:
             return PlainOverlap()
-        # One trace serves both executors (tracing a 6-block transformer took 4.5 s, a second
-        # instantiation 1.2 s), unless the step holds a loop: a loop traced for the
-        # single-threaded executor stays a While operation, which a default trace lowers
-        # (tfremat.runtime.executor.step_executor).
-        sequential_step = plain_train_step(model, loss_fn, fresh) if _has_loop(graph) else default_step
+        default_step, sequential_step = steps
 
         def run_sequential():
             with sequential():
@@ -207,10 +199,7 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> PlainOverlap:
                 loss.numpy()  # done before the executor is put back
             return loss
 
-        run_sequential()  # the warm-up: traces and instantiates both, untimed
-        default_step(x, y).numpy()
-        with sequential():
-            called = sequential_step.get_concrete_function(x, y).function_def.signature.name
+        called = _first_calls(run_sequential, lambda: default_step(x, y), sequential_step, x, y)
         parts = _StepTrace(run_sequential, called, sequential_step.parts)
         parts.run_pass()
         timing = time_in_turns(run_sequential, lambda: default_step(x, y), MAX_ROUNDS, warmup=0,
@@ -227,6 +216,38 @@ def measure_plain_overlap(model, x, y, loss_fn, optimizer) -> PlainOverlap:
                                                       sorted(parts.least.items())) or "no allocator events",
                 time.perf_counter() - started)
     return PlainOverlap(timing.ratio, *timing.ratio_quartiles, timing.rounds, load, timing.least_seconds, parts.update)
+
+
+def _traced_steps(model, x, y, loss_fn, optimizer):
+    """The plain step traced for the default and the single-threaded executor
+    (:func:`~tfremat.extract.plain_step.plain_train_step`), or None when it calls a function
+    (:func:`~tfremat.runtime.executor.blocking_call`; logged), so that the compiled step
+    will run on the default executor as plain training does.
+
+    Traced on the default executor: a conditional or call is the same operation in either
+    executor's trace (only its lowering attribute differs). One trace serves both executors
+    (tracing a 6-block transformer took 4.5 s, a second instantiation 1.2 s), unless the step
+    holds a loop: a loop traced for the single-threaded executor stays a While operation,
+    which a default trace lowers (tfremat.runtime.executor.step_executor)."""
+    default_step = plain_train_step(model, loss_fn, optimizer)
+    graph = default_step.get_concrete_function(x, y).graph
+    blocking = executor.blocking_call(graph)
+    if blocking is not None:
+        logger.info("plain overlap of %s: 1.0, not measured: the step runs on TensorFlow's default executor as "
+                    "plain training does, since %s", model.name, blocking.describe())
+        return None
+    return default_step, plain_train_step(model, loss_fn, optimizer) if _has_loop(graph) else default_step
+
+
+def _first_calls(run_sequential, run_default, sequential_step, x, y) -> str:
+    """Runs the plain step once on each executor, untimed (each first call instantiates the
+    function for its executor: Grappler, then the executor's setup), and returns the name of
+    the function the single-threaded executor calls, which its trace names
+    (:class:`_StepTrace`)."""
+    run_sequential()
+    run_default().numpy()
+    with sequential():
+        return sequential_step.get_concrete_function(x, y).function_def.signature.name
 
 
 class _StepTrace:
