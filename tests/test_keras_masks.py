@@ -10,6 +10,8 @@ its masks as values of the graph (tfremat/extract/opening.py, "Keras masks");
 benchmarks/results/keras_masks.md has what that changed.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -18,7 +20,9 @@ import keras  # noqa: E402
 from keras import layers, ops  # noqa: E402
 
 import tfremat  # noqa: E402
-from tfremat.extract.layer_graph import walk_model  # noqa: E402
+from tfremat.extract.checks import analyze_checked  # noqa: E402
+from tfremat.extract.layer_graph import takes_training, walk_model  # noqa: E402
+from tfremat.extract.opening import may_clear_masks  # noqa: E402
 from tfremat.extract.side_table import TensorRef  # noqa: E402
 from tfremat.numerics import closeness  # noqa: E402
 
@@ -71,9 +75,10 @@ def _padded_tokens(count=32, seed=0):
     return x, rng.integers(0, 2, count), rng.uniform(0.5, 2.0, count).astype("float32")
 
 
-def _fit_both(build, budget, strategy, data="arrays"):
+def _fit_both(build, budget, strategy, data="arrays", granularity="sublayer", allocator_check=None):
     """One epoch of model.fit and of tfremat.fit (SGD, 2 batches of 16) on two copies of
-    ``build()``; returns the closeness of their weights and tfremat's history."""
+    ``build()``, the graph's nodes as ``granularity`` says; returns the closeness of their
+    weights and tfremat's history."""
     x, y, weights = _padded_tokens()
     if data == "arrays":
         data_kwargs = {"x": x, "y": y, "batch_size": 16, "shuffle": False}
@@ -85,7 +90,8 @@ def _fit_both(build, budget, strategy, data="arrays"):
     keras.utils.set_random_seed(1)
     plain.fit(epochs=1, verbose=0, **data_kwargs)
     keras.utils.set_random_seed(1)
-    history = tfremat.fit(remat, budget, epochs=1, verbose=0, strategy=strategy, cost_model="flops", **data_kwargs)
+    history = tfremat.fit(remat, budget, epochs=1, verbose=0, strategy=strategy, cost_model="flops",
+                          granularity=granularity, allocator_check=allocator_check, **data_kwargs)
     return closeness(remat.get_weights(), plain.get_weights()), history
 
 
@@ -160,6 +166,68 @@ def test_an_attention_whose_input_mask_an_earlier_call_cleared_stays_one_node_an
     names = [call.name for call in calls]
     assert "first/query" in names and "second" in names
     difference, _ = _fit_both(_two_attentions, "100%", "checkpoint_all")
+    assert difference.equal, difference
+
+
+def _dense_then_attention():
+    """A Dense reads the masked embedding before the attention does: Dense leaves the
+    tensor's mask as it is, so in model.fit the attention still reads it."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    h = layers.Embedding(VOCABULARY, 8, mask_zero=True)(inputs)
+    projected = layers.Dense(8, name="after")(layers.Dense(8, name="before")(h))
+    h = layers.GlobalAveragePooling1D()(projected + layers.MultiHeadAttention(2, 4, name="attention")(h, h))
+    return keras.Model(inputs, layers.Dense(2, activation="softmax")(h))
+
+
+def test_only_layers_that_may_clear_masks_count_as_clearing():
+    """MultiHeadAttention clears its inputs' masks (the one Keras layer that does), and so
+    may a layer holding one or running code outside Keras; Keras's other layers and
+    operations do not."""
+    inputs = keras.Input((LENGTH, 8))
+    add = keras.Model(inputs, inputs + inputs).layers[-1]
+    assert not any(may_clear_masks(layer) for layer in (layers.Dense(4), layers.LayerNormalization(),
+                                                        layers.Dropout(0.1), layers.GlobalAveragePooling1D(), add))
+    assert may_clear_masks(layers.MultiHeadAttention(2, 4))
+    assert may_clear_masks(TransformerBlock(8, 2, 16))
+    assert may_clear_masks(TokenAndPosition(LENGTH, VOCABULARY, 8))  # user code: not known not to
+    assert may_clear_masks(layers.Lambda(lambda x: x))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("budget, strategy", [("100%", "checkpoint_all"), ("90%", "eviction")])
+def test_an_attention_after_a_reader_that_does_not_clear_masks_opens_and_trains_like_keras(budget, strategy):
+    """Any earlier Keras layer reading the masked tensor kept the attention whole; a Dense
+    does not clear masks, so it opens now, masked as in model.fit (at 90% the embedding and
+    the Dense that reads it are recomputed)."""
+    calls, _ = walk_model(_dense_then_attention())
+    names = [call.name for call in calls]
+    assert names.index("before") < names.index("attention/query") and "attention" not in names
+    difference, history = _fit_both(_dense_then_attention, budget, strategy, allocator_check=False)
+    (plan,) = history.plans.values()
+    assert plan.schedule.recompute_count >= (strategy == "eviction")
+    assert difference.equal, difference
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_attention_kept_whole_is_measured_and_trained_with_its_masks():
+    """Kept whole (``granularity="layer"``) the attention was measured on an unmasked call;
+    measured with the masks its first call reads, its residuals hold the attention mask
+    (batch x heads x query x key bools) and its forward computes it, and it still trains
+    like model.fit where the schedule recomputes it."""
+    calls, _ = walk_model(_attention_model(), "layer", [tf.TensorShape([16, LENGTH])])
+    (attention,) = [call for call in calls if call.name == "attention"]
+    assert [tuple(mask.shape) for mask in attention.input_masks] == [(None, LENGTH)] * 2
+    specs = [tf.TensorSpec([16, LENGTH, 8], tf.float32)] * 2
+    masked, unmasked = (analyze_checked(call, takes_training(call.layer), specs, [True, True], 16, "flops", 1)
+                        for call in (attention, dataclasses.replace(attention, input_masks=())))
+    assert masked.residual_bytes >= unmasked.residual_bytes + 16 * LENGTH * LENGTH
+    assert masked.forward_flops > unmasked.forward_flops
+    assert masked.reads_inputs == unmasked.reads_inputs  # the masks are no inputs of the node
+    difference, history = _fit_both(lambda: _attention_model(deep=True), "90%", "eviction", granularity="layer")
+    (plan,) = history.plans.values()
+    graph = plan.extraction.graph
+    assert plan.schedule.R[:, graph.names.index("attention")].sum() >= 2
     assert difference.equal, difference
 
 
@@ -264,7 +332,15 @@ def test_an_opened_block_hands_the_mask_its_call_sets_to_the_layers_and_loss_aft
     history = tfremat.fit(remat, budget, x=x, y=y, batch_size=16, shuffle=False, epochs=1, verbose=0,
                           strategy=strategy, cost_model="flops", allocator_check=False)
     (plan,) = history.plans.values()
-    names = plan.extraction.graph.names
+    graph = plan.extraction.graph
+    names = graph.names
     assert "block" not in names and any(name.startswith("block/") for name in names)
+    # The block's compute_mask (not_equal, any) is read by the call whose output carries it:
+    # it was a node no edge read, which the plan was free to leave until after that call.
+    entries = plan.extraction.side_table.entries
+    (mask,) = [node for node in graph.forward_nodes if names[node].startswith("any")]
+    (carrier,) = [node for node in graph.forward_nodes if TensorRef("node", mask) in entries[node].output_masks]
+    assert names[carrier].startswith("block/") and carrier in graph.successors[mask]
+    assert not [names[node] for node in graph.forward_nodes if not graph.successors[node]]
     difference = closeness(remat.get_weights(), plain.get_weights())
     assert difference.equal, difference

@@ -17,6 +17,13 @@ Reads that only take a tensor's shape (``Shape``, ``Size``, ``Rank``) keep nothi
 once shapes are static, variable reads are parameters (already fixed bytes), and constants
 live in the graph: none of them count.
 
+A call whose inputs carry Keras masks in the step (``LayerCall.input_masks``: a
+``MultiHeadAttention`` kept whole on masked tokens) runs with them set on its inputs, as the
+compiled step sets them (:func:`_with_input_masks`), so that what is measured is its masked
+path (the attention mask it builds and its backward keeps). The masks are traced inputs after
+the call's own; the backward's reads of them count as nothing, like any placeholder's: a
+mask is the value of the call that set it, one bool per token.
+
 A ``tf.while_loop`` (a Keras RNN with ``unroll=False``) keeps its per-step intermediates for
 the gradient in ``TensorList`` accumulators: ``variant`` tensors of shape ``()`` whose
 static size says nothing about the bytes they hold (by static size they would count as 0,
@@ -100,7 +107,7 @@ from tfremat.extract.views import view_position
 from tfremat.extract.xla_layouts import backward_layout_copies
 from tfremat.runtime import executor
 from tfremat.runtime.gradient_order import input_then_weight_gradients, needed_ops
-from tfremat.runtime.internals import node_flops, resource_handle_data
+from tfremat.runtime.internals import node_flops, resource_handle_data, set_keras_mask
 from tfremat.runtime.memory import (
     AllocationWindows,
     _replayed_peak,
@@ -398,10 +405,13 @@ def _requested_peak(fn: Callable, args, warmup: int) -> int:
 
 
 def _sample(spec: tf.TensorSpec) -> tf.Tensor:
-    """A deterministic tensor for a spec: small random floats, zeros for integers."""
+    """A deterministic tensor for a spec: small random floats, zeros for integers, True for
+    booleans (a Keras mask that keeps every step: a value-dependent shape at its largest)."""
     if _is_float(spec.dtype):
         rng = np.random.default_rng(0)
         return tf.constant(rng.standard_normal(spec.shape).astype(np.float32) * 0.1, dtype=spec.dtype)
+    if spec.dtype == tf.bool:
+        return tf.ones(spec.shape, dtype=tf.bool)
     return tf.zeros(spec.shape, dtype=spec.dtype)
 
 
@@ -606,6 +616,7 @@ def analyze_call(
     profile: bool,
     repeats: int = 5,
     warmup: int = 2,
+    input_masks: Sequence[tf.TensorSpec | None] = (),
 ) -> CallAnalysis:
     """Traces (and with ``profile`` runs) one layer call and its VJP.
 
@@ -623,14 +634,22 @@ def analyze_call(
         profile: also time the call and measure its workspace.
         repeats, warmup: the fewest timed runs and untimed warm-up runs
             (:func:`~tfremat.extract.call_timing.time_call`).
+        input_masks: per input, the spec of the Keras mask it carries when the step first
+            calls the layer, or None (``LayerCall.input_masks``; a dimension left None is
+            the input's); empty: none does (module docstring).
 
     Returns:
         A :class:`CallAnalysis`.
 
     Raises:
         ExtractionError: a shape is not static, or a ``variant`` residual cannot be sized
-            (no allocator statistics and no ``TensorList`` element shape).
+            (no allocator statistics and no ``TensorList`` element shape), or a mask's
+            shape is not fixed by its input's.
     """
+    num_inputs = len(input_specs)
+    if any(mask is not None for mask in input_masks):
+        call_layer, input_specs, needs_grad = _with_input_masks(call_layer, input_specs, needs_grad, input_masks,
+                                                                layer_name)
     forward_concrete, output_specs, one_call = _trace_forward(call_layer, input_specs)
     output_bytes = sum(tensor_bytes(s, d, "the output", layer_name) for s, d in output_specs)
     tracer = _CallTracer(call_layer, input_specs, needs_grad, variables, one_call)
@@ -643,7 +662,7 @@ def analyze_call(
     analysis = CallAnalysis(
         output_specs=output_specs,
         output_bytes=output_bytes,
-        reads_inputs=tuple(sorted(reads_inputs)),
+        reads_inputs=tuple(sorted(p for p in reads_inputs if p < num_inputs)),
         reads_output=reads_output,
         residual_bytes=sum(residuals.values()) + loop_bytes,
         small_residual_bytes=sum(small.values()),
@@ -655,9 +674,9 @@ def analyze_call(
         backward_flops=_flops(graph, record["running_backward_ops"], iterations),
         loop_residual_bytes=loop_bytes,
         one_gradient_call=one_call,
-        input_gradient_reads_forward=record["input_reads"] is None or any(record["input_reads"]),
+        input_gradient_reads_forward=record["input_reads"] is None or _reads_forward(record["input_reads"], num_inputs),
         input_gradient_flops=0.0 if record["input_ops"] is None else _flops(graph, record["input_ops"], iterations),
-        view_input=view_position(forward_concrete, input_specs),
+        view_input=_own_input(view_position(forward_concrete, input_specs), num_inputs),
         passed_input_grads=record["buffers"][0],
         shared_input_grads=record["buffers"][1],
     )
@@ -670,6 +689,53 @@ def analyze_call(
         timed, analysis = analysis, _with_xla_layouts(analysis, tracer, layer_name)
         derive(timed, analysis)
     return analysis
+
+
+def _with_input_masks(call_layer: Callable[[list], object], input_specs: Sequence[tf.TensorSpec],
+                      needs_grad: Sequence[bool], input_masks: Sequence[tf.TensorSpec | None], layer_name: str):
+    """``(call_layer, input_specs, needs_grad)`` extended by one input per mask of
+    ``input_masks`` (module docstring): the masks follow the call's inputs, need no gradient,
+    and are set on their inputs (``_keras_mask``) before ``call_layer`` runs, where
+    ``Layer.__call__`` reads them, as in the compiled step
+    (``tfremat.static_graph.interpreter``, ``_with_keras_masks``)."""
+    masked = [(position, _mask_spec(mask, input_specs[position], position, layer_name))
+              for position, mask in enumerate(input_masks) if mask is not None]
+    count = len(input_specs)
+
+    def call_masked(flat_inputs):
+        inputs = list(flat_inputs[:count])
+        for (position, _), mask in zip(masked, flat_inputs[count:]):
+            set_keras_mask(inputs[position], mask)
+        return call_layer(inputs)
+
+    return call_masked, [*input_specs, *(spec for _, spec in masked)], [*needs_grad, *(False for _ in masked)]
+
+
+def _mask_spec(mask: tf.TensorSpec, input_spec: tf.TensorSpec, position: int, layer_name: str) -> tf.TensorSpec:
+    """The full shape of the Keras mask on input ``position``: a dimension unknown when the
+    model was built (the batch, a sequence length) is the input's at that axis, as a mask
+    shapes the leading axes of the tensor it masks."""
+    shape = [input_spec.shape[axis] if size is None and axis < input_spec.shape.rank else size
+             for axis, size in enumerate(mask.shape)]
+    if any(size is None for size in shape):
+        raise ExtractionError(
+            f"layer {layer_name!r}: the Keras mask on input {position} has shape {mask.shape}, which the input's "
+            f"shape {input_spec.shape} does not fix; give the model inputs of static shape (keras.Input(shape=...) "
+            "or a sample batch), or pass the mask as an argument",
+            layer=layer_name,
+        )
+    return tf.TensorSpec(shape, mask.dtype)
+
+
+def _reads_forward(reads: tuple[set[int], bool, list], num_inputs: int) -> bool:
+    """Whether :func:`_backward_reads`' ``reads`` read any of the forward pass beyond the masks."""
+    inputs, output, residuals = reads
+    return any(p < num_inputs for p in inputs) or output or bool(residuals)
+
+
+def _own_input(position: int | None, num_inputs: int) -> int | None:
+    """``position`` if it is one of the call's own inputs (not a mask), else None."""
+    return position if position is not None and position < num_inputs else None
 
 
 def _with_xla_layouts(analysis: CallAnalysis, tracer: _CallTracer, layer_name: str) -> CallAnalysis:

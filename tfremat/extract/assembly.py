@@ -373,6 +373,12 @@ def _add_call(nodes: _Nodes, call: LayerCall, a: CallAnalysis, b: int | None, ou
     for ref in call.inputs:
         if ref.source == "node":
             nodes.edges.add((ref.index, i))
+    for ref in call.output_masks:
+        # The compiled step hands this mask to the call's outputs at its first call (the
+        # interpreter's _first_tensor): the call reads it, so it exists by then (opening.py,
+        # "Keras masks"), and the nodes computing it are not left without a reader.
+        if ref is not None and ref.source == "node":
+            nodes.edges.add((ref.index, i))
     needs = tuple(r.source == "node" and needs_backward[r.index] for r in call.inputs)
     common = dict(
         layer=layer, call_args=call.call_args, call_kwargs=MappingProxyType(dict(call.call_kwargs)),

@@ -126,7 +126,7 @@ def analyze_checked(call: LayerCall, takes_training: bool, specs, grads, batch, 
     with state_restored(stateful_variables(layer)):
         analysis = analyze_call(
             _make_caller(call, takes_training, implementation), call.name, specs, grads, list(trainable_variables(layer)), batch,
-            profile=cost_model == "profile", repeats=repeats,
+            profile=cost_model == "profile", repeats=repeats, input_masks=call.input_masks,
         )
     if user_layer:
         after = _python_state(layer)

@@ -417,10 +417,11 @@ def _analyze_alternatives(calls: Sequence[LayerCall], needs_backward: Sequence[b
 
 def _call_signature(call: LayerCall, specs: Sequence[tf.TensorSpec], grads: Sequence[bool]) -> tuple:
     """What decides a call's measurements: the layer, its input specs, which inputs need a
-    gradient, and its non-tensor arguments."""
+    gradient, its non-tensor arguments, and the Keras masks its inputs carry."""
     return (
         layer_signature(call.layer),
         tuple((tuple(s.shape), s.dtype.name) for s in specs),
         tuple(grads),
         repr(tf.nest.map_structure(lambda v: "T" if isinstance(v, TensorRef) else v, (call.call_args, call.call_kwargs))),
+        repr(call.input_masks),
     )

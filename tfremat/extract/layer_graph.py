@@ -34,6 +34,7 @@ from tfremat.extract.opening import (
     detach_recorded_nodes,
     log_kept,
     mask_sources,
+    may_clear_masks,
     may_open,
     open_layer,
 )
@@ -66,7 +67,11 @@ class LayerCall:
             (``MultiHeadAttention``): those inputs, whose masks the calls after it no longer
             see (:mod:`~tfremat.extract.opening`, "Keras masks").
         output_masks: per output, the Keras mask that the opened layer whose output it is
-            sets on it, as a reference to the mask's value; empty when none.
+            sets on it, as a reference to the mask's value (a node the graph has read
+            before this call); empty when none.
+        input_masks: per input, the spec of the Keras mask it carries when the step first
+            calls the layer (None: none; dimensions unknown when the model was built are
+            None), which the call's analysis sets on its inputs; empty when none does.
     """
 
     position: int
@@ -79,6 +84,7 @@ class LayerCall:
     output_shapes: tuple
     clears_masks: tuple[TensorRef, ...] = ()
     output_masks: tuple[TensorRef | None, ...] = ()
+    input_masks: tuple[tf.TensorSpec | None, ...] = ()
 
 
 def functional_view(model) -> object | None:
@@ -286,10 +292,14 @@ class _Walker:
     tensors, since a layer like keras-hub's decoder builds its causal mask from the
     sequence length and the batch size.
 
-    ``masks_touched`` holds the references that an earlier call of a Keras layer read (and
-    so may have changed the Keras mask of in place) or whose masks an opened call cleared:
-    a layer whose masked input is one of them stays one node (:data:`MASK_CHANGED`), since
-    the mask it sees in ``model.fit`` may not be the one recorded when the model was built.
+    ``masks_touched`` holds the references that an earlier call of a layer that may clear
+    Keras masks read (:func:`may_clear_masks`, a ``MultiHeadAttention`` kept whole) or
+    whose masks an opened call cleared: a layer whose masked input is one of them stays one
+    node (:data:`MASK_CHANGED`), since the mask it sees in ``model.fit`` may not be the one
+    recorded when the model was built. ``value_masks`` holds, per reference, the Keras mask
+    its tensor carries as the call that made it left it (the attribute ``Layer.__call__``
+    set, or the opened layer's ``output_masks``), as the compiled step hands masks on:
+    with ``masks_touched``, the masks a call kept whole reads (``LayerCall.input_masks``).
     """
 
     def __init__(self, granularity: str, model_leaf_layers: int):
@@ -299,6 +309,7 @@ class _Walker:
         self.names_seen: dict[str, int] = {}
         self.symbolic: dict[TensorRef, keras.KerasTensor] = {}
         self.masks_touched: set[TensorRef] = set()
+        self.value_masks: dict[TensorRef, keras.KerasTensor] = {}
 
     def walk(self, graph, input_refs, prefix) -> list[TensorRef]:
         """Appends the calls of ``graph`` to ``calls``; returns the refs of its outputs."""
@@ -365,12 +376,19 @@ class _Walker:
             first = self.calls[start]
             self.calls[start] = dataclasses.replace(first, clears_masks=first.clears_masks + cleared)
             self.masks_touched.update(cleared)
+            # The step clears them before the first call: no call of the opened layer reads them.
+            for position in range(start, len(self.calls)):
+                call = self.calls[position]
+                kept = tuple(None if ref in cleared else mask for ref, mask in zip(call.inputs, call.input_masks))
+                self.calls[position] = dataclasses.replace(
+                    call, input_masks=kept if any(mask is not None for mask in kept) else ())
         for out, mask in zip(outs, output_masks):
             if mask is not None and out.source == "node" and out.index >= start:
                 producer = self.calls[out.index]
                 given = list(producer.output_masks or [None] * producer.num_outputs)
                 given[out.output_index] = refs[id(mask)]
                 self.calls[out.index] = dataclasses.replace(producer, output_masks=tuple(given))
+                self.value_masks.setdefault(out, mask)
         return outs
 
     def _mask_functions(self, masks, refs, node, functions: dict) -> KeptWhole | None:
@@ -419,6 +437,7 @@ class _Walker:
         self.names_seen[name] = seen + 1
         if seen:
             name = f"{name}#{seen}"
+        masks = [None if ref in self.masks_touched else self.value_masks.get(ref) for ref in arg_refs]
         self.calls.append(
             LayerCall(
                 position=position,
@@ -429,11 +448,15 @@ class _Walker:
                 inputs=tuple(v for v in tf.nest.flatten((args, kwargs)) if isinstance(v, TensorRef)),
                 num_outputs=len(node.outputs),
                 output_shapes=tuple(tuple(t.shape[1:]) for t in node.outputs),
+                input_masks=tuple(None if m is None else tf.TensorSpec(m.shape, m.dtype) for m in masks)
+                if any(m is not None for m in masks) else (),
             )
         )
-        if isinstance(op, keras.layers.Layer):
+        if may_clear_masks(op):
             self.masks_touched.update(arg_refs)
         outputs = [TensorRef("node", position, index) for index in range(len(node.outputs))]
+        self.value_masks.update((ref, get_keras_mask(t)) for ref, t in zip(outputs, node.outputs)
+                                if get_keras_mask(t) is not None)
         for ref, tensor in zip(outputs, self._output_tensors(op, node, arg_refs)):
             self.symbolic[ref] = tensor
         return outputs

@@ -23,7 +23,7 @@ once per layer class (:func:`log_kept`), when:
 * its compute dtype differs from a floating input's dtype (mixed precision: ``__call__``
   casts inputs before ``call``, which calling ``call`` itself would skip);
 * a Keras mask on a tensor it reads or returns cannot be made a value of the graph, or an
-  earlier call may have changed the mask its input carries (see "Keras masks" below);
+  earlier call may have cleared the mask its input carries (see "Keras masks" below);
 * its ``call`` cannot run symbolically (a raw TensorFlow op on a ``KerasTensor``, Python
   control flow on tensor values): the error is the reason.
 
@@ -38,6 +38,34 @@ A layer kept whole that holds most of the model's layers leaves the planner almo
 recompute: a subclassed model that stays one node is planned as input, one call and the
 loss, and every budget below checkpoint-all is out of reach. That is logged as a warning
 with what to change (issue 33); any other kept layer at INFO level.
+
+Keras masks
+-----------
+Keras hands a mask (``Embedding(mask_zero=True)``, ``Masking``, a ``compute_mask``) from
+layer to layer as an attribute of the tensors (``_keras_mask``), not as a graph value:
+``Layer.__call__`` fills a call's mask arguments in from its arguments' attributes
+(``mask=``, ``query_mask=``) and sets its outputs' from ``compute_mask``. A call recorded
+on placeholders without them would compute unmasked (issue 33: an opened
+``MultiHeadAttention`` attended to padding). So an opened call is recorded with a mask
+placeholder on each masked argument (:func:`_record_call`), and the walker
+(:mod:`~tfremat.extract.layer_graph`) makes each mask a value of the graph: the operations
+Keras recorded for it (the ``not_equal`` on the token ids, :func:`mask_sources`) become
+nodes that the opened calls read. What the whole call did to the attributes the compiled
+step does at the first calls (:mod:`tfremat.static_graph.interpreter`): the masks the call
+clears on its arguments (``OpenedCall.clears_masks``), and the masks it sets on its
+outputs, which the node that computes such a mask hands to the call that makes the output
+(``LayerCall.output_masks``; the graph has that edge, so the mask exists by then).
+
+A mask that is no such value keeps the layer whole (:data:`MASK_UNTRACED`), and so does a
+mask that an earlier call may have cleared in place (:data:`MASK_CHANGED`): the mask
+recorded when the model was built is then not the one ``model.fit`` hands the layer. In
+Keras 3.15 the one layer that clears is ``MultiHeadAttention`` (its ``call`` sets the masks
+of ``query``, ``value`` and ``key`` to None); ``Layer.__call__`` reads its arguments' masks
+and sets its outputs', never its arguments' (:func:`may_clear_masks`).
+
+A layer kept whole is measured with the masks its first call reads in the step
+(``LayerCall.input_masks``, :func:`tfremat.extract.analysis.analyze_call`): its masked
+path, not the unmasked one.
 """
 
 from __future__ import annotations
@@ -60,7 +88,7 @@ from tfremat.runtime.internals import (
 
 __all__ = [
     "GRANULARITIES", "DEFAULT_GRANULARITY", "KeptWhole", "OpenedCall", "open_layer", "log_kept",
-    "detach_recorded_nodes", "may_open", "mask_sources", "MASK_UNTRACED", "MASK_CHANGED",
+    "detach_recorded_nodes", "may_open", "may_clear_masks", "mask_sources", "MASK_UNTRACED", "MASK_CHANGED",
 ]
 
 logger = logging.getLogger(__name__)
@@ -110,8 +138,9 @@ MASK_UNTRACED = KeptWhole(
 )
 #: Why a layer stays one node when an earlier call may have changed its input's mask.
 MASK_CHANGED = KeptWhole(
-    "an earlier layer call reads the same masked input and may have changed its Keras mask in place "
-    "(MultiHeadAttention clears its inputs' masks), so the mask it reads in model.fit is not the one recorded",
+    "an earlier layer call that may clear Keras masks in place (a MultiHeadAttention, a layer holding one, or a "
+    "layer running code outside Keras) reads the same masked input, so the mask it reads in model.fit may not be "
+    "the one recorded",
     "pass the masks as arguments (MultiHeadAttention's query_mask=, value_mask= or attention_mask=), so that no "
     "call depends on what another one changed in place",
 )
@@ -164,6 +193,26 @@ def may_open(layer, granularity: str) -> bool:
     if granularity == "layer" or not isinstance(layer, keras.layers.Layer):
         return False
     return granularity == "op" or bool(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def may_clear_masks(layer) -> bool:
+    """Whether a call of ``layer`` may clear the Keras masks of its tensor arguments in
+    place, so that a later call on the same tensors reads none (module docstring, "Keras
+    masks"): it is or holds a ``MultiHeadAttention`` (a holder's ``call`` may pass its
+    arguments to it), or it or a layer it holds runs code outside Keras (a user layer's
+    ``call``, a ``Lambda``'s function), which may clear a mask as ``MultiHeadAttention``
+    does. Keras's other layers leave their arguments' masks as they are; an operation
+    (``keras.ops``) is no layer and reads no mask."""
+    if not isinstance(layer, keras.layers.Layer):
+        return False
+    return any(_own_call_may_clear_masks(inner) for inner in layer._flatten_layers(include_self=True, recursive=True))
+
+
+def _own_call_may_clear_masks(layer) -> bool:
+    if isinstance(layer, (keras.layers.MultiHeadAttention, keras.layers.Lambda)):
+        return True
+    module = type(layer).call.__module__ or ""
+    return module.split(".")[0] != "keras"
 
 
 def log_kept(layer, kept: KeptWhole, share: float) -> None:

@@ -158,7 +158,9 @@ def cache_key(model, calls, in_specs, label_specs, loss_name, cost_model, device
         "inputs": [(list(s.shape), s.dtype.name) for s in in_specs],
         "labels": [(list(s.shape), s.dtype.name) for s in label_specs],
         "policy": keras.config.dtype_policy().name,
-        "calls": [(layer_signature(c.layer), [(r.source, r.index, r.output_index) for r in c.inputs]) for c in calls],
+        # A call's Keras masks only where it has some: the keys of unmasked models stay as they were.
+        "calls": [(layer_signature(c.layer), [(r.source, r.index, r.output_index) for r in c.inputs],
+                   *([repr(c.input_masks)] if c.input_masks else [])) for c in calls],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
