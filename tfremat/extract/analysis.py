@@ -153,11 +153,18 @@ _TIMED = contextvars.ContextVar("tfremat_timed", default=True)
 
 
 def _sequentially(function: Callable) -> Callable:
-    """``function`` traced and run on the step's executor (:func:`~tfremat.runtime.executor.step_executor`)."""
+    """``function`` traced and run on the step's executor (:func:`~tfremat.runtime.executor.step_executor`),
+    or again on the default one when its call holds a loop the step runs there
+    (:func:`~tfremat.runtime.executor.check_loop_executor`)."""
 
     @functools.wraps(function)
     def wrapped(*args, **kwargs):
         with executor.step_executor():
+            try:
+                return function(*args, **kwargs)
+            except executor.LoopOnDefaultExecutor:
+                pass
+        with executor.default_executor():
             return function(*args, **kwargs)
 
     return wrapped
@@ -654,6 +661,7 @@ def analyze_call(
     output_bytes = sum(tensor_bytes(s, d, "the output", layer_name) for s, d in output_specs)
     tracer = _CallTracer(call_layer, input_specs, needs_grad, variables, one_call)
     fb_concrete = tracer.trace("step")
+    executor.check_loop_executor(fb_concrete.graph)
     record = tracer.records["step"]
     reads_inputs, reads_output, read_tensors = record["reads"]
     residuals, small = _sized_residuals(tracer, read_tensors, batch_size, layer_name, fb_concrete)

@@ -284,6 +284,7 @@ def _rounds(calls: Sequence[tuple[Callable, tuple]], repeats: int, warmup: int,
     executor. The minimum time makes runs of a tiny call many, so that some run meets a
     quiet moment, and taking the calls in turns puts the same load on each. Returns the
     number of timed rounds."""
+    calls = [(executor.on_its_executor(fn), args) for fn, args in calls]
     with executor.step_executor():
         _warm_up(calls, warmup)
         began = time.perf_counter()

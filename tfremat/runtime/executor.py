@@ -11,7 +11,7 @@ TensorFlow's single-threaded executor can: a function call traced or run inside
 :func:`sequential` executes its operations synchronously, each kernel still using the
 intra-op threads.
 
-Three facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``):
+These facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``):
 
 * A call traced into another function gets the executor as an attribute of its call op,
   but TensorFlow inlines the callee into the caller, whose executor then runs it; a
@@ -42,6 +42,18 @@ Three facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``
   first call :func:`blocking_call` finds: Keras runs a grouped ``Conv2D`` on CPU as a call of
   its ``jit_compile=True`` function ``_conv_xla``, so ConvNeXt's step is one of these).
 
+* It runs a loop (a Keras RNN's ``tf.while_loop``) as a ``While`` operation, whose body
+  TensorFlow instantiates without the graph passes that put oneDNN's kernels in; the default
+  executor lowers the loop into the step's graph, where they do. TensorFlow's own CPU kernels
+  of a 2-D convolution's input and filter gradients allocate scratch sized for a 30 MiB
+  working set whatever the batch: a ConvLSTM2D's backward loop (3x3 filter, 16x16 frames,
+  batch 4) allocated 26.8 MB per kernel, and a plain tape step of it peaked at 9.9x the
+  default executor's (:data:`_SCRATCH_KERNELS`; ``benchmarks/convlstm_executor.py``). With
+  oneDNN on, such a loop keeps its step on the default executor, as a call does
+  (:func:`blocking_call`); with oneDNN off both executors run TensorFlow's kernels and the
+  single-threaded one, one at a time, holds less. LSTMs and GRUs, whose loops hold matrix
+  products, hold less on the single-threaded executor and keep it.
+
 ``compile_step``, the profiler and the optimizer update probe use it only with several
 inter-op threads (:func:`step_executor`). With one, used for every step too, it ran a
 bidirectional LSTM 0.68x plain against 0.85x and halved its requested bytes at batch 2 (a
@@ -56,13 +68,17 @@ keeps the default executor.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["NOT_INLINED", "SEQUENTIAL_EXECUTOR", "BlockingCall", "blocking_call", "calls_functions", "sequential",
+from tfremat.runtime import internals
+
+__all__ = ["NOT_INLINED", "SEQUENTIAL_EXECUTOR", "BlockingCall", "LoopOnDefaultExecutor", "blocking_call",
+           "calls_functions", "check_loop_executor", "default_executor", "on_its_executor", "sequential",
            "sequential_ops", "step_executor"]
 
 # The name under which TensorFlow registers its single-threaded function executor.
@@ -73,11 +89,22 @@ SEQUENTIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
 #: them (inlined, the caller's executor ran their operations several at a time).
 NOT_INLINED = {"_noinline": True}
 
+# Whether the code running now is inside sequential() (check_loop_executor).
+_IN_SEQUENTIAL = contextvars.ContextVar("tfremat_in_sequential", default=False)
+
 # Operations whose kernels run a function asynchronously, which the single-threaded
 # executor waits for on its own thread (module docstring); a While's kernel runs its body
 # on the calling thread.
 _CALLING_OPS = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "PartitionedCall",
                           "StatefulPartitionedCall", "RemoteCall"})
+
+_LOOPS = frozenset({"While", "StatelessWhile"})
+
+# Operations whose TensorFlow CPU kernels allocate scratch for a fixed working set rather
+# than for their inputs, which oneDNN's kernels replace only outside a While's body (module
+# docstring). A 3-D convolution's gradients in a ConvLSTM3D's loop held 1.1x the default
+# executor's (benchmarks/results/convlstm_executor.md): not among them.
+_SCRATCH_KERNELS = frozenset({"Conv2DBackpropInput", "Conv2DBackpropFilter"})
 
 
 @contextlib.contextmanager
@@ -85,8 +112,25 @@ def sequential():
     """Function calls made (eagerly) or traced (into an enclosing graph) inside this
     context run on TensorFlow's single-threaded executor; a traced call keeps to it only
     when the called function is not inlined (:data:`NOT_INLINED`)."""
-    with tf.experimental.function_executor_type(SEQUENTIAL_EXECUTOR):
-        yield
+    token = _IN_SEQUENTIAL.set(True)
+    try:
+        with tf.experimental.function_executor_type(SEQUENTIAL_EXECUTOR):
+            yield
+    finally:
+        _IN_SEQUENTIAL.reset(token)
+
+
+@contextlib.contextmanager
+def default_executor():
+    """Function calls made or traced inside this context run on TensorFlow's default
+    executor, also inside :func:`sequential` (a loop traced here is lowered to control-flow
+    primitives, which only the default executor runs)."""
+    token = _IN_SEQUENTIAL.set(False)
+    try:
+        with tf.experimental.function_executor_type(""):
+            yield
+    finally:
+        _IN_SEQUENTIAL.reset(token)
 
 
 def sequential_ops() -> bool:
@@ -96,6 +140,24 @@ def sequential_ops() -> bool:
     one at a time whatever the setting)."""
     return (tf.config.threading.get_inter_op_parallelism_threads() == 1
             or os.environ.get("TF_NUM_INTEROP_THREADS", "").strip() == "1")
+
+
+def on_its_executor(function: Any) -> Any:
+    """``function`` (a concrete function, to be run inside :func:`step_executor`) as a callable
+    that runs it on the executor it was traced for: the default one when it holds a loop
+    traced outside :func:`sequential` (:func:`check_loop_executor` has such a layer call
+    traced again there), which the single-threaded executor refuses ("does not support low
+    level control flow"); else ``function`` itself. A layer call's loops are its function's own
+    operations."""
+    if not any(node.op in _LOOPS and node.attr["_lower_using_switch_merge"].b
+               for node in function.function_def.node_def):
+        return function
+
+    def on_default(*args):
+        with default_executor():
+            return function(*args)
+
+    return on_default
 
 
 def step_executor():
@@ -123,6 +185,9 @@ class BlockingCall:
         xla: whether one of ``reached`` is compiled with XLA (``jit_compile=True``).
         conditional: whether ``op`` or one of ``reached`` is a conditional (``If``, ``Case``).
         devices: the devices, when the cause is operations placed on several.
+        loop_kernel: when the cause is a loop (``op``, a ``While``) whose body runs
+            TensorFlow's own kernel of a scratch-heavy operation on the single-threaded
+            executor (:data:`_SCRATCH_KERNELS`), that operation's type.
     """
 
     op: str
@@ -133,6 +198,7 @@ class BlockingCall:
     xla: bool = False
     conditional: bool = False
     devices: tuple[str, ...] = ()
+    loop_kernel: str = ""
 
     def describe(self) -> str:
         """What was found, in words a user can place in the model: e.g. "Keras compiles
@@ -141,6 +207,10 @@ class BlockingCall:
         if self.devices:
             return f"its operations are placed on {len(self.devices)} devices ({', '.join(self.devices)})"
         where = self.op + (f" in {self.within}" if self.within else "")
+        if self.loop_kernel:
+            return (f"a loop ({where}, a recurrent layer's) holds {self.loop_kernel}, which the single-threaded "
+                    "executor runs with TensorFlow's own kernel instead of oneDNN's, allocating scratch of up to "
+                    "30 MiB per call (a ConvLSTM1D's or ConvLSTM2D's backward)")
         if self.op_type.startswith("Collective"):
             return f"it holds a collective operation ({where}, {self.op_type})"
         runs = f"{where} {'runs' if self.op_type in _CONDITIONALS else 'calls'} {' or '.join(self.functions)}"
@@ -159,8 +229,10 @@ def blocking_call(graph: Any) -> BlockingCall | None:
     """The first operation of ``graph`` (a ``tf.Graph``, e.g. a concrete function's), or of
     a function it calls, that runs a function (:data:`_CALLING_OPS`) or a collective, or the
     devices when its operations are placed on several: what the single-threaded executor
-    can wait on for ever (module docstring); None when there is none. The graph's own
-    operations come first, in the order they were created."""
+    can wait on for ever (module docstring); else, with oneDNN on, the first loop whose body
+    holds a scratch-heavy kernel (:data:`_SCRATCH_KERNELS`), which the single-threaded
+    executor runs with several times the default executor's memory; None when there is none.
+    The graph's own operations come first, in the order they were created."""
     definition = graph.as_graph_def()
     library = {function.signature.name: function for function in definition.library.function}
     nodes = [*((node, "") for node in definition.node),
@@ -170,20 +242,36 @@ def blocking_call(graph: Any) -> BlockingCall | None:
         return BlockingCall(op="", op_type="", devices=tuple(devices))
     for node, within in nodes:
         if node.op in _CALLING_OPS or node.op.startswith("Collective"):
-            reached, pending = [], list(_called(node))
-            while pending:
-                name = pending.pop(0)
-                if name in reached or name not in library:
-                    continue
-                reached.append(name)
-                pending += [callee for inner in library[name].node_def for callee in _called(inner)]
+            reached = _reached(node, library)
             conditional = node.op in _CONDITIONALS or any(
                 inner.op in _CONDITIONALS for name in reached for inner in library[name].node_def)
             return BlockingCall(op=node.name, op_type=node.op, functions=_called(node), within=within,
-                                reached=tuple(reached), xla=any(library[name].attr["_XlaMustCompile"].b
-                                                                 for name in reached),
+                                reached=reached, xla=any(library[name].attr["_XlaMustCompile"].b for name in reached),
                                 conditional=conditional)
+    if not internals.onednn_enabled():
+        return None
+    for node, within in nodes:
+        if node.op in _LOOPS:
+            reached = _reached(node, library)
+            kernel = next((inner.op for name in reached for inner in library[name].node_def
+                           if inner.op in _SCRATCH_KERNELS), "")
+            if kernel:
+                return BlockingCall(op=node.name, op_type=node.op, functions=_called(node), within=within,
+                                    reached=reached, loop_kernel=kernel)
     return None
+
+
+def _reached(node, library: dict) -> tuple[str, ...]:
+    """Every function of ``library`` that ``node`` (a ``NodeDef``) runs, directly or through
+    the calls and loops of their bodies, nearest first."""
+    reached, pending = [], list(_called(node))
+    while pending:
+        name = pending.pop(0)
+        if name in reached or name not in library:
+            continue
+        reached.append(name)
+        pending += [callee for inner in library[name].node_def for callee in _called(inner)]
+    return tuple(reached)
 
 
 def _called(node) -> tuple[str, ...]:
@@ -197,8 +285,33 @@ def _called(node) -> tuple[str, ...]:
 
 
 def calls_functions(graph: Any) -> bool:
-    """Whether the single-threaded executor can wait for ever on ``graph`` (a ``tf.Graph``,
-    e.g. a concrete function's): some operation of it or of a function it calls runs a
-    function (:data:`_CALLING_OPS`) or a collective, or its operations are placed on
-    several devices (module docstring; :func:`blocking_call` says which)."""
+    """Whether ``graph`` (a ``tf.Graph``, e.g. a concrete function's) must run on the default
+    executor: the single-threaded one can wait for ever on it (some operation of it or of a
+    function it calls runs a function, :data:`_CALLING_OPS`, or a collective, or its
+    operations are placed on several devices) or would run a loop of it with TensorFlow's
+    scratch-heavy kernels (module docstring; :func:`blocking_call` says which)."""
     return blocking_call(graph) is not None
+
+
+class LoopOnDefaultExecutor(Exception):
+    """A function traced for the single-threaded executor holds a loop that the step runs
+    on the default one (:func:`check_loop_executor`): trace and measure it again there."""
+
+
+def check_loop_executor(graph: Any) -> None:
+    """Raises :class:`LoopOnDefaultExecutor` when ``graph`` (a traced layer call) was traced
+    inside :func:`sequential` and holds a loop whose body runs a scratch-heavy kernel
+    (:func:`blocking_call`'s ``loop_kernel``): the compiled step holding it runs on the
+    default executor, so its memory and time are measured there too (a ConvLSTM2D's
+    backward requested 26.8 MB of scratch per convolution gradient on the single-threaded
+    executor, under 0.1 MB on the default one).
+
+    Raises:
+        LoopOnDefaultExecutor: as above; the caller traces the call again outside
+            :func:`sequential`.
+    """
+    if not _IN_SEQUENTIAL.get() or not any(op.type in _LOOPS for op in graph.get_operations()):
+        return
+    blocking = blocking_call(graph)
+    if blocking is not None and blocking.loop_kernel:
+        raise LoopOnDefaultExecutor(blocking.describe())

@@ -19,6 +19,8 @@ instead of deep inside extraction or a compiled step.
   ``Layer.__call__`` binds them to fill in mask arguments (``mask=``, ``value_mask=``).
 * ``get_keras_mask`` / ``set_keras_mask``: the Keras mask a tensor carries (``_keras_mask``,
   set by ``Embedding(mask_zero=True)`` or ``Masking``), read and replaced the way Keras does.
+* ``onednn_enabled``: whether TensorFlow rewrites CPU graphs to oneDNN's kernels (built with
+  them and ``TF_ENABLE_ONEDNN_OPTS`` not 0).
 """
 
 from keras.src.backend.common.global_state import (
@@ -35,12 +37,13 @@ from tensorflow.python.framework.ops import get_stats_for_node_def
 from tensorflow.python.ops.handle_data_util import (
     get_resource_handle_data as resource_handle_data,
 )
+from tensorflow.python.util._pywrap_util_port import IsMklEnabled as onednn_enabled
 from tensorflow.python.util.deprecation import silence as silence_deprecation
 
 __all__ = [
     "LossFunctionWrapper", "node_flops", "resource_handle_data", "keras_global_attribute",
     "set_keras_global_attribute", "GLOBAL_SEED_GENERATOR", "CallContext", "CallSpec", "get_keras_mask",
-    "set_keras_mask",
+    "set_keras_mask", "onednn_enabled",
 ]
 
 

@@ -212,9 +212,11 @@ class CompiledStep:
             blocking = executor.blocking_call(graph)
             self._calls_functions = blocking is not None
             if blocking is not None:
+                why = ("the default executor lowers the loop into the step, where oneDNN's kernels run it" if
+                       blocking.loop_kernel else "the single-threaded executor holds an inter-op thread for each "
+                       "call and waited for ever once they ran out")
                 _warn_parallel_ops(f"the step of {self.graph.name} runs on TensorFlow's default executor, as plain "
-                                   f"training does: {blocking.describe()}; the single-threaded executor holds an "
-                                   "inter-op thread for each call and waited for ever once they ran out",
+                                   f"training does: {blocking.describe()}; {why}",
                                    key=("calls functions", self.graph.name, _blocking_kind(blocking)))
                 # Traced again for that executor, which lowers the conditionals to control-flow
                 # primitives (a LossScaleOptimizer's step requested 1 MiB more with an If).
@@ -350,6 +352,8 @@ def _blocking_kind(blocking: executor.BlockingCall) -> str:
     the traced functions (new in every trace)."""
     if blocking.devices:
         return "devices"
+    if blocking.loop_kernel:
+        return "loop kernel"
     if blocking.op_type.startswith("Collective"):
         return "collective"
     if any("_conv_xla" in name for name in blocking.reached):
