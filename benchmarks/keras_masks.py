@@ -13,14 +13,18 @@ bytes and of the checkpoint-all peak, and the node whose own need (inputs, outpu
 while it runs) is largest.
 
 With ``--measure``, the compiled step at each budget given (``optimal``, profiled costs,
-:func:`tfremat.measure.measure_model`: its own random tokens, plain and planned steps timed in turns)
-against its prediction: requested and allocator peak over the predicted peak, time over
-plain against the predicted time over plain, and the load average while it ran.
+:func:`tfremat.measure.measure_model`: its own random tokens, or with ``--padded`` the padded
+batch above, plain and planned steps timed in turns) against its prediction: requested and
+allocator peak over the predicted peak, time over plain against the predicted time over
+plain, and the load average while it ran. ``--granularity layer`` keeps every top-level layer
+whole (the attention's block one node, measured with the masks it reads in the step since
+session 30 C2; before, on an unmasked call).
 
-Run: ``python benchmarks/keras_masks.py [--tfremat DIR] [--save FILE] [--measure 90%,min]``:
-``DIR`` a checkout whose ``tfremat`` is imported (default this one; an older commit unpacked
-with ``git archive`` gives the "before" column), ``--save`` keeps the graph. The results, with the step measured by
-``python benchmarks/user_check_5.py --only text_mask``, are in benchmarks/results/keras_masks.md.
+Run: ``python benchmarks/keras_masks.py [--tfremat DIR] [--save FILE] [--granularity layer]
+[--measure 90%,min [--padded]]``: ``DIR`` a checkout whose ``tfremat`` is imported (default
+this one; an older commit unpacked with ``git archive`` gives the "before" column),
+``--save`` keeps the graph. The results, with the step measured by ``python
+benchmarks/user_check_5.py --only text_mask``, are in benchmarks/results/keras_masks.md.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ def main() -> None:
     parser.add_argument("--tfremat", default=os.path.dirname(HERE), help="checkout whose tfremat is imported")
     parser.add_argument("--save", help="write the extracted graph here (JSON)")
     parser.add_argument("--measure", default="", help="budgets to compile and measure the step at, comma separated")
+    parser.add_argument("--granularity", default="sublayer", choices=("layer", "sublayer", "op"),
+                        help="what a graph node is (tfremat.extract.opening)")
+    parser.add_argument("--padded", action="store_true", help="measure the step on the padded batch, not random tokens")
     args = parser.parse_args()
     sys.path.insert(0, os.path.abspath(args.tfremat))
     sys.path.insert(0, HERE)
@@ -73,12 +80,13 @@ def main() -> None:
     model = _compiled(_text_transformer(64))
     x, y = text_batch()
     graph = extract_model(model, x, y, batch_size=16, loss=None, optimizer=None, cost_model="flops",
-                          cache=False).graph
+                          cache=False, granularity=args.granularity).graph
     if args.save:
         graph.to_json(args.save)
     peak = checkpoint_all_peak(graph)
     activations = peak - graph.fixed_bytes
-    row = {"tfremat": os.path.abspath(os.path.dirname(tfremat.__file__)), "nodes": graph.size,
+    row = {"tfremat": os.path.abspath(os.path.dirname(tfremat.__file__)), "granularity": args.granularity,
+           "nodes": graph.size,
            "attention_opened": not any(name == "multi_head_attention" or name.endswith("/multi_head_attention")
                                        for name in graph.names),
            "checkpoint_all_peak": peak, "fixed_bytes": graph.fixed_bytes}
@@ -87,18 +95,22 @@ def main() -> None:
         row[label] = {"bytes": value, "of_activations": (value - graph.fixed_bytes) / activations,
                       "of_peak": value / peak}
     row["largest_need"] = dict(zip(("node", "bytes"), largest_need(graph)))
-    row["measured"] = [measured_step(model, budget) for budget in args.measure.split(",") if budget]
+    data = (x, y) if args.padded else (None, None)
+    row["measured"] = [measured_step(model, budget, args.granularity, *data)
+                       for budget in args.measure.split(",") if budget]
     print(json.dumps(row, indent=1))
 
 
-def measured_step(model, budget: str) -> dict:
-    """:func:`tfremat.measure.measure_model` at ``budget`` (batch 16, 9 rounds), the ratios the results table reads."""
+def measured_step(model, budget: str, granularity: str, x=None, y=None) -> dict:
+    """:func:`tfremat.measure.measure_model` at ``budget`` (batch 16, 9 rounds; on ``x, y``
+    when given), the ratios the results table reads."""
     import tfremat
     from tfremat.measure import measure_model
 
     load_before = os.getloadavg()[0]
     try:
-        result = measure_model(model, budget, batch_size=16, steps=9, verbose=0, cache=False)
+        result = measure_model(model, budget, x, y, batch_size=16, steps=9, verbose=0, cache=False,
+                               granularity=granularity)
     except tfremat.InfeasibleBudgetError as error:
         return {"budget": budget, "refused": str(error).split(";")[0]}
     keys = ("predicted_peak_bytes", "requested_peak_bytes", "measured_peak_bytes", "plain_peak_bytes",
