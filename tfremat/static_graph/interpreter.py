@@ -11,7 +11,9 @@ statement (Checkmate's Algorithm 1 order):
 * **compute of the loss node**: the loss and its gradients with respect to the model
   outputs.
 * **compute of a backward node**: sum the upstream gradient contributions, then
-  ``tape.gradient(outputs, inputs + weights, output_gradients=dy)`` on the forward node's
+  ``tape.gradient(outputs, inputs + weights, output_gradients=dy)`` (each input also a target
+  with the contributions to its gradient that earlier backward statements made, so that the
+  tape sums them with the layer's own as plain training's does: ``_earlier_contributions``) on the forward node's
   latest instance: one call for the input and weight gradients whose weight-only
   operations wait for the input gradients (:mod:`tfremat.runtime.gradient_order`; two
   calls rebuilt the work they share), or one call on a non-persistent tape when the layer's forward runs a
@@ -143,6 +145,10 @@ class TraceReport:
         statement_ops: the operations each compute statement created, in plan order.
         ordered_updates: variables whose update :func:`order_updates` placed before the
             next statement (the others run whenever TensorFlow gets to them).
+        folded_contributions: gradient contributions of earlier consumers that a backward
+            node summed with its own terms in its gradient call, as plain training's tape
+            sums them, instead of leaving them to the producer's backward node
+            (``_Interpreter._earlier_contributions``).
     """
 
     ledger_bytes: list[int] = dataclasses.field(default_factory=list)
@@ -155,6 +161,7 @@ class TraceReport:
     update_points: dict[int, int] = dataclasses.field(default_factory=dict, repr=False)
     statement_ops: list[list] = dataclasses.field(default_factory=list, repr=False)
     ordered_updates: int = 0
+    folded_contributions: int = 0
 
 
 @dataclasses.dataclass
@@ -171,6 +178,9 @@ class _Instance:
     # A prefetched copy: the instance whose tape recorded the outputs it copies (gradients
     # are taken there, at the recorded outputs).
     recorded: Any = None
+    # A backward node's value: the other consumers' gradient contributions (GradRef) that
+    # its input gradients already include (_Interpreter._earlier_contributions).
+    folded: frozenset = frozenset()
 
 
 class _Interpreter:
@@ -218,6 +228,8 @@ class _Interpreter:
         self.call_masks: dict[int, list] = {}
         # node -> the outputs of its first computation (_first_tensor).
         self.first_outputs: dict[int, list] = {}
+        # node -> the plan position of its latest compute statement (_earlier_contributions).
+        self.computed_at: dict[int, int] = {}
         self.report = TraceReport()
 
     # ----- reading resident values -----
@@ -275,6 +287,7 @@ class _Interpreter:
                         chain_block.enter_context(tf.control_dependencies(self.token))
                         in_chain = True
                     produced = self._compute(node, statement.recompute, last_compute[node] == position)
+                    self.computed_at[node] = position
                     self.report.statement_ops.append(tf_graph.get_operations()[first_op:])
                     produced = [t for t in produced if t is not None]
                     self.freed_parts.pop(node, None)
@@ -659,10 +672,15 @@ class _Interpreter:
         return [loss, *grads]
 
     def _upstream(self, node: int, entry, outputs: list) -> tuple[list, list]:
-        """Targets and output gradients for ``tape.gradient``, summed per target."""
+        """Targets and output gradients for ``tape.gradient``, summed per target; a
+        contribution that another one already includes (:meth:`_earlier_contributions`)
+        is left out."""
         sums: dict[int, tuple[Any, list]] = {}
         for k, contributions in enumerate(entry.output_grads):
+            included = set().union(*(self._value(ref.node, node).folded for ref in contributions))
             for ref in contributions:
+                if ref in included:
+                    continue
                 grad = self._value(ref.node, node).outputs[ref.input_index]
                 if grad is None:
                     continue
@@ -713,6 +731,11 @@ class _Interpreter:
         grad_positions = [p for p, needs in enumerate(forward_entry.input_needs_grad)
                           if needs and entry.gradient_part != "weights"]
         sources = [instance.inputs[p] for p in grad_positions]
+        folded: frozenset = frozenset()
+        if targets:
+            earlier_targets, earlier_grads, folded = self._earlier_contributions(node, forward_entry, grad_positions,
+                                                                                 sources)
+            targets, dys = targets + earlier_targets, dys + earlier_grads
         variables = list(forward_entry.trainable_variables) if last and entry.gradient_part != "inputs" else []
         if not targets:
             grads = [None] * (len(sources) + len(variables))
@@ -749,8 +772,58 @@ class _Interpreter:
             key = id(variable)
             self.weight_grads.setdefault(key, (variable, []))[1].append(g)
             produced.append(g)
-        self.resident[node] = _Instance(input_grads, instance.tape, [], [])
+        self.resident[node] = _Instance(input_grads, instance.tape, [], [], folded=folded)
         return produced
+
+    def _earlier_contributions(self, node: int, forward_entry, grad_positions: list,
+                               sources: list) -> tuple[list, list, frozenset]:
+        """Extra targets for backward ``node``'s gradient call: each input it differentiates,
+        with the gradient contributions to that input from other consumers whose backward
+        nodes have already run, so that the input's gradient is summed here in one ``AddN``
+        with this layer's own terms, the earlier contributions first.
+
+        That is the sum plain training's tape forms (it adds up a tensor's gradient over all
+        its readers at once, in the order their gradients arrived); summing this layer's
+        terms here and the earlier contributions in the producer's backward rounds
+        otherwise: a tensor read by a ``LayerNormalization`` and a residual ``Add``, in
+        every pre-norm transformer block (benchmarks/results/exactness_models.md,
+        tests/test_exactness_models.py). The producer's backward then leaves the folded
+        contributions out (:meth:`_upstream`). Only resident contributions are folded, so
+        no value is read that the plan has freed; contributions taken at an input's logits,
+        or sparse ones, are left to the producer.
+
+        Returns:
+            ``(targets, output gradients, folded contributions)``; the folded ones include
+            those the taken contributions had folded in turn.
+        """
+        targets, grads, folded = [], [], set()
+        seen: set = set()
+        for position, source in zip(grad_positions, sources):
+            ref = forward_entry.inputs[position]
+            if ref.source != "node" or ref in seen or _logits_read_apart(source, sources) is not source:
+                continue
+            seen.add(ref)
+            producer = self.table[ref.index].backward_node
+            if producer is None:
+                continue
+            earlier = {}
+            for contribution in self.table[producer].output_grads[ref.output_index]:
+                value = self.resident.get(contribution.node)
+                if contribution.node == node or value is None or contribution.node in self.freed_parts:
+                    continue
+                gradient = value.outputs[contribution.input_index]
+                if (gradient is None or isinstance(gradient, tf.IndexedSlices) or gradient.dtype != source.dtype
+                        or self.reads_logits.get((contribution.node, contribution.input_index), False)):
+                    continue
+                earlier[contribution] = (gradient, value.folded)
+            covered = set().union(*(inner for _, inner in earlier.values()))
+            for contribution in sorted(earlier, key=lambda c: self.computed_at[c.node]):
+                if contribution not in covered:
+                    targets.append(source)
+                    grads.append(earlier[contribution][0])
+                    self.report.folded_contributions += 1
+            folded |= set(earlier) | covered
+        return targets, grads, frozenset(folded)
 
 
     def _input_gradients(self, node: int, reader: str, tape, targets, sources: list, positions: list,
