@@ -22,6 +22,7 @@ from tfremat.keras import RematCallback
 from tfremat.plan.simulator import simulate
 
 BATCH = 16
+SLACK = allocator_check.REFUSAL_SLACK  # a refusal's over the held peak it names
 
 
 def batch(seed=0):
@@ -323,12 +324,12 @@ def test_a_refused_budgets_figure_is_accepted_when_copied_back():
         allocator_check.hold_allocator_peak(_GraphPlan(80, 80, "copied back"), 80, plan_at, read_peak,
                                             strategy="optimal", options={}, cache=False)
     named = refused.value.min_feasible_bytes
-    assert named == 95 + int(0.03 * 95) and read_peak(70) == 95, refused.value  # the smallest plan read, a slack
+    assert named == 95 + int(SLACK * 95) and read_peak(70) == 95, refused.value  # the smallest plan read, a slack
     assert "allocator_check=False" in str(refused.value)
     accepted, step, planning = allocator_check.hold_allocator_peak(
         _GraphPlan(named, named, "copied back"), named, plan_at, read_peak, strategy="optimal", options={},
         cache=False)
-    assert read_peak(step) <= named and planning == 70 and accepted.budget_bytes == named
+    assert read_peak(step) <= named and planning >= 70 and accepted.budget_bytes == named
 
 
 def test_a_refusal_names_no_unchecked_share_its_step_reads_over():
@@ -342,17 +343,18 @@ def test_a_refusal_names_no_unchecked_share_its_step_reads_over():
         allocator_check.hold_allocator_peak(_GraphPlan(190, 190, "unchecked"), 190, plan_at, read_peak,
                                             strategy="optimal", options={}, cache=False, unchecked_from=199)
     assert planned[-1] == 200 and read_peak(200) == 286 < read_peak(150), planned
-    assert refused.value.min_feasible_bytes == 286 + int(0.03 * 286), refused.value
+    assert refused.value.min_feasible_bytes == 286 + int(SLACK * 286), refused.value
     assert not refused.value.smallest_as_amount and "nothing recomputed" in str(refused.value), refused.value
     # Told as a share of activations (the graph's fixed bytes 0), unclipped.
     graph = types.SimpleNamespace(fixed_bytes=0, weight_grads_to_end_bytes=0)
     from tfremat.plan.registry import in_user_terms
-    assert "147% of activations" in str(in_user_terms(refused.value, graph, "95% of activations", reference=200))
+    share = -(-100 * refused.value.min_feasible_bytes // 200)
+    assert f"{share}% of activations" in str(in_user_terms(refused.value, graph, "95% of activations", reference=200))
     # Without unchecked_from (bytes, or allocator_check=True) the smallest plan read is named.
     with pytest.raises(InfeasibleBudgetError) as refused:
         allocator_check.hold_allocator_peak(_GraphPlan(190, 190, "checked"), 190, plan_at, read_peak,
                                             strategy="optimal", options={}, cache=False)
-    assert refused.value.min_feasible_bytes == read_peak(150) + int(0.03 * 290) == 298
+    assert refused.value.min_feasible_bytes == read_peak(150) + int(SLACK * 290)
 
 
 def test_a_re_plan_out_of_time_is_a_refusal_in_the_allocators_terms():
@@ -368,7 +370,7 @@ def test_a_re_plan_out_of_time_is_a_refusal_in_the_allocators_terms():
                                             strategy="optimal", options={}, cache=False)
     text = str(refused.value)
     assert "held for the allocator's peak" in text and "time limit of 20 s" in text, text
-    assert "allocator_check=False" in text and refused.value.min_feasible_bytes == 120 + int(0.03 * 120), text
+    assert "allocator_check=False" in text and refused.value.min_feasible_bytes == 120 + int(SLACK * 120), text
     assert refused.value.__cause__ is None or isinstance(refused.value.__cause__, SolverTimeLimitError)
 
     seen = {}
@@ -470,7 +472,7 @@ def test_a_planner_refusal_names_the_smallest_plans_held_peak_and_that_is_accept
 
     named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
                                                  strategy="optimal", options={}, cache=False)
-    assert named.min_feasible_bytes == 90 + int(0.03 * 90), named  # the held peak, a slack
+    assert named.min_feasible_bytes == 90 + int(SLACK * 90), named  # the held peak, a slack
     assert (named.budget_bytes, named.lower_bound_bytes, named.proven) == (40, 60, True)
     assert "node 3 needs 60" in str(named) and "read from the allocator" in str(named), named
     accepted, step, planning = allocator_check.hold_allocator_peak(
@@ -495,7 +497,7 @@ def test_a_planner_refusal_whose_smallest_plan_reads_over_every_checked_share_na
 
     named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
                                                  strategy="optimal", options={}, cache=False, unchecked_from=199)
-    assert planned == [150, 200] and named.min_feasible_bytes == 280 + int(0.03 * 280), named
+    assert planned == [150, 200] and named.min_feasible_bytes == 280 + int(SLACK * 280), named
     assert "nothing recomputed" in str(named) and "checkpoint-all" in str(named), named
 
 
@@ -583,7 +585,7 @@ def test_a_recomputing_plan_held_above_every_checked_share_is_named_as_an_amount
     text transformer: 4.44 MiB against 5.01 MiB held; user_check_5, "Session 30 (A2)").
     Copied back, the amount is accepted under the smallest plan's planning budget: a schedule
     that recomputes. Made-up plans: recomputing ones held 50 above their prediction,
-    checkpoint-all 80."""
+    checkpoint-all 80; an amount whose slack reaches checkpoint-all's read is not named."""
     from tfremat.plan.registry import in_user_terms
 
     plan_at, read_peak, planned = _plans_over_from(150, lambda predicted: 80 if predicted == 200 else 50)
@@ -594,21 +596,29 @@ def test_a_recomputing_plan_held_above_every_checked_share_is_named_as_an_amount
 
     named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
                                                  strategy="optimal", options={}, cache=False, unchecked_from=199)
-    assert planned == [150, 200] and named.min_feasible_bytes == 200 + int(0.03 * 200), named
-    assert named.smallest_as_amount and "saves 80 B against recomputing nothing" in str(named), named
+    assert planned == [150, 200] and named.min_feasible_bytes == 200 + int(SLACK * 200), named
+    saved = 280 - named.min_feasible_bytes  # the amount against checkpoint-all's held peak
+    assert named.smallest_as_amount and f"saves {saved} B against recomputing nothing" in str(named), named
     # Told in the user's terms of a share, the figure stays an amount.
     graph = types.SimpleNamespace(fixed_bytes=0, weight_grads_to_end_bytes=0)
+    amount = named.min_feasible_bytes
     shown = str(in_user_terms(named, graph, "50%", reference=200))
-    assert 'found is "206 B", an amount in bytes' in shown and "node 3 needs 150" in shown, shown
+    assert f'found is "{amount} B", an amount in bytes' in shown and "node 3 needs 150" in shown, shown
     accepted, step, planning = allocator_check.hold_allocator_peak(
-        _GraphPlan(206, 206, "amount refusal"), 206, plan_at, read_peak, strategy="optimal", options={},
+        _GraphPlan(amount, amount, "amount refusal"), amount, plan_at, read_peak, strategy="optimal", options={},
         cache=False)
-    assert planning == 150 and read_peak(step) <= 206 and accepted.predicted_peak_bytes < 200, (planning, accepted)
+    assert planning == 150 and read_peak(step) <= amount and accepted.predicted_peak_bytes < 200, (planning, accepted)
     # The check's own refusal of a share names the same amount.
     with pytest.raises(InfeasibleBudgetError) as again:
         allocator_check.hold_allocator_peak(_GraphPlan(190, 190, "amount check"), 190, plan_at, read_peak,
                                             strategy="optimal", options={}, cache=False, unchecked_from=199)
-    assert again.value.min_feasible_bytes == 206 and again.value.smallest_as_amount, again.value
+    assert again.value.min_feasible_bytes == amount and again.value.smallest_as_amount, again.value
+    # Checkpoint-all held within the amount's slack: it is named, and nothing is recomputed at it.
+    plan_at, read_peak, planned = _plans_over_from(150, lambda predicted: 25 if predicted == 200 else 50)
+    named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
+                                                 strategy="optimal", options={}, cache=False, unchecked_from=199)
+    assert 200 < 225 <= 200 + int(SLACK * 200) and not named.smallest_as_amount, named
+    assert named.min_feasible_bytes == 225 + int(SLACK * 225) and "nothing recomputed" in str(named), named
 
 
 def _recomputing_peak(recomputing_share, checkpoint_all_share):
@@ -656,3 +666,23 @@ def test_fit_names_an_amount_that_trains_recomputing_when_copied_back(monkeypatc
     (plan,) = callback.plans.values()
     assert plan.schedule.recompute_count > 0 and plan.predicted_peak_bytes < plan.checkpoint_all_peak_bytes, plan
     assert callback.allocator_peaks[next(iter(callback.plans))] <= plan.budget_bytes, callback.allocator_peaks
+
+
+def test_a_refusal_after_re_plans_names_a_figure_over_the_budget_it_refused():
+    """A plan held within the budget before (in a state the allocator has left) is no figure
+    for the budget's refusal: the figure is over the budget refused, not over the last re-plan's
+    planning budget (five_conv_net at 70%, refused after a watched step read over, named 69%;
+    user_check_5, "Session 30 (A3)"). Made-up plans: none under 70, each held 60 above its
+    prediction now; the budget's own plan was held at 80 before."""
+    made_up, read_peak, planned = _plans_over_from(70, lambda predicted: 60)
+
+    def plan_at(current, planning_budget):  # a re-plan's budget is its planning budget, as replan's
+        replanned, step = made_up(current, planning_budget)
+        return dataclasses.replace(replanned, budget_bytes=planning_budget), step
+
+    current = _GraphPlan(100, 100, "left state")
+    allocator_check._remember_held(False, current.extraction.graph, "optimal", {}, 100, 80)
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        allocator_check.hold_allocator_peak(current, 100, plan_at, read_peak, strategy="optimal", options={},
+                                            cache=False, exceeded=(100, 140))
+    assert 70 in planned and refused.value.min_feasible_bytes > 100, (planned, refused.value)
