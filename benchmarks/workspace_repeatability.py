@@ -1,8 +1,8 @@
 """Are the profiled workspaces the same from one extraction to the next?
 
-Extracts one small model N times in one process (``cost_model="profile"``, nothing timed,
-no cache) and prints, per node, the distinct forward and backward workspaces the graphs
-got (``DFGraph.workspace_bytes``). A node with more than one value makes graphs differ
+Extracts one small model N times in one process (``cost_model="profile"``, nothing timed
+unless ``--timed``, no cache) and prints, per node, the distinct forward and backward
+workspaces the graphs got (``DFGraph.workspace_bytes``). A node with more than one value makes graphs differ
 between runs: profile cache entries that disagree, and schedules that change with them.
 Exit status 1 when any node's workspace differs, 0 when all agree.
 
@@ -11,9 +11,13 @@ batch 8), whose convolution backward measured 912 or 13,232 bytes;
 ``batchnorm`` puts a BatchNormalization after its convolution; ``lstm`` is
 tests/test_default_threads_memory.py's two stacked LSTMs (16 steps, 32 units, batch 4),
 whose loops' workspaces move (run it with TensorFlow's default inter-op threads, as that
-test does).
+test does); ``transformer_encoder`` is benchmarks/conformance.py's (six post-norm encoder
+blocks over 64 tokens, batch 2), whose attention backwards measured 82,944, 116,352 or
+131,072 bytes, and its dropouts and loss a few bytes apart. ``--timed`` profiles as
+``extract`` does by default, the calls timed too.
 
-Run: ``python benchmarks/workspace_repeatability.py [--model conv|batchnorm|lstm] [--runs 6]``
+Run: ``python benchmarks/workspace_repeatability.py [--model conv|batchnorm|lstm|transformer_encoder] [--runs 6]
+[--timed]``
 (results and the cause: ``benchmarks/results/workspace_repeatability.md``).
 """
 
@@ -35,7 +39,7 @@ import keras  # noqa: E402
 
 from tfremat.extract.extractor import extract  # noqa: E402
 
-MODELS = ("conv", "batchnorm", "lstm")
+MODELS = ("conv", "batchnorm", "lstm", "transformer_encoder")
 
 
 def build(kind: str, batch: int = 8):
@@ -44,6 +48,11 @@ def build(kind: str, batch: int = 8):
     layers = keras.layers
     if kind == "lstm":
         return _lstm(batch=4)
+    if kind == "transformer_encoder":
+        import conformance
+
+        model = conformance.build(kind)
+        return model, conformance.sample_batch(model)
     x = keras.Input((16, 16, 3))
     h = layers.Conv2D(8, 3, padding="same")(x)
     if kind == "batchnorm":
@@ -69,30 +78,40 @@ def _lstm(batch: int):
     return model, (sequences, labels)
 
 
-def distinct_workspaces(model, batch, runs: int) -> dict[str, list[int]]:
-    """Per node name, the distinct workspace bytes over ``runs`` memory-only extractions,
-    in the order first seen."""
-    seen: dict[str, list[int]] = {}
+def distinct_workspaces(model, batch, runs: int, timed: bool = False) -> dict[str, list[int]]:
+    """Per node, the distinct workspace bytes over ``runs`` extractions, memory-only
+    or ``timed`` (as ``extract`` profiles by default), in the order first seen.
+
+    Nodes are matched by position, named as in the first extraction: the node order is the
+    same in every extraction, and the names of the calls a layer is opened into are not
+    (``dot_product_attention``, then ``dot_product_attention_6``: Keras numbers each new one).
+    """
+    names: list[str] = []
+    values: list[list[int]] = []
     for _ in range(runs):
-        graph = extract(model, batch, cost_model="profile", use_cache=False, timing=False).graph
-        for name, workspace in zip(graph.names, graph.workspace_bytes):
-            values = seen.setdefault(name, [])
-            if workspace not in values:
-                values.append(workspace)
-    return seen
+        graph = extract(model, batch, cost_model="profile", use_cache=False, timing=timed).graph
+        if not names:
+            names, values = list(graph.names), [[] for _ in graph.names]
+        for seen, workspace in zip(values, graph.workspace_bytes):
+            if workspace not in seen:
+                seen.append(workspace)
+    return dict(zip(names, values))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="conv")
     parser.add_argument("--runs", type=int, default=6, help="extractions in this process (default 6)")
+    parser.add_argument("--timed", action="store_true",
+                        help="time the calls too, as extract() does by default (slower; the workspaces are "
+                             "measured the same way, but after other calls' timing passes)")
     args = parser.parse_args(argv)
     if args.runs < 2:
         parser.error("--runs must be at least 2 to compare extractions")
     model, batch = build(args.model)
-    seen = distinct_workspaces(model, batch, args.runs)
+    seen = distinct_workspaces(model, batch, args.runs, args.timed)
     differing = {name: values for name, values in seen.items() if len(values) > 1}
-    print(f"{args.model}: {args.runs} extractions, workspace bytes per node")
+    print(f"{args.model}: {args.runs} {'timed' if args.timed else 'memory-only'} extractions, workspace bytes per node")
     for name, values in seen.items():
         print(f"  {name:28s} {', '.join(map(str, values))}{'   <- differs' if len(values) > 1 else ''}")
     print(f"{len(differing)} of {len(seen)} nodes differ" if differing else "every node agrees")

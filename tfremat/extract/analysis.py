@@ -586,7 +586,8 @@ class _CallTracer:
         # the step's graph prunes; the flops count only what runs.
         running = _needed_ops([g for g in (*input_part, *weight_part) if g is not None], mark)
         if greediest and fetch != "kept_forward":
-            _run_greediest(running, [g for g in (*input_part, *weight_part) if g is not None] + upstream)
+            _run_greediest(running, _returned(fetch, [g for g in (*input_part, *weight_part) if g is not None],
+                                              outputs, upstream, reads[2]))
         self.records[fetch] = {"forward_ops": operations[:mark], "backward_ops": operations[mark:],
                                "running_backward_ops": running, "reads": reads,
                                "grad_positions": sorted(distinct.values()), "input_ops": input_ops,
@@ -987,8 +988,8 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     if held_concrete is None and not _loop_variable_bytes(tracer.records["step"]["forward_ops"]):
         # Up to one example's output: on a 1x1 map a per-channel vector is that large.
         small_bytes = analysis.output_bytes // max(1, batch_size) + 1
-        small_total = _small_output_bytes(_forward_without_inputs(tracer.records["step"]), small_bytes)
-        forward_peaks = [order_free_peak(run_events, small_bytes, small_total)
+        small_sizes = _small_output_sizes(_forward_without_inputs(tracer.records["step"]), small_bytes)
+        forward_peaks = [order_free_peak(run_events, small_bytes, small_sizes=small_sizes)
                          for run_events in events[:len(forward_runs)]]
     else:
         forward_peaks = peaks[:len(forward_runs)]
@@ -1035,14 +1036,15 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     return time_call(measured, make_calls, repeats, warmup, layer_name, xla, finish)
 
 
-def _small_output_bytes(ops, small_bytes: int) -> int:
-    """Bytes of the outputs under ``small_bytes`` of ``ops`` (a forward's operations) that
-    may take a buffer of their own: all but constants, variable reads and views
-    (:data:`_VIEW_OPS`). What the forward's small operations allocate in the order that
-    forwards no buffer (:func:`~tfremat.runtime.memory.order_free_peak`); a batch norm's
+def _small_output_sizes(ops, small_bytes: int) -> dict[str, int]:
+    """Per operation of ``ops`` (a forward's), by name, the bytes of its outputs under
+    ``small_bytes`` that may take a buffer of their own: all but constants, variable reads
+    and views (:data:`_VIEW_OPS`). What the forward's small operations allocate in the order
+    that forwards no buffer (:func:`~tfremat.runtime.memory.order_free_peak`); a batch norm's
     forward allocated 7 or 8 of its 13 per-channel vectors, by trace."""
-    return sum(size for op in ops if op.type not in _NOT_RESIDUAL_OPS | _VIEW_OPS
-               for size in map(_static_bytes, op.outputs) if size < small_bytes)
+    sizes = {op.name: sum(size for size in map(_static_bytes, op.outputs) if size < small_bytes)
+             for op in ops if op.type not in _NOT_RESIDUAL_OPS | _VIEW_OPS}
+    return {name: size for name, size in sizes.items() if size}
 
 
 def _hidden_residual_bytes(events: list[tuple], record: dict) -> int:
@@ -1175,8 +1177,13 @@ def _run_greediest(ops, kept) -> None:
     cycle ("the graph couldn't be sorted in topological order", logged on every layer
     norm and four times on every GELU Dense; ``tests/test_greediest_chain.py``). So does
     that reader once the chain makes it wait for an operation other than its own inputs
-    (:func:`_swappable_readers`)."""
-    off = _off_chain(ops)
+    (:func:`_swappable_readers`). A reduction over constant axes stays in the chain
+    (:func:`_reduces_over_constant_axes`): left out, the executor ran a softmax gradient's
+    ``Sum`` as soon as its input existed, freeing that score-sized input before the value
+    gradient's kernel ran, where the step's order may hold both (an attention's backward
+    peaked 48 KiB below the ungated trace in some extractions, so its workspace moved;
+    ``benchmarks/results/workspace_repeatability.md``, "Session 30 (W2)")."""
+    off = _off_chain(ops) - {id(op) for op in ops if _reduces_over_constant_axes(op)}
     off |= _swappable_readers(ops, off)
     ops = [op for op in ops if id(op) not in off]
     inside = {id(op) for op in ops}
@@ -1206,6 +1213,32 @@ def _run_greediest(ops, kept) -> None:
         ordered.append(chosen)
     for previous, op in zip(ordered, ordered[1:]):
         op._add_control_input(previous)  # pylint: disable=protected-access
+
+
+def _returned(fetch: str, grads: list, outputs: list, upstream: list, residuals: list) -> list:
+    """What :meth:`_CallTracer.forward_backward` returns for a backward trace ``fetch``
+    (``"dying"``, ``"consumed"`` or the step's), which lives to the end of its run: the
+    greediest order (:func:`_run_greediest`) frees every other tensor at its last reader.
+    Keeping the upstream gradients and the residuals in every trace, it ran an attention's
+    value gradient, their last reader, after the score gradient's kernels, the order that
+    peaks lowest (``benchmarks/workspace_repeatability.py --model transformer_encoder``)."""
+    if fetch == "dying":
+        return grads
+    if fetch == "consumed":
+        return grads + upstream
+    return grads + outputs + upstream + [t for t in residuals if t.dtype != tf.variant]
+
+
+# Reductions whose axes are a constant: chained by the greediest order (:func:`_run_greediest`).
+_REDUCTION_OPS = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
+
+
+def _reduces_over_constant_axes(op) -> bool:
+    """Whether ``op`` reduces a computed tensor over constant axes (a softmax gradient's
+    ``Sum``): constant folding leaves it in place, so it may wait in a chain of operations,
+    although it reads a constant (:func:`_off_chain`)."""
+    return (op.type in _REDUCTION_OPS and op.inputs[1].op.type == "Const"
+            and op.inputs[0].op.type not in _SHAPE_OPS)
 
 
 def _sources_first(ops) -> bool:
@@ -1550,7 +1583,14 @@ def analyze_loss(
         return analysis
     preds = [_sample(s) for s in pred_specs]
     labels = [_sample(s) for s in label_specs]
-    peak = _requested_peak(concrete, (preds, labels), warmup)
+    # The executor runs the loss's independent elementwise branches in an order it draws per
+    # instantiation (a cross-entropy's workspace 212-404 B by extraction); its allocations up
+    # to one prediction's bytes count as live throughout, an upper bound over the orders
+    # (benchmarks/results/workspace_repeatability.md, "Session 30 (W2)").
+    small_bytes = pred_bytes + 1
+    events = _requested_peaks([(concrete, (preds, labels))], warmup)[0]
+    peak = order_free_peak(events, small_bytes, small_sizes=_small_output_sizes(
+        [op for op in concrete.graph.get_operations() if op.type != "Placeholder"], small_bytes))
     measured = dataclasses.replace(analysis, forward_workspace=max(0, peak - output_bytes))
     if not _TIMED.get():
         return measured

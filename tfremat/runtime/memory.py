@@ -23,7 +23,7 @@ import glob
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -191,7 +191,8 @@ def _replayed_peak(events: list[tuple]) -> tuple[int, list[dict]]:
     return peak, [{**info, "bytes": requested} for requested, info in at_peak]
 
 
-def order_free_peak(events: list[tuple], small_bytes: int, small_total: int = 0) -> int:
+def order_free_peak(events: list[tuple], small_bytes: int, small_total: int = 0,
+                    small_sizes: Mapping[str, int] | None = None) -> int:
     """The requested peak of one run's allocation ``events`` with every allocation under
     ``small_bytes`` counted as live from the start to the end: the replayed peak of the
     others plus the total of those, or ``small_total`` if that is more.
@@ -205,18 +206,32 @@ def order_free_peak(events: list[tuple], small_bytes: int, small_total: int = 0)
     (benchmarks/results/profile_agreement.md, "Session 29 (W)"). Which small operations
     allocate also depends on the order (one that forwards its input's buffer allocates
     nothing when it is that input's last reader): ``small_total``, their bytes counted off
-    the graph, makes the total the same in every order."""
-    kept, small_live = [], set()
-    total_small = 0
+    the graph, makes the total the same in every order where the graph knows every size.
+    ``small_sizes`` does it operation by operation (name: bytes of its small outputs by the
+    graph): each counts the larger of those and what it allocated in this run, so one whose
+    outputs the graph cannot size (a random op's key and counter) counts what it allocated,
+    and one that forwarded a buffer in this order (a dropout's seed ``FloorMod``, 16 B in
+    some extractions and none in others) counts its outputs. A small buffer made before the
+    run and freed in it (the seed variable's old value, which its assignment frees) counts
+    as held to the end: freed before or after the peak by order, it moved the peak by its
+    16 B (benchmarks/results/workspace_repeatability.md, "Session 30 (W2)")."""
+    kept, small_live, made = [], set(), set()
+    allocated: dict[str, int] = {}
     for event in sorted(events, key=lambda e: (e[0], not e[1])):
-        _, allocation, addr, requested, _ = event
+        _, allocation, addr, requested, info = event
+        if allocation:
+            made.add(addr)
         if allocation and requested < small_bytes:
             small_live.add(addr)
-            total_small += requested
+            allocated[info.get("op", "")] = allocated.get(info.get("op", ""), 0) + requested
         elif not allocation and addr in small_live:
             small_live.discard(addr)  # its free, whatever bytes the event carries
+        elif not allocation and addr not in made and requested < small_bytes:
+            continue  # a small buffer from before the run (a variable's old value), held to its end
         else:
             kept.append(event)
+    sizes = dict(small_sizes or {})
+    total_small = sum(max(size, sizes.pop(op, 0)) for op, size in allocated.items()) + sum(sizes.values())
     return _replayed_peak(kept)[0] + max(total_small, small_total)
 
 
