@@ -614,11 +614,11 @@ def test_a_recomputing_plan_held_above_every_checked_share_is_named_as_an_amount
                                             strategy="optimal", options={}, cache=False, unchecked_from=199)
     assert again.value.min_feasible_bytes == amount and again.value.smallest_as_amount, again.value
     # Checkpoint-all held within the amount's slack: it is named, and nothing is recomputed at it.
-    plan_at, read_peak, planned = _plans_over_from(150, lambda predicted: 25 if predicted == 200 else 50)
+    plan_at, read_peak, planned = _plans_over_from(150, lambda predicted: 5 if predicted == 200 else 50)
     named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
                                                  strategy="optimal", options={}, cache=False, unchecked_from=199)
-    assert 200 < 225 <= 200 + int(SLACK * 200) and not named.smallest_as_amount, named
-    assert named.min_feasible_bytes == 225 + int(SLACK * 225) and "nothing recomputed" in str(named), named
+    assert 200 < 205 <= 200 + int(SLACK * 200) and not named.smallest_as_amount, named
+    assert named.min_feasible_bytes == 205 + int(SLACK * 205) and "nothing recomputed" in str(named), named
 
 
 def _recomputing_peak(recomputing_share, checkpoint_all_share):

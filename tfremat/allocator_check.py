@@ -99,8 +99,9 @@ PLANNING_GRID = 256
 #: seven states of one). With 0.03, 5 of 16 copy-backs in fresh processes without the
 #: refusing process's cache were refused again (by 1.3-12.8% of the budget), none of 16 with
 #: it; with 0.15, 1 of 16 without it, by 2.2% (benchmarks/results/user_check_5.md,
-#: "Session 30 (A3)").
-REFUSAL_SLACK = 0.15
+#: "Session 30 (A3)"). A copy-back in the next run shares the refusing run's cache (the
+#: default), and 0.15 names 12% of the step's bytes more in every refusal, so 0.03.
+REFUSAL_SLACK = 0.03
 
 #: The most seconds a re-plan's MILP runs (a strategy's ``time_limit``, capped): a re-plan
 #: is a few percent under a budget already planned, and a full minute at each of
