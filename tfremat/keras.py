@@ -259,7 +259,8 @@ class RematCallback(keras.callbacks.Callback):
         refuse_model_fit(model)  # MultiWorkerMirroredStrategy: tfremat.fit trains in a loop of its own
         self._strategy = model.distribute_strategy if is_distributed(model.distribute_strategy) else None
         if getattr(model, "steps_per_execution", 1) != 1:
-            raise TfrematError("RematCallback runs one batch per step; compile the model with steps_per_execution=1")
+            raise ArgumentError(f"model.compile(steps_per_execution={model.steps_per_execution}): RematCallback runs "
+                                "one batch per step; compile the model with steps_per_execution=1")
         # XLA (jit_compile=True, Keras's default on a GPU) compiles the planned step too; its
         # recompute statements are kept apart from the values they replace
         # (docs/compiled-step.md). compile_step does not combine it with a distribution
