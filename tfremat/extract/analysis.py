@@ -119,7 +119,8 @@ from tfremat.runtime.memory import (
 )
 from tfremat.runtime.tape import takes_one_gradient_call
 
-__all__ = ["CallAnalysis", "analyze_call", "analyze_loss", "memory_only", "tensor_bytes", "xla_costs", "xla_layouts"]
+__all__ = ["CallAnalysis", "analyze_call", "analyze_loss", "call_values", "memory_only", "tensor_bytes", "xla_costs",
+           "xla_layouts"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,8 @@ _XLA_COSTS = contextvars.ContextVar("tfremat_xla_costs", default=False)
 _XLA_LAYOUTS = contextvars.ContextVar("tfremat_xla_layouts", default=False)
 # Whether profiling times the calls (False within memory_only: bytes measured, seconds 0).
 _TIMED = contextvars.ContextVar("tfremat_timed", default=True)
+# Per input of the call analyzed, its value on the user's batch or None (call_values).
+_CALL_VALUES = contextvars.ContextVar("tfremat_call_values", default=())
 
 
 def _sequentially(function: Callable) -> Callable:
@@ -411,15 +414,57 @@ def _requested_peak(fn: Callable, args, warmup: int) -> int:
     return requested_peak(lambda: synchronize(fn(*args)), device, allow_empty=True)
 
 
-def _sample(spec: tf.TensorSpec) -> tf.Tensor:
-    """A deterministic tensor for a spec: small random floats, zeros for integers, True for
-    booleans (a Keras mask that keeps every step: a value-dependent shape at its largest)."""
+@contextlib.contextmanager
+def call_values(values: Sequence[tf.Tensor | None]):
+    """Within it, the calls analyzed take ``values`` (per flattened input of the call, a
+    tensor or None) for their inputs that are neither floats nor booleans, instead of zeros.
+
+    A layer may assert what its integer or string inputs hold: a ``StringLookup`` or
+    ``IntegerLookup`` with ``num_oov_indices=0`` fails on any value outside its vocabulary,
+    so the zeros and empty strings :func:`_sample` makes up crashed profiling where
+    ``model.fit`` trained (benchmarks/results/user_check_6.md, finding 2). The extraction
+    passes what the user's batch gives each call (:func:`tfremat.extract.extractor.extract`).
+    Floats stay made up: their values move no byte and no cost that is measured.
+    """
+    token = _CALL_VALUES.set(tuple(values))
+    try:
+        yield
+    finally:
+        _CALL_VALUES.reset(token)
+
+
+def _samples(specs: Sequence[tf.TensorSpec], values: Sequence[tf.Tensor | None] | None = None) -> list[tf.Tensor]:
+    """:func:`_sample` per spec, with the input values of :func:`call_values` (or ``values``)
+    where they are known; specs past them (the Keras masks a call's inputs carry) have none."""
+    values = _CALL_VALUES.get() if values is None else values
+    return [_sample(spec, values[p] if p < len(values) else None) for p, spec in enumerate(specs)]
+
+
+def _sample(spec: tf.TensorSpec, value: tf.Tensor | None = None) -> tf.Tensor:
+    """A deterministic tensor for a spec: small random floats, True for booleans (a Keras
+    mask that keeps every step: a value-dependent shape at its largest), ``value`` fitted to
+    the spec's shape for anything else (:func:`_fitted`), zeros (empty strings) where it
+    is None or cannot be fitted."""
     if _is_float(spec.dtype):
         rng = np.random.default_rng(0)
         return tf.constant(rng.standard_normal(spec.shape).astype(np.float32) * 0.1, dtype=spec.dtype)
     if spec.dtype == tf.bool:
         return tf.ones(spec.shape, dtype=tf.bool)
-    return tf.zeros(spec.shape, dtype=spec.dtype)
+    fitted = None if value is None else _fitted(value, spec)
+    return fitted if fitted is not None else tf.zeros(spec.shape, dtype=spec.dtype)
+
+
+def _fitted(value: tf.Tensor, spec: tf.TensorSpec) -> tf.Tensor | None:
+    """``value`` cut or repeated along each dimension to the spec's shape (a batch of 4
+    values fills a spec of 6 as values 0, 1, 2, 3, 0, 1); None when its dtype or rank is
+    not the spec's or a dimension is empty."""
+    value = tf.convert_to_tensor(value)
+    if value.dtype != spec.dtype or value.shape.rank != spec.shape.rank or 0 in value.shape:
+        return None
+    for axis, (have, want) in enumerate(zip(value.shape, spec.shape)):
+        if have != want:
+            value = tf.gather(value, tf.range(want) % have, axis=axis)
+    return value
 
 
 def _batch_sized_vectors(tracer: _CallTracer, batch_size: int, names: Sequence[str], layer_name: str) -> set[str]:
@@ -771,7 +816,7 @@ def _with_xla_layouts(analysis: CallAnalysis, tracer: _CallTracer, layer_name: s
     analysis = dataclasses.replace(analysis, small_residual_bytes=analysis.small_residual_bytes + variable_bytes)
     if not analysis.reads_inputs:
         return analysis
-    inputs = [_sample(s) for s in tracer.input_specs]
+    inputs = _samples(tracer.input_specs)
 
     def step(flat_inputs, seed):
         return tracer.forward_backward(flat_inputs, seed, "xla_layouts")
@@ -871,7 +916,7 @@ def _sized_residuals(tracer: _CallTracer, read_tensors, batch_size: int, layer_n
     kept = [t for t in read_tensors if t.dtype != tf.variant]
     run_shapes = {}
     if any(not t.shape.is_fully_defined() for t in kept):
-        values = step_concrete([_sample(spec) for spec in tracer.input_specs], tf.constant(1.0))
+        values = step_concrete(_samples(tracer.input_specs), tf.constant(1.0))
         run_shapes = {t.name: v.shape.as_list() for t, v in zip(kept, values[len(values) - len(kept):])}
     for t in read_tensors:
         if t.dtype == tf.variant:
@@ -896,7 +941,7 @@ def _loop_residuals(tracer: _CallTracer, read_tensors, layer_name: str):
         return None, 0, 1
     held_concrete = tracer.trace("held")
     loop_bytes, iterations = _held_bytes(
-        held_concrete, ([_sample(s) for s in tracer.input_specs], tf.constant(1.0)), tracer.records["held"], layer_name,
+        held_concrete, (_samples(tracer.input_specs), tf.constant(1.0)), tracer.records["held"], layer_name,
     )
     if not executor.sequential_ops():
         # On the single-threaded executor the bytes in use after the run were up to 3.5 KiB
@@ -947,7 +992,7 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
     compiled by XLA (:func:`_xla_functions`); the workspaces are measured as above. Within
     :func:`memory_only` nothing is timed (seconds 0).
     """
-    inputs = [_sample(s) for s in tracer.input_specs]
+    inputs = _samples(tracer.input_specs)
     weight_grad_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in tracer.variables)
     timed_forward = (held_concrete, (inputs, tf.constant(1.0))) if held_concrete is not None else (forward_concrete, (inputs,))
     args = (inputs, tf.constant(1.0))
@@ -1022,9 +1067,10 @@ def _profile_call(analysis: CallAnalysis, tracer: _CallTracer, forward_concrete,
         functions = (dispatch_only(timed_forward[1]), timed_forward[0], fb_concrete)
 
     specs = tracer.input_specs  # not the tracer: the passes keep this closure to the end
+    values = _CALL_VALUES.get()  # the passes run after call_values is left
 
     def make_calls():
-        fresh = [_sample(s) for s in specs]
+        fresh = _samples(specs, values)
         step_args = (fresh, tf.constant(1.0))
         forward_args = (fresh,) if xla or held_concrete is None else step_args
         return list(zip(functions, (step_args if xla else forward_args, forward_args, step_args)))

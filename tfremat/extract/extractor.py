@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Sequence
 
@@ -21,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.errors import ExtractionError, is_int
-from tfremat.extract.analysis import CallAnalysis, analyze_loss, memory_only, xla_costs, xla_layouts
+from tfremat.extract.analysis import CallAnalysis, analyze_loss, call_values, memory_only, xla_costs, xla_layouts
 from tfremat.extract.assembly import assemble, backward_flags, weight_gradient_lifetime
 from tfremat.extract.call_timing import timing_passes
 from tfremat.extract.checks import (
@@ -242,6 +243,7 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
                     default_device(), implementations, ("layouts", xla) if xla else False)
     cached = load_cache(key, len(calls)) if use_cache else None
     needs_backward = backward_flags(calls)
+    values = _BatchValues(calls, sample_batch[0] if sample_batch is not None else None, model)
 
     profile_started = time.perf_counter()
     if cached is not None:
@@ -251,7 +253,7 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
     with state_restored(model.non_trainable_variables), xla_costs(xla == "timed"), xla_layouts(bool(xla)), \
             memory_only(not timed), timing_passes() as passes:
         analyses, out_specs = _analyze_calls(
-            calls, needs_backward, in_specs, None if cached is None else cached[0], batch, cost_model, repeats,
+            calls, needs_backward, in_specs, None if cached is None else cached[0], batch, cost_model, repeats, values,
         )
         if cached is not None:
             loss_analysis, alternatives = cached[1], cached[2]
@@ -259,7 +261,7 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
             pred_specs = [out_specs[r.index][r.output_index] for r in output_refs]
             loss_analysis = analyze_loss(loss_fn, pred_specs, label_specs, cost_model == "profile", repeats)
             alternatives = _analyze_alternatives(calls, needs_backward, in_specs, out_specs, batch, cost_model,
-                                                 repeats, implementations)
+                                                 repeats, implementations, values)
         # Every call timed again, in passes over all of them (timing_passes).
         analyses = [passes.final(a) for a in analyses]
         loss_analysis = passes.final(loss_analysis)
@@ -268,7 +270,9 @@ def _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer
         overlap = cached[3]
     elif cost_model == "profile" and timed and replicas == 1 and not xla and not tf.distribute.has_strategy():
         overlap = PlainOverlap.of(
-            measure_plain_overlap(model, *batch_from_specs(model, in_specs, label_specs), loss_fn, optimizer))
+            measure_plain_overlap(model, *batch_from_specs(model, in_specs, label_specs,
+                                                           values=values.of_model_inputs(in_specs)),
+                                  loss_fn, optimizer))
     else:
         overlap = PlainOverlap()
     profile_seconds = 0.0 if cached is not None else time.perf_counter() - profile_started
@@ -359,13 +363,14 @@ def _input_specs(model, sample_batch, input_signature, batch_size) -> tuple[list
 
 def _analyze_calls(calls: Sequence[LayerCall], needs_backward: Sequence[bool], in_specs: list[tf.TensorSpec],
                    cached: list[CallAnalysis] | None, batch: int, cost_model: str,
-                   repeats: int) -> tuple[list[CallAnalysis], list[list[tf.TensorSpec]]]:
+                   repeats: int, values: _BatchValues) -> tuple[list[CallAnalysis], list[list[tf.TensorSpec]]]:
     """Every call's :class:`CallAnalysis` and output specs, in call order.
 
     Each call is checked (:func:`~tfremat.extract.checks.check_layer`), on a cache hit too.
     Without ``cached`` each distinct call is measured once: calls of layers with the same
     signature, input specs, gradient needs and non-tensor arguments share one analysis
-    (a model's repeated blocks are profiled once).
+    (a model's repeated blocks are profiled once), on the values ``values`` gives its
+    inputs that are neither floats nor booleans (:func:`_analyzed`).
     """
     analyses: list[CallAnalysis] = []
     out_specs: list[list[tf.TensorSpec]] = []
@@ -379,7 +384,7 @@ def _analyze_calls(calls: Sequence[LayerCall], needs_backward: Sequence[bool], i
             signature = _call_signature(call, specs, grads)
             analysis = by_signature.get(signature)
             if analysis is None:
-                analysis = analyze_checked(call, takes_training(call.layer), specs, grads, batch, cost_model, repeats)
+                analysis = _analyzed(call, specs, grads, batch, cost_model, repeats, values)
                 by_signature[signature] = analysis
         analyses.append(analysis)
         out_specs.append([tf.TensorSpec(s, d) for s, d in analysis.output_specs])
@@ -396,7 +401,7 @@ def _call_inputs(call: LayerCall, in_specs: list[tf.TensorSpec], out_specs: list
 
 def _analyze_alternatives(calls: Sequence[LayerCall], needs_backward: Sequence[bool], in_specs: list[tf.TensorSpec],
                           out_specs: list[list[tf.TensorSpec]], batch: int, cost_model: str, repeats: int,
-                          wanted: bool) -> list[dict[str, CallAnalysis]]:
+                          wanted: bool, values: _BatchValues) -> list[dict[str, CallAnalysis]]:
     """Per call, its layer's alternatives measured like the layer's own implementation
     (empty unless ``wanted``; a call without a backward node keeps nothing either way)."""
     alternatives: list[dict[str, CallAnalysis]] = []
@@ -408,8 +413,8 @@ def _analyze_alternatives(calls: Sequence[LayerCall], needs_backward: Sequence[b
             for alternative in layer_implementations(call.layer):
                 signature = (alternative.name, *_call_signature(call, specs, grads))
                 if signature not in by_signature:
-                    by_signature[signature] = analyze_checked(call, takes_training(call.layer), specs, grads, batch,
-                                                              cost_model, repeats, alternative.name)
+                    by_signature[signature] = _analyzed(call, specs, grads, batch, cost_model, repeats, values,
+                                                        alternative.name)
                 measured[alternative.name] = by_signature[signature]
         alternatives.append(measured)
     return alternatives
@@ -425,3 +430,110 @@ def _call_signature(call: LayerCall, specs: Sequence[tf.TensorSpec], grads: Sequ
         repr(tf.nest.map_structure(lambda v: "T" if isinstance(v, TensorRef) else v, (call.call_args, call.call_kwargs))),
         repr(call.input_masks),
     )
+
+
+def _analyzed(call: LayerCall, specs: Sequence[tf.TensorSpec], grads: Sequence[bool], batch: int, cost_model: str,
+              repeats: int, values: _BatchValues, implementation: str | None = None) -> CallAnalysis:
+    """:func:`~tfremat.extract.checks.analyze_checked` of ``call`` (its ``implementation``),
+    run on the batch's values of its inputs that are neither floats nor booleans
+    (:func:`~tfremat.extract.analysis.call_values`, :class:`_BatchValues`).
+
+    Raises:
+        ExtractionError: the call fails on those values (a lookup layer without an OOV
+            index fed a value outside its vocabulary), naming the layer, where each value
+            came from and what to pass instead.
+    """
+    positions = [p for p, spec in enumerate(specs) if _takes_batch_values(spec)]
+    if not positions:
+        return analyze_checked(call, takes_training(call.layer), specs, grads, batch, cost_model, repeats,
+                               implementation)
+    given = values.of_inputs(call, positions)
+    try:
+        with call_values(given):
+            return analyze_checked(call, takes_training(call.layer), specs, grads, batch, cost_model, repeats,
+                                   implementation)
+    except tf.errors.InvalidArgumentError as error:
+        fed = ", ".join(f"input {p}: " + ("the sample batch's values" if given[p] is not None else
+                                          "empty strings" if specs[p].dtype == tf.string else "zeros")
+                        for p in positions)
+        fix = ("pass a sample batch whose values it accepts" if all(given[p] is not None for p in positions) else
+               "pass a sample batch with values it accepts (sample_batch=(x, y), not an input_signature; "
+               "tfremat.fit passes your first batch)")
+        reason = re.sub(r"\s*\[Op:[^\]]*\]$", "", [line for line in error.message.splitlines() if line.strip()][-1])
+        raise ExtractionError(
+            f"layer {call.name!r} fails when profiled on the values given to its integer and string inputs ({fed}): "
+            f"{reason}; profiling runs every layer on such values: {fix}",
+            layer=call.name,
+        ) from error
+
+
+def _takes_batch_values(spec: tf.TensorSpec) -> bool:
+    """Whether an input is profiled on the sample batch's values: neither a float (made-up
+    values move no byte or cost measured) nor a boolean (all True: a Keras mask at its
+    largest, :func:`~tfremat.extract.analysis.call_values`)."""
+    return not spec.dtype.is_floating and spec.dtype != tf.bool
+
+
+class _BatchValues:
+    """The values a sample batch gives the calls' inputs, each computed once on demand.
+
+    A model input's value is the batch's tensor; another call's output is computed by
+    running the calls it depends on, in call order, eagerly and with ``training=False``, so
+    that no batch-norm statistic or dropout seed moves (an integer or string value seldom
+    depends on it). For a model whose integer and string inputs are all model inputs (token
+    ids into an ``Embedding``) nothing runs; for a model of floats nothing is asked.
+    """
+
+    def __init__(self, calls: Sequence[LayerCall], x, model):
+        self._calls = calls
+        self._inputs = None if x is None else flatten_by_name(x, model_input_names(model), "inputs")
+        self._known: dict[TensorRef, tf.Tensor | None] = {}
+
+    def of_inputs(self, call: LayerCall, positions: Sequence[int]) -> list[tf.Tensor | None]:
+        """Per flattened input of ``call``, its value on the batch for the ``positions``
+        asked, else None; None too where no batch was given or a call it depends on could
+        not run (logged)."""
+        return [self._value(ref) if p in positions else None for p, ref in enumerate(call.inputs)]
+
+    def of_model_inputs(self, specs: Sequence[tf.TensorSpec]) -> list[tf.Tensor | None]:
+        """Per model input (``specs``), the batch's tensor where :func:`_takes_batch_values`,
+        else None."""
+        return [self._value(TensorRef("model_input", p)) if _takes_batch_values(spec) else None
+                for p, spec in enumerate(specs)]
+
+    def _value(self, ref: TensorRef) -> tf.Tensor | None:
+        if self._inputs is None:
+            return None
+        if ref.source == "model_input":
+            return tf.convert_to_tensor(self._inputs[ref.index])
+        needed, pending = set(), [ref.index]
+        while pending:
+            position = pending.pop()
+            if position not in needed and TensorRef("node", position) not in self._known:
+                needed.add(position)
+                pending.extend(r.index for r in self._calls[position].inputs if r.source == "node")
+        for position in sorted(needed):  # call order is an order of dependencies
+            self._run(self._calls[position])
+        return self._known.get(ref)
+
+    def _run(self, call: LayerCall) -> None:
+        """Records ``call``'s outputs on the batch: None each, logged, when it cannot run."""
+        inputs = [self._value(ref) if ref.source == "model_input" else self._known.get(ref) for ref in call.inputs]
+        outputs = [None] * call.num_outputs
+        if all(value is not None for value in inputs):
+            remaining = iter(inputs)
+
+            def swap(value):
+                return next(remaining) if isinstance(value, TensorRef) else value
+
+            args = tf.nest.map_structure(swap, call.call_args)
+            kwargs = tf.nest.map_structure(swap, dict(call.call_kwargs))
+            if takes_training(call.layer):
+                kwargs["training"] = False
+            try:
+                outputs = tf.nest.flatten(call.layer(*args, **kwargs))
+            except (tf.errors.OpError, ValueError, TypeError) as error:
+                logger.info("layer %s did not run on the sample batch (%s): the layers that read its outputs are "
+                            "profiled on zeros", call.name, error)
+        for index, value in enumerate(outputs):
+            self._known[TensorRef("node", call.position, index)] = value

@@ -399,19 +399,20 @@ def _has_loop(graph) -> bool:
     return any(op.type in ("While", "StatelessWhile") for op in graph.get_operations())
 
 
-def batch_from_specs(model, in_specs, label_specs, seed: int = 0) -> tuple:
+def batch_from_specs(model, in_specs, label_specs, seed: int = 0, values=()) -> tuple:
     """A batch ``(x, y)`` shaped by an extraction's input and label specs, as ``model`` and
     its loss function take it (a dict of inputs keyed by name for a model built on one):
     uniform floats, zeros for integers (a valid token or class index); the values barely
-    move a step's time."""
+    move a step's time. ``values``: per model input, a tensor to take instead of zeros (a
+    ``StringLookup`` without OOV index refuses empty strings), or None."""
     rng = np.random.default_rng(seed)
 
-    def make(spec):
+    def make(spec, value=None):
         if spec.dtype.is_floating:
             return tf.constant(rng.random(spec.shape.as_list()), dtype=spec.dtype)
-        return tf.zeros(spec.shape, spec.dtype)
+        return tf.zeros(spec.shape, spec.dtype) if value is None else value
 
-    inputs = [make(s) for s in in_specs]
+    inputs = [make(s, values[p] if p < len(values) else None) for p, s in enumerate(in_specs)]
     if isinstance(getattr(model, "_inputs_struct", None), dict):  # as model_input_names reads it
         x = dict(zip(model_input_names(model), inputs))
     else:
