@@ -777,20 +777,22 @@ class _Interpreter:
 
     def _earlier_contributions(self, node: int, forward_entry, grad_positions: list,
                                sources: list) -> tuple[list, list, frozenset]:
-        """Extra targets for backward ``node``'s gradient call: each input it differentiates,
-        with the gradient contributions to that input from other consumers whose backward
-        nodes have already run, so that the input's gradient is summed here in one ``AddN``
-        with this layer's own terms, the earlier contributions first.
+        """Extra targets for backward ``node``'s gradient call: each input it differentiates
+        whose other readers' backward nodes have all run, with their gradient contributions to
+        that input, so that the input's gradient is summed here, at its last reader, in one
+        ``AddN`` with this layer's own terms, the earlier contributions first (in the order
+        they were computed).
 
         That is the sum plain training's tape forms (it adds up a tensor's gradient over all
         its readers at once, in the order their gradients arrived); summing this layer's
         terms here and the earlier contributions in the producer's backward rounds
         otherwise: a tensor read by a ``LayerNormalization`` and a residual ``Add``, in
         every pre-norm transformer block (benchmarks/results/exactness_models.md,
-        tests/test_exactness_models.py). The producer's backward then leaves the folded
-        contributions out (:meth:`_upstream`). Only resident contributions are folded, so
-        no value is read that the plan has freed; contributions taken at an input's logits,
-        or sparse ones, are left to the producer.
+        tests/test_exactness_models.py). Summed at every reader in turn, three readers (an
+        opened attention's query, key and value projections) gave nested sums of two. The
+        producer's backward then leaves the folded contributions out (:meth:`_upstream`).
+        Only resident contributions are folded, so no value is read that the plan has freed;
+        contributions taken at an input's logits, or sparse ones, are left to the producer.
 
         Returns:
             ``(targets, output gradients, folded contributions)``; the folded ones include
@@ -806,11 +808,12 @@ class _Interpreter:
             producer = self.table[ref.index].backward_node
             if producer is None:
                 continue
+            others = [c for c in self.table[producer].output_grads[ref.output_index] if c.node != node]
+            if any(c.node not in self.resident or c.node in self.freed_parts for c in others):
+                continue  # a reader's backward is still to come (or to be recomputed): it sums them
             earlier = {}
-            for contribution in self.table[producer].output_grads[ref.output_index]:
-                value = self.resident.get(contribution.node)
-                if contribution.node == node or value is None or contribution.node in self.freed_parts:
-                    continue
+            for contribution in others:
+                value = self.resident[contribution.node]
                 gradient = value.outputs[contribution.input_index]
                 if (gradient is None or isinstance(gradient, tf.IndexedSlices) or gradient.dtype != source.dtype
                         or self.reads_logits.get((contribution.node, contribution.input_index), False)):
