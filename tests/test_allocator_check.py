@@ -686,3 +686,21 @@ def test_a_refusal_after_re_plans_names_a_figure_over_the_budget_it_refused():
         allocator_check.hold_allocator_peak(current, 100, plan_at, read_peak, strategy="optimal", options={},
                                             cache=False, exceeded=(100, 140))
     assert 70 in planned and refused.value.min_feasible_bytes > 100, (planned, refused.value)
+
+
+def test_a_figure_whose_slack_reaches_an_unchecked_share_is_told_as_an_amount():
+    """The figure with its slack, not the held peak alone, decides whether a share copied back
+    would be checked: a plan held at 200 (under the share checked below 203) is named 206, which
+    as a share would train unchecked; the refusal reads checkpoint-all (held 280) and names 206
+    as an amount, which the check holds (results/user_check_6.md, "Session 30 (V2)")."""
+    plan_at, read_peak, planned = _plans_over_from(150, lambda predicted: 80 if predicted == 200 else 50)
+    refused = InfeasibleBudgetError(100, 150, None, "optimal", detail="node 3 needs 150")
+
+    def plan_smallest(planning_budget):
+        return plan_at(_GraphPlan(planning_budget, planning_budget, "slack refusal"), planning_budget)
+
+    named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
+                                                 strategy="optimal", options={}, cache=False, unchecked_from=203)
+    assert named.min_feasible_bytes == 200 + int(SLACK * 200) >= 203, named
+    assert planned == [150, 203] and named.smallest_as_amount, (planned, named)  # checkpoint-all read at 203
+    assert "against recomputing nothing" in str(named), named
