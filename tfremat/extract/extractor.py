@@ -211,11 +211,41 @@ def extract(
     model = functional_model(model, sample_batch[0] if sample_batch is not None else input_signature)
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
-    with _as_replica():
+    with _as_replica(), _tensorflow_warnings_once():
         return _extract(model, sample_batch, input_signature, loss, loss_weights, optimizer, cost_model, batch_size,
                         repeats, use_cache, weight_grads, granularity, implementations, replicas, started,
                         "timed" if xla is True and cost_model == "profile" and timing else "memory" if xla else "",
                         timing or cost_model != "profile")
+
+
+class _OnceEach(logging.Filter):
+    """Lets each distinct message through once."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+@contextlib.contextmanager
+def _tensorflow_warnings_once():
+    """TensorFlow's Python log (the ``tensorflow`` logger) shows each message once during an
+    extraction: it traces every layer call several times (forward, backward, orders, timing),
+    and a warning TensorFlow logs per trace (casting complex64 to float32 in keras.io's FNet)
+    came 18 times more than in plain training (benchmarks/results/user_check_6.md)."""
+    tensorflow_log = logging.getLogger("tensorflow")
+    once = _OnceEach()
+    tensorflow_log.addFilter(once)
+    try:
+        yield
+    finally:
+        tensorflow_log.removeFilter(once)
 
 
 def _as_replica():
