@@ -30,7 +30,7 @@ __all__ = ["cache_dir", "code_fingerprint", "layer_signature", "cache_key", "loa
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 46  # 46: backward workspaces from the greediest order with reductions chained and only what a trace returns kept (attention), the loss in the greediest order too, and forward small buffers counted per operation (order_free_peak small_sizes); 45: a forward's allocations up to one example's output counted live throughout (order_free_peak); 44: the largest calls timed in three times as many passes, the mean of the least half kept; 43: the plain overlap reads its update seconds off the plain step's trace; 42: nested layers' names left out of layer signatures; 41: the plain overlap keeps its optimizer update's seconds (update_seconds)
+_CACHE_VERSION = 47  # 47: the loss keeps its requested peak (its order-free bound counted a per-pixel loss's temporaries at once); 46: backward workspaces from the greediest order with reductions chained and only what a trace returns kept (attention), the loss in the greediest order too, and forward small buffers counted per operation (order_free_peak small_sizes); 45: a forward's allocations up to one example's output counted live throughout (order_free_peak); 44: the largest calls timed in three times as many passes, the mean of the least half kept; 43: the plain overlap reads its update seconds off the plain step's trace; 42: nested layers' names left out of layer signatures; 41: the plain overlap keeps its optimizer update's seconds (update_seconds)
 _SCALARS = (bool, int, float, str, type(None))
 _LIBRARY_MODULES = ("keras", "tensorflow", "tf_keras", "builtins", "abc", "typing")
 

@@ -149,8 +149,9 @@ def on_its_executor(function: Any) -> Any:
     traced again there), which the single-threaded executor refuses ("does not support low
     level control flow"); else ``function`` itself. A layer call's loops are its function's own
     operations."""
-    if not any(node.op in _LOOPS and node.attr["_lower_using_switch_merge"].b
-               for node in function.function_def.node_def):
+    function_def = getattr(function, "function_def", None)  # None: not a traced function
+    if function_def is None or not any(node.op in _LOOPS and node.attr["_lower_using_switch_merge"].b
+                                       for node in function_def.node_def):
         return function
 
     def on_default(*args):
