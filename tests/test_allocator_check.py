@@ -298,6 +298,11 @@ class _GraphPlan:
         return types.SimpleNamespace(graph=types.SimpleNamespace(fixed_bytes=0, fingerprint=self.fingerprint))
 
 
+def _smallest_planner(plan_at, fingerprint):
+    """The planner's smallest plan at ``planning_budget``, a made-up plan of graph ``fingerprint``."""
+    return lambda planning_budget: plan_at(_GraphPlan(planning_budget, planning_budget, fingerprint), planning_budget)
+
+
 def _plans_over_from(floor, excess):
     """``plan_at`` for made-up plans predicted at their planning budget, none under ``floor``,
     and the held peak ``excess(predicted)`` above the prediction; the steps are the
@@ -467,9 +472,7 @@ def test_a_planner_refusal_names_the_smallest_plans_held_peak_and_that_is_accept
     plan_at, read_peak, planned = _plans_over_from(70, lambda predicted: 20)
     refused = InfeasibleBudgetError(40, 70, 60, "optimal", detail="node 3 needs 60", proven=True)
 
-    def plan_smallest(planning_budget):
-        return plan_at(_GraphPlan(planning_budget, planning_budget, "planner refusal"), planning_budget)
-
+    plan_smallest = _smallest_planner(plan_at, "planner refusal")
     named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
                                                  strategy="optimal", options={}, cache=False)
     assert named.min_feasible_bytes == 90 + int(SLACK * 90), named  # the held peak, a slack
@@ -492,9 +495,7 @@ def test_a_planner_refusal_whose_smallest_plan_reads_over_every_checked_share_na
     plan_at, read_peak, planned = _plans_over_from(150, lambda predicted: 80 if predicted == 200 else 140)
     refused = InfeasibleBudgetError(100, 150, None, "optimal")
 
-    def plan_smallest(planning_budget):
-        return plan_at(_GraphPlan(planning_budget, planning_budget, "unchecked refusal"), planning_budget)
-
+    plan_smallest = _smallest_planner(plan_at, "unchecked refusal")
     named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
                                                  strategy="optimal", options={}, cache=False, unchecked_from=199)
     assert planned == [150, 200] and named.min_feasible_bytes == 280 + int(SLACK * 280), named
@@ -591,9 +592,7 @@ def test_a_recomputing_plan_held_above_every_checked_share_is_named_as_an_amount
     plan_at, read_peak, planned = _plans_over_from(150, lambda predicted: 80 if predicted == 200 else 50)
     refused = InfeasibleBudgetError(100, 150, None, "optimal", detail="node 3 needs 150")
 
-    def plan_smallest(planning_budget):
-        return plan_at(_GraphPlan(planning_budget, planning_budget, "amount refusal"), planning_budget)
-
+    plan_smallest = _smallest_planner(plan_at, "amount refusal")
     named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
                                                  strategy="optimal", options={}, cache=False, unchecked_from=199)
     assert planned == [150, 200] and named.min_feasible_bytes == 200 + int(SLACK * 200), named
@@ -696,9 +695,7 @@ def test_a_figure_whose_slack_reaches_an_unchecked_share_is_told_as_an_amount():
     plan_at, read_peak, planned = _plans_over_from(150, lambda predicted: 80 if predicted == 200 else 50)
     refused = InfeasibleBudgetError(100, 150, None, "optimal", detail="node 3 needs 150")
 
-    def plan_smallest(planning_budget):
-        return plan_at(_GraphPlan(planning_budget, planning_budget, "slack refusal"), planning_budget)
-
+    plan_smallest = _smallest_planner(plan_at, "slack refusal")
     named = allocator_check.planner_refusal_read(refused, plan_smallest, plan_at, read_peak, lambda plan: True,
                                                  strategy="optimal", options={}, cache=False, unchecked_from=203)
     assert named.min_feasible_bytes == 200 + int(SLACK * 200) >= 203, named
