@@ -100,8 +100,8 @@ PLANNING_GRID = 256
 #: refusing process's cache were refused again (by 1.3-12.8% of the budget), none of 16 with
 #: it; with 0.15, 1 of 16 without it, by 2.2% (benchmarks/results/user_check_5.md,
 #: "Session 30 (A3)"). A copy-back in the next run shares the refusing run's cache (the
-#: default), and 0.15 names 12% of the step's bytes more in every refusal, so 0.03.
-REFUSAL_SLACK = 0.03
+#: default), and 0.15 names 12% of the step's bytes more in every refusal, so the check's own.
+REFUSAL_SLACK = ALLOCATOR_SLACK
 
 #: The most seconds a re-plan's MILP runs (a strategy's ``time_limit``, capped): a re-plan
 #: is a few percent under a budget already planned, and a full minute at each of
@@ -650,11 +650,9 @@ def planner_refusal_read(error: InfeasibleBudgetError, plan_smallest: Callable, 
     detail = (f"the smallest budget found was read from the allocator: the smallest plan found, predicted at "
               f"{format_bytes(result.predicted_peak_bytes)}, was {read} {format_bytes(peak)}; "
               f"{_named_figure(figure, count)}")
-    return InfeasibleBudgetError(
-        error.budget_bytes, max(figure.bytes, smallest), error.lower_bound_bytes, error.strategy,
-        f"{error.detail}; {detail}" if error.detail else detail, error.proven, fixed_bytes=error.fixed_bytes,
-        shown=error.shown, budget_text=error.budget_text, fixed_parts=error.fixed_parts, batch=error.batch,
-        advice=error.advice, smallest_as_amount=figure.as_amount)
+    return error.with_changes(min_feasible_bytes=max(figure.bytes, smallest),
+                              detail=f"{error.detail}; {detail}" if error.detail else detail,
+                              smallest_as_amount=figure.as_amount)
 
 
 def _aimed_planning_budget(previous: int, budget: int, peak: int, predicted: int, fixed: int,

@@ -162,27 +162,27 @@ class InfeasibleBudgetError(TfrematError):
         self.smallest_as_amount = smallest_as_amount
         super().__init__(self._message())
 
-    def _with(self, **changes) -> "InfeasibleBudgetError":
-        """The same error with the keyword attributes in ``changes`` replaced."""
-        keywords = {name: getattr(self, name) for name in ("fixed_bytes", "shown", "budget_text", "fixed_parts",
-                                                           "batch", "advice", "smallest_as_amount")}
-        return InfeasibleBudgetError(self.budget_bytes, self.min_feasible_bytes, self.lower_bound_bytes,
-                                     self.strategy, self.detail, self.proven, **{**keywords, **changes})
+    def with_changes(self, **changes) -> "InfeasibleBudgetError":
+        """The same error with the attributes in ``changes`` (any of ``__init__``'s) replaced."""
+        fields = {name: getattr(self, name) for name in (
+            "budget_bytes", "min_feasible_bytes", "lower_bound_bytes", "strategy", "detail", "proven", "fixed_bytes",
+            "shown", "budget_text", "fixed_parts", "batch", "advice", "smallest_as_amount")}
+        return InfeasibleBudgetError(**{**fields, **changes})
 
     def in_terms(self, *, fixed_bytes: int, shown: Callable[[float], str] | None,
                  budget_text: str | None = None) -> "InfeasibleBudgetError":
         """The same error told in the user's terms (see the attributes); ``budget_text`` is
         the budget as the user wrote it."""
-        return self._with(fixed_bytes=fixed_bytes, shown=shown, budget_text=budget_text)
+        return self.with_changes(fixed_bytes=fixed_bytes, shown=shown, budget_text=budget_text)
 
     def with_fixed_parts(self, fixed_parts: Sequence[str]) -> "InfeasibleBudgetError":
         """The same error naming ``fixed_parts`` as what the fixed memory holds."""
-        return self._with(fixed_parts=tuple(fixed_parts))
+        return self.with_changes(fixed_parts=tuple(fixed_parts))
 
     def for_batch(self, batch: str, advice: str | None = None) -> "InfeasibleBudgetError":
         """The same error naming the batch it was refused for and, in ``advice``, what else
         avoids it (a smaller last batch: ``drop_remainder=True``)."""
-        return self._with(batch=batch, advice=advice)
+        return self.with_changes(batch=batch, advice=advice)
 
     def _message(self) -> str:
         if self.shown is None:
