@@ -37,7 +37,8 @@ ROOMS = (
     ("extract", ("tfremat.extract",)),
     ("static_graph", ("tfremat.static_graph",)),
     ("user", ("tfremat.model_planning", "tfremat.api", "tfremat.keras", "tfremat.measure", "tfremat.plots",
-              "tfremat.applications", "tfremat.custom_loops", "tfremat.multi_worker", "tfremat.allocator_check")),
+              "tfremat.applications", "tfremat.custom_loops", "tfremat.multi_worker", "tfremat.allocator_check",
+              "tfremat.maxbatch_keras")),
     ("cli", ("tfremat.cli", "tfremat.__main__")),
 )
 RANK = {"core": 0, "runtime": 1, "extract": 2, "static_graph": 2, "user": 3, "cli": 4}

@@ -198,8 +198,10 @@ def test_keras_max_batch_size_labels_for_its_loss_shows_progress_and_checks_firs
     results = keras_max_batch_size(model, "1MiB", strategies=["checkpoint_all"], max_batch=4, cost_model="flops")
     assert results["checkpoint_all"].batch_size == 4 and results["checkpoint_all"].reached_max_batch
     lines = capsys.readouterr().err.splitlines()
-    assert [line.split("s ", 1)[1] for line in lines if "tfremat max_batch_size checkpoint_all" in line] == [
+    assert [line.split("s ", 1)[1] for line in lines if "tfremat max_batch_size checkpoint_all:" in line] == [
         "batch 2 fits", "batch 4 fits"]  # the graphs built; the scaled search judges batch 3 on their line
+    # The answer's step, then held on the allocator.
+    assert [line.split("s ", 1)[1] for line in lines if "checkpoint_all on the allocator:" in line] == ["batch 4 fits"]
     keras_max_batch_size(model, "1MiB", strategies=["checkpoint_all"], max_batch=2, cost_model="flops", verbose=0)
     assert "tfremat max_batch_size" not in capsys.readouterr().err
     for bad, match in ((dict(strategies=[]), "strategies is empty"), (dict(min_batch="1"), "min_batch must be"),

@@ -201,6 +201,8 @@ def _flat(data) -> list:
 def max_batch_size(
     model,
     budget,
+    x=None,
+    y=None,
     *,
     strategies: Sequence[str] = ("optimal",),
     max_overhead: float | None = None,
@@ -212,6 +214,7 @@ def max_batch_size(
     cost_model: str = "profile",
     granularity: str = "sublayer",
     cache=True,
+    allocator_check: bool = True,
     verbose: int = 1,
     **options,
 ) -> dict[str, Any]:
@@ -227,13 +230,28 @@ def max_batch_size(
     its costs from the line through the two profiled graphs; ``"search"`` extracts every
     batch size tried. The default "profile" cost model measures each node's workspace (on CPU a
     convolution's gradient can need tens of MiB of scratch), which "flops" leaves at zero,
-    so keep "profile" when the answer must fit. The answer holds the budget for predicted
-    (requested) bytes, not the allocator's peak that :func:`fit` holds by default: ``fit`` at
-    that batch may recompute more or refuse the budget (:func:`tfremat.maxbatch.max_batch_size`).
+    so keep "profile" when the answer must fit.
+
+    That answer holds the budget for the bytes its step is predicted to request. With
+    ``allocator_check`` (the default) it is then held for the device allocator's peak, which
+    BFC's whole chunks put above those bytes, as :func:`fit` holds it by default: the answer's
+    graph is extracted (profiled), planned as ``fit`` plans it, its step compiled and run and
+    held to the budget by ``fit``'s check (planning again under the allocator's excess), and
+    where no plan within the overhead cap holds, smaller batches are tried until one does
+    (:func:`tfremat.maxbatch.hold_on_allocator`). ``fit`` at the answer's batch and budget then
+    trains the plan the answer reports (MobileNetV2 32x32 at 64 MB: the search's batch 90 was
+    held at 72.0 MB without the check; benchmarks/results/maxbatch_allocator.md).
 
     Args:
         model: a Keras model whose inputs have static shapes apart from the batch.
         budget: bytes or a string with a unit; a relative budget is refused (no batch to refer to).
+        x: a sample of the training inputs (an array, a list or dict of arrays by input, or
+            a ``tf.data.Dataset`` yielding ``(x, y)`` batches, whose first batch is taken),
+            repeated or cut to each batch size tried: integer and string inputs are
+            profiled on its values, so a ``StringLookup`` or ``IntegerLookup`` without an
+            OOV index, or an ``Embedding``, gets ids it accepts. None: a made-up batch
+            (zeros), as :func:`tfremat.model_planning.synthetic_batch` makes it.
+        y: the labels of array ``x`` (None: made up for the loss; their values move no byte).
         strategies: strategy names to search with (an empty list is refused, as by
             :func:`compare_graph`).
         loss, optimizer: default to the model's compiled ones; the labels the graphs are
@@ -244,62 +262,101 @@ def max_batch_size(
             largest batch may be larger.
         method: ``"scaled"`` (default) or ``"search"`` (only extracted graphs decide).
         granularity: what a graph node is, "layer", "sublayer" or "op" (see :mod:`tfremat.extract.opening`).
-        cache: False (or None) turns the profile cache off (the search uses no schedule
-            cache); True or a directory leaves it on.
-        verbose: 0 silences the line written to stderr for each batch size tried (also
-            logged at INFO on ``tfremat.maxbatch``).
+        cache: False (or None) turns the profile cache off, and the schedule cache of the
+            plans the allocator check makes (the search itself uses none); True or a
+            directory leaves them on, so that ``fit`` at the answer finds the plan held.
+        allocator_check: hold the answer for the device allocator's peak (above). False
+            holds it for the requested bytes only, without running a step, as
+            ``fit(..., allocator_check=False)`` trains: faster, and the answer's
+            ``allocator_peak`` is None. On CPU the peak is read with
+            ``TF_CPU_ALLOCATOR_USE_BFC=true`` (importing tfremat before TensorFlow sets
+            it); where the allocator keeps no statistics nothing is held (a warning says so)
+            and ``allocator_peak`` is None.
+        verbose: 0 silences the lines written to stderr for each batch size tried (also
+            logged at INFO on ``tfremat.maxbatch``), and for each batch held on the allocator.
         **options: MILP options (``time_limit`` per batch solve, 60 s unless given,
             ``math.inf`` for none; ``solver``, ...), see :func:`strategy_options`.
 
     Returns:
-        ``{strategy: tfremat.maxbatch.MaxBatchResult}``.
+        ``{strategy: tfremat.maxbatch.MaxBatchResult}``; with ``allocator_check`` each
+        result's ``allocator_peak`` is the held peak of its step and ``allocator_tried`` the
+        batches run.
 
     Raises:
         ArgumentError: ``model`` is no ``keras.Model``, ``strategies`` is empty or names
-            an unknown strategy, or ``min_batch`` / ``max_batch`` are no ints with
-            1 <= min_batch <= max_batch (all before any extraction).
+            an unknown strategy, ``min_batch`` / ``max_batch`` are no ints with
+            1 <= min_batch <= max_batch, ``x`` / ``y`` are not a sample the model takes, or
+            ``allocator_check`` without an optimizer to run a step with (all before any
+            extraction).
         BudgetFormatError: a relative or unparsable budget.
-        InfeasibleBudgetError: even ``min_batch`` does not fit.
+        InfeasibleBudgetError: even ``min_batch`` does not fit (with ``allocator_check``:
+            is not held on the allocator).
     """
     from tfremat.extract.extractor import extract
+    from tfremat.maxbatch import hold_on_allocator
     from tfremat.maxbatch import max_batch_size as search
+    from tfremat.maxbatch_keras import AllocatorHold, batch_maker
 
     check_keras_model(model)
     check_cache_argument(cache)
     if budget_kind(budget) != "bytes":
         raise BudgetFormatError(f"budget={budget!r}: max_batch_size needs an absolute budget (bytes or '3GiB'); a "
                                 "share or 'min' refers to one batch's peak, and the batch is what is searched")
+    if allocator_check not in (True, False):
+        raise ArgumentError(f"allocator_check must be True or False, got {allocator_check!r}")
     budget_bytes = parse_budget(budget)
     names, per_strategy = split_solver_options(strategies, options)
     training = loss_and_optimizer(model, loss, optimizer)
-    graphs: dict[tuple[int, bool], DFGraph] = {}
+    if allocator_check and training["optimizer"] is None:
+        raise ArgumentError("allocator_check runs training steps and needs an optimizer: compile the model or pass "
+                            "optimizer=, or pass allocator_check=False to hold the budget for requested bytes only")
+    batch_at = batch_maker(model, x, y, training["loss"])
+    extractions: dict[tuple[int, bool], Any] = {}
 
-    def built(batch: int, timing: bool) -> DFGraph:
-        if (batch, timing) not in graphs:
-            # Zero-cost arrays of the batch's shapes, labels shaped for the loss: extraction
-            # reads nothing else, and a batch of thousands of images would be gigabytes.
-            sample = synthetic_batch(model, batch, loss=training["loss"])
-            graph = extract(model, sample_batch=sample, cost_model=cost_model, granularity=granularity,
-                            use_cache=cache is not False and cache is not None,
-                            implementations=wants_implementations(names), timing=timing, **training).graph
-            graphs[batch, timing] = graph
-            logger.info("batch %d: checkpoint-all peak %s%s", batch, format_bytes(checkpoint_all_peak(graph)),
-                        "" if timing else " (memory only)")
-        return graphs[batch, timing]
+    def built(batch: int, timing: bool):
+        if (batch, timing) not in extractions:
+            # The user's sample repeated to the batch, or zero-cost arrays of the batch's
+            # shapes with labels shaped for the loss: a made-up batch of thousands of images
+            # would be gigabytes.
+            extraction = extract(model, sample_batch=batch_at(batch), cost_model=cost_model, granularity=granularity,
+                                 use_cache=cache is not False and cache is not None,
+                                 implementations=wants_implementations(names), timing=timing, **training)
+            extractions[batch, timing] = extraction
+            logger.info("batch %d: checkpoint-all peak %s%s", batch,
+                        format_bytes(checkpoint_all_peak(extraction.graph)), "" if timing else " (memory only)")
+        return extractions[batch, timing]
 
     def graph_for_batch(batch: int) -> DFGraph:
-        return built(batch, True)
+        return built(batch, True).graph
 
     def memory_graph_for_batch(batch: int) -> DFGraph:
         # A profiled graph already built here has the same bytes.
-        return graphs[batch, True] if (batch, True) in graphs else built(batch, False)
+        return (extractions[batch, True] if (batch, True) in extractions else built(batch, False)).graph
+
+    def progress(label: str) -> BatchProgress | None:
+        return BatchProgress(label) if verbose else None
 
     results = {}
     for name in names:
-        results[name] = search(graph_for_batch, budget_bytes, strategy=name, max_overhead=max_overhead,
-                               min_batch=min_batch, max_batch=max_batch, method=method,
-                               batch_progress=BatchProgress(f"tfremat max_batch_size {name}") if verbose else None,
-                               memory_graph_for_batch=memory_graph_for_batch if cost_model == "profile" else None,
-                               **(strategy_options(name, **per_strategy[name]) if name in per_strategy else {}))
+        result = search(graph_for_batch, budget_bytes, strategy=name, max_overhead=max_overhead,
+                        min_batch=min_batch, max_batch=max_batch, method=method,
+                        batch_progress=progress(f"tfremat max_batch_size {name}"),
+                        memory_graph_for_batch=memory_graph_for_batch if cost_model == "profile" else None,
+                        **(strategy_options(name, **per_strategy[name]) if name in per_strategy else {}))
+        if allocator_check:
+            hold = AllocatorHold(model, budget_bytes, name, _fit_options(name, per_strategy.get(name, {})),
+                                 lambda batch: built(batch, True), batch_at, training["optimizer"],
+                                 False if cache is None else cache, made_up=x is None)
+            result = hold_on_allocator(result, hold, budget_bytes, max_overhead=max_overhead, min_batch=min_batch,
+                                       batch_progress=progress(f"tfremat max_batch_size {name} on the allocator"))
+        results[name] = result
     return results
 
+
+def _fit_options(strategy: str, given: dict) -> dict:
+    """The strategy options :func:`fit` plans with for the options given to
+    :func:`max_batch_size` (its solver and time limit, or the host link), so that the plan
+    held and the planning budget its check remembers are those ``fit`` finds."""
+    if get_strategy(strategy).takes_solver_options:
+        return {"solver": given.get("solver"), "time_limit": given.get("time_limit")}
+    return {"bandwidth": given["bandwidth"]} if get_strategy(strategy).offloads else {}

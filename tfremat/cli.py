@@ -79,6 +79,9 @@ flags.DEFINE_integer("max_batch", None, "maxbatch: the largest batch size search
 flags.DEFINE_enum("method", None, ["scaled", "search"],
                   "maxbatch: scaled (default: two graphs built, the rest judged on their line) or search (every batch "
                   "tried built and solved).")
+flags.DEFINE_bool("allocator_check", True, "maxbatch: hold the answer for the device allocator's peak, running its "
+                  "step as fit does and trying smaller batches until one holds; --noallocator_check holds it for "
+                  "the bytes the step requests only.")
 flags.DEFINE_string("solver", None, "MILP solver: highs (default) or gurobi (needs a licensed gurobipy).")
 flags.DEFINE_float("bandwidth", None, "Host link in bytes per unit of the graph's cost (bytes per second for profiled "
                    "graphs) for the strategies that offload to host memory (pofo, pofo_ap, autocapper, opportunist); compare and plot "
@@ -104,7 +107,7 @@ COMMAND_FLAGS = {
     "graph": _MODEL_FLAGS + ["out", "cache", "json"],
     "plan": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "bandwidth", "schedule_out", "cache", "json"],
     "compare": _MODEL_FLAGS + ["budget", "strategies", "solver", "time_limit", "bandwidth", "cache", "json"],
-    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "granularity", "loss", "optimizer", "custom_objects", "budget", "strategies", "max_overhead", "max_batch", "method", "solver", "time_limit", "bandwidth", "cache", "json"],
+    "maxbatch": ["model", "input_shape", "num_classes", "cost_model", "granularity", "loss", "optimizer", "custom_objects", "budget", "strategies", "max_overhead", "max_batch", "method", "allocator_check", "solver", "time_limit", "bandwidth", "cache", "json"],
     "plot": ["graph", "order", "out", "strategies", "budgets", "solver", "time_limit", "bandwidth", "cache"] + _MODEL_FLAGS,
     "measure": _MODEL_FLAGS + ["budget", "strategy", "solver", "time_limit", "bandwidth", "steps", "cache", "json"],
 }
@@ -392,21 +395,33 @@ def cmd_maxbatch() -> None:
     training = _training(model)
     results = max_batch_size(model, FLAGS.budget, strategies=names, max_overhead=FLAGS.max_overhead,
                              loss=training["loss"], optimizer=training["optimizer"],
-                             cost_model=FLAGS.cost_model, granularity=FLAGS.granularity, cache=FLAGS.cache, **bounds, **_given_milp_flags())
-    # Every answer's schedule was checked on the graph built at its batch (MaxBatchResult).
+                             cost_model=FLAGS.cost_model, granularity=FLAGS.granularity, cache=FLAGS.cache,
+                             allocator_check=FLAGS.allocator_check, **bounds, **_given_milp_flags())
+    # Every answer's schedule was checked on the graph built at its batch (MaxBatchResult),
+    # and with the allocator check its step held there.
     rows = [{"strategy": n, "batch_size": r.batch_size, "cost_ratio": round(r.cost / r.graph.total_cost, 4),
              "cost_cap_ratio": round(r.cost_cap / r.graph.total_cost, 4), "reached_max_batch": r.reached_max_batch,
-             "certified_on": r.batch_size, "built": list(r.built)} for n, r in results.items()]
+             "certified_on": r.batch_size, "built": list(r.built), "allocator_peak_bytes": r.allocator_peak,
+             "allocator_tried": {str(b): ok for b, ok in r.allocator_tried.items()}} for n, r in results.items()]
     if FLAGS.json:
         print(json.dumps(rows))
         return
     notes = [f"{row['strategy']}: batch {row['batch_size']} is the largest searched and fits; the largest batch may "
              "be larger: raise --max_batch" for row in rows if row["reached_max_batch"]]
-    shown = [{**row, "built": ",".join(map(str, row["built"]))} for row in rows]
-    print("\n".join([_table(shown, ["strategy", "batch_size", "cost_ratio", "cost_cap_ratio", "built"]),
+    shown = [{**row, "built": ",".join(map(str, row["built"])),
+              "allocator_tried": ",".join(f"{b}{'' if ok else '(over)'}" for b, ok in row["allocator_tried"].items())}
+             for row in rows]
+    if FLAGS.allocator_check:
+        held = ("each answer's step held within the budget on the device allocator, as fit holds it "
+                "(allocator_peak_bytes; allocator_tried: the batches run, '(over)' where none held)")
+        columns = ["strategy", "batch_size", "cost_ratio", "cost_cap_ratio", "allocator_peak_bytes", "allocator_tried",
+                   "built"]
+    else:
+        held = "the budget held for the bytes each step requests, not the allocator's peak (--noallocator_check)"
+        columns = ["strategy", "batch_size", "cost_ratio", "cost_cap_ratio", "built"]
+    print("\n".join([_table(shown, columns),
                      "each answer certified on a graph built at its batch "
-                     "(built: the batches whose graphs were built, in order)",
-                     *notes]))
+                     "(built: the batches whose graphs were built, in order)", held, *notes]))
 
 
 def cmd_plot() -> None:

@@ -21,6 +21,12 @@ answers that in one of these ways:
   together, the largest batch follows from one MILP, the smallest peak among schedules
   within the cost cap (:func:`min_peak_within_cost`). The solver's bound on that peak
   also bounds the batch from above. Graphs that do not scale so are refused.
+
+Each answers for the bytes a schedule is predicted to request. :func:`hold_on_allocator`
+then holds an answer for the device allocator's peak, which BFC's whole chunks put above
+those bytes: the answer's step is run and held to the budget as ``tfremat.fit`` holds it,
+and smaller batches are tried until one holds (the caller runs the steps:
+:mod:`tfremat.api` for Keras models).
 """
 
 from __future__ import annotations
@@ -33,11 +39,12 @@ from types import MappingProxyType
 
 import numpy as np
 
-from tfremat.budget import parse_budget
+from tfremat.budget import format_bytes, parse_budget
 from tfremat.errors import (
     ArgumentError,
     InfeasibleBudgetError,
     SolverTimeLimitError,
+    TfrematError,
     is_int,
     is_number,
 )
@@ -61,7 +68,8 @@ from tfremat.plan.eviction import eviction
 from tfremat.plan.simulator import simulate
 from tfremat.strategies import get_strategy
 
-__all__ = ["MaxBatchResult", "max_batch_size", "min_peak_within_cost", "one_extra_forward_cap", "affine_graphs"]
+__all__ = ["AllocatorVerdict", "MaxBatchResult", "hold_on_allocator", "max_batch_size", "min_peak_within_cost",
+           "one_extra_forward_cap", "affine_graphs"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +100,14 @@ class MaxBatchResult:
             logged too). ``upper_bound`` is then that cap, not a bound.
         built: the batches whose graphs were built, in the order built (building a graph,
             profiling it, is what a search spends its time on).
+        allocator_peak: the device allocator's peak that the answer's step was held to
+            (:func:`hold_on_allocator`: the largest of its reads plus a slack, as ``fit``
+            holds it), within the budget; ``schedule`` is then the plan that held it. None
+            where the answer was not held so (``allocator_check=False``, a search on
+            graphs alone) or the allocator keeps no statistics.
+        allocator_tried: every batch whose step was held to the budget on the allocator, in
+            the order tried, mapped to whether it held (the first is the search's own
+            answer); empty where none was.
     """
 
     batch_size: int
@@ -104,6 +120,8 @@ class MaxBatchResult:
     upper_bound: int | None = None
     reached_max_batch: bool = False
     built: tuple[int, ...] = ()
+    allocator_peak: int | None = None
+    allocator_tried: Mapping[int, bool] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
 
 def one_extra_forward_cap(graph: DFGraph) -> float:
@@ -127,15 +145,12 @@ def max_batch_size(
 ) -> MaxBatchResult:
     """The largest batch whose schedule fits ``budget`` within the compute overhead limit.
 
-    The answer holds ``budget`` for the bytes the schedule is predicted to request, as
-    ``allocator_check=False`` does: the device allocator's peak is not judged (it needs the
-    step compiled and run at each batch). BFC's whole chunks can put that peak well above the
-    prediction, so :func:`tfremat.fit` at the answer's batch and the same budget, which holds
-    the allocator's peak by default, may recompute more than the answer's cost, or refuse the
-    budget and name a larger one (an 8-conv net at "32MiB": batch 48, predicted within 1.31x,
-    then refused by ``fit``'s check; benchmarks/user_check_4.py ``--only maxbatch``,
-    benchmarks/results/user_check_4.md). For an answer ``fit`` holds, search under the budget
-    less the allocator's excess that ``fit``'s refusal or ``allocator_peaks`` shows.
+    The answer holds ``budget`` for the bytes the schedule is predicted to request. The
+    device allocator's peak is not judged here (it needs the step compiled and run): BFC's
+    whole chunks can put it well above the prediction (an 8-conv net at "32MiB": batch 48,
+    predicted within, then refused by ``fit``'s check; benchmarks/results/user_check_4.md).
+    :func:`hold_on_allocator` holds an answer for that peak, stepping down to a batch whose
+    step ``fit`` holds; :func:`tfremat.max_batch_size` does so by default.
 
     ``search`` doubles the batch from ``min_batch`` until a size does not fit, then
     bisects. This assumes feasibility is monotone in the batch (true when bytes and costs
@@ -234,6 +249,160 @@ def max_batch_size(
     return evaluate.result(good, max_batch, method="search", built=tuple(built))
 
 
+@dataclasses.dataclass(frozen=True)
+class AllocatorVerdict:
+    """What running one batch's training step and holding it to the budget on the device
+    allocator found, as ``fit``'s ``allocator_check`` holds it (the callable that
+    :func:`hold_on_allocator` takes returns one per batch).
+
+    Attributes:
+        held: the allocator's peak of a plan's step was held within the budget.
+        held_peak: that plan's held peak (the largest read plus a slack); where not
+            ``held``, the smallest of the plans read, or None where none was read. None
+            with ``held``: the allocator keeps no statistics, so nothing was judged.
+        schedule: the plan that held (``held`` only), planned on ``graph``.
+        graph: the graph built at the batch (``held`` only).
+        planning_budget: the budget ``schedule`` was planned under, below the budget
+            where a plan under the budget itself peaked over it (``held`` only).
+        needed_bytes: where not ``held``: about the fewest bytes the batch's step needs on
+            the allocator, as far as the check tells (the smallest held peak of a plan read),
+            or None.
+        error: where not ``held``: why (the check's refusal, or the planner's at the batch).
+    """
+
+    held: bool
+    held_peak: int | None = None
+    schedule: Schedule | None = None
+    graph: DFGraph | None = None
+    planning_budget: int | None = None
+    needed_bytes: int | None = None
+    error: TfrematError | None = None
+
+
+def hold_on_allocator(answer: MaxBatchResult, hold: Callable[[int], AllocatorVerdict], budget: int | str, *,
+                      max_overhead: float | None = None, min_batch: int = 1,
+                      batch_progress: Callable[[int, bool], object] | None = None) -> MaxBatchResult:
+    """``answer`` (a search's, for the bytes its schedules request) held for the device
+    allocator's peak: the largest batch, at most ``answer.batch_size``, whose training step
+    ``hold(batch)`` holds within ``budget`` on the allocator with a plan that costs at most
+    the overhead cap (``max_overhead`` as :func:`max_batch_size` takes it).
+
+    A plan that holds the allocator's peak only by recomputing more than the cap does not
+    count: the batch is Checkmate's "fits at one extra forward pass" (sec. 6.3), on the
+    device. ``hold`` is expensive (a build, a plan and runs of the step), so after the answer
+    fails the next batch tried is the one where the bytes over the graph's fixed bytes,
+    taken as proportional to the batch, meet the budget at what the failed batch needed
+    (:attr:`AllocatorVerdict.needed_bytes`; one batch less where it is not known), and once a
+    batch holds, the rest is found between it and the smallest that failed
+    (:func:`_largest_held`; holding is taken to be monotone in the batch, as fitting is).
+
+    Returns:
+        ``answer`` at the batch that holds: its ``schedule``, ``graph`` and ``cost`` those
+        of the plan that held, ``allocator_peak`` its held peak, ``allocator_tried`` every
+        batch tried; ``built`` with the batches ``hold`` built.
+
+    Raises:
+        InfeasibleBudgetError: even ``min_batch`` does not hold (the allocator check's
+            refusal there, naming the smallest budget it found).
+        SolverTimeLimitError: no plan of ``min_batch`` was found within the time limit.
+    """
+    budget = parse_budget(budget)
+    tried: dict[int, bool] = {}
+    verdicts: dict[int, AllocatorVerdict] = {}
+
+    def holds(batch: int) -> bool:
+        verdict = hold(batch)
+        within = verdict.held
+        if within:
+            cost, cap = _step_cost(verdict.graph, verdict.schedule), _cost_cap(verdict.graph, max_overhead)
+            within = cost <= cap * (1 + 1e-12)
+            if not within:
+                logger.info("batch %d: the allocator's peak held only by a plan costing %.3fx, over the cap %.3fx",
+                            batch, cost / verdict.graph.total_cost, cap / verdict.graph.total_cost)
+                # A plan within the cap would be planned under the budget less the margin the
+                # allocator asked for: the batch needs about that margin more.
+                margin = None if verdict.planning_budget is None else budget - verdict.planning_budget
+                verdict = dataclasses.replace(verdict, held=False,
+                                              needed_bytes=budget + margin if margin else None)
+        verdicts[batch], tried[batch] = verdict, within
+        peak = "no statistics" if verdict.held_peak is None else format_bytes(verdict.held_peak)
+        logger.info("batch %d: %s on the allocator (%s held)", batch, "holds" if within else "does not hold", peak)
+        if batch_progress is not None:
+            batch_progress(batch, within)
+        return within
+
+    batch, refused = answer.batch_size, None
+    while not holds(batch):
+        if batch == min_batch:
+            raise _not_held(verdicts[batch], budget, batch)
+        refused = batch
+        batch = _batch_within(refused, verdicts[refused].needed_bytes, budget, answer.graph.fixed_bytes, min_batch)
+    good = batch if refused is None else _largest_held(holds, batch, refused, verdicts, budget)
+    verdict = verdicts[good]
+    schedule, graph = verdict.schedule, verdict.graph
+    logger.info("answer: batch %d held on the allocator (batches tried: %s)", good,
+                ", ".join(f"{b} {'holds' if ok else 'does not hold'}" for b, ok in tried.items()))
+    return dataclasses.replace(
+        answer, batch_size=good, schedule=schedule, graph=graph, cost=_step_cost(graph, schedule),
+        cost_cap=_cost_cap(graph, max_overhead), allocator_peak=verdict.held_peak,
+        allocator_tried=MappingProxyType(dict(tried)),
+        reached_max_batch=answer.reached_max_batch and good == answer.batch_size,
+        built=tuple(dict.fromkeys((*answer.built, *tried))))
+
+
+def _largest_held(holds: Callable[[int], bool], good: int, refused: int, verdicts: Mapping[int, AllocatorVerdict],
+                  budget: int) -> int:
+    """The largest batch that ``holds`` between ``good`` (holds) and ``refused`` (does not):
+    each batch tried where the line through the two bracketing batches' bytes
+    (``verdicts``: the held peak where a batch held, the bytes needed where not) meets the
+    budget, and halfway between them after a try that did not halve the bracket (regula
+    falsi kept from creeping up on one side by bisection)."""
+    halved = True
+    while refused - good > 1:
+        width = refused - good
+        low, high = verdicts[good].held_peak, verdicts[refused].needed_bytes
+        if halved and low is not None and high is not None and high > low:
+            batch = good + int(width * (budget - low) // (high - low))
+        else:
+            batch = (good + refused) // 2
+        batch = min(max(batch, good + 1), refused - 1)
+        if holds(batch):
+            good = batch
+        else:
+            refused = batch
+        halved = 2 * (refused - good) <= width
+    return good
+
+
+def _batch_within(refused: int, needed: int | None, budget: int, fixed: int, min_batch: int) -> int:
+    """The next batch to hold below ``refused``, which needed ``needed`` bytes (None: not
+    known): where the bytes over ``fixed``, proportional to the batch, meet ``budget``;
+    within ``[min_batch, refused - 1]``."""
+    guess = refused - 1
+    if needed is not None and needed > budget > fixed:
+        guess = int(refused * (budget - fixed) // (needed - fixed))
+    return max(min_batch, min(guess, refused - 1))
+
+
+def _not_held(verdict: AllocatorVerdict, budget: int, batch: int) -> TfrematError:
+    """The refusal of a smallest batch whose step no plan held within ``budget``."""
+    if isinstance(verdict.error, InfeasibleBudgetError):
+        return verdict.error.for_batch(f"batch {batch}")
+    if verdict.error is not None:
+        return verdict.error
+    return InfeasibleBudgetError(
+        budget, min_feasible_bytes=verdict.needed_bytes,
+        detail=f"batch size {batch}'s step was held within the budget on the allocator only by a plan costing more "
+               "than the overhead limit (raise max_overhead, or pass allocator_check=False to hold the budget for "
+               "the bytes the step requests)", batch=f"batch {batch}")
+
+
+def _step_cost(graph: DFGraph, schedule: Schedule) -> float:
+    """What the overhead cap is held against: the schedule's compute cost, and with
+    offloading the step's time with its waits for host copies."""
+    return simulate(graph, schedule).makespan if schedule.offloads else schedule.cost(graph)
+
+
 class _Evaluator:
     """Whether a batch's graph fits: the strategy's cheapest schedule within the budget,
     costing at most the overhead cap. Remembers each batch's outcome, the schedule of those
@@ -306,8 +475,7 @@ class _Evaluator:
                 logger.warning("batch %d counts as not fitting: %s found no schedule (%s)", batch, self.strategy, exc)
                 schedule = None
             if schedule is not None:
-                # With offloading, the step's time includes its waits for host copies.
-                cost = simulate(graph, schedule).makespan if schedule.offloads else schedule.cost(graph)
+                cost = _step_cost(graph, schedule)
                 ok = cost <= cap * (1 + 1e-12)
                 refusal = "overhead"
                 found = (schedule, graph, cost, cap)

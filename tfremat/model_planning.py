@@ -402,7 +402,8 @@ def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", 
             reads being shapes and dtypes.
 
     Integer and boolean inputs (token ids, padding masks) are 0 or 1, valid for any
-    embedding.
+    embedding; string inputs are empty strings (a lookup without an OOV index refuses
+    them: pass the training data's values where the caller takes them).
 
     Returns:
         ``(x, y)``: an array each, or lists of them for several inputs or outputs; a dict of
@@ -432,6 +433,9 @@ def synthetic_batch(model, batch_size: int, *, loss="categorical_crossentropy", 
     rng = None if seed is None else np.random.default_rng(seed)
 
     def array(shape, dtype, draw):
+        if dtype == "string":
+            # NumPy has no such dtype (np.zeros raised a TypeError): empty byte strings.
+            return np.broadcast_to(np.array(b"", dtype=object), shape)
         if rng is None:
             return np.broadcast_to(np.zeros((), dtype), shape)
         return np.asarray(draw(rng, shape), dtype=dtype)
