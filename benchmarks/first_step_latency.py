@@ -5,8 +5,9 @@ the conformance ``transformer_encoder`` and ``bilstm_text`` at batch 8, user_che
 keras-hub DistilBert at batch 8; with ``--only``, also :data:`APPLICATIONS`' EfficientNetV2B0 and
 ResNet50) one ``tfremat.fit`` of one batch with an empty cache, in a
 fresh process, its phases timed by wrapping the functions that do them (:data:`PHASES`:
-extraction and its parts, planning and its parts, compiling, the allocator check), wall and
-CPU seconds, with the graph's memory fields recorded. With ``--trees before=DIR,after=.``
+extraction and its parts, planning and its parts, compiling, the allocator check; and each
+compiled step's first call, its trace and instantiation, apart from its later calls:
+:data:`STEP_CALLS`), wall and CPU seconds, with the graph's memory fields recorded. With ``--trees before=DIR,after=.``
 each model runs on each checkout ``--repeats`` times in turns (before, after, after,
 before, ...), and the table says whether the memory fields agree bit for bit.
 
@@ -173,6 +174,11 @@ PHASES = (
     ("allocator check", "tfremat.keras", "hold_allocator_peak"),
     ("allocator check", "tfremat.keras", "allocator_peak"),
 )
+# A compiled step's calls, timed apart from PHASES: each step's first call (its trace and its
+# instantiation: Grappler, then the executor's setup) under one label, its later calls (the
+# check's reads, training's steps) under another, so that the check's row says how much of it
+# is the trace training would pay anyway and how much the reads.
+STEP_CALLS = ("tfremat.static_graph.compile", "CompiledStep.__call__", "step first call", "step runs")
 # Rows of the phase table: (path, label shown), in this order.
 PHASE_ROWS = (
     (("extraction",), "extraction"),
@@ -201,6 +207,10 @@ PHASE_ROWS = (
     (("allocator check",), "allocator check (allocator_check.py)"),
     (("allocator check", "planning"), "- re-planning"),
     (("allocator check", "compile"), "- compiling again"),
+    (("allocator check", "step first call"), "- each plan's step: trace + instantiation (first call)"),
+    (("allocator check", "step runs"), "- the step's reads (later calls)"),
+    (("step first call",), "step's first call outside the check (trace + instantiation)"),
+    (("step runs",), "training's step (later calls)"),
 )
 PHASE_MODELS = ("cnn", "transformer_encoder", "bilstm_text", "distilbert")
 # Larger models for --only (keras.applications at 64x64, batch 8, Adam, as user_check_5's
@@ -237,9 +247,27 @@ class PhaseClock:
         timed.__wrapped__ = function
         return timed
 
+    def wrap_step_calls(self, first_label: str, later_label: str, function):
+        """``function`` (a step's ``__call__``) timed under ``first_label`` on each step's
+        first call and under ``later_label`` on the others."""
+        first, later = self.wrap(first_label, function), self.wrap(later_label, function)
+        called = {}  # by id, each step kept alive so that no later step takes its id
+
+        def timed(step, *args, **kwargs):
+            if id(step) in called:
+                return later(step, *args, **kwargs)
+            called[id(step)] = step
+            return first(step, *args, **kwargs)
+
+        return timed
+
     def install(self) -> None:
         import importlib
 
+        module_name, attribute, first_label, later_label = STEP_CALLS
+        owner, _, name = attribute.partition(".")
+        holder = getattr(importlib.import_module(module_name), owner)
+        setattr(holder, name, self.wrap_step_calls(first_label, later_label, getattr(holder, name)))
         wrapped = {}
         for label, module_name, attribute in PHASES:
             try:
