@@ -238,9 +238,11 @@ def max_batch_size(
     graph is extracted (profiled), planned as ``fit`` plans it, its step compiled and run and
     held to the budget by ``fit``'s check (planning again under the allocator's excess), and
     where no plan within the overhead cap holds, smaller batches are tried until one does
-    (:func:`tfremat.maxbatch.hold_on_allocator`). ``fit`` at the answer's batch and budget then
-    trains the plan the answer reports (MobileNetV2 32x32 at 64 MB: the search's batch 90 was
-    held at 72.0 MB without the check; benchmarks/results/maxbatch_allocator.md).
+    (:func:`tfremat.maxbatch.hold_on_allocator`). The allocator's peak depends on the state of
+    its free chunks, so ``fit`` at the answer can still read its step a little higher and
+    refuse: MobileNetV2 32x32 at 64 MB answered 90 without the check (``fit`` refused it),
+    82 held at 63.6 MB with it, and ``fit`` at 82 right after the search read about 1% more
+    and refused (benchmarks/results/maxbatch_allocator.md).
 
     Args:
         model: a Keras model whose inputs have static shapes apart from the batch.
