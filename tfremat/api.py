@@ -20,7 +20,6 @@ from tfremat.model_planning import (
     extract_model,
     loss_and_optimizer,
     plan_model,
-    synthetic_batch,
     wants_implementations,
 )
 from tfremat.plan.simulator import checkpoint_all_peak
@@ -240,9 +239,7 @@ def max_batch_size(
     where no plan within the overhead cap holds, smaller batches are tried until one does
     (:func:`tfremat.maxbatch.hold_on_allocator`). The allocator's peak depends on the state of
     its free chunks, so ``fit`` at the answer can still read its step a little higher and
-    refuse: MobileNetV2 32x32 at 64 MB answered 90 without the check (``fit`` refused it),
-    82 held at 63.6 MB with it, and ``fit`` at 82 right after the search read about 1% more
-    and refused (benchmarks/results/maxbatch_allocator.md).
+    refuse it, naming a budget a few percent larger (``benchmarks/maxbatch_allocator.py``).
 
     Args:
         model: a Keras model whose inputs have static shapes apart from the batch.
