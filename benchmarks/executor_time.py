@@ -246,14 +246,14 @@ def _loop_spans(run, iterations: int) -> tuple[float, list[float]]:
 def _statement_times(run) -> dict[tuple, float]:
     """Seconds of each part of one traced ``run()`` of a compiled step: TensorFlow's host trace
     has no event per operation on the single-threaded executor, but each allocation names its
-    operation (``tf_op``), and the step's names carry the statement (``step/forward_<node>/``,
+    operation (``tf_op``), and the step's names carry the statement (``step/<layer>/forward_<node>/``,
     ``step/reforward_<node>/``, ``step/loss_<node>/``; a gradient ``gradient_tape/step/forward_<node>/``,
     the optimizer ``adam...``). A part runs from its first allocation to the next part's, so
     an operation that allocates nothing counts in the part before it. Keys: ``(kind, node)``
     with kind forward, reforward, backward (node: its forward's), loss, or ``("other", name)``."""
     import re
 
-    statement = re.compile(r"^(?:gradient_tape/)?step/(re)?(forward|loss)_(\d+)/")
+    statement = re.compile(r"^(?:gradient_tape/)?step/(?:.*?/)?(re)?(forward|loss)_(\d+)/")
     allocations, call = [], None
     for name, start, duration, op in _host_events(run):
         if name == "KernelAndDeviceFunc::Run":

@@ -5,20 +5,21 @@ A real difference (a dropout mask, a batch-norm statistic, a training flag) chan
 computes; a rounding difference only how the same sums are grouped. The first test holds an
 EfficientNetV2 block (squeeze-excite, a drop-connect ``Dropout(noise_shape)``, batch norms with
 momentum 0.9 into a residual ``Add``) to plain training under a schedule that recomputes: the
-layers' state after the step bitwise, the gradients within rounding. The other two hold the two
-rounding differences that keep a Perceiver off bitwise even when nothing is recomputed, as strict
-xfails so that a change which removes one is noticed:
+layers' state after the step bitwise, the gradients within rounding. The others hold the two
+rounding differences that kept a Perceiver off bitwise even when nothing is recomputed:
 
 - a tensor read by a ``LayerNormalization`` and by a residual ``Add``: plain training's tape sums
   its gradient in one ``AddN`` (the ``Add``'s term first, then the layer norm's three). The step
   forms that ``AddN`` too (the layer norm's backward takes the ``Add``'s term as an extra target,
-  ``_Interpreter._earlier_contributions``), bitwise with Grappler off (tested here), but Grappler
-  sorts a commutative operation's inputs by name (``CanonicalizeGraph``), and the step's statement
-  scopes (``step/forward_<node>/``) sort the two layers' terms otherwise than plain training's
-  layer scopes;
-- ``MultiHeadAttention`` alone: constant folding pairs the query's scale with the operand first
-  in name order, and the step's ``step/`` scope sorts after ``gradient_tape/`` on purpose (the
-  interpreter's comment on ``"step"``; benchmarks/results/mobilenetv3_exact.md).
+  ``_Interpreter._earlier_contributions``), bitwise with Grappler off (tested here); with Grappler
+  on, which sorts a commutative operation's inputs by name (``CanonicalizeGraph``), since a first
+  forward computation's scope starts with its layer's path as plain training's names do
+  (``_Interpreter._statement_scope``);
+- ``MultiHeadAttention`` alone (a strict xfail): Grappler pairs the softmax gradient's scale with
+  the operand first in name order, the softmax in plain training, the gradient in the step, whose
+  ``step/`` scope sorts after ``gradient_tape/`` on purpose: plain's order computes the scale times
+  the softmax in the forward and holds it to the backward, a buffer per attention call that no
+  profile counts (benchmarks/results/exactness_models.md, "Session 31 (N)").
 """
 
 import numpy as np
@@ -156,15 +157,13 @@ def test_a_recomputing_step_leaves_an_mbconv_blocks_state_as_plain_training():
 
 
 @pytest.mark.parametrize("make", [
-    pytest.param(_layer_norm_fan_out, id="layer_norm_fan_out", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="issue 33: the step forms plain training's AddN, but Grappler sorts its inputs by name and the "
-               "step's statement scopes order the two layers' terms otherwise (benchmarks/results/"
-               "exactness_models.md)")),
+    pytest.param(_layer_norm_fan_out, id="layer_norm_fan_out"),
     pytest.param(_attention, id="attention", marks=pytest.mark.xfail(
         strict=True, raises=AssertionError,
-        reason="issue 33: the step's scope sorts after gradient_tape/, so constant folding pairs the query "
-               "scale otherwise than plain training (benchmarks/results/mobilenetv3_exact.md)")),
+        reason="issue 33: the step's names sort after gradient_tape/, so Grappler pairs the softmax gradient's "
+               "scale with the gradient, not with the softmax as in plain training, whose product of forward "
+               "values is held from the forward to the backward (benchmarks/results/exactness_models.md, "
+               "Session 31 (N))")),
 ])
 def test_checkpoint_all_gradients_are_bitwise_plain(make):
     model = make()

@@ -8,10 +8,10 @@ constant folding moves the dropout scale into the hard-swish product before it, 
 ordered by op name. The per-statement tokens and control inputs, and the ``forward_<n>``
 scopes, block or reorder both. These tests hold the two smallest structures that showed it.
 The first is bitwise since a statement that the next one reads has no token
-(``tfremat.static_graph.interpreter._chained_computes``); the second is a strict xfail
-while the step's op names order commutative operands otherwise than plain training's
-(``functional_1/<layer>/...`` first, then ``gradient_tape/...``): its forward scopes are
-numbered by node, not named by layer, and sort after ``gradient_tape/``.
+(``tfremat.static_graph.interpreter._chained_computes``); the second since a first forward
+computation's scope starts with its layer's path (``step/<layer>/forward_<n>/``), so the step's
+op names order commutative operands by layer as plain training's (``functional_1/<layer>/...``)
+do, not by node number (``_Interpreter._statement_scope``).
 """
 
 import functools
@@ -87,12 +87,7 @@ def _gradients_against_plain(model):
 
 @pytest.mark.parametrize("make", [
     pytest.param(_residual_batch_norm, id="bn_add"),
-    pytest.param(_hard_swish_dropout_head, id="hswish_dropout", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="issue 33: constant folding pairs the dropout scale and the hard-swish gradient's 1/6 with the "
-               "operand first in name order; the step's step/forward_<n>/ names order them by node number and "
-               "after gradient_tape/, plain's functional_1/<layer>/ by layer name and before "
-               "(benchmarks/results/mobilenetv3_exact.md)")),
+    pytest.param(_hard_swish_dropout_head, id="hswish_dropout"),
 ])
 def test_checkpoint_all_gradients_are_bitwise_plain(make):
     model = make()

@@ -531,7 +531,7 @@ def test_a_grouped_convolution_runs_its_backward_function_once():
     step = compile_step(extraction, get_strategy("checkpoint_all")(extraction.graph), optimizer=keras.optimizers.SGD())
     concrete = step.function.get_concrete_function(*batch)
     backward_calls = [op for op in concrete.graph.get_operations()
-                      if op.type in ("PartitionedCall", "StatefulPartitionedCall") and op.name.startswith("step/backward_")]
+                      if op.type in ("PartitionedCall", "StatefulPartitionedCall") and op.name.startswith("backward_")]
     assert len(backward_calls) == len(grouped)
 
 

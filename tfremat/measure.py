@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 
 import tensorflow as tf
 
@@ -218,17 +217,15 @@ def _rounding_by_implementation(model, extraction, result, x, y, saved) -> list[
     return rows
 
 
-# The compiled step runs each plan statement under this name scope (static_graph/interpreter.py).
-_STATEMENT_SCOPE = re.compile(r"(?:^|/)(re)?(forward|backward|loss)_(\d+)(?:/|$)")
-
-
 def _statement_of(op: str, graph) -> tuple[str, int | None, bool]:
     """The plan statement an operation of the compiled step ran for: its scope
     (``forward_<node>``, ``backward_<node>``, ``reforward_<node>``, ``loss_<node>``, or
     ``other``), its node and whether it is a recomputation. A gradient op is named
     ``gradient_tape/forward_<node>/...`` after the call it differentiates, under the backward
     statement's tape: it belongs to that node's backward node."""
-    match = _STATEMENT_SCOPE.search(op)
+    from tfremat.static_graph.interpreter import STATEMENT_SCOPE
+
+    match = STATEMENT_SCOPE.search(op)
     if match is None:
         return "other", None, False
     node = int(match.group(3))

@@ -16,7 +16,7 @@ from tfremat.plan.execution import ExecutionPlan, Op, build_plan
 from tfremat.plan.schedule import Schedule, validate_schedule
 from tfremat.runtime import executor
 from tfremat.runtime.optimizer import apply_gated
-from tfremat.static_graph.interpreter import TraceReport, interpret_plan, order_updates
+from tfremat.static_graph.interpreter import STATEMENT_SCOPE, TraceReport, interpret_plan, order_updates
 
 __all__ = ["CompiledStep", "compile_step", "check_acyclic"]
 
@@ -307,7 +307,8 @@ def check_acyclic(func_graph, graph: DFGraph) -> None:
     stuck = [ops[k].name for k, count in enumerate(pending) if count > 0]
     if not stuck:
         return
-    statements = sorted({name.removeprefix("step/").split("/")[0] for name in stuck})
+    statements = sorted({match.group(0).strip("/") if (match := STATEMENT_SCOPE.search(name)) else name.split("/")[0]
+                         for name in stuck})
     described = []
     for scope in statements[:8]:
         kind, _, number = scope.rpartition("_")

@@ -90,6 +90,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -112,9 +113,16 @@ from tfremat.runtime.state import (
     stateful_random_ops,
 )
 
-__all__ = ["TraceReport", "interpret_plan", "order_updates"]
+__all__ = ["STATEMENT_SCOPE", "TraceReport", "interpret_plan", "order_updates"]
 
 logger = logging.getLogger(__name__)
+
+#: The component of an operation's name that names the plan statement it was created for
+#: (``forward_<node>``, ``reforward_<node>``, ``backward_<node>``, ``loss_<node>``; groups: ``re``,
+#: the kind, the node), wherever it stands: a first forward computation's follows its layer's
+#: path (``step/<layer path>/forward_<node>/``, ``_Interpreter._statement_scope``), and a
+#: gradient operation is named ``gradient_tape/<forward op's name>``.
+STATEMENT_SCOPE = re.compile(r"(?:^|/)(re)?(forward|backward|loss)_(\d+)(?:/|$)")
 
 
 @dataclasses.dataclass
@@ -230,6 +238,12 @@ class _Interpreter:
         self.first_outputs: dict[int, list] = {}
         # node -> the plan position of its latest compute statement (_earlier_contributions).
         self.computed_at: dict[int, int] = {}
+        # The name scopes the statements run under: the enclosing one ("" or "replica_1/"
+        # under a distribution strategy) and "step/" in it (_statement_scope).
+        self.outer_scope = ""
+        self.root_scope = ""
+        # node -> backward statements scoped so far (a schedule may compute a backward node twice).
+        self.backward_scopes: dict[int, int] = {}
         self.report = TraceReport()
 
     # ----- reading resident values -----
@@ -261,17 +275,12 @@ class _Interpreter:
         last_statement: dict[int, int] = {}
         # A backward node's weight gradients are taken at its last compute only (_backward).
         last_compute = {statement.node: k for k, statement in enumerate(plan) if statement.op is Op.COMPUTE}
-        # The statements run under "step/", whose names sort after "gradient_tape/":
-        # Grappler's arithmetic optimizer breaks ties in name order when it regroups a
-        # product of forward and gradient values, and with the forward scopes first it moved
-        # a softmax gradient's scale multiply into the forward (a float32 buffer per
-        # attention call kept until the backward under mixed_float16;
-        # tests/test_mixed_precision.py). Plain training's forward names sort first, so
-        # the step is not bitwise like it where such a tie decides the rounding (a
-        # hard-swish's gradient; benchmarks/results/mobilenetv3_exact.md).
+        # Each statement runs under its name scope (_statement_scope), in or beside "step/".
         chained = _chained_computes(self.graph, plan, self._last_weight_uses(plan))
         in_chain, chain_produced = False, []
-        with tf.name_scope("step"), contextlib.ExitStack() as chain_block:
+        outer = tf.get_current_name_scope()
+        self.outer_scope = f"{outer}/" if outer else ""
+        with tf.name_scope("step") as self.root_scope, contextlib.ExitStack() as chain_block:
             for position, statement in enumerate(plan):
                 node = statement.node
                 if statement.op is Op.ALLOCATE:
@@ -482,9 +491,51 @@ class _Interpreter:
                 ledger.append(live)
         return [int(b) for b in np.asarray(ledger, dtype=np.int64) + held_weight_gradients(self.graph, plan)]
 
+    def _statement_scope(self, node: int, entry, recompute: bool) -> str:
+        """The name scope of ``node``'s compute statement, named ``forward_<node>``,
+        ``reforward_<node>``, ``backward_<node>`` or ``loss_<node>``: a first forward
+        computation's under ``step/`` and its layer's path (``step/<layer path>/forward_<node>/``),
+        a backward statement's beside ``step/`` (``backward_<node>/``), the others' in ``step/``.
+
+        Grappler's arithmetic optimizer and constant folding break ties between the operands
+        of a commutative operation in name order (the canonical order of its inputs, then
+        which operand a constant or a scalar is paired with), and a gradient operation is
+        named ``gradient_tape/<forward op's name>``. Plain training names its forward
+        operations ``<model>/<layer>/...`` and the sums its tape forms of a tensor's gradient
+        contributions ``AddN_<k>``, at the root, before every other name. Under statement
+        scopes numbered by node, node numbers ordered the layers' operations instead, and the
+        sums sorted after the gradients, so the step rounded otherwise than plain training
+        where such a tie decided a float32 sum or product (a hard-swish then a dropout; a
+        tensor read by a layer norm and a residual ``Add``, whose gradient's ``AddN`` is sorted
+        by the readers' names; every gradient of a CCT: tests/test_mobilenetv3_exact.py,
+        tests/test_exactness_models.py, benchmarks/results/exactness_models.md "Session 31 (N)").
+        The layer's path before the statement orders the first forward pass as plain
+        training's names do, and ``backward_`` sorts before ``gradient_tape/`` and ``step/`` as
+        ``AddN`` does; the statement component keeps each scope its statement's
+        (:data:`STATEMENT_SCOPE`, which ``tfremat.measure`` reads). These scopes are absolute,
+        so TensorFlow does not uniquify a layer's path into another layer's place in the order.
+
+        ``step/`` itself sorts after ``gradient_tape/``, unlike plain training's model scope:
+        where a product of a forward value and a gradient ties, the gradient is taken first.
+        In plain training's order Grappler pairs an attention softmax gradient's scale with
+        the softmax, a product of forward values that then runs in the forward pass and is
+        held to the backward (one float32 batch x heads x queries x keys buffer per attention
+        call, which no profile counts: benchmarks/results/fidelity_mixed.md). So an
+        attention layer's gradients are not bitwise plain training's. Recomputations keep
+        ``step/reforward_<node>``, distinct from the first computation's name.
+        """
+        statement = f"{'re' if recompute else ''}{entry.kind}_{node}"
+        if entry.kind == "backward":
+            repeat = self.backward_scopes.get(node, 0)
+            self.backward_scopes[node] = repeat + 1
+            return f"{self.outer_scope}{statement}{f'_{repeat}' if repeat else ''}/"
+        if entry.kind != "forward" or recompute:
+            return statement
+        return f"{self.root_scope}{_scope_name(entry.name)}/{statement}/"
+
     def _compute(self, node: int, recompute: bool, last: bool) -> list:
         entry = self.table[node]
-        with tf.name_scope(f"{'re' if recompute else ''}{entry.kind}_{node}"):
+        with tf.name_scope(self._statement_scope(node, entry, recompute)):
             if entry.kind == "forward":
                 return self._forward(node, entry, recompute)
             if entry.kind == "loss":
@@ -996,6 +1047,12 @@ def _add_gradients(parts: list):
             parts[0].dense_shape,
         )
     return tf.add_n([tf.convert_to_tensor(p) for p in parts])
+
+
+def _scope_name(path: str) -> str:
+    """``path`` (a layer's name or nested path) as a TensorFlow name scope: characters a scope
+    may not hold replaced by ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.\-/]", "_", path).strip("/") or "_"
 
 
 def _mask_key(ref) -> tuple:
