@@ -160,8 +160,8 @@ def requested_peak_live(run: Callable[[], None], device: str, *,
     Returns:
         ``(peak, live)``: ``live`` holds one dict per allocation made in ``run()`` and not
         freed at the peak's first moment, in allocation order: ``op`` (the allocating
-        operation's name, name scope included: the compiled step's statements are scoped
-        ``step/forward_<node>``, ``step/backward_<node>``, ``step/reforward_<node>``), ``region``
+        operation's name, name scope included: the compiled step's statements are scoped as
+        ``tfremat.static_graph.interpreter.STATEMENT_SCOPE`` reads them), ``region``
         (``output`` or ``temp``), ``shape`` and ``bytes`` (requested); the peak is their sum.
 
     Raises:
