@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from tfremat.errors import ExtractionError
+from tfremat.errors import ExtractionError, TfrematError
 from tfremat.extract.analysis import CallAnalysis, analyze_call
 from tfremat.extract.layer_graph import (
     LayerCall,
@@ -118,16 +118,32 @@ def analyze_checked(call: LayerCall, takes_training: bool, specs, grads, batch, 
     Raises:
         ExtractionError: the call changed a plain Python attribute of a user layer, or the
             layer added losses (``activity_regularizer=``, ``add_loss``) in ``call``, with
-            the route that keeps the term (:func:`_added_loss_remedy`).
+            the route that keeps the term (:func:`_added_loss_remedy`); or the call fails
+            to trace on tensors of ``specs`` with a ``TypeError`` or ``ValueError`` (what
+            Keras and TensorFlow raise for an argument they cannot take), naming the call
+            and the way around it, not as the bare Keras error.
     """
     layer = call.layer
     user_layer = not type(layer).__module__.startswith("keras")
     before = _python_state(layer) if user_layer else None
-    with state_restored(stateful_variables(layer)):
-        analysis = analyze_call(
-            _make_caller(call, takes_training, implementation), call.name, specs, grads, list(trainable_variables(layer)), batch,
-            profile=cost_model == "profile", repeats=repeats, input_masks=call.input_masks,
-        )
+    try:
+        with state_restored(stateful_variables(layer)):
+            analysis = analyze_call(
+                _make_caller(call, takes_training, implementation), call.name, specs, grads,
+                list(trainable_variables(layer)), batch,
+                profile=cost_model == "profile", repeats=repeats, input_masks=call.input_masks,
+            )
+    except TfrematError:
+        raise
+    except (TypeError, ValueError) as error:
+        shapes = ", ".join(str(tuple(spec.shape)) for spec in specs)
+        raise ExtractionError(
+            f"layer call {call.name!r} fails when traced on tensors of shapes {shapes}: {type(error).__name__}: "
+            f"{' '.join(str(error).split())[:400]}. tfremat replays each call with the arguments it was recorded with; "
+            "where the call is inside a layer tfremat opened (granularity \"sublayer\", the default), pass "
+            "granularity=\"layer\" to keep layers whole, and report the layer",
+            layer=call.name,
+        ) from error
     if user_layer:
         after = _python_state(layer)
         changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))

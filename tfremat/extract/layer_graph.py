@@ -32,6 +32,7 @@ from tfremat.extract.opening import (
     MASK_UNTRACED,
     KeptWhole,
     detach_recorded_nodes,
+    known_output_spec,
     log_kept,
     mask_sources,
     may_clear_masks,
@@ -264,7 +265,7 @@ def walk_model(model, granularity: str = DEFAULT_GRANULARITY,
     inputs = []
     for index, (tensor, shape) in enumerate(zip(graph.inputs, shapes)):
         ref = TensorRef("model_input", index)
-        walker.symbolic[ref] = keras.KerasTensor(tuple(shape), dtype=tensor.dtype)
+        walker.symbolic[ref] = keras.KerasTensor(tuple(shape), dtype=tensor.dtype, sparse=tensor.sparse)
         inputs.append(ref)
     outputs = walker.walk(graph, inputs, "")
     for ref in outputs:
@@ -290,7 +291,9 @@ class _Walker:
     ``symbolic`` holds a ``KerasTensor`` per reference with every dimension the input
     shapes fix, the batch included: a layer is opened by recording its call on such
     tensors, since a layer like keras-hub's decoder builds its causal mask from the
-    sequence length and the batch size.
+    sequence length and the batch size, and keras-hub's Gemma attention reshapes to the
+    shape it reads from its query (:mod:`~tfremat.extract.opening`, "Shapes"). It is
+    sparse only where a model input is declared sparse and the calls from it keep it so.
 
     ``masks_touched`` holds the references that an earlier call of a layer that may clear
     Keras masks read (:func:`may_clear_masks`, a ``MultiHeadAttention`` kept whole) or
@@ -463,11 +466,14 @@ class _Walker:
 
     def _output_tensors(self, op, node, arg_refs) -> list:
         """The call's outputs as ``KerasTensor`` s with the shapes its inputs fix: the
-        layer's output spec on the known input shapes (the recorded ones when that fails).
-        Only needed while a layer may be opened."""
+        layer's output spec on the known input shapes, its open dimensions filled in
+        (:func:`known_output_spec`; the recorded shapes when that fails), sparse only where
+        an input is (Keras marks a tensor times a number sparse). Only needed while a layer
+        may be opened."""
         if self.granularity == "layer":
             return list(node.outputs)
-        known = iter([self.symbolic[r] for r in arg_refs])
+        inputs = [self.symbolic[r] for r in arg_refs]
+        known = iter(inputs)
 
         def swap(value):
             return next(known) if isinstance(value, keras.KerasTensor) else value
@@ -475,10 +481,11 @@ class _Walker:
         args = tf.nest.map_structure(swap, tuple(node.arguments.args))
         kwargs = tf.nest.map_structure(swap, dict(node.arguments.kwargs))
         try:
-            spec = tf.nest.flatten(op.compute_output_spec(*args, **kwargs))
+            spec = tf.nest.flatten(known_output_spec(op, args, kwargs))
         except Exception as error:  # noqa: BLE001 - any failure leaves the recorded (less known) shapes
             logger.debug("layer %s: no output spec at known shapes (%s)", op.name, error)
-            return list(node.outputs)
+            spec = node.outputs
         if len(spec) != len(node.outputs):
-            return list(node.outputs)
-        return [keras.KerasTensor(s.shape, dtype=s.dtype) for s in spec]
+            spec = node.outputs
+        any_sparse = any(tensor.sparse for tensor in inputs)
+        return [keras.KerasTensor(s.shape, dtype=s.dtype, sparse=s.sparse and any_sparse) for s in spec]

@@ -25,7 +25,9 @@ once per layer class (:func:`log_kept`), when:
 * a Keras mask on a tensor it reads or returns cannot be made a value of the graph, or an
   earlier call may have cleared the mask its input carries (see "Keras masks" below);
 * its ``call`` cannot run symbolically (a raw TensorFlow op on a ``KerasTensor``, Python
-  control flow on tensor values): the error is the reason.
+  control flow on tensor values): the error is the reason;
+* its recorded graph fails at the batch's shapes: a shape it read from a tensor whose
+  dimensions were unknown when recorded went into an argument (see "Shapes" below).
 
 ``granularity`` chooses how far to open (:data:`GRANULARITIES`): ``"layer"`` opens nothing
 (a node per top-level layer call, nested models flattened), ``"sublayer"`` opens every layer
@@ -38,6 +40,26 @@ A layer kept whole that holds most of the model's layers leaves the planner almo
 recompute: a subclassed model that stays one node is planned as input, one call and the
 loss, and every budget below checkpoint-all is out of reach. That is logged as a warning
 with what to change (issue 33); any other kept layer at INFO level.
+
+Shapes
+------
+An operation's arguments are recorded as they were given: ``ops.reshape(y, ops.shape(x))``
+records the tuple ``ops.shape(x)`` returned for the symbolic ``x``, and the step replays that
+tuple on every batch. So a call is recorded on tensors with every dimension the batch fixes
+(the walker's, :mod:`~tfremat.extract.layer_graph`), and what its sublayers make keeps them
+known: a sublayer whose own shape rule leaves a dimension open that its inputs fix
+(keras-hub's ``EinsumDense(output_shape=(None, heads, size))`` for the sequence axis) gets
+the shape its ``call`` makes when traced at those inputs (:func:`known_output_spec`). A
+shape read while a dimension is still unknown would replay ``None`` (keras-hub's
+``CachedGemmaAttention._apply_rope`` recorded ``(8, None, 4, 16)`` for a reshape): a recorded
+graph with an unknown dimension inside is traced at the batch's shapes, and the layer stays
+whole when that fails (:func:`_unknown_shape_reason`).
+
+Keras marks a tensor times a Python number sparse (``Multiply.compute_output_spec`` reads the
+number's missing ``sparse`` attribute as True), and a sublayer whose output spec is traced
+then gets a sparse placeholder its ``call`` cannot read (keras-hub's ``RMSNormalization``
+after ``GemmaBackbone``'s embedding scale). No operation makes a sparse tensor out of dense
+ones, so a recording whose inputs are all dense hands its sublayers dense specs.
 
 Keras masks
 -----------
@@ -73,6 +95,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 
 import keras
 import tensorflow as tf
@@ -88,7 +111,8 @@ from tfremat.runtime.internals import (
 
 __all__ = [
     "GRANULARITIES", "DEFAULT_GRANULARITY", "KeptWhole", "OpenedCall", "open_layer", "log_kept",
-    "detach_recorded_nodes", "may_open", "may_clear_masks", "mask_sources", "MASK_UNTRACED", "MASK_CHANGED",
+    "detach_recorded_nodes", "may_open", "may_clear_masks", "mask_sources", "known_output_spec", "MASK_UNTRACED",
+    "MASK_CHANGED",
 ]
 
 logger = logging.getLogger(__name__)
@@ -179,7 +203,8 @@ def open_layer(layer, node, granularity: str, inputs, masks=None):
         return KeptWhole(f"its call does not run on symbolic tensors ({type(error).__name__}: {error})",
                          "write that step with keras.ops (keras.ops.cond, keras.ops.where) in place of Python "
                          "control flow on tensor values or raw TensorFlow ops")
-    kept = _coverage_reason(layer, function) or _inference_call_reason(function)
+    kept = (_coverage_reason(layer, function) or _inference_call_reason(function)
+            or _unknown_shape_reason(function))
     single_operation = not has_sublayers and _operation_count(function) < 2
     if kept or single_operation:
         detach_recorded_nodes(function)
@@ -297,7 +322,7 @@ def _record_call(layer, node, inputs, masks):
     (``keras.src.models.functional.operation_fn``).
     """
     flat = [t for t in tf.nest.flatten((node.arguments.args, node.arguments.kwargs)) if isinstance(t, keras.KerasTensor)]
-    placeholders = {id(t): keras.Input(batch_shape=known.shape, dtype=t.dtype, sparse=t.sparse)
+    placeholders = {id(t): keras.Input(batch_shape=known.shape, dtype=t.dtype, sparse=known.sparse)
                     for t, known in zip(flat, inputs)}
     mask_placeholders = [None if mask is None else keras.Input(batch_shape=mask.shape, dtype=mask.dtype)
                          for mask in masks]
@@ -319,7 +344,8 @@ def _record_call(layer, node, inputs, masks):
     outer = keras_global_attribute("current_call_ctx")
     set_keras_global_attribute("current_call_ctx", context)
     try:
-        with keras.StatelessScope(), _traced_output_specs(layer):
+        dense = not any(placeholder.sparse for placeholder in placeholders.values())
+        with keras.StatelessScope(), _recording_output_specs(layer, dense):
             outputs = layer.call(*args, **kwargs)
     finally:
         set_keras_global_attribute("current_call_ctx", outer)
@@ -351,34 +377,123 @@ def _fill_in_mask_arguments(layer, args, kwargs: dict) -> None:
 
 
 @contextlib.contextmanager
-def _traced_output_specs(layer):
-    """Lets a sublayer whose own ``compute_output_spec`` refuses the arguments its parent
-    passes fall back to tracing its ``call`` (Keras's generic ``Operation`` rule).
+def _recording_output_specs(layer, dense: bool):
+    """Makes each sublayer of ``layer`` give, while its call is recorded, the output spec
+    :func:`known_output_spec` gives (every dimension its inputs fix known; module docstring,
+    "Shapes"), from dense arguments where ``dense`` (the recording's inputs are all dense, so
+    a sparse mark inside is Keras's product with a number), and fall back to tracing its
+    ``call`` where its own ``compute_output_spec`` refuses the arguments its parent passes.
 
     Keras records a sublayer call by asking the sublayer for its output spec; keras-hub's
     ``CachedMultiHeadAttention`` inherits ``MultiHeadAttention.compute_output_spec``, which
-    takes no ``cache`` argument, so its decoder could not be recorded at all. The fallback is
-    an instance attribute, removed on exit.
+    takes no ``cache`` argument, so its decoder could not be recorded at all. The specs are
+    instance attributes, removed on exit.
     """
     patched = []
     for sublayer in layer._flatten_layers(include_self=False):
-        if type(sublayer).compute_output_spec is keras.layers.Layer.compute_output_spec:
-            continue
         own = sublayer.compute_output_spec
 
-        def tolerant(*args, _own=own, _sublayer=sublayer, **kwargs):
-            try:
-                return _own(*args, **kwargs)
-            except TypeError:
-                return keras.Operation.compute_output_spec(_sublayer, *args, **kwargs)
+        def recorded_spec(*args, _own=own, _sublayer=sublayer, **kwargs):
+            if dense:
+                args, kwargs = tf.nest.map_structure(_dense_spec, (args, kwargs))
+            return known_output_spec(_sublayer, args, kwargs, _own)
 
-        object.__setattr__(sublayer, "compute_output_spec", tolerant)
+        object.__setattr__(sublayer, "compute_output_spec", recorded_spec)
         patched.append(sublayer)
     try:
         yield
     finally:
         for sublayer in patched:
             object.__delattr__(sublayer, "compute_output_spec")
+
+
+def known_output_spec(operation, args, kwargs, own=None):
+    """``operation``'s output spec for ``args`` and ``kwargs`` (``KerasTensor`` s among
+    them), with every dimension that their shapes fix known: where the operation's own rule
+    (``own``, default its ``compute_output_spec``) leaves an output dimension open although
+    every argument's shape is known, that dimension is the one its ``call`` makes when traced
+    at those shapes (Keras's generic rule, ``keras.Operation.compute_output_spec``); the
+    dtypes and sparse marks stay the own rule's (module docstring, "Shapes"). The traced
+    rule also answers where the own one refuses the arguments with a ``TypeError``.
+    """
+    own = own or operation.compute_output_spec
+    try:
+        spec = own(*args, **kwargs)
+    except TypeError:
+        return keras.Operation.compute_output_spec(operation, *args, **kwargs)
+    tensors = [t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, keras.KerasTensor)]
+    outputs = tf.nest.flatten(spec)
+    if not tensors or not all(_fully_known(t.shape) for t in tensors):
+        return spec
+    if all(_fully_known(t.shape) for t in outputs if isinstance(t, keras.KerasTensor)):
+        return spec
+    try:
+        traced = tf.nest.flatten(keras.Operation.compute_output_spec(operation, *args, **kwargs))
+    except Exception as error:  # noqa: BLE001 - a call that does not trace keeps its own rule's spec
+        logger.debug("%s: output spec not traced at known shapes (%s)", operation.name, error)
+        return spec
+    if len(traced) != len(outputs):
+        return spec
+    return tf.nest.pack_sequence_as(spec, [_filled_in(o, t) for o, t in zip(outputs, traced)])
+
+
+def _filled_in(own, traced):
+    """``own`` (a ``KerasTensor`` or another output) with the open dimensions that
+    ``traced`` knows, where the two agree on the rank and every known dimension."""
+    if not isinstance(own, keras.KerasTensor) or not isinstance(traced, keras.KerasTensor):
+        return own
+    if len(own.shape) != len(traced.shape) or any(o is not None and o != t for o, t in zip(own.shape, traced.shape)):
+        return own
+    shape = tuple(t if o is None else o for o, t in zip(own.shape, traced.shape))
+    return keras.KerasTensor(shape, dtype=own.dtype, sparse=own.sparse)
+
+
+def _dense_spec(value):
+    if isinstance(value, keras.KerasTensor) and value.sparse:
+        return keras.KerasTensor(value.shape, dtype=value.dtype)
+    return value
+
+
+def _fully_known(shape) -> bool:
+    return None not in tuple(shape)
+
+
+def _unknown_shape_reason(function) -> KeptWhole | None:
+    """Why a recorded graph with a dimension unknown inside it keeps the layer whole, or None.
+
+    Every dimension of the recording's inputs known, a tensor inside it with one unknown
+    may have had its shape read into an operation's argument, which the step would replay
+    with ``None`` in it (module docstring, "Shapes"). The graph is traced at its inputs'
+    shapes, as the step traces it; None when that succeeds or nothing inside is unknown.
+    """
+    if not all(_fully_known(t.shape) for t in function.inputs):
+        return None
+    unknown = [(t.shape, recorded.operation.name) for depth in sorted(function._nodes_by_depth, reverse=True)
+               for recorded in function._nodes_by_depth[depth] if recorded.operation is not None
+               for t in recorded.outputs if not _fully_known(t.shape)]
+    if not unknown:
+        return None
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in function.inputs]
+    try:
+        tf.function(function.call, autograph=False).get_concrete_function(specs)
+    except Exception as error:  # noqa: BLE001 - any failure at the batch's shapes keeps the layer whole
+        shape, maker = unknown[0]
+        return KeptWhole(
+            f"its recorded graph fails at the batch's shapes ({type(error).__name__}: {_first_cause(error)}): a "
+            f"shape read from a tensor with a dimension unknown when recorded (the first: {shape} from {maker!r}) "
+            "went into an argument",
+            "let the sublayer that makes that tensor compute every dimension its inputs fix (compute_output_shape), "
+            "or read the shape inside a sublayer's own call, where it is the batch's",
+        )
+    return None
+
+
+def _first_cause(error) -> str:
+    """The first sentence of what ``error`` says, without the lines Keras wraps a layer's
+    error in ("Exception encountered when calling ...", its arguments) or its colours."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()]
+    said = [line for line in lines if line and not line.startswith(("Exception encountered", "Arguments received", "•"))]
+    return said[0].split(". ")[0] if said else type(error).__name__
 
 
 def _coverage_reason(layer, function) -> KeptWhole | None:
