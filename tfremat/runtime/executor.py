@@ -30,6 +30,19 @@ These facts of TensorFlow 2.21 decide where it holds (``tests/test_executor.py``
   weight-heavy MLP requested 1.24x its prediction); the update now waits for the token
   (``tests/test_default_threads_memory.py``).
 
+* It refuses reference-typed edges, which Grappler's memory optimizer makes when it rewrites
+  a sum of more than two inputs (an ``AddN``: a gradient's sum at a fan-out, adds the
+  arithmetic optimizer gathered) into a ``TemporaryVariable`` and ``AssignAdd``s. It does so
+  when its static estimate of the function's peak exceeds 80% of the device's memory, and
+  TensorFlow gives its CPU device 256 MiB: a function holding over 205 MiB at once, such as
+  InceptionV3's training step at 75x75 and batch 4, was refused. :func:`sequential` therefore
+  instantiates its functions without the memory optimizer, through the configuration a
+  function call carries (as the executor's name), so the user's Grappler options and every
+  call made outside it are untouched; on CPU the optimizer does nothing else to a TF2 step
+  (its recomputation looks for TF1's ``gradients/`` scopes, its swapping for GPUs), and the
+  one-op-at-a-time sum it would replace is the one the memory model counts
+  (``tests/test_reference_edges.py``, ``benchmarks/results/reference_edges.md``).
+
 * It runs an operation that calls a function (a ``tf.cond``, a call kept out of its
   caller, a loop body holding either) or that waits for another device by blocking an
   inter-op thread until the callee finishes, and the callee runs on another: with one
@@ -74,6 +87,8 @@ import os
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+from tensorflow.python.eager import context
 
 from tfremat.runtime import internals
 
@@ -91,6 +106,10 @@ NOT_INLINED = {"_noinline": True}
 
 # Whether the code running now is inside sequential() (check_loop_executor).
 _IN_SEQUENTIAL = contextvars.ContextVar("tfremat_in_sequential", default=False)
+
+# The serialized ConfigProto of function calls outside the outermost sequential(), which
+# default_executor() puts back inside it; None outside sequential().
+_OUTER_CONFIG = contextvars.ContextVar("tfremat_outer_config", default=None)
 
 # Operations whose kernels run a function asynchronously, which the single-threaded
 # executor waits for on its own thread (module docstring); a While's kernel runs its body
@@ -110,27 +129,48 @@ _SCRATCH_KERNELS = frozenset({"Conv2DBackpropInput", "Conv2DBackpropFilter"})
 @contextlib.contextmanager
 def sequential():
     """Function calls made (eagerly) or traced (into an enclosing graph) inside this
-    context run on TensorFlow's single-threaded executor; a traced call keeps to it only
-    when the called function is not inlined (:data:`NOT_INLINED`)."""
+    context run on TensorFlow's single-threaded executor, instantiated without Grappler's
+    memory optimizer (module docstring: its sums through a temporary variable are refused
+    there); a traced call keeps to both only when the called function is not inlined
+    (:data:`NOT_INLINED`). The user's Grappler options hold for every call made outside."""
+    options = context.context().function_call_options
+    outer = _OUTER_CONFIG.set(options.config_proto_serialized) if not _IN_SEQUENTIAL.get() else None
     token = _IN_SEQUENTIAL.set(True)
     try:
         with tf.experimental.function_executor_type(SEQUENTIAL_EXECUTOR):
+            # function_executor_type restores the options it found, this config included.
+            context.context().function_call_options.config_proto_serialized = _without_memory_optimizer(
+                options.config_proto_serialized)
             yield
     finally:
         _IN_SEQUENTIAL.reset(token)
+        if outer is not None:
+            _OUTER_CONFIG.reset(outer)
 
 
 @contextlib.contextmanager
 def default_executor():
     """Function calls made or traced inside this context run on TensorFlow's default
-    executor, also inside :func:`sequential` (a loop traced here is lowered to control-flow
-    primitives, which only the default executor runs)."""
+    executor with the Grappler options of calls outside :func:`sequential`, also inside it
+    (a loop traced here is lowered to control-flow primitives, which only the default
+    executor runs; the compiled step holding it runs outside :func:`sequential`)."""
     token = _IN_SEQUENTIAL.set(False)
     try:
         with tf.experimental.function_executor_type(""):
+            if _OUTER_CONFIG.get() is not None:
+                context.context().function_call_options.config_proto_serialized = config_pb2.ConfigProto.FromString(
+                    _OUTER_CONFIG.get())
             yield
     finally:
         _IN_SEQUENTIAL.reset(token)
+
+
+def _without_memory_optimizer(serialized: bytes) -> config_pb2.ConfigProto:
+    """``serialized`` (a function call's ``ConfigProto``) with Grappler's memory optimizer
+    off, its other options as they were (module docstring)."""
+    config = config_pb2.ConfigProto.FromString(serialized)
+    config.graph_options.rewrite_options.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    return config
 
 
 def sequential_ops() -> bool:
