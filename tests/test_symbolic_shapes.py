@@ -8,6 +8,7 @@ leaves with an unknown sequence axis: the step replayed ``(8, None, 4, 16)`` and
 the same kind: the sublayer's open dimension is filled in, so the layer opens and its step
 trains as plain Keras does; a dimension no trace can fill in keeps the layer whole with the
 reason logged; a tensor times a number, which Keras marks sparse, opens the layer after it.
+A call that still fails to trace is refused naming itself, not with the bare Keras error.
 """
 
 import logging
@@ -159,3 +160,28 @@ def test_keras_hub_gemma_opens_its_decoder_blocks_and_plans():
     names = result.extraction.graph.names
     for block in ("decoder_block_0", "decoder_block_1"):
         assert any(name.startswith(f"gemma_backbone/{block}/attention/reshape") for name in names), names
+
+
+class RefusesTensors(layers.Layer):
+    """Builds symbolically (its output shape is declared) but its call refuses every tensor,
+    as a replayed argument TensorFlow cannot convert does."""
+
+    def call(self, x):
+        raise TypeError("Failed to convert elements of (4, None) to Tensor")
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def test_a_call_that_fails_to_trace_is_refused_naming_it_and_the_granularity():
+    from tfremat.errors import ExtractionError
+    from tfremat.extract import extract
+
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, layers.Dense(4, activation="softmax")(RefusesTensors(name="refuses")(inputs)))
+    x = np.zeros((4, 8), "float32")
+    with pytest.raises(ExtractionError, match=r"'refuses' fails when traced on tensors of shapes \(4, 8\).*"
+                                              r"Failed to convert.*granularity=\"layer\"") as raised:
+        extract(model, (x, np.eye(4, dtype="float32")), loss="categorical_crossentropy", cost_model="flops",
+                use_cache=False)
+    assert raised.value.layer == "refuses"
