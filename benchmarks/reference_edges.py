@@ -105,8 +105,8 @@ def inception(args) -> None:
     for attempt in range(args.overlaps):
         overlap = measure_plain_overlap(model, x, [y], loss_fn, keras.optimizers.Adam())
         print(f"plain overlap {attempt + 1}: factor {overlap.factor:.3f} (quartiles "
-              f"{overlap.low:.3f}-{overlap.high:.3f}, {overlap.rounds} rounds, load {overlap.load:.1f}), single-threaded plain step "
-              f"{1e3 * overlap.step_seconds:.0f} ms", flush=True)
+              f"{overlap.low:.3f}-{overlap.high:.3f}, {overlap.rounds} rounds, load {overlap.load:.1f}), "
+              f"single-threaded plain step {1e3 * overlap.step_seconds:.0f} ms", flush=True)
     began = time.perf_counter()
     extraction = extract(model, (x, y), optimizer=keras.optimizers.Adam(), loss="sparse_categorical_crossentropy",
                          cost_model="flops", use_cache=False)
