@@ -553,7 +553,7 @@ def render(rows) -> str:
         planned = row.get("fit_planned_time")
         written = row.get("budget_as_written", row["budget"])
         if row.get("retried_at"):
-            written = " -> ".join(str(budget) for budget in [written, *row["retried_at"]])  # "0.8": a float
+            written = " -> ".join(str(tried) for tried in [written, *row["retried_at"]])  # a float budget too
         exact = _exactness(row) or (row.get("error") or row.get("outcome") or "")[:200]
         cells = [row["check"], written, exact, _mib(row.get("fit_predicted")), _mib(row.get("fit_requested")),
                  alloc_cell, _mib(budget), _peaks_cell(row.get("step_peaks"), budget),
