@@ -305,7 +305,7 @@ class _Interpreter:
                         chain_block.close()
                         in_chain = False
                         if produced or chain_produced:
-                            self.token = [_token(produced or chain_produced)]
+                            self.token = [_token(produced or chain_produced, after=self.token)]
                         chain_produced = []
                     elif produced:
                         chain_produced = produced
@@ -1060,11 +1060,22 @@ def _mask_key(ref) -> tuple:
     return ref.source, ref.index, ref.output_index
 
 
-def _token(tensors):
+def _token(tensors, after: list):
     """An operation that reads ``tensors`` as data, for the next statement to wait on
-    (see the module docstring); marked so that Grappler does not remove it."""
+    (see the module docstring); marked so that Grappler does not remove it.
+
+    It also waits for ``after``, the previous statement's token: a statement that creates
+    no operation (an ``Add``'s backward hands the upstream gradient on) makes its token of
+    tensors computed before, so without that edge nothing later waited for the rest of the
+    statement before it. The weight gradient of a norm's scale (a ``Sum`` over the batch of
+    an activation-sized product) followed by a residual ``Add``'s backward then ran only
+    where its optimizer update needed it, at the end of the step with
+    ``weight_grads="fixed"``, holding the product until then: keras-hub's tiny Gemma
+    requested 0.9 MiB over its prediction all through the first decoder block's
+    recomputation (benchmarks/results/gemma_opening.md, "Requested over predicted (Q)")."""
     values = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
-    token = tf.raw_ops.IdentityN(input=values, name="token")[0].op
+    with tf.control_dependencies(after):
+        token = tf.raw_ops.IdentityN(input=values, name="token")[0].op
     token._set_attr("_grappler_do_not_remove", tf.compat.v1.AttrValue(b=True))  # pylint: disable=protected-access
     return token
 
