@@ -27,7 +27,7 @@ from tfremat.errors import (
     failure_status,
 )
 from tfremat.graph import DFGraph
-from tfremat.ilp.solvers import DEFAULT_SOLVER, check_solver_options
+from tfremat.ilp.solvers import DEFAULT_SOLVER, Progress, ProgressFn, check_solver_options
 from tfremat.plan.offload import check_bandwidth
 from tfremat.plan.registry import (
     check_options,
@@ -224,6 +224,8 @@ def describe_report(report, total_cost: float) -> str:
     schedule's and the bound's compute as extra time over one plain step (``total_cost``)
     and the gap between them."""
     parts = [f"{report.seconds:.1f}s"]
+    if report.note is not None:
+        parts.append(report.note)
     if report.incumbent is not None:
         parts.append(f"best schedule {_extra(report.incumbent, total_cost)}")
     if report.bound is not None:
@@ -462,7 +464,15 @@ def plan_graph(
     store = _cache_of(cache)
     reference = checkpoint_all_peak(graph)
     asked_min = budget is not None and budget_kind(budget) == MIN_BUDGET
-    budget = resolve_min_budget(graph, budget)
+    if asked_min:
+        # The search's seconds are shown on the solver's line (a fit's phase line), or on a
+        # line of its own: it took minutes on a 1,541-node graph before it was cut.
+        line = None if options.get("progress") is not None or not verbose else _SolverProgress("tfremat", 0.0)
+        try:
+            budget = resolve_min_budget(graph, budget, progress=options.get("progress") or line)
+        finally:
+            if line is not None:
+                line.close()
     budget_bytes = parse_graph_budget(graph, budget, reference)
     if budget_bytes is not None and budget_bytes >= reference and not asked_min:
         # warnings.warn, not the log: the caller can act on it, and the default filter shows it
@@ -508,11 +518,13 @@ def plan_graph(
     )
 
 
-def resolve_min_budget(graph: DFGraph, budget):
+def resolve_min_budget(graph: DFGraph, budget, progress: ProgressFn | None = None):
     """``budget``, with ``"min"`` replaced by the least budget at which a schedule
     recomputes at most one forward pass, counted under costs no profile moves, and at most
     half a step under the profile (:func:`least_budget_within`), and ``"absolute min"`` by
-    the least peak a heuristic reaches at any cost (:func:`least_peak`), in bytes (logged)."""
+    the least peak a heuristic reaches at any cost (:func:`least_peak`), in bytes (logged).
+    ``progress`` gets a report (its ``note`` in words) for each budget the search for
+    ``"min"`` judges."""
     if budget is None or budget_kind(budget) != MIN_BUDGET:
         return budget
     if is_absolute_min(budget):
@@ -520,7 +532,14 @@ def resolve_min_budget(graph: DFGraph, budget):
         logger.info("budget 'absolute min': %s, the least peak a heuristic reaches on %s", format_bytes(least),
                     graph.name)
         return least
-    least = least_budget_within(graph)
+    began = time.perf_counter()
+
+    def tell(note: str) -> None:
+        logger.debug("%s", note)
+        if progress is not None:
+            progress(Progress(time.perf_counter() - began, None, None, None, note))
+
+    least = least_budget_within(graph, progress=tell)
     logger.info("budget 'min': %s, the least at which a schedule of %s recomputes at most one forward pass "
                 "(counted in nodes or bytes) and at most %.0f%% of a step (one forward pass is %.1f%% as profiled)",
                 format_bytes(least), graph.name, 100 * MIN_OVERHEAD_CAP, 100 * forward_share(graph))
@@ -607,7 +626,12 @@ def compare_graph(
     _check_graph(graph)
     every = strategy_names(offloading="bandwidth" in milp_options)
     names, per_strategy = split_solver_options(every if strategies is None else strategies, milp_options)
-    budget = resolve_min_budget(graph, budget)  # once for every strategy
+    line = _SolverProgress("tfremat", 0.0) if verbose else None
+    try:
+        budget = resolve_min_budget(graph, budget, progress=line)  # once for every strategy
+    finally:
+        if line is not None:
+            line.close()
     results: list[PlanResult | InfeasibleBudgetError | SolverTimeLimitError] = []
     for name in names:
         options = per_strategy.get(name, {})

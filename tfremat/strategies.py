@@ -12,7 +12,9 @@ Nothing here imports TensorFlow.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
+from tfremat.budget import format_bytes
 from tfremat.errors import ArgumentError, InfeasibleBudgetError
 from tfremat.graph import DFGraph
 from tfremat.ilp.approx_lp import solve_approx_lp
@@ -20,6 +22,7 @@ from tfremat.ilp.formulation import memory_lower_bound
 from tfremat.ilp.milp import solve_optimal
 from tfremat.ilp.monet import solve_monet
 from tfremat.ilp.portfolio import HEURISTICS, best_baseline, run_order
+from tfremat.plan.baselines import recorded_candidates
 from tfremat.plan.eviction import eviction
 from tfremat.plan.hong import hong, hong_ap
 from tfremat.plan.offload import autocapper, opportunist, pofo, pofo_ap
@@ -139,22 +142,58 @@ def _eviction_cost(planned: DFGraph, graph: DFGraph, budget: int) -> float:
         return float("inf")
 
 
-def _cheapest_within(graph: DFGraph, budget: int, cap: float) -> bool:
+class _CapCheck:
     """Whether one of :data:`_CAP_HEURISTICS`, planned and costed under ``graph``'s costs,
-    finds a schedule at ``budget`` that recomputes at most ``cap`` of a plain step: the
+    finds a schedule at a budget that recomputes at most ``cap`` of a plain step: the
     portfolio that ``optimal`` starts from has one as cheap (its cheapest), tried in its
-    order until one is."""
-    limit = graph.total_cost * (1 + cap + 1e-9)
-    for strategy in _CAP_HEURISTICS:
-        try:
-            if strategy.function(graph, budget).cost(graph) <= limit:
-                return True
-        except InfeasibleBudgetError:
-            continue
-    return False
+    order until one is.
+
+    A heuristic whose candidates do not depend on the budget
+    (:attr:`~tfremat.plan.registry.Strategy.fixed_candidates`) runs once: its cheapest
+    fitting candidate is within the cap exactly when the least peak of its candidates
+    within the cap fits, a number kept for the later budgets. Eviction's candidates follow
+    the budget and run at each.
+    """
+
+    def __init__(self, graph: DFGraph, cap: float):
+        self.graph = graph
+        self.limit = graph.total_cost * (1 + cap + 1e-9)
+        self.least_peaks: dict[str, float] = {}  # fixed-candidate heuristic -> least peak within the cap
+
+    def _least_peak_within(self, strategy) -> float:
+        if strategy.name not in self.least_peaks:
+            with recorded_candidates() as seen:
+                try:
+                    # A budget nothing fits: every candidate is judged (and recorded), none chosen.
+                    strategy.function(self.graph, 0)
+                except InfeasibleBudgetError:
+                    pass
+            self.least_peaks[strategy.name] = min((peak for peak, cost in seen if cost <= self.limit),
+                                                  default=float("inf"))
+        return self.least_peaks[strategy.name]
+
+    def __call__(self, budget: int) -> bool:
+        for strategy in _CAP_HEURISTICS:
+            if strategy.fixed_candidates:
+                if self._least_peak_within(strategy) <= budget:
+                    return True
+                continue
+            try:
+                if strategy.function(self.graph, budget).cost(self.graph) <= self.limit:
+                    return True
+            except InfeasibleBudgetError:
+                continue
+        return False
 
 
-def least_budget_within(graph: DFGraph, passes: float = 1.0, cap: float = MIN_OVERHEAD_CAP) -> int:
+def _cheapest_within(graph: DFGraph, budget: int, cap: float) -> bool:
+    """Whether one of :data:`_CAP_HEURISTICS` finds a schedule at ``budget`` within ``cap``
+    of a plain step (:class:`_CapCheck`, for one budget)."""
+    return _CapCheck(graph, cap)(budget)
+
+
+def least_budget_within(graph: DFGraph, passes: float = 1.0, cap: float = MIN_OVERHEAD_CAP,
+                        progress: Callable[[str], None] | None = None) -> int:
     """The least budget on a grid of 0.5% of the activation memory at which a schedule
     recomputes at most ``passes`` forward passes, counted under costs no profile moves,
     and at most ``cap`` of a plain step under the graph's own costs: what the budget
@@ -178,6 +217,9 @@ def least_budget_within(graph: DFGraph, passes: float = 1.0, cap: float = MIN_OV
     no schedule (graphs whose values must be kept only for later recomputations), the
     search ends at the checkpoint-all peak: nothing recomputed.
 
+    Each budget judged is told to ``progress`` (a line of text) as it is: on a 1,541-node
+    graph a judgement takes seconds (benchmarks/results/min_large_graph.md).
+
     Raises:
         ArgumentError: ``passes`` or ``cap`` is negative or not a number.
     """
@@ -194,14 +236,28 @@ def least_budget_within(graph: DFGraph, passes: float = 1.0, cap: float = MIN_OV
 
     proxies = _cost_proxies(graph)
 
+    probes = 0
+
+    def tell(step: int, verdict: str) -> None:
+        nonlocal probes
+        probes += 1
+        if progress is not None:
+            progress(f'finding "min": {format_bytes(budget_at(step))} is {verdict} (budget {probes} judged)')
+
     def counted_within(step: int) -> bool:
         # Round-off: a schedule that recomputes nothing sums the same costs in another order.
-        return any(_eviction_cost(proxy, proxy, budget_at(step))
-                   <= proxy.total_cost * (1 + (1 - _MIN_MARGIN) * passes * forward_share(proxy) + 1e-9)
-                   for proxy in proxies)
+        within = any(_eviction_cost(proxy, proxy, budget_at(step))
+                     <= proxy.total_cost * (1 + (1 - _MIN_MARGIN) * passes * forward_share(proxy) + 1e-9)
+                     for proxy in proxies)
+        tell(step, f"{'within' if within else 'over'} {passes:g} forward pass")
+        return within
+
+    within_cap = _CapCheck(graph, cap)
 
     def capped(step: int) -> bool:
-        return _cheapest_within(graph, budget_at(step), cap)
+        within = within_cap(budget_at(step))
+        tell(step, f"{'within' if within else 'over'} {100 * cap:.0f}% of a step")
+        return within
 
     below = memory_lower_bound(graph) - 1 - graph.fixed_bytes
     low, high = (below * steps // activation if below >= 0 else -1), steps  # low fails, high fits

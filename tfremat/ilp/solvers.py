@@ -79,12 +79,15 @@ class Progress:
         incumbent: objective of the best schedule found so far (None before the first).
         bound: best proven lower bound on the objective.
         gap: relative gap ``(incumbent - bound) / incumbent`` (None without incumbent).
+        note: what a search that is no solve is doing, in words (the search for the budget
+            ``"min"``, :func:`tfremat.strategies.least_budget_within`); None for a solve.
     """
 
     seconds: float
     incumbent: float | None
     bound: float | None
     gap: float | None
+    note: str | None = None
 
 
 ProgressFn = Callable[[Progress], None]

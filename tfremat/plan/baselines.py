@@ -49,6 +49,7 @@ __all__ = [
     "current_deadline",
     "time_is_up",
     "known_peak",
+    "recorded_candidates",
     "keep_matrix",
     "schedule_for_checkpoints",
     "checkpoint_all",
@@ -165,6 +166,30 @@ def known_peak(graph: DFGraph, schedule: Schedule) -> int:
     return known_simulation(graph, schedule).peak_bytes
 
 
+# Where cheapest_fitting notes every candidate it judges (recorded_candidates), or None.
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("tfremat_recorded_candidates", default=None)
+
+
+@contextlib.contextmanager
+def recorded_candidates():
+    """Within the block, :func:`cheapest_fitting` appends ``(peak bytes, cost)`` of every
+    candidate it simulates to the list it yields (the cost as
+    :meth:`~tfremat.plan.schedule.Schedule.cost` counts it).
+
+    For a family whose candidates do not depend on the budget
+    (:attr:`~tfremat.plan.registry.Strategy.fixed_candidates`), one call records what a
+    call at any budget would choose among: ``least_budget_within`` asks the same families
+    at dozens of budgets of a 1,541-node graph, where each call built and simulated up to
+    50 candidates again (benchmarks/results/min_large_graph.md).
+    """
+    seen: list[tuple[int, float]] = []
+    token = _RECORD.set(seen)
+    try:
+        yield seen
+    finally:
+        _RECORD.reset(token)
+
+
 # ----- turning checkpoints into schedules -----
 
 
@@ -277,6 +302,9 @@ def cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int
         result = known_simulation(graph, schedule)
         if scope is not None:
             scope.record(time.perf_counter() - started)
+        record = _RECORD.get()
+        if record is not None:
+            record.append((result.peak_bytes, schedule.cost(graph)))
         smallest_peak = result.peak_bytes if smallest_peak is None else min(smallest_peak, result.peak_bytes)
         if budget is not None and result.peak_bytes > budget:
             continue
@@ -299,14 +327,14 @@ def cheapest_fitting(graph: DFGraph, candidates: Iterable[Schedule], budget: int
 # ----- checkpoint all -----
 
 
-@as_strategy("checkpoint_all")
+@as_strategy("checkpoint_all", fixed_candidates=True)
 def checkpoint_all(graph: DFGraph, budget: int | None = None) -> Schedule:
     """Keep every value until its last reader: what frameworks do by default (no recomputation)."""
     schedule = schedule_from_keep_matrix(graph, checkpoint_all_s(graph), "checkpoint_all")
     return cheapest_fitting(graph, [schedule], budget, "checkpoint_all")
 
 
-@as_strategy("checkpoint_all_ap")
+@as_strategy("checkpoint_all_ap", fixed_candidates=True)
 def checkpoint_all_ap(graph: DFGraph, budget: int | None = None) -> Schedule:
     """Keep only the forward articulation points; recompute each block between them once.
 
@@ -333,13 +361,13 @@ def _chen_sqrtn(graph: DFGraph, budget: int | None, articulation: bool) -> Sched
     return cheapest_fitting(graph, [schedule_for_checkpoints(graph, checkpoints, name)], budget, name)
 
 
-@as_strategy("chen_sqrtn")
+@as_strategy("chen_sqrtn", fixed_candidates=True)
 def chen_sqrtn(graph: DFGraph, budget: int | None = None) -> Schedule:
     """Chen et al. 2016: checkpoint every ceil(sqrt(k))-th of the k forward nodes (linearized)."""
     return _chen_sqrtn(graph, budget, articulation=False)
 
 
-@as_strategy("chen_sqrtn_ap")
+@as_strategy("chen_sqrtn_ap", fixed_candidates=True)
 def chen_sqrtn_ap(graph: DFGraph, budget: int | None = None) -> Schedule:
     """Chen et al. 2016 sqrt(n) over the forward articulation points."""
     return _chen_sqrtn(graph, budget, articulation=True)
@@ -383,7 +411,7 @@ def _chen_greedy(graph: DFGraph, budget: int | None, articulation: bool, num_seg
     return cheapest_fitting(graph, schedules, budget, name)
 
 
-@as_strategy("chen_greedy")
+@as_strategy("chen_greedy", fixed_candidates=True)
 def chen_greedy(graph: DFGraph, budget: int | None = None, num_segment_budgets: int = 48) -> Schedule:
     """Chen et al. 2016 greedy planner, searched over the segment budget B (linearized order).
 
@@ -398,7 +426,7 @@ def chen_greedy(graph: DFGraph, budget: int | None = None, num_segment_budgets: 
     return _chen_greedy(graph, budget, False, num_segment_budgets)
 
 
-@as_strategy("chen_greedy_ap")
+@as_strategy("chen_greedy_ap", fixed_candidates=True)
 def chen_greedy_ap(graph: DFGraph, budget: int | None = None, num_segment_budgets: int = 48) -> Schedule:
     """Chen's greedy planner with checkpoints restricted to forward articulation points."""
     return _chen_greedy(graph, budget, True, num_segment_budgets)
@@ -514,7 +542,7 @@ def _griewank(graph: DFGraph, budget: int | None, articulation: bool, slots: int
     return cheapest_fitting(graph, candidates(), budget, name)
 
 
-@as_strategy("griewank_logn")
+@as_strategy("griewank_logn", fixed_candidates=True)
 def griewank_logn(graph: DFGraph, budget: int | None = None, slots: int | None = None, max_slot_counts: int = 32) -> Schedule:
     """Griewank & Walther's revolve over the linearized forward order.
 
@@ -534,7 +562,7 @@ def griewank_logn(graph: DFGraph, budget: int | None = None, slots: int | None =
     return _griewank(graph, budget, False, slots, max_slot_counts)
 
 
-@as_strategy("griewank_logn_ap")
+@as_strategy("griewank_logn_ap", fixed_candidates=True)
 def griewank_logn_ap(graph: DFGraph, budget: int | None = None, slots: int | None = None, max_slot_counts: int = 32) -> Schedule:
     """Revolve over the blocks between forward articulation points."""
     return _griewank(graph, budget, True, slots, max_slot_counts)

@@ -31,10 +31,10 @@ import bisect
 import numpy as np
 
 from tfremat.graph import DFGraph
-from tfremat.plan.baselines import cheapest_fitting, time_is_up
+from tfremat.plan.baselines import cheapest_fitting, known_peak, time_is_up
 from tfremat.plan.registry import as_strategy
 from tfremat.plan.schedule import Schedule, schedule_from_keep_matrix
-from tfremat.plan.simulator import checkpoint_all_peak, simulate
+from tfremat.plan.simulator import checkpoint_all_peak
 
 __all__ = ["eviction", "eviction_keep_matrix"]
 
@@ -48,11 +48,16 @@ _WORTH_EXPONENTS = ((1.0, 1.0), (1.0, 0.5), (1.5, 1.0))
 _THRASHING = 4.0
 
 
+class _Thrashing(Exception):
+    """An eviction run's compute cost passed ``_THRASHING`` passes."""
+
+
 class _EvictionRun:
     """State of one eviction run: which values are resident and what they occupy."""
 
     def __init__(self, graph: DFGraph, limit_bytes: float, exponents: tuple[float, float]):
         self.graph = graph
+        self.give_up = _THRASHING * graph.total_cost
         self.limit = limit_bytes
         self.size_exponent, self.distance_exponent = exponents
         self.readers = [sorted(s) for s in graph.successors]
@@ -61,23 +66,52 @@ class _EvictionRun:
         self.pinned = [0] * graph.size
         self.now = 0
         self.cost = 0.0
+        # Recompute costs (_recompute_costs) still true of the resident set: kept from one
+        # eviction to the next, since most of them do not change between two.
+        self.known: dict[int, float] = {}
+
+    def _add(self, node: int) -> None:
+        self.resident.add(node)
+        self._forget_readers_of(node)
+
+    def _drop(self, node: int) -> None:
+        self.resident.discard(node)
+        self._forget_readers_of(node)
+
+    def _forget_readers_of(self, node: int) -> None:
+        """Forgets the known recompute costs that ``node``'s residency entered: its
+        readers', and onward through readers that are not resident (a resident one's own
+        cost does not count in its readers')."""
+        successors, known, resident = self.graph.successors, self.known, self.resident
+        stack = [s for s in successors[node] if s in known]
+        while stack:
+            reader = stack.pop()
+            if known.pop(reader, None) is not None and reader not in resident:
+                stack.extend(s for s in successors[reader] if s in known)
 
     def _recompute_costs(self, values) -> dict[int, float]:
         """Cost of recomputing each value from what is resident, shared ancestors counted
-        once per path (an overestimate that grows with the depth of the recomputation)."""
+        once per path (an overestimate that grows with the depth of the recomputation).
+        A node's cost reads only the residency of its non-resident ancestors' inputs, so
+        the costs known from earlier calls stay (:meth:`_forget_readers_of` drops the rest):
+        recomputing them all at every eviction was most of a 1,541-node graph's eviction
+        runs (benchmarks/results/min_large_graph.md)."""
         pred, cost, resident = self.graph.predecessors, self.graph.cost, self.resident
-        memo: dict[int, float] = {}
+        memo = self.known
         for value in values:
             stack = [value]
             while stack:
                 node = stack[-1]
+                if node in memo:
+                    # Reached again by another path of a dense block: known, not scanned again.
+                    stack.pop()
+                    continue
                 missing = [p for p in pred[node] if p not in resident and p not in memo]
                 if missing:
                     stack.extend(missing)
                     continue
                 stack.pop()
-                if node not in memo:
-                    memo[node] = cost[node] + sum(memo[p] for p in pred[node] if p not in resident)
+                memo[node] = cost[node] + sum(memo[p] for p in pred[node] if p not in resident)
         return memo
 
     def _worth(self, value: int, recompute: dict[int, float]) -> float:
@@ -98,7 +132,7 @@ class _EvictionRun:
         for value in sorted(candidates, key=lambda v: self._worth(v, recompute)):
             if self.used + nbytes <= self.limit:
                 return
-            self.resident.discard(value)
+            self._drop(value)
             self.used -= self.graph.output_bytes[value]
 
     def materialize(self, target: int) -> None:
@@ -117,16 +151,21 @@ class _EvictionRun:
                 stack.extend((p, False) for p in pred[node] if p not in self.resident)
                 continue
             self._make_room(out[node] + work[node])
-            self.resident.add(node)
+            self._add(node)
             self.used += out[node]
             self.cost += self.graph.cost[node]
+            if self.cost > self.give_up:
+                # Inside the stage, not after it: one node's recursive recomputations, each
+                # evicting what the next needs, ran for minutes on a 1,541-node graph
+                # (benchmarks/results/min_large_graph.md).
+                raise _Thrashing
             for p in pred[node]:
                 self.pinned[p] -= 1
 
     def free_dead(self) -> None:
         dead = [v for v in self.resident if not self.readers[v] or self.readers[v][-1] <= self.now]
         for value in dead:
-            self.resident.discard(value)
+            self._drop(value)
             self.used -= self.graph.output_bytes[value]
 
 
@@ -148,8 +187,9 @@ def eviction_keep_matrix(
         if t % 128 == 127 and time_is_up(allow_step=False):
             return None  # past the deadline of tfremat.plan.baselines.heuristic_deadline
         run.now = t
-        run.materialize(t)
-        if run.cost > _THRASHING * graph.total_cost:
+        try:
+            run.materialize(t)
+        except _Thrashing:
             return None
         run.free_dead()
         if t + 1 < n:
@@ -196,7 +236,8 @@ def _candidates(graph: DFGraph, capacity: int, budget: int | None, exponents: tu
         if budget is None:
             fitted = 1
         else:
-            fitted += bool(fitted) or simulate(graph, schedule).peak_bytes <= budget
+            # cheapest_fitting has just simulated it (known_peak remembers): not a second time.
+            fitted += bool(fitted) or known_peak(graph, schedule) <= budget
             if fitted >= 2:
                 break
     return fitted > 0

@@ -547,7 +547,7 @@ def _hong(graph: DFGraph, budget: int | None, memory_model: str, articulation: b
     return cheapest_fitting(graph, candidates(), budget, name)
 
 
-@as_strategy("hong")
+@as_strategy("hong", fixed_candidates=True)
 def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager") -> Schedule:
     """Hong et al.'s optimal checkpoint subset of the linearized forward chain.
 
@@ -571,7 +571,7 @@ def hong(graph: DFGraph, budget: int | None = None, memory_model: str = "eager")
     return _hong(graph, budget, memory_model, articulation=False)
 
 
-@as_strategy("hong_ap")
+@as_strategy("hong_ap", fixed_candidates=True)
 def hong_ap(graph: DFGraph, budget: int | None = None, memory_model: str = "eager") -> Schedule:
     """:func:`hong` with checkpoints restricted to the forward articulation points.
 

@@ -45,6 +45,10 @@ class Strategy:
         chooses_implementations: it chooses among the graph's operator implementations
             (MONeT), so callers extract the graph with them
             (``extract(..., implementations=True)``).
+        fixed_candidates: its candidate schedules do not depend on the budget, which only
+            picks the cheapest that fits (the checkpointing families and ``hong``): one
+            call under :func:`~tfremat.plan.baselines.recorded_candidates` tells its
+            answer at every budget.
     """
 
     name: str
@@ -53,6 +57,7 @@ class Strategy:
     runs_last: bool = False
     offloads: bool = False
     chooses_implementations: bool = False
+    fixed_candidates: bool = False
 
     def __call__(self, graph: DFGraph, budget=None, *options, **keyword_options):
         """The schedule for ``graph`` under ``budget`` (any form :func:`parse_graph_budget`
@@ -107,7 +112,8 @@ class Strategy:
 
 
 def as_strategy(name: str, *, takes_solver_options: bool = False, runs_last: bool = False,
-                offloads: bool = False, chooses_implementations: bool = False) -> Callable[[Callable], Strategy]:
+                offloads: bool = False, chooses_implementations: bool = False,
+                fixed_candidates: bool = False) -> Callable[[Callable], Strategy]:
     """Decorator making ``fn(graph, budget_bytes_or_None, **options)`` the :class:`Strategy`
     ``name``; the module-level name then refers to the strategy, so a direct call parses its
     budget as every caller's does (0.8 was once 80% to ``optimal`` and 0.8 bytes to the
@@ -115,7 +121,7 @@ def as_strategy(name: str, *, takes_solver_options: bool = False, runs_last: boo
 
     def decorate(fn: Callable) -> Strategy:
         return Strategy(name, fn, takes_solver_options=takes_solver_options, runs_last=runs_last, offloads=offloads,
-                        chooses_implementations=chooses_implementations)
+                        chooses_implementations=chooses_implementations, fixed_candidates=fixed_candidates)
 
     return decorate
 
