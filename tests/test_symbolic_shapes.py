@@ -12,6 +12,7 @@ A call that still fails to trace is refused naming itself, not with the bare Ker
 """
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -115,7 +116,8 @@ def _names(model, shape=(4, 12, 16)):
 def test_a_shape_read_from_an_open_axis_is_replayed_at_the_batch_and_the_step_matches_plain_training():
     model = _classifier(RotatedHeads)
     names = _names(model)
-    assert "block_0/reshape" in names and "block_1/query" in names, names
+    # keras.ops.reshape's node is named as Keras numbered the operation in the process ("reshape_2").
+    assert any(re.fullmatch("block_0/reshape(_[0-9]+)?", name) for name in names) and "block_1/query" in names, names
     x = np.random.default_rng(0).standard_normal((4, 12, 16)).astype("float32")
     graph = _recomputing_step_matches_plain(model, x, "sublayer", 0.8, "chen_sqrtn_ap")
     assert any(name.startswith("block_1/") for name in graph.names)
