@@ -209,28 +209,35 @@ def check_xception(budget, work):
 
 
 def check_fnet_fft(budget, work):
-    import keras
     import numpy as np
-    import tensorflow as tf
-
-    from tfremat.keras import RematCallback
 
     rng = np.random.default_rng(0)
     batch = 16
     x = rng.integers(1, 1000, (batch * TRAIN_STEPS, 64)).astype("int32")
     y = rng.integers(0, 4, batch * TRAIN_STEPS)
+    return callback_fit_compared(lambda: _compiled(_fnet()), budget, x, y, batch)
+
+
+def callback_fit_compared(make, budget, x, y, batch: int) -> dict:
+    """``fit_compared``'s row for a user who passes the callback to ``model.fit`` (``fit_compared``
+    calls ``tfremat.fit``, model.fit with it): ``make()``'s model trained on arrays ``x``, ``y``
+    plainly and with ``RematCallback(budget)``, a refused budget retried at the one the refusal
+    names, as ``run_pair`` does."""
+    import keras
+    import tensorflow as tf
+
+    from tfremat.keras import RematCallback
+
     timing = (tf.constant(x[:batch]), tf.constant(y[:batch]))
-    # The user passes the callback to model.fit; fit_compared calls tfremat.fit (model.fit
-    # with it), so this fit is written out.
     plain_weights, remat_weights = weights_at_callback(), weights_at_callback()
     plain_peaks, remat_peaks = step_peaks_callback(_nbytes(*timing)), step_peaks_callback(_nbytes(*timing))
     keras.utils.set_random_seed(0)
-    plain = _compiled(_fnet())
+    plain = make()
     plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[plain_weights, plain_peaks])
     row = {"budget_as_written": budget}
-    for attempt in range(3):  # a refused budget is retried at the one the refusal names, as run_pair does
+    for attempt in range(3):
         keras.utils.set_random_seed(0)
-        model = _compiled(_fnet())
+        model = make()
         callback = RematCallback(budget)
         try:
             model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,

@@ -50,11 +50,10 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)  # this checkout's tfremat
 
-import user_check_5  # noqa: E402
 import user_check_6  # noqa: E402
 from user_check_3 import _images, child_row, json_rows_main  # noqa: E402
-from user_check_4 import _nbytes, step_peaks_callback  # noqa: E402
-from user_check_5 import TRAIN_STEPS, _compiled, fit_compared, weights_at_callback  # noqa: E402
+from user_check_4 import _nbytes  # noqa: E402
+from user_check_5 import TRAIN_STEPS, _compiled, fit_compared  # noqa: E402
 
 DEFAULT_JSON = os.path.join(HERE, "results", "user_check_7.json")
 TURNS = 10  # char_gru_executor's turns of the two executors
@@ -329,48 +328,9 @@ def check_deberta_hub(budget, work):
 
 
 def check_swin_hub(budget, work):
-    """The user passes the callback to ``model.fit`` (``fit_compared`` calls ``tfremat.fit``), so
-    the fits are written out, as :func:`user_check_6.check_fnet_fft` does."""
-    import re
-
-    import keras
-    import tensorflow as tf
-
-    from tfremat.keras import RematCallback
-
-    batch = 16
-    x, y = _images(batch * TRAIN_STEPS)
-    timing = (tf.constant(x[:batch]), tf.constant(y[:batch]))
-    plain_weights, remat_weights = weights_at_callback(), weights_at_callback()
-    plain_peaks, remat_peaks = step_peaks_callback(_nbytes(*timing)), step_peaks_callback(_nbytes(*timing))
-    keras.utils.set_random_seed(0)
-    plain = _swin()
-    plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[plain_weights, plain_peaks])
-    row = {"budget_as_written": budget}
-    for attempt in range(3):  # a refused budget is retried at the one the refusal names, as run_pair does
-        keras.utils.set_random_seed(0)
-        model = _swin()
-        callback = RematCallback(budget)
-        try:
-            model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-                      callbacks=[callback, remat_weights, remat_peaks])
-            break
-        except Exception as error:
-            text = f"{type(error).__name__}: {error}"
-            suggested = re.search(user_check_6.SUGGESTED, text)
-            if attempt == 2 or not suggested:
-                row["error"] = text
-                return row
-            budget = suggested.group(1)
-            row.setdefault("refused", []).append(text)
-            row.setdefault("retried_at", []).append(budget)
-    row["plain_step_peaks"], row["step_peaks"] = plain_peaks.peaks[1:], remat_peaks.peaks[1:]
-    row["weights_at"] = {str(s): user_check_5._weights_cell(remat_weights.weights[s], plain_weights.weights[s])
-                         for s in user_check_5.COMPARED_STEPS}
-    row["weights_at"]["last"] = user_check_5._weights_cell(model.get_weights(), plain.get_weights())
-    row.update(user_check_5.user_check_3.step_measures(callback, model, timing))
-    row["graph_nodes"] = [len(p.extraction.graph.names) for p in callback.plans.values()]
-    return row
+    """The user passes the callback to ``model.fit`` (:func:`user_check_6.callback_fit_compared`)."""
+    x, y = _images(16 * TRAIN_STEPS)
+    return user_check_6.callback_fit_compared(_swin, budget, x, y, 16)
 
 
 def check_augment_inside(budget, work):
