@@ -30,12 +30,13 @@ def saved_convnet(tmp_path_factory):
 
 def test_cli_maxbatch_prints_the_held_peak_and_skips_the_check_when_asked(saved_convnet):
     folder, path = saved_convnet
-    common = [f"--model={path}", "--budget=6MiB", "--strategies=checkpoint_all", "--cost_model=flops",
-              "--max_batch=256", "--nocache"]
+    # Above the 33 MiB a batch-1 step read with oneDNN off (TensorFlow's own convolution gradients).
+    common = [f"--model={path}", "--budget=48MiB", "--strategies=checkpoint_all", "--cost_model=flops",
+              "--max_batch=4096", "--nocache"]
     held = _maxbatch(*common, "--json", cwd=folder)
     assert held.returncode == 0, held.stderr[-2000:]
     row = json.loads(held.stdout.strip().splitlines()[-1])[0]
-    assert row["allocator_peak_bytes"] <= parse_budget("6MiB")
+    assert row["allocator_peak_bytes"] <= parse_budget("48MiB")
     assert row["allocator_tried"][str(row["batch_size"])] is True
     assert "checkpoint_all on the allocator:" in held.stderr  # a progress line per batch run
     unchecked = _maxbatch(*common, "--noallocator_check", cwd=folder)

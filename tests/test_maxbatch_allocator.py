@@ -111,11 +111,13 @@ def test_the_answer_is_held_on_the_allocator_within_the_budget():
     from tfremat.api import max_batch_size as keras_max_batch_size
 
     model = _conv_net()
-    options = dict(strategies=["checkpoint_all"], cost_model="flops", cache=False, max_batch=256, verbose=0)
-    unchecked = keras_max_batch_size(model, "4MiB", allocator_check=False, **options)["checkpoint_all"]
+    # Above the 33 MiB a batch-1 step read with oneDNN off (TensorFlow's own convolution gradients'
+    # scratch, which flops costs leave out): the check finds it and steps down where it reads over.
+    options = dict(strategies=["checkpoint_all"], cost_model="flops", cache=False, max_batch=4096, verbose=0)
+    unchecked = keras_max_batch_size(model, "48MiB", allocator_check=False, **options)["checkpoint_all"]
     assert unchecked.allocator_peak is None and not unchecked.allocator_tried
-    held = keras_max_batch_size(model, "4MiB", **options)["checkpoint_all"]
-    budget = 4 * 2**20
+    held = keras_max_batch_size(model, "48MiB", **options)["checkpoint_all"]
+    budget = 48 * 2**20
     assert held.allocator_peak is not None and held.allocator_peak <= budget
     assert held.batch_size <= unchecked.batch_size and next(iter(held.allocator_tried)) == unchecked.batch_size
     assert held.allocator_tried[held.batch_size]
