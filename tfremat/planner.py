@@ -466,7 +466,7 @@ def plan_graph(
     asked_min = budget is not None and budget_kind(budget) == MIN_BUDGET
     if asked_min:
         # The search's seconds are shown on the solver's line (a fit's phase line), or on a
-        # line of its own: it took minutes on a 1,541-node graph before it was cut.
+        # line of its own: on graphs of a thousand nodes and more it takes a minute.
         line = None if options.get("progress") is not None or not verbose else _SolverProgress("tfremat", 0.0)
         try:
             budget = resolve_min_budget(graph, budget, progress=options.get("progress") or line)

@@ -1070,9 +1070,8 @@ def _token(tensors, after: list):
     statement before it. The weight gradient of a norm's scale (a ``Sum`` over the batch of
     an activation-sized product) followed by a residual ``Add``'s backward then ran only
     where its optimizer update needed it, at the end of the step with
-    ``weight_grads="fixed"``, holding the product until then: keras-hub's tiny Gemma
-    requested 0.9 MiB over its prediction all through the first decoder block's
-    recomputation (benchmarks/results/gemma_opening.md, "Requested over predicted (Q)")."""
+    ``weight_grads="fixed"``, holding the product over its prediction until then
+    (``tests/test_token_chain.py``; benchmarks/results/gemma_opening.md)."""
     values = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
     with tf.control_dependencies(after):
         token = tf.raw_ops.IdentityN(input=values, name="token")[0].op
